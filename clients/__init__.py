@@ -1,0 +1,1 @@
+"""The distmoe ClientApp (thin: decode, call the library, encode)."""

@@ -1,0 +1,180 @@
+"""The ``distmoe`` command: ``simulate | report | data | config``.
+
+Every user error (a config key, a data file and line, a missing directory) is printed as one
+``error: ...`` line and exits with status 2; a failed run exits with 1.
+
+Must not: hold logic of its own beyond argument parsing (it calls the library).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from distmoe.config import (
+    DEFAULTS,
+    ConfigError,
+    load_override_file,
+    parse_kv_pairs,
+    parse_run_config,
+    to_toml,
+)
+from distmoe.data.formats import DataError
+
+
+def _overrides(args) -> dict:
+    out: dict = {}
+    if getattr(args, "config", None):
+        out.update(load_override_file(args.config))
+    for text in getattr(args, "run_config", None) or []:
+        out.update(parse_kv_pairs(text))
+    if getattr(args, "rounds", None) is not None:
+        out["schedule.sft-rounds"] = args.rounds
+    return out
+
+
+def cmd_simulate(args) -> int:
+    from distmoe.simulate import SimOptions, run
+
+    overrides = _overrides(args)
+    if args.parties is not None and args.parties < 1:
+        raise ConfigError(f"--parties: value {args.parties} must be >= 1")
+    opts = SimOptions(overrides=overrides, parties=args.parties,
+                      data=Path(args.data) if args.data else None, run_id=args.run_id,
+                      runs_dir=Path(args.runs_dir), port=args.port, timeout=args.timeout,
+                      report=not args.no_report)
+    code, _ = run(opts)
+    return code
+
+
+def cmd_report(args) -> int:
+    from distmoe.report.report import write_report
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").exists():
+        print(f"error: {run_dir}: no metrics.jsonl (not a distmoe run directory?)", file=sys.stderr)
+        return 2
+    print(write_report(run_dir))
+    return 0
+
+
+def cmd_data_synth(args) -> int:
+    from distmoe.data.synth import write_synthetic
+
+    cfg = parse_run_config({})
+    dirs = write_synthetic(Path(args.out), args.parties, args.examples or cfg.data.synth_examples,
+                           args.seed, overwrite=args.force)
+    for d in dirs:
+        print(d)
+    return 0
+
+
+def cmd_data_validate(args) -> int:
+    from distmoe.data.party import load_party
+
+    cfg = parse_run_config(_overrides(args)).data
+    root = Path(args.dir)
+    dirs = [root] if any(root.glob("*.jsonl")) else sorted(p for p in root.iterdir() if p.is_dir())
+    if not dirs:
+        raise DataError(f"{root}: no party directories or .jsonl files")
+    for d in dirs:
+        party = load_party(d, cfg)
+        counts = ", ".join(f"{t}: {len(party.train(t))} train / {len(party.heldout(t))} held-out"
+                           for t in party.tasks)
+        print(f"{d}: ok ({counts})")
+    return 0
+
+
+def cmd_config_show(args) -> int:
+    cfg = parse_run_config(_overrides(args))
+    flat = cfg.as_flat()
+    if args.json:
+        print(json.dumps(flat, indent=2, sort_keys=True))
+    else:
+        print(to_toml(flat), end="")
+        print(f"\n# derived: {len(cfg.schedule.phases)} phases, {cfg.schedule.total_rounds} rounds: "
+              + " -> ".join(p.label() + (f"*{p.rounds}" if p.rounds > 1 else "") for p in cfg.schedule.phases))
+    return 0
+
+
+def cmd_config_validate(args) -> int:
+    parse_run_config(load_override_file(args.file))
+    print(f"{args.file}: ok")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="distmoe", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def add_cfg(sp):
+        sp.add_argument("--config", metavar="FILE", help="TOML file of run-config overrides (e.g. configs/*.toml)")
+        sp.add_argument("--run-config", action="append", metavar='"k=v ..."',
+                        help="run-config overrides in Flower's key=value syntax (repeatable)")
+
+    s = sub.add_parser("simulate", help="run a federated simulation on Flower's Simulation Engine")
+    s.add_argument("--parties", type=int, help="number of parties (default 3, or one per --data subdirectory)")
+    s.add_argument("--rounds", type=int, help="rounds per sft phase (schedule.sft-rounds)")
+    s.add_argument("--data", metavar="DIR", help="DIR/<party>/<task>.jsonl; default: synthetic tasks")
+    add_cfg(s)
+    s.add_argument("--run-id", help="name of the run directory (default: timestamp)")
+    s.add_argument("--runs-dir", default="runs", help="where run directories are created (default: runs)")
+    s.add_argument("--port", type=int, help="local SuperLink port (default: a free port)")
+    s.add_argument("--timeout", type=float, default=3600.0, help="overall time limit in seconds")
+    s.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    s.set_defaults(fn=cmd_simulate)
+
+    r = sub.add_parser("report", help="write the Markdown report with plots for a run")
+    r.add_argument("run_dir")
+    r.set_defaults(fn=cmd_report)
+
+    d = sub.add_parser("data", help="party data tools")
+    dsub = d.add_subparsers(dest="data_cmd", required=True)
+    ds = dsub.add_parser("synth", help="write deterministic synthetic instruction tasks for N parties")
+    ds.add_argument("--out", required=True, metavar="DIR")
+    ds.add_argument("--parties", type=int, default=3)
+    ds.add_argument("--examples", type=int, help="examples per task per party")
+    ds.add_argument("--seed", type=int, default=0)
+    ds.add_argument("--force", action="store_true", help="overwrite existing party files")
+    ds.set_defaults(fn=cmd_data_synth)
+    dv = dsub.add_parser("validate", help="validate party data (a party dir or a dir of party dirs)")
+    dv.add_argument("dir")
+    add_cfg(dv)
+    dv.set_defaults(fn=cmd_data_validate)
+
+    c = sub.add_parser("config", help="show or validate the run configuration")
+    csub = c.add_subparsers(dest="config_cmd", required=True)
+    cs = csub.add_parser("show", help="print the resolved configuration")
+    add_cfg(cs)
+    cs.add_argument("--json", action="store_true")
+    cs.set_defaults(fn=cmd_config_show)
+    cv = csub.add_parser("validate", help="validate a TOML override file")
+    cv.add_argument("file")
+    cv.set_defaults(fn=cmd_config_validate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        from distmoe.simulate import SimulationError
+
+        if isinstance(exc, SimulationError):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+assert set(DEFAULTS)  # the CLI exposes exactly the keys config.py defines
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""The coordinator's round schedule, independent of Flower: it runs the configured phases
+(``sft``, ``stats``, ``eval``) against a ``Transport``, aggregates updates (weighted FedAvg),
+builds and versions the router anchor, checkpoints the global model after every round that
+changes it, and writes the run record (``run.json``) and ``metrics.jsonl``.
+
+The ServerApp supplies a transport over Flower's ``Grid`` (``server/app.py``); tests can supply an
+in-process one. Party replies that fail (error replies, malformed payloads, wrong shapes, timeouts)
+are logged and left out of the round; a round without any usable reply leaves the model unchanged.
+
+Must not: import ``flwr``, build Flower records, or read party data.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from distmoe.aggregate import weighted_average
+from distmoe.checkpoint import save_checkpoint
+from distmoe.config import Phase, RunConfig, to_toml
+from distmoe.model.build import build_model, describe, hash_tensors, param_count
+from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state
+from distmoe.report.metrics_log import MetricsLog, write_json_atomic
+from distmoe.routing.anchor import Anchor, AnchorVersion, build_anchor, save_anchor
+from distmoe.wire.schema import (
+    EVAL_ROUTING_KEYS,
+    EvalInstruction,
+    EvalReply,
+    ModelUpdate,
+    RouterStats,
+    SftInstruction,
+    StatsInstruction,
+)
+
+PLAINTEXT_WARNING = ("privacy plane not active: model updates and router statistics travel to the "
+                     "server as plain (un-noised, un-masked) arrays and are summed there; do not use "
+                     "this run on data that must stay private from the coordinator")
+
+
+class Transport(Protocol):
+    def node_ids(self) -> list[int]: ...
+
+    def exchange(self, instructions: dict[int, object], expected: type, timeout: float
+                 ) -> tuple[dict[int, object], dict[int, str]]:
+        """Send one instruction per node; return (payloads by node, error reasons by node)."""
+        ...
+
+
+class RunFailed(RuntimeError):
+    """The schedule cannot continue (no parties, nothing usable)."""
+
+
+@dataclass
+class _State:
+    round: int = 0
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    anchor: Anchor | None = None
+    anchor_versions: int = 0
+    current_task: str | None = None
+    trained_tasks: list[str] = field(default_factory=list)
+    ref_weights: dict[str, torch.Tensor] | None = None  # global model before the current task
+    last_eval: dict[str, dict[str, float]] = field(default_factory=dict)  # party -> metrics
+    baseline: dict[str, dict[str, float]] = field(default_factory=dict)  # eval before current task
+
+
+class Coordinator:
+    def __init__(self, cfg: RunConfig, run_dir: Path, transport: Transport, run_id: str,
+                 log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.transport = transport
+        self.run_id = run_id
+        self.log = log
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.record: dict = {}
+        self.s = _State()
+
+    # ------------------------------------------------------------------ run record
+    def _write_record(self, **changes) -> None:
+        self.record.update(changes)
+        write_json_atomic(self.run_dir / "run.json", self.record)
+
+    def _say(self, text: str) -> None:
+        self.log(f"distmoe | {text}")
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> dict:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(to_toml(cfg.as_flat()))
+        schedule = [p.label() + (f"*{p.rounds}" if p.rounds > 1 else "") for p in cfg.schedule.phases]
+        self._write_record(run_id=self.run_id, name=cfg.run.name, status="running", started=time.time(),
+                           finished=None, error=None, config=cfg.as_flat(), schedule=schedule,
+                           warnings=[PLAINTEXT_WARNING],
+                           privacy={"router_stats": "plaintext-sum", "model_updates": "plaintext",
+                                    "secure_aggregation": False, "dp": False})
+        self._say(f"WARNING: {PLAINTEXT_WARNING}")
+        self.metrics.append({"event": "run_start", "run_id": self.run_id, "schedule": schedule,
+                             "warnings": [PLAINTEXT_WARNING]})
+        try:
+            self._run_schedule()
+        except BaseException as exc:
+            self._write_record(status="failed", finished=time.time(),
+                               error=f"{type(exc).__name__}: {exc}")
+            self.metrics.append({"event": "run_end", "status": "failed", "error": str(exc)})
+            self._say(f"run FAILED: {type(exc).__name__}: {exc}")
+            if not isinstance(exc, RunFailed):
+                self.log(traceback.format_exc())
+            raise
+        self._write_record(status="completed", finished=time.time())
+        self.metrics.append({"event": "run_end", "status": "completed", "rounds": self.s.round})
+        self._say(f"run completed: {self.s.round} rounds, results in {self.run_dir}")
+        return self.record
+
+    def _run_schedule(self) -> None:
+        cfg = self.cfg
+        model, tok = build_model(cfg.model)
+        self.model = apply_trainable(model, cfg.model)
+        self.tok = tok
+        self.tspec = spec_of(self.model, cfg.model.trainable)
+        self.mspec = describe(self.model)
+        self.s.weights = trainable_state(self.model)
+        self._write_record(model={"family": self.mspec.family, "parameters": param_count(self.model),
+                                  "trainable": cfg.model.trainable, "trainable_numel": self.tspec.numel,
+                                  "router_spec": self.mspec.router_spec()})
+        self._say(f"model {self.mspec.family}: {param_count(self.model) / 1e6:.2f}M parameters, "
+                  f"{self.tspec.numel / 1e6:.2f}M trainable ({cfg.model.trainable}); "
+                  f"{len(self.mspec.moe_layers)} MoE layers x {self.mspec.num_experts} experts, "
+                  f"top-{self.mspec.top_k}")
+        self._checkpoint()
+        self._wait_for_parties()
+        total = cfg.schedule.total_rounds
+        for pi, phase in enumerate(cfg.schedule.phases):
+            for _ in range(phase.rounds):
+                self.s.round += 1
+                t0 = time.perf_counter()
+                head = f"round {self.s.round}/{total} | {phase.label()}"
+                if phase.kind == "sft":
+                    text = self._sft_round(pi, phase)
+                elif phase.kind == "stats":
+                    text = self._stats_round(phase)
+                else:
+                    text = self._eval_round()
+                self._say(f"{head} | {text} | {time.perf_counter() - t0:.1f} s")
+
+    def _wait_for_parties(self) -> list[int]:
+        need = self.cfg.federation.min_parties
+        deadline = time.monotonic() + self.cfg.federation.wait_timeout
+        while True:
+            nodes = self.transport.node_ids()
+            if len(nodes) >= need:
+                self._say(f"{len(nodes)} parties connected")
+                return nodes
+            if time.monotonic() > deadline:
+                raise RunFailed(f"only {len(nodes)} of federation.min-parties = {need} parties connected "
+                                f"within federation.wait-timeout = {self.cfg.federation.wait_timeout} s")
+            time.sleep(1.0)
+
+    def _nodes(self) -> list[int]:
+        nodes = self.transport.node_ids()
+        if len(nodes) < self.cfg.federation.min_parties:
+            raise RunFailed(f"{len(nodes)} parties connected, federation.min-parties = "
+                            f"{self.cfg.federation.min_parties}")
+        return nodes
+
+    def _np_weights(self, w: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        return {k: v.numpy() for k, v in w.items()}
+
+    def _report_errors(self, phase: str, errors: dict[int, str]) -> None:
+        for node, reason in errors.items():
+            self._say(f"round {self.s.round}: party at node {node} left out of {phase}: {reason}")
+            self.metrics.append({"event": "party_error", "round": self.s.round, "phase_label": phase,
+                                 "node": str(node), "reason": reason[:500]})
+
+    # ------------------------------------------------------------------ phases
+    def _sft_round(self, phase_index: int, phase: Phase) -> str:
+        s, cfg = self.s, self.cfg
+        if phase.task != s.current_task:
+            # a new task starts: remember the model and the evaluation before it
+            s.ref_weights = {k: v.clone() for k, v in s.weights.items()}
+            s.baseline = {p: dict(m) for p, m in s.last_eval.items()}
+            s.current_task = phase.task
+            if phase.task not in s.trained_tasks:
+                s.trained_tasks.append(phase.task)
+        use_anchor = s.anchor is not None and cfg.routing.anchor_kl_coef > 0
+        instr = SftInstruction(round=s.round, task=phase.task, weights=self._np_weights(s.weights),
+                               base_hash=self.tspec.base_hash, seed=cfg.run.seed * 100_003 + s.round,
+                               anchor=s.anchor.probs if use_anchor else None,
+                               anchor_version=s.anchor.meta.version if use_anchor else 0)
+        nodes = self._nodes()
+        replies, errors = self.transport.exchange({n: instr for n in nodes}, ModelUpdate,
+                                                  cfg.federation.round_timeout)
+        updates: list[tuple[dict[str, np.ndarray], float]] = []
+        for node, upd in list(replies.items()):
+            problem = self._check_update(upd)
+            if problem:
+                errors[node] = problem
+                del replies[node]
+                continue
+            updates.append((upd.delta, float(upd.num_examples)))
+        self._report_errors(phase.label(), errors)
+        base = {"event": "train", "round": s.round, "phase": phase_index, "phase_label": phase.label(),
+                "task": phase.task, "anchor_version": instr.anchor_version}
+        for upd in replies.values():
+            self.metrics.append({**base, "party": upd.party, "num_examples": upd.num_examples,
+                                 **upd.metrics})
+        avg = weighted_average(updates)
+        if avg is None:
+            self.metrics.append({**base, "party": "all", "num_examples": 0, "skipped": True})
+            return f"no usable update ({len(errors)} errors): model unchanged"
+        for k, d in avg.items():
+            s.weights[k] = s.weights[k] + torch.from_numpy(d)
+        agg = self._weighted_metrics([(u.metrics, u.num_examples) for u in replies.values()
+                                      if u.num_examples > 0])
+        n_total = sum(u.num_examples for u in replies.values())
+        self.metrics.append({**base, "party": "all", "num_examples": n_total, "parties": len(updates), **agg})
+        self._checkpoint()
+        kl = f", anchor KL {agg['anchor_kl']:.4f}" if use_anchor and math.isfinite(agg.get("anchor_kl", math.nan)) \
+            else ""
+        return (f"{len(updates)}/{len(nodes)} parties | task loss {agg['loss_first']:.3f} -> "
+                f"{agg['loss_last']:.3f}{kl} | skipped steps {int(agg['skipped_steps'])}")
+
+    def _check_update(self, upd: ModelUpdate) -> str | None:
+        expected = dict(self.tspec.shapes)
+        if set(upd.delta) != set(expected):
+            return "update keys do not match the trainable parameters"
+        for k, shape in expected.items():
+            if tuple(upd.delta[k].shape) != shape:
+                return f"update tensor {k!r} has shape {tuple(upd.delta[k].shape)}, expected {shape}"
+            if not np.all(np.isfinite(upd.delta[k])):
+                return f"update tensor {k!r} contains NaN or Inf"
+        return None
+
+    @staticmethod
+    def _weighted_metrics(items: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if not items:
+            return out
+        keys = sorted({k for m, _ in items for k in m})
+        for k in keys:
+            vals = [(m[k], w) for m, w in items if k in m and math.isfinite(m[k]) and w > 0]
+            if not vals:
+                out[k] = math.nan
+                continue
+            if k in ("steps", "skipped_steps"):
+                out[k] = float(sum(v for v, _ in vals))
+            else:
+                out[k] = sum(v * w for v, w in vals) / sum(w for _, w in vals)
+        return out
+
+    def _stats_round(self, phase: Phase) -> str:
+        s, cfg = self.s, self.cfg
+        instr = StatsInstruction(round=s.round, task=phase.task or "", weights=self._np_weights(s.weights),
+                                 base_hash=self.tspec.base_hash)
+        nodes = self._nodes()
+        replies, errors = self.transport.exchange({n: instr for n in nodes}, RouterStats,
+                                                  cfg.federation.round_timeout)
+        shape = (self.mspec.num_moe_layers, self.mspec.num_experts)
+        good = []
+        for node, st in replies.items():
+            if tuple(st.sums.shape) != shape:
+                errors[node] = f"router statistics have shape {tuple(st.sums.shape)}, expected {shape}"
+            else:
+                good.append(st.sums)
+        self._report_errors(phase.label(), errors)
+        if not good:
+            return "no usable router statistics: anchor unchanged"
+        total = np.sum(good, axis=0)  # [L, E]
+        n_seq = float(total.sum(1).mean())
+        if n_seq <= 0:
+            return "router statistics are empty: anchor unchanged"
+        s.anchor_versions += 1
+        meta = AnchorVersion(version=s.anchor_versions, round=s.round,
+                             source_checkpoint=hash_tensors(s.weights),
+                             router_spec=self.mspec.router_spec(), num_sequences=n_seq, task=phase.task)
+        s.anchor = build_anchor(total, meta)
+        save_anchor(s.anchor, self.run_dir / "anchors")
+        self.metrics.append({"event": "stats", "round": s.round, "party": "all", "task": phase.task,
+                             "anchor_version": meta.version, "num_sequences": n_seq, "parties": len(good)})
+        ent = float(-(s.anchor.probs * np.log(np.clip(s.anchor.probs, 1e-9, None))).sum(1).mean())
+        return (f"{len(good)}/{len(nodes)} parties | anchor v{meta.version} from {n_seq:.0f} sequences "
+                f"| mean routing entropy {ent:.3f} nats")
+
+    def _eval_round(self) -> str:
+        s, cfg = self.s, self.cfg
+        tasks = tuple(s.trained_tasks) or cfg.schedule.tasks
+        ref = s.ref_weights if s.ref_weights is not None else None
+        instr = EvalInstruction(round=s.round, tasks=tasks, new_task=s.current_task or "",
+                                weights=self._np_weights(s.weights), base_hash=self.tspec.base_hash,
+                                ref_weights=self._np_weights(ref) if ref is not None else None,
+                                anchor=s.anchor.probs if s.anchor is not None else None,
+                                anchor_version=s.anchor.meta.version if s.anchor is not None else 0)
+        nodes = self._nodes()
+        replies, errors = self.transport.exchange({n: instr for n in nodes}, EvalReply,
+                                                  cfg.federation.round_timeout)
+        self._report_errors("eval", errors)
+        if not replies:
+            return "no evaluation replies"
+        per_party: dict[str, dict[str, float]] = {r.party: dict(r.metrics) for r in replies.values()}
+        agg = self._aggregate_eval(list(per_party.values()), tasks)
+        per_party["all"] = agg
+        earlier = [t for t in s.trained_tasks if t != s.current_task]
+        for party, m in per_party.items():
+            before = s.baseline.get(party, {})
+            for t in earlier:
+                b, now = before.get(f"acc/{t}", math.nan), m.get(f"acc/{t}", math.nan)
+                if math.isfinite(b) and math.isfinite(now) and b > 0:
+                    m[f"retention/{t}"] = now / b
+            if s.current_task:
+                m["new_task"] = s.current_task
+                m["new_task_loss"] = m.get(f"loss/{s.current_task}", math.nan)
+            self.metrics.append({"event": "eval", "round": s.round, "phase_label": "eval", "party": party,
+                                 "anchor_version": instr.anchor_version, **m})
+        s.last_eval = {p: {k: v for k, v in m.items() if isinstance(v, float)} for p, m in per_party.items()}
+        accs = ", ".join(f"{t} {agg.get(f'acc/{t}', math.nan):.2f}" for t in tasks)
+        extra = [f"{k} {agg[k]:.3f}" for k in EVAL_ROUTING_KEYS if math.isfinite(agg.get(k, math.nan))]
+        ret = [f"retention {t} {agg[f'retention/{t}']:.2f}" for t in earlier if f"retention/{t}" in agg]
+        return f"{len(replies)}/{len(nodes)} parties | acc: {accs} | " + " | ".join(extra + ret)
+
+    @staticmethod
+    def _aggregate_eval(parties: list[dict[str, float]], tasks: tuple[str, ...]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for t in tasks:
+            n_key = f"n/{t}"
+            items = [(m, m.get(n_key, 0.0)) for m in parties if m.get(n_key, 0.0) > 0]
+            n = sum(w for _, w in items)
+            out[n_key] = n
+            for k in ("acc", "loss"):
+                vals = [(m[f"{k}/{t}"], w) for m, w in items if math.isfinite(m.get(f"{k}/{t}", math.nan))]
+                out[f"{k}/{t}"] = sum(v * w for v, w in vals) / sum(w for _, w in vals) if vals else math.nan
+        for k in EVAL_ROUTING_KEYS:
+            vals = [(m[k], sum(m.get(f"n/{t}", 0.0) for t in tasks)) for m in parties
+                    if math.isfinite(m.get(k, math.nan))]
+            wsum = sum(w for _, w in vals)
+            out[k] = sum(v * w for v, w in vals) / wsum if vals and wsum > 0 else math.nan
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self) -> None:
+        load_trainable(self.model, self.s.weights, self.tspec)
+        save_checkpoint(self.run_dir / "checkpoints", self.s.round, self.model, self.tok, self.s.weights,
+                        hash_tensors(self.s.weights),
+                        meta={"run_id": self.run_id, "anchor_version": self.s.anchor_versions,
+                              "trainable": self.cfg.model.trainable},
+                        keep=self.cfg.checkpoint.keep)

@@ -1,0 +1,183 @@
+"""Instruction-data file formats: reading and validating one JSONL task file into ``Example`` s.
+
+Owns: ``DataError``, the ``Example`` record, the two accepted line formats and their validation
+(every error names the file, the 1-based line number and the field), the Alpaca -> chat
+normalisation, and the in-memory ``datasets.Dataset`` view.
+
+Accepted lines (extra keys are ignored; a line mixing both formats is an error):
+
+* Alpaca: ``{"instruction": str, "input": str (optional, may be ""), "output": str}`` -> user turn
+  ``instruction`` (+ ``"\\n" + input`` when input is non-empty), assistant turn ``output``.
+* Chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` with at least
+  one user turn and a final, non-empty assistant turn.
+
+Must not: split, tokenize, cache anything on disk (the Dataset view is built in memory with
+``Dataset.from_list``), or log file contents (the data is private to the party).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import datasets
+
+ROLES = ("system", "user", "assistant")
+ALPACA_KEYS = ("instruction", "input", "output")
+
+
+class DataError(ValueError):
+    """Party data is missing, unreadable or malformed; the message says where and what."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One conversation; the final turn is the assistant answer that is supervised and evaluated."""
+
+    messages: tuple[tuple[str, str], ...]  # ((role, content), ...)
+
+    def __post_init__(self) -> None:
+        if not self.messages or self.messages[-1][0] != "assistant":
+            raise DataError("an Example must end with an assistant turn")
+        for role, content in self.messages:
+            if role not in ROLES or not isinstance(content, str):
+                raise DataError(f"an Example has an invalid turn ({role!r}, {type(content).__name__})")
+
+    @property
+    def answer(self) -> str:
+        """Content of the final assistant turn."""
+        return self.messages[-1][1]
+
+    @property
+    def prompt_messages(self) -> list[dict[str, str]]:
+        """Every turn but the final assistant one, as chat-template dicts."""
+        return [{"role": r, "content": c} for r, c in self.messages[:-1]]
+
+    def as_messages(self) -> list[dict[str, str]]:
+        return [{"role": r, "content": c} for r, c in self.messages]
+
+    def to_json(self) -> str:
+        """Canonical JSON (chat format): the identity used for hashing and for writing."""
+        return json.dumps({"messages": self.as_messages()}, ensure_ascii=False, sort_keys=True,
+                          separators=(",", ":"))
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    return {dict: "object", list: "list", str: "string"}.get(type(value), type(value).__name__)
+
+
+def _parse_alpaca(obj: dict[str, Any], where: str) -> Example:
+    for key in ("instruction", "output"):
+        if key not in obj:
+            raise DataError(f"{where}: field '{key}': missing (Alpaca lines need instruction and output)")
+    for key in ALPACA_KEYS:
+        if key in obj and not isinstance(obj[key], str):
+            raise DataError(f"{where}: field '{key}': expected a string, got {_kind(obj[key])}")
+    if not obj["instruction"]:
+        raise DataError(f"{where}: field 'instruction': must not be empty")
+    if not obj["output"]:
+        raise DataError(f"{where}: field 'output': must not be empty")
+    user = obj["instruction"] + ("\n" + obj["input"] if obj.get("input") else "")
+    return Example(messages=(("user", user), ("assistant", obj["output"])))
+
+
+def _parse_chat(obj: dict[str, Any], where: str) -> Example:
+    turns = obj["messages"]
+    if not isinstance(turns, list):
+        raise DataError(f"{where}: field 'messages': expected a list, got {_kind(turns)}")
+    if not turns:
+        raise DataError(f"{where}: field 'messages': must not be empty")
+    out: list[tuple[str, str]] = []
+    for i, turn in enumerate(turns):
+        field = f"messages[{i}]"
+        if not isinstance(turn, dict):
+            raise DataError(f"{where}: field '{field}': expected an object, got {_kind(turn)}")
+        for key in ("role", "content"):
+            if key not in turn:
+                raise DataError(f"{where}: field '{field}.{key}': missing")
+        role, content = turn["role"], turn["content"]
+        if not isinstance(role, str):
+            raise DataError(f"{where}: field '{field}.role': expected a string, got {_kind(role)}")
+        if role not in ROLES:
+            raise DataError(f"{where}: field '{field}.role': {role!r} is not one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: field '{field}.content': expected a string, got {_kind(content)}")
+        out.append((role, content))
+    last = len(out) - 1
+    if not any(role == "user" for role, _ in out):
+        raise DataError(f"{where}: field 'messages': needs at least one user turn")
+    if out[-1][0] != "assistant":
+        raise DataError(f"{where}: field 'messages[{last}].role': the last turn must be 'assistant', "
+                        f"got {out[-1][0]!r}")
+    if not out[-1][1]:
+        raise DataError(f"{where}: field 'messages[{last}].content': the final assistant turn must not "
+                        "be empty")
+    return Example(messages=tuple(out))
+
+
+def parse_line(obj: Any, where: str) -> Example:
+    """Validate one decoded JSON value; ``where`` is ``"<file>:<line>"`` for error messages."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {_kind(obj)}")
+    alpaca = [k for k in ALPACA_KEYS if k in obj]
+    if "messages" in obj and alpaca:
+        raise DataError(f"{where}: field 'messages': mixes the chat format with Alpaca field(s) "
+                        f"{', '.join(alpaca)}; use one format per line")
+    if "messages" in obj:
+        return _parse_chat(obj, where)
+    if alpaca:
+        return _parse_alpaca(obj, where)
+    raise DataError(f"{where}: field 'messages': missing (expected an Alpaca object with "
+                    "'instruction' and 'output', or a chat object with 'messages')")
+
+
+def read_jsonl(path: Path) -> list[Example]:
+    """Read and validate one JSONL file; the first problem raises ``DataError`` naming file:line."""
+    name = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{name}: file not found") from None
+    except PermissionError:
+        raise DataError(f"{name}: cannot read file (permission denied)") from None
+    except IsADirectoryError:
+        raise DataError(f"{name}: is a directory, expected a .jsonl file") from None
+    except OSError as exc:
+        raise DataError(f"{name}: cannot read file ({exc.strerror or exc})") from None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]  # tolerate a UTF-8 byte-order mark
+    examples: list[Example] = []
+    for lineno, line_bytes in enumerate(raw.split(b"\n"), start=1):
+        where = f"{name}:{lineno}"
+        try:
+            line = line_bytes.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{where}: not valid UTF-8 (byte {exc.start} of the line)") from None
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+        examples.append(parse_line(obj, where))
+    if not examples:
+        raise DataError(f"{name}: empty file (no examples)")
+    return examples
+
+
+def to_dataset(examples: Sequence[Example] | Iterable[Example]) -> datasets.Dataset:
+    """An in-memory ``datasets.Dataset`` with columns ``messages`` (list of role/content) and ``answer``."""
+    import datasets  # imported lazily: slow to import and only needed by callers that want a Dataset
+
+    rows = [{"messages": ex.as_messages(), "answer": ex.answer} for ex in examples]
+    if not rows:
+        raise DataError("to_dataset: no examples")
+    return datasets.Dataset.from_list(rows)

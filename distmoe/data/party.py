@@ -1,0 +1,131 @@
+"""One party's local data directory: its tasks and their deterministic train / held-out split.
+
+Owns: task discovery (every ``*.jsonl`` directly in the party directory is one task, named by the
+file stem), validation of every file through ``read_jsonl``, the split and the example caps.
+
+The split: each example is keyed by ``sha256(<canonical example JSON> + "\\n" + <seed>)``; a task's
+examples are ordered by that key and the first ``round(n * eval_fraction)`` (at least 1 and at most
+n - 1 when n >= 2) are held out. Identical examples share a key, so they are never split across
+train and held-out. The result depends only on the file contents and the seed -- not on line
+order, the machine or the Python hash seed. Both splits are kept in key order, so the caps
+(``max_train_examples`` and ``max_eval_examples``, 0 = no cap) take the first N of a deterministic,
+content-shuffled order.
+
+Must not: read anything outside ``data_dir``, tokenize, write files, or expose another party's data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from distmoe.config import DataConfig
+from distmoe.data.formats import DataError, Example, read_jsonl, to_dataset
+
+if TYPE_CHECKING:
+    import datasets
+
+TASK_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+@dataclass(frozen=True)
+class TaskSplit:
+    source: Path
+    train: tuple[Example, ...]
+    heldout: tuple[Example, ...]
+    total: int  # examples in the file, before caps
+
+
+@dataclass(frozen=True)
+class PartyData:
+    """A party's validated tasks; read-only. Build it with ``load_party``."""
+
+    data_dir: Path
+    splits: Mapping[str, TaskSplit]  # task -> split (a read-only mapping)
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(sorted(self.splits))
+
+    def has(self, task: str) -> bool:
+        return task in self.splits
+
+    def require(self, task: str) -> TaskSplit:
+        if task not in self.splits:
+            raise DataError(f"party dir {self.data_dir} has no task '{task}' "
+                            f"(available: {', '.join(self.tasks) or 'none'})")
+        return self.splits[task]
+
+    def train(self, task: str) -> list[Example]:
+        return list(self.require(task).train)
+
+    def heldout(self, task: str) -> list[Example]:
+        return list(self.require(task).heldout)
+
+    def train_dataset(self, task: str) -> datasets.Dataset:
+        return to_dataset(self.require(task).train)
+
+    def heldout_dataset(self, task: str) -> datasets.Dataset:
+        return to_dataset(self.require(task).heldout)
+
+    def counts(self) -> dict[str, tuple[int, int]]:
+        """task -> (train examples, held-out examples), after caps."""
+        return {t: (len(s.train), len(s.heldout)) for t, s in sorted(self.splits.items())}
+
+
+def split_key(example: Example, seed: int) -> bytes:
+    """The stable per-example split key: sha256 of the canonical JSON and the seed."""
+    return hashlib.sha256(f"{example.to_json()}\n{seed}".encode()).digest()
+
+
+def split_examples(examples: list[Example], eval_fraction: float, seed: int
+                   ) -> tuple[list[Example], list[Example]]:
+    """(train, held-out), each in split-key order; see the module docstring for the rule."""
+    n = len(examples)
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}")
+    keyed = sorted(((split_key(ex, seed), i) for i, ex in enumerate(examples)))
+    if n < 2:
+        cut = 0
+    else:
+        cut = min(max(round(n * eval_fraction), 1), n - 1)
+        # never separate identical examples (same key): move the cut past the group if possible
+        while 0 < cut < n - 1 and keyed[cut][0] == keyed[cut - 1][0]:
+            cut += 1
+    heldout = [examples[i] for _, i in keyed[:cut]]
+    train = [examples[i] for _, i in keyed[cut:]]
+    return train, heldout
+
+
+def load_party(data_dir: Path, cfg: DataConfig) -> PartyData:
+    """Discover, validate and split every task in ``data_dir``; any problem raises ``DataError``."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"party dir {data_dir}: not a directory")
+    try:
+        files = sorted(p for p in data_dir.iterdir() if p.suffix == ".jsonl" and not p.is_dir())
+    except OSError as exc:
+        raise DataError(f"party dir {data_dir}: cannot list ({exc.strerror or exc})") from None
+    if not files:
+        raise DataError(f"party dir {data_dir}: no *.jsonl task files (expected <task>.jsonl, "
+                        "e.g. arith.jsonl)")
+    splits: dict[str, TaskSplit] = {}
+    for path in files:
+        task = path.stem
+        if not TASK_NAME_RE.match(task):
+            raise DataError(f"{path}: task name {task!r} must start with a letter or digit and use only "
+                            "letters, digits, '-' and '_'")
+        examples = read_jsonl(path)
+        train, heldout = split_examples(examples, cfg.eval_fraction, cfg.seed)
+        if cfg.max_train_examples > 0:
+            train = train[: cfg.max_train_examples]
+        if cfg.max_eval_examples > 0:
+            heldout = heldout[: cfg.max_eval_examples]
+        splits[task] = TaskSplit(source=path, train=tuple(train), heldout=tuple(heldout),
+                                 total=len(examples))
+    return PartyData(data_dir=data_dir, splits=MappingProxyType(splits))

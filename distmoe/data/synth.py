@@ -1,0 +1,219 @@
+"""Deterministic synthetic instruction tasks for N parties, with verifiable answers (the default demo).
+
+Owns: the task families, their per-party (non-IID) generators, the JSONL files they write
+(``<out_dir>/party-<i>/<task>.jsonl``, byte-identical for the same arguments) and the answer
+verifiers used by evaluation.
+
+Families (prompts <= ~40 characters, answers <= 6, so a ~7M-parameter char-level model can learn
+them in a few dozen local steps). Every prompt is "<what to do>" then the operand:
+
+* ``arith`` (Alpaca, instruction + input): ``Compute`` / ``7+5`` -> ``12``: arithmetic facts on
+  single digits, asked with four instructions (Compute, Calculate, Evaluate, Solve), so held-out
+  examples test recall of a fact under another phrasing. Party ``p`` draws operands from its own
+  overlapping range (``p%3 .. p%3+7``) and its own operator mix (mostly ``+`` on even parties,
+  mostly ``-`` on odd ones); subtraction never goes negative.
+* ``strings`` (chat ``messages``, a system turn on ~1 in 4 examples): ``Reverse\\nabcd`` ->
+  ``dcba``. Four operations (reverse, upper, sort, capital); party ``p`` gets operations ``p%4``
+  and ``(p+1)%4``, so neighbouring parties share one.
+* ``lookup`` (Alpaca, empty input): a fixed table of 60 keys ``k0``..``k59`` -> 3-letter codes,
+  seeded by ``seed`` only (the same facts for every party); party ``p`` sees a window of 40 keys
+  starting at key ``20*p`` (wrapping), asked in 6 phrasings, so parties overlap on 20 keys.
+
+Examples within a party's task are distinct while the family has enough distinct items; beyond
+that they repeat (the party split keeps identical examples on one side).
+
+Adding a family: write ``_gen_<name>(party, n, rng, seed) -> list[dict]`` (JSONL objects), add it
+to ``_GENERATORS`` and add its verifier to ``VERIFIERS`` (``(prompt_text, answer, expected) ->
+bool``); tasks named ``<family>`` or ``<family>-<anything>`` use that verifier, unknown tasks use
+exact match after strip.
+
+Must not: read party data, use global random state or ``hash()`` (stability across processes), or
+overwrite a non-empty party directory unless ``overwrite=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import string
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from distmoe.data.formats import DataError
+
+TASK_FAMILIES = ("arith", "strings", "lookup")
+
+LOOKUP_KEYS = 60
+LOOKUP_WINDOW = 40
+LOOKUP_PHRASINGS = ("Look up {k}", "Code of {k}", "What is {k}?", "Find {k}", "Key {k}", "{k} code?")
+STRING_OPS: tuple[tuple[str, Callable[[str], str]], ...] = (
+    ("Reverse", lambda w: w[::-1]),
+    ("Uppercase", str.upper),
+    ("Sort", lambda w: "".join(sorted(w))),
+    ("Capitalize", str.capitalize),
+)
+SYSTEM_PROMPT = "Answer with the result only."
+
+
+# ---------------------------------------------------------------------------------------------
+# Verifiers
+# ---------------------------------------------------------------------------------------------
+_NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)$")
+
+
+def _parse_number(text: str) -> float | None:
+    text = "".join(text.split())  # tolerant of whitespace anywhere, e.g. "- 3" or " 12 "
+    return float(text) if _NUMBER_RE.match(text) else None
+
+
+def _numeric(prompt_text: str, answer: str, expected: str) -> bool:
+    got, want = _parse_number(answer), _parse_number(expected)
+    return got is not None and want is not None and abs(got - want) <= 1e-9 * max(1.0, abs(want))
+
+
+def _exact(prompt_text: str, answer: str, expected: str) -> bool:
+    return answer.strip() == expected.strip()
+
+
+VERIFIERS: dict[str, Callable[[str, str, str], bool]] = {
+    "arith": _numeric,
+    "strings": _exact,
+    "lookup": _exact,
+}
+
+
+def family_of(task: str) -> str | None:
+    """The family whose verifier a task uses: the name itself or its part before '-'/'_'."""
+    if task in VERIFIERS:
+        return task
+    head = re.split(r"[-_]", task, maxsplit=1)[0]
+    return head if head in VERIFIERS else None
+
+
+def check_answer(task: str, prompt_text: str, answer: str, expected: str) -> bool:
+    """Is ``answer`` correct for ``task``? Numeric equality for arith, exact (stripped) otherwise."""
+    family = family_of(task)
+    verify = VERIFIERS[family] if family else _exact
+    return verify(prompt_text, answer, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generators: (party, n, rng, seed) -> list of JSONL objects
+# ---------------------------------------------------------------------------------------------
+def _take(items: list[Any], n: int, rng: random.Random) -> list[Any]:
+    """n items: a shuffled pass over ``items``, reshuffled and repeated only if n > len(items)."""
+    out: list[Any] = []
+    while len(out) < n:
+        batch = list(items)
+        rng.shuffle(batch)
+        out.extend(batch[: n - len(out)])
+    return out
+
+
+ARITH_PHRASINGS = ("Compute", "Calculate", "Evaluate", "Solve")
+
+
+def _gen_arith(party: int, n: int, rng: random.Random, seed: int) -> list[dict[str, str]]:
+    lo = party % 3
+    hi = lo + 7
+    plus_share = 0.75 if party % 2 == 0 else 0.25
+    nums = range(lo, hi + 1)
+    plus = [(ph, a, "+", b) for ph in ARITH_PHRASINGS for a in nums for b in nums]
+    minus = [(ph, a, "-", b) for ph in ARITH_PHRASINGS for a in nums for b in nums if a >= b]
+    n_plus = round(n * plus_share)
+    items = _take(plus, n_plus, rng) + _take(minus, n - n_plus, rng)
+    rng.shuffle(items)
+    return [{"instruction": ph, "input": f"{a}{op}{b}", "output": str(a + b if op == "+" else a - b)}
+            for ph, a, op, b in items]
+
+
+def _random_word(rng: random.Random) -> str:
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(3))
+
+
+def _gen_strings(party: int, n: int, rng: random.Random, seed: int) -> list[dict[str, Any]]:
+    ops = (STRING_OPS[party % 4], STRING_OPS[(party + 1) % 4])
+    seen: set[tuple[str, str]] = set()
+    out: list[dict[str, Any]] = []
+    while len(out) < n:
+        name, fn = ops[rng.randrange(len(ops))]
+        word = _random_word(rng)
+        if (name, word) in seen or fn(word) == word:  # distinct, and the operation must change the word
+            continue
+        seen.add((name, word))
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}] if rng.random() < 0.25 else []
+        messages += [{"role": "user", "content": f"{name}\n{word}"},
+                     {"role": "assistant", "content": fn(word)}]
+        out.append({"messages": messages})
+    return out
+
+
+def lookup_table(seed: int) -> dict[str, str]:
+    """The fixed key -> code table shared by every party (depends on ``seed`` only)."""
+    rng = random.Random(f"distmoe-synth:{seed}:lookup-table")
+    codes: list[str] = []
+    while len(codes) < LOOKUP_KEYS:
+        code = "".join(rng.choice(string.ascii_uppercase) for _ in range(3))
+        if code not in codes:
+            codes.append(code)
+    return {f"k{i}": code for i, code in enumerate(codes)}
+
+
+def _gen_lookup(party: int, n: int, rng: random.Random, seed: int) -> list[dict[str, str]]:
+    table = lookup_table(seed)
+    keys = [f"k{(20 * party + j) % LOOKUP_KEYS}" for j in range(LOOKUP_WINDOW)]
+    items = [(k, ph) for k in keys for ph in LOOKUP_PHRASINGS]
+    return [{"instruction": ph.format(k=k), "input": "", "output": table[k]}
+            for k, ph in _take(items, n, rng)]
+
+
+_GENERATORS: dict[str, Callable[[int, int, random.Random, int], list[dict[str, Any]]]] = {
+    "arith": _gen_arith,
+    "strings": _gen_strings,
+    "lookup": _gen_lookup,
+}
+
+
+def generate(task: str, party: int, n: int, seed: int) -> list[dict[str, Any]]:
+    """The JSONL objects of ``task`` for ``party`` (deterministic in all arguments)."""
+    if task not in _GENERATORS:
+        raise DataError(f"unknown synthetic task {task!r} (available: {', '.join(_GENERATORS)})")
+    rng = random.Random(f"distmoe-synth:{seed}:{task}:party-{party}")  # str seeds hash via sha512: stable
+    return _GENERATORS[task](party, n, rng, seed)
+
+
+def write_synthetic(out_dir: Path, parties: int, examples_per_task: int, seed: int,
+                    tasks: Sequence[str] = TASK_FAMILIES, overwrite: bool = False) -> list[Path]:
+    """Write ``out_dir/party-<i>/<task>.jsonl`` for every party and task; return the party dirs.
+
+    A party directory that exists and is not empty is refused unless ``overwrite=True``, in which
+    case its existing ``*.jsonl`` files are removed first (so it holds exactly ``tasks``).
+    """
+    if parties < 1:
+        raise DataError(f"write_synthetic: parties must be >= 1, got {parties}")
+    if examples_per_task < 2:
+        raise DataError(f"write_synthetic: examples_per_task must be >= 2, got {examples_per_task}")
+    tasks = tuple(tasks)
+    unknown = [t for t in tasks if t not in _GENERATORS]
+    if not tasks or unknown or len(set(tasks)) != len(tasks):
+        raise DataError(f"write_synthetic: tasks {list(tasks)!r} must be distinct names from "
+                        f"{', '.join(_GENERATORS)}")
+    out_dir = Path(out_dir)
+    dirs = [out_dir / f"party-{i}" for i in range(parties)]
+    for d in dirs:  # check every party before writing anything
+        if d.exists() and not d.is_dir():
+            raise DataError(f"{d}: exists and is not a directory")
+        if d.is_dir() and any(d.iterdir()) and not overwrite:
+            raise DataError(f"{d}: party dir is not empty; refusing to overwrite (pass overwrite=True "
+                            "or choose another output directory)")
+    for i, d in enumerate(dirs):
+        d.mkdir(parents=True, exist_ok=True)
+        for old in d.glob("*.jsonl"):
+            old.unlink()
+        for task in tasks:
+            objs = generate(task, i, examples_per_task, seed)
+            lines = [json.dumps(obj, ensure_ascii=True) + "\n" for obj in objs]
+            (d / f"{task}.jsonl").write_text("".join(lines), encoding="utf-8", newline="\n")
+    return dirs

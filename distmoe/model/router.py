@@ -1,0 +1,67 @@
+"""Router capture: the raw router logits of every MoE layer for a forward pass, and the top-k
+assignments recomputed from them.
+
+Transformers returns one ``[B*S, E]`` pre-softmax tensor per MoE layer with
+``output_router_logits=True`` (padding rows included); the top-k indices are not returned, so they
+are recomputed here with ``topk`` (identical to the router's own choice). ``RouterRecorder`` uses
+forward hooks on the router modules instead, which also works inside ``generate``.
+
+Must not: compute losses (``routing/losses.py``) or statistics (``routing/stats.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from distmoe.model.build import router_modules
+
+
+@dataclass
+class RouterOutput:
+    logits: torch.Tensor  # [B, S, V] LM logits
+    router_logits: tuple[torch.Tensor, ...]  # L x [B*S, E]
+
+    def stacked(self) -> torch.Tensor:
+        return torch.stack(self.router_logits, 0)  # [L, B*S, E]
+
+
+def forward_with_router(model: nn.Module, input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor) -> RouterOutput:
+    """One forward pass returning LM logits and per-layer router logits."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True,
+                use_cache=False)
+    rl = out.router_logits
+    if rl is None or len(rl) == 0:
+        raise RuntimeError("the model returned no router logits (is it a Mixture-of-Experts model?)")
+    return RouterOutput(logits=out.logits, router_logits=tuple(rl))
+
+
+def topk_experts(router_logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, E] logits -> [N, k] expert indices, as the router chooses them."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [N, E]
+    return torch.topk(probs, k, dim=-1).indices  # [N, k]
+
+
+class RouterRecorder:
+    """Context manager recording each router's logits via forward hooks (works in ``generate``)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.calls: dict[int, list[torch.Tensor]] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> RouterRecorder:
+        for li, (_, mod) in enumerate(router_modules(self.model)):
+            def hook(_mod, _inp, out, li=li):
+                logits = out[0] if isinstance(out, tuple) else out
+                self.calls.setdefault(li, []).append(logits.detach().float())  # [tokens, E]
+            self._handles.append(mod.register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

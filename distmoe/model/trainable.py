@@ -1,0 +1,138 @@
+"""Which parameters are trained, and therefore which travel: ``all``, ``router+experts`` or
+``lora`` (adapters through ``peft``, on attention, the fused experts and optionally the router).
+
+Owns: freezing, the canonical names and order of the trainable tensors, reading and loading them
+(strict: exact keys, shapes, finite values), the parameter-group classification (experts / router /
+rest) used by the optimizer, and the hash of the frozen base that every party must share.
+
+Must not: build optimizers or touch the wire format (that is ``wire/codec.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from distmoe.config import ModelConfig
+from distmoe.model.build import hash_tensors, router_modules
+
+GROUPS = ("experts", "router", "rest")
+
+
+class TrainableError(ValueError):
+    """A received set of trainable tensors does not match this model."""
+
+
+@dataclass(frozen=True)
+class TrainableSpec:
+    """The exact keys and shapes of the tensors that travel, in canonical (sorted) order."""
+
+    mode: str
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    base_hash: str  # hash of everything that does not travel (must be equal on every node)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(k for k, _ in self.shapes)
+
+    @property
+    def numel(self) -> int:
+        n = 0
+        for _, s in self.shapes:
+            m = 1
+            for d in s:
+                m *= d
+            n += m
+        return n
+
+
+def apply_trainable(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+    """Freeze/wrap ``model`` per ``cfg.trainable``; returns the (possibly peft-wrapped) model."""
+    if cfg.trainable == "all":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+    if cfg.trainable == "router+experts":
+        router_names = {n for n, _ in router_modules(model)}
+        for name, p in model.named_parameters():
+            mod = name.rsplit(".", 1)[0]
+            p.requires_grad_(mod in router_names or ".experts" in name)
+        return model
+    if cfg.trainable == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        if cfg.lora_router:
+            targets.append("mlp.gate.weight")
+        lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                          target_parameters=targets, init_lora_weights=True)
+        # peft's default B=0 init makes the adapter a no-op; seed A deterministically so every
+        # node starts from the same adapter.
+        with torch.random.fork_rng():
+            torch.manual_seed(cfg.seed + 1)
+            pm = get_peft_model(model, lcfg)
+        return pm
+    raise TrainableError(f"unknown model.trainable {cfg.trainable!r}")
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    return sorted(n for n, p in model.named_parameters() if p.requires_grad)
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached float32 copies of the trainable tensors, keyed by canonical name."""
+    params = dict(model.named_parameters())
+    return {n: params[n].detach().to(torch.float32).clone() for n in trainable_names(model)}
+
+
+def frozen_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def spec_of(model: nn.Module, mode: str) -> TrainableSpec:
+    params = dict(model.named_parameters())
+    names = trainable_names(model)
+    return TrainableSpec(mode=mode, shapes=tuple((n, tuple(params[n].shape)) for n in names),
+                         base_hash=hash_tensors(frozen_state(model)))
+
+
+def load_trainable(model: nn.Module, state: dict[str, torch.Tensor], spec: TrainableSpec) -> None:
+    """Copy ``state`` into the trainable parameters; exact keys, shapes and finite values."""
+    expected = dict(spec.shapes)
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if missing or extra:
+        raise TrainableError(f"trainable tensors do not match the model: missing {missing[:5]}, "
+                             f"unexpected {extra[:5]}")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, shape in expected.items():
+            t = torch.as_tensor(state[name])
+            if tuple(t.shape) != shape:
+                raise TrainableError(f"tensor {name!r}: shape {tuple(t.shape)} != expected {shape}")
+            if not torch.isfinite(t).all():
+                raise TrainableError(f"tensor {name!r}: contains NaN or Inf")
+            params[name].copy_(t.to(params[name].dtype))
+
+
+def param_group(name: str, router_prefixes: tuple[str, ...]) -> str:
+    """experts / router / rest for a (possibly peft-prefixed) parameter name."""
+    if ".experts." in name or name.endswith(".experts") or ".experts" in name:
+        return "experts"
+    plain = name.replace("base_model.model.", "")
+    for pre in router_prefixes:
+        if plain.startswith(pre + ".") or plain == pre:
+            return "router"
+    return "rest"
+
+
+def grouped_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    prefixes = tuple(n.replace("base_model.model.", "") for n, _ in router_modules(model))
+    groups: dict[str, list[nn.Parameter]] = {g: [] for g in GROUPS}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups[param_group(name, prefixes)].append(p)
+    return groups

@@ -1,0 +1,171 @@
+"""The run's append-only metrics log (``metrics.jsonl``) and atomic JSON/text writes (``run.json``).
+
+Owns: the on-disk format of ``metrics.jsonl`` (one JSON object per line, non-finite floats stored as
+``null``, a unix ``"time"`` on every event), crash-safe appends (the whole line in one ``os.write`` on an
+``O_APPEND`` descriptor, then ``fsync``), tolerant reading (a torn trailing line from a crash is skipped
+and counted; corruption anywhere else is an error naming file and line) and atomic replacement of whole
+files (temp file in the same directory, ``fsync``, ``os.replace``).
+
+Must not: import ``flwr`` or ``torch``, interpret events (that is the report's job), or buffer events in
+memory: every ``append`` is durable when it returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MetricsLog",
+    "MetricsRecords",
+    "read_metrics",
+    "sanitize",
+    "write_json_atomic",
+    "write_text_atomic",
+]
+
+log = logging.getLogger(__name__)
+
+
+def sanitize(obj: Any) -> Any:
+    """Return a JSON-safe copy of ``obj``: NaN/Inf floats become ``None`` (recursively).
+
+    Mappings become dicts with string keys, tuples/lists/sets become lists, and array-likes or scalars
+    exposing ``tolist()`` (NumPy and similar, duck-typed, never imported) are converted first. Other
+    objects are returned unchanged, so ``json.dumps`` rejects them loudly.
+    """
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {str(k): sanitize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [sanitize(v) for v in obj]
+    tolist = getattr(obj, "tolist", None)
+    if callable(tolist):
+        return sanitize(tolist())
+    return obj
+
+
+def _dumps_line(event: Mapping[str, Any]) -> bytes:
+    return (json.dumps(sanitize(event), allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+class MetricsLog:
+    """Append-only JSON-lines log. Each :meth:`append` is one durable ``os.write`` of one full line."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def append(self, event: Mapping[str, Any]) -> dict[str, Any]:
+        """Write ``event`` as one line (adding ``"time"`` if missing) and fsync; return what was written."""
+        if not isinstance(event, Mapping):
+            raise TypeError(f"metrics event must be a mapping, got {type(event).__name__}")
+        record = dict(event)
+        record.setdefault("time", time.time())
+        line = _dumps_line(record)  # fully built before the file is touched: a failure writes nothing
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            written = os.write(fd, line)
+            if written != len(line):  # practically never for regular files; finish rather than tear
+                view = memoryview(line)[written:]
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return json.loads(line)
+
+    def __repr__(self) -> str:
+        return f"MetricsLog({str(self.path)!r})"
+
+
+class MetricsRecords(list):
+    """The events of a metrics file (a ``list[dict]``) plus ``skipped``: torn trailing lines dropped."""
+
+    skipped: int = 0
+
+
+def _is_padding(raw: bytes) -> bool:
+    return not raw.strip(b" \t\r\n\x00")
+
+
+def read_metrics(path: str | os.PathLike[str]) -> MetricsRecords:
+    """Read every event of a ``metrics.jsonl``.
+
+    A last line that does not parse (a write torn by a crash, or NUL padding after a power loss) is
+    skipped and counted in ``result.skipped``; a malformed or non-object line anywhere before it raises
+    :class:`ValueError` naming the file and the 1-based line number. Blank lines are ignored.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    # Index of the last line with content: only that one may be a torn write.
+    last = max((i for i, raw in enumerate(lines) if not _is_padding(raw)), default=-1)
+    out = MetricsRecords()
+    for i, raw in enumerate(lines):
+        if _is_padding(raw):
+            continue
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+            if not isinstance(obj, dict):
+                raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if i == last:
+                out.skipped += 1
+                log.warning("%s: skipping partial trailing line %d (%s)", path, i + 1, exc)
+                continue
+            raise ValueError(f"{path}: line {i + 1}: malformed metrics line: {exc}") from exc
+        out.append(obj)
+    return out
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str | bytes) -> None:
+    """Replace ``path`` with ``text`` atomically: temp file in the same directory, fsync, ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = text.encode("utf-8") if isinstance(text, str) else text
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    """Atomically replace ``path`` with ``obj`` as indented JSON (non-finite floats written as null)."""
+    text = json.dumps(sanitize(obj), allow_nan=False, indent=2, sort_keys=False) + "\n"
+    write_text_atomic(path, text)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable where the platform allows opening directories."""
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)

@@ -1,0 +1,744 @@
+"""The run report: ``runs/<id>/report/report.md`` plus ``loss.png``, ``routing.png`` and ``tasks.png``.
+
+Owns: reading a run directory's records (``metrics.jsonl``, ``run.json``), the interpretation of the
+event schema for display (``train``, ``stats``, ``eval``; anything else is ignored), number formatting
+("–" for missing), the plots, and :func:`summarise` (the final aggregate eval metrics, reused by results
+tables).
+
+Must not: import ``flwr`` or ``torch``, read models, checkpoints, anchors or data, or crash on a run
+that stopped halfway (missing keys, ``null`` values, absent events: plot and tabulate what exists). The
+only hard errors are a missing ``metrics.jsonl`` and a corrupt line in its middle.
+
+Plots use matplotlib's Agg canvas directly (``Figure`` + ``FigureCanvasAgg``, no ``pyplot``): no global
+backend switch in the importing process, no figure registry to leak, safe off the main thread.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from distmoe.report.metrics_log import read_metrics, sanitize, write_text_atomic
+
+__all__ = ["write_report", "summarise", "HEALTHY_LOAD_CV"]
+
+log = logging.getLogger(__name__)
+
+AGG = "all"
+HEALTHY_LOAD_CV = 0.2
+DASH = "–"
+FIGSIZE = (6.0, 3.5)
+FIGSIZE_WIDE = (8.0, 3.5)
+DPI = 110
+MAX_PARTY_LEGEND = 8  # more parties than this share one legend entry
+
+# ----------------------------------------------------------------------------------------------------
+# Value helpers
+
+
+def _count(v: Any) -> int | float | None:
+    """An int stays an int (shown without decimals); other numbers as :func:`_num`."""
+    return v if isinstance(v, int) and not isinstance(v, bool) else _num(v)
+
+
+def _num(v: Any) -> float | None:
+    """A finite float, or None for anything else (null, NaN, strings, bools)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+def _round_of(ev: Mapping[str, Any]) -> int | None:
+    r = _num(ev.get("round"))
+    return int(r) if r is not None else None
+
+
+def _party_of(ev: Mapping[str, Any]) -> str:
+    p = ev.get("party", AGG)
+    return AGG if p is None else str(p)
+
+
+def fmt(v: Any) -> str:
+    """Format for the report: ints as is, floats to 4 significant digits, missing as "–"."""
+    if v is None:
+        return DASH
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) else DASH
+    s = str(v)
+    return s if s else DASH
+
+
+def _cell(v: Any) -> str:
+    return fmt(v).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    out = ["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def _arrow(a: Any, b: Any) -> str:
+    if _num(a) is None and _num(b) is None:
+        return DASH
+    return f"{fmt(_num(a))} → {fmt(_num(b))}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+
+
+@dataclass
+class _Run:
+    run_dir: Path
+    record: dict[str, Any]
+    record_problem: str | None
+    events: list[dict[str, Any]]
+    skipped_lines: int
+    train: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    stats: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def run_id(self) -> str:
+        rid = self.record.get("run_id")
+        if not rid:
+            rid = next((e.get("run_id") for e in self.events if e.get("event") == "run_start"), None)
+        return str(rid) if rid else self.run_dir.name
+
+    @property
+    def status(self) -> str:
+        st = self.record.get("status")
+        if st:
+            return str(st)
+        end = next((e for e in reversed(self.events) if e.get("event") == "run_end"), None)
+        if end is not None:
+            return str(end.get("status") or "ended")
+        return "unknown"
+
+    def agg_evals(self) -> list[dict[str, Any]]:
+        return [e for e in self.evals if _party_of(e) == AGG]
+
+    def parties(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for e in self.train + self.evals:
+            p = _party_of(e)
+            if p != AGG:
+                seen.setdefault(p, None)
+        return sorted(seen, key=_natural_key)
+
+    def tasks(self) -> list[str]:
+        """Tasks in training order, then any seen only in eval keys."""
+        seen: dict[str, None] = {}
+        for e in self.train:
+            t = e.get("task")
+            if t:
+                seen.setdefault(str(t), None)
+        for e in self.evals:
+            for k in e:
+                prefix, sep, task = k.partition("/")
+                if sep and task and prefix in ("acc", "loss", "n", "retention"):
+                    seen.setdefault(task, None)
+        return list(seen)
+
+
+def _natural_key(s: str) -> tuple[Any, ...]:
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s))
+
+
+def _by_round(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Events with a round, sorted by round (stable: a later duplicate stays later)."""
+    return sorted((e for e in events if _round_of(e) is not None), key=lambda e: _round_of(e))
+
+
+def _load(run_dir: Path) -> _Run:
+    run_dir = Path(run_dir)
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise FileNotFoundError(f"run has no metrics log: {metrics_path}")
+    events = read_metrics(metrics_path)
+    record: dict[str, Any] = {}
+    problem = None
+    rec_path = run_dir / "run.json"
+    if rec_path.is_file():
+        try:
+            loaded = json.loads(rec_path.read_text(encoding="utf-8"))
+            if isinstance(loaded, dict):
+                record = loaded
+            else:
+                problem = f"{rec_path.name} is not a JSON object"
+        except (OSError, ValueError) as exc:
+            problem = f"{rec_path.name} unreadable: {exc}"
+    else:
+        problem = f"{rec_path.name} missing"
+    run = _Run(run_dir, record, problem, list(events), events.skipped)
+    for e in run.events:
+        kind = e.get("event")
+        if kind == "train":
+            run.train.append(e)
+        elif kind == "eval":
+            run.evals.append(e)
+        elif kind == "stats":
+            run.stats.append(e)
+    run.train = _by_round(run.train)
+    run.evals = _by_round(run.evals)
+    run.stats = _by_round(run.stats)
+    return run
+
+
+def _last_agg_eval(run: _Run) -> dict[str, Any] | None:
+    ev = run.agg_evals()
+    return ev[-1] if ev else None
+
+
+def summarise(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The final aggregate eval metrics: a copy of the last ``eval`` event with ``party == "all"``.
+
+    Non-finite numbers come back as ``None``; an empty dict means the run never evaluated.
+    Raises FileNotFoundError when ``metrics.jsonl`` is missing.
+    """
+    last = _last_agg_eval(_load(Path(run_dir)))
+    return sanitize(last) if last else {}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Train table (aggregate rows, derived from party rows when the aggregate was never logged)
+
+
+def _weighted(rows: list[dict[str, Any]], key: str) -> float | None:
+    pairs = [(_num(r.get(key)), _num(r.get("num_examples"))) for r in rows]
+    pairs = [(v, w if w and w > 0 else 1.0) for v, w in pairs if v is not None]
+    if not pairs:
+        return None
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total
+
+
+def _train_rows(run: _Run) -> tuple[list[dict[str, Any]], bool]:
+    """One aggregate row per round; the flag says whether any row was derived from party events."""
+    agg: dict[int, dict[str, Any]] = {}
+    parties: dict[int, list[dict[str, Any]]] = {}
+    for e in run.train:
+        r = _round_of(e)
+        if _party_of(e) == AGG:
+            agg[r] = e  # a later duplicate (e.g. a resumed round) wins
+        else:
+            parties.setdefault(r, []).append(e)
+    derived = False
+    rows = []
+    for r in sorted(set(agg) | set(parties)):
+        if r in agg:
+            rows.append(dict(agg[r], _derived=False))
+            continue
+        prs = parties[r]
+        skipped = [s for s in (_num(p.get("skipped_steps")) for p in prs) if s is not None]
+        rows.append(
+            {
+                "round": r,
+                "phase_label": prs[0].get("phase_label"),
+                "task": prs[0].get("task"),
+                "loss": _weighted(prs, "loss"),
+                "loss_first": _weighted(prs, "loss_first"),
+                "loss_last": _weighted(prs, "loss_last"),
+                "aux_loss": _weighted(prs, "aux_loss"),
+                "anchor_kl": _weighted(prs, "anchor_kl"),
+                "skipped_steps": int(sum(skipped)) if skipped else None,
+                "num_examples": int(sum(_num(p.get("num_examples")) or 0 for p in prs)),
+                "_derived": True,
+            }
+        )
+        derived = True
+    return rows, derived
+
+
+# ----------------------------------------------------------------------------------------------------
+# Plots
+
+
+def _figure(figsize: tuple[float, float], ncols: int = 1):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def _save(fig, path: Path) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    write_text_atomic(path, buf.getvalue())
+
+
+def _no_data(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.45", fontsize=9)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _series(events: Iterable[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(rounds, values) for the events where ``key`` is a finite number; a later duplicate round wins."""
+    by_round: dict[int, float] = {}
+    for e in events:
+        v = _num(e.get(key))
+        r = _round_of(e)
+        if v is not None and r is not None:
+            by_round[r] = v
+    xs = sorted(by_round)
+    return xs, [by_round[x] for x in xs]
+
+
+def _rounds(events: Iterable[Mapping[str, Any]]) -> list[int]:
+    return sorted({r for r in (_round_of(e) for e in events) if r is not None})
+
+
+def _style(ax, title: str, ylabel: str, rounds: Sequence[int] = (), xlabel: str = "round") -> None:
+    """Title, labels, grid and integer round ticks over ``rounds`` (so one point still gets a sane axis)."""
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel, fontsize=9)
+    ax.set_ylabel(ylabel, fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(True, alpha=0.3, linewidth=0.5)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if rounds:
+        lo, hi = min(rounds), max(rounds)
+        pad = max(0.5, 0.03 * (hi - lo))
+        ax.set_xlim(lo - pad, hi + pad)
+
+
+def _marker(n: int) -> str | None:
+    return "o" if n <= 40 else None
+
+
+def _legend(ax) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(fontsize=7, ncols=1 if len(handles) <= 5 else 2, framealpha=0.8)
+
+
+def _party_lines(ax, run: _Run, events: list[dict[str, Any]], key: str, thin: bool) -> int:
+    """Plot one line per party; return how many had data."""
+    parties = run.parties()
+    many = len(parties) > MAX_PARTY_LEGEND
+    drawn = 0
+    for i, p in enumerate(parties):
+        xs, ys = _series((e for e in events if _party_of(e) == p), key)
+        if not xs:
+            continue
+        label = None if many and drawn else (f"parties ({len(parties)})" if many else p)
+        ax.plot(
+            xs,
+            ys,
+            marker=_marker(len(xs)),
+            markersize=2.5 if thin else 3.5,
+            linewidth=0.8 if thin else 1.2,
+            alpha=0.6 if thin else 0.85,
+            color="0.55" if many else f"C{i % 10}",
+            label=label,
+        )
+        drawn += 1
+    return drawn
+
+
+def _agg_line(ax, events: list[dict[str, Any]], key: str, label: str = "all") -> int:
+    xs, ys = _series((e for e in events if _party_of(e) == AGG), key)
+    if xs:
+        ax.plot(
+            xs, ys, color="black", linewidth=2.2, marker=_marker(len(xs)), markersize=4, label=label, zorder=5
+        )
+    return len(xs)
+
+
+def _task_boundaries(ax, rows: list[dict[str, Any]]) -> None:
+    """Dotted vertical line + label where the training task changes."""
+    prev = None
+    for row in rows:
+        task = row.get("task")
+        if task is not None and task != prev:
+            r = _round_of(row)
+            if prev is not None:
+                ax.axvline(r - 0.5, color="0.5", linestyle=":", linewidth=0.9)
+            label = ax.annotate(
+                str(task),
+                xy=(r, 1.0),
+                xycoords=ax.get_xaxis_transform(),
+                xytext=(2, -3),
+                textcoords="offset points",
+                fontsize=7,
+                va="top",
+                ha="left",
+                color="0.35",
+                annotation_clip=True,
+            )
+            label.set_in_layout(False)  # a long task name must not squeeze the axes
+            prev = task
+
+
+def _plot_loss(run: _Run, rows: list[dict[str, Any]], path: Path) -> None:
+    fig, (ax,) = _figure(FIGSIZE)
+    n = _party_lines(ax, run, run.train, "loss", thin=False) + _agg_line(
+        ax, run.train, "loss", "all (weighted)"
+    )
+    if n:
+        _style(ax, f"Train loss per round — {run.run_id}", "loss", _rounds(run.train))
+        _task_boundaries(ax, rows)
+        _legend(ax)
+    else:
+        ax.set_title(f"Train loss per round — {run.run_id}", fontsize=10)
+        _no_data(ax, "no train rounds logged")
+    _save(fig, path)
+
+
+def _plot_routing(run: _Run, path: Path) -> None:
+    fig, (ax_kl, ax_cv) = _figure(FIGSIZE_WIDE, 2)
+    n = _party_lines(ax_kl, run, run.evals, "routing_kl", thin=True) + _agg_line(
+        ax_kl, run.evals, "routing_kl"
+    )
+    if n:
+        _style(ax_kl, "Routing KL to anchor", "KL (nats)", _rounds(run.evals))
+        ax_kl.set_ylim(bottom=0)
+        _legend(ax_kl)
+    else:
+        ax_kl.set_title("Routing KL to anchor", fontsize=10)
+        _no_data(ax_kl, "no anchor yet")
+    n = _party_lines(ax_cv, run, run.evals, "load_cv", thin=True) + _agg_line(ax_cv, run.evals, "load_cv")
+    if n:
+        _style(ax_cv, "Expert-load CV", "coefficient of variation", _rounds(run.evals))
+        ax_cv.axhline(
+            HEALTHY_LOAD_CV,
+            color="tab:green",
+            linestyle="--",
+            linewidth=1.0,
+            label=f"healthy < {HEALTHY_LOAD_CV:g}",
+        )
+        ax_cv.set_ylim(bottom=0)
+        _legend(ax_cv)
+    else:
+        ax_cv.set_title("Expert-load CV", fontsize=10)
+        _no_data(ax_cv, "no eval rounds logged")
+    _save(fig, path)
+
+
+def _plot_tasks(run: _Run, tasks: list[str], path: Path) -> None:
+    fig, (ax_acc, ax_ret) = _figure(FIGSIZE_WIDE, 2)
+    agg = run.agg_evals()
+    drawn = 0
+    for i, t in enumerate(tasks):
+        xs, ys = _series(agg, f"acc/{t}")
+        if xs:
+            ax_acc.plot(
+                xs, ys, marker=_marker(len(xs)), markersize=4, linewidth=1.5, color=f"C{i % 10}", label=t
+            )
+            drawn += 1
+    if drawn:
+        _style(ax_acc, "Accuracy per task (aggregate)", "accuracy", _rounds(agg))
+        ax_acc.set_ylim(-0.02, 1.05)
+        _legend(ax_acc)
+    else:
+        ax_acc.set_title("Accuracy per task (aggregate)", fontsize=10)
+        _no_data(ax_acc, "no aggregate eval logged")
+    drawn = 0
+    for i, t in enumerate(tasks):
+        xs, ys = _series(agg, f"retention/{t}")
+        if xs:
+            ax_ret.plot(
+                xs, ys, marker=_marker(len(xs)), markersize=4, linewidth=1.5, color=f"C{i % 10}", label=t
+            )
+            drawn += 1
+    if drawn:
+        _style(ax_ret, "Retention of earlier tasks", "retention", _rounds(agg))
+        ax_ret.axhline(1.0, color="0.6", linestyle=":", linewidth=0.8)
+        ax_ret.set_ylim(0, max(1.05, ax_ret.get_ylim()[1]))
+        _legend(ax_ret)
+    else:
+        ax_ret.set_title("Retention of earlier tasks", fontsize=10)
+        _no_data(ax_ret, "no retention yet\n(needs a later task trained)")
+    _save(fig, path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Markdown
+
+
+def _parse_time(v: Any) -> datetime | None:
+    if _num(v) is not None:
+        try:
+            return datetime.fromtimestamp(float(v)).astimezone()
+        except (OverflowError, OSError, ValueError):
+            return None
+    if isinstance(v, str) and v:
+        try:
+            return datetime.fromisoformat(v)
+        except ValueError:
+            return None
+    return None
+
+
+def _duration(a: Any, b: Any) -> str | None:
+    ta, tb = _parse_time(a), _parse_time(b)
+    if ta is None or tb is None or (ta.tzinfo is None) != (tb.tzinfo is None):
+        return None
+    s = (tb - ta).total_seconds()
+    if s < 0:
+        return None
+    h, rem = divmod(int(round(s)), 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h {m:02d}m {sec:02d}s" if h else f"{m}m {sec:02d}s"
+
+
+def _show_time(v: Any) -> str:
+    if _num(v) is not None:
+        t = _parse_time(v)
+        return t.isoformat(timespec="seconds") if t else fmt(v)
+    return fmt(v)
+
+
+def _header(run: _Run) -> list[str]:
+    rec = run.record
+    out = [f"# Run report: `{run.run_id}` — {run.status}", ""]
+    info = [
+        ("status", run.status),
+        ("started", _show_time(rec.get("started"))),
+        ("finished", _show_time(rec.get("finished"))),
+        ("duration", _duration(rec.get("started"), rec.get("finished"))),
+        ("events", len(run.events)),
+        ("train rounds", len({_round_of(e) for e in run.train})),
+        ("eval rounds", len({_round_of(e) for e in run.evals})),
+    ]
+    out += [f"- **{k}**: {fmt(v)}" for k, v in info]
+    if run.skipped_lines:
+        out.append(f"- **note**: skipped {run.skipped_lines} partial trailing line(s) of `metrics.jsonl`")
+    if run.record_problem:
+        out.append(f"- **note**: {run.record_problem}")
+    out.append("")
+    error = rec.get("error")
+    if error:
+        text = str(error)
+        if len(text) > 4000:
+            text = text[:4000] + "\n… (truncated)"
+        out += ["## Error", "", "```", text.replace("```", "'''"), "```", ""]
+    return out
+
+
+def _warnings(run: _Run) -> list[str]:
+    warnings = run.record.get("warnings") or []
+    if isinstance(warnings, str):
+        warnings = [warnings]
+    out = ["## Warnings", ""]
+    if warnings:
+        out += [f"- {str(w).strip()}" for w in warnings]
+    else:
+        out.append("None.")
+    return out + [""]
+
+
+def _schedule(run: _Run) -> list[str]:
+    sched = run.record.get("schedule") or []
+    if isinstance(sched, str):
+        sched = [sched]
+    out = ["## Schedule", ""]
+    if sched:
+        out += [f"{i}. `{s}`" for i, s in enumerate(sched, 1)]
+    else:
+        out.append(DASH)
+    return out + [""]
+
+
+def _final_eval(run: _Run, tasks: list[str]) -> list[str]:
+    last = _last_agg_eval(run)
+    out = ["## Final evaluation (aggregate)", ""]
+    if last is None:
+        return out + ["No aggregate eval logged.", ""]
+    out.append(f"Round {fmt(_round_of(last))}.")
+    out.append("")
+    rows = [
+        (
+            t,
+            _num(last.get(f"acc/{t}")),
+            _num(last.get(f"loss/{t}")),
+            _count(last.get(f"n/{t}")),
+            _num(last.get(f"retention/{t}")),
+        )
+        for t in tasks
+        if any(f"{p}/{t}" in last for p in ("acc", "loss", "n", "retention"))
+    ]
+    out += _table(("task", "accuracy", "loss", "n", "retention"), rows) if rows else ["No per-task metrics."]
+    out.append("")
+    if last.get("new_task") is not None or last.get("new_task_loss") is not None:
+        out += [f"New task: `{fmt(last.get('new_task'))}`, loss {fmt(_num(last.get('new_task_loss')))}.", ""]
+    return out
+
+
+def _routing(run: _Run) -> list[str]:
+    agg = run.agg_evals()
+    out = ["## Routing", ""]
+    if not agg:
+        return out + ["No aggregate eval logged.", ""]
+    last = agg[-1]
+    cv = _num(last.get("load_cv"))
+    verdict = DASH if cv is None else ("healthy" if cv < HEALTHY_LOAD_CV else f"above {HEALTHY_LOAD_CV:g}")
+    rows = []
+    for key, name, note in (
+        ("routing_kl", "routing KL to anchor", None),
+        ("load_cv", f"expert-load CV (healthy < {HEALTHY_LOAD_CV:g})", verdict),
+        ("top1_consistency", "top-1 consistency vs reference", None),
+    ):
+        _, ys = _series(agg, key)
+        rows.append((name, _num(last.get(key)), ys[0] if ys else None, max(ys) if ys else None, note))
+    out += _table(("metric", "final", "first", "max", "note"), rows)
+    out += ["", f"Final values from round {fmt(_round_of(last))}; first/max over all aggregate evals.", ""]
+    return out
+
+
+def _per_party(run: _Run, tasks: list[str]) -> list[str]:
+    out = ["## Per-party final metrics", ""]
+    parties = run.parties()
+    if not parties:
+        return out + ["No per-party events logged.", ""]
+    last_eval: dict[str, dict[str, Any]] = {}
+    last_train: dict[str, dict[str, Any]] = {}
+    for e in run.evals:
+        last_eval[_party_of(e)] = e
+    for e in run.train:
+        last_train[_party_of(e)] = e
+    header = [
+        "party",
+        "eval round",
+        *[f"acc/{t}" for t in tasks],
+        "routing KL",
+        "load CV",
+        "top-1 cons.",
+        "train round",
+        "train loss",
+    ]
+    rows = []
+    for p in [*parties, AGG]:
+        ev, tr = last_eval.get(p, {}), last_train.get(p, {})
+        rows.append(
+            [
+                f"**{p}**" if p == AGG else p,
+                _round_of(ev) if ev else None,
+                *[_num(ev.get(f"acc/{t}")) for t in tasks],
+                _num(ev.get("routing_kl")),
+                _num(ev.get("load_cv")),
+                _num(ev.get("top1_consistency")),
+                _round_of(tr) if tr else None,
+                _num(tr.get("loss")),
+            ]
+        )
+    return out + _table(header, rows) + [""]
+
+
+def _train_table(rows: list[dict[str, Any]], derived: bool) -> list[str]:
+    out = ["## Train rounds (aggregate)", ""]
+    if not rows:
+        return out + ["No train rounds logged.", ""]
+    body = [
+        (
+            f"{r['round']}*" if r.get("_derived") else r["round"],
+            r.get("phase_label"),
+            r.get("task"),
+            _arrow(r.get("loss_first"), r.get("loss_last")),
+            _num(r.get("loss")),
+            _num(r.get("aux_loss")),
+            _num(r.get("anchor_kl")),
+            _count(r.get("skipped_steps")),
+            _count(r.get("num_examples")),
+        )
+        for r in rows
+    ]
+    out += _table(
+        (
+            "round",
+            "phase",
+            "task",
+            "loss first → last",
+            "mean loss",
+            "aux loss",
+            "anchor KL",
+            "skipped steps",
+            "examples",
+        ),
+        body,
+    )
+    if derived:
+        out += ["", "\\* no aggregate event logged for this round; weighted mean of the party events."]
+    return out + [""]
+
+
+def _stats_table(run: _Run) -> list[str]:
+    agg = [e for e in run.stats if _party_of(e) == AGG]
+    if not agg:
+        return []
+    rows = [(_round_of(e), e.get("task"), e.get("anchor_version"), _num(e.get("num_sequences"))) for e in agg]
+    return [
+        "## Routing statistics rounds",
+        "",
+        *_table(("round", "task", "anchor version", "sequences"), rows),
+        "",
+    ]
+
+
+def _config(run: _Run) -> list[str]:
+    cfg = run.record.get("config")
+    if not isinstance(cfg, Mapping) or not cfg:
+        return []
+    rows = [(str(k), json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in sorted(cfg.items())]
+    return ["## Config", "", *_table(("key", "value"), rows), ""]
+
+
+def write_report(run_dir: str | os.PathLike[str]) -> Path:
+    """Write ``run_dir/report/report.md`` and its three PNG plots; return the Markdown path.
+
+    Raises FileNotFoundError when ``run_dir/metrics.jsonl`` is missing and ValueError when a line in its
+    middle is corrupt; anything else missing or partial is shown as "–" or an empty panel.
+    """
+    run = _load(Path(run_dir))
+    out_dir = run.run_dir / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tasks = run.tasks()
+    rows, derived = _train_rows(run)
+
+    _plot_loss(run, rows, out_dir / "loss.png")
+    _plot_routing(run, out_dir / "routing.png")
+    _plot_tasks(run, tasks, out_dir / "tasks.png")
+
+    md = [
+        *_header(run),
+        *_warnings(run),
+        *_schedule(run),
+        *_final_eval(run, tasks),
+        *_routing(run),
+        *_per_party(run, tasks),
+        *_train_table(rows, derived),
+        *_stats_table(run),
+        "## Plots",
+        "",
+        "![loss](loss.png)",
+        "",
+        "![routing](routing.png)",
+        "",
+        "![tasks](tasks.png)",
+        "",
+        *_config(run),
+    ]
+    path = out_dir / "report.md"
+    write_text_atomic(path, "\n".join(md).rstrip("\n") + "\n")
+    return path

@@ -1,0 +1,58 @@
+"""Router statistics: per-layer sums of per-sequence mean router distributions, ``[L, E]``.
+
+Each sequence contributes, per MoE layer, the mean of its valid tokens' softmax routing
+distributions (a row on the simplex), so every row of the sum equals the number of sequences and
+a sequence's contribution has L2 norm <= sqrt(L): the quantity the privacy plane noises. The
+anchor is the row-normalised aggregate.
+
+Must not: train, or send anything (the caller hands the array to the wire codec).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from distmoe.model.router import forward_with_router
+
+
+def per_sequence_mean_routing(router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor
+                              ) -> torch.Tensor:
+    """L x [B*S, E] logits, [B, S] mask -> [B, L, E] per-sequence mean distributions."""
+    b, s = attention_mask.shape
+    m = attention_mask.to(torch.float32)  # [B, S]
+    count = m.sum(1).clamp_min(1.0)  # [B]
+    rows = []
+    for z in router_logits:
+        p = torch.softmax(z.float(), dim=-1).reshape(b, s, -1)  # [B, S, E]
+        rows.append((p * m[..., None]).sum(1) / count[:, None])  # [B, E]
+    return torch.stack(rows, 1)  # [B, L, E]
+
+
+@torch.no_grad()
+def router_stats(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> tuple[np.ndarray, int]:
+    """Sum over sequences of per-sequence mean routing: ``([L, E] float64, num_sequences)``.
+
+    The model is put in eval mode; no gradients. Sequences with no valid token are skipped.
+    """
+    was_training = model.training
+    model.eval()
+    total: torch.Tensor | None = None
+    n = 0
+    try:
+        for batch in batches:
+            mask = batch["attention_mask"]
+            out = forward_with_router(model, batch["input_ids"], mask)
+            per_seq = per_sequence_mean_routing(out.router_logits, mask)  # [B, L, E]
+            keep = mask.sum(1) > 0  # [B]
+            s = per_seq[keep].sum(0).double()  # [L, E]
+            total = s if total is None else total + s
+            n += int(keep.sum())
+    finally:
+        model.train(was_training)
+    if total is None:
+        raise ValueError("router_stats: no sequences")
+    return total.numpy(), n

@@ -1,0 +1,281 @@
+"""``distmoe simulate``: a whole federated run on Flower's Simulation Engine, owned end to end.
+
+It validates the configuration and the party data first, creates ``runs/<id>/``, writes the
+default synthetic data when none is given, writes one node file per virtual SuperNode (so each
+one sees only its own party directory), and then runs ``flwr run <app> local --stream`` with:
+Flower's and Ray's state inside the run directory (``FLWR_HOME``, ``HOME``, ``TMPDIR``,
+``RAY_TMPDIR``), runtime dependency installation off, telemetry off, its own SuperLink port, and
+an overall timeout. Every process it started (the detached local SuperLink, its superexec, the
+simulation process and Ray) carries a per-run token in its environment and is stopped by PID at
+the end, whatever happened. Progress lines (``distmoe | ...``) are shown; the full Flower log is
+kept in ``runs/<id>/flower.log``. The exit status is 0 only if the run record says ``completed``.
+
+Must not: import ``flwr`` (it drives the ``flwr`` command like a user would).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from distmoe.config import ConfigError, parse_run_config, to_toml
+from distmoe.data.formats import DataError
+from distmoe.data.party import load_party
+
+TOKEN_ENV = "DISTMOE_RUN_TOKEN"
+AF_UNIX_MAX = 100  # Ray's socket paths must fit in sun_path (108 bytes) with its own suffixes
+
+
+class SimulationError(RuntimeError):
+    """The simulation could not be started or did not complete."""
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    overrides: dict
+    parties: int | None = None
+    data: Path | None = None
+    run_id: str | None = None
+    runs_dir: Path = Path("runs")
+    port: int | None = None
+    timeout: float = 3600.0
+    report: bool = True
+    echo: bool = True
+    cpus_per_party: int = 1
+
+
+def app_dir() -> Path:
+    """The Flower app directory (the source checkout holding pyproject.toml)."""
+    root = Path(__file__).resolve().parent.parent
+    pp = root / "pyproject.toml"
+    if not pp.exists() or "[tool.flwr.app]" not in pp.read_text():
+        raise SimulationError(f"the Flower app (pyproject.toml with [tool.flwr.app]) was not found at {root}; "
+                              "install distmoe from its source checkout with `pip install -e .`")
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _flwr_bin() -> str:
+    cand = Path(sys.executable).parent / "flwr"
+    if cand.exists():
+        return str(cand)
+    found = shutil.which("flwr")
+    if not found:
+        raise SimulationError("the `flwr` command was not found (is flwr installed in this environment?)")
+    return found
+
+
+def _party_dirs(data: Path) -> list[Path]:
+    if not data.is_dir():
+        raise DataError(f"--data {data}: not a directory")
+    dirs = sorted(p for p in data.iterdir() if p.is_dir() and any(p.glob("*.jsonl")))
+    if not dirs:
+        raise DataError(f"--data {data}: no party subdirectories with .jsonl files "
+                        "(expected DIR/<party>/<task>.jsonl)")
+    return dirs
+
+
+def processes_with_token(token: str) -> list[int]:
+    """PIDs of every process whose environment carries this run's token."""
+    needle = f"{TOKEN_ENV}={token}".encode()
+    me = os.getpid()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def stop_processes(token: str, grace: float = 5.0) -> list[int]:
+    """SIGTERM, then SIGKILL after ``grace`` seconds, every process of this run. Returns the PIDs."""
+    pids = processes_with_token(token)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and processes_with_token(token):
+        time.sleep(0.2)
+    for pid in processes_with_token(token):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
+    """Validate, create the run directory, data and node files; return (run_dir, party_dirs, overrides)."""
+    overrides = dict(opts.overrides)
+    cfg = parse_run_config(overrides)  # fail before anything is created
+    run_id = opts.run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+    run_dir = (opts.runs_dir / run_id).resolve()
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise SimulationError(f"run directory {run_dir} already exists and is not empty")
+    if opts.data is not None:
+        parties = _party_dirs(opts.data.resolve())
+        if opts.parties is not None and opts.parties != len(parties):
+            raise SimulationError(f"--parties {opts.parties} but --data {opts.data} has {len(parties)} "
+                                  "party directories")
+    else:
+        parties = None
+    from distmoe.data.synth import TASK_FAMILIES, write_synthetic
+
+    held = set(TASK_FAMILIES) if parties is None else {f.stem for p in parties for f in p.glob("*.jsonl")}
+    missing = [t for t in cfg.schedule.tasks if t not in held]
+    if missing:
+        raise ConfigError(f"config key 'schedule.phases': task(s) {', '.join(missing)} are held by no "
+                          f"party (tasks available: {', '.join(sorted(held))})")
+    for p in parties or []:  # validate every party's data before anything starts
+        load_party(p, cfg.data)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if parties is None:
+        n = opts.parties if opts.parties is not None else 3
+        parties = write_synthetic(run_dir / "data", n, cfg.data.synth_examples, cfg.run.seed)
+    nodes = run_dir / "nodes"
+    nodes.mkdir(exist_ok=True)
+    for i, p in enumerate(parties):
+        name = p.name
+        (nodes / f"node-{i}.toml").write_text(
+            f'data-path = "{p.resolve()}"\nparty-name = "{name}"\nwork-dir = "{run_dir / "work" / name}"\n')
+    overrides["run.dir"] = str(run_dir)
+    overrides["sim.nodes-dir"] = str(nodes)
+    overrides.setdefault("run.name", run_id)
+    overrides.setdefault("federation.min-parties", len(parties))
+    if int(overrides["federation.min-parties"]) > len(parties):
+        raise ConfigError(f"config key 'federation.min-parties': value {overrides['federation.min-parties']} "
+                          f"exceeds the number of parties ({len(parties)})")
+    parse_run_config(overrides)
+    (run_dir / "overrides.toml").write_text(to_toml(overrides))
+    return run_dir, parties, overrides
+
+
+def _env(run_dir: Path, port: int, token: str, threads: int) -> tuple[dict, Path | None]:
+    env = dict(os.environ)
+    for k in [k for k in env if k.startswith(("FLWR_", "RAY_"))]:
+        env.pop(k)
+    home = run_dir / "home"
+    tmp = run_dir / "tmp"
+    for d in (home, tmp):
+        d.mkdir(parents=True, exist_ok=True)
+    ray_dir = run_dir / "ray"
+    short = None
+    if len(str(ray_dir)) > AF_UNIX_MAX - 60:
+        # Ray's socket paths would overflow AF_UNIX: use a short private directory, removed at the end
+        short = Path(tempfile.mkdtemp(prefix="dmray-"))
+        ray_dir = short
+    ray_dir.mkdir(parents=True, exist_ok=True)
+    bindir = str(Path(sys.executable).parent)  # flower-superlink etc. live beside this interpreter
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    env.update({
+        TOKEN_ENV: token, "FLWR_HOME": str(run_dir / "flwr"), "HOME": str(home), "TMPDIR": str(tmp),
+        "RAY_TMPDIR": str(ray_dir), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port), "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(home / "hf"),
+        "HF_DATASETS_CACHE": str(home / "hf" / "datasets"), "MPLCONFIGDIR": str(home / "mpl"),
+        "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+        "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
+    })
+    return env, short
+
+
+def _read_record(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def run(opts: SimOptions) -> tuple[int, Path]:
+    """Run one simulation; returns (exit status, run directory)."""
+    run_dir, parties, overrides = prepare(opts)
+    cfg = parse_run_config(overrides)
+    port = opts.port or free_port()
+    token = secrets.token_hex(8)
+    env, short_ray = _env(run_dir, port, token, cfg.train.threads)
+    n = len(parties)
+    cmd = [_flwr_bin(), "run", str(app_dir()), "local", "--stream",
+           "--federation-config", f"num-supernodes={n} client-resources-num-cpus={opts.cpus_per_party}",
+           "--run-config", str(run_dir / "overrides.toml")]
+    say = (lambda s: print(s, flush=True)) if opts.echo else (lambda s: None)
+    say(f"distmoe simulate: run {run_dir.name} | {n} parties ({', '.join(p.name for p in parties)}) | "
+        f"schedule {cfg.schedule.total_rounds} rounds | SuperLink port {port}")
+    say(f"  run directory: {run_dir}")
+    log_path = run_dir / "flower.log"
+    t0 = time.monotonic()
+    status = "failed"
+    timed_out = False
+    try:
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(cmd, env=env, cwd=str(run_dir), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                    start_new_session=True)
+            timer = threading.Timer(opts.timeout, lambda: proc.kill())
+            timer.start()
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    log.write(line)
+                    log.flush()
+                    if "distmoe |" in line:
+                        say("  " + line.split("distmoe | ", 1)[1].rstrip())
+                    elif "distmoe client:" in line:
+                        say("  " + line.strip())
+                    rec_status = None
+                    if "run completed" in line or "run FAILED" in line:
+                        rec_status = _read_record(run_dir).get("status")
+                    if rec_status in ("completed", "failed"):
+                        break  # the ServerApp is done; do not wait for Flower's teardown chatter
+            finally:
+                timed_out = time.monotonic() - t0 >= opts.timeout
+                timer.cancel()
+        status = _read_record(run_dir).get("status", "failed")
+    finally:
+        stopped = stop_processes(token)
+        if proc.poll() is None:
+            proc.kill()
+        if short_ray is not None:
+            shutil.rmtree(short_ray, ignore_errors=True)
+    elapsed = time.monotonic() - t0
+    (run_dir / "simulate.json").write_text(json.dumps(
+        {"token": token, "port": port, "command": cmd, "stopped_pids": stopped, "wall_s": elapsed,
+         "remaining": processes_with_token(token)}, indent=2))
+    say(f"  stopped {len(stopped)} Flower/Ray processes; wall time {elapsed:.0f} s; log: {log_path}")
+    if status != "completed":
+        rec = _read_record(run_dir)
+        reason = rec.get("error") or ("timed out after --timeout " f"{opts.timeout:.0f} s" if timed_out
+                                      else "the Flower run ended without completing")
+        say(f"distmoe simulate: run FAILED: {reason}")
+        tail = log_path.read_text().splitlines()[-15:]
+        say("  last lines of the Flower log:\n    " + "\n    ".join(tail))
+        return 1, run_dir
+    if opts.report:
+        from distmoe.report.report import write_report
+
+        path = write_report(run_dir)
+        say(f"  report: {path}")
+    return 0, run_dir

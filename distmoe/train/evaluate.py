@@ -1,0 +1,117 @@
+"""Local evaluation at a party: per-task accuracy (greedy generation checked by the task's
+verifier) and answer loss on held-out data, plus routing metrics on a fixed set (the party's
+held-out examples of every evaluated task): routing KL to the anchor, expert-load CV and top-1
+consistency against a reference model.
+
+Returns aggregate numbers only (means and counts), never per-example values.
+
+Must not: read data files (the caller passes examples) or touch the wire.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from distmoe.config import EvalConfig
+from distmoe.data.formats import Example
+from distmoe.data.synth import check_answer
+from distmoe.data.template import collate, collate_prompts, encode_example, encode_prompt
+from distmoe.model.router import forward_with_router
+from distmoe.routing import metrics as rm
+from distmoe.routing.stats import per_sequence_mean_routing
+from distmoe.train.sft import causal_lm_loss
+
+
+def _chunks(xs: list, n: int):
+    for i in range(0, len(xs), n):
+        yield xs[i:i + n]
+
+
+@torch.no_grad()
+def answer_loss(model: nn.Module, tok, examples: list[Example], max_len: int, batch_size: int) -> float:
+    """Token-weighted mean CE on answer tokens."""
+    encoded = [encode_example(tok, ex, max_len) for ex in examples]
+    total, count = 0.0, 0
+    for chunk in _chunks(encoded, batch_size):
+        batch = collate(chunk, tok.pad_token_id)
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        total += float(causal_lm_loss(out.logits, batch["labels"])) * n
+        count += n
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def generate_answers(model: nn.Module, tok, examples: list[Example], max_len: int, cfg: EvalConfig
+                     ) -> list[str]:
+    prompts = [encode_prompt(tok, ex, max_len - cfg.max_new_tokens) for ex in examples]
+    answers: list[str] = []
+    eos = tok.eos_token_id
+    for chunk in _chunks(prompts, cfg.batch_size):
+        batch = collate_prompts(chunk, tok.pad_token_id)
+        out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             max_new_tokens=cfg.max_new_tokens, do_sample=False, eos_token_id=eos,
+                             pad_token_id=tok.pad_token_id, use_cache=True)
+        new = out[:, batch["input_ids"].shape[1]:]  # [B, T]
+        answers.extend(tok.batch_decode(new, skip_special_tokens=True))
+    return answers
+
+
+def task_accuracy(model: nn.Module, tok, task: str, examples: list[Example], max_len: int,
+                  cfg: EvalConfig) -> float:
+    preds = generate_answers(model, tok, examples, max_len, cfg)
+    ok = [check_answer(task, ex.prompt_messages[-1]["content"], p, ex.answer)
+          for ex, p in zip(examples, preds, strict=True)]
+    return sum(ok) / max(len(ok), 1)
+
+
+@torch.no_grad()
+def routing_on(model: nn.Module, tok, examples: list[Example], max_len: int, batch_size: int
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(per-sequence-mean routing summed [L, E], valid-token router logits L x [N, E])."""
+    encoded = [encode_example(tok, ex, max_len) for ex in examples]
+    total = None
+    valid: list[list[torch.Tensor]] = []
+    for chunk in _chunks(encoded, batch_size):
+        batch = collate(chunk, tok.pad_token_id)
+        out = forward_with_router(model, batch["input_ids"], batch["attention_mask"])
+        s = per_sequence_mean_routing(out.router_logits, batch["attention_mask"]).sum(0)  # [L, E]
+        total = s if total is None else total + s
+        valid.append(rm.select_valid(out.router_logits, batch["attention_mask"]))
+    layers = [torch.cat([v[li] for v in valid], 0) for li in range(len(valid[0]))]
+    return total, layers
+
+
+def evaluate_party(model: nn.Module, tok, heldout: dict[str, list[Example]], max_len: int,
+                   cfg: EvalConfig, num_experts: int, anchor: torch.Tensor | None,
+                   ref_model: nn.Module | None) -> dict[str, float]:
+    """Metrics keyed ``acc/<task>``, ``loss/<task>``, ``n/<task>`` and the routing keys.
+
+    A task the party does not hold gets ``n = 0`` and NaN accuracy/loss.
+    """
+    model.eval()
+    out: dict[str, float] = {}
+    fixed: list[Example] = []
+    for task, examples in heldout.items():
+        if not examples:
+            out.update({f"acc/{task}": math.nan, f"loss/{task}": math.nan, f"n/{task}": 0.0})
+            continue
+        out[f"acc/{task}"] = task_accuracy(model, tok, task, examples, max_len, cfg)
+        out[f"loss/{task}"] = answer_loss(model, tok, examples, max_len, cfg.batch_size)
+        out[f"n/{task}"] = float(len(examples))
+        fixed.extend(examples)
+    out.update({"routing_kl": math.nan, "load_cv": math.nan, "top1_consistency": math.nan})
+    if fixed:
+        summed, valid = routing_on(model, tok, fixed, max_len, cfg.batch_size)
+        out["load_cv"] = rm.load_cv(rm.top1_counts(valid, num_experts))
+        if anchor is not None:
+            out["routing_kl"] = rm.kl_to_anchor(summed / len(fixed), anchor)
+        if ref_model is not None:
+            ref_model.eval()
+            _, ref_valid = routing_on(ref_model, tok, fixed, max_len, cfg.batch_size)
+            agree, total = rm.top1_agreement(valid, ref_valid)
+            out["top1_consistency"] = agree / max(total, 1)
+    return out

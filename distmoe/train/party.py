@@ -1,0 +1,125 @@
+"""What a party does for each phase, as plain functions: instruction payload in, reply payload out.
+
+The ClientApp handlers are thin wrappers around these. Each call rebuilds the model from config
+(the tiny default is initialised identically from ``model.seed``; a checkpoint is loaded from the
+node's own path), checks that its frozen base matches the server's (``base_hash``), loads the
+global trainable weights, and reads only this party's own data directory. Nothing is kept in
+process memory between calls (in deployment every message runs in a new process).
+
+Must not: import ``flwr``, read another party's directory, or return anything but wire payloads.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+from distmoe.config import NodeConfig, RunConfig
+from distmoe.data.party import PartyData, load_party
+from distmoe.data.template import collate, encode_example
+from distmoe.model.build import build_model, describe
+from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state
+from distmoe.routing.stats import router_stats
+from distmoe.train.evaluate import evaluate_party
+from distmoe.train.sft import train_sft
+from distmoe.wire.schema import (
+    TRAIN_METRIC_KEYS,
+    EvalInstruction,
+    EvalReply,
+    ModelUpdate,
+    RouterStats,
+    SftInstruction,
+    StatsInstruction,
+    eval_metric_keys,
+)
+
+
+class PartyError(RuntimeError):
+    """The party cannot carry out an instruction (its message is sent back as the error reason)."""
+
+
+def _to_torch(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.array(v, dtype=np.float32, copy=True)) for k, v in weights.items()}
+
+
+def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarray], base_hash: str):
+    """Build the model, check the frozen base, load the global trainable weights."""
+    model, tok = build_model(cfg.model, node.model_path)
+    model = apply_trainable(model, cfg.model)
+    spec = spec_of(model, cfg.model.trainable)
+    if base_hash and spec.base_hash != base_hash:
+        raise PartyError(f"party {node.party}: the frozen base model differs from the server's "
+                         f"(hash {spec.base_hash[:12]} vs {base_hash[:12]}); every node must use the same "
+                         "model.path / model settings and library versions")
+    load_trainable(model, _to_torch(weights), spec)
+    return model, tok, spec
+
+
+def _party_seed(base: int, party: str) -> int:
+    return (base * 1_000_003 + zlib.crc32(party.encode())) % (2**31 - 1)
+
+
+def load_data(cfg: RunConfig, node: NodeConfig) -> PartyData:
+    return load_party(node.data_path, cfg.data)
+
+
+def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpdate:
+    torch.set_num_threads(cfg.train.threads)
+    data = load_data(cfg, node)
+    keys = TRAIN_METRIC_KEYS
+    if not data.has(instr.task):
+        # this party holds no data for the task: it contributes nothing (weight 0)
+        zero = {k: np.zeros_like(v, dtype=np.float32) for k, v in instr.weights.items()}
+        return ModelUpdate(party=node.party, delta=zero, num_examples=0, metrics={k: float("nan") for k in keys})
+    model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
+    ms = describe(model)
+    examples = data.train(instr.task)
+    encoded = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in examples]
+    anchor = None
+    if instr.anchor is not None:
+        anchor = torch.from_numpy(np.asarray(instr.anchor, dtype=np.float32))
+        if tuple(anchor.shape) != (ms.num_moe_layers, ms.num_experts):
+            raise PartyError(f"anchor shape {tuple(anchor.shape)} does not fit the model "
+                             f"({ms.num_moe_layers} MoE layers x {ms.num_experts} experts)")
+    before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
+    res = train_sft(model, encoded, tok.pad_token_id, cfg.train, cfg.routing, ms.num_experts, ms.top_k,
+                    anchor, seed=_party_seed(instr.seed, node.party))
+    after = trainable_state(model)
+    delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
+    s = res.summary()
+    metrics = {k: float(s[k]) for k in keys}
+    return ModelUpdate(party=node.party, delta=delta, num_examples=res.num_examples, metrics=metrics)
+
+
+def run_stats(cfg: RunConfig, node: NodeConfig, instr: StatsInstruction) -> RouterStats:
+    torch.set_num_threads(cfg.train.threads)
+    data = load_data(cfg, node)
+    tasks = [instr.task] if instr.task else list(data.tasks)
+    examples = [ex for t in tasks if data.has(t) for ex in data.train(t)]
+    model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash)
+    ms = describe(model)
+    if not examples:
+        return RouterStats(sums=np.zeros((ms.num_moe_layers, ms.num_experts), dtype=np.float64))
+    encoded = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in examples]
+    bs = cfg.eval.batch_size
+    batches = (collate(encoded[i:i + bs], tok.pad_token_id) for i in range(0, len(encoded), bs))
+    sums, _n = router_stats(model, batches)
+    return RouterStats(sums=sums)
+
+
+def run_eval(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> EvalReply:
+    torch.set_num_threads(cfg.train.threads)
+    data = load_data(cfg, node)
+    model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
+    ms = describe(model)
+    ref = None
+    if instr.ref_weights is not None:
+        ref, _, _ = prepare_model(cfg, node, instr.ref_weights, instr.base_hash)
+    heldout = {t: (data.heldout(t) if data.has(t) else []) for t in instr.tasks}
+    anchor = torch.from_numpy(np.asarray(instr.anchor)) if instr.anchor is not None else None
+    metrics = evaluate_party(model, tok, heldout, cfg.model.max_seq_len, cfg.eval, ms.num_experts,
+                             anchor, ref)
+    keys = eval_metric_keys(instr.tasks)
+    return EvalReply(party=node.party, metrics={k: float(metrics.get(k, float("nan"))) for k in keys})

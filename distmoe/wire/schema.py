@@ -1,0 +1,84 @@
+"""The closed set of payload types that cross the wire, each with exact keys.
+
+Server -> client: ``SftInstruction``, ``StatsInstruction``, ``EvalInstruction`` (global trainable
+weights, task, anchor, round plan). Client -> server: ``ModelUpdate`` (trainable-weight deltas, the
+example count used as the FedAvg weight, a fixed list of scalar metrics), ``RouterStats`` (the
+``[L, E]`` sum), ``EvalReply`` (aggregate numbers per task and routing metrics, never per-example
+values).
+
+Until the privacy plane lands, updates and router statistics travel as plain arrays: the server
+says so in a warning at run start and in the run record.
+
+Must not: import ``flwr`` types (``codec.py`` maps these payloads onto records).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+TRAIN_METRIC_KEYS = ("loss", "task_loss", "aux_loss", "anchor_kl", "loss_first", "loss_last",
+                     "steps", "skipped_steps", "time_s")
+EVAL_TASK_KEYS = ("acc", "loss", "n")
+EVAL_ROUTING_KEYS = ("routing_kl", "load_cv", "top1_consistency")
+
+
+def eval_metric_keys(tasks: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    return tuple(f"{k}/{t}" for t in tasks for k in EVAL_TASK_KEYS) + EVAL_ROUTING_KEYS
+
+
+@dataclass(frozen=True)
+class SftInstruction:
+    round: int
+    task: str
+    weights: dict[str, np.ndarray]
+    base_hash: str
+    seed: int
+    anchor: np.ndarray | None  # [L, E]
+    anchor_version: int  # 0 = no anchor
+
+
+@dataclass(frozen=True)
+class StatsInstruction:
+    round: int
+    task: str  # "" = every local task
+    weights: dict[str, np.ndarray]
+    base_hash: str
+
+
+@dataclass(frozen=True)
+class EvalInstruction:
+    round: int
+    tasks: tuple[str, ...]
+    new_task: str
+    weights: dict[str, np.ndarray]
+    base_hash: str
+    ref_weights: dict[str, np.ndarray] | None  # the global model before the current task
+    anchor: np.ndarray | None
+    anchor_version: int
+
+
+@dataclass(frozen=True)
+class ModelUpdate:
+    party: str  # the party's declared name (an identifier, validated)
+    delta: dict[str, np.ndarray]  # local - global, per trainable tensor
+    num_examples: int
+    metrics: dict[str, float]  # exactly TRAIN_METRIC_KEYS
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    sums: np.ndarray  # [L, E] float64: sum over sequences of per-sequence mean routing
+    # no separate count: every row sums to the number of sequences
+
+
+@dataclass(frozen=True)
+class EvalReply:
+    party: str
+    metrics: dict[str, float]  # exactly eval_metric_keys(tasks); NaN where not available
+
+
+PAYLOAD_TAGS = {SftInstruction: "sft-instruction", StatsInstruction: "stats-instruction",
+                EvalInstruction: "eval-instruction", ModelUpdate: "model-update",
+                RouterStats: "router-stats", EvalReply: "eval-reply"}

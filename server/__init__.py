@@ -1,0 +1,1 @@
+"""The distmoe ServerApp (thin: a Grid transport around ``distmoe.coordinator``)."""

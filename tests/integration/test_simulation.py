@@ -1,0 +1,83 @@
+"""End to end on Flower's Simulation Engine (``flwr run`` + Ray), through ``distmoe simulate``.
+
+Slow (about a minute): a real local SuperLink, a real simulation process with Ray, 3 virtual
+SuperNodes, a tiny model, 2 SFT rounds then stats and eval.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from distmoe.simulate import SimOptions, processes_with_token, run
+
+TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,
+        "model.kv-heads": 1, "model.head-dim": 32, "train.local-steps": 8, "data.synth-examples": 40,
+        "schedule.phases": "sft:lookup*2, stats:lookup, eval", "checkpoint.keep": 10,
+        "train.lr": 5e-3, "train.lr-experts": 5e-3, "train.lr-router": 5e-3}
+
+
+@pytest.mark.slow
+def test_simulate_three_parties_two_rounds(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "outer-home"))  # nothing may land in the caller's home
+    (tmp_path / "outer-home").mkdir()
+    code, run_dir = run(SimOptions(overrides=dict(TINY), parties=3, runs_dir=tmp_path / "runs",
+                                   run_id="it", timeout=600, echo=True))
+    log = (run_dir / "flower.log").read_text() if (run_dir / "flower.log").exists() else ""
+    assert code == 0, f"simulate failed; log tail:\n{log[-4000:]}"
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["status"] == "completed"
+    assert any("privacy plane not active" in w for w in rec["warnings"])
+
+    # each virtual SuperNode got exactly one party directory
+    nodes = sorted((run_dir / "nodes").glob("node-*.toml"))
+    assert [n.name for n in nodes] == ["node-0.toml", "node-1.toml", "node-2.toml"]
+
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [e for e in events if e["event"] == "train"]
+    parties = {e["party"] for e in train}
+    assert parties == {"party-0", "party-1", "party-2", "all"}
+    agg = [e for e in train if e["party"] == "all"]
+    assert [e["round"] for e in agg] == [1, 2]
+    assert agg[-1]["loss_last"] < agg[0]["loss_first"], "the task loss did not fall"
+    assert any(e["event"] == "stats" for e in events)
+    final = [e for e in events if e["event"] == "eval" and e["party"] == "all"][-1]
+    assert final["n/lookup"] > 0 and 0.0 <= final["acc/lookup"] <= 1.0
+    assert final["routing_kl"] is not None and final["routing_kl"] >= 0.0
+
+    # parameters changed: round-0 vs round-2 checkpoints; manifest-hashed, atomic names only
+    ck = run_dir / "checkpoints"
+    assert (ck / "LATEST").read_text().strip() == "round-2"
+    w0 = load_file(str(ck / "round-0" / "trainable.safetensors"))
+    w2 = load_file(str(ck / "round-2" / "trainable.safetensors"))
+    changed = sum(int((w0[k] != w2[k]).any()) for k in w0)
+    assert changed > len(w0) // 2
+    assert not list(ck.glob(".tmp-*"))
+    assert list((run_dir / "anchors").glob("round-*.npz"))
+
+    # Flower's and Ray's state stayed inside the run directory; every process was stopped
+    assert (run_dir / "flwr").is_dir()
+    assert not (tmp_path / "outer-home" / ".flwr").exists()
+    assert (run_dir / "report" / "report.md").exists()
+    sim = json.loads((run_dir / "simulate.json").read_text())
+    assert sim["stopped_pids"], "simulate must have stopped the SuperLink it started"
+    assert processes_with_token(sim["token"]) == []
+    leftovers = [line for line in log.splitlines() if "Traceback" in line]
+    assert not leftovers, log[-3000:]
+
+
+@pytest.mark.slow
+def test_simulate_fails_cleanly_on_bad_party_data(tmp_path: Path):
+    from distmoe.data.formats import DataError
+
+    data = tmp_path / "data"
+    (data / "a").mkdir(parents=True)
+    (data / "b").mkdir()
+    (data / "a" / "lookup.jsonl").write_text('{"instruction": "k1", "output": "ABC"}\n')
+    (data / "b" / "lookup.jsonl").write_text('{"instruction": "k1", "output": "ABC"}\n{"instruction": 3}\n')
+    with pytest.raises(DataError, match=r"lookup.jsonl:2: field 'instruction'"):
+        run(SimOptions(overrides=dict(TINY), data=data, runs_dir=tmp_path / "runs", run_id="bad", echo=False))
+    assert not (tmp_path / "runs" / "bad").exists(), "nothing may be created before validation passes"

@@ -1,0 +1,239 @@
+"""Unit tests: run-config defaults, validation errors, schedule grammar, overrides, node config."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from distmoe.config import (
+    DEFAULTS,
+    ConfigError,
+    SimConfig,
+    load_override_file,
+    parse_kv_pairs,
+    parse_node_config,
+    parse_run_config,
+    resolve,
+    to_toml,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict):
+            out.update(_flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def _raises(overrides: dict, *needles: str) -> str:
+    with pytest.raises(ConfigError) as ei:
+        parse_run_config(overrides)
+    msg = str(ei.value)
+    for n in needles:
+        assert n in msg, f"{n!r} not in error message {msg!r}"
+    return msg
+
+
+# ------------------------------------------------------------------------------------------ defaults
+def test_defaults_equal_pyproject_app_config():
+    with (ROOT / "pyproject.toml").open("rb") as fh:
+        tree = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
+    flat = _flatten(tree)
+    assert sorted(flat) == sorted(DEFAULTS), (
+        f"only in pyproject: {sorted(set(flat) - set(DEFAULTS))}, "
+        f"only in DEFAULTS: {sorted(set(DEFAULTS) - set(flat))}")
+    for k, v in DEFAULTS.items():
+        assert flat[k] == v and type(flat[k]) is type(v), f"{k}: pyproject {flat[k]!r} vs DEFAULTS {v!r}"
+
+
+def test_defaults_parse():
+    cfg = parse_run_config({})
+    assert cfg.as_flat() == DEFAULTS
+    assert cfg.model.seed == cfg.data.seed == DEFAULTS["run.seed"]
+    assert cfg.model.top_k == DEFAULTS["model.top-k"]
+
+
+def test_shipped_config_files_validate():
+    files = sorted((ROOT / "configs").glob("*.toml"))
+    for f in files:
+        overrides = load_override_file(f)
+        try:
+            parse_run_config(overrides)
+        except ConfigError as exc:  # pragma: no cover - the message is the point
+            pytest.fail(f"{f.name}: {exc}")
+
+
+def test_override_file_nested_tables_and_errors(tmp_path):
+    f = tmp_path / "x.toml"
+    f.write_text('[train]\nlocal-steps = 7\n[routing]\n"anchor-kl-coef" = 0.25\n')
+    flat = load_override_file(f)
+    assert flat == {"train.local-steps": 7, "routing.anchor-kl-coef": 0.25}
+    cfg = parse_run_config(flat)
+    assert cfg.train.local_steps == 7 and cfg.routing.anchor_kl_coef == 0.25
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_override_file(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_override_file(tmp_path / "missing.toml")
+
+
+# ------------------------------------------------------------------------------------------ errors
+def test_unknown_key_names_the_key():
+    msg = _raises({"train.local-stepz": 3}, "train.local-stepz")
+    assert "train.local-steps" in msg  # the hint lists the keys of the section
+    with pytest.raises(ConfigError, match="bogus.key"):
+        resolve({"bogus.key": 1})
+
+
+def test_wrong_types_name_key_and_value():
+    _raises({"train.local-steps": "5"}, "train.local-steps", "'5'")
+    _raises({"train.lr": True}, "train.lr", "True")
+    _raises({"model.layers": 2.5}, "model.layers", "2.5")
+    _raises({"model.lora-router": 1}, "model.lora-router", "1")
+    _raises({"model.trainable": 3}, "model.trainable", "3")
+    _raises({"train.lr": float("nan")}, "train.lr")
+
+
+def test_numeric_coercions_that_are_allowed():
+    cfg = parse_run_config({"train.lr": 1, "train.local-steps": 4.0})
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.train.local_steps == 4 and isinstance(cfg.train.local_steps, int)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    ({"model.experts": 4, "model.top-k": 5}, "model.top-k"),
+    ({"data.eval-fraction": 0}, "data.eval-fraction"),
+    ({"data.eval-fraction": 0.95}, "data.eval-fraction"),
+    ({"train.grad-clip": 0}, "train.grad-clip"),
+    ({"train.local-steps": 0}, "train.local-steps"),
+    ({"train.lr": -0.1}, "train.lr"),
+    ({"routing.anchor-granularity": "x"}, "routing.anchor-granularity"),
+    ({"model.trainable": "x"}, "model.trainable"),
+    ({"model.heads": 4, "model.kv-heads": 3}, "model.kv-heads"),
+    ({"model.experts": 1, "model.top-k": 1}, "model.experts"),
+    ({"federation.wait-timeout": 0.5}, "federation.wait-timeout"),
+    ({"checkpoint.keep": 0}, "checkpoint.keep"),
+    ({"run.seed": -1}, "run.seed"),
+])
+def test_out_of_range_names_the_key(overrides, key):
+    _raises(overrides, f"'{key}'")
+
+
+# ------------------------------------------------------------------------------------------ schedule
+def test_schedule_grammar():
+    cfg = parse_run_config({"schedule.phases": "sft:arith*3, eval, stats:arith, sft:strings, eval",
+                            "schedule.sft-rounds": 2})
+    ph = cfg.schedule.phases
+    assert [p.kind for p in ph] == ["sft", "eval", "stats", "sft", "eval"]
+    assert [p.task for p in ph] == ["arith", None, "arith", "strings", None]
+    assert [p.rounds for p in ph] == [3, 1, 1, 2, 1]  # sft:strings takes schedule.sft-rounds
+    assert cfg.schedule.total_rounds == 8
+    assert cfg.schedule.tasks == ("arith", "strings")
+    assert ph[0].label() == "sft:arith" and ph[1].label() == "eval"
+
+
+def test_schedule_arrow_separators_and_stats_without_task():
+    cfg = parse_run_config({"schedule.phases": "sft:arith -> stats -> sft:lookup*4->eval"})
+    ph = cfg.schedule.phases
+    assert [(p.kind, p.task, p.rounds) for p in ph] == [
+        ("sft", "arith", 3), ("stats", None, 1), ("sft", "lookup", 4), ("eval", None, 1)]
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("sft", "needs a task"),
+    ("sft:arith, eval:x", "eval takes no task"),
+    ("train:arith", "unknown kind"),
+    ("sft:arith, stats*2", "only sft phases"),
+    ("sft:ar.th", "invalid task name"),
+    ("sft:arith*0", "at least 1 round"),
+    (" , ", "no phases"),
+    ("sft:arith; eval", "malformed"),
+])
+def test_schedule_errors(text, needle):
+    _raises({"schedule.phases": text}, "schedule.phases", needle)
+
+
+# ------------------------------------------------------------------------------------------ overrides
+def test_parse_kv_pairs_types():
+    out = parse_kv_pairs("train.lr=0.01 run.name='my run' model.layers=3 model.lora-router=false "
+                         'run.dir="/tmp/a b" model.trainable=router+experts train.local-steps=-2')
+    assert out == {"train.lr": 0.01, "run.name": "my run", "model.layers": 3, "model.lora-router": False,
+                   "run.dir": "/tmp/a b", "model.trainable": "router+experts", "train.local-steps": -2}
+    assert type(out["model.layers"]) is int and type(out["train.lr"]) is float
+    assert out["model.lora-router"] is False
+    with pytest.raises(ConfigError, match="cannot parse"):
+        parse_kv_pairs("train.lr=0.1 garbage")
+
+
+def test_to_toml_roundtrips():
+    cfg = parse_run_config({"run.name": 'a "quoted" \\ name', "train.lr": 0.0005, "model.lora-router": False,
+                            "schedule.phases": "sft:arith*2, eval", "model.trainable": "router+experts"})
+    flat = cfg.as_flat()
+    text = to_toml(flat)
+    back = _flatten(tomllib.loads(text))
+    assert back == flat
+    assert all(type(back[k]) is type(v) for k, v in flat.items())
+    assert parse_run_config(back) == cfg
+
+
+# ------------------------------------------------------------------------------------------ node config
+def test_node_config_missing_data_path():
+    with pytest.raises(ConfigError) as ei:
+        parse_node_config({}, SimConfig(nodes_dir=""))
+    assert "data-path" in str(ei.value) and "--node-config" in str(ei.value)
+    # partition-id alone (no nodes dir) is the same error
+    with pytest.raises(ConfigError, match="data-path"):
+        parse_node_config({"partition-id": 0}, SimConfig(nodes_dir=""))
+
+
+def test_node_config_data_path_not_a_directory(tmp_path):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="not a directory") as ei:
+        parse_node_config({"data-path": str(f)}, SimConfig(nodes_dir=""))
+    assert "data-path" in str(ei.value)
+    with pytest.raises(ConfigError, match="not a directory"):
+        parse_node_config({"data-path": str(tmp_path / "nope")}, SimConfig(nodes_dir=""))
+    with pytest.raises(ConfigError, match="data-path"):
+        parse_node_config({"data-path": 3}, SimConfig(nodes_dir=""))
+
+
+def test_node_config_deployment_defaults(tmp_path):
+    d = tmp_path / "hospital-a"
+    d.mkdir()
+    node = parse_node_config({"data-path": str(d)}, SimConfig(nodes_dir=""))
+    assert node.party == "hospital-a"
+    assert node.data_path == d
+    assert node.model_path == ""
+    assert node.work_dir != d and node.work_dir.parent == tmp_path
+    named = parse_node_config({"data-path": str(d), "party-name": "alice", "work-dir": str(tmp_path / "w")},
+                              SimConfig(nodes_dir=""))
+    assert named.party == "alice" and named.work_dir == tmp_path / "w"
+    with pytest.raises(ConfigError, match="party-name"):
+        parse_node_config({"data-path": str(d), "party-name": "a b"}, SimConfig(nodes_dir=""))
+
+
+def test_node_config_simulation_node_files(tmp_path):
+    nodes = tmp_path / "nodes"
+    nodes.mkdir()
+    d0, d1 = tmp_path / "party-0", tmp_path / "party-1"
+    d0.mkdir()
+    d1.mkdir()
+    (nodes / "node-0.toml").write_text(f'data-path = "{d0}"\n')
+    (nodes / "node-1.toml").write_text(f'data-path = "{d1}"\nparty-name = "bob"\n')
+    sim = SimConfig(nodes_dir=str(nodes))
+    n0 = parse_node_config({"partition-id": 0, "num-partitions": 2}, sim)
+    assert n0.data_path == d0 and n0.party == "party-0"
+    n1 = parse_node_config({"partition-id": 1, "num-partitions": 2}, sim)
+    assert n1.data_path == d1 and n1.party == "bob"
+    with pytest.raises(ConfigError, match="node-5.toml"):
+        parse_node_config({"partition-id": 5}, sim)
