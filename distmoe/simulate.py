@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -150,6 +151,9 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
         raise ConfigError(f"config key 'schedule.phases': task(s) {', '.join(missing)} are held by no "
                           f"party (tasks available: {', '.join(sorted(held))})")
     for p in parties or []:  # validate every party's data before anything starts
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", p.name):
+            raise DataError(f"--data {opts.data}: party directory name {p.name!r} must be an identifier "
+                            "(letters, digits, '-', '_'): it becomes the party's name")
         load_party(p, cfg.data)
     run_dir.mkdir(parents=True, exist_ok=True)
     if parties is None:

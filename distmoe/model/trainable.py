@@ -130,7 +130,9 @@ def param_group(name: str, router_prefixes: tuple[str, ...]) -> str:
 
 
 def grouped_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
-    prefixes = tuple(n.replace("base_model.model.", "") for n, _ in router_modules(model))
+    # peft wraps an adapted router as "<router>.base_layer": its adapters live under "<router>."
+    prefixes = tuple(n.replace("base_model.model.", "").removesuffix(".base_layer")
+                     for n, _ in router_modules(model))
     groups: dict[str, list[nn.Parameter]] = {g: [] for g in GROUPS}
     for name, p in model.named_parameters():
         if p.requires_grad:

@@ -19,6 +19,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from distmoe.wire.schema import (
+    EVAL_ROUTING_KEYS,
     PAYLOAD_TAGS,
     TRAIN_METRIC_KEYS,
     EvalInstruction,
@@ -61,6 +62,7 @@ def encode(payload: object) -> RecordDict:
     tag = PAYLOAD_TAGS.get(type(payload))
     if tag is None:
         raise WireError(f"not a wire payload: {type(payload).__name__}")
+    _audit(payload, tag)
     meta: dict = {"payload": tag}
     rd: dict = {}
     p = payload
@@ -96,6 +98,26 @@ def encode(payload: object) -> RecordDict:
     return RecordDict(rd)
 
 
+def _audit(p: object, tag: str) -> None:
+    """Refuse to encode what decode would reject: non-finite arrays, negative counts, stray keys."""
+    arrays: dict[str, np.ndarray] = {}
+    for field_name in ("weights", "ref_weights", "delta"):
+        arrays.update({f"{field_name}.{k}": v for k, v in (getattr(p, field_name, None) or {}).items()})
+    for field_name in ("anchor", "sums"):
+        if getattr(p, field_name, None) is not None:
+            arrays[field_name] = getattr(p, field_name)
+    for k, v in arrays.items():
+        a = np.asarray(v)
+        if a.dtype.kind not in "fiu":
+            raise WireError(f"{tag}: array {k!r} has dtype {a.dtype}, expected a numeric array")
+        if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+            raise WireError(f"{tag}: array {k!r} contains NaN or Inf")
+    if isinstance(p, ModelUpdate) and p.num_examples < 0:
+        raise WireError(f"{tag}: negative num_examples {p.num_examples}")
+    if isinstance(p, EvalReply):
+        _check_eval_keys(p.metrics, tag)
+
+
 def _party(name: str) -> str:
     if not isinstance(name, str) or not _PARTY_RE.match(name):
         raise WireError(f"party name {name!r} is not an identifier (letters, digits, '-', '_'; <= 64)")
@@ -116,6 +138,31 @@ def _expect_records(content: RecordDict, required: set[str], optional: set[str],
                         f"(missing {sorted(missing)}, unexpected {sorted(extra)})")
 
 
+META_KEYS = {
+    SftInstruction: {"payload", "round", "task", "base_hash", "seed", "anchor_version"},
+    StatsInstruction: {"payload", "round", "task", "base_hash"},
+    EvalInstruction: {"payload", "round", "tasks", "new_task", "base_hash", "anchor_version"},
+    ModelUpdate: {"payload", "num_examples", "party"},
+    RouterStats: {"payload"},
+    EvalReply: {"payload", "party"},
+}
+_EVAL_KEY_RE = re.compile(r"^(acc|loss|n)/[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+def _check_eval_keys(keys, tag: str) -> None:
+    bad = sorted(k for k in keys if k not in EVAL_ROUTING_KEYS and not _EVAL_KEY_RE.match(k))
+    if bad:
+        raise WireError(f"{tag}: metric keys outside the schema: {bad[:5]} (allowed: acc|loss|n/<task>, "
+                        f"{', '.join(EVAL_ROUTING_KEYS)})")
+
+
+def _single(rec: ArrayRecord, key: str, tag: str) -> np.ndarray:
+    arrays = _read_arrays(rec, tag)
+    if set(arrays) != {key}:
+        raise WireError(f"{tag}: arrays {sorted(arrays)} != [{key!r}]")
+    return arrays[key]
+
+
 def decode(content: RecordDict, expected: type | None = None) -> object:
     if "meta" not in content.config_records:
         raise WireError("record has no 'meta' ConfigRecord: not a distmoe payload")
@@ -126,10 +173,13 @@ def decode(content: RecordDict, expected: type | None = None) -> object:
         raise WireError(f"unknown payload type {tag!r}")
     if expected is not None and typ is not expected:
         raise WireError(f"expected {PAYLOAD_TAGS[expected]!r}, got {tag!r}")
+    extra_meta = sorted(set(meta.keys()) - META_KEYS[typ])
+    if extra_meta:
+        raise WireError(f"{tag}: unexpected meta fields {extra_meta}")
     try:
         if typ is SftInstruction:
             _expect_records(content, {"meta", "arrays"}, {"anchor"}, tag)
-            anchor = _read_arrays(content.array_records["anchor"], tag)["probs"] if "anchor" in content else None
+            anchor = _single(content.array_records["anchor"], "probs", tag) if "anchor" in content else None
             return SftInstruction(round=int(meta["round"]), task=str(meta["task"]),
                                   weights=_read_arrays(content.array_records["arrays"], tag),
                                   base_hash=str(meta["base_hash"]), seed=int(meta["seed"]),
@@ -141,7 +191,7 @@ def decode(content: RecordDict, expected: type | None = None) -> object:
                                     base_hash=str(meta["base_hash"]))
         if typ is EvalInstruction:
             _expect_records(content, {"meta", "arrays"}, {"ref", "anchor"}, tag)
-            anchor = _read_arrays(content.array_records["anchor"], tag)["probs"] if "anchor" in content else None
+            anchor = _single(content.array_records["anchor"], "probs", tag) if "anchor" in content else None
             ref = _read_arrays(content.array_records["ref"], tag) if "ref" in content else None
             return EvalInstruction(round=int(meta["round"]), tasks=tuple(meta["tasks"]),
                                    new_task=str(meta["new_task"]),
@@ -161,13 +211,11 @@ def decode(content: RecordDict, expected: type | None = None) -> object:
                                metrics={k: float(v) for k, v in metrics.items()})
         if typ is RouterStats:
             _expect_records(content, {"meta", "stats"}, set(), tag)
-            arrays = _read_arrays(content.array_records["stats"], tag)
-            if set(arrays) != {"sums"}:
-                raise WireError(f"{tag}: arrays {sorted(arrays)} != ['sums']")
-            return RouterStats(sums=arrays["sums"])
+            return RouterStats(sums=_single(content.array_records["stats"], "sums", tag))
         if typ is EvalReply:
             _expect_records(content, {"meta", "metrics"}, set(), tag)
             metrics = {k: float(v) for k, v in content.metric_records["metrics"].items()}
+            _check_eval_keys(metrics, tag)
             return EvalReply(party=_party(str(meta["party"])), metrics=metrics)
     except KeyError as exc:
         raise WireError(f"{tag}: missing field {exc}") from None

@@ -69,7 +69,6 @@ def test_simulate_three_parties_two_rounds(tmp_path: Path, monkeypatch):
     assert not leftovers, log[-3000:]
 
 
-@pytest.mark.slow
 def test_simulate_fails_cleanly_on_bad_party_data(tmp_path: Path):
     from distmoe.data.formats import DataError
 
@@ -77,7 +76,8 @@ def test_simulate_fails_cleanly_on_bad_party_data(tmp_path: Path):
     (data / "a").mkdir(parents=True)
     (data / "b").mkdir()
     (data / "a" / "lookup.jsonl").write_text('{"instruction": "k1", "output": "ABC"}\n')
-    (data / "b" / "lookup.jsonl").write_text('{"instruction": "k1", "output": "ABC"}\n{"instruction": 3}\n')
+    bad = '{"instruction": "k1", "output": "ABC"}\n{"instruction": 3, "output": "x"}\n'
+    (data / "b" / "lookup.jsonl").write_text(bad)
     with pytest.raises(DataError, match=r"lookup.jsonl:2: field 'instruction'"):
         run(SimOptions(overrides=dict(TINY), data=data, runs_dir=tmp_path / "runs", run_id="bad", echo=False))
     assert not (tmp_path / "runs" / "bad").exists(), "nothing may be created before validation passes"

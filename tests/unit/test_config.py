@@ -144,8 +144,9 @@ def test_schedule_grammar():
 def test_schedule_arrow_separators_and_stats_without_task():
     cfg = parse_run_config({"schedule.phases": "sft:arith -> stats -> sft:lookup*4->eval"})
     ph = cfg.schedule.phases
+    default = DEFAULTS["schedule.sft-rounds"]
     assert [(p.kind, p.task, p.rounds) for p in ph] == [
-        ("sft", "arith", 3), ("stats", None, 1), ("sft", "lookup", 4), ("eval", None, 1)]
+        ("sft", "arith", default), ("stats", None, 1), ("sft", "lookup", 4), ("eval", None, 1)]
 
 
 @pytest.mark.parametrize("text,needle", [
@@ -175,7 +176,8 @@ def test_parse_kv_pairs_types():
 
 
 def test_to_toml_roundtrips():
-    cfg = parse_run_config({"run.name": 'a "quoted" \\ name', "train.lr": 0.0005, "model.lora-router": False,
+    cfg = parse_run_config({"run.name": 'a "quoted" \\ name', "train.lr": 0.0005, "train.lr-router": 1e-5,
+                            "model.lora-router": False,
                             "schedule.phases": "sft:arith*2, eval", "model.trainable": "router+experts"})
     flat = cfg.as_flat()
     text = to_toml(flat)

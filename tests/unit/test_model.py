@@ -229,6 +229,26 @@ def test_lora_trainable_adapters(make_cfg):
     assert spec.base_hash == spec_of(again, "lora").base_hash
 
 
+def test_router_recorder_on_lora_model(make_cfg):
+    cfg = make_cfg(**{"model.trainable": "lora"})
+    model = apply_trainable(build_model(cfg.model)[0], cfg.model)
+    assert describe(model).moe_layers == (0, 1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    ids = _ids(2, 5)
+    with torch.no_grad(), RouterRecorder(model) as rec:
+        out = forward_with_router(model, ids, torch.ones_like(ids))
+    with torch.no_grad():
+        base = forward_with_router(build_model(cfg.model)[0], ids, torch.ones_like(ids))
+    for li in range(2):
+        assert len(rec.calls[li]) == 1
+        torch.testing.assert_close(rec.calls[li][0], out.router_logits[li])
+        # the adapter on the router changes the routing (the hook sees adapted logits)
+        assert not torch.allclose(out.router_logits[li], base.router_logits[li], atol=1e-4)
+
+
 def test_lora_without_router_adapter(make_cfg):
     cfg = make_cfg(**{"model.trainable": "lora", "model.lora-router": False})
     model = apply_trainable(build_model(cfg.model)[0], cfg.model)
@@ -267,9 +287,12 @@ def test_grouped_parameters_lora_mode(make_cfg):
     groups = grouped_parameters(model)
     by_id = {id(p): n for n, p in model.named_parameters()}
     names = {g: sorted(by_id[id(p)] for p in ps) for g, ps in groups.items()}
+    gate_adapters = sorted(n for n in trainable_names(model) if ".mlp.gate." in n)
+    assert len(gate_adapters) == 4  # lora_A and lora_B on each of the 2 routers
+    misplaced = {g: [n for n in gate_adapters if n in names[g]] for g in ("experts", "rest")}
+    assert names["router"] == gate_adapters, f"router LoRA adapters not in the router group: {misplaced}"
     assert names["experts"] and all(".experts." in n for n in names["experts"])
     assert all("self_attn" in n for n in names["rest"]), names["rest"]
-    assert len(names["router"]) == 4 and all(".mlp.gate." in n for n in names["router"]), names["router"]
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -194,3 +194,25 @@ def test_evaluate_party_nothing_held_out(make_cfg):
     assert out["n/arith"] == 0.0
     assert all(math.isnan(out[k]) for k in ("acc/arith", "loss/arith", "routing_kl", "load_cv",
                                             "top1_consistency"))
+
+
+def test_generation_and_loss_do_not_depend_on_batching(make_cfg, party):
+    """Left-padded batched generation and right-padded loss give the same results as one by one."""
+    from distmoe.train.evaluate import answer_loss, generate_answers
+
+    cfg = make_cfg(**{"eval.max-new-tokens": 5, "eval.batch-size": 8})
+    model, tok = build_model(cfg.model)
+    with torch.no_grad():  # sharpen the random model so that its greedy outputs vary per prompt
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(50)
+    exs = party.train("arith")[:3] + party.train("strings")[:3]
+    max_len = cfg.model.max_seq_len
+    batched = generate_answers(model, tok, exs, max_len, cfg.eval)
+    single = [generate_answers(model, tok, [e], max_len, cfg.eval)[0] for e in exs]
+    assert batched == single
+    assert len(set(batched)) > 1
+    losses = [answer_loss(model, tok, [e], max_len, 8) for e in exs]
+    counts = [sum(1 for x in encode_example(tok, e, max_len)[1][1:] if x != -100) for e in exs]
+    expected = sum(v * n for v, n in zip(losses, counts, strict=True)) / sum(counts)
+    assert answer_loss(model, tok, exs, max_len, 8) == pytest.approx(expected, rel=1e-4)

@@ -1,0 +1,311 @@
+"""Unit tests: the coordinator's schedule over the in-process transport, and weighted averaging.
+
+The parties run in this process (``LocalTransport``), but every instruction and reply still goes
+through the wire codec.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+import distmoe.train.evaluate as evaluate_mod
+from distmoe.aggregate import AggregationError, weighted_average
+from distmoe.checkpoint import CheckpointError, latest, verify_checkpoint
+from distmoe.config import load_override_file, parse_node_config, parse_run_config
+from distmoe.coordinator import Coordinator, RunFailed
+from distmoe.model.build import build_model, hash_tensors
+from distmoe.model.trainable import apply_trainable, trainable_state
+from distmoe.report.metrics_log import read_metrics
+from distmoe.wire.local import LocalTransport
+
+SCHEDULE = "sft:arith*2, eval, stats:arith, sft:strings, eval"
+RUN = {"schedule.phases": SCHEDULE, "schedule.sft-rounds": 1, "train.local-steps": 3, "train.batch-size": 4,
+       "data.max-eval-examples": 3, "eval.max-new-tokens": 3, "eval.batch-size": 8,
+       "federation.wait-timeout": 1.0, "checkpoint.keep": 2}
+
+
+def _nodes(cfg, dirs):
+    return {100 + i: parse_node_config({"data-path": str(d)}, cfg.sim) for i, d in enumerate(dirs)}
+
+
+def _coordinator(cfg, dirs, run_dir, lines=None):
+    transport = LocalTransport(cfg, _nodes(cfg, dirs))
+    log = (lines.append if lines is not None else (lambda _s: None))
+    return Coordinator(cfg, run_dir, transport, run_id="test-run", log=log), transport
+
+
+def _events(run_dir, event):
+    return [e for e in read_metrics(run_dir / "metrics.jsonl") if e.get("event") == event]
+
+
+@pytest.fixture(scope="module")
+def full_run(synth_dirs, make_cfg, tmp_path_factory):
+    """One run of the whole schedule with deterministic accuracies (the tiny model learns nothing
+    in 9 local steps, and retention is only defined against a non-zero baseline)."""
+    cfg = make_cfg(**RUN)
+    run_dir = tmp_path_factory.mktemp("run") / "run"
+    calls = {"arith": 0}
+    real = evaluate_mod.task_accuracy
+
+    def fake_accuracy(model, tok, task, examples, max_len, ecfg):
+        real(model, tok, task, examples[:1], max_len, ecfg)  # the real generation path still runs
+        if task == "arith":
+            calls["arith"] += 1
+            return 0.5 if calls["arith"] <= 2 else 0.25  # first eval (2 parties), then the last eval
+        return 0.75
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(evaluate_mod, "task_accuracy", fake_accuracy)
+    lines: list[str] = []
+    try:
+        coord, _ = _coordinator(cfg, synth_dirs, run_dir, lines)
+        t0 = time.perf_counter()
+        record = coord.run()
+        elapsed = time.perf_counter() - t0
+    finally:
+        mp.undo()
+    return {"cfg": cfg, "dir": run_dir, "record": record, "lines": lines, "elapsed": elapsed,
+            "arith_calls": calls["arith"]}
+
+
+# ------------------------------------------------------------------------------------------ full run
+def test_run_record_and_config(full_run):
+    run_dir, cfg = full_run["dir"], full_run["cfg"]
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["status"] == "completed" and rec["error"] is None
+    assert rec["finished"] >= rec["started"]
+    assert rec["schedule"] == ["sft:arith*2", "eval", "stats:arith", "sft:strings", "eval"]
+    assert cfg.schedule.total_rounds == 6
+    assert rec["model"]["router_spec"]["num_experts"] == 4
+    assert parse_run_config(load_override_file(run_dir / "config.toml")) == cfg
+    ends = _events(run_dir, "run_end")
+    assert len(ends) == 1 and ends[0]["status"] == "completed"
+    assert ends[0]["rounds"] == cfg.schedule.total_rounds
+    assert full_run["arith_calls"] == 4  # two parties x two evaluations
+
+
+def test_train_events_per_party_and_all(full_run):
+    run_dir, cfg = full_run["dir"], full_run["cfg"]
+    train = _events(run_dir, "train")
+    # rounds: sft:arith (1, 2), eval (3), stats:arith (4), sft:strings (5), eval (6)
+    sft_rounds = [1, 2, 5]
+    assert sorted({e["round"] for e in train}) == sft_rounds
+    assert {e["task"] for e in train if e["round"] < 5} == {"arith"}
+    assert {e["task"] for e in train if e["round"] == 5} == {"strings"}
+    for r in sft_rounds:
+        parties = sorted(e["party"] for e in train if e["round"] == r)
+        assert parties == ["all", "party-0", "party-1"], (r, parties)
+    agg = [e for e in train if e["party"] == "all"]
+    assert all(e["parties"] == 2 and e["steps"] == 2 * cfg.train.local_steps for e in agg)
+    for e in train:
+        if e["party"] != "all":
+            assert e["steps"] == cfg.train.local_steps and e["skipped_steps"] == 0
+            assert e["num_examples"] > 0 and math.isfinite(e["task_loss"])
+    # after the stats phase the anchor reaches the parties and its KL is recorded
+    before = [e for e in train if e["round"] < 4]
+    after = [e for e in train if e["round"] > 4]
+    assert all(e["anchor_version"] == 0 and e.get("anchor_kl") is None for e in before)
+    assert all(e["anchor_version"] == 1 for e in after)
+    assert all(e["anchor_kl"] is not None and e["anchor_kl"] >= 0 for e in after)
+
+
+def test_stats_event_and_anchor_file(full_run):
+    run_dir = full_run["dir"]
+    stats = _events(run_dir, "stats")
+    assert len(stats) == 1
+    s = stats[0]
+    assert s["round"] == 4 and s["anchor_version"] == 1 and s["parties"] == 2 and s["task"] == "arith"
+    anchor_file = run_dir / "anchors" / "round-4.npz"
+    assert anchor_file.exists()
+    with np.load(anchor_file) as z:
+        probs = z["probs"]
+    assert probs.shape == (2, 4)
+    np.testing.assert_allclose(probs.sum(1), np.ones(2), atol=1e-5)
+    meta = json.loads(anchor_file.with_suffix(".json").read_text())
+    assert meta["round"] == 4 and meta["router_spec"]["moe_layers"] == [0, 1]
+    # every train example of both parties contributed one sequence
+    assert meta["num_sequences"] == pytest.approx(s["num_sequences"]) and s["num_sequences"] > 10
+
+
+def test_eval_events_accuracy_and_retention(full_run):
+    run_dir = full_run["dir"]
+    evals = _events(run_dir, "eval")
+    rounds = sorted({e["round"] for e in evals})
+    assert rounds == [3, 6]
+    first = [e for e in evals if e["round"] == 3]
+    last = [e for e in evals if e["round"] == rounds[-1]]
+    assert sorted(e["party"] for e in first) == sorted(e["party"] for e in last) == ["all", "party-0", "party-1"]
+    for e in first:
+        assert e["acc/arith"] == pytest.approx(0.5) and "retention/arith" not in e
+        assert "acc/strings" not in e  # strings not trained yet
+    for e in last:
+        assert e["acc/arith"] == pytest.approx(0.25)
+        assert e["acc/strings"] == pytest.approx(0.75)
+        assert e["retention/arith"] == pytest.approx(0.5)
+        assert e["new_task"] == "strings"
+        assert e["n/arith"] > 0 and math.isfinite(e["loss/arith"])
+        assert e["top1_consistency"] is not None and 0 <= e["top1_consistency"] <= 1
+        assert e["routing_kl"] is not None and e["routing_kl"] >= 0  # the anchor exists now
+    assert all(e["routing_kl"] is None for e in first)  # no anchor yet (NaN stored as null)
+    all_last = next(e for e in last if e["party"] == "all")
+    assert all_last["n/arith"] == sum(e["n/arith"] for e in last if e["party"] != "all")
+
+
+def test_checkpoints(full_run, tmp_path):
+    run_dir, cfg = full_run["dir"], full_run["cfg"]
+    root = run_dir / "checkpoints"
+    final_round, prev_round = 5, 2  # checkpoints after rounds 0, 1, 2, 5 (the sft rounds); keep = 2
+    assert (root / "LATEST").read_text().strip() == f"round-{final_round}"
+    ck = latest(root)
+    assert ck == root / f"round-{final_round}" and ck.is_dir()
+    manifest = verify_checkpoint(ck)
+    assert manifest["round"] == final_round
+    rounds = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert rounds == ["round-2", "round-5"]  # only checkpoint.keep round dirs, no temporary dirs
+    assert sorted(p.name for p in root.iterdir() if p.is_file()) == ["LATEST"]
+    final = load_file(str(ck / "trainable.safetensors"))
+    assert manifest["trainable_hash"] == hash_tensors({k: torch.from_numpy(v) for k, v in final.items()})
+    # round 0 is the deterministic initial model (pruned from disk): training moved the weights
+    model0 = apply_trainable(build_model(cfg.model)[0], cfg.model)
+    init = {k: v.numpy() for k, v in trainable_state(model0).items()}
+    assert sorted(init) == sorted(final)
+    assert any(not np.array_equal(init[k], final[k]) for k in init)
+    verify_checkpoint(root / f"round-{prev_round}")
+    prev = load_file(str(root / f"round-{prev_round}" / "trainable.safetensors"))
+    assert any(not np.array_equal(prev[k], final[k]) for k in prev)
+    # the exported model loads with model.path and carries exactly the checkpointed weights
+    loaded, tok = build_model(cfg.model, model_path=str(ck / "model"))
+    loaded_state = trainable_state(apply_trainable(loaded, cfg.model))
+    for k, v in final.items():
+        np.testing.assert_array_equal(loaded_state[k].numpy(), v, err_msg=k)
+    assert tok.pad_token_id == 0
+    # corruption is detected
+    copy = tmp_path / "ck"
+    shutil.copytree(ck, copy)
+    f = copy / "trainable.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="trainable.safetensors"):
+        verify_checkpoint(copy)
+    (copy / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="manifest"):
+        verify_checkpoint(copy)
+
+
+def test_log_lines(full_run):
+    text = "\n".join(full_run["lines"])
+    assert "privacy plane not active" in text
+    assert "run completed" in text
+
+
+# ------------------------------------------------------------------------------------------ failures
+def test_dropout_round_completes_with_other_party(synth_dirs, make_cfg, tmp_path):
+    cfg = make_cfg(**{**RUN, "schedule.phases": "sft:arith*1"})
+    run_dir = tmp_path / "run"
+    coord, transport = _coordinator(cfg, synth_dirs, run_dir)
+    transport.down = {101}
+    coord.run()
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
+    errors = _events(run_dir, "party_error")
+    assert len(errors) == 1 and errors[0]["node"] == "101" and "down" in errors[0]["reason"]
+    train = _events(run_dir, "train")
+    assert sorted(e["party"] for e in train) == ["all", "party-0"]
+    agg = next(e for e in train if e["party"] == "all")
+    assert agg["parties"] == 1 and "skipped" not in agg
+    assert latest(run_dir / "checkpoints").name == "round-1"
+
+
+def test_corrupt_party_data_is_reported(synth_dirs, make_cfg, tmp_path):
+    cfg = make_cfg(**{**RUN, "schedule.phases": "sft:arith*1"})
+    bad = tmp_path / "party-bad"
+    shutil.copytree(synth_dirs[1], bad)
+    arith = bad / "arith.jsonl"
+    n_lines = len(arith.read_text().splitlines())
+    with arith.open("a") as fh:
+        fh.write('{"instruction": "Compute", "input": "1+1", "output": \n')
+    run_dir = tmp_path / "run"
+    coord, _ = _coordinator(cfg, [synth_dirs[0], bad], run_dir)
+    coord.run()
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
+    errors = _events(run_dir, "party_error")
+    assert len(errors) == 1
+    reason = errors[0]["reason"]
+    assert str(arith) in reason and f":{n_lines + 1}" in reason, reason
+    assert "JSON" in reason
+    assert sorted(e["party"] for e in _events(run_dir, "train")) == ["all", "party-0"]
+
+
+def test_too_few_parties_fails_quickly(synth_dirs, make_cfg, tmp_path):
+    cfg = make_cfg(**{**RUN, "federation.min-parties": 3, "federation.wait-timeout": 1.0})
+    run_dir = tmp_path / "run"
+    coord, _ = _coordinator(cfg, synth_dirs, run_dir)
+    t0 = time.perf_counter()
+    with pytest.raises(RunFailed, match="min-parties"):
+        coord.run()
+    assert time.perf_counter() - t0 < 10
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["status"] == "failed" and "min-parties" in rec["error"]
+    ends = _events(run_dir, "run_end")
+    assert ends and ends[-1]["status"] == "failed"
+    assert not _events(run_dir, "train")
+
+
+# ------------------------------------------------------------------------------------------ averaging
+def test_weighted_average_exact():
+    a = {"w": np.array([1.0, 2.0], np.float32), "b": np.array([[0.0]], np.float32)}
+    b = {"w": np.array([3.0, -2.0], np.float32), "b": np.array([[4.0]], np.float32)}
+    out = weighted_average([(a, 1.0), (b, 3.0)])
+    np.testing.assert_allclose(out["w"], [2.5, -1.0], rtol=1e-7)
+    np.testing.assert_allclose(out["b"], [[3.0]], rtol=1e-7)
+    assert out["w"].dtype == np.float32
+    assert np.array_equal(a["w"], [1.0, 2.0])  # inputs untouched
+
+
+def test_weighted_average_zero_weights():
+    a = {"w": np.array([1.0], np.float32)}
+    b = {"w": np.array([100.0], np.float32)}
+    out = weighted_average([(a, 2.0), (b, 0.0)])
+    np.testing.assert_allclose(out["w"], [1.0])
+    # a zero-weight update is ignored even when its keys differ
+    assert weighted_average([(a, 2.0), ({"other": np.zeros(1)}, 0)])["w"][0] == 1.0
+    assert weighted_average([(a, 0.0), (b, 0)]) is None
+    assert weighted_average([]) is None
+
+
+def test_weighted_average_mismatches_raise():
+    a = {"w": np.zeros(2, np.float32)}
+    with pytest.raises(AggregationError, match="keys"):
+        weighted_average([(a, 1.0), ({"v": np.zeros(2, np.float32)}, 1.0)])
+    with pytest.raises(AggregationError, match="shape"):
+        weighted_average([(a, 1.0), ({"w": np.zeros(3, np.float32)}, 1.0)])
+
+
+@pytest.mark.parametrize("mode", ["lora", "router+experts"])
+def test_run_with_partial_trainable_modes(synth_dirs, make_cfg, tmp_path, mode):
+    cfg = make_cfg(**{**RUN, "schedule.phases": "sft:arith*1, stats:arith", "model.trainable": mode})
+    run_dir = tmp_path / "run"
+    coord, _ = _coordinator(cfg, synth_dirs, run_dir)
+    coord.run()
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
+    assert not _events(run_dir, "party_error")  # every party shares the server's frozen base
+    agg = next(e for e in _events(run_dir, "train") if e["party"] == "all")
+    assert agg["parties"] == 2
+    ck = latest(run_dir / "checkpoints")
+    assert ck.name == "round-1"
+    verify_checkpoint(ck)
+    final = load_file(str(ck / "trainable.safetensors"))
+    model0 = apply_trainable(build_model(cfg.model)[0], cfg.model)
+    init = {k: v.numpy() for k, v in trainable_state(model0).items()}
+    assert sorted(init) == sorted(final)
+    assert any(not np.array_equal(init[k], final[k]) for k in init)
+    loaded, _ = build_model(cfg.model, model_path=str(ck / "model"))  # merged export loads
+    assert loaded.config.model_type == "qwen3_moe"

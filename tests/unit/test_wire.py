@@ -1,0 +1,236 @@
+"""Unit tests: the wire codec (round trips of every payload type and every rejection)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+
+from distmoe.wire import codec
+from distmoe.wire.codec import WireError, decode, encode
+from distmoe.wire.schema import (
+    PAYLOAD_TAGS,
+    TRAIN_METRIC_KEYS,
+    EvalInstruction,
+    EvalReply,
+    ModelUpdate,
+    RouterStats,
+    SftInstruction,
+    StatsInstruction,
+    eval_metric_keys,
+)
+
+W = {"model.layers.0.mlp.gate.weight": np.arange(8, dtype=np.float32).reshape(2, 4) / 7,
+     "model.layers.0.mlp.experts.down_proj": np.linspace(-1, 1, 24, dtype=np.float32).reshape(2, 3, 4)}
+ANCHOR = np.array([[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]], dtype=np.float32)
+METRICS = {k: float(i) + 0.5 for i, k in enumerate(TRAIN_METRIC_KEYS)}
+
+
+def _payloads() -> list:
+    tasks = ("arith", "strings")
+    return [
+        SftInstruction(round=3, task="arith", weights=W, base_hash="ab" * 32, seed=17, anchor=ANCHOR,
+                       anchor_version=2),
+        SftInstruction(round=1, task="strings", weights=W, base_hash="cd", seed=0, anchor=None,
+                       anchor_version=0),
+        StatsInstruction(round=4, task="", weights=W, base_hash="ef"),
+        StatsInstruction(round=4, task="arith", weights=W, base_hash="ef"),
+        EvalInstruction(round=5, tasks=tasks, new_task="strings", weights=W, base_hash="01",
+                        ref_weights={k: v + 1 for k, v in W.items()}, anchor=ANCHOR, anchor_version=1),
+        EvalInstruction(round=2, tasks=("arith",), new_task="", weights=W, base_hash="01",
+                        ref_weights=None, anchor=None, anchor_version=0),
+        ModelUpdate(party="party-0", delta={k: v * -0.01 for k, v in W.items()}, num_examples=19,
+                    metrics=METRICS),
+        RouterStats(sums=np.array([[1.5, 0.5, 2.0, 1.0], [1.25, 1.75, 1.0, 1.0]], dtype=np.float64)),
+        EvalReply(party="hospital_B", metrics={k: 0.25 for k in eval_metric_keys(tasks)}),
+    ]
+
+
+def _assert_same(a, b):
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, dict) and x and isinstance(next(iter(x.values())), np.ndarray):
+            assert sorted(x) == sorted(y), f.name
+            for k in x:
+                assert y[k].dtype == x[k].dtype and np.array_equal(x[k], y[k]), (f.name, k)
+        elif isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray) and y.dtype == x.dtype and np.array_equal(x, y), f.name
+        else:
+            assert x == y, (f.name, x, y)
+            assert type(x) is type(y), (f.name, type(x), type(y))
+
+
+def test_every_payload_type_is_covered():
+    assert {type(p) for p in _payloads()} == set(PAYLOAD_TAGS)
+
+
+@pytest.mark.parametrize("payload", _payloads(), ids=lambda p: type(p).__name__)
+def test_roundtrip(payload):
+    rd = encode(payload)
+    back = decode(rd, type(payload))
+    _assert_same(payload, back)
+    assert decode(encode(payload)) is not None  # no expected type: the tag decides
+    assert type(decode(encode(payload))) is type(payload)
+
+
+def test_model_update_nan_metric_travels_as_nan():
+    m = {**METRICS, "anchor_kl": float("nan"), "aux_loss": float("inf")}
+    upd = ModelUpdate(party="p", delta=W, num_examples=0, metrics=m)
+    back = decode(encode(upd), ModelUpdate)
+    assert math.isnan(back.metrics["anchor_kl"]) and math.isnan(back.metrics["aux_loss"])
+    assert back.metrics["loss"] == METRICS["loss"] and back.num_examples == 0
+
+
+def _stats_rd():
+    return encode(RouterStats(sums=np.ones((2, 4))))
+
+
+def test_decode_rejects_unknown_tag_and_non_payloads():
+    rd = _stats_rd()
+    rd.config_records["meta"]["payload"] = "mystery"
+    with pytest.raises(WireError, match="mystery"):
+        decode(rd)
+    rd = _stats_rd()
+    del rd["meta"]
+    with pytest.raises(WireError, match="meta"):
+        decode(rd)
+    with pytest.raises(WireError, match="not a wire payload"):
+        encode({"weights": W})
+
+
+def test_decode_rejects_wrong_expected_type():
+    with pytest.raises(WireError) as ei:
+        decode(_stats_rd(), SftInstruction)
+    assert "sft-instruction" in str(ei.value) and "router-stats" in str(ei.value)
+
+
+def test_decode_rejects_extra_record():
+    rd = _stats_rd()
+    rd["smuggled"] = MetricRecord({"secret": 1.0})
+    with pytest.raises(WireError, match="smuggled"):
+        decode(rd, RouterStats)
+    sft = encode(_payloads()[1])
+    sft["ref"] = ArrayRecord({"x": Array(np.zeros(2, np.float32))})  # optional only for eval
+    with pytest.raises(WireError, match="ref"):
+        decode(sft, SftInstruction)
+
+
+def test_decode_rejects_missing_record_and_field():
+    rd = encode(_payloads()[0])
+    del rd["arrays"]
+    with pytest.raises(WireError, match="arrays"):
+        decode(rd, SftInstruction)
+    rd = encode(_payloads()[6])
+    del rd["metrics"]
+    with pytest.raises(WireError, match="metrics"):
+        decode(rd, ModelUpdate)
+    rd = encode(_payloads()[2])
+    del rd.config_records["meta"]["round"]
+    with pytest.raises(WireError, match="round"):
+        decode(rd, StatsInstruction)
+
+
+def test_decode_rejects_non_finite_arrays():
+    for bad in (np.nan, np.inf):
+        rd = encode(_payloads()[6])
+        arr = np.zeros((2, 4), np.float32)
+        arr[1, 2] = bad
+        rd["arrays"] = ArrayRecord({"model.layers.0.mlp.gate.weight": Array(arr)})
+        with pytest.raises(WireError, match="NaN or Inf") as ei:
+            decode(rd, ModelUpdate)
+        assert "model.layers.0.mlp.gate.weight" in str(ei.value)
+    rd = _stats_rd()
+    rd["stats"] = ArrayRecord({"sums": Array(np.array([[np.nan, 1.0]]))})
+    with pytest.raises(WireError, match="NaN"):
+        decode(rd, RouterStats)
+    rd = encode(_payloads()[0])
+    rd["anchor"] = ArrayRecord({"probs": Array(np.array([[np.inf, 0.0]], np.float32))})
+    with pytest.raises(WireError, match="NaN or Inf"):
+        decode(rd, SftInstruction)
+
+
+def test_model_update_metric_keys_must_be_exact():
+    extra = {**METRICS, "per_example_loss_0": 0.1}
+    with pytest.raises(WireError, match="metrics"):
+        encode(ModelUpdate(party="p", delta=W, num_examples=1, metrics=extra))
+    missing = {k: v for k, v in METRICS.items() if k != "time_s"}
+    with pytest.raises(WireError, match="metrics"):
+        encode(ModelUpdate(party="p", delta=W, num_examples=1, metrics=missing))
+    rd = encode(_payloads()[6])
+    rd["metrics"] = MetricRecord({**METRICS, "leak": 3.0})
+    with pytest.raises(WireError, match="leak"):
+        decode(rd, ModelUpdate)
+    rd = encode(_payloads()[6])
+    rd["metrics"] = MetricRecord(missing)
+    with pytest.raises(WireError, match="metric keys"):
+        decode(rd, ModelUpdate)
+
+
+def test_model_update_negative_examples_rejected():
+    rd = encode(_payloads()[6])
+    rd.config_records["meta"]["num_examples"] = -3
+    with pytest.raises(WireError, match="negative"):
+        decode(rd, ModelUpdate)
+
+
+@pytest.mark.parametrize("name", ["a b", "x" * 100, "", "-lead", "semi;colon", "ünï"])
+def test_invalid_party_names(name):
+    with pytest.raises(WireError, match="party name"):
+        encode(ModelUpdate(party=name, delta=W, num_examples=1, metrics=METRICS))
+    with pytest.raises(WireError, match="party name"):
+        encode(EvalReply(party=name, metrics={"load_cv": 0.1}))
+    rd = encode(_payloads()[8])
+    rd.config_records["meta"]["party"] = name
+    with pytest.raises(WireError, match="party name"):
+        decode(rd, EvalReply)
+
+
+def test_router_stats_array_key_checked():
+    rd = _stats_rd()
+    rd["stats"] = ArrayRecord({"sums": Array(np.ones((2, 4))), "counts": Array(np.ones(2))})
+    with pytest.raises(WireError, match="counts"):
+        decode(rd, RouterStats)
+
+
+def test_record_layout():
+    rd = encode(_payloads()[0])
+    assert set(rd.keys()) == {"meta", "arrays", "anchor"}
+    assert isinstance(rd["meta"], ConfigRecord) and rd["meta"]["payload"] == "sft-instruction"
+    assert sorted(rd.array_records["arrays"].keys()) == sorted(W)
+    assert set(encode(_payloads()[1]).keys()) == {"meta", "arrays"}
+    assert set(encode(_payloads()[6]).keys()) == {"meta", "arrays", "metrics"}
+    assert set(encode(_payloads()[7]).keys()) == {"meta", "stats"}
+    assert codec.MESSAGE_TYPE[SftInstruction] == "train.sft"
+    assert codec.MESSAGE_TYPE[StatsInstruction] == "train.stats"
+    assert codec.MESSAGE_TYPE[EvalInstruction] == "evaluate"
+    with pytest.raises(WireError, match="not a server instruction"):
+        codec.instruction(_payloads()[7], 1)
+
+
+def test_decode_rejects_extra_meta_fields():
+    """The codec promises exact keys: a reply cannot carry extra scalar fields (e.g. free text)."""
+    for payload, typ in ((_payloads()[6], ModelUpdate), (_payloads()[8], EvalReply),
+                         (_payloads()[7], RouterStats)):
+        rd = encode(payload)
+        rd.config_records["meta"]["note"] = "free text that should not leave the party"
+        with pytest.raises(WireError, match="note"):
+            decode(rd, typ)
+
+
+def test_decode_rejects_extra_arrays_in_anchor_record():
+    rd = encode(_payloads()[0])
+    rd["anchor"] = ArrayRecord({"probs": Array(ANCHOR), "extra": Array(np.ones(3, np.float32))})
+    with pytest.raises(WireError, match="extra"):
+        decode(rd, SftInstruction)
+
+
+def test_decode_rejects_eval_reply_metrics_outside_schema():
+    """EvalReply metrics are ``acc|loss|n/<task>`` plus the routing keys, never anything else."""
+    rd = encode(EvalReply(party="p", metrics={"load_cv": 0.1}))
+    rd["metrics"] = MetricRecord({"load_cv": 0.1, "per_example_loss_17": 2.5})
+    with pytest.raises(WireError, match="per_example_loss_17"):
+        decode(rd, EvalReply)
