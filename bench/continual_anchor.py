@@ -40,13 +40,18 @@ def run_one(arm: str, seed: int, runs_dir: Path, extra: str) -> Path:
 
 def row_of(run_dir: Path) -> dict[str, float]:
     s = summarise(run_dir)
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    evals = [e for e in events if e.get("event") == "eval" and e.get("party") == "all"]
     rec = json.loads((run_dir / "run.json").read_text())
     cfg = rec["config"]
     phases = [p.strip() for p in cfg["schedule.phases"].split(",")]
     tasks = [p.split(":")[1].split("*")[0] for p in phases if p.startswith("sft:")]
     a, b = tasks[0], tasks[-1]
     num = lambda k: float(s[k]) if s.get(k) is not None else math.nan  # noqa: E731
-    return {"routing KL after B": num("routing_kl"), "top-1 consistency": num("top1_consistency"),
+    before = evals[0] if len(evals) > 1 else {}
+    num0 = lambda k: float(before[k]) if before.get(k) is not None else math.nan  # noqa: E731
+    return {f"accuracy A ({a}) before B": num0(f"acc/{a}"), f"answer loss A before B": num0(f"loss/{a}"),
+            f"answer loss A after B": num(f"loss/{a}"), "routing KL after B": num("routing_kl"), "top-1 consistency": num("top1_consistency"),
             f"retention of A ({a})": num(f"retention/{a}"), f"accuracy A ({a}) after B": num(f"acc/{a}"),
             f"accuracy B ({b})": num(f"acc/{b}"), "load CV": num("load_cv"),
             "seed": float(cfg["run.seed"]), "anchor-kl-coef": float(cfg["routing.anchor-kl-coef"])}

@@ -58,9 +58,9 @@ DEFAULTS: dict[str, Scalar] = {
     # local SFT
     "train.local-steps": 40,
     "train.batch-size": 16,
-    "train.lr": 3e-3,
-    "train.lr-experts": 3e-3,
-    "train.lr-router": 3e-3,
+    "train.lr": 1e-3,
+    "train.lr-experts": 1e-3,
+    "train.lr-router": 1e-3,
     "train.weight-decay": 0.0,
     "train.warmup-steps": 5,
     "train.grad-clip": 1.0,

@@ -11,6 +11,10 @@ Accepted lines (extra keys are ignored; a line mixing both formats is an error):
 * Chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` with at least
   one user turn and a final, non-empty assistant turn.
 
+Why not ``datasets.load_dataset("json", ...)`` directly: its errors name neither the line nor the
+field, it accepts lines of mixed shape silently, and it writes an Arrow cache under the home
+directory. The lines are validated here, then handed to ``datasets`` in memory.
+
 Must not: split, tokenize, cache anything on disk (the Dataset view is built in memory with
 ``Dataset.from_list``), or log file contents (the data is private to the party).
 """

@@ -512,9 +512,11 @@ def _show_time(v: Any) -> str:
 
 def _header(run: _Run) -> list[str]:
     rec = run.record
-    out = [f"# Run report: `{run.run_id}` — {run.status}", ""]
+    title = rec.get("name") or run.run_id
+    out = [f"# Run report: `{title}` — {run.status}", ""]
     info = [
         ("status", run.status),
+        ("Flower run id", rec.get("run_id")),
         ("started", _show_time(rec.get("started"))),
         ("finished", _show_time(rec.get("finished"))),
         ("duration", _duration(rec.get("started"), rec.get("finished"))),

@@ -11,12 +11,12 @@ Must not: compute statistics (``stats.py``) or see per-party values (it receives
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from distmoe.report.metrics_log import write_text_atomic
 
 
 class AnchorError(ValueError):
@@ -55,28 +55,14 @@ def build_anchor(summed: np.ndarray, meta: AnchorVersion) -> Anchor:
     return Anchor(probs=(s / rows).astype(np.float32), meta=meta)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_anchor(anchor: Anchor, directory: Path) -> Path:
     import io
 
     stem = directory / f"round-{anchor.meta.round}"
     buf = io.BytesIO()
     np.savez(buf, probs=anchor.probs)
-    _atomic_write(stem.with_suffix(".npz"), buf.getvalue())
-    _atomic_write(stem.with_suffix(".json"), json.dumps(asdict(anchor.meta), indent=2).encode())
+    write_text_atomic(stem.with_suffix(".npz"), buf.getvalue())
+    write_text_atomic(stem.with_suffix(".json"), json.dumps(asdict(anchor.meta), indent=2).encode())
     return stem.with_suffix(".npz")
 
 

@@ -81,3 +81,17 @@ def test_simulate_fails_cleanly_on_bad_party_data(tmp_path: Path):
     with pytest.raises(DataError, match=r"lookup.jsonl:2: field 'instruction'"):
         run(SimOptions(overrides=dict(TINY), data=data, runs_dir=tmp_path / "runs", run_id="bad", echo=False))
     assert not (tmp_path / "runs" / "bad").exists(), "nothing may be created before validation passes"
+
+
+@pytest.mark.slow
+def test_simulate_exits_nonzero_with_the_reason_when_the_run_fails(tmp_path: Path, capsys):
+    over = {**TINY, "model.path": str(tmp_path / "no-such-checkpoint")}
+    code, run_dir = run(SimOptions(overrides=over, parties=2, runs_dir=tmp_path / "runs", run_id="fail",
+                                   timeout=300, report=False))
+    assert code == 1
+    out = capsys.readouterr().out
+    assert "run FAILED" in out and "no-such-checkpoint" in out  # the reason, not a bare status
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["status"] == "failed" and "not a directory" in rec["error"]
+    sim = json.loads((run_dir / "simulate.json").read_text())
+    assert processes_with_token(sim["token"]) == []
