@@ -50,8 +50,9 @@ def row_of(run_dir: Path) -> dict[str, float]:
     num = lambda k: float(s[k]) if s.get(k) is not None else math.nan  # noqa: E731
     before = evals[0] if len(evals) > 1 else {}
     num0 = lambda k: float(before[k]) if before.get(k) is not None else math.nan  # noqa: E731
-    return {f"accuracy A ({a}) before B": num0(f"acc/{a}"), f"answer loss A before B": num0(f"loss/{a}"),
-            f"answer loss A after B": num(f"loss/{a}"), "routing KL after B": num("routing_kl"), "top-1 consistency": num("top1_consistency"),
+    return {f"accuracy A ({a}) before B": num0(f"acc/{a}"), "answer loss A before B": num0(f"loss/{a}"),
+            "answer loss A after B": num(f"loss/{a}"), "routing KL after B": num("routing_kl"),
+            "top-1 consistency": num("top1_consistency"),
             f"retention of A ({a})": num(f"retention/{a}"), f"accuracy A ({a}) after B": num(f"acc/{a}"),
             f"accuracy B ({b})": num(f"acc/{b}"), "load CV": num("load_cv"),
             "seed": float(cfg["run.seed"]), "anchor-kl-coef": float(cfg["routing.anchor-kl-coef"])}
