@@ -1,0 +1,433 @@
+"""Distributed DP for router statistics: integer encoding, Skellam noise shares, canaries, no-wrap bit widths.
+
+Guarantee and unit of privacy. The unit is **one sequence** of a party's data, add/remove neighbours,
+against the server and all other parties. A sequence contributes its per-layer mean router distribution
+``m_x`` (``[L, E]``, every row on the simplex, see ``distmoe.routing.stats``). Since a row ``p`` has
+``||p||_2 <= ||p||_1 = 1``, the L2 sensitivity of the summed statistic is ``sqrt(L)`` with no clipping
+(:func:`l2_sensitivity`). No count is released: every row of the sum equals the number of sequences, so
+the count and the anchor are post-processing of the noisy rows (:func:`normalize_rows`).
+
+Mechanism (Agarwal, Kairouz, Liu 2021, "The Skellam mechanism", arXiv 2110.04995), per party:
+
+1. encode as integers with scale ``s >= 32``: per sequence ``rint(s * m_x)`` summed (:func:`encode_per_sequence`,
+   the tighter option) or ``rint(s * S)`` of the float sum (:func:`encode_stats`);
+2. integer sensitivity after rounding (:func:`int_sensitivity`): ``D2 = s*sqrt(L) + sqrt(L*E)/2`` per-sequence
+   (each coordinate's rounding error is <= 1/2), ``s*sqrt(L) + sqrt(L*E)`` for a rounded sum (two roundings);
+3. target noise in the *sum*: ``sigma_int = z * D2`` with ``z`` the noise multiplier the accountant takes;
+   aggregate Skellam variance ``mu = sigma_int**2``;
+4. each of ``n`` parties adds ``Poisson(lam) - Poisson(lam)`` per coordinate with ``lam = mu / (2 (n - d_max))``
+   (variance ``2 lam``). Poissons are closed under summation, so the sum over ``n - d_max`` parties is exactly
+   ``Poisson(mu/2) - Poisson(mu/2)`` = Skellam with variance ``mu``. ``d_max > 0`` over-provisions for dropouts;
+5. append ``K`` known-zero noise-canary coordinates (noised like the rest): their aggregate is pure noise, which
+   the audit tests with :func:`canary_chi2_test` (a missing noise share shows as too little variance);
+6. sum modulo ``2**bits`` in secure aggregation; :func:`required_bits` picks ``bits`` so that the true sum plus a
+   Chernoff tail bound of the Skellam noise cannot wrap; :func:`check_no_wrap` raises otherwise.
+
+Dropouts and colluders remove their noise share: with ``n_active`` survivors the sum carries
+``n_active * 2 lam`` variance, i.e. ``z_eff = z * sqrt(n_active / (n - d_max))``
+(:meth:`SkellamSpec.effective_noise_multiplier`); account every release with the survivors' ``z_eff``.
+The accountant treats the Skellam release as a Gaussian with that ``z`` (see ``distmoe.privacy.accountant``).
+
+Noise source: a ``numpy`` Generator (PCG64DXSM) seeded with 256 bits from ``secrets`` (OS CSPRNG). PCG64 is not
+itself a CSPRNG; the seed cannot be guessed and single noise draws are never observed (they are inside masked
+sums), which is the threat model here. numpy's Poisson sampler is floating-point based, so its law is exact only
+up to float rounding (no low-bit attack applies: outputs are integers).
+
+Owns: the encoding, the noise calibration (``SkellamSpec``), share generation, ring arithmetic helpers,
+decoding, the canary test and the bit-width check. Must not: import ``flwr`` or ``torch``, perform secure
+aggregation (``distmoe.privacy`` secagg does), account epsilon (the accountant does), or send anything.
+
+Why hand-written: opacus only implements central/per-sample Gaussian DP-SGD; it has no integer, distributed
+(Skellam or discrete-Gaussian) mechanism. TFF's ``DistributedDpSumFactory`` has one but needs TensorFlow and
+its own SecAgg runtime; Flower has no distributed-DP mod. The mechanism itself is ~40 lines of numpy.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy import stats as _st
+
+__all__ = [
+    "CanaryTest",
+    "SkellamSpec",
+    "WrapError",
+    "canary_chi2_test",
+    "check_no_wrap",
+    "client_share",
+    "count_from_rows",
+    "crypto_rng",
+    "decode_noisy_sum",
+    "decode_stats",
+    "encode_per_sequence",
+    "encode_stats",
+    "from_ring",
+    "int_sensitivity",
+    "l2_sensitivity",
+    "normalize_rows",
+    "pack",
+    "required_bits",
+    "ring_sum",
+    "sequence_contribution_norm",
+    "skellam_noise",
+    "skellam_tail",
+    "to_ring",
+]
+
+MIN_SCALE = 32
+MAX_BITS = 62  # ring values and pairwise sums stay inside int64
+ROUNDINGS = ("per-sequence", "sum")
+
+
+class WrapError(ValueError):
+    """The chosen bit width lets the modular sum wrap around."""
+
+
+# ------------------------------------------------------------------------------------------ sensitivity
+def l2_sensitivity(layers: int) -> float:
+    """Add/remove L2 sensitivity of the float statistic: ``sqrt(L)`` (each row on the simplex, norm <= 1)."""
+    return math.sqrt(layers)
+
+
+def sequence_contribution_norm(per_seq: np.ndarray) -> np.ndarray:
+    """Frobenius norm of each sequence's ``[L, E]`` contribution; ``per_seq`` is ``[..., L, E]``."""
+    a = np.asarray(per_seq, dtype=np.float64)
+    return np.sqrt((a * a).sum(axis=(-2, -1)))
+
+
+def int_sensitivity(layers: int, experts: int, scale: float, rounding: str = "per-sequence") -> tuple[float, float]:
+    """``(D2, D1)`` add/remove sensitivity in integer units after rounding.
+
+    ``per-sequence``: ``rint(s*m_x)`` differs from ``s*m_x`` by <= 1/2 per coordinate, so
+    ``D2 <= s*sqrt(L) + sqrt(L*E)/2`` and ``D1 <= s*L + L*E/2``. ``sum``: the rounded sum changes by at most
+    ``|s*m_x| + 1`` per coordinate (two roundings), so ``D2 <= s*sqrt(L) + sqrt(L*E)``, ``D1 <= s*L + L*E``.
+    """
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    d = layers * experts
+    slack = 0.5 if rounding == "per-sequence" else 1.0
+    return scale * math.sqrt(layers) + slack * math.sqrt(d), scale * layers + slack * d
+
+
+# -------------------------------------------------------------------------------------------- encoding
+def _check_scale(scale: float) -> None:
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale >= MIN_SCALE):
+        raise ValueError(f"scale must be a finite number >= {MIN_SCALE} (rounding inflates the sensitivity "
+                         f"below that), got {scale!r}")
+
+
+def encode_stats(stats: np.ndarray, scale: float) -> np.ndarray:
+    """``rint(scale * stats)`` as int64 (``[L, E]``); round-trip error <= 0.5/scale per coordinate."""
+    _check_scale(scale)
+    a = np.asarray(stats, dtype=np.float64)
+    if a.ndim != 2 or not np.isfinite(a).all():
+        raise ValueError(f"stats must be a finite [L, E] array, got shape {a.shape}")
+    if np.abs(a).max(initial=0.0) * scale >= 2.0**62:
+        raise ValueError("stats * scale does not fit in int64")
+    return np.rint(a * scale).astype(np.int64)
+
+
+def encode_per_sequence(per_seq: np.ndarray, scale: float, *, atol: float = 1e-4) -> np.ndarray:
+    """Sum over sequences of ``rint(scale * m_x)``: ``[N, L, E]`` simplex rows -> int64 ``[L, E]``.
+
+    Checks every row is on the simplex (entries >= -atol, sums within atol of 1): the sensitivity bound,
+    hence the DP guarantee, depends on it, so anything else is refused.
+    """
+    _check_scale(scale)
+    a = np.asarray(per_seq, dtype=np.float64)
+    if a.ndim != 3 or not np.isfinite(a).all():
+        raise ValueError(f"per_seq must be a finite [N, L, E] array, got shape {a.shape}")
+    if a.size and (a.min() < -atol or np.abs(a.sum(-1) - 1.0).max() > atol):
+        raise ValueError("per-sequence rows must lie on the simplex (non-negative, summing to 1)")
+    return np.rint(a * scale).astype(np.int64).sum(0)
+
+
+def decode_stats(int_stats: np.ndarray, scale: float) -> np.ndarray:
+    """Inverse of :func:`encode_stats`: integers / scale as float64."""
+    return np.asarray(int_stats, dtype=np.float64) / scale
+
+
+# ----------------------------------------------------------------------------------------------- noise
+def crypto_rng() -> np.random.Generator:
+    """A Generator seeded with 256 bits of OS entropy (``secrets``); see the module docstring."""
+    return np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(secrets.randbits(256))))
+
+
+def skellam_noise(shape: Any, variance: float, rng: np.random.Generator | None = None) -> np.ndarray:
+    """int64 Skellam noise ``Poisson(v/2) - Poisson(v/2)``: mean 0, variance ``variance``."""
+    if not (math.isfinite(variance) and variance >= 0):
+        raise ValueError(f"variance must be finite and >= 0, got {variance!r}")
+    g = rng if rng is not None else crypto_rng()
+    lam = variance / 2.0
+    return g.poisson(lam, shape).astype(np.int64) - g.poisson(lam, shape).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class SkellamSpec:
+    """Calibration of the distributed Skellam release of one ``[L, E]`` statistic (all values derived).
+
+    ``noise_multiplier`` is ``z`` relative to the integer sensitivity ``D2`` (so it is the ``z`` the
+    accountant takes); ``num_sequences_max`` bounds each party's sequences (it fixes the bit width);
+    ``max_dropouts`` over-provisions each share so ``z`` still holds with that many parties missing.
+    """
+
+    layers: int
+    experts: int
+    noise_multiplier: float
+    n_parties: int
+    num_sequences_max: int
+    scale: float = 64
+    n_canaries: int = 0
+    max_dropouts: int = 0
+    rounding: str = "per-sequence"
+
+    def __post_init__(self) -> None:
+        _check_scale(self.scale)
+        if self.layers < 1 or self.experts < 1:
+            raise ValueError("layers and experts must be >= 1")
+        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
+            raise ValueError(f"noise_multiplier must be > 0, got {self.noise_multiplier!r}")
+        if self.n_parties < 1 or not 0 <= self.max_dropouts < self.n_parties:
+            raise ValueError("need n_parties >= 1 and 0 <= max_dropouts < n_parties")
+        if self.num_sequences_max < 1 or self.n_canaries < 0:
+            raise ValueError("need num_sequences_max >= 1 and n_canaries >= 0")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+
+    @property
+    def dim(self) -> int:
+        return self.layers * self.experts
+
+    @property
+    def payload_len(self) -> int:
+        """Length of one party's flat share: ``L*E`` statistic coordinates then ``K`` canaries."""
+        return self.dim + self.n_canaries
+
+    @property
+    def delta2_int(self) -> float:
+        return int_sensitivity(self.layers, self.experts, self.scale, self.rounding)[0]
+
+    @property
+    def delta1_int(self) -> float:
+        return int_sensitivity(self.layers, self.experts, self.scale, self.rounding)[1]
+
+    @property
+    def sigma_int(self) -> float:
+        """Target std of the aggregate noise in integer units: ``z * D2``."""
+        return self.noise_multiplier * self.delta2_int
+
+    @property
+    def party_variance(self) -> float:
+        """Variance of one party's share: ``sigma_int**2 / (n - d_max)``; Poisson rate is half of it."""
+        return self.sigma_int**2 / (self.n_parties - self.max_dropouts)
+
+    def aggregate_sigma(self, n_active: int | None = None) -> float:
+        """Std of the noise actually in a sum over ``n_active`` parties (integer units)."""
+        n = self.n_parties if n_active is None else n_active
+        return math.sqrt(n * self.party_variance)
+
+    def effective_noise_multiplier(self, n_active: int | None = None) -> float:
+        """``z_eff = z * sqrt(n_active / (n - d_max))``: what the accountant must use for this release."""
+        return self.aggregate_sigma(n_active) / self.delta2_int
+
+    def required_bits(self, **kw: Any) -> int:
+        """:func:`required_bits` for this spec (worst case: all parties present, all canaries)."""
+        return required_bits(self.n_parties, self.num_sequences_max, self.scale, self.aggregate_sigma(),
+                             n_coords=self.payload_len, **kw)
+
+    def check_no_wrap(self, bits: int, **kw: Any) -> None:
+        check_no_wrap(bits, self.n_parties, self.num_sequences_max, self.scale, self.aggregate_sigma(),
+                      n_coords=self.payload_len, **kw)
+
+    def dp_params(self, n_active: int | None = None) -> dict[str, Any]:
+        """JSON-able parameters for the wire ledger's ``dp`` field."""
+        return {"mechanism": "skellam", "unit": "sequence", "neighbours": "add/remove",
+                "noise_multiplier": self.noise_multiplier, "z_eff": self.effective_noise_multiplier(n_active),
+                "scale": self.scale, "rounding": self.rounding, "delta2_int": self.delta2_int,
+                "sigma_int": self.aggregate_sigma(n_active), "n_parties": self.n_parties,
+                "n_active": self.n_parties if n_active is None else n_active, "max_dropouts": self.max_dropouts,
+                "n_canaries": self.n_canaries, "num_sequences_max": self.num_sequences_max}
+
+
+def pack(int_stats: np.ndarray, n_canaries: int) -> np.ndarray:
+    """Flatten ``[L, E]`` integers and append ``n_canaries`` zeros (no noise: see :func:`client_share`)."""
+    a = np.asarray(int_stats)
+    if a.ndim != 2 or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"int_stats must be an integer [L, E] array, got {a.dtype} {a.shape}")
+    return np.concatenate([a.astype(np.int64).ravel(), np.zeros(n_canaries, np.int64)])
+
+
+def client_share(int_stats: np.ndarray, spec: SkellamSpec, num_sequences: int,
+                 rng: np.random.Generator | None = None) -> np.ndarray:
+    """One party's noisy share: ``pack(int_stats) + Skellam(party_variance)`` on every coordinate.
+
+    Refuses a party with more sequences than ``spec.num_sequences_max`` or entries outside the bound
+    implied by it: either would void the no-wrap guarantee.
+    """
+    a = np.asarray(int_stats)
+    if a.shape != (spec.layers, spec.experts):
+        raise ValueError(f"int_stats shape {a.shape} != spec ({spec.layers}, {spec.experts})")
+    if not 0 <= num_sequences <= spec.num_sequences_max:
+        raise ValueError(f"party has {num_sequences} sequences, above num_sequences_max={spec.num_sequences_max}")
+    if a.size and (a.min() < 0 or a.max() > num_sequences * (spec.scale + 0.5) + 1):
+        raise ValueError("encoded statistics out of range for the number of sequences")
+    flat = pack(a, spec.n_canaries)
+    return flat + skellam_noise(flat.shape, spec.party_variance, rng)
+
+
+# ------------------------------------------------------------------------------------------ bit widths
+def _skellam_log_tail(mu: float, t: float) -> float:
+    """Chernoff bound ``log P(X >= t)`` for X ~ Skellam of variance ``mu`` (log-MGF ``mu (cosh th - 1)``)."""
+    if t <= 0:
+        return 0.0
+    if mu <= 0:
+        return -math.inf
+    r = t / mu
+    return mu * (math.sqrt(1.0 + r * r) - 1.0) - t * math.asinh(r)
+
+
+def skellam_tail(variance: float, n_coords: int = 1, fail_prob: float = 1e-12) -> float:
+    """Smallest t with ``P(max over n_coords of |noise| >= t) <= fail_prob`` (Chernoff + union bound)."""
+    if not 0 < fail_prob < 1:
+        raise ValueError("fail_prob must be in (0, 1)")
+    target = math.log(fail_prob / (2.0 * max(n_coords, 1)))
+    if variance <= 0:
+        return 0.0
+    lo, hi = 0.0, max(1.0, math.sqrt(variance))
+    while _skellam_log_tail(variance, hi) > target:
+        hi *= 2.0
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if _skellam_log_tail(variance, mid) > target else (lo, mid)
+    return hi
+
+
+def required_bits(n_parties: int, num_sequences_max: int, scale: float, sigma_int: float,
+                  tail: float | None = None, *, n_coords: int = 1, fail_prob: float = 1e-12) -> int:
+    """Bits ``b`` such that the signed sum fits in ``[-2**(b-1), 2**(b-1))`` and therefore never wraps.
+
+    Data bound per coordinate: ``n_parties * num_sequences_max * (scale + 1/2)`` (a rounded simplex entry
+    is <= scale + 1/2). Noise bound: ``tail * sigma_int`` if ``tail`` (in standard deviations) is given,
+    else the Chernoff bound of a Skellam of variance ``sigma_int**2`` exceeded with probability
+    <= ``fail_prob`` over ``n_coords`` coordinates. Pass the largest aggregate sigma (with over-provisioning,
+    the one with every party present).
+    """
+    data = n_parties * num_sequences_max * (scale + 0.5)
+    noise = tail * sigma_int if tail is not None else skellam_tail(sigma_int**2, n_coords, fail_prob)
+    bound = math.ceil(data + noise)
+    return int(bound).bit_length() + 1
+
+
+def check_no_wrap(bits: int, n_parties: int, num_sequences_max: int, scale: float, sigma_int: float,
+                  tail: float | None = None, **kw: Any) -> None:
+    """Raise :class:`WrapError` if ``bits`` is below :func:`required_bits` (or above ``MAX_BITS``)."""
+    need = required_bits(n_parties, num_sequences_max, scale, sigma_int, tail, **kw)
+    if bits > MAX_BITS:
+        raise WrapError(f"bits={bits} exceeds the supported maximum {MAX_BITS}")
+    if bits < need:
+        raise WrapError(f"bits={bits} can wrap: {n_parties} parties x {num_sequences_max} sequences at scale "
+                        f"{scale} plus noise (sigma_int={sigma_int:.1f}) need {need} bits")
+
+
+# --------------------------------------------------------------------------------------- ring arithmetic
+def _mask(bits: int) -> int:
+    if not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"bits must be in [1, {MAX_BITS}], got {bits}")
+    return (1 << bits) - 1
+
+
+def to_ring(x: np.ndarray, bits: int) -> np.ndarray:
+    """Signed int64 -> representative in ``[0, 2**bits)`` (two's complement modulo ``2**bits``)."""
+    return np.bitwise_and(np.asarray(x, dtype=np.int64), np.int64(_mask(bits)))
+
+
+def from_ring(v: np.ndarray, bits: int) -> np.ndarray:
+    """Ring element -> signed value in ``[-2**(bits-1), 2**(bits-1))``."""
+    v = np.bitwise_and(np.asarray(v, dtype=np.int64), np.int64(_mask(bits)))
+    return np.where(v >= (1 << (bits - 1)), v - (1 << bits), v)
+
+
+def ring_sum(vectors: Any, bits: int) -> np.ndarray:
+    """Sum of ring vectors modulo ``2**bits`` (reduced after every addition: no int64 overflow)."""
+    m = np.int64(_mask(bits))
+    total = None
+    for v in vectors:
+        v = np.bitwise_and(np.asarray(v, dtype=np.int64), m)
+        total = v if total is None else np.bitwise_and(total + v, m)
+    if total is None:
+        raise ValueError("ring_sum of no vectors")
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- decode
+def decode_noisy_sum(int_sum: np.ndarray, scale: float, n_canaries: int, *, shape: tuple[int, int],
+                     bits: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Server side: flat integer sum -> ``(stats [L, E] float64, canaries [K] float64)``, both / scale.
+
+    With ``bits`` the input is a ring element and is first mapped to its signed value. Canary values
+    are the aggregate noise in statistic units: std ``aggregate_sigma / scale``.
+    """
+    v = np.asarray(int_sum, dtype=np.int64).ravel()
+    if bits is not None:
+        v = from_ring(v, bits)
+    d = shape[0] * shape[1]
+    if v.size != d + n_canaries:
+        raise ValueError(f"sum has {v.size} coordinates, expected {d} + {n_canaries} canaries")
+    return v[:d].reshape(shape).astype(np.float64) / scale, v[d:].astype(np.float64) / scale
+
+
+def normalize_rows(noisy: np.ndarray) -> np.ndarray:
+    """Anchor from a noisy sum: clip negatives to 0 and renormalise each row to sum 1.
+
+    A row with no positive mass (possible only when the noise swamps the signal) becomes uniform, with a
+    warning. Pure post-processing: no privacy cost.
+    """
+    a = np.clip(np.asarray(noisy, dtype=np.float64), 0.0, None)
+    s = a.sum(-1, keepdims=True)
+    empty = s[..., 0] <= 0
+    if empty.any():
+        warnings.warn(f"{int(empty.sum())} noisy row(s) had no positive mass; set to uniform", RuntimeWarning,
+                      stacklevel=2)
+        a[empty] = 1.0
+        s = a.sum(-1, keepdims=True)
+    return a / s
+
+
+def count_from_rows(noisy: np.ndarray) -> float:
+    """Estimate of the number of sequences: the mean row sum (every true row sums to the count)."""
+    return float(np.asarray(noisy, dtype=np.float64).sum(-1).mean())
+
+
+# ----------------------------------------------------------------------------------------- canary test
+@dataclass(frozen=True)
+class CanaryTest:
+    """Noise-presence test on K canaries: ``T = sum(c**2) / sigma**2`` against chi-square(K)."""
+
+    statistic: float
+    dof: int
+    sigma_ratio: float  # sigma_hat / sigma
+    p_low: float  # P[chi2_K <= T]: small when noise is missing
+    p_high: float  # P[chi2_K >= T]
+    alpha: float
+    passed: bool
+
+
+def canary_chi2_test(canaries: np.ndarray, sigma: float, alpha: float = 1e-3) -> CanaryTest:
+    """Fail (``passed=False``) when the canaries carry significantly less noise than ``sigma``.
+
+    Skellam(mu) is approximately N(0, mu) (excess kurtosis 1/mu), so ``T ~ chi2_K`` under the claim.
+    One-sided: too little noise is a privacy failure, too much is not. Use ``alpha = 1e-3 / rounds`` over
+    many rounds. ``sigma`` must be in the canaries' units (``aggregate_sigma(n_active) / scale``).
+    """
+    c = np.asarray(canaries, dtype=np.float64).ravel()
+    k = c.size
+    if k == 0 or not sigma > 0:
+        raise ValueError("need at least one canary and sigma > 0")
+    t = float((c * c).sum() / sigma**2)
+    p_low, p_high = float(_st.chi2.cdf(t, k)), float(_st.chi2.sf(t, k))
+    return CanaryTest(t, k, math.sqrt(t / k), p_low, p_high, alpha, p_low >= alpha)

@@ -1,0 +1,105 @@
+"""Secure aggregation (Bonawitz et al. 2017, "Practical Secure Aggregation"), transport-agnostic.
+
+Owns: the protocol. ``SecAggClient`` and ``SecAggServer`` are state machines whose inputs and outputs
+are the frozen dataclasses of ``messages`` (ints, bytes, numpy arrays); ``encoding`` turns reals into
+Z_{2^bits} and checks that a sum cannot wrap; ``local.LocalFederation`` runs the schedule in process.
+
+Must not: import ``flwr`` (``distmoe/wire`` maps the messages onto records), do I/O, or use
+non-cryptographic randomness (``os.urandom`` unless a test injects a seeded byte source).
+
+Why hand-written on ``cryptography`` and not Flower 1.42's SecAgg+ (DESIGN.md section 6): SecAgg+
+only runs in the legacy ``LegacyContext`` workflow; its mask PRG is MT19937 seeded with a 32-bit fold
+of the key (flwrlabs/flower#7522); a dropout before key sharing kills the round; its clients reveal
+both shares of a peer when asked (unmasking that peer); metrics and ``num_examples`` travel in clear.
+
+Primitives: X25519 (share-encryption key c once per run; mask key s fresh every round), HKDF-SHA256
+with info bound to (run, round, ordered ids, purpose), ChaCha20 keystream as PRG (exactly uniform
+over Z_{2^bits}), ChaCha20-Poly1305 for the shares with associated data binding run, round, sender,
+recipient and the sender's mask key, Shamir over GF(2^521 - 1) with threshold t (2t > holders).
+
+Schedule (the caller's exchanges; each reaches every online client at once):
+
+  setup A   client: KeyAdvert(c_pk)                 server: register -> KeyDirectory
+  setup B   directory down; client: ShareKeys(r0)   server: add_share_keys
+  round r   1. RoundStart (+ the training request) down; client trains and sends
+               MaskedInput(y_r, next_keys=ShareKeys(r+1));   server: receive_masked -> UnmaskRequest
+            2. UnmaskRequest down; client: UnmaskResponse;    server: finish -> AggregateResult
+
+So a round is always two exchanges, with or without dropouts: the share-keys stage of round r+1 rides
+on the masked input of round r (the choice asked for in the design; shares for the first round go in
+setup B). A client that missed the previous round's masked input is outside U1 of round r; it answers
+exchange 1 with ``share_keys(r + 1)`` only and rejoins at r+1. Dropouts are recovered in exchange 2:
+survivors reveal b-shares of U2 members and s-shares of U1 minus U2, never both for one peer.
+
+Deviation from "mask keys once per run": the s key pair is fresh per round, the c key is per run. If
+s were per run, reconstructing a dropped client's s_sk in round r (which piggybacking makes routine:
+a client that goes offline after sending round r-1 is in U1 of round r) would let the server recompute
+that client's pairwise masks of every earlier round, whose self masks it already removed: all its past
+inputs would be exposed. A fresh s_pk costs 32 bytes per round and no extra exchange.
+
+Not covered yet (semi-honest server plus client-side checks): key authentication (signatures on
+c_pk/s_pk from the node identity), the consistency-check round of the paper, a SecAgg+ sparse graph
+(``graph.PeerGraph`` is the hook), bit-packing of y below 32 bits.
+
+Example, 3 of 4 clients survive, t = 3:
+
+    params = SecAggParams(run_id=os.urandom(16), threshold=3, bits=32, length=n)
+    fed = LocalFederation(params, [1, 2, 3, 4]); fed.setup()
+    res = fed.round(1, {i: encode_fixed(x[i], 64, 32) for i in (1, 2, 3, 4)}, drop_before_masked={4})
+    decode_sum(res.total, 64, 32, len(res.included))    # == x[1] + x[2] + x[3] to 3/128
+"""
+
+from distmoe.privacy.secagg.client import Phase, SecAggClient
+from distmoe.privacy.secagg.encoding import (
+    check_no_wrap,
+    decode_sum,
+    encode_fixed,
+    required_bits,
+    to_ring,
+    to_signed,
+)
+from distmoe.privacy.secagg.errors import (
+    AlreadyDead,
+    BelowThreshold,
+    BothSharesRequested,
+    DuplicateClient,
+    InconsistentLists,
+    InsecureThreshold,
+    KeySubstitution,
+    ListedAsDead,
+    ProtocolViolation,
+    ReconstructionFailed,
+    RepeatedRequest,
+    RepeatedUnmask,
+    SecAggAbort,
+    TamperedShare,
+    TooFewSurvivors,
+    UnknownClient,
+    WrapAroundError,
+)
+from distmoe.privacy.secagg.graph import PeerGraph, complete_graph
+from distmoe.privacy.secagg.local import LocalFederation
+from distmoe.privacy.secagg.messages import (
+    AggregateResult,
+    EncryptedShares,
+    KeyAdvert,
+    KeyDirectory,
+    MaskedInput,
+    RoundStart,
+    SecAggParams,
+    ShareKeys,
+    UnmaskRequest,
+    UnmaskResponse,
+    payload_bytes,
+)
+from distmoe.privacy.secagg.server import SecAggServer
+
+__all__ = [
+    "AggregateResult", "AlreadyDead", "BelowThreshold", "BothSharesRequested", "DuplicateClient",
+    "EncryptedShares", "InconsistentLists", "InsecureThreshold", "KeyAdvert", "KeyDirectory", "KeySubstitution",
+    "ListedAsDead", "LocalFederation", "MaskedInput", "PeerGraph", "Phase", "ProtocolViolation",
+    "ReconstructionFailed", "RepeatedRequest", "RepeatedUnmask", "RoundStart", "SecAggAbort", "SecAggClient",
+    "SecAggParams", "SecAggServer", "ShareKeys", "TamperedShare", "TooFewSurvivors", "UnknownClient",
+    "UnmaskRequest", "UnmaskResponse", "WrapAroundError", "check_no_wrap", "complete_graph", "decode_sum",
+    "encode_fixed", "payload_bytes", "required_bits", "to_ring", "to_signed",
+]

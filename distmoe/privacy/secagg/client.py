@@ -1,0 +1,320 @@
+"""The client state machine of the secure aggregation.
+
+Owns: a client's secrets (the run's share-encryption key c_sk, each round's mask key s_sk and
+self-mask seed b), the shares it holds for its peers, and every check it makes before answering the
+server: it computes the dropped set itself from the participant list it saw, never reveals both
+shares of one peer, answers each stage of a round at most once, and aborts (``SecAggAbort``) when the
+server's lists are inconsistent or leave fewer than t parties.
+
+Must not: import ``flwr``, do I/O, trust the server's lists, send a second masked input or second
+share set for one round (the difference of two masked inputs under the same masks is the difference
+of the inputs), or keep a round's secrets after it ends. Hand-written on ``cryptography`` rather than
+Flower's SecAgg+ because Flower's client answers an unmask request that lists a peer as both alive
+and dead (revealing that peer's vector), seeds its masks with 32 bits, and cannot recover from a
+dropout before key sharing (DESIGN.md section 6).
+
+Per-round states: SHARED (after ``share_keys``) -> MASKED (after ``masked_input``) -> DONE (after
+``unmask``); any abort moves the round to ABORTED, after which nothing more is answered for it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from distmoe.privacy.secagg import primitives as P
+from distmoe.privacy.secagg import shamir
+from distmoe.privacy.secagg.errors import (
+    AlreadyDead,
+    BothSharesRequested,
+    DuplicateClient,
+    InconsistentLists,
+    KeySubstitution,
+    ListedAsDead,
+    ProtocolViolation,
+    RepeatedRequest,
+    RepeatedUnmask,
+    SecAggAbort,
+    TamperedShare,
+    TooFewSurvivors,
+    UnknownClient,
+)
+from distmoe.privacy.secagg.graph import PeerGraph, check_holders, complete_graph, holders_of
+from distmoe.privacy.secagg.messages import (
+    EncryptedShares,
+    KeyAdvert,
+    KeyDirectory,
+    MaskedInput,
+    RoundStart,
+    SecAggParams,
+    ShareKeys,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+
+
+class Phase(enum.Enum):
+    SHARED = "shared"
+    MASKED = "masked"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+@dataclass
+class _Round:
+    round: int
+    s_sk: bytes  # this round's mask key (wiped once the masked input is computed)
+    s_pk: bytes
+    b: bytes  # this round's self-mask seed (wiped once the masked input is computed)
+    phase: Phase = Phase.SHARED
+    u1: tuple[int, ...] = ()  # participants as the server announced them in RoundStart
+    held: dict[int, tuple[int, int]] = field(default_factory=dict)  # owner -> (b-share, s-share)
+
+    def wipe(self) -> None:
+        self.s_sk = self.b = b""
+        self.held.clear()
+
+
+class SecAggClient:
+    """One party. Methods map 1:1 onto the protocol stages; each returns the message to send."""
+
+    def __init__(self, params: SecAggParams, cid: int, *, peers: PeerGraph = complete_graph,
+                 rng: P.RandomBytes | None = None):
+        if not 0 <= cid <= P.MAX_ID:
+            raise ValueError(f"client id {cid} outside [0, 2^64)")
+        self.params = params
+        self.cid = cid
+        self._graph = peers
+        self._rng = rng or P.default_rng()
+        self._c_sk: bytes | None = None
+        self._c_pk: bytes | None = None
+        self._roster: dict[int, bytes] | None = None  # id -> c_pk
+        self._holders: tuple[int, ...] = ()  # this client and its peers, sorted
+        self._peers: frozenset[int] = frozenset()
+        self._rounds: dict[int, _Round] = {}
+        self._used_rounds: set[int] = set()
+
+    # ---- introspection (tests, logs) ----------------------------------------------------------
+    def phase(self, round_: int) -> Phase | None:
+        st = self._rounds.get(round_)
+        return st.phase if st else None
+
+    @property
+    def roster(self) -> tuple[int, ...]:
+        return tuple(sorted(self._roster or ()))
+
+    # ---- stage 0: setup, once per run ---------------------------------------------------------
+    def advertise(self) -> KeyAdvert:
+        if self._c_sk is not None:
+            raise RepeatedRequest("setup: this client already advertised its key for this run")
+        self._c_sk, self._c_pk = P.new_keypair(self._rng)
+        return KeyAdvert(self.cid, self._c_pk)
+
+    def receive_directory(self, directory: KeyDirectory) -> None:
+        if self._c_sk is None:
+            raise ProtocolViolation("setup: key directory received before this client advertised")
+        if self._roster is not None:
+            raise RepeatedRequest("setup: a second key directory in the same run")
+        if directory.run_id != self.params.run_id:
+            raise ProtocolViolation("setup: key directory of another run")
+        ids = [cid for cid, _ in directory.keys]
+        self._no_duplicates(ids, "setup", "key directory")
+        keys = dict(directory.keys)
+        if keys.get(self.cid) != self._c_pk:
+            raise KeySubstitution(f"setup: the directory does not hold client {self.cid}'s own key")
+        if len(set(keys.values())) != len(keys):
+            raise KeySubstitution("setup: two clients in the directory have the same key")
+        roster = tuple(sorted(keys))
+        holders = holders_of(self._graph, self.cid, roster)
+        if not set(holders) <= keys.keys():
+            raise ProtocolViolation("setup: the peer graph names clients outside the directory")
+        check_holders(self.cid, len(holders), self.params.threshold)
+        self._roster, self._holders = keys, holders
+        self._peers = frozenset(holders) - {self.cid}
+
+    # ---- stage 1: share keys (standalone, or piggybacked on the previous masked input) --------
+    def share_keys(self, round_: int) -> ShareKeys:
+        """Fresh mask key pair and self-mask seed for ``round_``, Shamir-shared to every holder."""
+        if self._roster is None or self._c_sk is None:
+            raise ProtocolViolation(f"round {round_}: share keys requested before setup finished")
+        if round_ in self._used_rounds:
+            raise RepeatedRequest(f"round {round_}: this client already generated share keys for it")
+        self._used_rounds.add(round_)
+        for old in [k for k in self._rounds if k <= round_ - 2]:  # a round two back can no longer finish
+            self._rounds.pop(old).wipe()
+        p, rng = self.params, self._rng
+        s_sk, s_pk = P.new_keypair(rng)
+        b = rng(shamir.SECRET_BYTES)
+        xs = [shamir.holder_x(h) for h in self._holders]
+        b_sh = shamir.split(b, xs, p.threshold, rng)
+        s_sh = shamir.split(s_sk, xs, p.threshold, rng)
+        out = []
+        for h in self._holders:
+            if h == self.cid:
+                continue
+            key = P.share_key(p.run_id, round_, self.cid, h, self._c_sk, self._roster[h])
+            x = shamir.holder_x(h)
+            pt = shamir.encode_share(b_sh[x]) + shamir.encode_share(s_sh[x])
+            nonce, ct = P.seal(key, pt, P.share_ad(p.run_id, round_, self.cid, h, s_pk), rng)
+            out.append(EncryptedShares(self.cid, h, round_, nonce, ct))
+        own = shamir.holder_x(self.cid)
+        st = _Round(round_, s_sk, s_pk, b, held={self.cid: (b_sh[own], s_sh[own])})
+        self._rounds[round_] = st
+        commit = P.commit(b, P.b_commit_ctx(p.run_id, round_, self.cid))
+        return ShareKeys(self.cid, round_, s_pk, commit, tuple(out))
+
+    # ---- stage 2: masked input ----------------------------------------------------------------
+    def masked_input(self, start: RoundStart, x: np.ndarray, *, share_next: bool = True) -> MaskedInput:
+        """``x``: ``[length]`` integers in [0, 2^bits) (see ``encoding.encode_fixed``). With
+        ``share_next`` the share keys of round + 1 ride along, so the next round needs no extra
+        exchange."""
+        st = self._state(start.round, Phase.SHARED, "masked input")
+        try:
+            y = self._mask(st, start, x)
+        except SecAggAbort:
+            self._abort(st)
+            raise
+        nxt = self.share_keys(start.round + 1) if share_next else None
+        return MaskedInput(self.cid, start.round, y, nxt)
+
+    def _mask(self, st: _Round, start: RoundStart, x: np.ndarray) -> np.ndarray:
+        p, r = self.params, st.round
+        if start.recipient != self.cid:
+            raise ProtocolViolation(f"round {r}: round start addressed to client {start.recipient}")
+        ids = [v for v, _ in start.participants]
+        self._check_ids(ids, r, "participant list")
+        s_pks = dict(start.participants)
+        if self.cid not in s_pks:
+            raise ListedAsDead(f"round {r}: the participant list omits client {self.cid}")
+        if s_pks[self.cid] != st.s_pk:
+            raise KeySubstitution(f"round {r}: the participant list holds a wrong mask key for client {self.cid}")
+        u1 = frozenset(ids)
+        mine = u1 & set(self._holders)
+        if len(mine) < p.threshold:
+            raise TooFewSurvivors(f"round {r}, masked input: {len(mine)} of this client's holders shared keys, "
+                                  f"below threshold t = {p.threshold}")
+        expected = mine - {self.cid}
+        got: dict[int, EncryptedShares] = {}
+        for e in start.shares:
+            if e.recipient != self.cid or e.round != r:
+                raise ProtocolViolation(f"round {r}: a share envelope for client {e.recipient} round {e.round}")
+            if e.sender in got:
+                raise DuplicateClient(f"round {r}: two share envelopes from client {e.sender}")
+            if e.sender not in expected:
+                raise ProtocolViolation(f"round {r}: share envelope from client {e.sender}, not a participating peer")
+            got[e.sender] = e
+        if missing := sorted(expected - got.keys()):
+            raise ProtocolViolation(f"round {r}: no share envelope from participating peer(s) {missing}")
+        v_arr = self._check_input(x, r)
+        held = {}
+        for v in sorted(got):  # decrypt everything before any mask is computed
+            e = got[v]
+            key = P.share_key(p.run_id, r, v, self.cid, self._c_sk, self._roster[v])
+            pt = P.open_sealed(key, e.nonce, e.ciphertext, P.share_ad(p.run_id, r, v, self.cid, s_pks[v]))
+            if pt is None:
+                raise TamperedShare(f"round {r}: the encrypted share from client {v} failed authentication "
+                                    "(tampered, misaddressed, or its mask key was swapped)", sender=v, round=r)
+            try:
+                held[v] = (shamir.decode_share(pt[:shamir.SHARE_BYTES]), shamir.decode_share(pt[shamir.SHARE_BYTES:]))
+            except ValueError as exc:
+                raise ProtocolViolation(f"round {r}: malformed share from client {v}: {exc}") from None
+        # y = x + PRG(b) + sum_{v>u} PRG(s_uv) - sum_{v<u} PRG(s_uv)  mod 2^bits, all [length]
+        y = P.prg(P.self_mask_key(p.run_id, r, self.cid, st.b), p.length, p.bits)
+        y += v_arr
+        for v in sorted(mine - {self.cid}):
+            m = P.prg(P.pair_mask_key(p.run_id, r, self.cid, v, st.s_sk, s_pks[v]), p.length, p.bits)
+            if v > self.cid:
+                y += m
+            else:
+                y -= m
+        if p.bits not in (32, 64):
+            y &= y.dtype.type(P.ring_mask(p.bits))
+        st.held.update(held)
+        st.u1 = tuple(sorted(u1))
+        st.phase = Phase.MASKED
+        st.s_sk = st.b = b""  # only the shares are needed from here on
+        return y
+
+    def _check_input(self, x: np.ndarray, r: int) -> np.ndarray:
+        p = self.params
+        x = np.asarray(x)
+        if x.shape != (p.length,) or not np.issubdtype(x.dtype, np.integer):
+            raise ValueError(f"round {r}: input must be [{p.length}] integers, got {x.shape} {x.dtype}")
+        if x.size and (int(x.min()) < 0 or int(x.max()) > P.ring_mask(p.bits)):
+            raise ValueError(f"round {r}: input outside [0, 2^{p.bits}); encode with encode_fixed/to_ring")
+        return x.astype(P.word_dtype(p.bits))
+
+    # ---- stage 3: unmask ----------------------------------------------------------------------
+    def unmask(self, request: UnmaskRequest) -> UnmaskResponse:
+        st = self._state(request.round, Phase.MASKED, "unmask")
+        try:
+            resp = self._unmask(st, request)
+        except SecAggAbort:
+            self._abort(st)
+            raise
+        st.phase = Phase.DONE
+        st.wipe()
+        return resp
+
+    def _unmask(self, st: _Round, req: UnmaskRequest) -> UnmaskResponse:
+        r, t = st.round, self.params.threshold
+        self._check_ids(req.alive, r, "alive list")
+        self._check_ids(req.dead, r, "dead list")
+        alive, dead, u1 = frozenset(req.alive), frozenset(req.dead), frozenset(st.u1)
+        if both := sorted(alive & dead):
+            raise BothSharesRequested(f"round {r}, unmask: the server asks for both shares of client(s) {both}")
+        if self.cid in dead or self.cid not in alive:
+            raise ListedAsDead(f"round {r}, unmask: the server lists client {self.cid} as dropped")
+        if earlier := sorted(dead - u1):
+            raise AlreadyDead(f"round {r}, unmask: client(s) {earlier} listed as dropped in this round, but they "
+                              "never shared keys in it (already dead)")
+        if stray := sorted(alive - u1):
+            raise InconsistentLists(f"round {r}, unmask: client(s) {stray} listed as alive, but not participants")
+        if unlisted := sorted(u1 - alive - dead):
+            raise InconsistentLists(f"round {r}, unmask: participant(s) {unlisted} are neither alive nor dead")
+        holders = u1 & set(self._holders)
+        my_alive = sorted(holders & alive)
+        my_dead = sorted(holders - alive)  # computed here from U1, never taken from the server
+        if len(my_alive) < t:
+            raise TooFewSurvivors(f"round {r}, unmask: {len(my_alive)} survivors among this client's holders, "
+                                  f"below threshold t = {t}")
+        enc = shamir.encode_share
+        return UnmaskResponse(self.cid, r, tuple((v, enc(st.held[v][0])) for v in my_alive),
+                              tuple((v, enc(st.held[v][1])) for v in my_dead))
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _state(self, r: int, expect: Phase, stage: str) -> _Round:
+        st = self._rounds.get(r)
+        if st is None:
+            if r in self._used_rounds:
+                raise RepeatedRequest(f"round {r}: {stage} requested for a round this client has closed")
+            raise ProtocolViolation(f"round {r}: {stage} requested, but this client holds no keys for it")
+        if st.phase is expect:
+            return st
+        if st.phase is Phase.ABORTED:
+            raise ProtocolViolation(f"round {r}: {stage} requested after this client aborted the round")
+        if stage == "unmask" and st.phase is Phase.DONE:
+            raise RepeatedUnmask(f"round {r}: a second unmask request; this client answers once per round")
+        if stage == "unmask":
+            raise ProtocolViolation(f"round {r}: unmask requested before this client sent its masked input")
+        raise RepeatedRequest(f"round {r}: {stage} requested a second time")
+
+    def _abort(self, st: _Round) -> None:
+        st.phase = Phase.ABORTED
+        st.wipe()
+
+    def _no_duplicates(self, ids: Iterable[int], r: int | str, what: str) -> None:
+        seen: set[int] = set()
+        for v in ids:
+            if v in seen:
+                raise DuplicateClient(f"round {r}: client {v} appears twice in the {what}")
+            seen.add(v)
+
+    def _check_ids(self, ids: Iterable[int], r: int, what: str) -> None:
+        ids = list(ids)
+        self._no_duplicates(ids, r, what)
+        if unknown := sorted(set(ids) - self._roster.keys()):
+            raise UnknownClient(f"round {r}: the {what} names client(s) {unknown} that are not in this run")

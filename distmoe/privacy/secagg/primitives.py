@@ -1,0 +1,157 @@
+"""Cryptographic primitives of the secure aggregation, all from ``cryptography`` (OpenSSL).
+
+Owns: X25519 key pairs and agreement, HKDF-SHA256 key derivation with context-bound ``info``, the
+ChaCha20-keystream PRG that expands a 32-byte seed into a mask vector uniform over Z_{2^bits}, the
+ChaCha20-Poly1305 envelope for Shamir shares, and the commitment to a self-mask seed.
+
+Must not: use a non-cryptographic generator (``random``, ``numpy.random``) for anything secret, fold a
+seed to fewer than 256 bits, reuse a derived key for two purposes, or derive a key without binding it
+to (run, round, ordered party ids, purpose). Flower 1.42's SecAgg+ is not used because its PRG is
+MT19937 seeded with a 32-bit fold of the key (flwrlabs/flower#7522) and its key derivation has no
+context binding (DESIGN.md section 6).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from distmoe.privacy.secagg.errors import ProtocolViolation
+
+PROTOCOL = b"distmoe-secagg/v1"
+KEY_BYTES = 32
+NONCE_BYTES = 12
+MAX_ID = 2**64 - 1
+
+RandomBytes = Callable[[int], bytes]  # n -> n bytes; os.urandom unless a test injects a seeded one
+
+
+def default_rng() -> RandomBytes:
+    return os.urandom
+
+
+def _u64(v: int) -> bytes:
+    if not 0 <= v <= MAX_ID:
+        raise ValueError(f"id/round {v} outside [0, 2^64)")
+    return v.to_bytes(8, "big")
+
+
+def context(purpose: str, run_id: bytes, round_: int, *ids: int, extra: tuple[bytes, ...] = ()) -> bytes:
+    """Unambiguous encoding of (protocol, purpose, run, round, ids..., extra...): each field is
+    length-prefixed, so no two different tuples give the same bytes."""
+    parts = (PROTOCOL, purpose.encode(), run_id, _u64(round_), *(_u64(i) for i in ids), *extra)
+    return b"".join(len(p).to_bytes(2, "big") + p for p in parts)
+
+
+# ---- X25519 ---------------------------------------------------------------------------------------
+
+def new_keypair(rng: RandomBytes) -> tuple[bytes, bytes]:
+    """(private raw 32 bytes, public raw 32 bytes)."""
+    sk = X25519PrivateKey.from_private_bytes(rng(KEY_BYTES))
+    return sk.private_bytes_raw(), sk.public_key().public_bytes_raw()
+
+
+def public_from_private(sk: bytes) -> bytes:
+    return X25519PrivateKey.from_private_bytes(sk).public_key().public_bytes_raw()
+
+
+def agree(sk: bytes, pk: bytes) -> bytes:
+    """X25519 shared secret; a low-order (all-zero result) public key is a protocol violation."""
+    try:
+        return X25519PrivateKey.from_private_bytes(sk).exchange(X25519PublicKey.from_public_bytes(pk))
+    except ValueError as exc:
+        raise ProtocolViolation(f"invalid X25519 public key: {exc}") from None
+
+
+def derive_key(secret: bytes, info: bytes) -> bytes:
+    """HKDF-SHA256, 32 bytes, no salt (the input is a fresh DH secret or a uniform seed)."""
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(secret)
+
+
+# ---- PRG ------------------------------------------------------------------------------------------
+
+def word_dtype(bits: int) -> np.dtype:
+    """The unsigned word that holds Z_{2^bits}: uint32 up to 32 bits, uint64 up to 64."""
+    if not 1 <= bits <= 64:
+        raise ValueError(f"bits must be in [1, 64], got {bits}")
+    return np.dtype(np.uint32) if bits <= 32 else np.dtype(np.uint64)
+
+
+def ring_mask(bits: int) -> int:
+    return (1 << bits) - 1
+
+
+def prg(key: bytes, length: int, bits: int) -> np.ndarray:
+    """Expand a 32-byte key into ``[length]`` words uniform over Z_{2^bits}.
+
+    ChaCha20 keystream (counter 0, zero nonce: every key is used for exactly one expansion), read as
+    little-endian words and masked to ``bits``. Keeping the low bits of a uniform word is exactly
+    uniform because 2^bits divides the word range.
+    """
+    if len(key) != KEY_BYTES:
+        raise ValueError("PRG key must be 32 bytes")
+    dt = word_dtype(bits)
+    enc = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+    stream = enc.update(bytes(length * dt.itemsize))  # [length * itemsize] bytes
+    words = np.frombuffer(stream, dtype=dt.newbyteorder("<")).astype(dt, copy=True)  # [length]
+    if bits not in (32, 64):
+        words &= dt.type(ring_mask(bits))
+    return words
+
+
+# ---- share envelope -------------------------------------------------------------------------------
+
+def seal(key: bytes, plaintext: bytes, ad: bytes, rng: RandomBytes) -> tuple[bytes, bytes]:
+    """ChaCha20-Poly1305 -> (nonce, ciphertext with tag). The key is already unique per
+    (run, round, sender, recipient); the random nonce is defence in depth."""
+    nonce = rng(NONCE_BYTES)
+    return nonce, ChaCha20Poly1305(key).encrypt(nonce, plaintext, ad)
+
+
+def open_sealed(key: bytes, nonce: bytes, ciphertext: bytes, ad: bytes) -> bytes | None:
+    """Plaintext, or None when authentication fails."""
+    try:
+        return ChaCha20Poly1305(key).decrypt(nonce, ciphertext, ad)
+    except (InvalidTag, ValueError):
+        return None
+
+
+def commit(seed: bytes, ctx: bytes) -> bytes:
+    """SHA-256 commitment to a uniform 256-bit seed (lets the server check a reconstruction)."""
+    return hashlib.sha256(ctx + seed).digest()
+
+
+# ---- the protocol's derived keys (one purpose each) -----------------------------------------------
+
+def share_key(run_id: bytes, round_: int, sender: int, recipient: int, c_sk: bytes, c_pk_peer: bytes) -> bytes:
+    """AEAD key for the shares ``sender -> recipient`` of one round (direction-bound)."""
+    return derive_key(agree(c_sk, c_pk_peer), context("share-key", run_id, round_, sender, recipient))
+
+
+def share_ad(run_id: bytes, round_: int, sender: int, recipient: int, s_pk_sender: bytes) -> bytes:
+    """Associated data of a share envelope: binds the sender's per-round mask key, so a server that
+    swaps the relayed s_pk breaks the tag."""
+    return context("share-ad", run_id, round_, sender, recipient, extra=(s_pk_sender,))
+
+
+def self_mask_key(run_id: bytes, round_: int, owner: int, b: bytes) -> bytes:
+    return derive_key(b, context("self-mask", run_id, round_, owner))
+
+
+def pair_mask_key(run_id: bytes, round_: int, u: int, v: int, s_sk: bytes, s_pk_peer: bytes) -> bytes:
+    """Pairwise mask seed of {u, v}: the same from either side (ids ordered low, high)."""
+    lo, hi = (u, v) if u < v else (v, u)
+    return derive_key(agree(s_sk, s_pk_peer), context("pair-mask", run_id, round_, lo, hi))
+
+
+def b_commit_ctx(run_id: bytes, round_: int, owner: int) -> bytes:
+    return context("b-commit", run_id, round_, owner)

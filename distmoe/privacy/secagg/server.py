@@ -1,0 +1,272 @@
+"""The server side of the secure aggregation.
+
+Owns: the run's key directory, the share keys collected for upcoming rounds, the survivor sets of each
+round (U1 shared keys, U2 sent a masked input, U3 answered the unmask request), Shamir reconstruction
+of the survivors' self-mask seeds and the dropped parties' mask keys, and the exact sum of the U2
+inputs mod 2^bits. Malformed or duplicate client messages are rejected (that client counts as dropped
+at that stage, the reason is kept in ``rejected``); only a shortfall below the threshold, or a
+reconstruction that fails its commitment, aborts the round.
+
+Must not: import ``flwr``, see any individual input, or ask a client for both shares of a peer (the
+clients enforce it anyway). Hand-written on ``cryptography`` rather than Flower's SecAgg+ workflow,
+which needs the legacy ``LegacyContext``, fails a round on a dropout before key sharing, and lets
+metrics and ``num_examples`` travel in the clear (DESIGN.md section 6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from distmoe.privacy.secagg import primitives as P
+from distmoe.privacy.secagg import shamir
+from distmoe.privacy.secagg.errors import (
+    BelowThreshold,
+    KeySubstitution,
+    ProtocolViolation,
+    ReconstructionFailed,
+    RepeatedRequest,
+)
+from distmoe.privacy.secagg.graph import PeerGraph, check_graph, complete_graph, holders_of
+from distmoe.privacy.secagg.messages import (
+    AggregateResult,
+    EncryptedShares,
+    KeyAdvert,
+    KeyDirectory,
+    MaskedInput,
+    RoundStart,
+    SecAggParams,
+    ShareKeys,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+
+
+@dataclass
+class _ServerRound:
+    round: int
+    u1: tuple[int, ...]
+    s_pk: dict[int, bytes]
+    commits: dict[int, bytes]
+    stage: str = "masked"  # masked -> unmask -> done
+    u2: tuple[int, ...] = ()
+    acc: np.ndarray | None = None  # [length] running sum of the masked inputs
+
+
+class SecAggServer:
+    def __init__(self, params: SecAggParams, *, peers: PeerGraph = complete_graph):
+        self.params = params
+        self._graph = peers
+        self._keys: dict[int, bytes] | None = None
+        self._holders: dict[int, frozenset[int]] = {}
+        self._pending: dict[int, dict[int, ShareKeys]] = {}  # round -> sender -> share keys
+        self._rounds: dict[int, _ServerRound] = {}
+        self._last_begun: int | None = None
+        self.rejected: dict[tuple[int, int], str] = {}  # (round, client) -> reason; round -1 = setup
+
+    @property
+    def roster(self) -> tuple[int, ...]:
+        return tuple(sorted(self._keys or ()))
+
+    def has_share_keys(self, round_: int) -> frozenset[int]:
+        """Clients whose share keys for ``round_`` are held (they will be in U1)."""
+        return frozenset(self._pending.get(round_, ()))
+
+    def _reject(self, r: int, cid: int, why: str) -> None:
+        self.rejected.setdefault((r, cid), why)
+
+    # ---- stage 0: setup -----------------------------------------------------------------------
+    def register(self, adverts: Iterable[KeyAdvert]) -> KeyDirectory:
+        if self._keys is not None:
+            raise RepeatedRequest("setup: keys were already registered for this run")
+        keys: dict[int, bytes] = {}
+        for a in adverts:
+            if a.sender in keys:
+                self._reject(-1, a.sender, "second key advert")
+                continue
+            keys[a.sender] = a.c_pk
+        if len(set(keys.values())) != len(keys):
+            raise KeySubstitution("setup: two clients advertised the same key")
+        t = self.params.threshold
+        if len(keys) < t:
+            raise BelowThreshold(f"setup: {len(keys)} clients advertised keys, below threshold t = {t}")
+        roster = tuple(sorted(keys))
+        check_graph(self._graph, roster, t)
+        self._keys = keys
+        self._holders = {u: frozenset(holders_of(self._graph, u, roster)) for u in roster}
+        return KeyDirectory(self.params.run_id, tuple((u, keys[u]) for u in roster))
+
+    # ---- stage 1: share keys ------------------------------------------------------------------
+    def add_share_keys(self, msgs: Iterable[ShareKeys]) -> None:
+        if self._keys is None:
+            raise ProtocolViolation("share keys before setup")
+        for m in msgs:
+            if why := self._share_keys_problem(m):
+                self._reject(m.round, m.sender, why)
+                continue
+            self._pending.setdefault(m.round, {})[m.sender] = m
+
+    def _share_keys_problem(self, m: ShareKeys) -> str | None:
+        if m.sender not in self._keys:
+            return "not in the run"
+        if self._last_begun is not None and m.round <= self._last_begun:
+            return f"share keys for round {m.round}, which has already begun"
+        if m.sender in self._pending.get(m.round, {}):
+            return "second share keys for the round"
+        if any(e.sender != m.sender or e.round != m.round for e in m.shares):
+            return "an envelope with a wrong sender or round"
+        recipients = [e.recipient for e in m.shares]
+        if sorted(recipients) != sorted(self._holders[m.sender] - {m.sender}):
+            return "envelopes not addressed to exactly its peers"
+        return None
+
+    def begin_round(self, r: int) -> dict[int, RoundStart]:
+        """Close U1 for round ``r`` and build each participant's ``RoundStart``."""
+        if self._keys is None:
+            raise ProtocolViolation("round before setup")
+        if self._last_begun is not None and r <= self._last_begun:
+            raise RepeatedRequest(f"round {r}: rounds must increase (last begun: {self._last_begun})")
+        for old in [k for k in self._pending if k < r]:
+            del self._pending[old]
+        for old in [k for k in self._rounds if k < r - 1]:
+            del self._rounds[old]
+        pend = self._pending.pop(r, {})
+        t = self.params.threshold
+        u1 = set(pend)
+        changed = True
+        while changed:  # with a sparse graph a participant needs t holders in U1 to be recoverable
+            changed = False
+            for u in sorted(u1):
+                if len(self._holders[u] & u1) < t:
+                    u1.discard(u)
+                    self._reject(r, u, "fewer than t of its holders shared keys")
+                    changed = True
+        self._last_begun = r
+        if len(u1) < t:
+            raise BelowThreshold(f"round {r}, share keys: {len(pend)} clients shared keys ({len(u1)} with t holders "
+                                 f"among them), below threshold t = {t}")
+        order = tuple(sorted(u1))
+        participants = tuple((v, pend[v].s_pk) for v in order)
+        inbox: dict[int, list[EncryptedShares]] = {u: [] for u in order}
+        for v in order:
+            for e in pend[v].shares:
+                if e.recipient in u1:
+                    inbox[e.recipient].append(e)
+        self._rounds[r] = _ServerRound(r, order, {v: pend[v].s_pk for v in order},
+                                       {v: pend[v].b_commit for v in order})
+        return {u: RoundStart(r, u, participants, tuple(sorted(inbox[u], key=lambda e: e.sender))) for u in order}
+
+    # ---- stage 2: masked input ----------------------------------------------------------------
+    def receive_masked(self, r: int, msgs: Iterable[MaskedInput]) -> UnmaskRequest:
+        """Sum the masked inputs (U2), store piggybacked share keys, return the unmask request that
+        goes to every member of U2."""
+        rs = self._stage(r, "masked")
+        p = self.params
+        dt = P.word_dtype(p.bits)
+        acc = np.zeros(p.length, dtype=dt)  # [length]
+        got: list[int] = []
+        nxt: list[ShareKeys] = []
+        for m in msgs:
+            why = None
+            if m.round != r or m.sender not in rs.u1:
+                why = "not a participant of the round"
+            elif m.sender in got:
+                why = "second masked input"
+            elif m.y.shape != (p.length,) or m.y.dtype != dt:
+                why = f"masked input of shape {m.y.shape} {m.y.dtype}, expected ({p.length},) {dt}"
+            elif p.bits not in (32, 64) and int(m.y.max()) > P.ring_mask(p.bits):
+                why = f"masked input outside Z_2^{p.bits}"
+            elif m.next_keys is not None and (m.next_keys.sender != m.sender or m.next_keys.round != r + 1):
+                why = "piggybacked share keys of another client or round"
+            if why:
+                self._reject(r, m.sender, why)
+                continue
+            acc += m.y
+            got.append(m.sender)
+            if m.next_keys is not None:
+                nxt.append(m.next_keys)
+        self.add_share_keys(nxt)
+        t = p.threshold
+        if len(got) < t:
+            rs.stage = "done"
+            raise BelowThreshold(f"round {r}, masked input: {len(got)} masked inputs, below threshold t = {t}")
+        rs.u2, rs.acc, rs.stage = tuple(sorted(got)), acc, "unmask"
+        return UnmaskRequest(r, alive=rs.u2, dead=tuple(sorted(set(rs.u1) - set(rs.u2))))
+
+    # ---- stage 3: unmask ----------------------------------------------------------------------
+    def finish(self, r: int, responses: Iterable[UnmaskResponse]) -> AggregateResult:
+        """Reconstruct b of every U2 member and s_sk of every dropped participant, remove the masks."""
+        rs = self._stage(r, "unmask")
+        p, t = self.params, self.params.threshold
+        alive, dead = frozenset(rs.u2), frozenset(rs.u1) - frozenset(rs.u2)
+        b_pts: dict[int, dict[int, int]] = {v: {} for v in alive}  # owner -> {x: share}
+        s_pts: dict[int, dict[int, int]] = {v: {} for v in dead}
+        responders: list[int] = []
+        for m in responses:
+            if m.round != r or m.sender not in alive:
+                self._reject(r, m.sender, "unmask response from a non-survivor")
+                continue
+            if m.sender in responders:
+                self._reject(r, m.sender, "second unmask response")
+                continue
+            mine = self._holders[m.sender] & frozenset(rs.u1)
+            ob, os_ = [o for o, _ in m.b_shares], [o for o, _ in m.s_shares]
+            if sorted(ob) != sorted(mine & alive) or sorted(os_) != sorted(mine & dead):
+                self._reject(r, m.sender, "unmask response with the wrong set of shares")
+                continue
+            try:
+                decoded = [(o, shamir.decode_share(s), b_pts) for o, s in m.b_shares]
+                decoded += [(o, shamir.decode_share(s), s_pts) for o, s in m.s_shares]
+            except ValueError as exc:
+                self._reject(r, m.sender, f"malformed share: {exc}")
+                continue
+            x = shamir.holder_x(m.sender)
+            for owner, y, table in decoded:
+                table[owner][x] = y
+            responders.append(m.sender)
+        rs.stage = "done"
+        if len(responders) < t:
+            raise BelowThreshold(f"round {r}, unmask: {len(responders)} unmask responses, below threshold t = {t}")
+        total = rs.acc
+        rs.acc = None
+        for v in sorted(alive):  # remove self masks of the survivors
+            b = self._reconstruct(r, v, b_pts[v], "self-mask seed")
+            if P.commit(b, P.b_commit_ctx(p.run_id, r, v)) != rs.commits[v]:
+                raise ReconstructionFailed(f"round {r}: the self-mask seed of client {v} does not match its "
+                                           "commitment (a corrupt share)", owner=v, round=r)
+            total -= P.prg(P.self_mask_key(p.run_id, r, v, b), p.length, p.bits)
+        for v in sorted(dead):  # remove the pairwise masks survivors hold with dropped participants
+            sk = self._reconstruct(r, v, s_pts[v], "mask key")
+            if P.public_from_private(sk) != rs.s_pk[v]:
+                raise ReconstructionFailed(f"round {r}: the mask key of client {v} does not match its public key "
+                                           "(a corrupt share)", owner=v, round=r)
+            for u in sorted(alive & self._holders[v]):
+                m = P.prg(P.pair_mask_key(p.run_id, r, u, v, sk, rs.s_pk[u]), p.length, p.bits)
+                if v > u:  # y_u carried +PRG(s_uv) for v > u, -PRG(s_uv) for v < u
+                    total -= m
+                else:
+                    total += m
+        if p.bits not in (32, 64):
+            total &= total.dtype.type(P.ring_mask(p.bits))
+        return AggregateResult(r, total, rs.u2, tuple(sorted(dead)), tuple(sorted(responders)))
+
+    def _reconstruct(self, r: int, owner: int, pts: dict[int, int], what: str) -> bytes:
+        t = self.params.threshold
+        if len(pts) < t:
+            raise BelowThreshold(f"round {r}, unmask: {len(pts)} shares of client {owner}'s {what}, "
+                                 f"below threshold t = {t}")
+        secret = shamir.reconstruct(pts, t)
+        if secret is None:
+            raise ReconstructionFailed(f"round {r}: shares of client {owner}'s {what} do not interpolate to a "
+                                       "32-byte secret (a corrupt share)", owner=owner, round=r)
+        return secret
+
+    def _stage(self, r: int, stage: str) -> _ServerRound:
+        rs = self._rounds.get(r)
+        if rs is None:
+            raise ProtocolViolation(f"round {r} was not begun")
+        if rs.stage != stage:
+            raise RepeatedRequest(f"round {r}: {stage} stage requested while the round is at '{rs.stage}'")
+        return rs
