@@ -278,6 +278,7 @@ def run(opts: SimOptions) -> tuple[int, Path]:
         say("  last lines of the Flower log:\n    " + "\n    ".join(tail))
         return 1, run_dir
     if opts.report:
+        os.environ.setdefault("MPLCONFIGDIR", str(run_dir / "home" / "mpl"))  # no font cache in ~
         from distmoe.report.report import write_report
 
         path = write_report(run_dir)

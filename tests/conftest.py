@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+import tempfile
 
-from distmoe.config import parse_run_config
+# Tests keep every cache out of the home directory (matplotlib's font cache, Hugging Face).
+_CACHE = tempfile.mkdtemp(prefix="distmoe-test-cache-")
+os.environ.setdefault("MPLCONFIGDIR", os.path.join(_CACHE, "mpl"))
+os.environ.setdefault("HF_HOME", os.path.join(_CACHE, "hf"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from distmoe.config import parse_run_config  # noqa: E402
 
 torch.set_num_threads(1)
 
