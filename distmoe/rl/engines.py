@@ -1,0 +1,236 @@
+"""The CPU inference engine for RL rollouts: a weight-synced copy of the policy whose numerics differ
+from the trainer's in a controlled, genuine way (DESIGN.md section 7, reference Part B.5).
+
+Owns: the numerics profiles (``exact``, ``bf16``, ``int8-dynamic``, ``int8-weight-only``,
+``prune-k`` and ``+``-combinations such as ``bf16+prune-1``), the expert-usage table used to choose
+which experts ``prune-k`` drops (``measure_usage``), and ``sync`` (re-copy the policy's weights and
+re-apply the profile).
+
+Must not: modify the policy model (every change is made on a deep copy), train anything, compute
+log-probs or losses (``rollout.py`` and the RL loss do that), or import Flower.
+
+Profiles (measured on a briefly trained tiny Qwen3-MoE; numbers in the reference):
+
+* ``exact``: same numerics (the control; KV-cache decode vs teacher forcing differs by ~1e-6).
+* ``bf16``: weights and compute in bfloat16 (mild: mean |dlogp| ~1e-2, ~0.4 % routing flips).
+* ``int8-dynamic``: ``torch.ao.quantization.quantize_dynamic`` on every ``nn.Linear`` (attention and
+  ``lm_head``; it does NOT touch the fused 3-D experts or the router, which are bare parameters).
+  Batch-composition dependent, like batch-non-invariant GPU kernels.
+* ``int8-weight-only``: fake-quantised symmetric per-row int8 of the fused experts' 3-D parameters
+  and the router weight (deterministic; compute stays fp32).
+* ``prune-k``: the k least-used experts of every MoE layer are dropped by setting their router
+  logits to -inf (a forward hook on each router of the copy). "Least used" comes from a usage table
+  ``[L, E]`` passed in, or measured on calibration batches with ``measure_usage``. Strong and
+  systematic: this is the profile that makes IcePop masks non-zero.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from distmoe.model.build import router_modules
+from distmoe.model.router import topk_experts
+
+BASE_PROFILES = ("exact", "bf16", "int8-dynamic", "int8-weight-only", "prune-k")
+_PRUNE_RE = re.compile(r"^prune-(\d+)$")
+
+
+def _profile_error(profile: str, why: str) -> ValueError:
+    return ValueError(f"unknown or invalid inference profile {profile!r} ({why}); valid profiles: "
+                      f"{', '.join(BASE_PROFILES)} (prune-k with an integer k, e.g. prune-1), or a '+'-"
+                      "combination of bf16 / int8-dynamic / int8-weight-only / prune-k such as bf16+prune-1 "
+                      "(bf16 and int8-dynamic exclude each other; exact stands alone)")
+
+
+def parse_profile(profile: str) -> dict[str, object]:
+    """``"bf16+prune-1"`` -> ``{"bf16": True, "int8_dynamic": False, "int8_wo": False, "prune": 1}``."""
+    parts = [p.strip() for p in str(profile).lower().split("+") if p.strip()]
+    if not parts:
+        raise _profile_error(profile, "empty")
+    spec: dict[str, object] = {"bf16": False, "int8_dynamic": False, "int8_wo": False, "prune": 0}
+    if parts == ["exact"]:
+        return spec
+    seen: set[str] = set()
+    for part in parts:
+        m = _PRUNE_RE.match(part)
+        key = "prune" if m else part
+        if key in seen:
+            raise _profile_error(profile, f"{part!r} given twice")
+        seen.add(key)
+        if m:
+            k = int(m.group(1))
+            if k < 1:
+                raise _profile_error(profile, "prune-k needs k >= 1")
+            spec["prune"] = k
+        elif part == "bf16":
+            spec["bf16"] = True
+        elif part == "int8-dynamic":
+            spec["int8_dynamic"] = True
+        elif part == "int8-weight-only":
+            spec["int8_wo"] = True
+        elif part == "exact":
+            raise _profile_error(profile, "exact cannot be combined")
+        else:
+            raise _profile_error(profile, f"unknown part {part!r}")
+    if spec["bf16"] and spec["int8_dynamic"]:
+        raise _profile_error(profile, "bf16 and int8-dynamic exclude each other")
+    return spec
+
+
+def _batch_tensors(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, Mapping):
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+    else:
+        ids, mask = batch, None
+    if mask is None:
+        mask = torch.ones_like(ids)
+    return ids, mask
+
+
+@torch.no_grad()
+def measure_usage(model: nn.Module, batches: Iterable) -> torch.Tensor:
+    """Top-k assignment counts per MoE layer and expert, ``[L, E]`` float32, over valid tokens.
+
+    ``batches``: dicts with ``input_ids`` ``[B, S]`` and optional ``attention_mask`` ``[B, S]`` (e.g.
+    from ``collate`` / ``collate_prompts``) or bare ``[B, S]`` id tensors. Padding is not counted.
+    """
+    routers = router_modules(model)
+    if not routers:
+        raise ValueError("measure_usage: the model has no top-k router modules")
+    top_k = int(model.config.num_experts_per_tok)
+    usage: torch.Tensor | None = None
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in batches:
+            ids, mask = _batch_tensors(batch)
+            out = model(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
+            valid = mask.reshape(-1).bool()  # [B*S]
+            layers = []
+            for rl in out.router_logits:  # L x [B*S, E]
+                idx = topk_experts(rl[valid], top_k)  # [n, k]
+                layers.append(torch.bincount(idx.reshape(-1), minlength=rl.shape[-1]).float())  # [E]
+            counts = torch.stack(layers, 0)  # [L, E]
+            usage = counts if usage is None else usage + counts
+    finally:
+        model.train(was_training)
+    if usage is None:
+        raise ValueError("measure_usage: no calibration batches")
+    return usage
+
+
+def least_used(usage: torch.Tensor, k: int) -> torch.Tensor:
+    """``[L, E]`` usage -> ``[L, k]`` indices of the k least-used experts per layer (ties: lower index)."""
+    order = torch.sort(usage.float(), dim=-1, stable=True).indices  # [L, E] ascending
+    return order[:, :k]
+
+
+def _make_prune_hook(dropped: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """Forward hook for a ``(logits, scores, indices)`` router: re-route with ``dropped`` logits at -inf."""
+    def hook(_mod, _inp, out):
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise TypeError("prune-k needs a router returning (logits, scores, indices) (Qwen3-MoE style)")
+        logits = out[0]  # [tokens, E]
+        masked = logits.index_fill(-1, dropped.to(logits.device), float("-inf"))  # [tokens, E]
+        probs = torch.softmax(masked, dim=-1, dtype=torch.float)  # [tokens, E]
+        top_v, top_i = torch.topk(probs, top_k, dim=-1)  # [tokens, k]
+        if norm_topk_prob:
+            top_v = top_v / top_v.sum(dim=-1, keepdim=True)
+        return masked, top_v.to(logits.dtype), top_i
+    return hook
+
+
+def fake_quant_int8_(t: torch.Tensor) -> None:
+    """Symmetric per-row (last dim) int8 fake quantisation, in place: ``t`` keeps its dtype and shape."""
+    s = t.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0  # [..., 1]
+    t.copy_((t / s).round().clamp(-127, 127) * s)
+
+
+def quantized_tensor_names(model: nn.Module) -> list[str]:
+    """Names of the parameters ``int8-weight-only`` fake-quantises: fused 3-D experts + router weights."""
+    names = [n for n, p in model.named_parameters() if p.dim() == 3 and ".experts." in f".{n}"]
+    for rname, mod in router_modules(model):
+        if isinstance(getattr(mod, "weight", None), torch.Tensor):
+            names.append(f"{rname}.weight")
+    return names
+
+
+class InferenceEngine:
+    """A weight-synced deep copy of ``policy_model`` with numerics profile ``profile``.
+
+    ``engine.model`` is what rollouts are sampled from (eval mode, no grad needed). ``usage``
+    (``[L, E]``) fixes which experts ``prune-k`` drops; without it, pass ``calibration`` batches and
+    the usage is measured on the policy at construction and at every ``sync``.
+    """
+
+    def __init__(self, policy_model: nn.Module, profile: str, temperature: float = 1.0,
+                 usage: torch.Tensor | None = None, calibration: list | None = None):
+        self.profile = str(profile)
+        self.spec = parse_profile(self.profile)
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (sampling), got {temperature}")
+        self.temperature = float(temperature)
+        self.fixed_usage = usage
+        self.calibration = calibration
+        if self.spec["prune"] and usage is None and not calibration:
+            raise ValueError(f"profile {self.profile!r} needs a usage table [L, E] or calibration batches")
+        self.usage: torch.Tensor | None = None
+        self.pruned: torch.Tensor | None = None  # [L, k] dropped experts per MoE layer
+        self.model: nn.Module
+        self.sync(policy_model)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.spec["bf16"] else torch.float32
+
+    def sync(self, policy_model: nn.Module) -> InferenceEngine:
+        """Re-copy the policy's current weights and re-apply the profile (the policy is untouched)."""
+        model = copy.deepcopy(policy_model)
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        k = int(self.spec["prune"])
+        if k:
+            self._apply_prune(model, policy_model, k)
+        if self.spec["int8_wo"]:
+            with torch.no_grad():
+                params = dict(model.named_parameters())
+                for name in quantized_tensor_names(model):
+                    fake_quant_int8_(params[name].data)
+        if self.spec["bf16"]:
+            model.to(torch.bfloat16)
+        if self.spec["int8_dynamic"]:
+            with warnings.catch_warnings():  # torch 2.13 deprecates torch.ao quantization (-> torchao)
+                warnings.simplefilter("ignore")
+                model = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+        self.model = model
+        return self
+
+    def _apply_prune(self, model: nn.Module, policy_model: nn.Module, k: int) -> None:
+        routers = router_modules(model)
+        if self.fixed_usage is not None:
+            usage = torch.as_tensor(self.fixed_usage).float()
+        else:
+            usage = measure_usage(policy_model, self.calibration)
+        num_experts = int(getattr(model.config, "num_experts", None) or model.config.num_local_experts)
+        top_k = int(model.config.num_experts_per_tok)
+        if usage.shape != (len(routers), num_experts):
+            raise ValueError(f"usage table has shape {tuple(usage.shape)}, expected "
+                             f"({len(routers)}, {num_experts}) = [MoE layers, experts]")
+        if num_experts - k < top_k:
+            raise ValueError(f"prune-{k} leaves {num_experts - k} experts, fewer than top_k={top_k}")
+        self.usage = usage
+        self.pruned = least_used(usage, k)  # [L, k]
+        for li, (_, mod) in enumerate(routers):
+            norm = bool(getattr(mod, "norm_topk_prob", getattr(model.config, "norm_topk_prob", False)))
+            mod.register_forward_hook(_make_prune_hook(self.pruned[li], top_k, norm))
+
+    def __repr__(self) -> str:
+        return f"InferenceEngine(profile={self.profile!r}, temperature={self.temperature})"

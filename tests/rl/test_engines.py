@@ -1,0 +1,163 @@
+"""Inference engines, rollouts and rewards for local RL: genuine train/inference mismatch on a briefly
+trained tiny MoE (random init misleads: reference Part B.5)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from distmoe.config import parse_run_config
+from distmoe.data.formats import parse_line
+from distmoe.data.synth import generate
+from distmoe.data.template import collate, encode_example, encode_prompt
+from distmoe.model.build import build_model, describe
+from distmoe.rl.engines import InferenceEngine, measure_usage, parse_profile
+from distmoe.rl.rewards import REWARDS, compute_rewards, get_reward
+from distmoe.rl.rollout import (
+    _record_routes,
+    generate_rollouts,
+    response_mask_from_tokens,
+    routing_disagreement,
+    train_logprobs,
+)
+from distmoe.train.sft import train_sft
+
+SMALL = {"model.hidden-size": 128, "model.moe-intermediate-size": 128, "model.layers": 2, "model.heads": 2,
+         "model.kv-heads": 1, "model.head-dim": 64, "train.local-steps": 150, "train.batch-size": 16,
+         "train.lr": 3e-3, "train.lr-experts": 3e-3, "train.lr-router": 3e-3, "train.warmup-steps": 5,
+         "routing.anchor-kl-coef": 0.0}
+ALPHA, BETA = 0.5, 5.0
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The small model after 150 SFT steps on synthetic lookup data (~5 s), prompts and calibration."""
+    cfg = parse_run_config(SMALL)
+    model, tok = build_model(cfg.model)
+    ms = describe(model)
+    examples = [parse_line(o, "synth") for o in generate("lookup", 0, 240, 0)]
+    encoded = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in examples]
+    res = train_sft(model, encoded, tok.pad_token_id, cfg.train, cfg.routing, ms.num_experts, ms.top_k, None, 0)
+    assert res.task_losses[-1] < 0.5 * res.task_losses[0]
+    prompts = [encode_prompt(tok, ex, cfg.model.max_seq_len) for ex in examples[:32]]
+    calibration = [collate(encoded[:64], tok.pad_token_id)]
+    return {"model": model, "tok": tok, "prompts": prompts, "calibration": calibration,
+            "usage": measure_usage(model, calibration)}
+
+
+def _mismatch(trained, engine, seed=0, prompts=None, group_size=4):
+    ro = generate_rollouts(engine, trained["tok"], prompts or trained["prompts"], group_size, 8, 1.0, seed)
+    delta = (train_logprobs(trained["model"], ro) - ro.logp_infer)[ro.response_mask]  # [n valid]
+    k = delta.exp()
+    return ro, delta, float(((k < ALPHA) | (k > BETA)).float().mean())
+
+
+def test_exact_engine_matches_training_numerics(trained):
+    engine = InferenceEngine(trained["model"], "exact")
+    ro, delta, masked = _mismatch(trained, engine)
+    assert delta.abs().max() < 1e-4 and masked == 0.0
+    assert ro.logp_infer.dtype == torch.float32 and ro.logp_infer.shape == ro.response.shape
+    assert ro.sequences.shape == (len(trained["prompts"]) * 4, ro.prompt_len + ro.response.shape[1])
+    assert routing_disagreement(trained["model"], engine, ro) == [0.0, 0.0]
+    assert engine.model is not trained["model"]
+
+
+def test_prune_engine_creates_masked_tokens_and_routing_disagreement(trained):
+    before = {n: p.clone() for n, p in trained["model"].state_dict().items()}
+    engine = InferenceEngine(trained["model"], "prune-1", calibration=trained["calibration"])
+    assert torch.equal(engine.usage, trained["usage"]) and engine.pruned.shape == (2, 1)
+    ro, delta, masked = _mismatch(trained, engine)
+    assert masked > 0.0  # IcePop at [0.5, 5] masks some tokens (2.1 % measured)
+    assert delta.abs().mean() > 1e-3
+    assert max(routing_disagreement(trained["model"], engine, ro)) > 0.0
+    for li, routes in enumerate(_record_routes(engine.model, ro)):  # [N, P+T, k]
+        assert not torch.isin(routes, engine.pruned[li]).any()  # pruned experts are never chosen
+    after = trained["model"].state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)  # the policy is untouched
+
+
+def test_bf16_and_int8_give_small_nonzero_mismatch(trained):
+    for profile in ("bf16", "int8-dynamic", "int8-weight-only"):
+        engine = InferenceEngine(trained["model"], profile)
+        _, delta, masked = _mismatch(trained, engine, prompts=trained["prompts"][:16], group_size=2)
+        assert 0.0 < float(delta.abs().mean()) < 0.05, profile
+        assert masked < 0.02, profile
+    assert next(InferenceEngine(trained["model"], "bf16+prune-1", usage=trained["usage"]).model.parameters()
+                ).dtype == torch.bfloat16
+
+
+def test_sync_after_policy_update_restores_exact_match(trained):
+    policy = copy.deepcopy(trained["model"])
+    engine = InferenceEngine(policy, "exact")
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    prompts = trained["prompts"][:8]
+    ro = generate_rollouts(engine, trained["tok"], prompts, 2, 6, 1.0, seed=1)
+    stale = (train_logprobs(policy, ro) - ro.logp_infer)[ro.response_mask].abs().max()
+    engine.sync(policy)
+    ro = generate_rollouts(engine, trained["tok"], prompts, 2, 6, 1.0, seed=1)
+    fresh = (train_logprobs(policy, ro) - ro.logp_infer)[ro.response_mask].abs().max()
+    assert stale > 1e-2 and fresh < 1e-4
+
+
+def test_response_mask_stops_after_eos(trained):
+    eos = 5
+    toks = torch.tensor([[7, 8, eos, 0, 0], [eos, 0, 0, 0, 0], [7, 7, 7, 7, 7]])  # [3, 5]
+    mask = response_mask_from_tokens(toks, eos)
+    assert mask.tolist() == [[True, True, True, False, False], [True, False, False, False, False], [True] * 5]
+    tok = trained["tok"]
+    ro = generate_rollouts(InferenceEngine(trained["model"], "exact"), tok, trained["prompts"][:8], 2, 8, 1.0, 0)
+    for row, m in zip(ro.response, ro.response_mask, strict=True):
+        hits = (row == tok.eos_token_id).nonzero().flatten().tolist()
+        if hits:
+            assert m[: hits[0] + 1].all() and not m[hits[0] + 1:].any()
+            assert (row[hits[0] + 1:] == tok.pad_token_id).all()
+        else:
+            assert m.all()
+    assert (ro.logp_infer[~ro.response_mask] == 0).all()
+    assert any(t for t in ro.texts) and all("<|end|>" not in t for t in ro.texts)
+
+
+def test_rollouts_reproducible_for_fixed_seed(trained):
+    engine = InferenceEngine(trained["model"], "exact")
+    prompts = trained["prompts"][:8]
+    a = generate_rollouts(engine, trained["tok"], prompts, 4, 8, 1.5, seed=3)
+    b = generate_rollouts(engine, trained["tok"], prompts, 4, 8, 1.5, seed=3)
+    c = generate_rollouts(engine, trained["tok"], prompts, 4, 8, 1.5, seed=4)
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.logp_infer, b.logp_infer)
+    assert not torch.equal(a.sequences, c.sequences)
+    assert a.prompt_index.tolist() == [i for i in range(8) for _ in range(4)]
+
+
+def test_rewards_on_hand_examples():
+    assert get_reward("exact_match")(" ABC\n", "ABC") == 1.0
+    assert get_reward("exact_match")("ABD", "ABC") == 0.0
+    assert get_reward("numeric")("12.0", "12") == 1.0 and get_reward("numeric")("13", "12") == 0.0
+    assert get_reward("numeric")("twelve", "12") == 0.0
+    fmt = get_reward("format")
+    assert fmt("ABC", task="lookup") == 1.0 and fmt("AB C", task="lookup") == 0.0
+    assert fmt("ABC\n", task="lookup") == 0.0 and fmt("", task="lookup") == 0.0
+    assert fmt("-3", task="arith") == 1.0 and fmt("3 ", task="arith") == 0.0 and fmt("x", task="other") == 1.0
+    task = get_reward("task")
+    assert task("7", "7.0", task="arith") == 1.0 and task("olleh", "olleh", task="strings") == 1.0
+    assert task("XYZ", "ABC", task="lookup") == 0.0
+    assert compute_rewards("task", ["ABC", "ABD"], ["ABC", "ABC"], "lookup") == [1.0, 0.0]
+
+
+def test_unknown_names_error_with_valid_list(trained):
+    with pytest.raises(ValueError, match="exact_match, format, numeric, task"):
+        get_reward("nope")
+    assert set(REWARDS) == {"exact_match", "numeric", "format", "task"}
+    for bad in ("fp8", "exact+bf16", "bf16+int8-dynamic", "prune-x", "prune-0"):
+        with pytest.raises(ValueError, match="valid profiles: exact, bf16, int8-dynamic, int8-weight-only, prune-k"):
+            parse_profile(bad)
+    with pytest.raises(ValueError, match="fp8"):
+        InferenceEngine(trained["model"], "fp8")
+    with pytest.raises(ValueError, match="usage table"):
+        InferenceEngine(trained["model"], "prune-1")
+    with pytest.raises(ValueError, match="fewer than top_k"):
+        InferenceEngine(trained["model"], "prune-7", usage=trained["usage"])
+    assert parse_profile("bf16+prune-2") == {"bf16": True, "int8_dynamic": False, "int8_wo": False, "prune": 2}
