@@ -37,6 +37,11 @@ a client that goes offline after sending round r-1 is in U1 of round r) would le
 that client's pairwise masks of every earlier round, whose self masks it already removed: all its past
 inputs would be exposed. A fresh s_pk costs 32 bytes per round and no extra exchange.
 
+State between messages: ``SecAggClient.to_state()`` / ``SecAggClient.from_state(params, blob)`` (and the
+same on the server) save and restore a state machine as a checksummed canonical-JSON blob (``state``),
+because a Flower SuperNode runs each message in a new process. A client blob is secret material: it
+stays in the party's own node state or work directory and is saved before each reply is sent.
+
 Not covered yet (semi-honest server plus client-side checks): key authentication (signatures on
 c_pk/s_pk from the node identity), the consistency-check round of the paper, a SecAgg+ sparse graph
 (``graph.PeerGraph`` is the hook), bit-packing of y below 32 bits.
@@ -72,6 +77,9 @@ from distmoe.privacy.secagg.errors import (
     RepeatedRequest,
     RepeatedUnmask,
     SecAggAbort,
+    StateCorrupt,
+    StateError,
+    StateMismatch,
     TamperedShare,
     TooFewSurvivors,
     UnknownClient,
@@ -99,7 +107,8 @@ __all__ = [
     "EncryptedShares", "InconsistentLists", "InsecureThreshold", "KeyAdvert", "KeyDirectory", "KeySubstitution",
     "ListedAsDead", "LocalFederation", "MaskedInput", "PeerGraph", "Phase", "ProtocolViolation",
     "ReconstructionFailed", "RepeatedRequest", "RepeatedUnmask", "RoundStart", "SecAggAbort", "SecAggClient",
-    "SecAggParams", "SecAggServer", "ShareKeys", "TamperedShare", "TooFewSurvivors", "UnknownClient",
+    "SecAggParams", "SecAggServer", "ShareKeys", "StateCorrupt", "StateError", "StateMismatch",
+    "TamperedShare", "TooFewSurvivors", "UnknownClient",
     "UnmaskRequest", "UnmaskResponse", "WrapAroundError", "check_no_wrap", "complete_graph", "decode_sum",
     "encode_fixed", "payload_bytes", "required_bits", "to_ring", "to_signed",
 ]

@@ -13,6 +13,9 @@ Flower's SecAgg+ because Flower's client answers an unmask request that lists a 
 and dead (revealing that peer's vector), seeds its masks with 32 bits, and cannot recover from a
 dropout before key sharing (DESIGN.md section 6).
 
+State between messages: ``to_state()`` / ``SecAggClient.from_state(params, blob)`` (a Flower SuperNode
+runs every message in a new process, DESIGN.md section 1). The blob is secret material.
+
 Per-round states: SHARED (after ``share_keys``) -> MASKED (after ``masked_input``) -> DONE (after
 ``unmask``); any abort moves the round to ABORTED, after which nothing more is answered for it.
 """
@@ -27,6 +30,7 @@ import numpy as np
 
 from distmoe.privacy.secagg import primitives as P
 from distmoe.privacy.secagg import shamir
+from distmoe.privacy.secagg import state as S
 from distmoe.privacy.secagg.errors import (
     AlreadyDead,
     BothSharesRequested,
@@ -38,6 +42,9 @@ from distmoe.privacy.secagg.errors import (
     RepeatedRequest,
     RepeatedUnmask,
     SecAggAbort,
+    StateCorrupt,
+    StateError,
+    StateMismatch,
     TamperedShare,
     TooFewSurvivors,
     UnknownClient,
@@ -105,6 +112,96 @@ class SecAggClient:
     @property
     def roster(self) -> tuple[int, ...]:
         return tuple(sorted(self._roster or ()))
+
+    # ---- persistence between messages -------------------------------------------------------
+    def to_state(self) -> bytes:
+        """Everything this client knows, as a versioned, deterministic blob (``secagg.state``: canonical
+        JSON in a checksummed envelope, no pickle).
+
+        SECRET MATERIAL: the blob holds the run's share-encryption private key, the current rounds' mask
+        private keys and self-mask seeds, and the Shamir shares this client holds for its peers. Keep it
+        only in this party's own node state (``context.state``) or work directory; never send it to the
+        server or another party, never log it. Save it after every stage call and BEFORE sending the
+        reply that call returned (also after a call that raised ``SecAggAbort``): restoring an older
+        blob would let this client answer a stage twice (a second masked input under the same masks
+        reveals the difference of the two inputs). Rounds that ended keep no secrets in the blob, only
+        the fact that they ended.
+        """
+        rounds = []
+        for r in sorted(self._rounds):
+            st = self._rounds[r]
+            rounds.append({
+                "round": st.round, "phase": st.phase.value, "s_sk": S.b64(st.s_sk), "s_pk": S.b64(st.s_pk),
+                "b": S.b64(st.b), "u1": list(st.u1),
+                "held": [[o, S.b64(shamir.encode_share(bs) + shamir.encode_share(ss))]
+                         for o, (bs, ss) in sorted(st.held.items())],
+            })
+        body = {
+            "kind": "client", "params": S.params_json(self.params), "cid": self.cid,
+            "c_sk": None if self._c_sk is None else S.b64(self._c_sk),
+            "c_pk": None if self._c_pk is None else S.b64(self._c_pk),
+            "roster": None if self._roster is None else [[v, S.b64(k)] for v, k in sorted(self._roster.items())],
+            "holders": list(self._holders), "used_rounds": sorted(self._used_rounds), "rounds": rounds,
+        }
+        return S.seal_state(S.KIND_CLIENT, body)
+
+    @classmethod
+    def from_state(cls, params: SecAggParams, data: bytes, *, cid: int | None = None,
+                   peers: PeerGraph = complete_graph, rng: P.RandomBytes | None = None) -> SecAggClient:
+        """Restore a client saved by ``to_state``; every protocol check carries over (rounds answered,
+        aborted or closed stay so). ``params`` and ``peers`` must be the run's; ``cid``, when given,
+        must be the saved client's. ``rng`` is not state (``os.urandom`` unless a test injects one).
+
+        Raises ``StateCorrupt`` for a torn, truncated or altered blob (checksum or structure) and
+        ``StateMismatch`` for an intact blob of another run, other parameters, another client, another
+        peer graph or a server. The blob is secret material: see ``to_state``."""
+        body = S.open_state(data, S.KIND_CLIENT)
+        S.check_params(body.get("params"), params, "client")
+        try:
+            return cls._restore(params, body, cid, peers, rng)
+        except StateError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StateCorrupt(f"client state: malformed content ({type(exc).__name__})") from None
+
+    @classmethod
+    def _restore(cls, params: SecAggParams, body: dict, cid: int | None, peers: PeerGraph,
+                 rng: P.RandomBytes | None) -> SecAggClient:
+        saved = S.as_int(body["cid"])
+        if cid is not None and cid != saved:
+            raise StateMismatch(f"client state of client {saved}, restored as client {cid}")
+        c = cls(params, saved, peers=peers, rng=rng)
+        if body["c_sk"] is not None:
+            c._c_sk, c._c_pk = S.unb64(body["c_sk"], P.KEY_BYTES), S.unb64(body["c_pk"], P.KEY_BYTES)
+            if P.public_from_private(c._c_sk) != c._c_pk:
+                raise StateCorrupt("client state: share-encryption key pair does not match")
+        if body["roster"] is not None:
+            if c._c_sk is None:
+                raise StateCorrupt("client state: a roster without a key")
+            c._roster = {S.as_int(v): S.unb64(k, P.KEY_BYTES) for v, k in body["roster"]}
+            holders = S.ints(body["holders"])
+            if holders_of(peers, saved, tuple(sorted(c._roster))) != holders:
+                raise StateMismatch("client state was saved under another peer graph")
+            c._holders, c._peers = holders, frozenset(holders) - {saved}
+        elif body["holders"]:
+            raise StateCorrupt("client state: holders without a roster")
+        c._used_rounds = set(S.ints(body["used_rounds"]))
+        for d in body["rounds"]:
+            phase = Phase(d["phase"])
+            secret_len = (P.KEY_BYTES,) if phase is Phase.SHARED else (0,)
+            st = _Round(S.as_int(d["round"]), S.unb64(d["s_sk"], secret_len), S.unb64(d["s_pk"], P.KEY_BYTES),
+                        S.unb64(d["b"], (shamir.SECRET_BYTES,) if phase is Phase.SHARED else (0,)), phase,
+                        S.ints(d["u1"]))
+            for o, sh in d["held"]:
+                raw = S.unb64(sh, 2 * shamir.SHARE_BYTES)
+                st.held[S.as_int(o)] = (shamir.decode_share(raw[:shamir.SHARE_BYTES]),
+                                        shamir.decode_share(raw[shamir.SHARE_BYTES:]))
+            if st.round in c._rounds or st.round not in c._used_rounds or c._roster is None:
+                raise StateCorrupt("client state: a round that was never opened, or listed twice")
+            if phase in (Phase.DONE, Phase.ABORTED) and st.held:
+                raise StateCorrupt("client state: a closed round still holds shares")
+            c._rounds[st.round] = st
+        return c
 
     # ---- stage 0: setup, once per run ---------------------------------------------------------
     def advertise(self) -> KeyAdvert:

@@ -85,5 +85,18 @@ class ReconstructionFailed(SecAggAbort):
         self.round = round
 
 
+class StateError(SecAggAbort):
+    """A saved client or server state (``to_state`` blob) cannot be restored."""
+
+
+class StateCorrupt(StateError):
+    """The blob is torn, truncated, altered or malformed: its checksum or its structure is wrong."""
+
+
+class StateMismatch(StateError):
+    """An intact blob of another run, other parameters, another client, peer graph, kind or format
+    version than the one restoring it."""
+
+
 class WrapAroundError(ValueError):
     """The encoded sum could leave the signed range of Z_{2^bits} (it would wrap silently)."""

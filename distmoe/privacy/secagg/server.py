@@ -11,6 +11,9 @@ Must not: import ``flwr``, see any individual input, or ask a client for both sh
 clients enforce it anyway). Hand-written on ``cryptography`` rather than Flower's SecAgg+ workflow,
 which needs the legacy ``LegacyContext``, fails a round on a dropout before key sharing, and lets
 metrics and ``num_examples`` travel in the clear (DESIGN.md section 6).
+
+State: ``to_state()`` / ``SecAggServer.from_state(params, blob)`` survive a ServerApp restart at any
+point between stage calls.
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ import numpy as np
 
 from distmoe.privacy.secagg import primitives as P
 from distmoe.privacy.secagg import shamir
+from distmoe.privacy.secagg import state as S
 from distmoe.privacy.secagg.errors import (
     BelowThreshold,
     KeySubstitution,
     ProtocolViolation,
     ReconstructionFailed,
     RepeatedRequest,
+    StateCorrupt,
+    StateError,
+    StateMismatch,
 )
 from distmoe.privacy.secagg.graph import PeerGraph, check_graph, complete_graph, holders_of
 from distmoe.privacy.secagg.messages import (
@@ -73,6 +80,77 @@ class SecAggServer:
     def has_share_keys(self, round_: int) -> frozenset[int]:
         """Clients whose share keys for ``round_`` are held (they will be in U1)."""
         return frozenset(self._pending.get(round_, ()))
+
+    # ---- persistence --------------------------------------------------------------------------
+    def to_state(self) -> bytes:
+        """Everything the server holds, as a versioned, deterministic blob (canonical JSON in a
+        checksummed envelope, ``secagg.state``; no pickle), to survive a ServerApp restart.
+
+        It holds no party's secret, but it holds the running sum of masked inputs and the encrypted
+        shares in transit: keep it with the run's server state, not in public artefacts. Save it after
+        every stage call and before sending what the call returned."""
+        rounds = []
+        for r in sorted(self._rounds):
+            rs = self._rounds[r]
+            acc = None if rs.acc is None else S.b64(rs.acc.astype(rs.acc.dtype.newbyteorder("<")).tobytes())
+            rounds.append({"round": rs.round, "u1": list(rs.u1), "stage": rs.stage, "u2": list(rs.u2),
+                           "s_pk": [[v, S.b64(k)] for v, k in sorted(rs.s_pk.items())],
+                           "commits": [[v, S.b64(k)] for v, k in sorted(rs.commits.items())], "acc": acc})
+        pending = [[r, [[v, _share_keys_json(m)] for v, m in sorted(by.items())]]
+                   for r, by in sorted(self._pending.items())]
+        body = {
+            "kind": "server", "params": S.params_json(self.params),
+            "keys": None if self._keys is None else [[v, S.b64(k)] for v, k in sorted(self._keys.items())],
+            "graph": S.holders_digest({u: tuple(sorted(h)) for u, h in self._holders.items()}),
+            "pending": pending, "rounds": rounds, "last_begun": self._last_begun,
+            "rejected": [[r, c, why] for (r, c), why in self.rejected.items()],
+        }
+        return S.seal_state(S.KIND_SERVER, body)
+
+    @classmethod
+    def from_state(cls, params: SecAggParams, data: bytes, *, peers: PeerGraph = complete_graph) -> SecAggServer:
+        """Restore a server saved by ``to_state``. Raises ``StateCorrupt`` for a torn or altered blob,
+        ``StateMismatch`` for another run, other parameters, another peer graph or a client blob."""
+        body = S.open_state(data, S.KIND_SERVER)
+        S.check_params(body.get("params"), params, "server")
+        try:
+            return cls._restore(params, body, peers)
+        except StateError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StateCorrupt(f"server state: malformed content ({type(exc).__name__})") from None
+
+    @classmethod
+    def _restore(cls, params: SecAggParams, body: dict, peers: PeerGraph) -> SecAggServer:
+        srv = cls(params, peers=peers)
+        if body["keys"] is not None:
+            srv._keys = {S.as_int(v): S.unb64(k, P.KEY_BYTES) for v, k in body["keys"]}
+            roster = tuple(sorted(srv._keys))
+            srv._holders = {u: frozenset(holders_of(peers, u, roster)) for u in roster}
+        if S.holders_digest({u: tuple(sorted(h)) for u, h in srv._holders.items()}) != body["graph"]:
+            raise StateMismatch("server state was saved under another peer graph")
+        for r, by in body["pending"]:
+            srv._pending[S.as_int(r)] = {S.as_int(v): _share_keys_from(m) for v, m in by}
+        dt = P.word_dtype(params.bits)
+        for d in body["rounds"]:
+            acc = None
+            if d["acc"] is not None:
+                raw = S.unb64(d["acc"], params.length * dt.itemsize)
+                acc = np.frombuffer(raw, dtype=dt.newbyteorder("<")).astype(dt)
+            if d["stage"] not in ("masked", "unmask", "done"):
+                raise ValueError("unknown round stage")
+            rs = _ServerRound(S.as_int(d["round"]), S.ints(d["u1"]),
+                              {S.as_int(v): S.unb64(k, P.KEY_BYTES) for v, k in d["s_pk"]},
+                              {S.as_int(v): S.unb64(k, 32) for v, k in d["commits"]}, d["stage"], S.ints(d["u2"]), acc)
+            if (rs.stage == "unmask") != (acc is not None):
+                raise StateCorrupt("server state: a running sum at the wrong stage")
+            srv._rounds[rs.round] = rs
+        srv._last_begun = None if body["last_begun"] is None else S.as_int(body["last_begun"])
+        for r, c, why in body["rejected"]:
+            if not isinstance(why, str):
+                raise TypeError("rejection reason")
+            srv.rejected[(S.as_int(r, -1), S.as_int(c))] = why
+        return srv
 
     def _reject(self, r: int, cid: int, why: str) -> None:
         self.rejected.setdefault((r, cid), why)
@@ -270,3 +348,14 @@ class SecAggServer:
         if rs.stage != stage:
             raise RepeatedRequest(f"round {r}: {stage} stage requested while the round is at '{rs.stage}'")
         return rs
+
+
+def _share_keys_json(m: ShareKeys) -> dict:
+    return {"sender": m.sender, "round": m.round, "s_pk": S.b64(m.s_pk), "b_commit": S.b64(m.b_commit),
+            "shares": [[e.recipient, S.b64(e.nonce), S.b64(e.ciphertext)] for e in m.shares]}
+
+
+def _share_keys_from(d: dict) -> ShareKeys:
+    sender, r = S.as_int(d["sender"]), S.as_int(d["round"])
+    shares = tuple(EncryptedShares(sender, S.as_int(h), r, S.unb64(n), S.unb64(ct)) for h, n, ct in d["shares"])
+    return ShareKeys(sender, r, S.unb64(d["s_pk"]), S.unb64(d["b_commit"]), shares)
