@@ -17,13 +17,14 @@ from distmoe.config import ConfigError, parse_node_config, parse_run_config
 from distmoe.data.formats import DataError
 from distmoe.model.build import ModelError
 from distmoe.model.trainable import TrainableError
-from distmoe.train.party import PartyError, run_eval, run_sft, run_stats
+from distmoe.train.party import PartyError, run_eval, run_rl, run_sft, run_stats
 from distmoe.wire import codec
-from distmoe.wire.schema import EvalInstruction, SftInstruction, StatsInstruction
+from distmoe.wire.schema import EvalInstruction, RlInstruction, SftInstruction, StatsInstruction
 
 app = ClientApp()
 
-_EXPECTED = {"sft": (SftInstruction, run_sft), "stats": (StatsInstruction, run_stats),
+_EXPECTED = {"sft": (SftInstruction, run_sft), "rl": (RlInstruction, run_rl),
+             "stats": (StatsInstruction, run_stats),
              "eval": (EvalInstruction, run_eval)}
 _KNOWN = (ConfigError, DataError, ModelError, TrainableError, PartyError, codec.WireError)
 
@@ -46,6 +47,11 @@ def _handle(kind: str, msg: Message, context: Context) -> Message:
 @app.train("sft")
 def sft(msg: Message, context: Context) -> Message:
     return _handle("sft", msg, context)
+
+
+@app.train("rl")
+def rl(msg: Message, context: Context) -> Message:
+    return _handle("rl", msg, context)
 
 
 @app.train("stats")

@@ -69,6 +69,24 @@ DEFAULTS: dict[str, Scalar] = {
     "routing.aux-loss-coef": 0.01,
     "routing.anchor-kl-coef": 0.5,
     "routing.anchor-granularity": "batch",  # batch | token
+    # local RL (GRPO with IcePop correction of the train/inference mismatch)
+    "rl.steps": 6,
+    "rl.prompts-per-step": 8,
+    "rl.group-size": 4,
+    "rl.max-new-tokens": 8,
+    "rl.temperature": 1.0,
+    "rl.lr": 1e-4,
+    "rl.ppo-epochs": 1,
+    "rl.minibatches": 2,
+    "rl.clip-eps": 0.2,
+    "rl.kl-coef": 0.0,
+    "rl.policy-loss": "grpo",  # grpo | reinforce
+    "rl.correction": "icepop",  # icepop (mask) | tis (truncate) | none
+    "rl.correction-level": "token",  # token | sequence
+    "rl.icepop-low": 0.5,
+    "rl.icepop-high": 5.0,
+    "rl.engine": "bf16",  # exact | bf16 | int8-dynamic | int8-weight-only | prune-<k>, combined with '+'
+    "rl.reward": "task",  # task | exact_match | numeric | format
     # schedule
     "schedule.phases": "sft:lookup, eval, stats:lookup, sft:arith, eval",
     "schedule.sft-rounds": 5,
@@ -87,7 +105,11 @@ DEFAULTS: dict[str, Scalar] = {
 
 TRAINABLE_MODES = ("all", "router+experts", "lora")
 GRANULARITIES = ("batch", "token")
-PHASE_KINDS = ("sft", "stats", "eval")
+PHASE_KINDS = ("sft", "stats", "eval", "rl")
+POLICY_LOSSES = ("grpo", "reinforce")  # distmoe/rl/losses.py registry (a test keeps them equal)
+REWARDS = ("exact_match", "numeric", "format", "task")  # distmoe/rl/rewards.py registry
+CORRECTIONS = {"icepop": "mask", "tis": "truncate", "none": "none"}
+ENGINE_PARTS = ("exact", "bf16", "int8-dynamic", "int8-weight-only")
 _TASK_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
 
@@ -150,6 +172,32 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
+class RLConfig:
+    steps: int
+    prompts_per_step: int
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    lr: float
+    ppo_epochs: int
+    minibatches: int
+    clip_eps: float
+    kl_coef: float
+    policy_loss: str
+    correction: str  # icepop | tis | none
+    correction_level: str
+    icepop_low: float
+    icepop_high: float
+    engine: str
+    reward: str
+
+    @property
+    def mode(self) -> str:
+        """The mismatch-weight mode of ``distmoe.rl.losses.mismatch_weights``."""
+        return CORRECTIONS[self.correction]
+
+
+@dataclass(frozen=True)
 class Phase:
     kind: str  # sft | stats | eval
     task: str | None
@@ -206,6 +254,7 @@ class RunConfig:
     data: DataConfig
     train: TrainConfig
     routing: RoutingConfig
+    rl: RLConfig
     schedule: ScheduleConfig
     federation: FederationConfig
     checkpoint: CheckpointConfig
@@ -291,16 +340,16 @@ def parse_schedule(text: str, default_rounds: int, key: str = "schedule.phases")
         if task is not None and not _TASK_RE.match(task):
             raise ConfigError(f"config key '{key}': phase {item!r} has an invalid task name {task!r} "
                               "(letters, digits, '-' and '_')")
-        if kind == "sft" and task is None:
-            raise ConfigError(f"config key '{key}': phase {item!r} needs a task (e.g. 'sft:arith')")
+        if kind in ("sft", "rl") and task is None:
+            raise ConfigError(f"config key '{key}': phase {item!r} needs a task (e.g. '{kind}:arith')")
         if kind == "eval" and task is not None:
             raise ConfigError(f"config key '{key}': phase {item!r}: eval takes no task "
                               "(it evaluates every task seen so far)")
-        n = int(rounds) if rounds is not None else (default_rounds if kind == "sft" else 1)
+        n = int(rounds) if rounds is not None else (default_rounds if kind in ("sft", "rl") else 1)
         if n < 1:
             raise ConfigError(f"config key '{key}': phase {item!r} must have at least 1 round")
-        if kind != "sft" and n != 1:
-            raise ConfigError(f"config key '{key}': phase {item!r}: only sft phases take '*rounds'")
+        if kind not in ("sft", "rl") and n != 1:
+            raise ConfigError(f"config key '{key}': phase {item!r}: only sft and rl phases take '*rounds'")
         phases.append(Phase(kind=kind, task=task, rounds=n))
     return tuple(phases)
 
@@ -386,6 +435,8 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
     _range("routing.aux-loss-coef", routing.aux_loss_coef, 0.0, 100.0)
     _range("routing.anchor-kl-coef", routing.anchor_kl_coef, 0.0, 1000.0)
 
+    rl = _parse_rl(g)
+
     sft_rounds = g("schedule.sft-rounds", int)
     _range("schedule.sft-rounds", sft_rounds, 1, 100000)
     schedule = ScheduleConfig(phases=parse_schedule(g("schedule.phases", str), sft_rounds))
@@ -403,10 +454,47 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
     _range("eval.max-new-tokens", ev.max_new_tokens, 1, 1024)
     _range("eval.batch-size", ev.batch_size, 1, 4096)
 
-    return RunConfig(run=run, model=model, data=data, train=train, routing=routing,
+    return RunConfig(run=run, model=model, data=data, train=train, routing=routing, rl=rl,
                      schedule=schedule, federation=fed, checkpoint=ck, eval=ev,
                      sim=SimConfig(nodes_dir=g("sim.nodes-dir", str)),
                      raw=tuple(sorted(flat.items())))
+
+
+def _parse_rl(g) -> RLConfig:
+    ints = {k: g(k, int) for k in ("rl.steps", "rl.prompts-per-step", "rl.group-size", "rl.max-new-tokens",
+                                   "rl.ppo-epochs", "rl.minibatches")}
+    for k, v in ints.items():
+        _range(k, v, 1, 100000)
+    _range("rl.group-size", ints["rl.group-size"], 2, 1024)
+    rollouts = ints["rl.prompts-per-step"] * ints["rl.group-size"]
+    if ints["rl.minibatches"] > rollouts:
+        raise ConfigError(f"config key 'rl.minibatches': value {ints['rl.minibatches']} exceeds "
+                          f"rl.prompts-per-step x rl.group-size = {rollouts}")
+    fl = {k: g(k, float) for k in ("rl.temperature", "rl.lr", "rl.clip-eps", "rl.kl-coef", "rl.icepop-low",
+                                   "rl.icepop-high")}
+    _range("rl.temperature", fl["rl.temperature"], 0.0, 100.0, lo_open=True)
+    _range("rl.lr", fl["rl.lr"], 0.0, 1.0, lo_open=True)
+    _range("rl.clip-eps", fl["rl.clip-eps"], 0.0, 0.99, lo_open=True)
+    _range("rl.kl-coef", fl["rl.kl-coef"], 0.0, 100.0)
+    _range("rl.icepop-low", fl["rl.icepop-low"], 0.0, 1.0)
+    _range("rl.icepop-high", fl["rl.icepop-high"], 1.0, 1e6)
+    loss, corr, level = g("rl.policy-loss", str), g("rl.correction", str), g("rl.correction-level", str)
+    _choice("rl.policy-loss", loss, POLICY_LOSSES)
+    _choice("rl.correction", corr, tuple(CORRECTIONS))
+    _choice("rl.correction-level", level, ("token", "sequence"))
+    reward = g("rl.reward", str)
+    _choice("rl.reward", reward, REWARDS)
+    engine = g("rl.engine", str)
+    for part in engine.split("+"):
+        if part not in ENGINE_PARTS and not re.fullmatch(r"prune-[1-9]\d*", part):
+            raise ConfigError(f"config key 'rl.engine': value {engine!r}: {part!r} is not one of "
+                              f"{', '.join(ENGINE_PARTS)}, prune-<k> (parts combine with '+', e.g. 'bf16+prune-1')")
+    return RLConfig(steps=ints["rl.steps"], prompts_per_step=ints["rl.prompts-per-step"],
+                    group_size=ints["rl.group-size"], max_new_tokens=ints["rl.max-new-tokens"],
+                    temperature=fl["rl.temperature"], lr=fl["rl.lr"], ppo_epochs=ints["rl.ppo-epochs"],
+                    minibatches=ints["rl.minibatches"], clip_eps=fl["rl.clip-eps"], kl_coef=fl["rl.kl-coef"],
+                    policy_loss=loss, correction=corr, correction_level=level, icepop_low=fl["rl.icepop-low"],
+                    icepop_high=fl["rl.icepop-high"], engine=engine, reward=reward)
 
 
 def load_override_file(path: str | Path) -> dict[str, Scalar]:

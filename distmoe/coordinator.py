@@ -35,6 +35,7 @@ from distmoe.wire.schema import (
     EvalInstruction,
     EvalReply,
     ModelUpdate,
+    RlInstruction,
     RouterStats,
     SftInstruction,
     StatsInstruction,
@@ -145,6 +146,8 @@ class Coordinator:
                 head = f"round {self.s.round}/{total} | {phase.label()}"
                 if phase.kind == "sft":
                     text = self._sft_round(pi, phase)
+                elif phase.kind == "rl":
+                    text = self._rl_round(pi, phase)
                 elif phase.kind == "stats":
                     text = self._stats_round(phase)
                 else:
@@ -195,6 +198,35 @@ class Coordinator:
                                base_hash=self.tspec.base_hash, seed=cfg.run.seed * 100_003 + s.round,
                                anchor=s.anchor.probs if use_anchor else None,
                                anchor_version=s.anchor.meta.version if use_anchor else 0)
+        out = self._update_round(phase_index, phase, instr, "train", {"anchor_version": instr.anchor_version})
+        if isinstance(out, str):
+            return out
+        agg, n_parties, n_nodes = out
+        kl = f", anchor KL {agg['anchor_kl']:.4f}" if use_anchor and math.isfinite(agg.get("anchor_kl", math.nan)) \
+            else ""
+        return (f"{n_parties}/{n_nodes} parties | task loss {agg['loss_first']:.3f} -> "
+                f"{agg['loss_last']:.3f}{kl} | skipped steps {int(agg['skipped_steps'])}")
+
+    def _rl_round(self, phase_index: int, phase: Phase) -> str:
+        """Local GRPO at each party; the update is aggregated exactly like an SFT update."""
+        s, cfg = self.s, self.cfg
+        if phase.task not in s.trained_tasks:
+            s.trained_tasks.append(phase.task)
+        instr = RlInstruction(round=s.round, task=phase.task, weights=self._np_weights(s.weights),
+                              base_hash=self.tspec.base_hash, seed=cfg.run.seed * 100_003 + s.round)
+        out = self._update_round(phase_index, phase, instr, "rl", {"engine": cfg.rl.engine,
+                                                                  "correction": cfg.rl.correction})
+        if isinstance(out, str):
+            return out
+        agg, n_parties, n_nodes = out
+        return (f"{n_parties}/{n_nodes} parties | reward {agg['reward_first']:.3f} -> {agg['reward_last']:.3f} "
+                f"| |dlogp| mean {agg['logp_diff_mean']:.4f} max {agg['logp_diff_max']:.3f} | masked "
+                f"{agg['masked_frac_low'] + agg['masked_frac_high']:.4f} | K3 {agg['k3']:.2e}")
+
+    def _update_round(self, phase_index: int, phase: Phase, instr: object, event: str, extra: dict
+                      ) -> str | tuple[dict[str, float], int, int]:
+        """Send ``instr`` to every party, check and FedAvg the updates, log, checkpoint."""
+        s, cfg = self.s, self.cfg
         nodes = self._nodes()
         replies, errors = self.transport.exchange({n: instr for n in nodes}, ModelUpdate,
                                                   cfg.federation.round_timeout)
@@ -207,8 +239,8 @@ class Coordinator:
                 continue
             updates.append((upd.delta, float(upd.num_examples)))
         self._report_errors(phase.label(), errors)
-        base = {"event": "train", "round": s.round, "phase": phase_index, "phase_label": phase.label(),
-                "task": phase.task, "anchor_version": instr.anchor_version}
+        base = {"event": event, "round": s.round, "phase": phase_index, "phase_label": phase.label(),
+                "task": phase.task, **extra}
         for upd in replies.values():
             self.metrics.append({**base, "party": upd.party, "num_examples": upd.num_examples,
                                  **upd.metrics})
@@ -223,10 +255,7 @@ class Coordinator:
         n_total = sum(u.num_examples for u in replies.values())
         self.metrics.append({**base, "party": "all", "num_examples": n_total, "parties": len(updates), **agg})
         self._checkpoint()
-        kl = f", anchor KL {agg['anchor_kl']:.4f}" if use_anchor and math.isfinite(agg.get("anchor_kl", math.nan)) \
-            else ""
-        return (f"{len(updates)}/{len(nodes)} parties | task loss {agg['loss_first']:.3f} -> "
-                f"{agg['loss_last']:.3f}{kl} | skipped steps {int(agg['skipped_steps'])}")
+        return agg, len(updates), len(nodes)
 
     def _check_update(self, upd: ModelUpdate) -> str | None:
         expected = dict(self.tspec.shapes)
@@ -252,6 +281,8 @@ class Coordinator:
                 continue
             if k in ("steps", "skipped_steps"):
                 out[k] = float(sum(v for v, _ in vals))
+            elif k == "logp_diff_max":
+                out[k] = float(max(v for v, _ in vals))
             else:
                 out[k] = sum(v * w for v, w in vals) / sum(w for _, w in vals)
         return out

@@ -112,6 +112,7 @@ class _Run:
     train: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     stats: list[dict[str, Any]] = field(default_factory=list)
+    rl: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def run_id(self) -> str:
@@ -194,7 +195,10 @@ def _load(run_dir: Path) -> _Run:
             run.evals.append(e)
         elif kind == "stats":
             run.stats.append(e)
+        elif kind == "rl":
+            run.rl.append(e)
     run.train = _by_round(run.train)
+    run.rl = _by_round(run.rl)
     run.evals = _by_round(run.evals)
     run.stats = _by_round(run.stats)
     return run
@@ -434,6 +438,41 @@ def _plot_routing(run: _Run, path: Path) -> None:
         ax_cv.set_title("Expert-load CV", fontsize=10)
         _no_data(ax_cv, "no eval rounds logged")
     _save(fig, path)
+
+
+def _plot_rl(run: _Run, path: Path) -> None:
+    """Reward under the inference engine, and the train/inference mismatch, per RL round."""
+    fig, (ax_r, ax_m) = _figure(FIGSIZE_WIDE, 2)
+    n = _party_lines(ax_r, run, run.rl, "reward", thin=True) + _agg_line(ax_r, run.rl, "reward")
+    _style(ax_r, "RL reward (inference engine)", "mean reward", _rounds(run.rl))
+    if n:
+        _legend(ax_r)
+    n = 0
+    for key, label, color in (("logp_diff_mean", "mean |dlogp|", "tab:blue"), ("k3", "K3 KL", "tab:orange"),
+                              ("masked_frac_low", "masked share (k < low)", "tab:red"),
+                              ("masked_frac_high", "masked share (k > high)", "tab:purple")):
+        xs, ys = _series((e for e in run.rl if _party_of(e) == AGG), key)
+        if xs:
+            ax_m.plot(xs, ys, color=color, linewidth=1.8, marker=_marker(len(xs)), markersize=4, label=label)
+            n += len(xs)
+    _style(ax_m, "Train/inference mismatch (aggregate)", "value", _rounds(run.rl))
+    if n:
+        _legend(ax_m)
+    _save(fig, path)
+
+
+def _rl_table(run: _Run) -> list[str]:
+    if not run.rl:
+        return []
+    rows = [(_round_of(e), e.get("task"), _arrow(e.get("reward_first"), e.get("reward_last")), e.get("logp_diff_mean"),
+             e.get("logp_diff_max"), e.get("k3"), e.get("masked_frac_low"), e.get("masked_frac_high"),
+             e.get("seq_masked_frac"), e.get("clip_frac"), e.get("masked_entropy"), e.get("skipped_steps"))
+            for e in run.rl if _party_of(e) == AGG]
+    head = ("round", "task", "reward first → last", "mean |Δlogp|", "max |Δlogp|", "K3", "masked low",
+            "masked high", "seqs w/ masked", "clip frac", "masked-token entropy", "skipped")
+    eng = next((e for e in run.rl if e.get("engine")), {})
+    note = f"Engine `{eng.get('engine', '–')}`, correction `{eng.get('correction', '–')}`."
+    return ["## RL rounds (aggregate)", "", note, "", *_table(head, rows), "", "![rl](rl.png)", ""]
 
 
 def _plot_tasks(run: _Run, tasks: list[str], path: Path) -> None:
@@ -721,6 +760,8 @@ def write_report(run_dir: str | os.PathLike[str]) -> Path:
     _plot_loss(run, rows, out_dir / "loss.png")
     _plot_routing(run, out_dir / "routing.png")
     _plot_tasks(run, tasks, out_dir / "tasks.png")
+    if run.rl:
+        _plot_rl(run, out_dir / "rl.png")
 
     md = [
         *_header(run),
@@ -731,6 +772,7 @@ def write_report(run_dir: str | os.PathLike[str]) -> Path:
         *_per_party(run, tasks),
         *_train_table(rows, derived),
         *_stats_table(run),
+        *_rl_table(run),
         "## Plots",
         "",
         "![loss](loss.png)",

@@ -25,10 +25,12 @@ from distmoe.routing.stats import router_stats
 from distmoe.train.evaluate import evaluate_party
 from distmoe.train.sft import train_sft
 from distmoe.wire.schema import (
+    RL_METRIC_KEYS,
     TRAIN_METRIC_KEYS,
     EvalInstruction,
     EvalReply,
     ModelUpdate,
+    RlInstruction,
     RouterStats,
     SftInstruction,
     StatsInstruction,
@@ -123,3 +125,43 @@ def run_eval(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> EvalRe
                              anchor, ref)
     keys = eval_metric_keys(instr.tasks)
     return EvalReply(party=node.party, metrics={k: float(metrics.get(k, float("nan"))) for k in keys})
+
+
+def grpo_config(cfg: RunConfig, seed: int):
+    """The library's GRPOConfig from the run's ``rl`` section."""
+    from distmoe.rl.grpo import GRPOConfig
+
+    r = cfg.rl
+    return GRPOConfig(steps=r.steps, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
+                      max_new_tokens=r.max_new_tokens, temperature=r.temperature, lr=r.lr,
+                      ppo_epochs=r.ppo_epochs, minibatches=r.minibatches, clip_eps=r.clip_eps, kl_coef=r.kl_coef,
+                      policy_loss=r.policy_loss, level=r.correction_level, mode=r.mode, low=r.icepop_low,
+                      high=r.icepop_high, profile=r.engine, reward=r.reward, grad_clip=cfg.train.grad_clip,
+                      seed=seed, max_prompt_len=cfg.model.max_seq_len)
+
+
+def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdate:
+    """Local GRPO on this party's prompts of ``instr.task``; the update travels like an SFT update."""
+    from distmoe.rl.grpo import run_grpo
+
+    torch.set_num_threads(cfg.train.threads)
+    data = load_data(cfg, node)
+    if not data.has(instr.task):
+        zero = {k: np.zeros_like(v, dtype=np.float32) for k, v in instr.weights.items()}
+        return ModelUpdate(party=node.party, delta=zero, num_examples=0, kind="rl",
+                           metrics={k: float("nan") for k in RL_METRIC_KEYS})
+    model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
+    prompts = data.train(instr.task)
+    gcfg = grpo_config(cfg, _party_seed(instr.seed, node.party))
+    if gcfg.prompts_per_step > len(prompts):
+        raise PartyError(f"party {node.party}: rl.prompts-per-step = {gcfg.prompts_per_step} exceeds its "
+                         f"{len(prompts)} training prompts of task {instr.task!r}")
+    before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
+    res = run_grpo(model, tok, prompts, instr.task, gcfg)
+    after = trainable_state(model)
+    delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
+    summary = res.summary()
+    metrics = {k: float(summary.get(k, float("nan"))) for k in RL_METRIC_KEYS}
+    metrics.update({k: float(v) for k, v in summary.items() if k.startswith("route_disagree_l")})
+    n = gcfg.steps * gcfg.prompts_per_step * gcfg.group_size  # rollouts used: the FedAvg weight
+    return ModelUpdate(party=node.party, delta=delta, num_examples=n, metrics=metrics, kind="rl")

@@ -21,10 +21,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from distmoe.wire.schema import (
     EVAL_ROUTING_KEYS,
     PAYLOAD_TAGS,
+    RL_METRIC_KEYS,
     TRAIN_METRIC_KEYS,
     EvalInstruction,
     EvalReply,
     ModelUpdate,
+    RlInstruction,
     RouterStats,
     SftInstruction,
     StatsInstruction,
@@ -36,8 +38,10 @@ TAG_TO_TYPE = {v: k for k, v in PAYLOAD_TAGS.items()}
 # message types (Flower's "train.<action>" / "evaluate")
 MSG_SFT = "train.sft"
 MSG_STATS = "train.stats"
+MSG_RL = "train.rl"
 MSG_EVAL = "evaluate"
-MESSAGE_TYPE = {SftInstruction: MSG_SFT, StatsInstruction: MSG_STATS, EvalInstruction: MSG_EVAL}
+MESSAGE_TYPE = {SftInstruction: MSG_SFT, RlInstruction: MSG_RL, StatsInstruction: MSG_STATS,
+                EvalInstruction: MSG_EVAL}
 
 
 class WireError(ValueError):
@@ -83,12 +87,14 @@ def encode(payload: object) -> RecordDict:
             rd["ref"] = _arrays(p.ref_weights)
         if p.anchor is not None:
             rd["anchor"] = _arrays({"probs": np.asarray(p.anchor, np.float32)})
+    elif isinstance(p, RlInstruction):
+        meta.update(round=p.round, task=p.task, base_hash=p.base_hash, seed=p.seed)
+        rd["arrays"] = _arrays(p.weights)
     elif isinstance(p, ModelUpdate):
-        if set(p.metrics) != set(TRAIN_METRIC_KEYS):
-            raise WireError(f"model-update metrics must be exactly {TRAIN_METRIC_KEYS}, got {sorted(p.metrics)}")
-        meta.update(num_examples=int(p.num_examples), party=_party(p.party))
+        _check_update_keys(p.kind, p.metrics, tag)
+        meta.update(num_examples=int(p.num_examples), party=_party(p.party), kind=p.kind)
         rd["arrays"] = _arrays({k: np.asarray(v, np.float32) for k, v in p.delta.items()})
-        rd["metrics"] = MetricRecord({k: _finite_or_nan(p.metrics[k]) for k in TRAIN_METRIC_KEYS})
+        rd["metrics"] = MetricRecord({k: _finite_or_nan(v) for k, v in sorted(p.metrics.items())})
     elif isinstance(p, RouterStats):
         rd["stats"] = _arrays({"sums": np.asarray(p.sums, np.float64)})
     elif isinstance(p, EvalReply):
@@ -140,13 +146,31 @@ def _expect_records(content: RecordDict, required: set[str], optional: set[str],
 
 META_KEYS = {
     SftInstruction: {"payload", "round", "task", "base_hash", "seed", "anchor_version"},
+    RlInstruction: {"payload", "round", "task", "base_hash", "seed"},
     StatsInstruction: {"payload", "round", "task", "base_hash"},
     EvalInstruction: {"payload", "round", "tasks", "new_task", "base_hash", "anchor_version"},
-    ModelUpdate: {"payload", "num_examples", "party"},
+    ModelUpdate: {"payload", "num_examples", "party", "kind"},
     RouterStats: {"payload"},
     EvalReply: {"payload", "party"},
 }
 _EVAL_KEY_RE = re.compile(r"^(acc|loss|n)/[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+_ROUTE_KEY_RE = re.compile(r"^route_disagree_l\d{1,3}$")
+
+
+def _check_update_keys(kind: str, keys, tag: str) -> None:
+    if kind == "sft":
+        ok = set(keys) == set(TRAIN_METRIC_KEYS)
+        allowed = ", ".join(TRAIN_METRIC_KEYS)
+    elif kind == "rl":
+        ok = set(RL_METRIC_KEYS) <= set(keys) and all(
+            k in RL_METRIC_KEYS or _ROUTE_KEY_RE.match(k) for k in keys)
+        allowed = ", ".join(RL_METRIC_KEYS) + ", route_disagree_l<i>"
+    else:
+        raise WireError(f"{tag}: unknown update kind {kind!r} (sft, rl)")
+    if not ok:
+        raise WireError(f"{tag}: {kind} update metrics: metric keys {sorted(keys)} do not match the schema ({allowed})")
 
 
 def _check_eval_keys(keys, tag: str) -> None:
@@ -184,6 +208,11 @@ def decode(content: RecordDict, expected: type | None = None) -> object:
                                   weights=_read_arrays(content.array_records["arrays"], tag),
                                   base_hash=str(meta["base_hash"]), seed=int(meta["seed"]),
                                   anchor=anchor, anchor_version=int(meta["anchor_version"]))
+        if typ is RlInstruction:
+            _expect_records(content, {"meta", "arrays"}, set(), tag)
+            return RlInstruction(round=int(meta["round"]), task=str(meta["task"]),
+                                 weights=_read_arrays(content.array_records["arrays"], tag),
+                                 base_hash=str(meta["base_hash"]), seed=int(meta["seed"]))
         if typ is StatsInstruction:
             _expect_records(content, {"meta", "arrays"}, set(), tag)
             return StatsInstruction(round=int(meta["round"]), task=str(meta["task"]),
@@ -201,14 +230,14 @@ def decode(content: RecordDict, expected: type | None = None) -> object:
         if typ is ModelUpdate:
             _expect_records(content, {"meta", "arrays", "metrics"}, set(), tag)
             metrics = dict(content.metric_records["metrics"])
-            if set(metrics) != set(TRAIN_METRIC_KEYS):
-                raise WireError(f"{tag}: metric keys {sorted(metrics)} != {sorted(TRAIN_METRIC_KEYS)}")
+            kind = str(meta["kind"])
+            _check_update_keys(kind, metrics, tag)
             n = int(meta["num_examples"])
             if n < 0:
                 raise WireError(f"{tag}: negative num_examples {n}")
             return ModelUpdate(party=_party(str(meta["party"])),
                                delta=_read_arrays(content.array_records["arrays"], tag), num_examples=n,
-                               metrics={k: float(v) for k, v in metrics.items()})
+                               metrics={k: float(v) for k, v in metrics.items()}, kind=kind)
         if typ is RouterStats:
             _expect_records(content, {"meta", "stats"}, set(), tag)
             return RouterStats(sums=_single(content.array_records["stats"], "sums", tag))

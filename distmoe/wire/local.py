@@ -8,11 +8,11 @@ coordinator's schedule can be tested in seconds.
 from __future__ import annotations
 
 from distmoe.config import NodeConfig, RunConfig
-from distmoe.train.party import run_eval, run_sft, run_stats
+from distmoe.train.party import run_eval, run_rl, run_sft, run_stats
 from distmoe.wire import codec
-from distmoe.wire.schema import EvalInstruction, SftInstruction, StatsInstruction
+from distmoe.wire.schema import EvalInstruction, RlInstruction, SftInstruction, StatsInstruction
 
-_FN = {SftInstruction: run_sft, StatsInstruction: run_stats, EvalInstruction: run_eval}
+_FN = {SftInstruction: run_sft, RlInstruction: run_rl, StatsInstruction: run_stats, EvalInstruction: run_eval}
 
 
 class LocalTransport:

@@ -20,6 +20,10 @@ import numpy as np
 
 TRAIN_METRIC_KEYS = ("loss", "task_loss", "aux_loss", "anchor_kl", "loss_first", "loss_last",
                      "steps", "skipped_steps", "time_s")
+# an rl update's metrics: these plus route_disagree_l<i> for each MoE layer i
+RL_METRIC_KEYS = ("reward", "reward_first", "reward_last", "masked_frac_low", "masked_frac_high", "seq_masked_frac",
+                  "logp_diff_mean", "logp_diff_max", "k3", "clip_frac", "masked_entropy", "steps", "skipped_steps",
+                  "time_s")
 EVAL_TASK_KEYS = ("acc", "loss", "n")
 EVAL_ROUTING_KEYS = ("routing_kl", "load_cv", "top1_consistency")
 
@@ -37,6 +41,15 @@ class SftInstruction:
     seed: int
     anchor: np.ndarray | None  # [L, E]
     anchor_version: int  # 0 = no anchor
+
+
+@dataclass(frozen=True)
+class RlInstruction:
+    round: int
+    task: str
+    weights: dict[str, np.ndarray]
+    base_hash: str
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -64,7 +77,8 @@ class ModelUpdate:
     party: str  # the party's declared name (an identifier, validated)
     delta: dict[str, np.ndarray]  # local - global, per trainable tensor
     num_examples: int
-    metrics: dict[str, float]  # exactly TRAIN_METRIC_KEYS
+    metrics: dict[str, float]  # sft: exactly TRAIN_METRIC_KEYS; rl: RL_METRIC_KEYS + route_disagree_l<i>
+    kind: str = "sft"  # sft | rl
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,7 @@ class EvalReply:
     metrics: dict[str, float]  # exactly eval_metric_keys(tasks); NaN where not available
 
 
-PAYLOAD_TAGS = {SftInstruction: "sft-instruction", StatsInstruction: "stats-instruction",
+PAYLOAD_TAGS = {SftInstruction: "sft-instruction", RlInstruction: "rl-instruction",
+                StatsInstruction: "stats-instruction",
                 EvalInstruction: "eval-instruction", ModelUpdate: "model-update",
                 RouterStats: "router-stats", EvalReply: "eval-reply"}

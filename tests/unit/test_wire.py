@@ -13,10 +13,12 @@ from distmoe.wire import codec
 from distmoe.wire.codec import WireError, decode, encode
 from distmoe.wire.schema import (
     PAYLOAD_TAGS,
+    RL_METRIC_KEYS,
     TRAIN_METRIC_KEYS,
     EvalInstruction,
     EvalReply,
     ModelUpdate,
+    RlInstruction,
     RouterStats,
     SftInstruction,
     StatsInstruction,
@@ -46,6 +48,9 @@ def _payloads() -> list:
                     metrics=METRICS),
         RouterStats(sums=np.array([[1.5, 0.5, 2.0, 1.0], [1.25, 1.75, 1.0, 1.0]], dtype=np.float64)),
         EvalReply(party="hospital_B", metrics={k: 0.25 for k in eval_metric_keys(tasks)}),
+        RlInstruction(round=6, task="arith", weights=W, base_hash="ab", seed=5),
+        ModelUpdate(party="party-1", delta=W, num_examples=8, kind="rl",
+                    metrics={**{k: 0.5 for k in RL_METRIC_KEYS}, "route_disagree_l0": 0.1, "route_disagree_l1": 0.0}),
     ]
 
 
@@ -234,3 +239,15 @@ def test_decode_rejects_eval_reply_metrics_outside_schema():
     rd["metrics"] = MetricRecord({"load_cv": 0.1, "per_example_loss_17": 2.5})
     with pytest.raises(WireError, match="per_example_loss_17"):
         decode(rd, EvalReply)
+
+
+def test_rl_update_metric_keys_are_checked():
+    good = {**{k: 0.5 for k in RL_METRIC_KEYS}, "route_disagree_l3": 0.2}
+    assert decode(encode(ModelUpdate(party="p", delta=W, num_examples=2, metrics=good, kind="rl")),
+                  ModelUpdate).metrics == good
+    with pytest.raises(WireError, match="rl update metrics"):
+        encode(ModelUpdate(party="p", delta=W, num_examples=2, metrics={**good, "sample_text_len": 3.0}, kind="rl"))
+    with pytest.raises(WireError, match="rl update metrics"):
+        encode(ModelUpdate(party="p", delta=W, num_examples=2, metrics=METRICS, kind="rl"))
+    with pytest.raises(WireError, match="unknown update kind"):
+        encode(ModelUpdate(party="p", delta=W, num_examples=2, metrics=METRICS, kind="dpo"))

@@ -1,0 +1,326 @@
+"""The local GRPO loop at one party: rollouts from the inference engine, IcePop / TIS mismatch correction,
+PPO-clipped updates of the policy (DESIGN.md section 7, reference Part A).
+
+Owns: ``GRPOConfig`` (validated, every error names its field), ``run_grpo`` (the loop) and ``GRPOResult``
+(per-step metrics and the per-round summary). One step is:
+
+1. ``engine.sync(policy)`` (the engine is built once with ``cfg.profile``; ``prune-k`` profiles measure expert
+   usage on calibration batches made from the party's own examples, re-measured at every sync);
+2. sample ``prompts_per_step`` prompts (seeded) and ``group_size`` rollouts each **from the engine**
+   (``logp_infer = log pi_infer(theta_old)``), rewards of the engine's samples, group advantages;
+3. recompute ``logp_old = log pi_train(theta_old)`` once per batch, no grad, eval mode; the mismatch weights
+   ``mismatch_weights(logp_old, logp_infer)`` once per batch (detached);
+4. ``ppo_epochs x minibatches`` updates (train mode) with the registered policy loss, gradient clipping; an
+   update whose loss or gradient norm is NaN/Inf is skipped (no optimizer step) and counted.
+
+Must not: read files, talk to the wire, or import Flower. The policy is in train mode only during the
+updates (eval mode for generation, recompute and diagnostics) and is left in eval mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from distmoe.config import TrainConfig
+from distmoe.data.formats import Example
+from distmoe.data.template import collate, encode_example, encode_prompt
+from distmoe.rl.advantages import group_advantages
+from distmoe.rl.engines import InferenceEngine, parse_profile
+from distmoe.rl.losses import POLICY_LOSSES, get_policy_loss, masked_entropy, mismatch_weights
+from distmoe.rl.rewards import compute_rewards, get_reward
+from distmoe.rl.rollout import Rollouts, generate_rollouts, routing_disagreement, train_logprobs
+from distmoe.train.optim import build_optimizer
+
+LEVELS = ("token", "sequence")
+MODES = ("mask", "truncate", "none")
+CALIBRATION_EXAMPLES = 64  # examples (full conversations) used to measure expert usage for prune-k
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    steps: int = 10
+    prompts_per_step: int = 8
+    group_size: int = 4
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    lr: float = 1e-4  # the "rest" group; experts / router default to it
+    lr_experts: float | None = None
+    lr_router: float | None = None
+    weight_decay: float = 0.0
+    ppo_epochs: int = 1
+    minibatches: int = 2
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None  # None: symmetric clipping
+    kl_coef: float = 0.0  # k3 KL to the reference model (the initial policy when none is passed)
+    policy_loss: str = "grpo"
+    level: str = "token"  # mismatch correction level: token | sequence
+    mode: str = "mask"  # mask (IcePop) | truncate (TIS) | none (plain GRPO)
+    low: float = 0.5
+    high: float = 5.0
+    profile: str = "exact"
+    reward: str = "task"
+    grad_clip: float = 1.0
+    seed: int = 0
+    std_normalise: bool = True
+    max_prompt_len: int = 256
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"GRPOConfig.{name}: {what}, got {getattr(self, name)!r}")
+
+        for name in ("steps", "prompts_per_step", "max_new_tokens", "ppo_epochs", "minibatches", "max_prompt_len"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, "must be an integer >= 1")
+        need(isinstance(self.group_size, int) and self.group_size >= 2, "group_size",
+             "must be an integer >= 2 (group-relative advantages)")
+        need(self.minibatches <= self.prompts_per_step * self.group_size, "minibatches",
+             f"must be <= prompts_per_step * group_size = {self.prompts_per_step * self.group_size}")
+        for name in ("temperature", "lr", "clip_eps", "grad_clip"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, name, "must be a finite number > 0")
+        for name in ("lr_experts", "lr_router", "clip_eps_high"):
+            v = getattr(self, name)
+            need(v is None or (isinstance(v, (int, float)) and math.isfinite(v) and v > 0), name,
+                 "must be None or a finite number > 0")
+        for name in ("weight_decay", "kl_coef"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, name, "must be a finite number >= 0")
+        need(self.clip_eps < 1.0, "clip_eps", "must be < 1")
+        need(self.level in LEVELS, "level", f"must be one of {', '.join(LEVELS)}")
+        need(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}")
+        need(isinstance(self.low, (int, float)) and 0.0 <= self.low <= 1.0, "low", "must be in [0, 1]")
+        need(isinstance(self.high, (int, float)) and 1.0 <= self.high < math.inf, "high", "must be finite and >= 1")
+        need(isinstance(self.seed, int), "seed", "must be an integer")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"GRPOConfig.policy_loss: unknown policy loss {self.policy_loss!r}; valid names: "
+                             f"{', '.join(sorted(POLICY_LOSSES))}")
+        for name, check in (("reward", get_reward), ("profile", parse_profile)):
+            try:
+                check(getattr(self, name))
+            except ValueError as err:
+                raise ValueError(f"GRPOConfig.{name}: {err}") from None
+
+    def train_config(self) -> TrainConfig:
+        """The ``TrainConfig`` that ``build_optimizer`` gets (one AdamW, groups experts / router / rest)."""
+        return TrainConfig(local_steps=self.steps, batch_size=self.prompts_per_step * self.group_size, lr=self.lr,
+                           lr_experts=self.lr if self.lr_experts is None else self.lr_experts,
+                           lr_router=self.lr if self.lr_router is None else self.lr_router,
+                           weight_decay=self.weight_decay, warmup_steps=0, grad_clip=self.grad_clip, threads=0)
+
+
+@dataclass
+class GRPOBatch:
+    """The last step's batch, kept for inspection (tests, debugging): everything the updates used."""
+
+    rollouts: Rollouts
+    rewards: torch.Tensor  # [N]
+    advantages: torch.Tensor  # [N]
+    logp_old: torch.Tensor  # [N, T] log pi_train(theta_old)
+    weights: torch.Tensor  # [N, T] detached mismatch weights (0 on padding)
+    prompt_ids: list[int]  # indices into the prompts passed to run_grpo
+
+
+@dataclass
+class GRPOResult:
+    steps: list[dict[str, float]] = field(default_factory=list)  # one metric dict per GRPO step
+    skipped_steps: int = 0  # optimizer updates skipped for a NaN/Inf loss or gradient
+    updates: int = 0  # optimizer updates applied
+    time_s: float = 0.0
+    last_batch: GRPOBatch | None = None
+
+    def summary(self) -> dict[str, float]:
+        """Per-round summary: the mean of every per-step metric (NaN-skipping), plus first/last reward."""
+        keys: list[str] = []
+        for m in self.steps:
+            keys.extend(k for k in m if k not in keys)
+        out: dict[str, float] = {}
+        for k in keys:
+            vals = [m[k] for m in self.steps if k in m and not math.isnan(m[k])]
+            out[k] = float(sum(vals) / len(vals)) if vals else math.nan
+        if self.steps:
+            out["reward_first"] = self.steps[0]["reward"]
+            out["reward_last"] = self.steps[-1]["reward"]
+            out["logp_diff_max"] = max(m["logp_diff_max"] for m in self.steps)
+        out.update({"steps": float(len(self.steps)), "updates": float(self.updates),
+                    "skipped_steps": float(self.skipped_steps), "time_s": self.time_s,
+                    "time_per_step_s": self.time_s / max(len(self.steps), 1)})
+        return out
+
+
+def _subset(ro: Rollouts, idx: torch.Tensor) -> Rollouts:
+    """Rows ``idx`` of a rollout batch (same prompt length and temperature)."""
+    return replace(ro, sequences=ro.sequences[idx], attention_mask=ro.attention_mask[idx], response=ro.response[idx],
+                   logp_infer=ro.logp_infer[idx], response_mask=ro.response_mask[idx],
+                   texts=[ro.texts[i] for i in idx.tolist()], prompt_index=ro.prompt_index[idx])
+
+
+def _logprobs_and_logits(model: nn.Module, ro: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """``train_logprobs`` (no grad) plus the temperature-scaled response logits ``[N, T, V]`` of that same pass."""
+    head = model.get_output_embeddings()
+    got: list[torch.Tensor] = []
+    handle = head.register_forward_hook(lambda _m, _i, out: got.append(out.detach()))
+    try:
+        logp = train_logprobs(model, ro, grad=False)  # [N, T]
+    finally:
+        handle.remove()
+    t = ro.response.shape[1]
+    logits = got[-1][:, ro.prompt_len - 1:ro.prompt_len - 1 + t].float() / ro.temperature  # [N, T, V]
+    return logp, logits
+
+
+def _encode(tokenizer, prompts: list[Example], cfg: GRPOConfig):
+    ids = [encode_prompt(tokenizer, ex, cfg.max_prompt_len) for ex in prompts]
+    texts = [ex.prompt_messages[-1]["content"] if ex.prompt_messages else "" for ex in prompts]
+    return ids, texts
+
+
+def build_engine(model: nn.Module, tokenizer, prompts: list[Example], cfg: GRPOConfig) -> InferenceEngine:
+    """The inference engine of ``cfg.profile``; prune profiles get calibration batches from ``prompts``."""
+    calibration = None
+    if parse_profile(cfg.profile)["prune"]:
+        max_len = max(cfg.max_prompt_len, int(getattr(model.config, "max_position_embeddings", 0) or 0))
+        encoded = [encode_example(tokenizer, ex, max_len) for ex in prompts[:CALIBRATION_EXAMPLES]]
+        calibration = [collate(encoded, tokenizer.pad_token_id)]
+    return InferenceEngine(model, cfg.profile, temperature=cfg.temperature, calibration=calibration)
+
+
+def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg: GRPOConfig,
+             reference_model: nn.Module | None = None) -> GRPOResult:
+    """``cfg.steps`` GRPO steps on ``model`` (updated in place) with prompts from ``prompts``.
+
+    Rewards use ``cfg.reward`` with the example's answer as the expected answer and its last prompt turn as
+    the prompt text. With ``kl_coef > 0`` the k3 KL is taken to ``reference_model`` (default: a frozen copy of
+    the policy as passed in). Returns the per-step metrics and the counters; see ``GRPOResult.summary``.
+    """
+    if not prompts:
+        raise ValueError("run_grpo: no prompts")
+    if cfg.prompts_per_step > len(prompts):
+        raise ValueError(f"GRPOConfig.prompts_per_step: {cfg.prompts_per_step} exceeds the {len(prompts)} prompts")
+    loss_fn = get_policy_loss(cfg.policy_loss)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt, sched = build_optimizer(model, cfg.train_config())
+    if cfg.kl_coef > 0 and reference_model is None:
+        reference_model = copy.deepcopy(model)
+    if reference_model is not None:
+        reference_model.eval()
+    prompt_ids, prompt_texts = _encode(tokenizer, prompts, cfg)
+    answers = [ex.answer for ex in prompts]
+    model.eval()
+    engine = build_engine(model, tokenizer, prompts, cfg)  # synced at construction
+    gen = torch.Generator().manual_seed(cfg.seed)
+    res = GRPOResult()
+    t_all = time.perf_counter()
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        model.eval()
+        if step > 0:
+            engine.sync(model)
+        chosen = torch.randperm(len(prompts), generator=gen)[:cfg.prompts_per_step].tolist()
+        ro = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in chosen], cfg.group_size,
+                               cfg.max_new_tokens, cfg.temperature, seed=cfg.seed * 100_003 + step)
+        rows = [chosen[int(i)] for i in ro.prompt_index]
+        rewards = torch.tensor(compute_rewards(cfg.reward, ro.texts, [answers[i] for i in rows], task,
+                                               [prompt_texts[i] for i in rows]), dtype=torch.float32)  # [N]
+        adv = group_advantages(rewards, cfg.group_size, std_normalise=cfg.std_normalise)  # [N]
+        t_rec = time.perf_counter()
+        logp_old, logits_old = _logprobs_and_logits(model, ro)  # [N, T], [N, T, V]
+        t_rec = time.perf_counter() - t_rec
+        mask = ro.response_mask  # [N, T]
+        weights, mstats = mismatch_weights(logp_old, ro.logp_infer, mask, cfg.level, cfg.mode, cfg.low, cfg.high)
+        if cfg.mode == "mask":
+            icepop_masked = mask & (weights == 0)  # [N, T]
+        else:  # what IcePop would mask at these bounds
+            w_mask, _ = mismatch_weights(logp_old, ro.logp_infer, mask, cfg.level, "mask", cfg.low, cfg.high)
+            icepop_masked = mask & (w_mask == 0)  # [N, T]
+        ent = masked_entropy(logits_old, icepop_masked)
+        del logits_old
+        ref_logp = None
+        if reference_model is not None:
+            ref_logp = train_logprobs(reference_model, ro, grad=False)  # [N, T]
+        routes = routing_disagreement(model, engine, ro)
+
+        n = ro.num_rollouts
+        chunks = max(1, cfg.minibatches)
+        skipped = applied = 0
+        losses: list[float] = []
+        clip_fracs: list[float] = []
+        kl_refs: list[float] = []
+        grad_norms: list[float] = []
+        model.train()
+        try:
+            for _epoch in range(cfg.ppo_epochs):
+                order = torch.randperm(n, generator=gen)
+                for idx in torch.tensor_split(order, chunks):
+                    if idx.numel() == 0:
+                        continue
+                    sub = _subset(ro, idx)
+                    logp_new = train_logprobs(model, sub, grad=True)  # [n_mb, T]
+                    loss, lm = loss_fn(logp_new, logp_old[idx], adv[idx], mask[idx], weights[idx],
+                                       clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
+                                       ref_logp=None if ref_logp is None else ref_logp[idx], kl_coef=cfg.kl_coef)
+                    opt.zero_grad(set_to_none=True)
+                    if not math.isfinite(float(loss.detach())):
+                        skipped += 1
+                        continue
+                    loss.backward()
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                    if not torch.isfinite(grad_norm):  # clipping scaled the grads by NaN: discard them
+                        skipped += 1
+                        opt.zero_grad(set_to_none=True)
+                        continue
+                    opt.step()
+                    sched.step()
+                    applied += 1
+                    losses.append(float(loss.detach()))
+                    clip_fracs.append(lm.get("ppo/clipfrac", 0.0))
+                    grad_norms.append(float(grad_norm))
+                    if "ppo/kl_ref" in lm:
+                        kl_refs.append(lm["ppo/kl_ref"])
+        finally:
+            opt.zero_grad(set_to_none=True)
+            model.eval()
+        res.skipped_steps += skipped
+        res.updates += applied
+        mean = lambda xs: float(sum(xs) / len(xs)) if xs else math.nan  # noqa: E731
+        valid_w = weights[mask]
+        metrics: dict[str, float] = {
+            "reward": float(rewards.mean()),
+            "reward_std": float(rewards.std(correction=0)),
+            "masked_frac_low": mstats["icepop/masked_frac_low"],
+            "masked_frac_high": mstats["icepop/masked_frac_high"],
+            "masked_frac": mstats["icepop/masked_frac"],
+            "seq_masked_frac": mstats["icepop/seq_with_masked_token_frac"],
+            "logp_diff_mean": mstats["mismatch/logp_abs_diff_mean"],
+            "logp_diff_max": mstats["mismatch/logp_abs_diff_max"],
+            "k3": mstats["mismatch/kl_k3"],
+            "k_mean": mstats["mismatch/k_mean"],
+            "weight_mean": float(valid_w.mean()) if valid_w.numel() else 0.0,
+            "weights_all_one": float(bool(valid_w.numel()) and bool((valid_w == 1).all())),
+            "clip_frac": mean(clip_fracs),
+            "loss": mean(losses),
+            "grad_norm": mean(grad_norms),
+            "masked_entropy": ent,
+            "response_len": float(mask.sum(1).float().mean()),
+            "num_tokens": float(mask.sum()),
+            "updates": float(applied),
+            "skipped_steps": float(skipped),
+            "recompute_s": t_rec,
+        }
+        if kl_refs:
+            metrics["kl_ref"] = mean(kl_refs)
+        for li, d in enumerate(routes):
+            metrics[f"route_disagree_l{li}"] = d
+        metrics["time_s"] = time.perf_counter() - t0
+        res.steps.append(metrics)
+        res.last_batch = GRPOBatch(rollouts=ro, rewards=rewards, advantages=adv, logp_old=logp_old,
+                                   weights=weights, prompt_ids=chosen)
+    res.time_s = time.perf_counter() - t_all
+    model.eval()
+    return res

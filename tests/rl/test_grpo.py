@@ -1,0 +1,147 @@
+"""The local GRPO loop (distmoe.rl.grpo) on a briefly SFT-trained tiny MoE: exact vs pruned inference engines,
+IcePop mask vs no correction, the update direction, config validation and NaN-step skipping."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from distmoe.config import parse_run_config
+from distmoe.data.formats import parse_line
+from distmoe.data.synth import generate
+from distmoe.data.template import encode_example
+from distmoe.model.build import build_model, describe
+from distmoe.rl.grpo import GRPOConfig, run_grpo
+from distmoe.rl.losses import POLICY_LOSSES, get_policy_loss, mismatch_weights
+from distmoe.rl.rollout import train_logprobs
+from distmoe.train.sft import train_sft
+
+SMALL = {"model.hidden-size": 128, "model.moe-intermediate-size": 128, "model.layers": 2, "model.heads": 2,
+         "model.kv-heads": 1, "model.head-dim": 64, "train.local-steps": 150, "train.batch-size": 16,
+         "train.lr": 3e-3, "train.lr-experts": 3e-3, "train.lr-router": 3e-3, "train.warmup-steps": 5,
+         "routing.anchor-kl-coef": 0.0}
+BASE = {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 6, "lr": 1e-3, "reward": "task"}
+KEYS = ("reward", "masked_frac_low", "masked_frac_high", "seq_masked_frac", "logp_diff_mean", "logp_diff_max",
+        "k3", "clip_frac", "masked_entropy", "route_disagree_l0", "route_disagree_l1", "skipped_steps", "time_s")
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The small model after 150 SFT steps on synthetic lookup data (~3-5 s) and 32 prompts (Examples)."""
+    cfg = parse_run_config(SMALL)
+    model, tok = build_model(cfg.model)
+    ms = describe(model)
+    examples = [parse_line(o, "synth") for o in generate("lookup", 0, 240, 0)]
+    encoded = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in examples]
+    res = train_sft(model, encoded, tok.pad_token_id, cfg.train, cfg.routing, ms.num_experts, ms.top_k, None, 0)
+    assert res.task_losses[-1] < 0.5 * res.task_losses[0]
+    return {"model": model, "tok": tok, "prompts": examples[:32]}
+
+
+def _run(trained, reference_model=None, **kw):
+    model = copy.deepcopy(trained["model"])
+    cfg = GRPOConfig(**{**BASE, **kw})
+    return model, run_grpo(model, trained["tok"], trained["prompts"], "lookup", cfg, reference_model)
+
+
+def test_exact_engine_grpo_updates_and_metrics(trained):
+    before = {n: p.detach().clone() for n, p in trained["model"].named_parameters()}
+    model, res = _run(trained, steps=3, profile="exact", mode="mask")
+    assert len(res.steps) == 3 and res.updates == 6 and res.skipped_steps == 0
+    after = dict(model.named_parameters())
+    assert any(not torch.equal(before[n], after[n]) for n in before)  # the policy was updated
+    assert all(torch.equal(before[n], p) for n, p in trained["model"].named_parameters())  # the input copy untouched
+    assert not model.training  # left in eval mode
+    for m in res.steps:
+        assert set(KEYS) <= set(m)
+        assert all(math.isfinite(v) for k, v in m.items() if k != "masked_entropy"), m
+        assert math.isnan(m["masked_entropy"])  # no masked token: undefined, not 0
+        assert m["masked_frac_low"] == m["masked_frac_high"] == m["seq_masked_frac"] == 0.0
+        assert m["logp_diff_max"] < 1e-3 and m["k3"] < 1e-6
+        assert m["route_disagree_l0"] == m["route_disagree_l1"] == 0.0
+        assert 0.0 <= m["reward"] <= 1.0 and 0.0 <= m["clip_frac"] <= 1.0
+    s = res.summary()
+    assert s["steps"] == 3 and s["skipped_steps"] == 0 and s["logp_diff_max"] < 1e-3 and s["time_per_step_s"] > 0
+    assert math.isnan(s["masked_entropy"])
+
+
+def test_prune_engine_masks_tokens_and_mode_none_keeps_weights_one(trained):
+    big = {"steps": 1, "profile": "prune-1", "prompts_per_step": 32, "max_new_tokens": 8}  # ~1000 tokens: 1-2 % masked
+    _, masked = _run(trained, mode="mask", **big)
+    _, plain = _run(trained, mode="none", **big)
+    m, p = masked.steps[0], plain.steps[0]
+    assert m["masked_frac_low"] + m["masked_frac_high"] > 0.0 and m["seq_masked_frac"] > 0.0
+    assert m["logp_diff_mean"] > 1e-3 and max(m["route_disagree_l0"], m["route_disagree_l1"]) > 0.0
+    assert math.isfinite(m["masked_entropy"]) and m["masked_entropy"] >= 0.0
+    bm, bp = masked.last_batch, plain.last_batch
+    assert torch.equal(bm.rollouts.sequences, bp.rollouts.sequences)  # same seed: the same rollouts
+    assert torch.equal(bm.logp_old, bp.logp_old)
+    for k in ("masked_frac_low", "masked_frac_high", "seq_masked_frac", "logp_diff_mean", "k3", "masked_entropy"):
+        assert p[k] == m[k], k  # mode none still reports what IcePop would mask
+    valid = bp.rollouts.response_mask
+    assert p["weights_all_one"] == 1.0 and (bp.weights[valid] == 1).all() and (bp.weights[~valid] == 0).all()
+    assert m["weights_all_one"] == 0.0 and (bm.weights[valid] == 0).any()
+    w, stats = mismatch_weights(bm.logp_old, bm.rollouts.logp_infer, valid, "token", "mask", 0.5, 5.0)
+    assert torch.equal(w, bm.weights) and stats["icepop/masked_frac"] == m["masked_frac"]
+
+
+def test_one_update_moves_towards_high_reward_samples(trained):
+    """Deterministic property of the update direction: on the fixed batch, the surrogate loss goes down and the
+    advantage-weighted change of the sequence log-probs is positive (high-reward samples gain probability)."""
+    model, res = _run(trained, steps=1, profile="exact", mode="mask", ppo_epochs=1, minibatches=1, lr=1e-4)
+    b = res.last_batch
+    assert res.updates == 1 and (b.advantages != 0).any()
+    mask = b.rollouts.response_mask
+    logp_new = train_logprobs(model, b.rollouts)  # [N, T]
+    loss_fn = get_policy_loss("grpo")
+    loss_before, _ = loss_fn(b.logp_old, b.logp_old, b.advantages, mask, b.weights)
+    loss_after, _ = loss_fn(logp_new, b.logp_old, b.advantages, mask, b.weights)
+    assert float(loss_after) < float(loss_before)
+    d_seq = ((logp_new - b.logp_old) * mask).sum(1)  # [N] change of each sequence's log-prob
+    assert float((b.advantages * d_seq).sum()) > 0.0
+    assert float(d_seq[b.advantages > 0].mean()) > float(d_seq[b.advantages < 0].mean())
+
+
+def test_kl_to_reference_is_reported(trained):
+    _, res = _run(trained, steps=2, kl_coef=0.1, minibatches=1)
+    assert "kl_ref" in res.steps[-1] and math.isfinite(res.steps[-1]["kl_ref"]) and res.steps[-1]["kl_ref"] >= 0
+
+
+def test_config_validation_names_the_field(trained):
+    for field, value in (("steps", 0), ("group_size", 1), ("temperature", 0.0), ("lr", -1.0), ("ppo_epochs", 0),
+                         ("minibatches", 0), ("clip_eps", 0.0), ("clip_eps_high", -0.1), ("kl_coef", -1.0),
+                         ("level", "batch"), ("mode", "clip"), ("low", 2.0), ("high", 0.5), ("grad_clip", 0.0),
+                         ("max_new_tokens", 0), ("prompts_per_step", 0)):
+        with pytest.raises(ValueError, match=f"GRPOConfig.{field}"):
+            GRPOConfig(**{field: value})
+    with pytest.raises(ValueError, match="minibatches"):
+        GRPOConfig(prompts_per_step=1, group_size=2, minibatches=3)
+    with pytest.raises(ValueError, match="policy_loss.*valid names: grpo, reinforce"):
+        GRPOConfig(policy_loss="ppo")
+    with pytest.raises(ValueError, match="reward.*valid rewards: exact_match, format, numeric, task"):
+        GRPOConfig(reward="bleu")
+    with pytest.raises(ValueError, match="profile.*valid profiles: exact, bf16, int8-dynamic"):
+        GRPOConfig(profile="fp8")
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        run_grpo(copy.deepcopy(trained["model"]), trained["tok"], trained["prompts"][:2], "lookup",
+                 GRPOConfig(prompts_per_step=4))
+
+
+def test_nan_loss_step_is_skipped_and_counted(trained, monkeypatch):
+    real = POLICY_LOSSES["grpo"]
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan"), metrics) if calls["n"] == 1 else (loss, metrics)
+
+    monkeypatch.setitem(POLICY_LOSSES, "grpo", flaky)
+    model, res = _run(trained, steps=2, minibatches=2)
+    assert calls["n"] == 4 and res.skipped_steps == 1 and res.updates == 3
+    assert res.steps[0]["skipped_steps"] == 1.0 and res.steps[1]["skipped_steps"] == 0.0
+    assert res.summary()["skipped_steps"] == 1.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
