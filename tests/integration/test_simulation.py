@@ -16,7 +16,8 @@ from distmoe.simulate import SimOptions, processes_with_token, run
 
 TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,
         "model.kv-heads": 1, "model.head-dim": 32, "train.local-steps": 8, "data.synth-examples": 40,
-        "schedule.phases": "sft:lookup*2, stats:lookup, eval", "checkpoint.keep": 10,
+        "schedule.phases": "sft:lookup*2, stats:lookup, eval, rl:lookup*1", "checkpoint.keep": 10,
+        "rl.steps": 2, "rl.prompts-per-step": 4, "rl.group-size": 2, "rl.max-new-tokens": 4,
         "train.lr": 5e-3, "train.lr-experts": 5e-3, "train.lr-router": 5e-3}
 
 
@@ -44,13 +45,16 @@ def test_simulate_three_parties_two_rounds(tmp_path: Path, monkeypatch):
     assert [e["round"] for e in agg] == [1, 2]
     assert agg[-1]["loss_last"] < agg[0]["loss_first"], "the task loss did not fall"
     assert any(e["event"] == "stats" for e in events)
+    rl = [e for e in events if e["event"] == "rl" and e["party"] == "all"]
+    assert [e["round"] for e in rl] == [5] and rl[0]["parties"] == 3  # the train.rl handler ran at every party
+    assert rl[0]["logp_diff_mean"] > 0 and "route_disagree_l0" in rl[0]
     final = [e for e in events if e["event"] == "eval" and e["party"] == "all"][-1]
     assert final["n/lookup"] > 0 and 0.0 <= final["acc/lookup"] <= 1.0
     assert final["routing_kl"] is not None and final["routing_kl"] >= 0.0
 
     # parameters changed: round-0 vs round-2 checkpoints; manifest-hashed, atomic names only
     ck = run_dir / "checkpoints"
-    assert (ck / "LATEST").read_text().strip() == "round-2"
+    assert (ck / "LATEST").read_text().strip() == "round-5"
     w0 = load_file(str(ck / "round-0" / "trainable.safetensors"))
     w2 = load_file(str(ck / "round-2" / "trainable.safetensors"))
     changed = sum(int((w0[k] != w2[k]).any()) for k in w0)
