@@ -148,7 +148,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str | bytes) -> None:
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
@@ -157,7 +157,7 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
     write_text_atomic(path, text)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make the rename itself durable where the platform allows opening directories."""
     try:
         dfd = os.open(directory, os.O_RDONLY)

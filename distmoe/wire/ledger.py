@@ -49,6 +49,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from distmoe.report.metrics_log import fsync_dir
+
 try:  # POSIX advisory locks; the single-writer guard degrades to the size check elsewhere
     import fcntl
 except ImportError:  # pragma: no cover - non-POSIX
@@ -108,19 +110,6 @@ def describe_payload(data: bytes) -> dict[str, Any]:
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
-
-
 # ---------------------------------------------------------------------------------------------- keys
 def generate_signing_key(path: str | os.PathLike[str], *, force: bool = False) -> Ed25519PrivateKey:
     """Create a new Ed25519 key, write it as unencrypted PKCS#8 PEM with mode 0600, return it.
@@ -149,7 +138,7 @@ def generate_signing_key(path: str | os.PathLike[str], *, force: bool = False) -
     os.close(fd)
     if tmp:
         os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return key
 
 
@@ -454,7 +443,7 @@ class Ledger:
         finally:
             os.close(fd)  # also releases the flock
         if created:
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         self._size += len(line)
         self._head = (entry["seq"], h)
         return entry

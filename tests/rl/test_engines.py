@@ -8,11 +8,7 @@ import copy
 import pytest
 import torch
 
-from distmoe.config import parse_run_config
-from distmoe.data.formats import parse_line
-from distmoe.data.synth import generate
-from distmoe.data.template import collate, encode_example, encode_prompt
-from distmoe.model.build import build_model, describe
+from distmoe.data.template import collate, encode_prompt
 from distmoe.rl.engines import InferenceEngine, measure_usage, parse_profile
 from distmoe.rl.rewards import REWARDS, compute_rewards, get_reward
 from distmoe.rl.rollout import (
@@ -22,25 +18,16 @@ from distmoe.rl.rollout import (
     routing_disagreement,
     train_logprobs,
 )
-from distmoe.train.sft import train_sft
+from tests.rl.conftest import train_small_lookup
 
-SMALL = {"model.hidden-size": 128, "model.moe-intermediate-size": 128, "model.layers": 2, "model.heads": 2,
-         "model.kv-heads": 1, "model.head-dim": 64, "train.local-steps": 150, "train.batch-size": 16,
-         "train.lr": 3e-3, "train.lr-experts": 3e-3, "train.lr-router": 3e-3, "train.warmup-steps": 5,
-         "routing.anchor-kl-coef": 0.0}
 ALPHA, BETA = 0.5, 5.0
 
 
 @pytest.fixture(scope="module")
 def trained():
     """The small model after 150 SFT steps on synthetic lookup data (~5 s), prompts and calibration."""
-    cfg = parse_run_config(SMALL)
-    model, tok = build_model(cfg.model)
-    ms = describe(model)
-    examples = [parse_line(o, "synth") for o in generate("lookup", 0, 240, 0)]
-    encoded = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in examples]
-    res = train_sft(model, encoded, tok.pad_token_id, cfg.train, cfg.routing, ms.num_experts, ms.top_k, None, 0)
-    assert res.task_losses[-1] < 0.5 * res.task_losses[0]
+    t = train_small_lookup()
+    cfg, model, tok, examples, encoded = t["cfg"], t["model"], t["tok"], t["examples"], t["encoded"]
     prompts = [encode_prompt(tok, ex, cfg.model.max_seq_len) for ex in examples[:32]]
     calibration = [collate(encoded[:64], tok.pad_token_id)]
     return {"model": model, "tok": tok, "prompts": prompts, "calibration": calibration,

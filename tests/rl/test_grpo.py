@@ -9,20 +9,11 @@ import math
 import pytest
 import torch
 
-from distmoe.config import parse_run_config
-from distmoe.data.formats import parse_line
-from distmoe.data.synth import generate
-from distmoe.data.template import encode_example
-from distmoe.model.build import build_model, describe
 from distmoe.rl.grpo import GRPOConfig, run_grpo
 from distmoe.rl.losses import POLICY_LOSSES, get_policy_loss, mismatch_weights
 from distmoe.rl.rollout import train_logprobs
-from distmoe.train.sft import train_sft
+from tests.rl.conftest import train_small_lookup
 
-SMALL = {"model.hidden-size": 128, "model.moe-intermediate-size": 128, "model.layers": 2, "model.heads": 2,
-         "model.kv-heads": 1, "model.head-dim": 64, "train.local-steps": 150, "train.batch-size": 16,
-         "train.lr": 3e-3, "train.lr-experts": 3e-3, "train.lr-router": 3e-3, "train.warmup-steps": 5,
-         "routing.anchor-kl-coef": 0.0}
 BASE = {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 6, "lr": 1e-3, "reward": "task"}
 KEYS = ("reward", "masked_frac_low", "masked_frac_high", "seq_masked_frac", "logp_diff_mean", "logp_diff_max",
         "k3", "clip_frac", "masked_entropy", "route_disagree_l0", "route_disagree_l1", "skipped_steps", "time_s")
@@ -31,13 +22,8 @@ KEYS = ("reward", "masked_frac_low", "masked_frac_high", "seq_masked_frac", "log
 @pytest.fixture(scope="module")
 def trained():
     """The small model after 150 SFT steps on synthetic lookup data (~3-5 s) and 32 prompts (Examples)."""
-    cfg = parse_run_config(SMALL)
-    model, tok = build_model(cfg.model)
-    ms = describe(model)
-    examples = [parse_line(o, "synth") for o in generate("lookup", 0, 240, 0)]
-    encoded = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in examples]
-    res = train_sft(model, encoded, tok.pad_token_id, cfg.train, cfg.routing, ms.num_experts, ms.top_k, None, 0)
-    assert res.task_losses[-1] < 0.5 * res.task_losses[0]
+    t = train_small_lookup()
+    model, tok, examples = t["model"], t["tok"], t["examples"]
     return {"model": model, "tok": tok, "prompts": examples[:32]}
 
 
