@@ -87,6 +87,9 @@ DEFAULTS: dict[str, Scalar] = {
     "rl.icepop-high": 5.0,
     "rl.engine": "bf16",  # exact | bf16 | int8-dynamic | int8-weight-only | prune-<k>, combined with '+'
     "rl.reward": "task",  # task | exact_match | numeric | format
+    "rl.simulator": False,  # the ICEPOP seed's inference simulator instead of the recompute (approximation)
+    "rl.simulator-recalibrate-every": 5,
+    "rl.simulator-bound": 0.5,
     # schedule
     "schedule.phases": "sft:lookup, eval, stats:lookup, sft:arith, eval",
     "schedule.sft-rounds": 5,
@@ -190,6 +193,9 @@ class RLConfig:
     icepop_high: float
     engine: str
     reward: str
+    simulator: bool
+    simulator_recalibrate_every: int
+    simulator_bound: float
 
     @property
     def mode(self) -> str:
@@ -460,6 +466,18 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
                      raw=tuple(sorted(flat.items())))
 
 
+def _checked_int(g, key: str, lo: int) -> int:
+    v = g(key, int)
+    _range(key, v, lo)
+    return v
+
+
+def _checked_float(g, key: str, lo: float) -> float:
+    v = g(key, float)
+    _range(key, v, lo, lo_open=True)
+    return v
+
+
 def _parse_rl(g) -> RLConfig:
     ints = {k: g(k, int) for k in ("rl.steps", "rl.prompts-per-step", "rl.group-size", "rl.max-new-tokens",
                                    "rl.ppo-epochs", "rl.minibatches")}
@@ -494,7 +512,10 @@ def _parse_rl(g) -> RLConfig:
                     temperature=fl["rl.temperature"], lr=fl["rl.lr"], ppo_epochs=ints["rl.ppo-epochs"],
                     minibatches=ints["rl.minibatches"], clip_eps=fl["rl.clip-eps"], kl_coef=fl["rl.kl-coef"],
                     policy_loss=loss, correction=corr, correction_level=level, icepop_low=fl["rl.icepop-low"],
-                    icepop_high=fl["rl.icepop-high"], engine=engine, reward=reward)
+                    icepop_high=fl["rl.icepop-high"], engine=engine, reward=reward,
+                    simulator=g("rl.simulator", bool),
+                    simulator_recalibrate_every=_checked_int(g, "rl.simulator-recalibrate-every", 1),
+                    simulator_bound=_checked_float(g, "rl.simulator-bound", 0.0))
 
 
 def load_override_file(path: str | Path) -> dict[str, Scalar]:

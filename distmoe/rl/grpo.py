@@ -10,6 +10,11 @@ Owns: ``GRPOConfig`` (validated, every error names its field), ``run_grpo`` (the
    (``logp_infer = log pi_infer(theta_old)``), rewards of the engine's samples, group advantages;
 3. recompute ``logp_old = log pi_train(theta_old)`` once per batch, no grad, eval mode; the mismatch weights
    ``mismatch_weights(logp_old, logp_infer)`` once per batch (detached);
+   With ``cfg.simulator`` (off by default; off is bit-for-bit the path above) the inference simulator
+   (``simulator.py``) is calibrated at step 0 and every ``simulator_recalibrate_every`` steps on fresh engine
+   rollouts; ``delta_hat`` comes from the same theta_old pass, and unless the simulator is degraded (held-out
+   calibration or this batch's R^2 / AUROC below the minimum: fallback, counted) the loss uses
+   ``logp_old = logp_infer + delta_hat`` and the weights ``exp(delta_hat)`` masked beyond ``simulator_bound``;
 4. ``ppo_epochs x minibatches`` updates (train mode) with the registered policy loss, gradient clipping; an
    update whose loss or gradient norm is NaN/Inf is skipped (no optimizer step) and counted.
 
@@ -35,6 +40,7 @@ from distmoe.rl.engines import InferenceEngine, parse_profile
 from distmoe.rl.losses import POLICY_LOSSES, get_policy_loss, masked_entropy, mismatch_weights
 from distmoe.rl.rewards import compute_rewards, get_reward
 from distmoe.rl.rollout import Rollouts, generate_rollouts, routing_disagreement, train_logprobs
+from distmoe.rl.simulator import InferenceSimulator, capture, compare, simulated_weights
 from distmoe.train.optim import build_optimizer
 
 LEVELS = ("token", "sequence")
@@ -69,6 +75,14 @@ class GRPOConfig:
     seed: int = 0
     std_normalise: bool = True
     max_prompt_len: int = 256
+    # the optional inference simulator (ICEPOP seed, distmoe.rl.simulator); off keeps the recompute path
+    simulator: bool = False
+    simulator_recalibrate_every: int = 5  # calibrate at step 0 and every N steps on fresh engine rollouts
+    simulator_bound: float = 0.5  # |delta_hat| beyond it: token masked (weight 0)
+    simulator_r2_min: float = 0.1  # degraded (-> fallback to the recompute) when R^2 of signed delta is below
+    simulator_auroc_min: float = 0.5  # ... or AUROC(|delta_hat| for the top-10 % |delta|) is below
+    simulator_hidden: int = 32
+    simulator_fit_steps: int = 300
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -98,6 +112,15 @@ class GRPOConfig:
         need(isinstance(self.low, (int, float)) and 0.0 <= self.low <= 1.0, "low", "must be in [0, 1]")
         need(isinstance(self.high, (int, float)) and 1.0 <= self.high < math.inf, "high", "must be finite and >= 1")
         need(isinstance(self.seed, int), "seed", "must be an integer")
+        need(isinstance(self.simulator, bool), "simulator", "must be a bool")
+        for name in ("simulator_recalibrate_every", "simulator_hidden", "simulator_fit_steps"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, "must be an integer >= 1")
+        need(isinstance(self.simulator_bound, (int, float)) and math.isfinite(self.simulator_bound)
+             and self.simulator_bound > 0, "simulator_bound", "must be a finite number > 0")
+        for name in ("simulator_r2_min", "simulator_auroc_min"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and math.isfinite(v), name, "must be a finite number")
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"GRPOConfig.policy_loss: unknown policy loss {self.policy_loss!r}; valid names: "
                              f"{', '.join(sorted(POLICY_LOSSES))}")
@@ -125,6 +148,8 @@ class GRPOBatch:
     logp_old: torch.Tensor  # [N, T] log pi_train(theta_old)
     weights: torch.Tensor  # [N, T] detached mismatch weights (0 on padding)
     prompt_ids: list[int]  # indices into the prompts passed to run_grpo
+    delta_hat: torch.Tensor | None = None  # [N, T] simulator prediction (simulator on)
+    logp_old_used: torch.Tensor | None = None  # [N, T] the logp_old the loss used (simulator on)
 
 
 @dataclass
@@ -132,6 +157,7 @@ class GRPOResult:
     steps: list[dict[str, float]] = field(default_factory=list)  # one metric dict per GRPO step
     skipped_steps: int = 0  # optimizer updates skipped for a NaN/Inf loss or gradient
     updates: int = 0  # optimizer updates applied
+    sim_fallbacks: int = 0  # steps where the simulator was degraded and the recompute path was used
     time_s: float = 0.0
     last_batch: GRPOBatch | None = None
 
@@ -151,6 +177,8 @@ class GRPOResult:
         out.update({"steps": float(len(self.steps)), "updates": float(self.updates),
                     "skipped_steps": float(self.skipped_steps), "time_s": self.time_s,
                     "time_per_step_s": self.time_s / max(len(self.steps), 1)})
+        if any("sim_fallback" in m for m in self.steps):
+            out["sim_fallbacks"] = float(self.sim_fallbacks)
         return out
 
 
@@ -215,6 +243,12 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
     model.eval()
     engine = build_engine(model, tokenizer, prompts, cfg)  # synced at construction
     gen = torch.Generator().manual_seed(cfg.seed)
+    sim = None
+    if cfg.simulator:
+        sim = InferenceSimulator.for_model(model, hidden=cfg.simulator_hidden, bound=cfg.simulator_bound,
+                                           seed=cfg.seed, fit_steps=cfg.simulator_fit_steps,
+                                           r2_min=cfg.simulator_r2_min, auroc_min=cfg.simulator_auroc_min)
+        sim_gen = torch.Generator().manual_seed(cfg.seed + 7919)  # calibration prompts; `gen` is untouched
     res = GRPOResult()
     t_all = time.perf_counter()
     for step in range(cfg.steps):
@@ -230,10 +264,41 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
                                                [prompt_texts[i] for i in rows]), dtype=torch.float32)  # [N]
         adv = group_advantages(rewards, cfg.group_size, std_normalise=cfg.std_normalise)  # [N]
         t_rec = time.perf_counter()
-        logp_old, logits_old = _logprobs_and_logits(model, ro)  # [N, T], [N, T, V]
+        if sim is None:
+            logp_old, logits_old = _logprobs_and_logits(model, ro)  # [N, T], [N, T, V]
+        else:  # the same pass, with the router logits the simulator's features need
+            tf_old = capture(model, ro, lm_logits=True)
+            logp_old, logits_old = tf_old.logp, tf_old.logits  # [N, T], [N, T, V]
         t_rec = time.perf_counter() - t_rec
         mask = ro.response_mask  # [N, T]
         weights, mstats = mismatch_weights(logp_old, ro.logp_infer, mask, cfg.level, cfg.mode, cfg.low, cfg.high)
+        logp_old_used = logp_old
+        sim_metrics: dict[str, float] = {}
+        delta_hat = None
+        if sim is not None:
+            t_cal = 0.0
+            if step % cfg.simulator_recalibrate_every == 0:
+                t_cal = time.perf_counter()
+                cal_chosen = torch.randperm(len(prompts), generator=sim_gen)[:cfg.prompts_per_step].tolist()
+                ro_cal = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in cal_chosen], cfg.group_size,
+                                           cfg.max_new_tokens, cfg.temperature, seed=cfg.seed * 100_003 + 50_021 + step)
+                sim.calibrate(model, engine, ro_cal)
+                t_cal = time.perf_counter() - t_cal
+            cal_m = sim.last_metrics
+            t_pred = time.perf_counter()
+            delta_hat = sim.predict(model, ro, captured=tf_old)  # [N, T] detached, theta_old only
+            t_pred = time.perf_counter() - t_pred
+            del tf_old
+            cmp = compare(delta_hat, logp_old - ro.logp_infer, mask, cfg.simulator_r2_min, cfg.simulator_auroc_min)
+            fallback = bool(cal_m["degraded"]) or bool(cmp["degraded"])
+            sim_logp_old, sim_w, sstats = simulated_weights(ro.logp_infer, delta_hat, mask, cfg.simulator_bound)
+            if not fallback:
+                logp_old_used, weights = sim_logp_old, sim_w
+            res.sim_fallbacks += int(fallback)
+            sim_metrics = {"sim_r2": cmp["r2"], "sim_auroc": cmp["auroc"], "sim_abs_err": cmp["abs_err"],
+                           "sim_cal_r2": cal_m["r2"], "sim_cal_auroc": cal_m["auroc"],
+                           "sim_fallback": float(fallback), "sim_masked_frac": sstats["sim/masked_frac"],
+                           "sim_calibrate_s": t_cal, "sim_predict_s": t_pred}
         if cfg.mode == "mask":
             icepop_masked = mask & (weights == 0)  # [N, T]
         else:  # what IcePop would mask at these bounds
@@ -262,7 +327,7 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
                         continue
                     sub = _subset(ro, idx)
                     logp_new = train_logprobs(model, sub, grad=True)  # [n_mb, T]
-                    loss, lm = loss_fn(logp_new, logp_old[idx], adv[idx], mask[idx], weights[idx],
+                    loss, lm = loss_fn(logp_new, logp_old_used[idx], adv[idx], mask[idx], weights[idx],
                                        clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
                                        ref_logp=None if ref_logp is None else ref_logp[idx], kl_coef=cfg.kl_coef)
                     opt.zero_grad(set_to_none=True)
@@ -317,10 +382,12 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
             metrics["kl_ref"] = mean(kl_refs)
         for li, d in enumerate(routes):
             metrics[f"route_disagree_l{li}"] = d
+        metrics.update(sim_metrics)
         metrics["time_s"] = time.perf_counter() - t0
         res.steps.append(metrics)
         res.last_batch = GRPOBatch(rollouts=ro, rewards=rewards, advantages=adv, logp_old=logp_old,
-                                   weights=weights, prompt_ids=chosen)
+                                   weights=weights, prompt_ids=chosen, delta_hat=delta_hat,
+                                   logp_old_used=None if sim is None else logp_old_used)
     res.time_s = time.perf_counter() - t_all
     model.eval()
     return res

@@ -26,6 +26,7 @@ from distmoe.train.evaluate import evaluate_party
 from distmoe.train.sft import train_sft
 from distmoe.wire.schema import (
     RL_METRIC_KEYS,
+    RL_SIM_METRIC_KEYS,
     TRAIN_METRIC_KEYS,
     EvalInstruction,
     EvalReply,
@@ -137,7 +138,8 @@ def grpo_config(cfg: RunConfig, seed: int):
                       ppo_epochs=r.ppo_epochs, minibatches=r.minibatches, clip_eps=r.clip_eps, kl_coef=r.kl_coef,
                       policy_loss=r.policy_loss, level=r.correction_level, mode=r.mode, low=r.icepop_low,
                       high=r.icepop_high, profile=r.engine, reward=r.reward, grad_clip=cfg.train.grad_clip,
-                      seed=seed, max_prompt_len=cfg.model.max_seq_len)
+                      seed=seed, max_prompt_len=cfg.model.max_seq_len, simulator=r.simulator,
+                      simulator_recalibrate_every=r.simulator_recalibrate_every, simulator_bound=r.simulator_bound)
 
 
 def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdate:
@@ -163,5 +165,7 @@ def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdat
     summary = res.summary()
     metrics = {k: float(summary.get(k, float("nan"))) for k in RL_METRIC_KEYS}
     metrics.update({k: float(v) for k, v in summary.items() if k.startswith("route_disagree_l")})
+    if gcfg.simulator:
+        metrics.update({k: float(summary.get(k, float("nan"))) for k in RL_SIM_METRIC_KEYS})
     n = gcfg.steps * gcfg.prompts_per_step * gcfg.group_size  # rollouts used: the FedAvg weight
     return ModelUpdate(party=node.party, delta=delta, num_examples=n, metrics=metrics, kind="rl")

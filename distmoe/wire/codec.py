@@ -22,6 +22,7 @@ from distmoe.wire.schema import (
     EVAL_ROUTING_KEYS,
     PAYLOAD_TAGS,
     RL_METRIC_KEYS,
+    RL_SIM_METRIC_KEYS,
     TRAIN_METRIC_KEYS,
     EvalInstruction,
     EvalReply,
@@ -165,7 +166,7 @@ def _check_update_keys(kind: str, keys, tag: str) -> None:
         allowed = ", ".join(TRAIN_METRIC_KEYS)
     elif kind == "rl":
         ok = set(RL_METRIC_KEYS) <= set(keys) and all(
-            k in RL_METRIC_KEYS or _ROUTE_KEY_RE.match(k) for k in keys)
+            k in RL_METRIC_KEYS or k in RL_SIM_METRIC_KEYS or _ROUTE_KEY_RE.match(k) for k in keys)
         allowed = ", ".join(RL_METRIC_KEYS) + ", route_disagree_l<i>"
     else:
         raise WireError(f"{tag}: unknown update kind {kind!r} (sft, rl)")

@@ -1,0 +1,364 @@
+"""The ICEPOP seed's inference simulator: an optional approximation of the train/inference mismatch
+``delta = logp_train(theta_old) - logp_infer(theta_old)`` (DESIGN.md section 7, reference Part A.2).
+
+Owns: ``InferenceSimulator`` (a route-offset table ``o [L, E]`` plus a small error MLP, calibrated on rollouts
+sampled from the inference engine), ``simulated_weights`` (IcePop-style weights from ``delta_hat``),
+``lb_loss_simulated`` (the load-balance loss on the simulated routing), ``compare`` / ``r2_score`` /
+``auroc`` (the "approximation vs ground truth" metrics mode) and ``capture`` (one teacher-forced pass
+recording log-probs, LM logits and router logits).
+
+Conventions:
+
+* ``delta := logp_train(theta_old) - logp_infer(theta_old) = log k`` (the sign of ``losses.mismatch_weights``).
+* With ``logp_old := logp_infer + delta_hat`` the ratio ``exp(logp_new - logp_infer - delta_hat)`` equals the PPO
+  ratio ``pi_train(theta) / pi_train(theta_old)`` exactly when ``delta_hat`` is exact.
+* Weights: ``k_hat = exp(delta_hat)``; a token with ``|delta_hat| > bound`` gets weight 0 (masked, IcePop-style),
+  never a silently clipped ``delta``; inside the bound the weight is ``k_hat``. With exact ``delta`` this is
+  IcePop with bounds ``[exp(-bound), exp(bound)]``.
+* ``delta_hat`` depends on theta_old only: computed once per batch from the theta_old forward, under
+  ``no_grad``, detached, and cached by the caller for every PPO minibatch / epoch.
+* The offset table is ``mean(clamp(z_infer - z_train, -30, 30))`` over valid calibration tokens, so an expert
+  the engine prunes (router logit -inf) shows up as -30; the simulated routing is ``topk(z_train + o)``.
+
+Limitation (measured, reference A.2): pure numeric noise (bf16, int8) is not predictable (R^2 ~ 0); the
+metrics mode detects that (``degraded``) and the caller falls back to the real recompute. The features need
+the theta_old forward of the training model, so the simulator saves no forward pass here; it is a risk
+model and a testbed, the recompute + IcePop stays the reference path.
+
+Must not: update the policy or the engine, sample on its own (rollouts are passed in), or import Flower.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from distmoe.model.build import router_modules
+from distmoe.rl.rollout import Rollouts, train_logprobs
+
+OFFSET_CLAMP = 30.0
+FEATURE_CLAMP = 10.0
+
+
+@dataclass
+class TeacherForced:
+    """One teacher-forced pass over a rollout batch, sliced to the positions that predict response tokens."""
+
+    logp: torch.Tensor  # [N, T] float32 log pi(response token) (0 on padding)
+    logits: torch.Tensor | None  # [N, T, V] float32 temperature-scaled LM logits (None when not captured)
+    router: torch.Tensor  # [L, N, T, E] float32 router logits as the routing saw them (after any prune hook)
+
+
+def _model_of(engine) -> nn.Module:
+    return engine.model if hasattr(engine, "model") and isinstance(engine.model, nn.Module) else engine
+
+
+@torch.no_grad()
+def capture(model: nn.Module, ro: Rollouts, lm_logits: bool = True) -> TeacherForced:
+    """``train_logprobs`` of ``model`` on ``ro`` plus its LM logits and every router's logits (forward hooks,
+    registered last, so a prune hook's ``-inf`` logits are what is recorded)."""
+    routers = router_modules(model)
+    if not routers:
+        raise ValueError("capture: the model has no top-k router modules")
+    got_r: dict[int, torch.Tensor] = {}
+    got_h: list[torch.Tensor] = []
+    handles = []
+    for li, (_, mod) in enumerate(routers):
+        def hook(_mod, _inp, out, li=li):
+            got_r[li] = (out[0] if isinstance(out, tuple) else out).detach().float()  # [N*(P+T), E]
+        handles.append(mod.register_forward_hook(hook))
+    if lm_logits:
+        handles.append(model.get_output_embeddings().register_forward_hook(
+            lambda _m, _i, out: got_h.append(out.detach())))
+    try:
+        logp = train_logprobs(model, ro, grad=False).float()  # [N, T]
+    finally:
+        for h in handles:
+            h.remove()
+    n, s = ro.sequences.shape
+    plen, t = ro.prompt_len, ro.response.shape[1]
+    router = torch.stack([got_r[li].reshape(n, s, -1)[:, plen - 1:plen - 1 + t] for li in range(len(routers))])
+    logits = None
+    if lm_logits:
+        logits = got_h[-1][:, plen - 1:plen - 1 + t].float() / ro.temperature  # [N, T, V]
+    return TeacherForced(logp=logp, logits=logits, router=router)
+
+
+def _topk_sets(z: torch.Tensor, k: int) -> torch.Tensor:
+    """[..., E] logits -> [..., k] sorted top-k expert indices (softmax order = logit order)."""
+    return torch.sort(torch.topk(z, k, dim=-1).indices, dim=-1).values
+
+
+def simulated_weights(logp_infer: torch.Tensor, delta_hat: torch.Tensor, mask: torch.Tensor,
+                      bound: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """``(logp_old_sim, weights, stats)`` from a predicted ``delta_hat`` ``[N, T]`` (all detached).
+
+    ``logp_old_sim = logp_infer + delta_hat`` (so the loss's ratio is ``exp(logp_new - logp_infer - delta_hat)``);
+    ``weights = exp(delta_hat)`` where ``|delta_hat| <= bound``, 0 beyond it (masked, not clipped) and on padding.
+    ``stats["sim/masked_frac"]``: share of valid tokens masked.
+    """
+    if bound <= 0 or not math.isfinite(bound):
+        raise ValueError(f"bound must be a finite number > 0, got {bound}")
+    with torch.no_grad():
+        valid = mask.bool()
+        d = delta_hat.detach().float()
+        inside = (d.abs() <= bound) & valid  # [N, T]
+        weights = torch.where(inside, torch.exp(d.clamp(-bound, bound)), torch.zeros_like(d))  # [N, T]
+        logp_old_sim = torch.where(valid, logp_infer.detach().float() + d, torch.zeros_like(d))  # [N, T]
+        n = int(valid.sum())
+        masked = float((valid & ~inside).sum()) / max(n, 1)
+    return logp_old_sim, weights, {"sim/masked_frac": masked}
+
+
+def lb_loss_simulated(router_logits_train, offset: torch.Tensor, mask: torch.Tensor | None, num_experts: int,
+                      top_k: int) -> torch.Tensor:
+    """Load-balance loss (transformers' ``load_balancing_loss_func``: ``E * sum_i f_i P_i`` summed over layers)
+    on the simulated routing ``z_train + o``: ``f`` from its top-k, ``P = softmax(z_train + o)``.
+
+    ``router_logits_train``: L x ``[B*S, E]`` (a tuple, as ``out.router_logits``) or a ``[L, B*S, E]`` tensor;
+    ``offset`` ``[L, E]`` is a constant (detached); gradients flow through ``z_train``. ``mask`` ``[B, S]``
+    excludes padding (None: every row counts). With ``offset == 0`` it is the ordinary aux loss.
+    """
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    layers = list(router_logits_train)
+    if offset.shape != (len(layers), num_experts):
+        raise ValueError(f"offset has shape {tuple(offset.shape)}, expected ({len(layers)}, {num_experts})")
+    off = offset.detach()
+    sim = tuple(z + off[li].to(z.dtype) for li, z in enumerate(layers))
+    return load_balancing_loss_func(sim, num_experts, top_k, mask)
+
+
+def r2_score(pred: torch.Tensor, target: torch.Tensor) -> float:
+    """Coefficient of determination of ``pred`` for ``target`` (1-D); NaN when ``target`` is constant."""
+    y = target.double()
+    sst = float(((y - y.mean()) ** 2).sum())
+    if y.numel() < 2 or sst <= 0.0:
+        return math.nan
+    return 1.0 - float(((y - pred.double()) ** 2).sum()) / sst
+
+
+def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Rank-based AUROC (Mann-Whitney U, ties get average ranks); NaN without both classes."""
+    s = scores.detach().double().cpu().numpy()
+    y = labels.detach().bool().cpu().numpy()
+    n_pos, n_neg = int(y.sum()), int((~y).sum())
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    order = np.argsort(s, kind="mergesort")
+    ranks = np.empty(len(s), dtype=np.float64)
+    ranks[order] = np.arange(1, len(s) + 1, dtype=np.float64)
+    _, inv, counts = np.unique(s, return_inverse=True, return_counts=True)
+    sums = np.bincount(inv, weights=ranks)
+    ranks = (sums / counts)[inv]  # average rank within each tie group
+    u = ranks[y].sum() - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))
+
+
+def compare(delta_hat: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor, r2_min: float = 0.1,
+            auroc_min: float = 0.7, top_frac: float = 0.1) -> dict[str, float]:
+    """The metrics mode: ``delta_hat`` vs the true recompute ``delta`` on valid tokens.
+
+    ``r2``: R^2 of the signed delta; ``auroc``: AUROC of ``|delta_hat|`` for the tokens whose ``|delta|`` is in
+    the top ``top_frac`` (at least one token); ``degraded``: 1.0 when ``r2 < r2_min`` or ``auroc < auroc_min``
+    (or either is undefined), else 0.0; ``abs_err``: mean ``|delta_hat - delta|``.
+    """
+    valid = mask.bool()
+    p, y = delta_hat[valid].float(), delta[valid].float()
+    r2 = r2_score(p, y)
+    n = int(y.numel())
+    a = math.nan
+    if n >= 2:
+        n_top = max(1, int(math.ceil(top_frac * n)))
+        labels = torch.zeros(n, dtype=torch.bool)
+        labels[torch.argsort(y.abs(), descending=True, stable=True)[:n_top]] = True
+        a = auroc(p.abs(), labels)
+    ok = (not math.isnan(r2)) and (not math.isnan(a)) and r2 >= r2_min and a >= auroc_min
+    return {"r2": r2, "auroc": a, "degraded": 0.0 if ok else 1.0,
+            "abs_err": float((p - y).abs().mean()) if n else math.nan}
+
+
+class InferenceSimulator:
+    """Route-offset table ``offset [L, E]`` + error MLP predicting ``delta = logp_train_old - logp_infer``.
+
+    Features per response token (``2L + 4``): per layer the top-k margin of the simulated logits ``z_train + o``
+    (k-th minus (k+1)-th largest) and a "simulated flip" flag (top-k set of ``z_train + o`` differs from that of
+    ``z_train``); then the train entropy, ``logp_train``, the max log-prob and the relative position ``t / T``.
+    The MLP (``F -> hidden -> 1``, ReLU) is fitted with a Huber loss and Adam on standardised features.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, hidden: int = 32, bound: float = 0.5,
+                 seed: int = 0, fit_steps: int = 300, lr: float = 1e-2, heldout_frac: float = 0.25,
+                 r2_min: float = 0.1, auroc_min: float = 0.7):
+        if num_layers < 1 or num_experts < 2 or not 1 <= top_k < num_experts:
+            raise ValueError(f"need num_layers >= 1 and 1 <= top_k < num_experts, got {num_layers}, "
+                             f"{num_experts}, {top_k}")
+        if not 0.0 <= heldout_frac < 1.0:
+            raise ValueError(f"heldout_frac must be in [0, 1), got {heldout_frac}")
+        self.num_layers, self.num_experts, self.top_k = int(num_layers), int(num_experts), int(top_k)
+        self.hidden, self.bound, self.seed = int(hidden), float(bound), int(seed)
+        self.fit_steps, self.lr, self.heldout_frac = int(fit_steps), float(lr), float(heldout_frac)
+        self.r2_min, self.auroc_min = float(r2_min), float(auroc_min)
+        self.offset = torch.zeros(self.num_layers, self.num_experts)  # [L, E]
+        self.num_features = 2 * self.num_layers + 4
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            self.mlp = nn.Sequential(nn.Linear(self.num_features, self.hidden), nn.ReLU(), nn.Linear(self.hidden, 1))
+        for p in self.mlp.parameters():
+            p.requires_grad_(False)
+        self.feat_mean = torch.zeros(self.num_features)
+        self.feat_std = torch.ones(self.num_features)
+        self.calibrated = False
+        self.calibrations = 0
+        self.last_metrics: dict[str, float] = {"r2": math.nan, "auroc": math.nan, "degraded": 1.0}
+
+    @classmethod
+    def for_model(cls, model: nn.Module, **kw) -> InferenceSimulator:
+        cfg = model.config
+        num_experts = int(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
+        return cls(len(router_modules(model)), num_experts, int(cfg.num_experts_per_tok), **kw)
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.last_metrics.get("degraded", 1.0))
+
+    def simulated_routes(self, router_train: torch.Tensor) -> torch.Tensor:
+        """``[L, ..., E]`` train router logits -> ``[L, ..., k]`` sorted top-k of ``z_train + o``."""
+        off = self.offset.reshape(self.num_layers, *([1] * (router_train.dim() - 2)), self.num_experts)
+        return _topk_sets(router_train + off, self.top_k)
+
+    def features(self, tf: TeacherForced) -> torch.Tensor:
+        """``[N, T, F]`` features from a training-model pass (``capture`` with ``lm_logits=True``)."""
+        if tf.logits is None:
+            raise ValueError("features need the LM logits (capture(..., lm_logits=True))")
+        z = tf.router  # [L, N, T, E]
+        if z.shape[0] != self.num_layers or z.shape[-1] != self.num_experts:
+            raise ValueError(f"router logits {tuple(z.shape)} do not match [L={self.num_layers}, ..., "
+                             f"E={self.num_experts}]")
+        zs = z + self.offset[:, None, None, :]  # [L, N, T, E]
+        top = torch.topk(zs, self.top_k + 1, dim=-1).values  # [L, N, T, k+1]
+        margin = (top[..., self.top_k - 1] - top[..., self.top_k]).clamp(max=OFFSET_CLAMP)  # [L, N, T]
+        flip = (_topk_sets(zs, self.top_k) != _topk_sets(z, self.top_k)).any(-1).float()  # [L, N, T]
+        logq = torch.log_softmax(tf.logits, -1)  # [N, T, V]
+        ent = -(logq.exp() * logq).sum(-1)  # [N, T]
+        maxlp = logq.max(-1).values  # [N, T]
+        t = tf.logp.shape[1]
+        pos = (torch.arange(t, dtype=torch.float32) / max(t - 1, 1)).expand_as(tf.logp)  # [N, T]
+        per_tok = torch.stack([ent, tf.logp, maxlp, pos], -1)  # [N, T, 4]
+        return torch.cat([margin.permute(1, 2, 0), flip.permute(1, 2, 0), per_tok], -1)  # [N, T, F]
+
+    @torch.no_grad()
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self._standardise(x)).squeeze(-1).clamp(-OFFSET_CLAMP, OFFSET_CLAMP)
+
+    def _standardise(self, x: torch.Tensor) -> torch.Tensor:
+        """Standardised features, clamped to +-FEATURE_CLAMP so an unseen value (e.g. a flip flag that was
+        constant in calibration) cannot make the MLP extrapolate without bound."""
+        return ((x - self.feat_mean) / self.feat_std).clamp(-FEATURE_CLAMP, FEATURE_CLAMP)
+
+    def calibrate(self, policy: nn.Module, engine, rollouts: Rollouts | list[Rollouts]) -> dict[str, float]:
+        """Fit the offset table and the MLP on rollouts sampled **from the engine**; returns (and keeps in
+        ``last_metrics``) the metrics mode on the held-out rows (the last ``heldout_frac`` of each batch).
+
+        The true ``delta`` is the policy's teacher-forced ``logp_train`` minus the rollouts' ``logp_infer``;
+        router logits come from teacher-forced passes of both models. Neither model is changed.
+        """
+        batches = [rollouts] if isinstance(rollouts, Rollouts) else list(rollouts)
+        if not batches:
+            raise ValueError("calibrate: no calibration rollouts")
+        was = policy.training
+        policy.eval()
+        try:
+            tfs = [capture(policy, ro, lm_logits=True) for ro in batches]
+            infer = [capture(_model_of(engine), ro, lm_logits=False).router for ro in batches]  # [L, N, T, E]
+        finally:
+            policy.train(was)
+        fit_rows, held_rows = [], []
+        for ro in batches:
+            n = ro.num_rollouts
+            n_held = int(round(self.heldout_frac * n)) if n > 1 else 0
+            fit_rows.append(torch.arange(n) < n - n_held)  # [N] bool
+            held_rows.append(torch.arange(n) >= n - n_held)
+        # offset table: valid response tokens of the fit rows
+        diffs = []
+        for tf, zi, ro, rows in zip(tfs, infer, batches, fit_rows, strict=True):
+            sel = ro.response_mask & rows[:, None]  # [N, T]
+            d = (zi - tf.router).nan_to_num(nan=0.0).clamp(-OFFSET_CLAMP, OFFSET_CLAMP)  # [L, N, T, E]
+            diffs.append(d[:, sel])  # [L, n, E]
+        d_all = torch.cat(diffs, 1)  # [L, n, E]
+        if d_all.shape[1] == 0:
+            raise ValueError("calibrate: no valid response token in the calibration rows")
+        self.offset = d_all.mean(1)  # [L, E]
+        # the MLP on delta
+        xs, ys, xh, yh = [], [], [], []
+        for tf, ro, rf, rh in zip(tfs, batches, fit_rows, held_rows, strict=True):
+            x = self.features(tf)  # [N, T, F]
+            delta = tf.logp - ro.logp_infer  # [N, T]
+            sf, sh = ro.response_mask & rf[:, None], ro.response_mask & rh[:, None]
+            xs.append(x[sf])
+            ys.append(delta[sf])
+            xh.append(x[sh])
+            yh.append(delta[sh])
+        x_fit, y_fit = torch.cat(xs), torch.cat(ys)  # [n, F], [n]
+        self.feat_mean = x_fit.mean(0)
+        std = x_fit.std(0, correction=0)
+        self.feat_std = torch.where(std < 1e-3, torch.ones_like(std), std)  # constant features: centred only
+        self._fit(x_fit, y_fit)
+        self.calibrated = True
+        self.calibrations += 1
+        x_h, y_h = torch.cat(xh), torch.cat(yh)
+        if y_h.numel() >= 2:
+            pred = self._mlp(x_h)
+            m = compare(pred, y_h, torch.ones_like(y_h, dtype=torch.bool), self.r2_min, self.auroc_min)
+        else:  # no held-out slice: judge on the fit data (optimistic; documented)
+            m = compare(self._mlp(x_fit), y_fit, torch.ones_like(y_fit, dtype=torch.bool), self.r2_min,
+                        self.auroc_min)
+        m["offset_abs_max"] = float(self.offset.abs().max())
+        m["fit_tokens"] = float(y_fit.numel())
+        m["heldout_tokens"] = float(y_h.numel())
+        self.last_metrics = m
+        return m
+
+    def _fit(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + self.calibrations)
+            mlp = nn.Sequential(nn.Linear(self.num_features, self.hidden), nn.ReLU(), nn.Linear(self.hidden, 1))
+        xn = self._standardise(x)
+        opt = torch.optim.Adam(mlp.parameters(), lr=self.lr)
+        huber = nn.HuberLoss(delta=1.0)
+        with torch.enable_grad():
+            for _ in range(self.fit_steps):
+                opt.zero_grad(set_to_none=True)
+                loss = huber(mlp(xn).squeeze(-1), y)
+                loss.backward()
+                opt.step()
+        for p in mlp.parameters():
+            p.grad = None
+            p.requires_grad_(False)  # frozen between calibrations: nothing downstream can reach it
+        self.mlp = mlp
+
+    @torch.no_grad()
+    def predict(self, policy: nn.Module, rollouts: Rollouts, captured: TeacherForced | None = None) -> torch.Tensor:
+        """``delta_hat`` ``[N, T]`` (detached, 0 on padding) from the theta_old forward of ``policy``.
+
+        Pass ``captured`` (a ``capture(policy, rollouts)`` of theta_old) to reuse a pass already made.
+        """
+        if not self.calibrated:
+            raise RuntimeError("InferenceSimulator.predict before calibrate")
+        if captured is None:
+            was = policy.training
+            policy.eval()
+            try:
+                captured = capture(policy, rollouts, lm_logits=True)
+            finally:
+                policy.train(was)
+        pred = self._mlp(self.features(captured))  # [N, T]
+        return torch.where(rollouts.response_mask, pred, torch.zeros_like(pred)).detach()
+
+    def lb_loss(self, router_logits_train, mask: torch.Tensor | None) -> torch.Tensor:
+        """``lb_loss_simulated`` with this simulator's offset table."""
+        return lb_loss_simulated(router_logits_train, self.offset, mask, self.num_experts, self.top_k)

@@ -1,0 +1,252 @@
+"""The ICEPOP seed's inference simulator (distmoe.rl.simulator) and its optional GRPO path: the ratio identities,
+masking at the bound, detachment, the offset table on biased / pruned engines, the load-balance loss on simulated
+routing, the degraded -> fallback rule on a noise-only engine, and simulator=False leaving GRPO unchanged."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+from distmoe.model.build import router_modules
+from distmoe.rl.engines import InferenceEngine
+from distmoe.rl.grpo import GRPOConfig, _encode, build_engine, run_grpo
+from distmoe.rl.losses import grpo_loss, mismatch_weights
+from distmoe.rl.rollout import generate_rollouts, train_logprobs
+from distmoe.rl.simulator import (
+    InferenceSimulator,
+    auroc,
+    capture,
+    compare,
+    lb_loss_simulated,
+    r2_score,
+    simulated_weights,
+)
+from tests.rl.conftest import train_small_lookup
+
+BIAS_EXPERT, BIAS = 3, 2.0
+
+
+@pytest.fixture(scope="module")
+def env():
+    t = train_small_lookup()
+    model, tok, examples = t["model"], t["tok"], t["examples"]
+    model.eval()
+    cfg = GRPOConfig(max_new_tokens=8)
+    ids, _ = _encode(tok, examples[:96], cfg)
+    return {"model": model, "tok": tok, "examples": examples, "ids": ids}
+
+
+def _rollouts(env, engine, lo, hi, seed):
+    return generate_rollouts(engine, env["tok"], env["ids"][lo:hi], 4, 8, 1.0, seed=seed)
+
+
+def _noise_engine(model):
+    """Pure numeric noise: iid N(0, 0.05^2) added to the engine's LM logits (routing untouched)."""
+    eng = InferenceEngine(model, "exact")
+    eng.model.get_output_embeddings().register_forward_hook(lambda _m, _i, out: out + 0.05 * torch.randn_like(out))
+    return eng
+
+
+def _bias_engine(model):
+    """A known router bias: +BIAS on expert BIAS_EXPERT's logit in MoE layer 0 (re-routed like the router)."""
+    eng = InferenceEngine(model, "exact")
+    _, router = router_modules(eng.model)[0]
+    k = int(model.config.num_experts_per_tok)
+
+    def hook(mod, _inp, out):
+        z = out[0].clone()
+        z[:, BIAS_EXPERT] += BIAS
+        v, i = torch.topk(torch.softmax(z, -1, dtype=torch.float), k, dim=-1)
+        if getattr(mod, "norm_topk_prob", False):
+            v = v / v.sum(-1, keepdim=True)
+        return z, v.to(z.dtype), i
+
+    router.register_forward_hook(hook)
+    return eng
+
+
+def _synthetic(seed=0, n=6, t=5):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(n, t, dtype=torch.bool)
+    mask[0, 3:] = False
+    mask[2, 1:] = False
+    logp_infer = -torch.rand(n, t, generator=g) * 3
+    adv = torch.randn(n, generator=g)
+    return g, mask, logp_infer, adv
+
+
+def test_zero_delta_gives_the_plain_ratio_and_the_mode_none_loss():
+    g, mask, logp_infer, adv = _synthetic()
+    logp_new = (logp_infer + 0.3 * torch.randn(logp_infer.shape, generator=g)).requires_grad_(True)
+    old, w, st = simulated_weights(logp_infer, torch.zeros_like(logp_infer), mask, bound=0.5)
+    assert torch.equal(w, mask.float()) and st["sim/masked_frac"] == 0.0
+    assert torch.equal(old[mask], logp_infer[mask])
+    w_none, _ = mismatch_weights(logp_infer, logp_infer, mask, "token", "none")
+    loss_sim, m_sim = grpo_loss(logp_new, old, adv, mask, w)
+    loss_none, m_none = grpo_loss(logp_new, logp_infer, adv, mask, w_none)
+    assert torch.equal(loss_sim, loss_none) and m_sim == m_none
+
+
+def test_exact_delta_with_theta_old_gives_ratio_one_synthetic_and_on_the_model(env):
+    g, mask, logp_infer, _ = _synthetic(1)
+    logp_train_old = logp_infer + 0.4 * (2 * torch.rand(logp_infer.shape, generator=g) - 1)  # |delta| <= 0.4
+    delta = logp_train_old - logp_infer
+    old, w, _ = simulated_weights(logp_infer, delta, mask, bound=0.5)
+    assert torch.allclose(torch.exp(logp_train_old - old)[mask], torch.ones(int(mask.sum())), atol=1e-6, rtol=0)
+    w_ice, _ = mismatch_weights(logp_train_old, logp_infer, mask, "token", "mask", math.exp(-0.5), math.exp(0.5))
+    assert torch.allclose(w, w_ice, atol=1e-6)  # exact delta: IcePop with bounds exp(+-bound)
+    # the real model, a pruned engine: exp(logp_new - logp_infer - delta) == 1 when theta == theta_old
+    model = env["model"]
+    eng = build_engine(model, env["tok"], env["examples"], GRPOConfig(profile="prune-1"))
+    ro = _rollouts(env, eng, 0, 16, seed=3)
+    delta = train_logprobs(model, ro) - ro.logp_infer
+    old, _, _ = simulated_weights(ro.logp_infer, delta, ro.response_mask, bound=100.0)
+    ratio = torch.exp(train_logprobs(model, ro) - old)[ro.response_mask]
+    assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
+
+
+def test_tokens_beyond_the_bound_are_masked_not_clipped():
+    mask = torch.tensor([[True, True, True, True, True, False]])
+    d = torch.tensor([[0.3, 0.6, -0.7, -0.5, 0.5, 9.0]])
+    old, w, st = simulated_weights(torch.zeros_like(d), d, mask, bound=0.5)
+    expect = torch.tensor([[math.exp(0.3), 0.0, 0.0, math.exp(-0.5), math.exp(0.5), 0.0]])
+    assert torch.allclose(w, expect, atol=1e-7) and st["sim/masked_frac"] == pytest.approx(2 / 5)
+    assert torch.allclose(old[mask], d[mask])  # logp_old = logp_infer + delta_hat, delta_hat itself unclipped
+    with pytest.raises(ValueError, match="bound"):
+        simulated_weights(d, d, mask, bound=0.0)
+
+
+def test_offset_table_shape_zero_table_routing_and_lb_loss():
+    sim = InferenceSimulator(num_layers=2, num_experts=8, top_k=2)
+    assert sim.offset.shape == (2, 8) and torch.equal(sim.offset, torch.zeros(2, 8))
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 4, 5, 8, generator=g)  # [L, N, T, E]
+    assert torch.equal(sim.simulated_routes(z), torch.sort(torch.topk(z, 2, -1).indices, -1).values)
+    # LB on simulated routing: == the ordinary aux loss for o = 0; == LB on the inference logits for a pure offset
+    zt = tuple(torch.randn(12, 8, generator=g).requires_grad_(True) for _ in range(2))
+    mask = torch.ones(3, 4, dtype=torch.long)
+    mask[0, :2] = 0
+    zero = torch.zeros(2, 8)
+    assert torch.allclose(lb_loss_simulated(zt, zero, mask, 8, 2), load_balancing_loss_func(zt, 8, 2, mask))
+    off = torch.randn(2, 8, generator=g)
+    z_inf = tuple(z_l.detach() + off[li] for li, z_l in enumerate(zt))
+    lb = lb_loss_simulated(zt, off, mask, 8, 2)
+    assert torch.allclose(lb, load_balancing_loss_func(z_inf, 8, 2, mask), atol=1e-6)
+    lb.backward()
+    assert all(z_l.grad is not None and z_l.grad.abs().sum() > 0 for z_l in zt)  # differentiable through z_train
+    with pytest.raises(ValueError, match="offset"):
+        lb_loss_simulated(zt, torch.zeros(3, 8), mask, 8, 2)
+
+
+def test_metrics_helpers():
+    y = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    assert r2_score(y, y) == 1.0 and r2_score(torch.full_like(y, 1.5), y) == 0.0
+    assert math.isnan(r2_score(y, torch.ones(4)))
+    assert auroc(torch.tensor([0.1, 0.2, 0.9, 0.8]), torch.tensor([0, 0, 1, 1])) == 1.0
+    assert auroc(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0, 1, 0])) == 0.5  # ties: average ranks
+    assert math.isnan(auroc(torch.rand(3), torch.zeros(3)))
+    m = compare(y[None], y[None], torch.ones(1, 4, dtype=torch.bool))
+    assert m["r2"] == 1.0 and m["auroc"] == 1.0 and m["degraded"] == 0.0
+
+
+def test_bias_engine_offset_recovered_and_predictions_detached(env):
+    model = env["model"]
+    eng = _bias_engine(model)
+    sim = InferenceSimulator.for_model(model)
+    sim.calibrate(model, eng, _rollouts(env, eng, 0, 48, seed=1))
+    o = sim.offset
+    assert o.shape == (2, 8)
+    assert o[0, BIAS_EXPERT] == pytest.approx(BIAS, abs=1e-3)
+    others = torch.cat([o[0, :BIAS_EXPERT], o[0, BIAS_EXPERT + 1:]])
+    assert others.abs().max() < 1e-3
+    # simulated routing agrees with the engine's routing better than the raw training routing does (layer 0)
+    ro = _rollouts(env, eng, 48, 64, seed=2)
+    tf, zi = capture(model, ro), capture(eng.model, ro, lm_logits=False).router
+    v = ro.response_mask
+    k = sim.top_k
+    srt = lambda z: torch.sort(torch.topk(z, k, -1).indices, -1).values  # noqa: E731
+    agree_train = (srt(tf.router[0]) == srt(zi[0])).all(-1)[v].float().mean()
+    agree_sim = (sim.simulated_routes(tf.router)[0] == srt(zi[0])).all(-1)[v].float().mean()
+    assert agree_train < 1.0 and agree_sim > agree_train and agree_sim > 0.99
+    # delta_hat is detached: no graph, no grad to the simulator, the policy gets no grad from predict
+    model.zero_grad(set_to_none=True)
+    dh = sim.predict(model, ro)
+    assert not dh.requires_grad and dh.grad_fn is None and dh.shape == ro.response.shape
+    assert torch.equal(dh[~v], torch.zeros_like(dh[~v]))
+    assert torch.equal(dh, sim.predict(model, ro, captured=tf))  # cached pass == fresh pass
+    old, w, _ = simulated_weights(ro.logp_infer, dh, v, sim.bound)
+    logp_new = train_logprobs(model, ro, grad=True)
+    loss, _ = grpo_loss(logp_new, old, torch.randn(ro.num_rollouts), v, w)
+    loss.backward()
+    assert all(not p.requires_grad and p.grad is None for p in sim.mlp.parameters())
+    assert not old.requires_grad and not w.requires_grad
+    model.zero_grad(set_to_none=True)
+
+
+def test_prune_engines_show_minus_30_and_fallback_fires_on_noise_only(env):
+    model = env["model"]
+    r2 = {}
+    for profile in ("prune-1", "prune-2"):
+        eng = build_engine(model, env["tok"], env["examples"], GRPOConfig(profile=profile))
+        sim = InferenceSimulator.for_model(model)
+        sim.calibrate(model, eng, _rollouts(env, eng, 0, 64, seed=1))
+        pruned = eng.pruned  # [L, k]
+        for li in range(pruned.shape[0]):
+            kept = [e for e in range(8) if e not in pruned[li].tolist()]
+            assert torch.all(sim.offset[li, pruned[li]] == -30.0)
+            assert sim.offset[li, kept].min() > -29.0
+        ro = _rollouts(env, eng, 64, 96, seed=2)
+        m = compare(sim.predict(model, ro), train_logprobs(model, ro) - ro.logp_infer, ro.response_mask)
+        r2[profile] = m["r2"]
+        assert m["r2"] > 0.3 and m["auroc"] > 0.65, (profile, m)  # measured R2 0.38-0.7, AUROC 0.72-0.9
+    eng = _noise_engine(model)
+    sim = InferenceSimulator.for_model(model)
+    cal = sim.calibrate(model, eng, _rollouts(env, eng, 0, 64, seed=1))
+    assert cal["r2"] < 0.05 and cal["degraded"] == 1.0 and sim.degraded  # noise: unpredictable -> fallback
+    assert sim.offset.abs().max() == 0.0  # routing untouched
+    assert min(r2.values()) > cal["r2"] + 0.3
+
+
+GRPO = {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 6, "lr": 1e-3, "reward": "task", "steps": 2}
+
+
+def test_grpo_simulator_path(env):
+    prompts = env["examples"][:32]
+    # pruned engine: simulator on, metrics reported, delta_hat cached on the batch
+    model = copy.deepcopy(env["model"])
+    res = run_grpo(model, env["tok"], prompts, "lookup", GRPOConfig(**GRPO, profile="prune-1", simulator=True,
+                                                                     simulator_recalibrate_every=1))
+    assert len(res.steps) == 2 and res.updates == 4
+    for m in res.steps:
+        for key in ("sim_r2", "sim_auroc", "sim_fallback", "sim_masked_frac", "sim_cal_r2", "sim_predict_s"):
+            assert key in m, key
+        assert m["sim_fallback"] in (0.0, 1.0) and 0.0 <= m["sim_masked_frac"] <= 1.0
+    assert res.sim_fallbacks == sum(int(m["sim_fallback"]) for m in res.steps)
+    assert res.summary()["sim_fallbacks"] == float(res.sim_fallbacks)
+    b = res.last_batch
+    assert b.delta_hat is not None and not b.delta_hat.requires_grad
+    if res.steps[-1]["sim_fallback"] == 0.0:
+        old, w, _ = simulated_weights(b.rollouts.logp_infer, b.delta_hat, b.rollouts.response_mask, 0.5)
+        assert torch.equal(b.weights, w) and torch.equal(b.logp_old_used, old)
+    # exact engine: delta is ~1e-6 noise -> always degraded -> the fallback is today's path, bit for bit
+    m_on, m_off = copy.deepcopy(env["model"]), copy.deepcopy(env["model"])
+    on = run_grpo(m_on, env["tok"], prompts, "lookup", GRPOConfig(**GRPO, simulator=True))
+    off = run_grpo(m_off, env["tok"], prompts, "lookup", GRPOConfig(**GRPO))
+    assert on.sim_fallbacks == 2 and all(m["sim_fallback"] == 1.0 for m in on.steps)
+    assert "sim_fallbacks" not in off.summary() and all("sim_r2" not in m for m in off.steps)
+    assert off.last_batch.delta_hat is None and off.last_batch.logp_old_used is None
+    assert torch.equal(on.last_batch.weights, off.last_batch.weights)
+    assert all(torch.equal(p, q) for p, q in zip(m_on.parameters(), m_off.parameters(), strict=True))
+    for a, c in zip(on.steps, off.steps, strict=True):
+        assert a["loss"] == c["loss"] and a["reward"] == c["reward"]
+
+
+def test_config_validation():
+    for bad in ({"simulator": 1}, {"simulator_recalibrate_every": 0}, {"simulator_bound": 0.0},
+                {"simulator_r2_min": math.nan}, {"simulator_hidden": 0}):
+        with pytest.raises(ValueError, match=f"GRPOConfig.{next(iter(bad))}"):
+            GRPOConfig(**bad)
