@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
-import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -42,31 +40,15 @@ TASK = "lookup"
 
 
 def simulator_arm(model, engine, ro) -> tuple[Callable[[], object] | None, str]:
-    """A timed ``predict`` of ``distmoe.rl.simulator.InferenceSimulator`` if it exists, else (None, why).
+    """A timed ``predict`` of the inference simulator (``distmoe.rl.simulator``), calibrated on these rollouts."""
+    from distmoe.rl.simulator import InferenceSimulator
 
-    The simulator's API is not fixed yet: this tries ``InferenceSimulator()``, ``calibrate(model, engine, ro)``
-    (falling back to ``calibrate(model, ro)``) and ``predict(model, ro)``; any mismatch skips the arm.
-    """
-    try:
-        found = importlib.util.find_spec("distmoe.rl.simulator") is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        return None, "distmoe.rl.simulator does not exist"
-    mod = importlib.import_module("distmoe.rl.simulator")
-    cls = getattr(mod, "InferenceSimulator", None)
-    if cls is None or not all(callable(getattr(cls, m, None)) for m in ("calibrate", "predict")):
-        return None, "distmoe.rl.simulator has no InferenceSimulator with calibrate/predict"
-    try:
-        sim = cls()
-        try:
-            sim.calibrate(model, engine, ro)
-        except TypeError:
-            sim.calibrate(model, ro)
-        sim.predict(model, ro)
-    except Exception as err:  # noqa: BLE001 - unknown API: report and skip
-        return None, f"InferenceSimulator API not understood ({type(err).__name__}: {err})"
-    return (lambda: sim.predict(model, ro)), ""
+    sim = InferenceSimulator.for_model(model)
+    t = time.perf_counter()
+    metrics = sim.calibrate(model, engine, ro)
+    note = (f"calibration {1000 * (time.perf_counter() - t):.0f} ms, held-out R2 {metrics.get('r2', float('nan')):.2f}"
+            f", AUROC {metrics.get('auroc', float('nan')):.2f}")
+    return (lambda: sim.predict(model, ro)), note
 
 
 def main() -> None:
@@ -202,7 +184,7 @@ def main() -> None:
           f"iteration; rollout share {gen / it_ice:.1%} of an IcePop iteration")
     if "  simulator predict" in med:
         sp = med["  simulator predict"]
-        print(f"simulator predict {sp * 1000:.2f} ms per batch vs recompute {rec * 1000:.2f} ms "
+        print(f"simulator ({sim_note}): predict {sp * 1000:.2f} ms per batch vs recompute {rec * 1000:.2f} ms "
               f"(ratio {sp / rec:.3f})")
     elif args.simulator:
         print(f"simulator arm skipped: {sim_note}")
