@@ -60,6 +60,12 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_audit(args) -> int:
+    from distmoe.audit import cli_audit
+
+    return cli_audit(args.run_dir, party_ledgers=args.party_ledger, canaries=args.canaries, as_json=args.json)
+
+
 def cmd_data_synth(args) -> int:
     from distmoe.data.synth import write_synthetic
 
@@ -129,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="write the Markdown report with plots for a run")
     r.add_argument("run_dir")
     r.set_defaults(fn=cmd_report)
+
+    a = sub.add_parser("audit", help="audit a run's privacy from its ledgers and run records")
+    a.add_argument("run_dir")
+    a.add_argument("--party-ledger", action="append", metavar="PATH",
+                   help="audit only this party ledger (its .pub next to it; repeatable; default: RUN/work/*)")
+    a.add_argument("--canaries", metavar="FILE", help="canary strings, one per line (default: the run's)")
+    a.add_argument("--json", action="store_true", help="print the audit JSON instead of the summary")
+    a.set_defaults(fn=cmd_audit)
 
     d = sub.add_parser("data", help="party data tools")
     dsub = d.add_subparsers(dest="data_cmd", required=True)

@@ -55,6 +55,7 @@ DEFAULTS: dict[str, Scalar] = {
     "data.max-train-examples": 0,  # 0 = no cap
     "data.max-eval-examples": 48,
     "data.synth-examples": 240,  # per task family per party, for `distmoe data synth` defaults
+    "data.canaries": "",  # file of canary strings planted in party data, for the audit ("" = none known)
     # local SFT
     "train.local-steps": 40,
     "train.batch-size": 16,
@@ -97,6 +98,20 @@ DEFAULTS: dict[str, Scalar] = {
     "federation.min-parties": 2,
     "federation.wait-timeout": 180.0,
     "federation.round-timeout": 900.0,
+    # privacy plane (docs/privacy.md): secure aggregation of every reply, distributed DP on router statistics
+    "privacy.mode": "secagg",  # secagg | plaintext (benchmark baseline only: warns, and the audit fails it)
+    "privacy.epsilon": 8.0,  # per-party budget for the whole run (unit: one sequence, add/remove)
+    "privacy.delta": 1e-6,
+    "privacy.noise-multiplier": 0.0,  # router statistics z; 0 = derived from privacy.epsilon over the schedule
+    "privacy.scale": 64.0,  # integer encoding scale s of router statistics (>= 32)
+    "privacy.canaries": 256,  # K known-zero noise-canary coordinates per router-statistics release
+    "privacy.min-parties": 2,  # fewest parties any release may be aggregated over (also the SecAgg threshold floor)
+    "privacy.num-sequences-max": 10000,  # public bound on a party's sequences (bit width, delta <= 1/N)
+    "privacy.update-clip": 10.0,  # L2 bound on a model update (clipped; fixes the fixed-point range)
+    "privacy.max-weight": 1024,  # an update's aggregation weight is min(examples, max-weight), summed masked
+    "privacy.update-noise-multiplier": 0.0,  # > 0: client-level DP on model updates (distributed Skellam)
+    "privacy.dp-sgd": False,  # example-level DP-SGD with opacus (refused with a reason where unsupported)
+    "privacy.dp-sgd-noise-multiplier": 1.0,
     # checkpoints
     "checkpoint.keep": 2,
     # evaluation
@@ -237,6 +252,30 @@ class FederationConfig:
     round_timeout: float
 
 
+PRIVACY_MODES = ("secagg", "plaintext")
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    mode: str
+    epsilon: float
+    delta: float
+    noise_multiplier: float  # as configured (0 = derive); see ``resolved_noise_multiplier``
+    scale: float
+    canaries: int
+    min_parties: int
+    num_sequences_max: int
+    update_clip: float
+    max_weight: int
+    update_noise_multiplier: float
+    dp_sgd: bool
+    dp_sgd_noise_multiplier: float
+
+    @property
+    def secure(self) -> bool:
+        return self.mode == "secagg"
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     keep: int
@@ -263,6 +302,7 @@ class RunConfig:
     rl: RLConfig
     schedule: ScheduleConfig
     federation: FederationConfig
+    privacy: PrivacyConfig
     checkpoint: CheckpointConfig
     eval: EvalConfig
     sim: SimConfig
@@ -280,6 +320,7 @@ class NodeConfig:
     data_path: Path
     work_dir: Path
     model_path: str  # "" = use the run config's model.path
+    epsilon_max: float | None = None  # this party's own budget cap: can only tighten privacy.epsilon
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,6 +495,8 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
     _range("federation.wait-timeout", fed.wait_timeout, 1.0)
     _range("federation.round-timeout", fed.round_timeout, 1.0)
 
+    privacy = _parse_privacy(g, fed)
+
     ck = CheckpointConfig(keep=g("checkpoint.keep", int))
     _range("checkpoint.keep", ck.keep, 1)
     ev = EvalConfig(max_new_tokens=g("eval.max-new-tokens", int), batch_size=g("eval.batch-size", int))
@@ -461,9 +504,39 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
     _range("eval.batch-size", ev.batch_size, 1, 4096)
 
     return RunConfig(run=run, model=model, data=data, train=train, routing=routing, rl=rl,
-                     schedule=schedule, federation=fed, checkpoint=ck, eval=ev,
+                     schedule=schedule, federation=fed, privacy=privacy, checkpoint=ck, eval=ev,
                      sim=SimConfig(nodes_dir=g("sim.nodes-dir", str)),
                      raw=tuple(sorted(flat.items())))
+
+
+def _parse_privacy(g, fed: FederationConfig) -> PrivacyConfig:
+    mode = g("privacy.mode", str)
+    _choice("privacy.mode", mode, PRIVACY_MODES)
+    p = PrivacyConfig(
+        mode=mode, epsilon=g("privacy.epsilon", float), delta=g("privacy.delta", float),
+        noise_multiplier=g("privacy.noise-multiplier", float), scale=g("privacy.scale", float),
+        canaries=g("privacy.canaries", int), min_parties=g("privacy.min-parties", int),
+        num_sequences_max=g("privacy.num-sequences-max", int), update_clip=g("privacy.update-clip", float),
+        max_weight=g("privacy.max-weight", int), update_noise_multiplier=g("privacy.update-noise-multiplier", float),
+        dp_sgd=g("privacy.dp-sgd", bool), dp_sgd_noise_multiplier=g("privacy.dp-sgd-noise-multiplier", float))
+    _range("privacy.epsilon", p.epsilon, 0.0, 1000.0, lo_open=True)
+    _range("privacy.delta", p.delta, 0.0, 0.1, lo_open=True)
+    _range("privacy.noise-multiplier", p.noise_multiplier, 0.0, 1e6)
+    _range("privacy.scale", p.scale, 32.0, 2.0**20)
+    _range("privacy.canaries", p.canaries, 0, 1 << 20)
+    _range("privacy.min-parties", p.min_parties, 2, 10000)
+    _range("privacy.num-sequences-max", p.num_sequences_max, 1, 10**9)
+    _range("privacy.update-clip", p.update_clip, 0.0, 1e6, lo_open=True)
+    _range("privacy.max-weight", p.max_weight, 1, 1 << 20)
+    _range("privacy.update-noise-multiplier", p.update_noise_multiplier, 0.0, 1e6)
+    _range("privacy.dp-sgd-noise-multiplier", p.dp_sgd_noise_multiplier, 0.0, 1e6, lo_open=True)
+    if p.delta > 1.0 / p.num_sequences_max:
+        raise ConfigError(f"config key 'privacy.delta': value {p.delta:g} must be <= 1/privacy.num-sequences-max "
+                          f"= {1.0 / p.num_sequences_max:g} (delta must stay below 1/N for a meaningful guarantee)")
+    if p.secure and p.min_parties > fed.min_parties:
+        raise ConfigError(f"config key 'privacy.min-parties': value {p.min_parties} is above federation.min-parties "
+                          f"= {fed.min_parties}: a run could start with fewer parties than any release may use")
+    return p
 
 
 def _checked_int(g, key: str, lo: int) -> int:
@@ -613,6 +686,11 @@ def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeCon
     for key in ("data-path", "party-name", "work-dir", "model-path"):
         if key in nc and not isinstance(nc[key], str):
             raise ConfigError(f"node config key '{key}': value {nc[key]!r} must be a string")
+    eps_max = nc.get("epsilon-max")
+    if eps_max is not None:
+        if isinstance(eps_max, bool) or not isinstance(eps_max, (int, float)) or not 0 < float(eps_max) < math.inf:
+            raise ConfigError(f"node config key 'epsilon-max': value {eps_max!r} must be a number > 0")
+        eps_max = float(eps_max)
     data_path = Path(nc["data-path"]).expanduser()
     if not data_path.is_dir():
         raise ConfigError(f"node config key 'data-path': {str(data_path)!r} is not a directory "
@@ -622,7 +700,7 @@ def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeCon
         raise ConfigError(f"node config key 'party-name': value {party!r} must use letters, digits, '-', '_'")
     work = Path(nc.get("work-dir") or (data_path.parent / f".{party}-work")).expanduser()
     return NodeConfig(party=party, data_path=data_path, work_dir=work,
-                      model_path=nc.get("model-path", ""))
+                      model_path=nc.get("model-path", ""), epsilon_max=eps_max)
 
 
 def replace(cfg: Any, **changes: Any) -> Any:

@@ -1,7 +1,14 @@
 """The coordinator's round schedule, independent of Flower: it runs the configured phases
-(``sft``, ``stats``, ``eval``) against a ``Transport``, aggregates updates (weighted FedAvg),
+(``sft``, ``rl``, ``stats``, ``eval``) against a ``Transport``, aggregates updates (weighted FedAvg),
 builds and versions the router anchor, checkpoints the global model after every round that
 changes it, and writes the run record (``run.json``) and ``metrics.jsonl``.
+
+Privacy plane (``privacy.mode = "secagg"``, the default): the coordinator keeps a signed ledger
+(``ledger/coordinator.jsonl``; the run's allow-list is its first entry), every exchange passes the
+server guard, and every reply of every phase is a secure sum (``distmoe.privacy.rounds``): the
+coordinator sees only sums over at least ``privacy.min-parties`` parties, router statistics carry
+distributed Skellam noise, and each release is logged with its survivors and DP parameters for the
+audit. ``"plaintext"`` is a benchmark baseline: warned about and failed by the audit.
 
 The ServerApp supplies a transport over Flower's ``Grid`` (``server/app.py``); tests can supply an
 in-process one. Party replies that fail (error replies, malformed payloads, wrong shapes, timeouts)
@@ -12,6 +19,7 @@ Must not: import ``flwr``, build Flower records, or read party data.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 import traceback
@@ -28,10 +36,16 @@ from distmoe.checkpoint import save_checkpoint
 from distmoe.config import Phase, RunConfig, to_toml
 from distmoe.model.build import build_model, describe, hash_tensors, param_count
 from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state
-from distmoe.report.metrics_log import MetricsLog, write_json_atomic
+from distmoe.privacy.accountant import PrivacyEvent
+from distmoe.privacy.plan import plan_privacy, stats_spec
+from distmoe.privacy.rounds import PrivacyStop, SecureRounds
+from distmoe.privacy.vectors import EvalLayout, StatsLayout, UpdateLayout, from_ring64
+from distmoe.report.metrics_log import MetricsLog, write_json_atomic, write_text_atomic
 from distmoe.routing.anchor import Anchor, AnchorVersion, build_anchor, save_anchor
+from distmoe.wire.ledger import canonical_json
 from distmoe.wire.schema import (
     EVAL_ROUTING_KEYS,
+    TRAIN_METRIC_KEYS,
     EvalInstruction,
     EvalReply,
     ModelUpdate,
@@ -39,19 +53,27 @@ from distmoe.wire.schema import (
     RouterStats,
     SftInstruction,
     StatsInstruction,
+    eval_metric_keys,
+    rl_metric_keys,
 )
 
-PLAINTEXT_WARNING = ("privacy plane not active: model updates and router statistics travel to the "
-                     "server as plain (un-noised, un-masked) arrays and are summed there; do not use "
-                     "this run on data that must stay private from the coordinator")
+PLAINTEXT_WARNING = ("privacy.mode = plaintext: model updates, router statistics and metrics travel to the "
+                     "server as plain (un-noised, un-masked) arrays and are summed there; a benchmark baseline "
+                     "only: do not use this run on data that must stay private from the coordinator (the audit "
+                     "fails it)")
 
 
 class Transport(Protocol):
     def node_ids(self) -> list[int]: ...
 
-    def exchange(self, instructions: dict[int, object], expected: type, timeout: float
+    def exchange(self, instructions: dict[int, object], expected: type, timeout: float, *, rnd: int | None = None,
+                 phase: str = "", lengths: dict[int, int] | None = None
                  ) -> tuple[dict[int, object], dict[int, str]]:
         """Send one instruction per node; return (payloads by node, error reasons by node)."""
+        ...
+
+    def attach(self, guard) -> None:
+        """Give the transport the server guard (``distmoe.wire.server_side.ServerGuard``)."""
         ...
 
 
@@ -98,28 +120,101 @@ class Coordinator:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(cfg.as_flat()))
         schedule = [p.label() + (f"*{p.rounds}" if p.rounds > 1 else "") for p in cfg.schedule.phases]
+        p = cfg.privacy
+        self.plan = plan_privacy(p, cfg.schedule)
+        warn = [] if p.secure else [PLAINTEXT_WARNING]
         self._write_record(run_id=self.run_id, name=cfg.run.name, status="running", started=time.time(),
-                           finished=None, error=None, config=cfg.as_flat(), schedule=schedule,
-                           warnings=[PLAINTEXT_WARNING],
-                           privacy={"router_stats": "plaintext-sum", "model_updates": "plaintext",
-                                    "secure_aggregation": False, "dp": False})
-        self._say(f"WARNING: {PLAINTEXT_WARNING}")
-        self.metrics.append({"event": "run_start", "run_id": self.run_id, "schedule": schedule,
-                             "warnings": [PLAINTEXT_WARNING]})
+                           finished=None, error=None, config=cfg.as_flat(), schedule=schedule, warnings=warn,
+                           privacy={"mode": p.mode, "secure_aggregation": p.secure,
+                                    "router_stats": "secure-sum + distributed Skellam DP" if p.secure
+                                    else "plaintext-sum",
+                                    "model_updates": ("secure-sum + client-level DP" if p.update_noise_multiplier
+                                                      else "secure-sum") if p.secure else "plaintext",
+                                    "plan": self.plan.as_dict(), "epsilon_budget": p.epsilon, "delta": p.delta},
+                           parties={})
+        for w in warn:
+            self._say(f"WARNING: {w}")
+        if p.secure:
+            self._say(f"privacy: secure aggregation on every reply; router statistics with distributed DP at "
+                      f"z = {self.plan.noise_multiplier:.3f}{' (derived)' if self.plan.derived else ''} over "
+                      f"{self.plan.stats_releases} release(s): planned epsilon {self.plan.planned_epsilon:.3f} <= "
+                      f"{p.epsilon:g} at delta {p.delta:g} per party")
+        self.metrics.append({"event": "run_start", "run_id": self.run_id, "schedule": schedule, "warnings": warn})
+        status = "completed"
         try:
             self._run_schedule()
         except BaseException as exc:
+            status = "failed"
             self._write_record(status="failed", finished=time.time(),
                                error=f"{type(exc).__name__}: {exc}")
             self.metrics.append({"event": "run_end", "status": "failed", "error": str(exc)})
             self._say(f"run FAILED: {type(exc).__name__}: {exc}")
-            if not isinstance(exc, RunFailed):
+            if not isinstance(exc, (RunFailed, PrivacyStop)):
                 self.log(traceback.format_exc())
             raise
+        finally:
+            self._ledger_end(status)
         self._write_record(status="completed", finished=time.time())
         self.metrics.append({"event": "run_end", "status": "completed", "rounds": self.s.round})
         self._say(f"run completed: {self.s.round} rounds, results in {self.run_dir}")
         return self.record
+
+    # ------------------------------------------------------------------ privacy plane
+    def _start_wire(self, nodes: list[int]) -> None:
+        """Coordinator ledger, the run's allow-list (entry 0), the server guard; secure setup."""
+        from distmoe.wire.ledger import Ledger, generate_signing_key, public_key_hex
+        from distmoe.wire.server_side import ServerGuard, build_policy, policy_digest
+
+        cfg, p = self.cfg, self.cfg.privacy
+        key = generate_signing_key(self.run_dir / "keys" / "coordinator.key", force=True)
+        lpath = self.run_dir / "ledger" / "coordinator.jsonl"
+        if lpath.exists():
+            raise RunFailed(f"{lpath} exists: a run directory is used by one run only")
+        self.ledger = Ledger(lpath, key)
+        write_text_atomic(lpath.with_suffix(".pub"), public_key_hex(key) + "\n")
+        n = len(nodes)
+        L, E = self.mspec.num_moe_layers, self.mspec.num_experts
+        self.layout_facts = dict(
+            update_length=UpdateLayout.build(self.tspec.shapes, TRAIN_METRIC_KEYS, n, p.update_clip,
+                                             p.max_weight).length,
+            rl_update_length=UpdateLayout.build(self.tspec.shapes, rl_metric_keys(L, cfg.rl.simulator), n,
+                                                p.update_clip, p.max_weight).length,
+            stats_length=L * E + p.canaries, eval_length=2 * len(eval_metric_keys(cfg.schedule.tasks)))
+        policy = build_policy(secure=p.secure, n_parties=n, trainable=dict(self.tspec.shapes), layers=L, experts=E,
+                              tasks=cfg.schedule.tasks, **self.layout_facts)
+        blob = canonical_json(policy).encode("ascii")
+        self.ledger.append(run=self.run_id, round=0, phase="run-start", direction="out", payload_type="policy",
+                           keys=[], shapes={}, bytes=len(blob), sha256=policy_digest(policy), verdict="accepted",
+                           peer="all", info={"policy": policy, "mode": p.mode,
+                                             "privacy": {k: v for k, v in cfg.as_flat().items()
+                                                         if k.startswith("privacy.") or k == "data.canaries"},
+                                             "plan": self.plan.as_dict(), "router_spec": self.mspec.router_spec()})
+        self.guard = ServerGuard(self.ledger, self.run_id, policy)
+        self.transport.attach(self.guard)
+        self.secure = None
+        if p.secure:
+            self.secure = SecureRounds(cfg, self.plan, self.transport, self.run_dir, self._say, self._report_errors)
+            self.secure.setup(nodes, max(self.layout_facts.values()))
+            self._write_record(parties={self.guard.peer(nd): {"node": str(nd),
+                                                               "ledger_public_key": self.guard.public_keys.get(
+                                                                   self.guard.peer(nd), "")}
+                                        for nd in self.secure.roster},
+                               privacy={**self.record["privacy"], "threshold": self.secure.threshold,
+                                        "n_parties": len(self.secure.roster)})
+
+    def _ledger_end(self, status: str) -> None:
+        led = getattr(self, "ledger", None)
+        if led is None:
+            return
+        try:
+            eps = self.secure.epsilon() if getattr(self, "secure", None) else {}
+            led.append(run=self.run_id, round=self.s.round, phase="run-end", direction="out", payload_type="run-end",
+                       keys=[], shapes={}, bytes=0, sha256=hashlib.sha256(b"").hexdigest(), verdict="accepted",
+                       peer="all", info={"status": status, "epsilon": eps})
+            if eps:
+                self._write_record(privacy={**self.record["privacy"], "epsilon_spent": eps})
+        except Exception as exc:  # never mask the run's own error
+            self._say(f"could not close the ledger: {exc}")
 
     def _run_schedule(self) -> None:
         cfg = self.cfg
@@ -137,7 +232,7 @@ class Coordinator:
                   f"{len(self.mspec.moe_layers)} MoE layers x {self.mspec.num_experts} experts, "
                   f"top-{self.mspec.top_k}")
         self._checkpoint()
-        self._wait_for_parties()
+        self._start_wire(self._wait_for_parties())
         total = cfg.schedule.total_rounds
         for pi, phase in enumerate(cfg.schedule.phases):
             for _ in range(phase.rounds):
@@ -179,9 +274,10 @@ class Coordinator:
 
     def _report_errors(self, phase: str, errors: dict[int, str]) -> None:
         for node, reason in errors.items():
-            self._say(f"round {self.s.round}: party at node {node} left out of {phase}: {reason}")
+            who = self.guard.peer(node) if getattr(self, "guard", None) else f"node {node}"
+            self._say(f"round {self.s.round}: party {who} left out of {phase}: {reason}")
             self.metrics.append({"event": "party_error", "round": self.s.round, "phase_label": phase,
-                                 "node": str(node), "reason": reason[:500]})
+                                 "node": str(node), "party": who, "reason": reason[:500]})
 
     # ------------------------------------------------------------------ phases
     def _sft_round(self, phase_index: int, phase: Phase) -> str:
@@ -225,11 +321,26 @@ class Coordinator:
 
     def _update_round(self, phase_index: int, phase: Phase, instr: object, event: str, extra: dict
                       ) -> str | tuple[dict[str, float], int, int]:
-        """Send ``instr`` to every party, check and FedAvg the updates, log, checkpoint."""
+        """Send ``instr`` to every party, aggregate the updates (a secure weighted sum, or plaintext FedAvg
+        in the baseline mode), log, checkpoint."""
         s, cfg = self.s, self.cfg
+        base = {"event": event, "round": s.round, "phase": phase_index, "phase_label": phase.label(),
+                "task": phase.task, **extra}
+        if self.secure is not None:
+            out = self._secure_update(phase, instr, event)
+            if isinstance(out, str):
+                self.metrics.append({**base, "party": "all", "num_examples": 0, "skipped": True})
+                return out
+            avg, weight, agg, included, n_nodes = out
+            for k, d in avg.items():
+                s.weights[k] = s.weights[k] + torch.from_numpy(d)
+            self.metrics.append({**base, "party": "all", "num_examples": int(round(weight)), "parties": included,
+                                 **agg})
+            self._checkpoint()
+            return agg, included, n_nodes
         nodes = self._nodes()
         replies, errors = self.transport.exchange({n: instr for n in nodes}, ModelUpdate,
-                                                  cfg.federation.round_timeout)
+                                                  cfg.federation.round_timeout, rnd=s.round, phase=phase.kind)
         updates: list[tuple[dict[str, np.ndarray], float]] = []
         for node, upd in list(replies.items()):
             problem = self._check_update(upd)
@@ -239,8 +350,6 @@ class Coordinator:
                 continue
             updates.append((upd.delta, float(upd.num_examples)))
         self._report_errors(phase.label(), errors)
-        base = {"event": event, "round": s.round, "phase": phase_index, "phase_label": phase.label(),
-                "task": phase.task, **extra}
         for upd in replies.values():
             self.metrics.append({**base, "party": upd.party, "num_examples": upd.num_examples,
                                  **upd.metrics})
@@ -248,6 +357,11 @@ class Coordinator:
         if avg is None:
             self.metrics.append({**base, "party": "all", "num_examples": 0, "skipped": True})
             return f"no usable update ({len(errors)} errors): model unchanged"
+        self.guard.log_release(rnd=s.round, phase=phase.kind, release="model-update",
+                               total=np.concatenate([a.ravel() for a in avg.values()]), dp=None,
+                               info={"mode": "plaintext", "release": "model-update",
+                                     "included": sorted(u.party for u in replies.values()), "dropped": [],
+                                     "responders": []})
         for k, d in avg.items():
             s.weights[k] = s.weights[k] + torch.from_numpy(d)
         agg = self._weighted_metrics([(u.metrics, u.num_examples) for u in replies.values()
@@ -256,6 +370,35 @@ class Coordinator:
         self.metrics.append({**base, "party": "all", "num_examples": n_total, "parties": len(updates), **agg})
         self._checkpoint()
         return agg, len(updates), len(nodes)
+
+    def _secure_update(self, phase: Phase, instr: object, event: str):
+        cfg, p, s = self.cfg, self.cfg.privacy, self.s
+        rl = event == "rl"
+        keys = rl_metric_keys(self.mspec.num_moe_layers, cfg.rl.simulator) if rl else TRAIN_METRIC_KEYS
+        layout = UpdateLayout.build(self.tspec.shapes, keys, len(self.secure.roster), p.update_clip, p.max_weight)
+        release = "rl-update" if rl else "model-update"
+        z_u = self.secure.plan.update_noise_multiplier
+        n, t = len(self.secure.roster), self.secure.threshold
+
+        def event_at(n_active: int) -> PrivacyEvent:
+            return PrivacyEvent(z_u * math.sqrt(n_active / t), 1.0, 1, "gaussian", f"{release} round {s.round}")
+
+        res = self.secure.round(s.round, phase.kind, instr, release, layout.length, event_at if z_u > 0 else None)
+        if res is None:
+            return "no secure sum this round: model unchanged"
+        avg, weight, agg = layout.decode(res.total)
+        dp = None
+        if z_u > 0:
+            dp = {"mechanism": "gaussian", "unit": "party", "neighbours": "add/remove", "noise_multiplier": z_u,
+                  "n_parties": n, "n_active": res.n_active, "max_dropouts": n - t,
+                  "z_eff": z_u * math.sqrt(res.n_active / t), "clip": p.update_clip, "max_weight": p.max_weight}
+        self.guard.log_release(rnd=s.round, phase=phase.kind, release=release, total=res.total, dp=dp,
+                               info={"mode": "secagg", "release": release, "included": list(res.included),
+                                     "dropped": list(res.dropped), "responders": list(res.responders),
+                                     "weight_sum": weight, "frac_bits": layout.frac_bits})
+        if avg is None:
+            return f"{len(res.included)} parties, total weight 0 (no data for task {phase.task!r}): model unchanged"
+        return avg, weight, agg, len(res.included), len(self.secure.roster)
 
     def _check_update(self, upd: ModelUpdate) -> str | None:
         expected = dict(self.tspec.shapes)
@@ -291,23 +434,34 @@ class Coordinator:
         s, cfg = self.s, self.cfg
         instr = StatsInstruction(round=s.round, task=phase.task or "", weights=self._np_weights(s.weights),
                                  base_hash=self.tspec.base_hash)
-        nodes = self._nodes()
-        replies, errors = self.transport.exchange({n: instr for n in nodes}, RouterStats,
-                                                  cfg.federation.round_timeout)
         shape = (self.mspec.num_moe_layers, self.mspec.num_experts)
-        good = []
-        for node, st in replies.items():
-            if tuple(st.sums.shape) != shape:
-                errors[node] = f"router statistics have shape {tuple(st.sums.shape)}, expected {shape}"
-            else:
-                good.append(st.sums)
-        self._report_errors(phase.label(), errors)
-        if not good:
-            return "no usable router statistics: anchor unchanged"
-        total = np.sum(good, axis=0)  # [L, E]
+        if self.secure is not None:
+            out = self._secure_stats(instr, shape)
+            if isinstance(out, str):
+                return out
+            total, n_parties, n_nodes, dp_text = out
+        else:
+            nodes = self._nodes()
+            replies, errors = self.transport.exchange({n: instr for n in nodes}, RouterStats,
+                                                      cfg.federation.round_timeout, rnd=s.round, phase="stats")
+            good = []
+            for node, st in replies.items():
+                if tuple(st.sums.shape) != shape:
+                    errors[node] = f"router statistics have shape {tuple(st.sums.shape)}, expected {shape}"
+                else:
+                    good.append(st.sums)
+            self._report_errors(phase.label(), errors)
+            if not good:
+                return "no usable router statistics: anchor unchanged"
+            total = np.sum(good, axis=0)  # [L, E]
+            self.guard.log_release(rnd=s.round, phase="stats", release="router-stats", total=total, dp=None,
+                                   info={"mode": "plaintext", "release": "router-stats",
+                                         "included": sorted(self.guard.peer(nd) for nd in replies),
+                                         "dropped": [], "responders": [], "layers": shape[0], "experts": shape[1]})
+            n_parties, n_nodes, dp_text = len(good), len(nodes), "no DP (plaintext baseline)"
         n_seq = float(total.sum(1).mean())
-        if n_seq <= 0:
-            return "router statistics are empty: anchor unchanged"
+        if n_seq <= 0 or np.any(np.clip(total, 0, None).sum(1) <= 0):
+            return "router statistics are empty (or all noise): anchor unchanged"
         s.anchor_versions += 1
         meta = AnchorVersion(version=s.anchor_versions, round=s.round,
                              source_checkpoint=hash_tensors(s.weights),
@@ -315,10 +469,38 @@ class Coordinator:
         s.anchor = build_anchor(total, meta)
         save_anchor(s.anchor, self.run_dir / "anchors")
         self.metrics.append({"event": "stats", "round": s.round, "party": "all", "task": phase.task,
-                             "anchor_version": meta.version, "num_sequences": n_seq, "parties": len(good)})
+                             "anchor_version": meta.version, "num_sequences": n_seq, "parties": n_parties})
         ent = float(-(s.anchor.probs * np.log(np.clip(s.anchor.probs, 1e-9, None))).sum(1).mean())
-        return (f"{len(good)}/{len(nodes)} parties | anchor v{meta.version} from {n_seq:.0f} sequences "
-                f"| mean routing entropy {ent:.3f} nats")
+        return (f"{n_parties}/{n_nodes} parties | anchor v{meta.version} from ~{n_seq:.0f} sequences "
+                f"| mean routing entropy {ent:.3f} nats | {dp_text}")
+
+    def _secure_stats(self, instr: StatsInstruction, shape: tuple[int, int]):
+        p, s = self.cfg.privacy, self.s
+        sec = self.secure
+        n, t = len(sec.roster), sec.threshold
+        spec = stats_spec(p, sec.plan.noise_multiplier, shape[0], shape[1], n, t)
+        layout = StatsLayout(spec)
+
+        def event_at(n_active: int) -> PrivacyEvent:
+            return PrivacyEvent(spec.effective_noise_multiplier(n_active), 1.0, 1, "skellam",
+                                f"router-stats round {s.round}")
+
+        res = sec.round(s.round, "stats", instr, "router-stats", layout.length, event_at)
+        if res is None:
+            return "no secure sum this round: anchor unchanged"
+        noisy, canaries = layout.decode(res.total)  # [L, E] sequence units, [K] integer units
+        ints = from_ring64(res.total)[:spec.dim].reshape(shape)
+        dp = spec.dp_params(res.n_active)
+        self.guard.log_release(rnd=s.round, phase="stats", release="router-stats", total=res.total, dp=dp,
+                               info={"mode": "secagg", "release": "router-stats", "included": list(res.included),
+                                     "dropped": list(res.dropped), "responders": list(res.responders),
+                                     "layers": shape[0], "experts": shape[1],
+                                     "canary": {"k": int(spec.n_canaries), "values": [int(v) for v in canaries]},
+                                     "row_sums": [int(v) for v in ints.sum(1)]})
+        eps = sec.epsilon()
+        worst = max((max(v["prv"], v["rdp"]) for v in eps.values()), default=0.0)
+        return (np.asarray(noisy), len(res.included), n,
+                f"DP z_eff {dp['z_eff']:.2f}, epsilon spent <= {worst:.3f} of {p.epsilon:g}")
 
     def _eval_round(self) -> str:
         s, cfg = self.s, self.cfg
@@ -329,15 +511,32 @@ class Coordinator:
                                 ref_weights=self._np_weights(ref) if ref is not None else None,
                                 anchor=s.anchor.probs if s.anchor is not None else None,
                                 anchor_version=s.anchor.meta.version if s.anchor is not None else 0)
-        nodes = self._nodes()
-        replies, errors = self.transport.exchange({n: instr for n in nodes}, EvalReply,
-                                                  cfg.federation.round_timeout)
-        self._report_errors("eval", errors)
-        if not replies:
-            return "no evaluation replies"
-        per_party: dict[str, dict[str, float]] = {r.party: dict(r.metrics) for r in replies.values()}
-        agg = self._aggregate_eval(list(per_party.values()), tasks)
-        per_party["all"] = agg
+        if self.secure is not None:
+            keys = eval_metric_keys(tasks)
+            layout = EvalLayout(keys, len(self.secure.roster), cfg.privacy.num_sequences_max)
+            res = self.secure.round(s.round, "eval", instr, "eval", layout.length)
+            if res is None:
+                return "no secure sum this round: no evaluation"
+            agg = layout.decode(res.total)
+            self.guard.log_release(rnd=s.round, phase="eval", release="eval", total=res.total, dp=None,
+                                   info={"mode": "secagg", "release": "eval", "included": list(res.included),
+                                         "dropped": list(res.dropped), "responders": list(res.responders)})
+            per_party: dict[str, dict[str, float]] = {"all": agg}
+            n_replies, n_nodes = len(res.included), len(self.secure.roster)
+        else:
+            nodes = self._nodes()
+            replies, errors = self.transport.exchange({n: instr for n in nodes}, EvalReply,
+                                                      cfg.federation.round_timeout, rnd=s.round, phase="eval")
+            self._report_errors("eval", errors)
+            if not replies:
+                return "no evaluation replies"
+            per_party = {r.party: dict(r.metrics) for r in replies.values()}
+            agg = self._aggregate_eval(list(per_party.values()), tasks)
+            self.guard.log_release(rnd=s.round, phase="eval", release="eval", total=np.zeros(1), dp=None,
+                                   info={"mode": "plaintext", "release": "eval", "included": sorted(per_party),
+                                         "dropped": [], "responders": []})
+            per_party["all"] = agg
+            n_replies, n_nodes = len(replies), len(nodes)
         earlier = [t for t in s.trained_tasks if t != s.current_task]
         for party, m in per_party.items():
             before = s.baseline.get(party, {})
@@ -354,7 +553,7 @@ class Coordinator:
         accs = ", ".join(f"{t} {agg.get(f'acc/{t}', math.nan):.2f}" for t in tasks)
         extra = [f"{k} {agg[k]:.3f}" for k in EVAL_ROUTING_KEYS if math.isfinite(agg.get(k, math.nan))]
         ret = [f"retention {t} {agg[f'retention/{t}']:.2f}" for t in earlier if f"retention/{t}" in agg]
-        return f"{len(replies)}/{len(nodes)} parties | acc: {accs} | " + " | ".join(extra + ret)
+        return f"{n_replies}/{n_nodes} parties | acc: {accs} | " + " | ".join(extra + ret)
 
     @staticmethod
     def _aggregate_eval(parties: list[dict[str, float]], tasks: tuple[str, ...]) -> dict[str, float]:

@@ -17,12 +17,14 @@ from flwr.serverapp import Grid, ServerApp
 from distmoe.config import parse_run_config
 from distmoe.coordinator import Coordinator
 from distmoe.wire import codec
+from distmoe.wire.server_side import GuardedTransport
 
 app = ServerApp()
 
 
-class GridTransport:
-    """The coordinator's transport over the Flower Grid: one message per node, one reply each."""
+class GridTransport(GuardedTransport):
+    """The coordinator's transport over the Flower Grid: one message per node, one reply each; every
+    instruction and reply passes the server guard (``GuardedTransport.exchange``)."""
 
     def __init__(self, grid: Grid):
         self.grid = grid
@@ -30,22 +32,16 @@ class GridTransport:
     def node_ids(self) -> list[int]:
         return sorted(self.grid.get_node_ids())
 
-    def exchange(self, instructions: dict[int, object], expected: type, timeout: float
-                 ) -> tuple[dict[int, object], dict[int, str]]:
-        msgs = [codec.instruction(payload, node) for node, payload in instructions.items()]
-        replies: dict[int, object] = {}
-        errors: dict[int, str] = {}
+    def _send(self, out, timeout: float):
+        msgs = [codec.instruction_content(content, node, mtype) for node, (mtype, content) in out.items()]
+        got = {}
         for msg in self.grid.send_and_receive(msgs, timeout=timeout):
             node = msg.metadata.src_node_id
-            try:
-                _, payload = codec.read_reply(msg, expected)
-                replies[node] = payload
-            except codec.WireError as exc:
-                errors[node] = str(exc)
-        for node in instructions:
-            if node not in replies and node not in errors:
-                errors[node] = f"no reply within {timeout:.0f} s (federation.round-timeout)"
-        return replies, errors
+            if node not in out or node in got:
+                continue  # a reply from a node that was not asked, or a second reply: ignored
+            got[node] = (f"node {node} replied with an error: {msg.error.reason}" if msg.has_error()
+                         else msg.content)
+        return got
 
 
 @app.main()

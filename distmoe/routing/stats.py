@@ -33,6 +33,26 @@ def per_sequence_mean_routing(router_logits: tuple[torch.Tensor, ...], attention
 
 
 @torch.no_grad()
+def per_sequence_stats(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> np.ndarray:
+    """``[N, L, E]`` float64 per-sequence mean routing of every sequence with a valid token (eval mode,
+    no gradients): what the DP release encodes sequence by sequence (``distmoe.privacy.dp``)."""
+    was_training = model.training
+    model.eval()
+    rows: list[torch.Tensor] = []
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                mask = batch["attention_mask"]
+                out = forward_with_router(model, batch["input_ids"], mask)
+                per_seq = per_sequence_mean_routing(out.router_logits, mask)  # [B, L, E]
+                rows.append(per_seq[mask.sum(1) > 0].double())
+    finally:
+        model.train(was_training)
+    if not rows:
+        raise ValueError("per_sequence_stats: no batches")
+    return torch.cat(rows).numpy()
+
+
 def router_stats(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> tuple[np.ndarray, int]:
     """Sum over sequences of per-sequence mean routing: ``([L, E] float64, num_sequences)``.
 

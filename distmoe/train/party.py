@@ -21,7 +21,7 @@ from distmoe.data.party import PartyData, load_party
 from distmoe.data.template import collate, encode_example
 from distmoe.model.build import build_model, describe
 from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state
-from distmoe.routing.stats import router_stats
+from distmoe.routing.stats import per_sequence_stats
 from distmoe.train.evaluate import evaluate_party
 from distmoe.train.sft import train_sft
 from distmoe.wire.schema import (
@@ -96,20 +96,29 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
     return ModelUpdate(party=node.party, delta=delta, num_examples=res.num_examples, metrics=metrics)
 
 
-def run_stats(cfg: RunConfig, node: NodeConfig, instr: StatsInstruction) -> RouterStats:
+def router_stats_per_sequence(cfg: RunConfig, node: NodeConfig, instr: StatsInstruction,
+                              max_sequences: int | None = None) -> np.ndarray:
+    """``[N, L, E]`` per-sequence mean router distributions of the global model on this party's training
+    data (the first ``max_sequences`` sequences when a bound is given)."""
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
     tasks = [instr.task] if instr.task else list(data.tasks)
     examples = [ex for t in tasks if data.has(t) for ex in data.train(t)]
+    if max_sequences is not None:
+        examples = examples[:max_sequences]
     model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash)
     ms = describe(model)
     if not examples:
-        return RouterStats(sums=np.zeros((ms.num_moe_layers, ms.num_experts), dtype=np.float64))
+        return np.zeros((0, ms.num_moe_layers, ms.num_experts), dtype=np.float64)
     encoded = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in examples]
     bs = cfg.eval.batch_size
     batches = (collate(encoded[i:i + bs], tok.pad_token_id) for i in range(0, len(encoded), bs))
-    sums, _n = router_stats(model, batches)
-    return RouterStats(sums=sums)
+    return per_sequence_stats(model, batches)
+
+
+def run_stats(cfg: RunConfig, node: NodeConfig, instr: StatsInstruction) -> RouterStats:
+    """Plaintext mode only: the ``[L, E]`` sum in the clear."""
+    return RouterStats(sums=router_stats_per_sequence(cfg, node, instr).sum(0))
 
 
 def run_eval(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> EvalReply:

@@ -10,8 +10,9 @@ sha256`` (of the serialized payload), ``dp`` (dict or null), ``verdict`` (``"acc
 ``"rejected: <reason>"``), optionally ``anchor`` (``{"node", "seq", "hash"}``: another node's head),
 then ``seq`` (0, 1, ...), ``prev`` (hash of the previous entry; 64 zeros for the first), ``hash``
 (SHA-256 hex of the canonical JSON of the entry without ``hash``/``sig``) and ``sig`` (hex Ed25519
-signature of ``SIG_DOMAIN + hash``). Canonical JSON: sorted keys, ``(",", ":")`` separators, ASCII,
-no NaN/Inf.
+signature of ``SIG_DOMAIN + hash``). Optional ``peer`` (the other node's name) and ``info`` (a dict
+of protocol facts: survivors, canary scans, the run's allow-list; see ``docs/privacy.md``).
+Canonical JSON: sorted keys, ``(",", ":")`` separators, ASCII, no NaN/Inf.
 
 Single writer: one :class:`Ledger` object (one process) owns a ledger file. A second writer is not
 supported; as a guard, each append takes an advisory ``flock`` and refuses (``LedgerError``) if the
@@ -81,7 +82,7 @@ GENESIS = "0" * 64
 SIG_DOMAIN = b"distmoe-ledger-v1:"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _REQUIRED = ("run", "round", "phase", "direction", "payload_type", "keys", "shapes", "bytes", "sha256", "verdict")
-_OPTIONAL = ("time", "dp", "anchor")
+_OPTIONAL = ("time", "dp", "anchor", "peer", "info")
 _CHAIN = ("seq", "prev", "hash", "sig")
 
 
@@ -349,6 +350,10 @@ def _validate(fields: dict[str, Any]) -> dict[str, Any]:
         raise LedgerError("sha256 must be 64 lowercase hex characters")
     if f["dp"] is not None and not isinstance(f["dp"], Mapping):
         raise LedgerError("dp must be a dict or None")
+    if "peer" in f and not isinstance(f["peer"], str):
+        raise LedgerError("peer must be a string (the other node's name)")
+    if "info" in f and not isinstance(f["info"], Mapping):
+        raise LedgerError("info must be a dict")
     v = f["verdict"]
     if not isinstance(v, str) or not (v == "accepted" or (v.startswith("rejected: ") and v[10:].strip())):
         raise LedgerError(f"verdict must be 'accepted' or 'rejected: <reason>', got {v!r}")

@@ -1,41 +1,51 @@
-"""An in-process transport for tests and benchmarks: every instruction and reply still goes
-through the codec (encode -> Flower RecordDict -> decode), but the parties run in this process.
+"""An in-process transport for tests and benchmarks: every instruction and reply goes through the
+same path as on Flower (server guard -> codec records -> ``party_side.serve`` with its outbound
+guard and ledger -> server guard), but the parties run in this process.
 
 Not a replacement for Flower's engines (the integration tests use those); it exists so that the
-coordinator's schedule can be tested in seconds.
+coordinator's schedule, the secure aggregation and the fault cases can be tested in seconds. Faults
+are injected with ``down`` (nodes that never answer), ``drop(message_type, node) -> bool`` (a node
+that does not answer one stage: a dropout at that stage) and ``tamper(node, message_type, content)``
+(what a client that bypasses its own guard could send instead).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from flwr.app import RecordDict
+
 from distmoe.config import NodeConfig, RunConfig
-from distmoe.train.party import run_eval, run_rl, run_sft, run_stats
-from distmoe.wire import codec
-from distmoe.wire.schema import EvalInstruction, RlInstruction, SftInstruction, StatsInstruction
-
-_FN = {SftInstruction: run_sft, RlInstruction: run_rl, StatsInstruction: run_stats, EvalInstruction: run_eval}
+from distmoe.wire.party_side import Refused, serve
+from distmoe.wire.server_side import GuardedTransport
 
 
-class LocalTransport:
-    def __init__(self, cfg: RunConfig, nodes: dict[int, NodeConfig]):
+class LocalTransport(GuardedTransport):
+    def __init__(self, cfg: RunConfig, nodes: dict[int, NodeConfig], run_id: str = "local"):
         self.cfg = cfg
         self.nodes = nodes
-        self.down: set[int] = set()  # nodes that do not answer (tests of dropouts)
+        self.run_id = str(run_id)
+        self.down: set[int] = set()
+        self.drop: Callable[[str, int], bool] | None = None
+        self.tamper: Callable[[int, str, RecordDict], RecordDict] | None = None
+        self.sent: dict[str, int] = {}  # message type -> messages delivered (for tests)
 
     def node_ids(self) -> list[int]:
         return sorted(self.nodes)
 
-    def exchange(self, instructions: dict[int, object], expected: type, timeout: float):
-        replies, errors = {}, {}
-        for node, payload in instructions.items():
-            if node in self.down:
-                errors[node] = "no reply (node down)"
+    def _send(self, out: dict[int, tuple[str, RecordDict]], timeout: float) -> dict[int, RecordDict | str]:
+        got: dict[int, RecordDict | str] = {}
+        for node, (mtype, content) in out.items():
+            if node in self.down or (self.drop is not None and self.drop(mtype, node)):
                 continue
-            # Flower Messages need a live run; the records (what actually crosses) are exercised here
-            instr = codec.decode(codec.encode(payload), type(payload))
+            self.sent[mtype] = self.sent.get(mtype, 0) + 1
             try:
-                out = _FN[type(instr)](self.cfg, self.nodes[node], instr)
-                rec = codec.encode(out)
-                replies[node] = codec.decode(rec, expected)
+                reply = serve(mtype, content, self.cfg, self.nodes[node], node, self.run_id)
+            except Refused as exc:
+                got[node] = f"node {node} replied with an error: {exc}"
+                continue
             except Exception as exc:  # as the ClientApp does: an error reply, the round goes on
-                errors[node] = f"{type(exc).__name__}: {exc}"
-        return replies, errors
+                got[node] = f"node {node} replied with an error: {type(exc).__name__}: {exc}"
+                continue
+            got[node] = self.tamper(node, mtype, reply) if self.tamper is not None else reply
+        return got

@@ -6,8 +6,12 @@ example count used as the FedAvg weight, a fixed list of scalar metrics), ``Rout
 ``[L, E]`` sum), ``EvalReply`` (aggregate numbers per task and routing metrics, never per-example
 values).
 
-Until the privacy plane lands, updates and router statistics travel as plain arrays: the server
-says so in a warning at run start and in the run record.
+With ``privacy.mode = "secagg"`` (the default) none of the three reply payloads above leaves a party
+as such: each is encoded into the declared integer layout of ``distmoe.privacy.vectors`` and sent as a
+``MaskedReply`` inside the secure-aggregation protocol (``SetupRequest`` / ``KeyAdvertReply``,
+``DirectoryRequest`` / ``ShareKeysReply``, a phase instruction with its ``RoundStart``, then
+``UnmaskRequestMsg`` / ``UnmaskResponseMsg``). ``privacy.mode = "plaintext"`` sends them in the clear: a
+benchmark baseline only, which the server warns about and the audit fails.
 
 Must not: import ``flwr`` types (``codec.py`` maps these payloads onto records).
 """
@@ -94,7 +98,78 @@ class EvalReply:
     metrics: dict[str, float]  # exactly eval_metric_keys(tasks); NaN where not available
 
 
+RELEASES = ("model-update", "rl-update", "router-stats", "eval")  # what a masked input carries
+
+
+def rl_metric_keys(num_moe_layers: int, simulator: bool) -> tuple[str, ...]:
+    """The exact metric keys of an rl update for a model with ``num_moe_layers`` MoE layers."""
+    keys = RL_METRIC_KEYS + tuple(f"route_disagree_l{i}" for i in range(num_moe_layers))
+    return keys + (RL_SIM_METRIC_KEYS if simulator else ())
+
+
+@dataclass(frozen=True)
+class SetupRequest:
+    """Server -> party, once per run: the public secure-aggregation parameters and the privacy plan the
+    server will account with (a party only ever tightens them: it uses the larger noise)."""
+
+    secagg_run: bytes  # 16 random bytes, bound into every key derivation
+    threshold: int
+    max_length: int
+    n_invited: int
+    noise_multiplier: float  # router statistics
+    update_noise_multiplier: float
+
+
+@dataclass(frozen=True)
+class KeyAdvertReply:
+    party: str
+    c_pk: bytes  # X25519 share-encryption key of this run
+    ledger_public_key: str  # hex Ed25519 key that signs this party's ledger
+
+
+@dataclass(frozen=True)
+class DirectoryRequest:
+    directory: object  # secagg.KeyDirectory
+    first_round: int
+    names: tuple[tuple[int, str], ...]  # (node id, party name) of the roster, for the parties' ledgers
+
+
+@dataclass(frozen=True)
+class ShareKeysReply:
+    keys: object  # secagg.ShareKeys
+
+
+@dataclass(frozen=True)
+class SecureInstruction:
+    """A phase instruction plus this node's ``RoundStart`` (None: the node is not in this round's U1 and
+    answers with share keys for the next round only)."""
+
+    instruction: object  # SftInstruction | RlInstruction | StatsInstruction | EvalInstruction
+    start: object | None  # secagg.RoundStart
+    release: str  # one of RELEASES
+
+
+@dataclass(frozen=True)
+class MaskedReply:
+    release: str
+    masked: object | None  # secagg.MaskedInput (with next round's share keys)
+    late_keys: object | None  # secagg.ShareKeys when the node was outside U1
+
+
+@dataclass(frozen=True)
+class UnmaskRequestMsg:
+    request: object  # secagg.UnmaskRequest
+
+
+@dataclass(frozen=True)
+class UnmaskResponseMsg:
+    response: object  # secagg.UnmaskResponse
+
+
 PAYLOAD_TAGS = {SftInstruction: "sft-instruction", RlInstruction: "rl-instruction",
                 StatsInstruction: "stats-instruction",
                 EvalInstruction: "eval-instruction", ModelUpdate: "model-update",
-                RouterStats: "router-stats", EvalReply: "eval-reply"}
+                RouterStats: "router-stats", EvalReply: "eval-reply",
+                SetupRequest: "setup-request", KeyAdvertReply: "key-advert", DirectoryRequest: "key-directory",
+                ShareKeysReply: "share-keys", MaskedReply: "masked-input", UnmaskRequestMsg: "unmask-request",
+                UnmaskResponseMsg: "unmask-response"}

@@ -533,3 +533,25 @@ def test_encode_fixed_refuses_values_that_do_not_fit():
         encode_fixed(np.array([1.0]), 2.0**15, 16)  # 32768 is not a signed 16-bit value
     with pytest.raises(ValueError):
         encode_fixed(np.array([np.nan]), 1.0, 16)
+
+
+def test_round_length_is_declared_per_round_and_bounded():
+    """Phases of different sizes share one protocol instance: each round declares its own length."""
+    import os
+
+    import numpy as np
+
+    from distmoe.privacy.secagg import LocalFederation, SecAggParams
+
+    params = SecAggParams(run_id=os.urandom(16), threshold=2, bits=64, length=50)
+    fed = LocalFederation(params, [1, 2, 3])
+    fed.setup()
+    rng = np.random.default_rng(0)
+    for r, n in ((1, 7), (2, 50), (3, 1)):
+        xs = {i: rng.integers(0, 2**40, n, dtype=np.uint64) for i in (1, 2, 3)}
+        res = fed.round(r, xs, length=n, drop_before_masked={3} if r == 2 else ())
+        assert res.included == ((1, 2) if r >= 2 else (1, 2, 3))  # 3 missed round 2, rejoins at 4
+        want = sum(xs[i] for i in res.included)
+        assert res.total.shape == (n,) and np.array_equal(res.total, want)
+    with pytest.raises(ValueError, match="length"):
+        fed.server.begin_round(4, 51)

@@ -265,7 +265,7 @@ class SecAggClient:
 
     # ---- stage 2: masked input ----------------------------------------------------------------
     def masked_input(self, start: RoundStart, x: np.ndarray, *, share_next: bool = True) -> MaskedInput:
-        """``x``: ``[length]`` integers in [0, 2^bits) (see ``encoding.encode_fixed``). With
+        """``x``: ``[start.length]`` integers in [0, 2^bits) (see ``encoding.encode_fixed``). With
         ``share_next`` the share keys of round + 1 ride along, so the next round needs no extra
         exchange."""
         st = self._state(start.round, Phase.SHARED, "masked input")
@@ -305,7 +305,10 @@ class SecAggClient:
             got[e.sender] = e
         if missing := sorted(expected - got.keys()):
             raise ProtocolViolation(f"round {r}: no share envelope from participating peer(s) {missing}")
-        v_arr = self._check_input(x, r)
+        length = start.length or p.length
+        if not 1 <= length <= p.length:
+            raise ProtocolViolation(f"round {r}: round length {length} outside [1, {p.length}] (params.length)")
+        v_arr = self._check_input(x, r, length)
         held = {}
         for v in sorted(got):  # decrypt everything before any mask is computed
             e = got[v]
@@ -319,10 +322,10 @@ class SecAggClient:
             except ValueError as exc:
                 raise ProtocolViolation(f"round {r}: malformed share from client {v}: {exc}") from None
         # y = x + PRG(b) + sum_{v>u} PRG(s_uv) - sum_{v<u} PRG(s_uv)  mod 2^bits, all [length]
-        y = P.prg(P.self_mask_key(p.run_id, r, self.cid, st.b), p.length, p.bits)
+        y = P.prg(P.self_mask_key(p.run_id, r, self.cid, st.b), length, p.bits)
         y += v_arr
         for v in sorted(mine - {self.cid}):
-            m = P.prg(P.pair_mask_key(p.run_id, r, self.cid, v, st.s_sk, s_pks[v]), p.length, p.bits)
+            m = P.prg(P.pair_mask_key(p.run_id, r, self.cid, v, st.s_sk, s_pks[v]), length, p.bits)
             if v > self.cid:
                 y += m
             else:
@@ -335,11 +338,11 @@ class SecAggClient:
         st.s_sk = st.b = b""  # only the shares are needed from here on
         return y
 
-    def _check_input(self, x: np.ndarray, r: int) -> np.ndarray:
+    def _check_input(self, x: np.ndarray, r: int, length: int) -> np.ndarray:
         p = self.params
         x = np.asarray(x)
-        if x.shape != (p.length,) or not np.issubdtype(x.dtype, np.integer):
-            raise ValueError(f"round {r}: input must be [{p.length}] integers, got {x.shape} {x.dtype}")
+        if x.shape != (length,) or not np.issubdtype(x.dtype, np.integer):
+            raise ValueError(f"round {r}: input must be [{length}] integers, got {x.shape} {x.dtype}")
         if x.size and (int(x.min()) < 0 or int(x.max()) > P.ring_mask(p.bits)):
             raise ValueError(f"round {r}: input outside [0, 2^{p.bits}); encode with encode_fixed/to_ring")
         return x.astype(P.word_dtype(p.bits))

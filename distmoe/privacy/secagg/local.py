@@ -61,12 +61,13 @@ class LocalFederation:
         self.exchanges += 1
 
     def round(self, r: int, inputs: Mapping[int, np.ndarray], *, drop_before_masked: Collection[int] = (),
-              drop_before_unmask: Collection[int] = (), offline: Collection[int] = ()) -> AggregateResult:
+              drop_before_unmask: Collection[int] = (), offline: Collection[int] = (),
+              length: int | None = None) -> AggregateResult:
         """Exchange 1: RoundStart (+ the training request) down, masked input + next share keys up;
         an online client outside U1 answers with next share keys only and rejoins at r + 1.
         Exchange 2: unmask request down, shares up."""
         self.up, self.down = {}, {}
-        starts = self.server.begin_round(r)
+        starts = self.server.begin_round(r, length)
         masked, late_keys = [], []
         for i in self.server.roster:
             if i in offline or i in drop_before_masked:

@@ -45,7 +45,7 @@ class SecAggParams:
     run_id: bytes  # unique per run; bound into every key derivation and associated data
     threshold: int  # t: shares needed to reconstruct a secret; every stage aborts below t
     bits: int  # inputs and sums live in Z_{2^bits}, 1 <= bits <= 64
-    length: int  # number of elements of each input vector
+    length: int  # the most elements an input vector may have (each round declares its own length <= this)
 
     def __post_init__(self):
         if not isinstance(self.run_id, bytes) or not 0 < len(self.run_id) <= 255:
@@ -129,6 +129,11 @@ class RoundStart:
     recipient: int
     participants: tuple[tuple[int, bytes], ...]  # U1 as (id, s_pk), sorted by id
     shares: tuple[EncryptedShares, ...]  # from each peer in U1, addressed to recipient
+    length: int = 0  # elements of this round's input vectors; 0 = params.length
+
+    def __post_init__(self):
+        if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 0:
+            raise ValueError(f"length must be an int >= 0, got {self.length!r}")
 
 
 @dataclass(frozen=True, eq=False)

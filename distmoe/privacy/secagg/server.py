@@ -60,6 +60,7 @@ class _ServerRound:
     stage: str = "masked"  # masked -> unmask -> done
     u2: tuple[int, ...] = ()
     acc: np.ndarray | None = None  # [length] running sum of the masked inputs
+    length: int = 0  # this round's vector length
 
 
 class SecAggServer:
@@ -94,6 +95,7 @@ class SecAggServer:
             rs = self._rounds[r]
             acc = None if rs.acc is None else S.b64(rs.acc.astype(rs.acc.dtype.newbyteorder("<")).tobytes())
             rounds.append({"round": rs.round, "u1": list(rs.u1), "stage": rs.stage, "u2": list(rs.u2),
+                           "length": rs.length,
                            "s_pk": [[v, S.b64(k)] for v, k in sorted(rs.s_pk.items())],
                            "commits": [[v, S.b64(k)] for v, k in sorted(rs.commits.items())], "acc": acc})
         pending = [[r, [[v, _share_keys_json(m)] for v, m in sorted(by.items())]]
@@ -134,14 +136,18 @@ class SecAggServer:
         dt = P.word_dtype(params.bits)
         for d in body["rounds"]:
             acc = None
+            length = S.as_int(d["length"])
+            if not 1 <= length <= params.length:
+                raise ValueError("round length")
             if d["acc"] is not None:
-                raw = S.unb64(d["acc"], params.length * dt.itemsize)
+                raw = S.unb64(d["acc"], length * dt.itemsize)
                 acc = np.frombuffer(raw, dtype=dt.newbyteorder("<")).astype(dt)
             if d["stage"] not in ("masked", "unmask", "done"):
                 raise ValueError("unknown round stage")
             rs = _ServerRound(S.as_int(d["round"]), S.ints(d["u1"]),
                               {S.as_int(v): S.unb64(k, P.KEY_BYTES) for v, k in d["s_pk"]},
-                              {S.as_int(v): S.unb64(k, 32) for v, k in d["commits"]}, d["stage"], S.ints(d["u2"]), acc)
+                              {S.as_int(v): S.unb64(k, 32) for v, k in d["commits"]}, d["stage"], S.ints(d["u2"]), acc,
+                              length)
             if (rs.stage == "unmask") != (acc is not None):
                 raise StateCorrupt("server state: a running sum at the wrong stage")
             srv._rounds[rs.round] = rs
@@ -200,10 +206,14 @@ class SecAggServer:
             return "envelopes not addressed to exactly its peers"
         return None
 
-    def begin_round(self, r: int) -> dict[int, RoundStart]:
-        """Close U1 for round ``r`` and build each participant's ``RoundStart``."""
+    def begin_round(self, r: int, length: int | None = None) -> dict[int, RoundStart]:
+        """Close U1 for round ``r`` and build each participant's ``RoundStart``; ``length``: this round's
+        vector length (default ``params.length``, at most that)."""
         if self._keys is None:
             raise ProtocolViolation("round before setup")
+        length = self.params.length if length is None else length
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= self.params.length:
+            raise ValueError(f"round {r}: length {length!r} outside [1, params.length = {self.params.length}]")
         if self._last_begun is not None and r <= self._last_begun:
             raise RepeatedRequest(f"round {r}: rounds must increase (last begun: {self._last_begun})")
         for old in [k for k in self._pending if k < r]:
@@ -233,8 +243,9 @@ class SecAggServer:
                 if e.recipient in u1:
                     inbox[e.recipient].append(e)
         self._rounds[r] = _ServerRound(r, order, {v: pend[v].s_pk for v in order},
-                                       {v: pend[v].b_commit for v in order})
-        return {u: RoundStart(r, u, participants, tuple(sorted(inbox[u], key=lambda e: e.sender))) for u in order}
+                                       {v: pend[v].b_commit for v in order}, length=length)
+        return {u: RoundStart(r, u, participants, tuple(sorted(inbox[u], key=lambda e: e.sender)), length)
+                for u in order}
 
     # ---- stage 2: masked input ----------------------------------------------------------------
     def receive_masked(self, r: int, msgs: Iterable[MaskedInput]) -> UnmaskRequest:
@@ -243,7 +254,8 @@ class SecAggServer:
         rs = self._stage(r, "masked")
         p = self.params
         dt = P.word_dtype(p.bits)
-        acc = np.zeros(p.length, dtype=dt)  # [length]
+        n = rs.length
+        acc = np.zeros(n, dtype=dt)  # [length]
         got: list[int] = []
         nxt: list[ShareKeys] = []
         for m in msgs:
@@ -252,8 +264,8 @@ class SecAggServer:
                 why = "not a participant of the round"
             elif m.sender in got:
                 why = "second masked input"
-            elif m.y.shape != (p.length,) or m.y.dtype != dt:
-                why = f"masked input of shape {m.y.shape} {m.y.dtype}, expected ({p.length},) {dt}"
+            elif m.y.shape != (n,) or m.y.dtype != dt:
+                why = f"masked input of shape {m.y.shape} {m.y.dtype}, expected ({n},) {dt}"
             elif p.bits not in (32, 64) and int(m.y.max()) > P.ring_mask(p.bits):
                 why = f"masked input outside Z_2^{p.bits}"
             elif m.next_keys is not None and (m.next_keys.sender != m.sender or m.next_keys.round != r + 1):
@@ -314,14 +326,14 @@ class SecAggServer:
             if P.commit(b, P.b_commit_ctx(p.run_id, r, v)) != rs.commits[v]:
                 raise ReconstructionFailed(f"round {r}: the self-mask seed of client {v} does not match its "
                                            "commitment (a corrupt share)", owner=v, round=r)
-            total -= P.prg(P.self_mask_key(p.run_id, r, v, b), p.length, p.bits)
+            total -= P.prg(P.self_mask_key(p.run_id, r, v, b), rs.length, p.bits)
         for v in sorted(dead):  # remove the pairwise masks survivors hold with dropped participants
             sk = self._reconstruct(r, v, s_pts[v], "mask key")
             if P.public_from_private(sk) != rs.s_pk[v]:
                 raise ReconstructionFailed(f"round {r}: the mask key of client {v} does not match its public key "
                                            "(a corrupt share)", owner=v, round=r)
             for u in sorted(alive & self._holders[v]):
-                m = P.prg(P.pair_mask_key(p.run_id, r, u, v, sk, rs.s_pk[u]), p.length, p.bits)
+                m = P.prg(P.pair_mask_key(p.run_id, r, u, v, sk, rs.s_pk[u]), rs.length, p.bits)
                 if v > u:  # y_u carried +PRG(s_uv) for v > u, -PRG(s_uv) for v < u
                     total -= m
                 else:

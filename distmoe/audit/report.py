@@ -1,0 +1,120 @@
+"""The audit report: ``RUN/audit/audit.json`` and ``RUN/audit/audit.md``, the stdout summary, the CLI body.
+
+Owns: the Markdown layout (verdict first, a table of checks, the per-party epsilon table, the releases,
+then every check's details), atomic writes of both files, and :func:`cli_audit` (what
+``distmoe audit`` does: exit 0 pass, 1 violation, 2 unusable input with one ``error: ...`` line).
+
+Must not: decide anything (the engine does) or print a canary string (details carry SHA-256 prefixes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from distmoe.audit.engine import AuditInputError, AuditResult, audit_run
+from distmoe.report.metrics_log import sanitize, write_json_atomic, write_text_atomic
+
+__all__ = ["cli_audit", "render_markdown", "summary", "write_audit"]
+
+MAX_DETAILS = 50  # per check in the Markdown (the JSON keeps all)
+DASH = "–"
+
+
+def _fmt(v: Any, spec: str = ".4f") -> str:
+    if isinstance(v, bool) or v is None:
+        return DASH
+    if isinstance(v, float):
+        return format(v, spec) if math.isfinite(v) else DASH
+    return str(v)
+
+
+def _cell(s: Any) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(result: AuditResult) -> str:
+    counts = {s: sum(c.status == s for c in result.checks) for s in ("pass", "fail", "skipped")}
+    out = [f"# Privacy audit: {result.run_id}", ""]
+    if result.passed:
+        out.append(f"**Verdict: PASS** ({counts['pass']} checks passed, {counts['skipped']} skipped)")
+    else:
+        out.append(f"**Verdict: FAIL**: {', '.join(result.failed)}")
+    out += ["", f"Run directory: `{result.run_dir}`. Ledgers audited: {', '.join(result.ledgers)}.", "",
+            "## Checks", "", "| check | status | summary |", "|---|---|---|"]
+    for c in result.checks:
+        if c.status == "fail":
+            first = f"{len(c.findings)} finding(s); first: {c.findings[0]}"
+        else:
+            first = c.details[0] if c.details else ""
+        out.append(f"| {c.name} | {c.status.upper() if c.status == 'fail' else c.status} | {_cell(first)} |")
+    out += ["", "## Epsilon per party", ""]
+    if result.epsilon:
+        out += ["| party | DP releases | eps (PRV) | eps (RDP) | eps = max | budget | delta | server eps | status |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for p, r in result.epsilon.items():
+            out.append(f"| {p} | {r['releases']} | {_fmt(r['eps_prv'])} | {_fmt(r['eps_rdp'])} | "
+                       f"{_fmt(r['epsilon'])} | {_fmt(r['budget'], 'g')} | {_fmt(r['delta'], 'g')} | "
+                       f"{_fmt(r['server_epsilon'])} | {r['status']} |")
+        out += ["", "eps is recomputed from the coordinator's release entries (z_eff from the survivors); "
+                "the server's own figure is shown for comparison only."]
+    else:
+        out.append("No epsilon could be computed (see the epsilon check).")
+    if result.releases:
+        out += ["", "## Releases", "", "| seq | round | type | included | DP | z_eff | sigma_hat/sigma | noise p | "
+                "row-sum p |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in result.releases:
+            out.append(f"| {r['seq']} | {_fmt(r['round'])} | {r['type']} | {len(r['included'])} | "
+                       f"{'yes' if r['dp'] else 'no'} | {_fmt(r['z_eff'])} | {_fmt(r.get('sigma_ratio'), '.3f')} | "
+                       f"{_fmt(r.get('noise_p'), '.3g')} | {_fmt(r.get('row_sum_p'), '.3g')} |")
+    out += ["", "## Details"]
+    for c in result.checks:
+        out += ["", f"### {c.name}: {c.status}", ""]
+        shown = c.details[:MAX_DETAILS]
+        out += [f"- {d}" for d in shown] or ["- (nothing to report)"]
+        if len(c.details) > MAX_DETAILS:
+            out.append(f"- ... and {len(c.details) - MAX_DETAILS} more (see audit.json)")
+    return "\n".join(out) + "\n"
+
+
+def write_audit(result: AuditResult, out_dir: str | os.PathLike[str] | None = None) -> tuple[Path, Path]:
+    """Write ``audit.json`` and ``audit.md`` atomically into ``out_dir`` (default ``RUN/audit``)."""
+    d = Path(out_dir) if out_dir is not None else result.run_dir / "audit"
+    body = {**result.to_dict(), "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    jpath, mpath = d / "audit.json", d / "audit.md"
+    write_json_atomic(jpath, body)
+    write_text_atomic(mpath, render_markdown(result))
+    return jpath, mpath
+
+
+def summary(result: AuditResult, report: Path | None = None) -> str:
+    lines = [f"audit {result.run_id}: {result.verdict.upper()}"]
+    for c in result.checks:
+        if c.status == "fail":
+            lines.append(f"  FAIL {c.name}: {c.findings[0] if c.findings else ''}"
+                         + (f" (+{len(c.findings) - 1} more)" if len(c.findings) > 1 else ""))
+    if report is not None:
+        lines.append(f"report: {report}")
+    return "\n".join(lines)
+
+
+def cli_audit(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str] | None = None,
+              canaries: str | None = None, as_json: bool = False) -> int:
+    """``distmoe audit``: audit, write the report, print a summary (or the JSON); return the exit status."""
+    try:
+        result = audit_run(run_dir, party_ledgers=party_ledgers or None, canaries=canaries)
+    except AuditInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    jpath, mpath = write_audit(result)
+    if as_json:
+        print(json.dumps(sanitize({**result.to_dict(), "report": str(mpath)}), indent=2))
+    else:
+        print(summary(result, mpath))
+    return 0 if result.passed else 1

@@ -1,0 +1,118 @@
+"""The privacy plan of a run: how many releases each party's data goes into, and the noise they need.
+
+Owns: counting the DP releases in a schedule (one router-statistics release per ``stats`` round, one
+update release per ``sft``/``rl`` round when ``privacy.update-noise-multiplier > 0``), deriving the
+router-statistics noise multiplier from the budget when ``privacy.noise-multiplier = 0`` (the smallest
+``z`` whose composition with the planned update releases stays within ``privacy.epsilon`` at
+``privacy.delta``), the secure-aggregation threshold for ``n`` parties, and the Skellam calibration for
+``n`` parties and threshold ``t``.
+
+Dropouts: every share is over-provisioned for the worst survivor set the protocol allows (``t``
+parties: ``max_dropouts = n - t``), so ``z_eff >= z`` for any round that completes, and a party can
+account each release at ``z`` before it sends anything. The audit recomputes ``z_eff`` from the
+survivors actually present (never below ``z``).
+
+Must not: import ``flwr`` or ``torch``, or read party data (only public configuration).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from distmoe.config import ConfigError, PrivacyConfig, ScheduleConfig
+from distmoe.privacy.accountant import PrivacyEvent, epsilon_from_events, noise_multiplier_for
+from distmoe.privacy.dp import SkellamSpec
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    mode: str
+    epsilon: float
+    delta: float
+    noise_multiplier: float  # router statistics (0 when the schedule has no stats round)
+    derived: bool  # noise_multiplier derived from the budget
+    update_noise_multiplier: float  # 0 = no DP on updates
+    stats_releases: int
+    update_releases: int
+    planned_epsilon: float  # epsilon of all planned releases at these multipliers (max of PRV, RDP)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def events(self) -> list[PrivacyEvent]:
+        ev = []
+        if self.stats_releases and self.noise_multiplier > 0:
+            ev.append(PrivacyEvent(self.noise_multiplier, 1.0, self.stats_releases, "skellam", "router-stats"))
+        if self.update_releases and self.update_noise_multiplier > 0:
+            ev.append(PrivacyEvent(self.update_noise_multiplier, 1.0, self.update_releases, "skellam", "model-update"))
+        return ev
+
+
+def count_releases(p: PrivacyConfig, schedule: ScheduleConfig) -> tuple[int, int]:
+    stats = sum(ph.rounds for ph in schedule.phases if ph.kind == "stats")
+    updates = sum(ph.rounds for ph in schedule.phases if ph.kind in ("sft", "rl")) if p.update_noise_multiplier > 0 \
+        else 0
+    return stats, updates
+
+
+def _eps(events: list[PrivacyEvent], delta: float) -> float:
+    if not events:
+        return 0.0
+    prv, rdp = epsilon_from_events(events, delta)
+    return max(rdp, prv) if math.isfinite(prv) else rdp
+
+
+@lru_cache(maxsize=32)
+def _plan(p: PrivacyConfig, schedule: ScheduleConfig) -> PrivacyPlan:
+    n_stats, n_upd = count_releases(p, schedule)
+    upd = [PrivacyEvent(p.update_noise_multiplier, 1.0, n_upd, "skellam")] if n_upd else []
+    z = p.noise_multiplier
+    derived = False
+    if n_stats and z == 0:
+        derived = True
+        if upd and _eps(upd, p.delta) >= p.epsilon:
+            raise ConfigError(f"config key 'privacy.update-noise-multiplier': value {p.update_noise_multiplier:g} "
+                              f"alone spends epsilon {_eps(upd, p.delta):.3f} over {n_upd} update releases, "
+                              f"at or above privacy.epsilon = {p.epsilon:g}: nothing is left for router statistics")
+        if not upd:
+            z = noise_multiplier_for(p.epsilon, p.delta, n_stats)
+        else:  # geometric bisection of the stats z with the update events composed in
+            lo, hi = 0.05, 1e5
+            while hi / lo > 1.001:
+                mid = math.sqrt(lo * hi)
+                if _eps([PrivacyEvent(mid, 1.0, n_stats), *upd], p.delta) > p.epsilon:
+                    lo = mid
+                else:
+                    hi = mid
+            z = hi
+    plan = PrivacyPlan(p.mode, p.epsilon, p.delta, z if n_stats else 0.0, derived, p.update_noise_multiplier,
+                       n_stats, n_upd, 0.0)
+    eps = _eps(plan.events(), p.delta)
+    if eps > p.epsilon * (1 + 1e-9):
+        raise ConfigError(f"config key 'privacy.noise-multiplier': the planned releases ({n_stats} router-statistics"
+                          f" at z = {z:g}, {n_upd} updates at z = {p.update_noise_multiplier:g}) spend epsilon "
+                          f"{eps:.3f} > privacy.epsilon = {p.epsilon:g}; raise the noise or the budget, or set "
+                          "privacy.noise-multiplier = 0 to derive it")
+    return PrivacyPlan(**{**plan.as_dict(), "planned_epsilon": eps})
+
+
+def plan_privacy(p: PrivacyConfig, schedule: ScheduleConfig) -> PrivacyPlan:
+    """The run's plan (cached: deriving z runs the PRV accountant a few dozen times, ~1 s)."""
+    return _plan(p, schedule)
+
+
+def threshold_for(n_parties: int, min_parties: int) -> int:
+    """SecAgg threshold: a strict majority (so two disjoint sets cannot both reconstruct) and at least
+    ``privacy.min-parties`` (every release is a sum over at least that many parties)."""
+    return max(int(min_parties), n_parties // 2 + 1, 2)
+
+
+def stats_spec(p: PrivacyConfig, noise_multiplier: float, layers: int, experts: int, n_parties: int,
+               threshold: int) -> SkellamSpec:
+    if noise_multiplier <= 0:
+        raise ValueError("router statistics need a noise multiplier > 0")
+    return SkellamSpec(layers=layers, experts=experts, noise_multiplier=noise_multiplier, n_parties=n_parties,
+                       num_sequences_max=p.num_sequences_max, scale=p.scale, n_canaries=p.canaries,
+                       max_dropouts=n_parties - threshold)

@@ -1,0 +1,184 @@
+"""The coordinator's side of secure aggregation over a transport: setup once per run, then one secure
+sum per round, with the privacy gate before anything is unmasked.
+
+Owns: the ``SecAggServer`` of the run (state in ``<run>/privacy/secagg-server.state``), the run's
+roster (the parties that completed setup) and names, the server's per-party accountants
+(``<run>/privacy/ledger.json``), and the order of a round:
+
+1. ``begin_round``: RoundStart for every party that shared keys (U1); the others get the instruction
+   without one and answer with share keys for the next round (they rejoin there);
+2. exchange 1: phase instruction down, masked input (+ next round's share keys) up;
+3. gate: at least ``privacy.min-parties`` masked inputs, and for a DP release no included party's
+   budget exceeded at the survivors' ``z_eff`` (else the run stops before unmasking: the sum stays
+   masked, nothing is released);
+4. exchange 2: unmask request to the survivors (U2), shares up, ``finish`` -> the sum of U2's inputs.
+
+A round that cannot complete (below the threshold at any stage, a corrupt share) releases nothing
+and the model or anchor stays unchanged; the next round starts from whoever shared keys for it.
+
+Must not: see any individual input, import ``flwr``, or read party data.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from distmoe.config import RunConfig
+from distmoe.privacy import secagg as sa
+from distmoe.privacy.accountant import Accountant, BudgetExceeded, PrivacyEvent
+from distmoe.privacy.plan import PrivacyPlan, threshold_for
+from distmoe.report.metrics_log import write_json_atomic, write_text_atomic
+from distmoe.wire.schema import (
+    DirectoryRequest,
+    KeyAdvertReply,
+    MaskedReply,
+    SecureInstruction,
+    SetupRequest,
+    ShareKeysReply,
+    UnmaskRequestMsg,
+    UnmaskResponseMsg,
+)
+
+
+class PrivacyStop(RuntimeError):
+    """The run must stop before a release (budget, or too few parties for the threshold)."""
+
+
+@dataclass
+class SecureSum:
+    total: np.ndarray  # [length] uint64: the sum of the included parties' inputs
+    included: tuple[str, ...]
+    dropped: tuple[str, ...]
+    responders: tuple[str, ...]
+    n_active: int
+
+
+class SecureRounds:
+    def __init__(self, cfg: RunConfig, plan: PrivacyPlan, transport, run_dir: Path, say: Callable[[str], None],
+                 report_errors: Callable[[str, dict[int, str]], None]):
+        self.cfg, self.plan, self.transport = cfg, plan, transport
+        self.dir = Path(run_dir) / "privacy"
+        self.say, self.report_errors = say, report_errors
+        self.server: sa.SecAggServer | None = None
+        self.roster: tuple[int, ...] = ()
+        self.threshold = 0
+        self.accountants: dict[str, Accountant] = {}
+
+    @property
+    def names(self) -> dict[int, str]:
+        return self.transport.guard.names
+
+    def name(self, node: int) -> str:
+        return self.transport.guard.peer(node)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, nodes: list[int], max_length: int) -> None:
+        p, timeout = self.cfg.privacy, self.cfg.federation.round_timeout
+        t = threshold_for(len(nodes), p.min_parties)
+        params = sa.SecAggParams(os.urandom(16), t, 64, max_length)
+        self.server = sa.SecAggServer(params)
+        self.threshold = t
+        req = SetupRequest(params.run_id, t, max_length, len(nodes), self.plan.noise_multiplier,
+                           self.plan.update_noise_multiplier)
+        replies, errors = self.transport.exchange({n: req for n in nodes}, KeyAdvertReply, timeout, rnd=0,
+                                                  phase="setup")
+        self.report_errors("setup", errors)
+        adverts = [sa.KeyAdvert(n, r.c_pk) for n, r in replies.items()]
+        try:
+            directory = self.server.register(adverts)
+        except sa.SecAggAbort as exc:
+            raise PrivacyStop(f"secure-aggregation setup failed: {exc} ({len(adverts)} of {len(nodes)} parties "
+                              f"answered; threshold t = {t})") from None
+        roster = self.server.roster
+        names = tuple((n, self.name(n)) for n in roster)
+        replies, errors = self.transport.exchange({n: DirectoryRequest(directory, 1, names) for n in roster},
+                                                  ShareKeysReply, timeout, rnd=0, phase="setup")
+        self.report_errors("setup", errors)
+        self.server.add_share_keys([r.keys for r in replies.values()])
+        self.roster = roster
+        for n in roster:
+            self.accountants.setdefault(self.name(n), Accountant(p.delta, p.epsilon))
+        self._save()
+        left = sorted(set(nodes) - set(roster))
+        self.say(f"secure aggregation: {len(roster)} parties in the run, threshold t = {t}, "
+                 f"{len(replies)} shared keys for round 1" + (f"; left out (no key advert): {left}" if left else ""))
+
+    def _save(self) -> None:
+        write_text_atomic(self.dir / "secagg-server.state", self.server.to_state())
+        write_json_atomic(self.dir / "ledger.json", {
+            "epsilon_budget": self.cfg.privacy.epsilon, "delta": self.cfg.privacy.delta, "plan": self.plan.as_dict(),
+            "threshold": self.threshold, "roster": [self.name(n) for n in self.roster],
+            "parties": {k: a.state_dict() for k, a in sorted(self.accountants.items())},
+            "epsilon": {k: {"prv": a.epsilon()[0], "rdp": a.epsilon()[1]} for k, a in sorted(self.accountants.items())},
+        })
+
+    # ------------------------------------------------------------------ one round
+    def round(self, rnd: int, phase: str, instr: object, release: str, length: int,
+              dp_event: Callable[[int], PrivacyEvent] | None = None) -> SecureSum | None:
+        """One secure sum; ``dp_event(n_active)`` gives the release's event at ``n_active`` survivors
+        (None: not a DP release). Returns None when the round released nothing."""
+        timeout = self.cfg.federation.round_timeout
+        try:
+            starts = self.server.begin_round(rnd, length)
+        except sa.BelowThreshold as exc:
+            starts = {}
+            self.say(f"round {rnd}: too few parties shared keys ({exc}); collecting keys for the next round")
+        msgs = {n: SecureInstruction(instr, starts.get(n), release) for n in self.roster}
+        replies, errors = self.transport.exchange(msgs, MaskedReply, timeout, rnd=rnd, phase=phase,
+                                                  lengths={n: length for n in starts})
+        self.report_errors(phase, errors)
+        masked = [r.masked for r in replies.values() if r.masked is not None]
+        self.server.add_share_keys([r.late_keys for r in replies.values() if r.late_keys is not None])
+        if not starts:
+            self._save()
+            return None
+        try:
+            request = self.server.receive_masked(rnd, masked)
+        except sa.SecAggAbort as exc:
+            self._save()
+            self.say(f"round {rnd}: nothing released: {exc}")
+            return None
+        n_active = len(request.alive)
+        included = tuple(self.name(n) for n in request.alive)
+        if n_active < self.cfg.privacy.min_parties:
+            self._save()
+            self.say(f"round {rnd}: only {n_active} masked inputs, below privacy.min-parties = "
+                     f"{self.cfg.privacy.min_parties}: not unmasked, nothing released")
+            return None
+        if dp_event is not None:
+            ev = dp_event(n_active)
+            for party in included:
+                acc = self.accountants[party]
+                if acc.would_exceed(ev):
+                    self._save()
+                    raise PrivacyStop(f"round {rnd}: releasing {release} would exceed party {party}'s privacy "
+                                      f"budget privacy.epsilon = {acc.epsilon_budget:g} (now "
+                                      f"{acc.primary_epsilon():.3f}, after {acc.epsilon_after(ev):.3f}); the sum "
+                                      "was not unmasked and the run stops here")
+        replies, errors = self.transport.exchange({n: UnmaskRequestMsg(request) for n in request.alive},
+                                                  UnmaskResponseMsg, timeout, rnd=rnd, phase=phase)
+        self.report_errors(f"{phase} unmask", errors)
+        try:
+            res = self.server.finish(rnd, [r.response for r in replies.values()])
+        except sa.SecAggAbort as exc:
+            self._save()
+            self.say(f"round {rnd}: unmasking failed, nothing released: {exc}")
+            return None
+        if dp_event is not None:
+            ev = dp_event(n_active)
+            for party in included:
+                try:
+                    self.accountants[party].spend(ev)
+                except BudgetExceeded as exc:  # checked above; only a race could get here
+                    raise PrivacyStop(str(exc)) from None
+        self._save()
+        return SecureSum(res.total, included, tuple(self.name(n) for n in res.dropped),
+                         tuple(self.name(n) for n in res.responders), n_active)
+
+    def epsilon(self) -> dict[str, dict[str, float]]:
+        return {k: {"prv": a.epsilon()[0], "rdp": a.epsilon()[1]} for k, a in sorted(self.accountants.items())}

@@ -1,0 +1,207 @@
+"""A party's privacy session for one run: its secure-aggregation client, its privacy accountant and the
+public parameters it agreed to, persisted in the party's own work directory between messages.
+
+Owns: ``<work-dir>/secagg/<run>.state`` (the SecAgg client state machine: SECRET, mode 0600),
+``<work-dir>/privacy/<run>.json`` (the setup facts, the party's own noise multipliers and its
+accountant), the party's ledger signing key ``<work-dir>/keys/ledger.key``, and the checks a party
+makes before anything of its data is released: the noise it uses is the larger of its own plan and the
+server's (a server can only tighten it), its budget is ``min(privacy.epsilon, node epsilon-max)``, a
+release that would exceed the budget is refused before the masked input is computed, and an unmask
+request naming fewer than ``privacy.min-parties`` survivors is refused.
+
+Persistence order (a SuperNode runs every message in a new process): the accountant is saved, then
+the SecAgg state, and only then is the reply returned to be sent. A crash in between can only
+over-count a release or make the party refuse a stage it already started; it can never let a stage be
+answered twice.
+
+Must not: import ``flwr``, read another party's directory, or send anything itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from distmoe.config import NodeConfig, RunConfig
+from distmoe.privacy import secagg as sa
+from distmoe.privacy.accountant import Accountant, BudgetExceeded, PrivacyEvent
+from distmoe.privacy.dp import SkellamSpec
+from distmoe.privacy.plan import plan_privacy, stats_spec
+from distmoe.privacy.vectors import EvalLayout, UpdateLayout
+from distmoe.report.metrics_log import write_json_atomic, write_text_atomic
+from distmoe.wire.ledger import Ledger, generate_signing_key, load_signing_key, public_key_hex
+
+
+class SessionError(RuntimeError):
+    """The party refuses a protocol step (its message names why); nothing of its data left."""
+
+
+def _safe(run_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in str(run_id))[:80] or "run"
+
+
+def ledger_key(node: NodeConfig):
+    """The party's Ed25519 ledger signing key (created on first use, mode 0600)."""
+    path = node.work_dir / "keys" / "ledger.key"
+    if path.exists():
+        return load_signing_key(path)
+    try:
+        return generate_signing_key(path)
+    except FileExistsError:  # created concurrently
+        return load_signing_key(path)
+
+
+def open_ledger(node: NodeConfig) -> Ledger:
+    """This party's ledger ``<work-dir>/ledger/<party>.jsonl`` (+ ``.pub`` with the public key)."""
+    key = ledger_key(node)
+    path = node.work_dir / "ledger" / f"{node.party}.jsonl"
+    pub = path.with_suffix(".pub")
+    if not pub.exists():
+        write_text_atomic(pub, public_key_hex(key) + "\n")
+    return Ledger(path, key)
+
+
+@dataclass
+class _Facts:
+    node_id: int
+    secagg_run: str  # hex
+    threshold: int
+    max_length: int
+    noise_multiplier: float
+    update_noise_multiplier: float
+    budget: float
+    roster: list[int]
+    names: dict[str, str]  # node id -> party name
+
+
+class PartySession:
+    def __init__(self, cfg: RunConfig, node: NodeConfig, run_id: str):
+        self.cfg, self.node, self.run_id = cfg, node, str(run_id)
+        base = node.work_dir
+        self.state_path = base / "secagg" / f"{_safe(run_id)}.state"
+        self.facts_path = base / "privacy" / f"{_safe(run_id)}.json"
+        self.facts: _Facts | None = None
+        self.accountant: Accountant | None = None
+        self.client: sa.SecAggClient | None = None
+        if self.facts_path.exists():
+            self._load()
+
+    # ------------------------------------------------------------------ persistence
+    @property
+    def params(self) -> sa.SecAggParams:
+        f = self._need()
+        return sa.SecAggParams(bytes.fromhex(f.secagg_run), f.threshold, 64, f.max_length)
+
+    def _need(self) -> _Facts:
+        if self.facts is None:
+            raise SessionError(f"party {self.node.party}: no secure-aggregation session for run {self.run_id} "
+                               "(the setup stage never reached this party); it sits this run out")
+        return self.facts
+
+    def _load(self) -> None:
+        try:
+            d = json.loads(self.facts_path.read_text())
+            self.facts = _Facts(**d["facts"])
+            self.accountant = Accountant.from_state_dict(d["accountant"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SessionError(f"party {self.node.party}: privacy session file {self.facts_path} is unreadable "
+                               f"({type(exc).__name__}: {exc})") from None
+        if self.state_path.exists():
+            self.client = sa.SecAggClient.from_state(self.params, self.state_path.read_bytes(),
+                                                     cid=self.facts.node_id)
+
+    def save(self) -> None:
+        """Accountant and facts first, then the SecAgg state: both before the reply leaves."""
+        f = self._need()
+        write_json_atomic(self.facts_path, {"facts": f.__dict__, "accountant": self.accountant.state_dict()})
+        if self.client is not None:
+            self.state_path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.state_path, self.client.to_state())
+            os.chmod(self.state_path, 0o600)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, req, node_id: int):
+        """SetupRequest -> (KeyAdvert, ledger public key hex)."""
+        if self.facts is not None:
+            raise SessionError(f"party {self.node.party}: a second setup request for run {self.run_id} (refused: "
+                               "keys are agreed once per run)")
+        p = self.cfg.privacy
+        own = plan_privacy(p, self.cfg.schedule)
+        z = max(own.noise_multiplier, float(req.noise_multiplier))
+        z_upd = max(own.update_noise_multiplier, float(req.update_noise_multiplier))
+        if own.stats_releases and not z > 0:
+            raise SessionError(f"party {self.node.party}: the plan has router-statistics releases but no noise")
+        budget = min(p.epsilon, self.node.epsilon_max or math.inf)
+        if req.threshold < p.min_parties:
+            raise SessionError(f"party {self.node.party}: the server's SecAgg threshold {req.threshold} is below "
+                               f"privacy.min-parties = {p.min_parties}")
+        self.facts = _Facts(node_id=int(node_id), secagg_run=bytes(req.secagg_run).hex(), threshold=int(req.threshold),
+                            max_length=int(req.max_length), noise_multiplier=z, update_noise_multiplier=z_upd,
+                            budget=budget, roster=[], names={})
+        self.accountant = Accountant(p.delta, budget)
+        self.client = sa.SecAggClient(self.params, int(node_id))
+        advert = self.client.advertise()
+        self.save()
+        return advert
+
+    def directory(self, req) -> sa.ShareKeys:
+        f = self._need()
+        self.client.receive_directory(req.directory)
+        f.roster = [cid for cid, _ in req.directory.keys]
+        f.names = {str(i): n for i, n in req.names}
+        keys = self.client.share_keys(req.first_round)
+        self.save()
+        return keys
+
+    # ------------------------------------------------------------------ layouts (public facts only)
+    @property
+    def n_parties(self) -> int:
+        return len(self._need().roster)
+
+    def stats_spec(self, layers: int, experts: int) -> SkellamSpec:
+        f = self._need()
+        return stats_spec(self.cfg.privacy, f.noise_multiplier, layers, experts, self.n_parties, f.threshold)
+
+    def update_layout(self, shapes, metric_keys) -> UpdateLayout:
+        p = self.cfg.privacy
+        return UpdateLayout.build(shapes, metric_keys, self.n_parties, p.update_clip, p.max_weight)
+
+    def eval_layout(self, keys) -> EvalLayout:
+        return EvalLayout(tuple(keys), self.n_parties, self.cfg.privacy.num_sequences_max)
+
+    # ------------------------------------------------------------------ rounds
+    def late_keys(self, round_: int) -> sa.ShareKeys:
+        keys = self.client.share_keys(round_ + 1)
+        self.save()
+        return keys
+
+    def charge(self, event: PrivacyEvent) -> float:
+        """Compose a release into this party's accountant, or refuse it (nothing is sent)."""
+        try:
+            eps = self.accountant.spend(event)
+        except BudgetExceeded as exc:
+            raise SessionError(f"party {self.node.party}: {exc}; release refused before anything was sent") from None
+        return eps
+
+    def masked(self, start, vec) -> sa.MaskedInput:
+        if self.client is None:
+            raise SessionError(f"party {self.node.party}: no SecAgg state for run {self.run_id}")
+        if start.recipient != self._need().node_id:
+            raise SessionError(f"party {self.node.party}: a round start addressed to node {start.recipient}")
+        try:
+            m = self.client.masked_input(start, vec)
+        finally:
+            self.save()
+        return m
+
+    def unmask(self, request) -> sa.UnmaskResponse:
+        mp = self.cfg.privacy.min_parties
+        if len(request.alive) < mp:
+            raise SessionError(f"party {self.node.party}: unmask request for round {request.round} names "
+                               f"{len(request.alive)} surviving parties, below privacy.min-parties = {mp}: refused")
+        try:
+            return self.client.unmask(request)
+        finally:
+            self.save()

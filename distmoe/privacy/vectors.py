@@ -1,0 +1,234 @@
+"""What a party puts into a secure sum: the declared flat layout of every reply kind, as integers in Z_2^64.
+
+Owns: the layouts (``UpdateLayout`` for model updates, ``StatsLayout`` for router statistics,
+``EvalLayout`` for evaluation numbers), each derived only from public facts (the trainable-parameter
+spec, the metric keys, the task list, the number of parties, the privacy config), the encoding of one
+party's values into its input vector and the decoding of the *sum* of all inputs back into aggregates.
+Every layout has an exact ``length``: the client guard and the server check a masked vector against
+it, so nothing else fits into a reply.
+
+Encoding: fixed point in two's complement mod 2^64 (``round(v * 2^frac_bits)``), with ``frac_bits``
+chosen so that the sum over all parties of the largest declared values cannot wrap (checked when the
+layout is built and on every encode). Router statistics are integers already (``distmoe.privacy.dp``:
+per-sequence rounding at scale s, a Skellam noise share, K noise canaries).
+
+Why weights and metrics go inside the sum: a plaintext ``num_examples`` or per-party loss would reveal
+dataset size and data-dependent numbers to the server. Each update is multiplied by its weight
+``w = min(examples, privacy.max-weight)`` and the weight is summed alongside, so the server learns only
+``sum w*delta`` and ``sum w``; each metric is summed as ``w*m`` with ``w*[m finite]`` beside it.
+
+Must not: import ``flwr`` or ``torch``, add noise other than through ``dp``, or accept a value outside
+its declared bound (it clips updates to ``update_clip`` in L2 and metrics to ``METRIC_BOUND``, and says so).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from distmoe.privacy import dp
+
+BITS = 64  # every secure sum of this project lives in Z_2^64
+METRIC_BOUND = 1e6  # |metric| is clipped to this before encoding (losses, rewards, counts are far below)
+_MAX_FRAC_BITS = 40
+
+
+class LayoutError(ValueError):
+    """Values do not fit the declared layout (keys, shapes, bounds)."""
+
+
+def _frac_bits(n_parties: int, bound: float) -> int:
+    """Largest f with n * bound * 2^f < 2^62 (a bit of margin below the sign bit), capped at 40."""
+    f = math.floor(62 - math.log2(max(n_parties, 1) * max(bound, 1.0)))
+    if f < 8:
+        raise LayoutError(f"{n_parties} parties x bound {bound:g} leaves {f} fractional bits in Z_2^64 (need 8)")
+    return min(f, _MAX_FRAC_BITS)
+
+
+def to_ring64(x: np.ndarray) -> np.ndarray:
+    """Signed int64 -> its two's-complement representative in Z_2^64 (uint64, same bits)."""
+    return np.ascontiguousarray(np.asarray(x, np.int64)).view(np.uint64)
+
+
+def from_ring64(v: np.ndarray) -> np.ndarray:
+    """Z_2^64 (uint64) -> signed int64 in [-2^63, 2^63)."""
+    return np.ascontiguousarray(np.asarray(v, np.uint64)).view(np.int64)
+
+
+def _to_fixed(x: np.ndarray, f: int) -> np.ndarray:
+    return to_ring64(np.rint(np.asarray(x, np.float64) * 2.0**f).astype(np.int64))
+
+
+def _from_fixed(v: np.ndarray, f: int) -> np.ndarray:
+    return from_ring64(v).astype(np.float64) / 2.0**f
+
+
+def _weighted_metrics(keys: Sequence[str], values: Mapping[str, float], weights: Mapping[str, float] | float
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """``[k]`` w*m (non-finite m -> 0) and ``[k]`` w*[m finite], metrics clipped to +-METRIC_BOUND."""
+    if set(values) != set(keys):
+        raise LayoutError(f"metric keys {sorted(values)} != declared {sorted(keys)}")
+    wv, wn = np.zeros(len(keys)), np.zeros(len(keys))
+    for i, k in enumerate(keys):
+        v = float(values[k])
+        w = float(weights if isinstance(weights, (int, float)) else weights[k])
+        if math.isfinite(v):
+            wv[i] = w * min(max(v, -METRIC_BOUND), METRIC_BOUND)
+            wn[i] = w
+    return wv, wn
+
+
+def _metric_means(keys: Sequence[str], wv: np.ndarray, wn: np.ndarray) -> dict[str, float]:
+    return {k: (float(wv[i] / wn[i]) if wn[i] > 1e-9 else math.nan) for i, k in enumerate(keys)}
+
+
+# ------------------------------------------------------------------------------------------- updates
+@dataclass(frozen=True)
+class UpdateLayout:
+    """``[sum_k numel_k]`` w*delta (trainable tensors in sorted key order) | ``[1]`` w | ``[M]`` w*metric |
+    ``[M]`` w*[metric finite]. Bounds: ||delta||_2 <= clip, w <= max_weight, |metric| <= METRIC_BOUND."""
+
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]  # sorted trainable (name, shape)
+    metric_keys: tuple[str, ...]
+    n_parties: int
+    clip: float
+    max_weight: int
+
+    @classmethod
+    def build(cls, shapes: Mapping[str, tuple[int, ...]], metric_keys: Sequence[str], n_parties: int, clip: float,
+              max_weight: int) -> UpdateLayout:
+        return cls(tuple(sorted((k, tuple(int(d) for d in v)) for k, v in dict(shapes).items())), tuple(metric_keys),
+                   int(n_parties), float(clip), int(max_weight))
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for _, s in self.shapes)
+
+    @property
+    def length(self) -> int:
+        return self.numel + 1 + 2 * len(self.metric_keys)
+
+    @property
+    def frac_bits(self) -> int:
+        return _frac_bits(self.n_parties, self.max_weight * max(self.clip, METRIC_BOUND))
+
+    def weight_of(self, num_examples: int) -> int:
+        return int(min(max(num_examples, 0), self.max_weight))
+
+    def encode(self, delta: Mapping[str, np.ndarray], num_examples: int, metrics: Mapping[str, float]
+               ) -> tuple[np.ndarray, dict[str, float]]:
+        """One party's input ``[length]`` uint64 and facts for its own log (norm before clipping, clipped?)."""
+        want = dict(self.shapes)
+        if set(delta) != set(want):
+            raise LayoutError(f"update keys differ from the trainable spec: extra {sorted(set(delta) - set(want))[:3]}"
+                              f", missing {sorted(set(want) - set(delta))[:3]}")
+        parts = []
+        for k, shape in self.shapes:
+            a = np.asarray(delta[k], np.float64)
+            if a.shape != shape:
+                raise LayoutError(f"update tensor {k!r} has shape {a.shape}, declared {shape}")
+            if not np.all(np.isfinite(a)):
+                raise LayoutError(f"update tensor {k!r} contains NaN or Inf")
+            parts.append(a.ravel())
+        flat = np.concatenate(parts) if parts else np.zeros(0)  # [numel]
+        norm = float(np.linalg.norm(flat))
+        factor = min(1.0, self.clip / norm) if norm > 0 else 1.0
+        w = self.weight_of(num_examples)
+        wv, wn = _weighted_metrics(self.metric_keys, metrics, float(w))
+        vec = np.concatenate([flat * (factor * w), [float(w)], wv, wn])  # [length]
+        return _to_fixed(vec, self.frac_bits), {"norm": norm, "clipped": float(factor < 1.0), "weight": float(w)}
+
+    def decode(self, total: np.ndarray) -> tuple[dict[str, np.ndarray] | None, float, dict[str, float]]:
+        """From the sum: (weighted-average delta per tensor, or None if the total weight is 0; total weight;
+        weighted-mean metrics)."""
+        v = _from_fixed(total, self.frac_bits)
+        if v.shape != (self.length,):
+            raise LayoutError(f"sum has shape {v.shape}, layout length {self.length}")
+        n, m = self.numel, len(self.metric_keys)
+        w = float(v[n])
+        metrics = _metric_means(self.metric_keys, v[n + 1:n + 1 + m], v[n + 1 + m:])
+        if w < 0.5:
+            return None, w, metrics
+        out, off = {}, 0
+        for k, shape in self.shapes:
+            size = math.prod(shape)
+            out[k] = (v[off:off + size] / w).reshape(shape).astype(np.float32)
+            off += size
+        return out, w, metrics
+
+
+# ------------------------------------------------------------------------------------------ router stats
+@dataclass(frozen=True)
+class StatsLayout:
+    """``[L*E]`` per-sequence-rounded integer statistic + Skellam share | ``[K]`` noise canaries."""
+
+    spec: dp.SkellamSpec
+
+    @property
+    def length(self) -> int:
+        return self.spec.payload_len
+
+    def encode(self, per_seq: np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
+        """``per_seq``: ``[N, L, E]`` per-sequence mean router distributions -> ``[length]`` uint64."""
+        a = np.asarray(per_seq, np.float64)
+        if a.ndim != 3 or a.shape[1:] != (self.spec.layers, self.spec.experts):
+            raise LayoutError(f"per-sequence statistics {a.shape} do not match [N, {self.spec.layers}, "
+                              f"{self.spec.experts}]")
+        ints = dp.encode_per_sequence(a, self.spec.scale) if len(a) else np.zeros(a.shape[1:], np.int64)
+        share = dp.client_share(ints, self.spec, len(a), rng)  # [length] int64, noised
+        return to_ring64(share)
+
+    def decode(self, total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """From the sum: (noisy ``[L, E]`` sum in sequence units, ``[K]`` canary coordinates, integer units)."""
+        ints = from_ring64(total)
+        if ints.shape != (self.length,):
+            raise LayoutError(f"sum has shape {ints.shape}, layout length {self.length}")
+        d = self.spec.dim
+        noisy = ints[:d].reshape(self.spec.layers, self.spec.experts).astype(np.float64) / self.spec.scale
+        return noisy, ints[d:].copy()
+
+
+# ----------------------------------------------------------------------------------------------- eval
+@dataclass(frozen=True)
+class EvalLayout:
+    """``[M]`` w*metric | ``[M]`` w*[finite]: ``acc|loss/<task>`` weighted by ``n/<task>``; ``n/<task>``
+    summed as is; routing metrics weighted by the party's evaluated sequences."""
+
+    keys: tuple[str, ...]
+    n_parties: int
+    num_sequences_max: int
+
+    @property
+    def length(self) -> int:
+        return 2 * len(self.keys)
+
+    @property
+    def frac_bits(self) -> int:
+        return _frac_bits(self.n_parties, self.num_sequences_max * METRIC_BOUND)
+
+    def _weights(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        def n(key: str) -> float:
+            v = float(metrics.get(key, 0.0))
+            return min(max(v, 0.0), float(self.num_sequences_max)) if math.isfinite(v) else 0.0
+        total = sum(n(k) for k in self.keys if k.startswith("n/"))
+        out = {}
+        for k in self.keys:
+            head, _, task = k.partition("/")
+            out[k] = 1.0 if head == "n" else (n(f"n/{task}") if task else total)
+        return out
+
+    def encode(self, metrics: Mapping[str, float]) -> np.ndarray:
+        wv, wn = _weighted_metrics(self.keys, metrics, self._weights(metrics))
+        return _to_fixed(np.concatenate([wv, wn]), self.frac_bits)
+
+    def decode(self, total: np.ndarray) -> dict[str, float]:
+        v = _from_fixed(total, self.frac_bits)
+        m = len(self.keys)
+        out = _metric_means(self.keys, v[:m], v[m:])
+        for i, k in enumerate(self.keys):  # counts are sums, not means
+            if k.startswith("n/"):
+                out[k] = float(round(v[i]))
+        return out

@@ -1,0 +1,299 @@
+"""The coordinator's side of the wire: the run's allow-list, the inbound guard, the coordinator's ledger
+entries, and the transport logic shared by the Flower Grid transport and the in-process one.
+
+Owns:
+- ``build_policy``: the allow-list of the run, derived by encoding prototype payloads of the declared
+  layouts with the real codec (so it is exactly what the codec can produce, not a hand-kept list):
+  per payload type the allowed and required ``<record>.<key>`` names, the shapes of fixed-shape arrays,
+  and a byte budget. It is hashed into the first entry of the coordinator's ledger.
+- ``ServerGuard``: every outbound instruction is encoded and logged; every inbound reply is checked
+  before anything reads it (payload type on the allow-list, keys, required keys, fixed shapes, byte
+  budget, no text or bytes outside the protocol's fields, every array header parsed so trailing bytes
+  are rejected, finite values, the masked-vector length the round declared) and logged with the
+  sender's ledger head as an anchor. A reply that fails is rejected: logged with the reason, and that
+  party is left out of the round.
+- ``GuardedTransport``: ``exchange`` over any ``_send`` (Grid or in-process).
+
+Must not: read party data, or hand a payload to the coordinator that did not pass the guard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import RecordDict
+
+from distmoe.privacy import secagg as sa
+from distmoe.wire import codec, inspect
+from distmoe.wire.codec import WireError
+from distmoe.wire.ledger import Ledger, canonical_json
+from distmoe.wire.party_side import REPLY_STRINGS
+from distmoe.wire.schema import (
+    DirectoryRequest,
+    EvalInstruction,
+    EvalReply,
+    KeyAdvertReply,
+    MaskedReply,
+    ModelUpdate,
+    RlInstruction,
+    RouterStats,
+    SecureInstruction,
+    SetupRequest,
+    SftInstruction,
+    ShareKeysReply,
+    StatsInstruction,
+    UnmaskRequestMsg,
+    UnmaskResponseMsg,
+)
+
+SLACK_BYTES = 4096  # names, scalar fields and per-message framing on top of the declared arrays
+PER_PEER_BYTES = 256  # one share envelope (id, nonce, ciphertext) or one share per peer, with margin
+STRUCTURAL = ("policy", "run-end", "ledger_head")  # ledger payload types that are not messages
+
+
+# ------------------------------------------------------------------------------------------- policy
+def _proto_keys(n: int, rnd: int = 1) -> sa.ShareKeys:
+    env = tuple(sa.EncryptedShares(0, i + 1, rnd, bytes(12), bytes(sa.messages.SHARE_CIPHERTEXT_BYTES))
+                for i in range(max(n - 1, 1)))
+    return sa.ShareKeys(0, rnd, bytes(32), bytes(32), env)
+
+
+def _entry(contents: list[RecordDict], fixed: set[str], n: int) -> dict:
+    descs = [inspect.describe(c) for c in contents]
+    keys = sorted(set().union(*[set(d["keys"]) for d in descs]))
+    required = sorted(set.intersection(*[set(d["keys"]) for d in descs]))
+    shapes = {k: v for d in descs for k, v in d["shapes"].items() if k in fixed}
+    budget = max(d["bytes"] for d in descs) + SLACK_BYTES + PER_PEER_BYTES * n
+    return {"keys": keys, "required": required, "shapes": dict(sorted(shapes.items())), "max_bytes": int(budget)}
+
+
+def build_policy(*, secure: bool, n_parties: int, trainable: Mapping[str, tuple[int, ...]], layers: int,
+                 experts: int, update_length: int, stats_length: int, rl_update_length: int, tasks: tuple[str, ...],
+                 eval_length: int) -> dict:
+    """The allow-list for a run with these public facts (see the module docstring)."""
+    from distmoe.wire.schema import TRAIN_METRIC_KEYS, eval_metric_keys
+
+    n = max(n_parties, 2)
+    w = {k: np.zeros(s, np.float32) for k, s in trainable.items()}
+    weight_keys = {f"arrays.{k}" for k in trainable}
+    anchor = np.full((layers, experts), 1.0 / experts, np.float32)
+    instr = {
+        "sft-instruction": ([SftInstruction(1, "t", w, "h", 0, None, 0), SftInstruction(1, "t", w, "h", 0, anchor, 1)],
+                            weight_keys | {"anchor.probs"}),
+        "rl-instruction": ([RlInstruction(1, "t", w, "h", 0)], weight_keys),
+        "stats-instruction": ([StatsInstruction(1, "t", w, "h")], weight_keys),
+        "eval-instruction": ([EvalInstruction(1, tasks, "t", w, "h", None, None, 0),
+                              EvalInstruction(1, tasks, "t", w, "h", w, anchor, 1)],
+                             weight_keys | {f"ref.{k}" for k in trainable} | {"anchor.probs"}),
+    }
+    policy: dict = {}
+    starts = [None, sa.RoundStart(1, 0, tuple((i, bytes(32)) for i in range(n)),
+                                  tuple(sa.EncryptedShares(i + 1, 0, 1, bytes(12),
+                                                           bytes(sa.messages.SHARE_CIPHERTEXT_BYTES))
+                                        for i in range(n - 1)), 1)]
+    release_of = {"sft-instruction": "model-update", "rl-instruction": "rl-update",
+                  "stats-instruction": "router-stats", "eval-instruction": "eval"}
+    for tag, (protos, fixed) in instr.items():
+        if secure:
+            contents = [codec.encode(SecureInstruction(p, st, release_of[tag])) for p in protos for st in starts]
+        else:
+            contents = [codec.encode(p) for p in protos]
+        policy[tag] = _entry(contents, fixed, n)
+    if secure:
+        keys = _proto_keys(n)
+        policy["setup-request"] = _entry([codec.encode(SetupRequest(bytes(16), 2, 1, n, 1.0, 0.0))], set(), n)
+        directory = sa.KeyDirectory(bytes(16), tuple((i, bytes([i + 1]) * 32) for i in range(n)))
+        policy["key-directory"] = _entry([codec.encode(DirectoryRequest(directory, 1,
+                                                                        tuple((i, f"p{i}") for i in range(n))))],
+                                         set(), n)
+        policy["key-advert"] = _entry([codec.encode(KeyAdvertReply("p0", bytes(32), "0" * 64))], set(), n)
+        policy["share-keys"] = _entry([codec.encode(ShareKeysReply(keys))], set(), n)
+        policy["unmask-request"] = _entry([codec.encode(UnmaskRequestMsg(sa.UnmaskRequest(1, tuple(range(n)), ())))],
+                                          set(), n)
+        share = bytes(sa.shamir.SHARE_BYTES)
+        policy["unmask-response"] = _entry([codec.encode(UnmaskResponseMsg(sa.UnmaskResponse(
+            0, 1, tuple((i, share) for i in range(n)), ())))], set(), n)
+        for release, length in (("model-update", update_length), ("rl-update", rl_update_length),
+                                ("router-stats", stats_length), ("eval", eval_length)):
+            masked = [codec.encode(MaskedReply(release, sa.MaskedInput(0, 1, np.zeros(length, np.uint64), keys),
+                                               None))]
+            # eval vectors follow the tasks evaluated so far: bounded by bytes, not a fixed shape
+            policy[f"masked-input:{release}"] = _entry(masked, {"masked_y.y"} if release != "eval" else set(), n)
+            policy[f"late-keys:{release}"] = _entry([codec.encode(MaskedReply(release, None, keys))], set(), n)
+    else:
+        delta = {k: np.zeros(s, np.float32) for k, s in trainable.items()}
+        metrics = {k: 0.0 for k in TRAIN_METRIC_KEYS}
+        policy["model-update"] = _entry([codec.encode(ModelUpdate("p0", delta, 1, metrics))],
+                                        {f"arrays.{k}" for k in trainable}, n)
+        policy["model-update"]["keys_pattern"] = "metrics.*"  # rl updates add route_disagree_l<i>
+        policy["router-stats"] = _entry([codec.encode(RouterStats(np.zeros((layers, experts))))], {"stats.sums"}, n)
+        policy["eval-reply"] = _entry([codec.encode(EvalReply("p0", {k: 0.0 for k in eval_metric_keys(tasks)}))],
+                                      set(), n)
+        policy["eval-reply"]["keys_pattern"] = "metrics.*"
+    policy["error"] = {"keys": ["error.reason"], "required": ["error.reason"], "shapes": {}, "max_bytes": 2048}
+    return dict(sorted(policy.items()))
+
+
+def policy_digest(policy: Mapping) -> str:
+    return hashlib.sha256(canonical_json(policy).encode("ascii")).hexdigest()
+
+
+def check_against_policy(policy: Mapping, ptype: str, desc: Mapping) -> str | None:
+    """None if a described payload conforms to the allow-list, else the reason."""
+    ent = policy.get(ptype)
+    if ent is None:
+        return f"payload type {ptype!r} is not on the run's allow-list"
+    keys = set(desc["keys"])
+    pattern = ent.get("keys_pattern")
+    extra = sorted(k for k in keys - set(ent["keys"]) if not (pattern and k.startswith(pattern[:-1])))
+    if extra:
+        return f"{ptype}: fields outside the allow-list: {extra[:5]}"
+    missing = sorted(set(ent["required"]) - keys)
+    if missing:
+        return f"{ptype}: required fields missing: {missing[:5]}"
+    for k, shape in ent["shapes"].items():
+        if k in desc["shapes"] and list(desc["shapes"][k]) != list(shape):
+            return f"{ptype}: {k} has shape {desc['shapes'][k]}, the declared spec is {shape}"
+    if desc["bytes"] > ent["max_bytes"]:
+        return f"{ptype}: {desc['bytes']} bytes exceed the byte budget of {ent['max_bytes']}"
+    return None
+
+
+# -------------------------------------------------------------------------------------------- guard
+class ServerGuard:
+    """Outbound logging and the inbound check (module docstring), writing the coordinator's ledger."""
+
+    def __init__(self, ledger: Ledger, run_id: str, policy: Mapping):
+        self.ledger, self.run_id, self.policy = ledger, str(run_id), policy
+        self.names: dict[int, str] = {}  # node id -> party name (from key adverts / replies)
+        self.public_keys: dict[str, str] = {}  # party -> ledger public key (pinned at setup)
+
+    def peer(self, node: int) -> str:
+        return self.names.get(node, f"node-{node}")
+
+    def outbound(self, node: int, payload: object, rnd: int | None, phase: str) -> tuple[str, RecordDict]:
+        content = codec.encode(payload)
+        d = inspect.describe(content)
+        ptype = codec.payload_tag(content)
+        problem = check_against_policy(self.policy, ptype, d)
+        self.ledger.append(run=self.run_id, round=rnd, phase=phase, direction="out", payload_type=ptype,
+                           keys=d["keys"], shapes=d["shapes"], bytes=d["bytes"], sha256=d["sha256"],
+                           verdict="accepted" if problem is None else f"rejected: {problem}", peer=self.peer(node))
+        if problem:
+            raise WireError(f"outbound broadcast refused by the guard: {problem}")
+        return codec.message_type_of(payload), content
+
+    def inbound(self, node: int, reply: RecordDict | str, expected: type, rnd: int | None, phase: str,
+                length: int | None = None) -> object:
+        """The checked payload, or raise ``WireError`` with the reason (logged either way)."""
+        if isinstance(reply, str):  # an error reply (or no reply at all)
+            blob = reply.encode("utf-8")
+            if not reply.startswith("no reply"):
+                self.ledger.append(run=self.run_id, round=rnd, phase=phase, direction="in", payload_type="error",
+                                   keys=["error.reason"], shapes={}, bytes=len(blob),
+                                   sha256=hashlib.sha256(blob).hexdigest(), verdict="accepted", peer=self.peer(node))
+            raise WireError(reply)
+        d = inspect.describe(reply, exclude=(codec.LEDGER_RECORD,))
+        ptype = codec.payload_tag(reply)
+        head = None
+        payload = None
+        try:
+            head = codec.ledger_head(reply)
+            problem = check_against_policy(self.policy, ptype, d)
+            if problem is None:
+                inspect.check_strings(codec.strip_ledger(reply), REPLY_STRINGS)
+                payload = codec.decode(reply, expected)
+                problem = self._semantic(payload, node, rnd, length)
+        except (WireError, inspect.InspectError) as exc:
+            problem = str(exc)
+        info = None
+        if isinstance(payload, KeyAdvertReply) and problem is None:
+            info = {"ledger_public_key": payload.ledger_public_key, "node": str(node)}
+            if payload.party in self.names.values() and self.names.get(node) != payload.party:
+                problem = f"party name {payload.party!r} is already taken by another node"
+        if problem is None and head is None:
+            problem = "the reply carries no ledger head (it did not pass the party's outbound guard)"
+        peer = self.peer(node)
+        if isinstance(payload, KeyAdvertReply) and problem is None:
+            peer = payload.party
+        extra = {"info": info} if info else {}
+        if head is not None:
+            extra["anchor"] = {"node": peer, "seq": int(head[0]), "hash": head[1]}
+        self.ledger.append(run=self.run_id, round=rnd, phase=phase, direction="in", payload_type=ptype,
+                           keys=d["keys"], shapes=d["shapes"], bytes=d["bytes"], sha256=d["sha256"],
+                           verdict="accepted" if problem is None else f"rejected: {problem}"[:500], peer=peer,
+                           **extra)
+        if problem:
+            raise WireError(f"rejected by the server guard: {problem}")
+        if isinstance(payload, KeyAdvertReply):
+            self.names[node] = payload.party
+            self.public_keys[payload.party] = payload.ledger_public_key
+        elif getattr(payload, "party", None) and node not in self.names:
+            self.names[node] = payload.party
+        return payload
+
+    @staticmethod
+    def _semantic(payload: object, node: int, rnd: int | None, length: int | None) -> str | None:
+        if isinstance(payload, MaskedReply):
+            if payload.masked is not None:
+                m = payload.masked
+                if m.sender != node:
+                    return f"masked input claims sender {m.sender}, it came from node {node}"
+                if length is not None and m.y.shape != (length,):
+                    return f"masked vector has {m.y.shape[0]} elements, the round declared {length}"
+                if rnd is not None and m.round != rnd:
+                    return f"masked input for round {m.round}, expected round {rnd}"
+            keys = payload.late_keys or (payload.masked.next_keys if payload.masked else None)
+            if keys is not None and keys.sender != node:
+                return f"share keys claim sender {keys.sender}, they came from node {node}"
+        if isinstance(payload, ShareKeysReply) and payload.keys.sender != node:
+            return f"share keys claim sender {payload.keys.sender}, they came from node {node}"
+        if isinstance(payload, UnmaskResponseMsg) and payload.response.sender != node:
+            return f"unmask response claims sender {payload.response.sender}, it came from node {node}"
+        return None
+
+    def log_release(self, *, rnd: int, phase: str, release: str, total: np.ndarray, dp: dict | None,
+                    info: dict) -> dict:
+        blob = np.ascontiguousarray(total).tobytes()
+        return self.ledger.append(run=self.run_id, round=rnd, phase=phase, direction="in",
+                                  payload_type=f"release:{release}", keys=[], shapes={"sum": [int(total.size)]},
+                                  bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest(), verdict="accepted",
+                                  peer="all", dp=dp, info={**info, "time": time.time()})
+
+
+# ---------------------------------------------------------------------------------------- transport
+class GuardedTransport:
+    """``exchange`` = encode + log every instruction, send, check + log every reply. Subclasses give
+    ``_send({node: (message_type, content)}, timeout) -> {node: RecordDict | error reason}``."""
+
+    guard: ServerGuard | None = None
+
+    def attach(self, guard: ServerGuard) -> None:
+        self.guard = guard
+
+    def node_ids(self) -> list[int]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _send(self, out: dict[int, tuple[str, RecordDict]], timeout: float) -> dict[int, RecordDict | str]:
+        raise NotImplementedError  # pragma: no cover
+
+    def exchange(self, instructions: dict[int, object], expected: type, timeout: float, *, rnd: int | None = None,
+                 phase: str = "", lengths: Mapping[int, int] | None = None
+                 ) -> tuple[dict[int, object], dict[int, str]]:
+        if self.guard is None:
+            raise RuntimeError("transport has no server guard attached")
+        out = {node: self.guard.outbound(node, p, rnd, phase) for node, p in instructions.items()}
+        got = self._send(out, timeout)
+        replies: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        for node in instructions:
+            reply = got.get(node, f"no reply within {timeout:.0f} s (federation.round-timeout)")
+            try:
+                replies[node] = self.guard.inbound(node, reply, expected, rnd, phase,
+                                                   (lengths or {}).get(node))
+            except WireError as exc:
+                errors[node] = str(exc)
+        return replies, errors

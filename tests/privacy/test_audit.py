@@ -1,0 +1,397 @@
+"""The privacy audit (``distmoe audit``) on synthetic run directories written with the real signed ledger.
+
+Each failure test breaks one thing in an otherwise honest run and asserts that exactly the check meant to
+catch it fails. Run: ``python -m pytest tests/privacy/test_audit.py -q``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from distmoe.audit import CHECKS, audit_run
+from distmoe.cli import main
+from distmoe.privacy.accountant import Accountant, PrivacyEvent
+from distmoe.privacy.dp import SkellamSpec
+from distmoe.wire.ledger import (
+    SIG_DOMAIN,
+    Ledger,
+    canonical_json,
+    describe_payload,
+    entry_hash,
+    generate_signing_key,
+    public_key_hex,
+)
+
+PARTIES = ("party-0", "party-1", "party-2")
+L, E, K = 4, 8, 256
+Z, NMAX, DELTA, SCALE = 3.0, 10_000, 1e-6, 64
+N_SEQ = 400  # sequences per party
+N_CANARY_STRINGS = 2
+RUN_ID = "audit-test"
+VEC = [1, L * E + K]
+POLICY = {
+    "setup-request": {"keys": ["setup.round"], "shapes": {}, "max_bytes": 4096},
+    "key-advert": {"keys": ["advert.ledger-key", "advert.pk1", "advert.pk2"],
+                   "shapes": {"advert.pk1": [32], "advert.pk2": [32]}, "max_bytes": 4096},
+    "stats-instruction": {"keys": ["plan.round", "weights.global"], "shapes": {}, "max_bytes": 1 << 24},
+    "masked-input:router-stats": {"keys": ["masked.vector", "meta.num-examples"], "shapes": {"masked.vector": VEC},
+                                  "max_bytes": 8 * VEC[1] + 4096},
+}
+
+
+def _spec() -> SkellamSpec:
+    return SkellamSpec(L, E, Z, n_parties=len(PARTIES), num_sequences_max=NMAX, scale=SCALE, n_canaries=K,
+                       max_dropouts=1)
+
+
+def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.0, responders=None, blocked=(),
+             extra_key=None, row_bias=0.0, z_eff_factor=1.0, scan=True, sha_mismatch=None, policy=None, seed=0):
+    """Write an honest run (setup key exchange + 2 router-stats rounds) under ``root/run``; knobs break it.
+
+    ``responders``: {round: parties that reply}; ``blocked``: {(round, party)} replies the client guard
+    blocked; ``extra_key``: (round, party) whose reply carries a key outside the policy;
+    ``sha_mismatch``: (round, party) whose reply the coordinator logs with another digest.
+    """
+    run = root / "run"
+    rng = np.random.default_rng(seed)
+    spec = _spec()
+    common = {"run": RUN_ID}
+
+    coord = Ledger(run / "ledger" / "coordinator.jsonl", generate_signing_key(root / "keys" / "coordinator.pem"))
+    (run / "ledger" / "coordinator.pub").write_text(coord.public_key_hex + "\n")
+    led, canaries = {}, {}
+    for i, p in enumerate(PARTIES):
+        led[p] = Ledger(run / "work" / p / "ledger" / f"{p}.jsonl", generate_signing_key(root / "keys" / f"{p}.pem"))
+        (run / "work" / p / "ledger" / f"{p}.pub").write_text(led[p].public_key_hex + "\n")
+        data = root / "data" / p
+        data.mkdir(parents=True)
+        canaries[p] = [f"CANARY-{p}-{j}-{rng.integers(1 << 60):x}" for j in range(N_CANARY_STRINGS)]
+        (data / "canaries.txt").write_text("\n".join(canaries[p]) + "\n")
+        (run / "nodes").mkdir(exist_ok=True)
+        (run / "nodes" / f"node-{100 + i}.toml").write_text(f'data-path = "{data}"\n')
+    privacy = {"privacy.epsilon": epsilon, "privacy.delta": DELTA, "privacy.min-parties": min_parties,
+               "privacy.num-sequences-max": NMAX, "privacy.mode": mode, "privacy.noise-multiplier": Z}
+
+    policy = POLICY if policy is None else policy
+    pol = canonical_json(policy).encode("ascii")
+    coord.append(**common, round=None, phase="run-start", direction="out", payload_type="policy", keys=[],
+                 shapes={}, **describe_payload(pol), verdict="accepted",
+                 info={"policy": policy, "mode": mode, "privacy": privacy})
+
+    def send(rnd, phase, p, ptype, keys):
+        d = describe_payload(f"{ptype}/{rnd}/{p}".encode())
+        coord.append(**common, round=rnd, phase=phase, direction="out", peer=p, payload_type=ptype, keys=keys,
+                     shapes={}, **d, verdict="accepted")
+        led[p].append(**common, round=rnd, phase=phase, direction="in", peer="coordinator", payload_type=ptype,
+                      keys=keys, shapes={}, **d, verdict="accepted")
+
+    def reply(rnd, phase, p, ptype, keys, shapes, dp=None, info=None):
+        d = describe_payload(f"{ptype}/{rnd}/{p}/reply".encode())
+        if (rnd, p) == extra_key:
+            keys = [*keys, "stats.raw"]
+        rejected = (rnd, p) in blocked
+        out_info = {"canary_scan": {"strings": N_CANARY_STRINGS, "hits": 0}} if scan else {}
+        pe = led[p].append(**common, round=rnd, phase=phase, direction="out", peer="coordinator", payload_type=ptype,
+                           keys=keys, shapes=shapes, **d, dp=dp, info=out_info,
+                           verdict="rejected: byte budget exceeded" if rejected else "accepted")
+        if rejected:
+            return False
+        if (rnd, p) == sha_mismatch:
+            d = describe_payload(b"something else")
+        coord.append(**common, round=rnd, phase=phase, direction="in", peer=p, payload_type=ptype, keys=keys,
+                     shapes=shapes, **d, verdict="accepted", info=info or {},
+                     anchor={"node": p, "seq": pe["seq"], "hash": pe["hash"]})
+        return True
+
+    for p in PARTIES:  # setup: key adverts pin each party's ledger key
+        send(0, "setup", p, "setup-request", ["setup.round"])
+        reply(0, "setup", p, "key-advert", ["advert.ledger-key", "advert.pk1", "advert.pk2"],
+              {"advert.pk1": [32], "advert.pk2": [32]}, info={"ledger_public_key": led[p].public_key_hex})
+
+    events = {p: [] for p in PARTIES}
+    for rnd in (1, 2):
+        included = []
+        for p in PARTIES:
+            send(rnd, "stats", p, "stats-instruction", ["plan.round", "weights.global"])
+        for p in (responders or {}).get(rnd, PARTIES):
+            if reply(rnd, "stats", p, "masked-input:router-stats", ["masked.vector", "meta.num-examples"],
+                     {"masked.vector": VEC}, dp=spec.dp_params()):
+                included.append(p)
+        n = len(included)
+        dp = spec.dp_params(n)
+        dp["z_eff"] *= z_eff_factor
+        sigma = spec.aggregate_sigma(n)
+        values = np.rint(rng.normal(0.0, sigma * canary_noise, K)).astype(int).tolist()
+        rows = n * N_SEQ * SCALE + rng.normal(0.0, math.sqrt(E) * sigma, L)
+        rows[0] += row_bias * math.sqrt(E) * sigma
+        coord.append(**common, round=rnd, phase="stats", direction="in", peer="all",
+                     payload_type="release:router-stats", keys=[], shapes={"sum": [L * E + K]},
+                     **describe_payload(f"sum/{rnd}".encode()), dp=dp, verdict="accepted",
+                     info={"mode": mode, "release": "router-stats", "included": included,
+                           "dropped": [p for p in PARTIES if p not in included], "responders": included,
+                           "layers": L, "experts": E, "canary": {"k": K, "values": values},
+                           "row_sums": np.rint(rows).astype(int).tolist()})
+        for p in included:
+            events[p].append(PrivacyEvent(spec.effective_noise_multiplier(n), 1.0, 1, "skellam"))
+    coord.append(**common, round=None, phase="run-end", direction="out", payload_type="run-end", keys=[], shapes={},
+                 **describe_payload(b"done"), verdict="accepted", info={"status": "completed"})
+
+    server = {}
+    for p in PARTIES:
+        acc = Accountant(DELTA, epsilon)
+        acc.load_state_dict({**acc.state_dict(), "events": [e.to_dict() for e in events[p]]})
+        server[p] = acc.state_dict()
+    (run / "privacy").mkdir()
+    (run / "privacy" / "ledger.json").write_text(json.dumps({"epsilon_budget": epsilon, "delta": DELTA,
+                                                             "parties": server}))
+    meta = {"run_id": RUN_ID, "status": "completed", "config": {**privacy, "data.canaries": ""}, "privacy": {},
+            "parties": {p: {"node": str(100 + i), "ledger_public_key": led[p].public_key_hex}
+                        for i, p in enumerate(PARTIES)}}
+    (run / "run.json").write_text(json.dumps(meta))
+    (run / "metrics.jsonl").write_text('{"event": "stats", "round": 1}\n')
+    return run, canaries
+
+
+def _ledger_path(run, p):
+    return run / "work" / p / "ledger" / f"{p}.jsonl"
+
+
+def _rewrite(path, fn):
+    """Apply ``fn(list of entry dicts)`` and write the lines back (canonical JSON, as the ledger does)."""
+    entries = [json.loads(x) for x in path.read_text().splitlines()]
+    entries = fn(entries)
+    path.write_text("".join(canonical_json(e) + "\n" for e in entries))
+
+
+def _failed(result):
+    return sorted(result.failed)
+
+
+# ------------------------------------------------------------------------------------------------ honest
+def test_honest_run_passes_and_writes_report(tmp_path, capsys):
+    run, canaries = make_run(tmp_path)
+    assert main(["audit", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and str(run / "audit" / "audit.md") in out
+    report = json.loads((run / "audit" / "audit.json").read_text())
+    assert report["verdict"] == "pass" and report["failed"] == []
+    assert [c["name"] for c in report["checks"]] == list(CHECKS)
+    assert all(c["status"] == "pass" for c in report["checks"]), report["checks"]
+    assert set(report["ledgers"]) == {"coordinator", *PARTIES}
+    for p in PARTIES:
+        row = report["epsilon"][p]
+        assert row["releases"] == 2 and 0 < row["epsilon"] <= 8.0
+        assert row["epsilon"] == max(row["eps_prv"], row["eps_rdp"])
+        assert row["server_epsilon"] == pytest.approx(row["epsilon"])
+    assert [r["type"] for r in report["releases"]] == ["release:router-stats"] * 2
+    assert all(0.9 < r["sigma_ratio"] < 1.1 for r in report["releases"])
+    md = (run / "audit" / "audit.md").read_text()
+    assert md.startswith("# Privacy audit") and "**Verdict: PASS**" in md.splitlines()[2]
+    assert "| party |" in md and "| ledger-integrity | pass |" in md
+    assert not list((run / "audit").glob(".*.tmp"))  # atomic writes leave no temp files
+    text = md + json.dumps(report) + out
+    assert not any(s in text for v in canaries.values() for s in v)
+
+
+def test_json_output_and_library_api(tmp_path, capsys):
+    run, _ = make_run(tmp_path)
+    assert main(["audit", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "pass"
+    result = audit_run(run)
+    assert result.passed and result.check("epsilon").status == "pass"
+
+
+def test_party_ledger_subset(tmp_path):
+    run, _ = make_run(tmp_path)
+    result = audit_run(run, party_ledgers=[_ledger_path(run, "party-0")])
+    assert result.passed, result.to_dict()
+    assert set(result.ledgers) == {"coordinator", "party-0"}
+    assert any("party-1: ledger not available" in d for d in result.check("cross-check").details)
+
+
+# -------------------------------------------------------------------------------------------- integrity
+@pytest.mark.parametrize("rehash", [False, True])
+def test_edited_party_entry_fails_integrity(tmp_path, rehash):
+    run, _ = make_run(tmp_path)
+
+    def edit(entries):
+        entries[0]["bytes"] += 1  # an "in" entry nobody anchored: only the chain can catch it
+        if rehash:
+            entries[0]["hash"] = entry_hash(entries[0])
+        return entries
+
+    _rewrite(_ledger_path(run, "party-1"), edit)
+    result = audit_run(run)
+    assert _failed(result) == ["ledger-integrity"]
+    assert any("party-1" in f for f in result.check("ledger-integrity").findings)
+
+
+def test_truncated_party_ledger_fails(tmp_path):
+    run, _ = make_run(tmp_path)
+    _rewrite(_ledger_path(run, "party-2"), lambda entries: entries[:-1])
+    result = audit_run(run)
+    assert "ledger-integrity" in result.failed and "cross-check" in result.failed
+    assert any("truncated" in f for f in result.check("ledger-integrity").findings)
+
+
+def test_substituted_key_fails_pinning(tmp_path):
+    """The whole party ledger re-signed with a new key (and a new .pub): it verifies, but the key is not the
+    one the coordinator pinned at setup."""
+    run, _ = make_run(tmp_path)
+    new = generate_signing_key(tmp_path / "keys" / "forger.pem")
+
+    def resign(entries):
+        for e in entries:
+            e["sig"] = new.sign(SIG_DOMAIN + e["hash"].encode("ascii")).hex()
+        return entries
+
+    path = _ledger_path(run, "party-1")
+    _rewrite(path, resign)
+    path.with_suffix(".pub").write_text(public_key_hex(new) + "\n")
+    result = audit_run(run)
+    assert _failed(result) == ["ledger-integrity"]
+    assert any("not the key pinned" in f for f in result.check("ledger-integrity").findings)
+
+
+def test_cross_check_catches_a_different_payload(tmp_path):
+    run, _ = make_run(tmp_path, sha_mismatch=(1, "party-0"))
+    result = audit_run(run)
+    assert _failed(result) == ["cross-check"]
+    assert "sha256" in result.check("cross-check").findings[0]
+
+
+# ------------------------------------------------------------------------------------------ allow-list
+def test_key_outside_policy_fails_allow_list(tmp_path):
+    run, _ = make_run(tmp_path, extra_key=(2, "party-0"))
+    result = audit_run(run)
+    assert _failed(result) == ["allow-list"]
+    assert all("stats.raw" in f for f in result.check("allow-list").findings)
+    assert {f.split("#")[0] for f in result.check("allow-list").findings} == {"coordinator", "party-0"}
+
+
+@pytest.mark.parametrize("rule, ok", [
+    ({"required": ["plan.round", "weights.global"], "keys": ["anchor.probs", "plan.round", "weights.global"]}, True),
+    ({"required": ["anchor.probs", "plan.round", "weights.global"],
+      "keys": ["anchor.probs", "plan.round", "weights.global"]}, False),
+    ({"keys": ["plan.round"], "keys_pattern": "weights.*"}, True),
+    ({"keys": ["plan.round"], "keys_pattern": "weight.*"}, False),
+])
+def test_policy_optional_and_pattern_keys(tmp_path, rule, ok):
+    """``required`` (default: all keys) and ``keys_pattern`` as build_policy writes them."""
+    policy = {**POLICY, "stats-instruction": {**POLICY["stats-instruction"], **rule}}
+    run, _ = make_run(tmp_path, policy=policy)
+    result = audit_run(run)
+    assert _failed(result) == ([] if ok else ["allow-list"])
+    if not ok:  # every stats instruction, in the coordinator's ledger and in each party's
+        assert len(result.check("allow-list").findings) == 2 * 2 * len(PARTIES)
+
+
+def test_rejected_verdict_fails_no_blocked(tmp_path):
+    run, _ = make_run(tmp_path, blocked={(2, "party-2")})
+    result = audit_run(run)
+    assert _failed(result) == ["no-blocked"]
+    (finding,) = result.check("no-blocked").findings
+    assert finding.startswith("party-2#") and "byte budget exceeded" in finding
+
+
+def test_plaintext_mode_fails(tmp_path):
+    run, _ = make_run(tmp_path, mode="plaintext")
+    result = audit_run(run)
+    assert _failed(result) == ["no-plaintext"]
+    assert sum("plaintext-mode release" in f for f in result.check("no-plaintext").findings) == 2
+
+
+# ------------------------------------------------------------------------------------------------- DP
+@pytest.mark.parametrize("noise", [0.0, 1 / 3])
+def test_missing_noise_fails_noise_presence(tmp_path, noise):
+    run, _ = make_run(tmp_path, canary_noise=noise)
+    result = audit_run(run)
+    assert _failed(result) == ["noise-presence"]
+    assert len(result.check("noise-presence").findings) == 2
+
+
+def test_inconsistent_row_sums_fail(tmp_path):
+    run, _ = make_run(tmp_path, row_bias=12.0)
+    result = audit_run(run)
+    assert _failed(result) == ["row-sums"]
+
+
+def test_budget_too_small_fails_epsilon(tmp_path):
+    run, _ = make_run(tmp_path, epsilon=1.0)
+    result = audit_run(run)
+    assert _failed(result) == ["epsilon"]
+    assert all(r["status"] == "fail" and r["epsilon"] > 1.0 for r in result.epsilon.values())
+
+
+def test_understated_noise_claim_fails_epsilon(tmp_path):
+    """The release claims a larger z_eff than its survivors give: the recomputation disagrees."""
+    run, _ = make_run(tmp_path, z_eff_factor=2.0)
+    result = audit_run(run)
+    assert _failed(result) == ["epsilon"]
+    assert all("z_eff" in f for f in result.check("epsilon").findings)
+
+
+def test_too_few_parties_fails_min_parties(tmp_path):
+    run, _ = make_run(tmp_path, responders={2: ["party-0"]})
+    result = audit_run(run)
+    assert _failed(result) == ["min-parties"]
+    assert "1 parties included < min-parties 2" in result.check("min-parties").findings[0]
+    assert result.epsilon["party-0"]["releases"] == 2 and result.epsilon["party-1"]["releases"] == 1
+
+
+# --------------------------------------------------------------------------------------------- canaries
+def test_canary_in_server_file_fails_but_not_under_work(tmp_path, capsys):
+    run, canaries = make_run(tmp_path)
+    secret = canaries["party-1"][0]
+    (run / "work" / "party-1" / "scratch.txt").write_text(f"local copy {secret}\n")
+    assert audit_run(run).passed
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "notes.json").write_text(json.dumps({"sample": secret}))
+    assert main(["audit", str(run)]) == 1
+    out = capsys.readouterr().out
+    result = audit_run(run)
+    assert _failed(result) == ["canaries"]
+    (finding,) = result.check("canaries").findings
+    assert finding.startswith("checkpoints/notes.json") and hashlib.sha256(secret.encode()).hexdigest()[:12] in finding
+    report = (run / "audit" / "audit.md").read_text() + (run / "audit" / "audit.json").read_text() + out
+    assert secret not in report and "canaries" in out
+
+
+def test_canaries_from_explicit_file(tmp_path):
+    run, _ = make_run(tmp_path)
+    extra = tmp_path / "extra-canaries.txt"
+    extra.write_text("\nSERVER-SIDE-CANARY-XYZ\n\n")
+    (run / "metrics.jsonl").write_text('{"text": "SERVER-SIDE-CANARY-XYZ"}\n')
+    result = audit_run(run, canaries=extra)
+    assert _failed(result) == ["canaries"] and result.check("canaries").findings[0].startswith("metrics.jsonl")
+
+
+def test_missing_canary_scan_fails(tmp_path):
+    run, _ = make_run(tmp_path, scan=False)
+    result = audit_run(run)
+    assert _failed(result) == ["canaries"]
+    assert all("no canary scan" in f for f in result.check("canaries").findings)
+
+
+# ------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("damage", ["no-coordinator-ledger", "no-run-json", "bad-run-json", "no-run-dir"])
+def test_unusable_input_exits_2(tmp_path, capsys, damage):
+    run, _ = make_run(tmp_path)
+    if damage == "no-coordinator-ledger":
+        os.remove(run / "ledger" / "coordinator.jsonl")
+    elif damage == "no-run-json":
+        os.remove(run / "run.json")
+    elif damage == "bad-run-json":
+        (run / "run.json").write_text("{not json")
+    else:
+        run = tmp_path / "nowhere"
+    assert main(["audit", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    assert not (run / "audit").exists()
