@@ -1,9 +1,9 @@
 """A party's privacy session for one run: its secure-aggregation client, its privacy accountant and the
 public parameters it agreed to, persisted in the party's own work directory between messages.
 
-Owns: ``<work-dir>/secagg/<run>.state`` (the SecAgg client state machine: SECRET, mode 0600),
-``<work-dir>/privacy/<run>.json`` (the setup facts, the party's own noise multipliers and its
-accountant), the party's ledger signing key ``<work-dir>/keys/ledger.key``, and the checks a party
+Owns: ``<work-dir>/secagg/<party>-<run>.state`` (the SecAgg client state machine: SECRET, mode 0600),
+``<work-dir>/privacy/<party>-<run>.json`` (the setup facts, the party's own noise multipliers and its
+accountant), the party's ledger signing key ``<work-dir>/keys/<party>-ledger.key``, and the checks a party
 makes before anything of its data is released: the noise it uses is the larger of its own plan and the
 server's (a server can only tighten it), its budget is ``min(privacy.epsilon, node epsilon-max)``, a
 release that would exceed the budget is refused before the masked input is computed, and an unmask
@@ -44,7 +44,7 @@ def _safe(run_id: str) -> str:
 
 def ledger_key(node: NodeConfig):
     """The party's Ed25519 ledger signing key (created on first use, mode 0600)."""
-    path = node.work_dir / "keys" / "ledger.key"
+    path = node.work_dir / "keys" / f"{node.party}-ledger.key"
     if path.exists():
         return load_signing_key(path)
     try:
@@ -80,8 +80,8 @@ class PartySession:
     def __init__(self, cfg: RunConfig, node: NodeConfig, run_id: str):
         self.cfg, self.node, self.run_id = cfg, node, str(run_id)
         base = node.work_dir
-        self.state_path = base / "secagg" / f"{_safe(run_id)}.state"
-        self.facts_path = base / "privacy" / f"{_safe(run_id)}.json"
+        self.state_path = base / "secagg" / f"{node.party}-{_safe(run_id)}.state"
+        self.facts_path = base / "privacy" / f"{node.party}-{_safe(run_id)}.json"
         self.facts: _Facts | None = None
         self.accountant: Accountant | None = None
         self.client: sa.SecAggClient | None = None

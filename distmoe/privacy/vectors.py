@@ -32,6 +32,7 @@ import numpy as np
 from distmoe.privacy import dp
 
 BITS = 64  # every secure sum of this project lives in Z_2^64
+SUM_KEYS = ("steps", "skipped_steps")  # update metrics summed over parties, not averaged
 METRIC_BOUND = 1e6  # |metric| is clipped to this before encoding (losses, rewards, counts are far below)
 _MAX_FRAC_BITS = 40
 
@@ -137,7 +138,8 @@ class UpdateLayout:
         norm = float(np.linalg.norm(flat))
         factor = min(1.0, self.clip / norm) if norm > 0 else 1.0
         w = self.weight_of(num_examples)
-        wv, wn = _weighted_metrics(self.metric_keys, metrics, float(w))
+        wv, wn = _weighted_metrics(self.metric_keys, metrics,
+                                   {k: (1.0 if k in SUM_KEYS else float(w)) for k in self.metric_keys})
         vec = np.concatenate([flat * (factor * w), [float(w)], wv, wn])  # [length]
         return _to_fixed(vec, self.frac_bits), {"norm": norm, "clipped": float(factor < 1.0), "weight": float(w)}
 
@@ -150,6 +152,9 @@ class UpdateLayout:
         n, m = self.numel, len(self.metric_keys)
         w = float(v[n])
         metrics = _metric_means(self.metric_keys, v[n + 1:n + 1 + m], v[n + 1 + m:])
+        for i, k in enumerate(self.metric_keys):
+            if k in SUM_KEYS:
+                metrics[k] = float(round(v[n + 1 + i]))
         if w < 0.5:
             return None, w, metrics
         out, off = {}, 0

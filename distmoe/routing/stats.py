@@ -53,6 +53,7 @@ def per_sequence_stats(model: nn.Module, batches: Iterable[dict[str, torch.Tenso
     return torch.cat(rows).numpy()
 
 
+@torch.no_grad()
 def router_stats(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> tuple[np.ndarray, int]:
     """Sum over sequences of per-sequence mean routing: ``([L, E] float64, num_sequences)``.
 

@@ -140,6 +140,17 @@ def _value_bytes(v: object) -> int:
     return 8  # bool / int / float
 
 
+def _items_bytes(items) -> int:
+    total = 0
+    for name, rec in items:
+        total += len(name.encode("utf8"))
+        kind = _kind(rec, name)
+        for key, v in rec.items():
+            total += len(key.encode("utf8"))
+            total += len(v.data) if kind == "array" else _value_bytes(v)
+    return total
+
+
 def record_bytes(content: RecordDict) -> int:
     """Total serialized size for byte budgets: array ``.data`` lengths, config/metric values
     (utf-8 / raw length for str / bytes, 8 per number, summed over lists) and all record names
@@ -210,14 +221,14 @@ def describe(content: RecordDict, exclude: Collection[str] = ()) -> dict:
     (arrays only), "bytes": record_bytes(content), "sha256": digest(content, exclude)}``; records named
     in ``exclude`` are left out of all four."""
     keys, shapes = [], {}
-    kept = RecordDict({n: r for n, r in content.items() if n not in exclude}) if exclude else content
-    for name, rec in kept.items():
+    kept = [(n, r) for n, r in content.items() if n not in exclude]
+    for name, rec in kept:
         kind = _kind(rec, name)
         for key, v in rec.items():
             keys.append(f"{name}.{key}")
             if kind == "array":
                 shapes[f"{name}.{key}"] = list(v.shape)
-    return {"keys": sorted(keys), "shapes": shapes, "bytes": record_bytes(kept),
+    return {"keys": sorted(keys), "shapes": shapes, "bytes": _items_bytes(kept),
             "sha256": digest(content, exclude)}
 
 

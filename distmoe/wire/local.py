@@ -36,7 +36,11 @@ class LocalTransport(GuardedTransport):
     def _send(self, out: dict[int, tuple[str, RecordDict]], timeout: float) -> dict[int, RecordDict | str]:
         got: dict[int, RecordDict | str] = {}
         for node, (mtype, content) in out.items():
-            if node in self.down or (self.drop is not None and self.drop(mtype, node)):
+            if node in self.down:
+                got[node] = "no reply (node down)"
+                continue
+            if self.drop is not None and self.drop(mtype, node):
+                got[node] = f"no reply (dropped out at {mtype})"
                 continue
             self.sent[mtype] = self.sent.get(mtype, 0) + 1
             try:

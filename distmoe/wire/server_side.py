@@ -128,11 +128,14 @@ def build_policy(*, secure: bool, n_parties: int, trainable: Mapping[str, tuple[
         metrics = {k: 0.0 for k in TRAIN_METRIC_KEYS}
         policy["model-update"] = _entry([codec.encode(ModelUpdate("p0", delta, 1, metrics))],
                                         {f"arrays.{k}" for k in trainable}, n)
-        policy["model-update"]["keys_pattern"] = "metrics.*"  # rl updates add route_disagree_l<i>
+        policy["model-update"]["keys_pattern"] = "metrics.*"  # sft and rl updates carry different metric keys
         policy["router-stats"] = _entry([codec.encode(RouterStats(np.zeros((layers, experts))))], {"stats.sums"}, n)
         policy["eval-reply"] = _entry([codec.encode(EvalReply("p0", {k: 0.0 for k in eval_metric_keys(tasks)}))],
                                       set(), n)
         policy["eval-reply"]["keys_pattern"] = "metrics.*"
+    for tag in ("model-update", "eval-reply"):
+        if tag in policy:  # the metric keys are checked exactly by the codec
+            policy[tag]["required"] = [k for k in policy[tag]["required"] if not k.startswith("metrics.")]
     policy["error"] = {"keys": ["error.reason"], "required": ["error.reason"], "shapes": {}, "max_bytes": 2048}
     return dict(sorted(policy.items()))
 

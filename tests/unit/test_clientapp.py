@@ -18,7 +18,8 @@ from distmoe.wire import codec
 from distmoe.wire.schema import EvalReply, ModelUpdate, RouterStats, SftInstruction, StatsInstruction
 
 TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,
-        "model.kv-heads": 1, "model.head-dim": 32, "model.experts": 4, "model.top-k": 2}
+        "model.kv-heads": 1, "model.head-dim": 32, "model.experts": 4, "model.top-k": 2,
+        "privacy.mode": "plaintext"}  # these tests read plain replies; the secure flow is tested below
 
 
 @pytest.fixture(autouse=True)
@@ -30,9 +31,12 @@ def task_identity():
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
-def _context(data_path: Path, run_config: dict) -> Context:
-    return Context(run_id=7, node_id=1, node_config={"data-path": str(data_path), "party-name": "p0"},
-                   state=RecordDict(), run_config=run_config)
+def _context(data_path: Path, run_config: dict, work: Path | None = None, party: str = "p0",
+             node_id: int = 1) -> Context:
+    nc = {"data-path": str(data_path), "party-name": party}
+    if work is not None:
+        nc["work-dir"] = str(work)
+    return Context(run_id=7, node_id=node_id, node_config=nc, state=RecordDict(), run_config=run_config)
 
 
 def _global(cfg_over: dict):
@@ -45,8 +49,8 @@ def _global(cfg_over: dict):
     return {k: v.numpy() for k, v in trainable_state(model).items()}, spec
 
 
-def _instruction(payload) -> object:
-    return codec.instruction(payload, node_id=1)
+def _instruction(payload, node_id: int = 1) -> object:
+    return codec.instruction_content(codec.encode(payload), node_id, codec.message_type_of(payload))
 
 
 def test_sft_and_stats_round_trip_through_flower_messages(synth_dirs):
@@ -107,3 +111,57 @@ def test_eval_reply_carries_only_aggregates(synth_dirs):
     assert set(rep.metrics) == {"acc/lookup", "loss/lookup", "n/lookup", "acc/arith", "loss/arith", "n/arith",
                                 "routing_kl", "load_cv", "top1_consistency"}
     assert rep.metrics["top1_consistency"] == 1.0
+
+
+def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path):
+    """Setup, key directory, a router-statistics round and unmask on real Flower Messages, with the
+    coordinator's SecAgg server: only masked vectors and shares leave, and the sum decodes."""
+    import os
+
+    from clients.app import directory, setup, unmask
+    from distmoe.config import parse_run_config
+    from distmoe.privacy import secagg as sa
+    from distmoe.privacy.plan import plan_privacy, stats_spec
+    from distmoe.privacy.vectors import StatsLayout
+    from distmoe.wire.ledger import verify_ledger
+    from distmoe.wire.schema import (DirectoryRequest, KeyAdvertReply, MaskedReply, SecureInstruction, SetupRequest,
+                                     ShareKeysReply, UnmaskRequestMsg, UnmaskResponseMsg)
+
+    run_config = {k: v for k, v in TINY.items() if k != "privacy.mode"}
+    cfg = parse_run_config(run_config)
+    z = plan_privacy(cfg.privacy, cfg.schedule).noise_multiplier
+    weights, spec = _global(run_config)
+    ids = {10: "p0", 11: "p1"}
+    ctx = {n: _context(synth_dirs[i], run_config, tmp_path / name, name, n) for i, (n, name) in enumerate(ids.items())}
+    params = sa.SecAggParams(os.urandom(16), 2, 64, 4096)
+    server = sa.SecAggServer(params)
+
+    def ask(handler, payload, expected):
+        out = {}
+        for n in ids:
+            reply = handler(_instruction(payload(n) if callable(payload) else payload, n), ctx[n])
+            assert not reply.has_error(), reply.error.reason
+            assert codec.ledger_head(reply.content) is not None  # every reply carries the party's ledger head
+            out[n] = codec.decode(reply.content, expected)
+        return out
+
+    adverts = ask(setup, SetupRequest(params.run_id, 2, 4096, 2, z, 0.0), KeyAdvertReply)
+    d = server.register([sa.KeyAdvert(n, a.c_pk) for n, a in adverts.items()])
+    keys = ask(directory, DirectoryRequest(d, 1, tuple(ids.items())), ShareKeysReply)
+    server.add_share_keys([k.keys for k in keys.values()])
+    sspec = stats_spec(cfg.privacy, z, 2, 4, 2, 2)
+    starts = server.begin_round(1, StatsLayout(sspec).length)
+    instr = StatsInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash)
+    masked = ask(stats, lambda n: SecureInstruction(instr, starts[n], "router-stats"), MaskedReply)
+    assert all(m.masked.y.dtype == np.uint64 and m.masked.y.shape == (StatsLayout(sspec).length,)
+               for m in masked.values())
+    req = server.receive_masked(1, [m.masked for m in masked.values()])
+    resp = ask(unmask, UnmaskRequestMsg(req), UnmaskResponseMsg)
+    res = server.finish(1, [r.response for r in resp.values()])
+    noisy, canaries = StatsLayout(sspec).decode(res.total)
+    rows = noisy.sum(1)  # each row ~ the number of sequences of both parties
+    assert np.all(rows > 10) and abs(rows[0] - rows[1]) < 10 * sspec.aggregate_sigma() / sspec.scale
+    assert canaries.shape == (cfg.privacy.canaries,) and np.std(canaries) > 0.3 * sspec.aggregate_sigma()
+    for n, name in ids.items():
+        led = tmp_path / name / "ledger" / f"{name}.jsonl"
+        assert verify_ledger(led, (led.with_suffix(".pub")).read_text().strip())

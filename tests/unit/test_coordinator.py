@@ -10,6 +10,7 @@ import json
 import math
 import shutil
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -37,9 +38,10 @@ def _nodes(cfg, dirs):
 
 
 def _coordinator(cfg, dirs, run_dir, lines=None):
-    transport = LocalTransport(cfg, _nodes(cfg, dirs))
+    run_id = f"test-{uuid.uuid4().hex[:8]}"  # parties keep per-run state in their work directories
+    transport = LocalTransport(cfg, _nodes(cfg, dirs), run_id)
     log = (lines.append if lines is not None else (lambda _s: None))
-    return Coordinator(cfg, run_dir, transport, run_id="test-run", log=log), transport
+    return Coordinator(cfg, run_dir, transport, run_id=run_id, log=log), transport
 
 
 def _events(run_dir, event):
@@ -92,7 +94,7 @@ def test_run_record_and_config(full_run):
     assert full_run["arith_calls"] == 4  # two parties x two evaluations
 
 
-def test_train_events_per_party_and_all(full_run):
+def test_train_events_are_secure_sums_only(full_run):
     run_dir, cfg = full_run["dir"], full_run["cfg"]
     train = _events(run_dir, "train")
     # rounds: sft:arith (1, 2), eval (3), stats:arith (4), sft:strings (5), eval (6)
@@ -100,15 +102,12 @@ def test_train_events_per_party_and_all(full_run):
     assert sorted({e["round"] for e in train}) == sft_rounds
     assert {e["task"] for e in train if e["round"] < 5} == {"arith"}
     assert {e["task"] for e in train if e["round"] == 5} == {"strings"}
-    for r in sft_rounds:
+    for r in sft_rounds:  # secure aggregation: the coordinator never sees a single party's numbers
         parties = sorted(e["party"] for e in train if e["round"] == r)
-        assert parties == ["all", "party-0", "party-1"], (r, parties)
-    agg = [e for e in train if e["party"] == "all"]
-    assert all(e["parties"] == 2 and e["steps"] == 2 * cfg.train.local_steps for e in agg)
+        assert parties == ["all"], (r, parties)
     for e in train:
-        if e["party"] != "all":
-            assert e["steps"] == cfg.train.local_steps and e["skipped_steps"] == 0
-            assert e["num_examples"] > 0 and math.isfinite(e["task_loss"])
+        assert e["parties"] == 2 and e["steps"] == 2 * cfg.train.local_steps and e["skipped_steps"] == 0
+        assert e["num_examples"] > 0 and math.isfinite(e["task_loss"])
     # after the stats phase the anchor reaches the parties and its KL is recorded
     before = [e for e in train if e["round"] < 4]
     after = [e for e in train if e["round"] > 4]
@@ -142,7 +141,7 @@ def test_eval_events_accuracy_and_retention(full_run):
     assert rounds == [3, 6]
     first = [e for e in evals if e["round"] == 3]
     last = [e for e in evals if e["round"] == rounds[-1]]
-    assert sorted(e["party"] for e in first) == sorted(e["party"] for e in last) == ["all", "party-0", "party-1"]
+    assert sorted(e["party"] for e in first) == sorted(e["party"] for e in last) == ["all"]
     for e in first:
         assert e["acc/arith"] == pytest.approx(0.5) and "retention/arith" not in e
         assert "acc/strings" not in e  # strings not trained yet
@@ -155,8 +154,7 @@ def test_eval_events_accuracy_and_retention(full_run):
         assert e["top1_consistency"] is not None and 0 <= e["top1_consistency"] <= 1
         assert e["routing_kl"] is not None and e["routing_kl"] >= 0  # the anchor exists now
     assert all(e["routing_kl"] is None for e in first)  # no anchor yet (NaN stored as null)
-    all_last = next(e for e in last if e["party"] == "all")
-    assert all_last["n/arith"] == sum(e["n/arith"] for e in last if e["party"] != "all")
+    assert last[0]["n/arith"] == 6  # summed exactly through the secure sum: 2 parties x 3 examples
 
 
 def test_checkpoints(full_run, tmp_path):
@@ -203,13 +201,29 @@ def test_checkpoints(full_run, tmp_path):
 
 def test_log_lines(full_run):
     text = "\n".join(full_run["lines"])
-    assert "privacy plane not active" in text
+    assert "secure aggregation on every reply" in text and "plaintext" not in text
     assert "run completed" in text
+
+
+def test_plaintext_baseline_warns_and_keeps_per_party_rows(synth_dirs, make_cfg, tmp_path):
+    cfg = make_cfg(**{**RUN, "schedule.phases": "sft:arith*1, eval", "privacy.mode": "plaintext"})
+    lines: list[str] = []
+    coord, _ = _coordinator(cfg, synth_dirs, tmp_path / "run", lines)
+    coord.run()
+    assert "privacy.mode = plaintext" in "\n".join(lines)
+    rec = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert rec["privacy"]["mode"] == "plaintext" and rec["warnings"]
+    train = _events(tmp_path / "run", "train")
+    assert sorted(e["party"] for e in train) == ["all", "party-0", "party-1"]
+    for e in train:
+        if e["party"] != "all":
+            assert e["steps"] == cfg.train.local_steps and e["num_examples"] > 0
 
 
 # ------------------------------------------------------------------------------------------ failures
 def test_dropout_round_completes_with_other_party(synth_dirs, make_cfg, tmp_path):
-    cfg = make_cfg(**{**RUN, "schedule.phases": "sft:arith*1"})
+    """Plaintext baseline (2 parties); secure-mode dropouts are in tests/privacy/test_secure_runs.py."""
+    cfg = make_cfg(**{**RUN, "schedule.phases": "sft:arith*1", "privacy.mode": "plaintext"})
     run_dir = tmp_path / "run"
     coord, transport = _coordinator(cfg, synth_dirs, run_dir)
     transport.down = {101}
@@ -225,7 +239,7 @@ def test_dropout_round_completes_with_other_party(synth_dirs, make_cfg, tmp_path
 
 
 def test_corrupt_party_data_is_reported(synth_dirs, make_cfg, tmp_path):
-    cfg = make_cfg(**{**RUN, "schedule.phases": "sft:arith*1"})
+    cfg = make_cfg(**{**RUN, "schedule.phases": "sft:arith*1", "privacy.mode": "plaintext"})
     bad = tmp_path / "party-bad"
     shutil.copytree(synth_dirs[1], bad)
     arith = bad / "arith.jsonl"

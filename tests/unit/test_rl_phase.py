@@ -48,7 +48,7 @@ def test_rl_phase_round_trip(synth_dirs, tmp_path: Path):
     Coordinator(cfg, run_dir, LocalTransport(cfg, nodes), "t", log=lambda s: None).run()
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rl = [e for e in events if e["event"] == "rl"]
-    assert {e["party"] for e in rl} == {"party-0", "party-1", "all"}
+    assert {e["party"] for e in rl} == {"all"}  # secure aggregation: only sums reach the coordinator
     agg = [e for e in rl if e["party"] == "all"]
     assert [e["round"] for e in agg] == [2, 3]
     for e in agg:
@@ -57,13 +57,13 @@ def test_rl_phase_round_trip(synth_dirs, tmp_path: Path):
         assert e["logp_diff_mean"] > 0  # bf16 really differs from the fp32 trainer
         assert math.isfinite(e["k3"]) and e["k3"] >= 0
         assert "route_disagree_l0" in e and "route_disagree_l1" in e
-        assert e["num_examples"] == 2 * 2 * 4 * 2  # parties x steps x prompts x group
+        assert e["num_examples"] == 2 * 2 * 4 * 2  # summed weights: parties x steps x prompts x group
     # every RL round was checkpointed; the global model moves iff some group had a reward signal
     # (group-relative advantages are exactly zero when every sample of a group scores the same)
     w1 = load_file(str(run_dir / "checkpoints" / "round-1" / "trainable.safetensors"))
     w3 = load_file(str(run_dir / "checkpoints" / "round-3" / "trainable.safetensors"))
     moved = any((w1[k] != w3[k]).any() for k in w1)
-    no_signal = all(e["reward"] in (0.0, 1.0) for e in rl if e["party"] != "all")
+    no_signal = all(e["reward"] in (0.0, 1.0) for e in rl)  # every sample of every group scored the same
     if no_signal:
         assert not moved
     ck = run_dir / "checkpoints"
@@ -76,7 +76,8 @@ def test_rl_phase_with_the_inference_simulator(synth_dirs, tmp_path: Path):
     cfg = parse_run_config({**TINY, "schedule.phases": "sft:lookup, rl:lookup*1", "schedule.sft-rounds": 1,
                             "train.local-steps": 4, "rl.steps": 2, "rl.prompts-per-step": 4, "rl.group-size": 2,
                             "rl.max-new-tokens": 4, "rl.engine": "prune-1", "rl.simulator": True,
-                            "rl.simulator-recalibrate-every": 1, "federation.min-parties": 2})
+                            "rl.simulator-recalibrate-every": 1, "federation.min-parties": 2,
+                            "privacy.mode": "plaintext"})
     nodes = {i: NodeConfig(party=d.name, data_path=d, work_dir=tmp_path / "w", model_path="")
              for i, d in enumerate(synth_dirs)}
     Coordinator(cfg, tmp_path / "run", LocalTransport(cfg, nodes), "t", log=lambda s: None).run()

@@ -69,8 +69,76 @@ def _assert_same(a, b):
             assert type(x) is type(y), (f.name, type(x), type(y))
 
 
+def _secure_payloads() -> list:
+    """Real protocol messages of a 3-party run (setup, a round start, a masked input, unmask)."""
+    import os
+
+    from distmoe.privacy import secagg as sa
+    from distmoe.wire.schema import (DirectoryRequest, KeyAdvertReply, MaskedReply, SecureInstruction, SetupRequest,
+                                     ShareKeysReply, UnmaskRequestMsg, UnmaskResponseMsg)
+
+    params = sa.SecAggParams(os.urandom(16), 2, 64, 10)
+    fed = sa.LocalFederation(params, [5, 6, 7])
+    adverts = [c.advertise() for c in fed.clients.values()]
+    directory = fed.server.register(adverts)
+    for c in fed.clients.values():
+        c.receive_directory(directory)
+    keys = [c.share_keys(1) for c in fed.clients.values()]
+    fed.server.add_share_keys(keys)
+    starts = fed.server.begin_round(1, 6)
+    masked = fed.clients[5].masked_input(starts[5], np.arange(6, dtype=np.uint64))
+    req = sa.UnmaskRequest(1, (5, 6), (7,))
+    resp = sa.UnmaskResponse(5, 1, ((5, bytes(66)), (6, bytes(range(66)))), ((7, bytes([1]) * 66),))
+    return [
+        SetupRequest(params.run_id, 2, 10, 3, 1.5, 0.0),
+        KeyAdvertReply("party-0", adverts[0].c_pk, "ab" * 32),
+        DirectoryRequest(directory, 1, ((5, "a"), (6, "b"), (7, "c"))),
+        ShareKeysReply(keys[0]),
+        SecureInstruction(StatsInstruction(round=1, task="", weights=W, base_hash="ef"), starts[5], "router-stats"),
+        SecureInstruction(SftInstruction(1, "arith", W, "h", 0, None, 0), None, "model-update"),
+        MaskedReply("router-stats", masked, None),
+        MaskedReply("eval", None, keys[1]),
+        UnmaskRequestMsg(req),
+        UnmaskResponseMsg(resp),
+    ]
+
+
 def test_every_payload_type_is_covered():
-    assert {type(p) for p in _payloads()} == set(PAYLOAD_TAGS)
+    assert {type(p) for p in _payloads() + _secure_payloads()} - {_secure_payloads()[4].__class__} == \
+        set(PAYLOAD_TAGS)
+
+
+@pytest.mark.parametrize("i", range(10))
+def test_secure_payload_roundtrip(i):
+    from distmoe.wire.schema import MaskedReply, SecureInstruction
+
+    payload = _secure_payloads()[i]
+    back = decode(encode(payload), type(payload))
+    if isinstance(payload, MaskedReply):
+        assert back.release == payload.release and back.late_keys == payload.late_keys
+        if payload.masked is not None:
+            assert np.array_equal(back.masked.y, payload.masked.y) and back.masked.y.dtype == np.uint64
+            assert back.masked.next_keys == payload.masked.next_keys and back.masked.sender == payload.masked.sender
+    elif isinstance(payload, SecureInstruction):
+        assert back.start == payload.start and back.release == payload.release
+        _assert_same(payload.instruction, back.instruction)
+    else:
+        assert back == payload
+
+
+def test_secure_decode_rejects_a_stray_field_and_trailing_bytes():
+    from distmoe.wire.schema import MaskedReply
+
+    p = _secure_payloads()[6]
+    rd = encode(p)
+    rd.config_records["masked"]["note"] = "hello"
+    with pytest.raises(WireError, match="fields"):
+        decode(rd, MaskedReply)
+    rd = encode(p)
+    a = rd.array_records["masked_y"]["y"]
+    rd.array_records["masked_y"]["y"] = Array(dtype=a.dtype, shape=a.shape, stype=a.stype, data=a.data + b"\0" * 8)
+    with pytest.raises(WireError, match="trailing|bytes"):
+        decode(rd, MaskedReply)
 
 
 @pytest.mark.parametrize("payload", _payloads(), ids=lambda p: type(p).__name__)
