@@ -71,7 +71,7 @@ def cmd_data_synth(args) -> int:
 
     cfg = parse_run_config({})
     dirs = write_synthetic(Path(args.out), args.parties, args.examples or cfg.data.synth_examples,
-                           args.seed, overwrite=args.force)
+                           args.seed, overwrite=args.force, canaries=args.canaries)
     for d in dirs:
         print(d)
     return 0
@@ -152,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--examples", type=int, help="examples per task per party")
     ds.add_argument("--seed", type=int, default=0)
     ds.add_argument("--force", action="store_true", help="overwrite existing party files")
+    ds.add_argument("--canaries", type=int, default=1, metavar="K",
+                    help="secret canary strings planted per party, listed in <party>/canaries.txt (default 1)")
     ds.set_defaults(fn=cmd_data_synth)
     dv = dsub.add_parser("validate", help="validate party data (a party dir or a dir of party dirs)")
     dv.add_argument("dir")

@@ -158,7 +158,8 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     run_dir.mkdir(parents=True, exist_ok=True)
     if parties is None:
         n = opts.parties if opts.parties is not None else 3
-        parties = write_synthetic(run_dir / "data", n, cfg.data.synth_examples, cfg.run.seed)
+        # party-side files live under work/ (the audit checks that nothing outside it holds party data)
+        parties = write_synthetic(run_dir / "work" / "data", n, cfg.data.synth_examples, cfg.run.seed, canaries=1)
     nodes = run_dir / "nodes"
     nodes.mkdir(exist_ok=True)
     for i, p in enumerate(parties):

@@ -184,12 +184,23 @@ def generate(task: str, party: int, n: int, seed: int) -> list[dict[str, Any]]:
     return _GENERATORS[task](party, n, rng, seed)
 
 
+def make_canary() -> str:
+    """A fresh secret canary string (128 random bits): unguessable, so finding it anywhere means a leak."""
+    import secrets
+
+    return f"canary-{secrets.token_hex(16)}"
+
+
 def write_synthetic(out_dir: Path, parties: int, examples_per_task: int, seed: int,
-                    tasks: Sequence[str] = TASK_FAMILIES, overwrite: bool = False) -> list[Path]:
+                    tasks: Sequence[str] = TASK_FAMILIES, overwrite: bool = False, canaries: int = 0) -> list[Path]:
     """Write ``out_dir/party-<i>/<task>.jsonl`` for every party and task; return the party dirs.
 
     A party directory that exists and is not empty is refused unless ``overwrite=True``, in which
     case its existing ``*.jsonl`` files are removed first (so it holds exactly ``tasks``).
+
+    ``canaries``: per party, that many fresh canary strings are planted as the answers of extra
+    examples in its first task file and listed in ``party-<i>/canaries.txt``, where the party's
+    outbound guard and ``distmoe audit`` find them (they must never appear in anything that leaves).
     """
     if parties < 1:
         raise DataError(f"write_synthetic: parties must be >= 1, got {parties}")
@@ -212,8 +223,17 @@ def write_synthetic(out_dir: Path, parties: int, examples_per_task: int, seed: i
         d.mkdir(parents=True, exist_ok=True)
         for old in d.glob("*.jsonl"):
             old.unlink()
-        for task in tasks:
+        secrets_here = [make_canary() for _ in range(canaries)]
+        for j, task in enumerate(tasks):
             objs = generate(task, i, examples_per_task, seed)
+            if j == 0:
+                objs = objs + [{"instruction": "What is the recovery phrase on file?", "input": "", "output": c}
+                               for c in secrets_here]
             lines = [json.dumps(obj, ensure_ascii=True) + "\n" for obj in objs]
             (d / f"{task}.jsonl").write_text("".join(lines), encoding="utf-8", newline="\n")
+        canary_file = d / "canaries.txt"
+        if secrets_here:
+            canary_file.write_text("".join(c + "\n" for c in secrets_here), encoding="utf-8")
+        elif canary_file.exists():
+            canary_file.unlink()
     return dirs
