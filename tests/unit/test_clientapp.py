@@ -124,8 +124,16 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path):
     from distmoe.privacy.plan import plan_privacy, stats_spec
     from distmoe.privacy.vectors import StatsLayout
     from distmoe.wire.ledger import verify_ledger
-    from distmoe.wire.schema import (DirectoryRequest, KeyAdvertReply, MaskedReply, SecureInstruction, SetupRequest,
-                                     ShareKeysReply, UnmaskRequestMsg, UnmaskResponseMsg)
+    from distmoe.wire.schema import (
+        DirectoryRequest,
+        KeyAdvertReply,
+        MaskedReply,
+        SecureInstruction,
+        SetupRequest,
+        ShareKeysReply,
+        UnmaskRequestMsg,
+        UnmaskResponseMsg,
+    )
 
     run_config = {k: v for k, v in TINY.items() if k != "privacy.mode"}
     cfg = parse_run_config(run_config)
@@ -162,6 +170,6 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path):
     rows = noisy.sum(1)  # each row ~ the number of sequences of both parties
     assert np.all(rows > 10) and abs(rows[0] - rows[1]) < 10 * sspec.aggregate_sigma() / sspec.scale
     assert canaries.shape == (cfg.privacy.canaries,) and np.std(canaries) > 0.3 * sspec.aggregate_sigma()
-    for n, name in ids.items():
+    for name in ids.values():
         led = tmp_path / name / "ledger" / f"{name}.jsonl"
         assert verify_ledger(led, (led.with_suffix(".pub")).read_text().strip())

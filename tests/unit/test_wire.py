@@ -74,8 +74,16 @@ def _secure_payloads() -> list:
     import os
 
     from distmoe.privacy import secagg as sa
-    from distmoe.wire.schema import (DirectoryRequest, KeyAdvertReply, MaskedReply, SecureInstruction, SetupRequest,
-                                     ShareKeysReply, UnmaskRequestMsg, UnmaskResponseMsg)
+    from distmoe.wire.schema import (
+        DirectoryRequest,
+        KeyAdvertReply,
+        MaskedReply,
+        SecureInstruction,
+        SetupRequest,
+        ShareKeysReply,
+        UnmaskRequestMsg,
+        UnmaskResponseMsg,
+    )
 
     params = sa.SecAggParams(os.urandom(16), 2, 64, 10)
     fed = sa.LocalFederation(params, [5, 6, 7])
