@@ -93,21 +93,47 @@ def cmd_data_validate(args) -> int:
     return 0
 
 
+def _privacy_lines(cfg) -> list[str]:
+    from distmoe.privacy.plan import plan_privacy
+
+    p, plan = cfg.privacy, plan_privacy(cfg.privacy, cfg.schedule)
+    if not p.secure:
+        return ["# privacy: PLAINTEXT baseline: no secure aggregation, no DP (the audit fails such a run)"]
+    z = (f"z = {plan.noise_multiplier:.4f} (derived from privacy.epsilon)" if plan.derived
+         else f"z = {plan.noise_multiplier:g} (privacy.noise-multiplier)")
+    out = [f"# privacy: secure aggregation of every reply; router statistics {z} over {plan.stats_releases} "
+           f"release(s)",
+           f"# privacy: planned epsilon {plan.planned_epsilon:.4f} (max of PRV, RDP) <= budget privacy.epsilon = "
+           f"{p.epsilon:g} at delta = {p.delta:g}, per party, unit = one sequence"]
+    if plan.update_releases:
+        out.append(f"# privacy: client-level DP on {plan.update_releases} update release(s) at z = "
+                   f"{plan.update_noise_multiplier:g}")
+    return out
+
+
 def cmd_config_show(args) -> int:
+    from distmoe.privacy.plan import plan_privacy
+
     cfg = parse_run_config(_overrides(args))
     flat = cfg.as_flat()
     if args.json:
-        print(json.dumps(flat, indent=2, sort_keys=True))
+        print(json.dumps({**flat, "derived": {"privacy": plan_privacy(cfg.privacy, cfg.schedule).as_dict(),
+                                              "rounds": cfg.schedule.total_rounds}}, indent=2, sort_keys=True))
     else:
         print(to_toml(flat), end="")
         print(f"\n# derived: {len(cfg.schedule.phases)} phases, {cfg.schedule.total_rounds} rounds: "
               + " -> ".join(p.label() + (f"*{p.rounds}" if p.rounds > 1 else "") for p in cfg.schedule.phases))
+        print("\n".join(_privacy_lines(cfg)))
     return 0
 
 
 def cmd_config_validate(args) -> int:
-    parse_run_config(load_override_file(args.file))
+    from distmoe.privacy.plan import plan_privacy
+
+    cfg = parse_run_config(load_override_file(args.file))
+    plan_privacy(cfg.privacy, cfg.schedule)  # the budget must cover the planned releases
     print(f"{args.file}: ok")
+    print("\n".join(_privacy_lines(cfg)))
     return 0
 
 

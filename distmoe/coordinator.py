@@ -231,6 +231,15 @@ class Coordinator:
                   f"{self.tspec.numel / 1e6:.2f}M trainable ({cfg.model.trainable}); "
                   f"{len(self.mspec.moe_layers)} MoE layers x {self.mspec.num_experts} experts, "
                   f"top-{self.mspec.top_k}")
+        if cfg.privacy.dp_sgd:  # fail before any party is contacted, with opacus' own verdict
+            from distmoe.privacy.dpsgd import DPSGDUnsupported, require_dp_sgd_support
+
+            try:
+                require_dp_sgd_support(self.model, "config key 'privacy.dp-sgd'")
+            except DPSGDUnsupported as exc:
+                raise RunFailed(str(exc)) from None
+            raise RunFailed("config key 'privacy.dp-sgd': opacus supports this model's trainable parameters, but the "
+                            "DP-SGD training loop is not wired into local SFT yet; use privacy.update-noise-multiplier")
         self._checkpoint()
         self._start_wire(self._wait_for_parties())
         total = cfg.schedule.total_rounds

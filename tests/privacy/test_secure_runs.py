@@ -336,3 +336,24 @@ def test_plaintext_run_fails_the_audit(tmp_path):
     coord.run()
     result = audit_run(run_dir)
     assert result.verdict == "fail" and "no-plaintext" in failed_checks(result)
+
+
+def test_dp_sgd_request_is_refused_with_the_reason(tmp_path):
+    from distmoe.coordinator import RunFailed
+
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith", "privacy.dp-sgd": True})
+    with pytest.raises(RunFailed, match="privacy.dp-sgd") as err:
+        coord.run()
+    assert "experts" in str(err.value) and "update-noise-multiplier" in str(err.value)
+    assert not (run_dir / "ledger" / "coordinator.jsonl").exists()  # no party was contacted
+
+
+def test_client_level_dp_on_updates_is_accounted_and_audited(tmp_path):
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith, stats:arith",
+                                                  "privacy.update-noise-multiplier": 5.0})
+    coord.run()
+    (upd,) = releases(run_dir, "model-update")
+    assert upd["dp"]["unit"] == "party" and upd["dp"]["n_active"] == 3
+    result = audit_run(run_dir)
+    assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
+    assert all(v["releases"] == 2 for v in result.epsilon.values())  # the update and the statistics

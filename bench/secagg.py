@@ -1,0 +1,329 @@
+"""Benchmark: the cost of secure aggregation (``privacy.mode = "secagg"``, the default) against the plaintext
+baseline (``privacy.mode = "plaintext"``: plain arrays summed at the server), end to end through the coordinator,
+measured in one run for each party count.
+
+    python bench/secagg.py [--parties 3 5 10] [--quick] [--repeats 1] [--no-protocol]
+                           [--local-steps 2] [--batch 4] [--examples 24] [--threads 1] [--verbose]
+
+Setup: the default model (no ``model.*`` overrides: 7.12M parameters, all trainable), synthetic party data
+(``write_synthetic``, ``--examples`` per task per party), the schedule ``sft:lookup, stats:lookup, eval`` with one
+SFT round and little local work (``--local-steps`` steps of batch ``--batch``, 4 eval examples, 2 new tokens), so
+that local training does not dominate. Each run goes through ``LocalTransport``: the parties run in this process,
+one after another, on the exact party code path (codec records, outbound and server guards, signed ledgers).
+Every run gets fresh work directories and a unique run id; the two modes alternate per repeat.
+
+Measured:
+
+- wall time of each round kind (sft / stats / eval), timed around the coordinator's round methods, per mode, and
+  the ratio secagg / plaintext; the share spent inside the parties' ``serve`` calls (training, encoding, masking)
+  is timed in the transport (the rest is the coordinator: guards, codec, unmasking, aggregation, checkpoint);
+- the one-off setup of secagg mode (key adverts, directory, first share keys: ``SecureRounds.setup``, before
+  round 1), timed around the coordinator's wire start (which in plaintext mode only builds the allow-list);
+- bytes per party per round from the ledgers: up = the ``bytes`` of every "out" entry of a party's ledger in that
+  round (masked input + unmask response in secagg mode), down = the coordinator's "out" entries to parties in that
+  round (instruction + unmask request), each averaged over the parties;
+- (unless ``--no-protocol``) the pure protocol cost for a vector of the SFT update's length in Z_2^64 with
+  ``SecAggClient`` / ``SecAggServer`` driven stage by stage as in ``distmoe.privacy.secagg.LocalFederation``:
+  the setup, one client's ``masked_input`` (n ChaCha20 mask expansions), the server's ``receive_masked`` +
+  ``finish`` (sum + n self-mask expansions), next to a plain float32 sum of n updates.
+
+Prints the tables and ratios; no timing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from distmoe.config import parse_node_config, parse_run_config
+from distmoe.coordinator import Coordinator
+from distmoe.data.synth import write_synthetic
+from distmoe.model.build import build_model
+from distmoe.model.trainable import apply_trainable, spec_of
+from distmoe.privacy import secagg as sa
+from distmoe.privacy.vectors import UpdateLayout
+from distmoe.report.metrics_log import read_metrics
+from distmoe.wire.local import LocalTransport
+from distmoe.wire.schema import TRAIN_METRIC_KEYS
+from distmoe.wire.server_side import STRUCTURAL
+
+SCHEDULE = "sft:lookup, stats:lookup, eval"
+KINDS = ("sft", "stats", "eval")
+MODES = ("plaintext", "secagg")
+MB = 1e6
+
+
+# ------------------------------------------------------------------------------------------ timed run
+class TimedTransport(LocalTransport):
+    """``LocalTransport`` that adds up the time spent inside the parties (``serve``) per round (0 = setup)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.party_s: dict[int, float] = defaultdict(float)
+        self._rnd = 0
+
+    def exchange(self, instructions, expected, timeout, *, rnd=None, phase="", lengths=None):
+        self._rnd = int(rnd or 0)
+        return super().exchange(instructions, expected, timeout, rnd=rnd, phase=phase, lengths=lengths)
+
+    def _send(self, out, timeout):
+        t = time.perf_counter()
+        try:
+            return super()._send(out, timeout)
+        finally:
+            self.party_s[self._rnd] += time.perf_counter() - t
+
+
+class TimedCoordinator(Coordinator):
+    """``Coordinator`` that records the wall time of the wire start (secure setup) and of every round."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.round_s: dict[int, float] = {}
+        self.start_wire_s = 0.0
+
+    def _timed(self, fn, *a):
+        t = time.perf_counter()
+        out = fn(*a)
+        self.round_s[self.s.round] = time.perf_counter() - t
+        return out
+
+    def _start_wire(self, nodes):
+        t = time.perf_counter()
+        super()._start_wire(nodes)
+        self.start_wire_s = time.perf_counter() - t
+
+    def _sft_round(self, pi, phase):
+        return self._timed(super()._sft_round, pi, phase)
+
+    def _stats_round(self, phase):
+        return self._timed(super()._stats_round, phase)
+
+    def _eval_round(self):
+        return self._timed(super()._eval_round)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _bytes_per_round(run_dir: Path, work_dirs: list[Path], n: int) -> tuple[dict[int, float], dict[int, float]]:
+    """(up, down) bytes per party per round (0 = setup), averaged over the ``n`` parties. Setup entries go by
+    phase: a party logs its first share keys under the round they are for (1), the coordinator under 0."""
+    up: dict[int, float] = defaultdict(float)
+    down: dict[int, float] = defaultdict(float)
+
+    def rnd(e: dict) -> int:
+        return 0 if e["phase"] == "setup" else int(e["round"] or 0)
+
+    for e in _jsonl(run_dir / "ledger" / "coordinator.jsonl"):
+        if e["direction"] == "out" and e.get("peer") != "all" and e["payload_type"] not in STRUCTURAL:
+            down[rnd(e)] += e["bytes"] / n
+    for wd in work_dirs:
+        for path in (wd / "ledger").glob("*.jsonl"):
+            for e in _jsonl(path):
+                if e["direction"] == "out" and e["payload_type"] not in STRUCTURAL:
+                    up[rnd(e)] += e["bytes"] / n
+    return up, down
+
+
+def one_run(mode: str, n: int, data_dirs: list[Path], root: Path, args, log) -> dict:
+    overrides = {"schedule.phases": SCHEDULE, "schedule.sft-rounds": 1, "train.local-steps": args.local_steps,
+                 "train.batch-size": args.batch, "train.threads": args.threads, "data.max-eval-examples": 4,
+                 "data.synth-examples": args.examples, "eval.max-new-tokens": 2, "federation.wait-timeout": 1.0,
+                 "checkpoint.keep": 1, "privacy.mode": mode}
+    cfg = parse_run_config(overrides)
+    run_id = f"bench-secagg-{mode}-{n}-{uuid.uuid4().hex[:8]}"
+    base = root / run_id
+    work_dirs = [base / f"work-{i}" for i in range(n)]
+    nodes = {100 + i: parse_node_config({"data-path": str(d), "work-dir": str(w)}, cfg.sim)
+             for i, (d, w) in enumerate(zip(data_dirs, work_dirs, strict=True))}
+    transport = TimedTransport(cfg, nodes, run_id)
+    run_dir = base / "run"
+    coord = TimedCoordinator(cfg, run_dir, transport, run_id=run_id, log=log)
+    t = time.perf_counter()
+    record = coord.run()
+    total = time.perf_counter() - t
+    if record.get("status") != "completed":
+        raise RuntimeError(f"{run_id}: run did not complete: {record.get('error')}")
+    kinds = [p.kind for p in cfg.schedule.phases for _ in range(p.rounds)]  # round i + 1 -> kind
+    up, down = _bytes_per_round(run_dir, work_dirs, n)
+    train = [e for e in read_metrics(run_dir / "metrics.jsonl") if e.get("event") == "train"]
+    included = {int(e.get("parties", 0)) for e in train if e.get("party") == "all"}
+    if included != {n}:
+        print(f"WARNING: {run_id}: train events aggregate {sorted(included)} parties, expected {n}")
+    out = {"total_s": total, "start_wire_s": coord.start_wire_s, "setup_party_s": transport.party_s.get(0, 0.0),
+           "setup_up": up.get(0, 0.0), "setup_down": down.get(0, 0.0), "params": record["model"]["parameters"],
+           "trainable": record["model"]["trainable_numel"]}
+    for r, kind in enumerate(kinds, start=1):
+        out[kind] = {"wall_s": coord.round_s[r], "party_s": transport.party_s.get(r, 0.0),
+                     "up": up.get(r, 0.0), "down": down.get(r, 0.0)}
+    if not args.keep:
+        shutil.rmtree(base, ignore_errors=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------- protocol only
+def protocol_cost(n: int, length: int, seed: int = 0) -> dict:
+    """SecAgg stage by stage for n clients and one [length] vector in Z_2^64 (as ``LocalFederation``)."""
+    t_thr = max(2, n // 2 + 1)
+    params = sa.SecAggParams(os.urandom(16), t_thr, 64, length)
+    ids = list(range(1, n + 1))
+    server = sa.SecAggServer(params)
+    clients = {i: sa.SecAggClient(params, i) for i in ids}
+    rng = np.random.default_rng(seed)
+    xs = {i: rng.integers(0, np.iinfo(np.uint64).max, length, dtype=np.uint64, endpoint=True) for i in ids}
+    t = time.perf_counter()
+    directory = server.register([c.advertise() for c in clients.values()])
+    keys = []
+    for i in server.roster:
+        clients[i].receive_directory(directory)
+        keys.append(clients[i].share_keys(1))
+    server.add_share_keys(keys)
+    setup_s = time.perf_counter() - t
+    starts = server.begin_round(1, length)
+    masked, mask_s = [], []
+    for i in server.roster:
+        t = time.perf_counter()
+        masked.append(clients[i].masked_input(starts[i], xs[i]))
+        mask_s.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    request = server.receive_masked(1, masked)
+    recv_s = time.perf_counter() - t
+    responses = [clients[i].unmask(request) for i in request.alive]
+    t = time.perf_counter()
+    res = server.finish(1, responses)
+    finish_s = time.perf_counter() - t
+    expect = np.zeros(length, np.uint64)
+    for x in xs.values():
+        expect += x
+    if not np.array_equal(res.total, expect):
+        raise RuntimeError("secure sum differs from the plain sum")
+    plain = [rng.standard_normal(length, dtype=np.float32) for _ in ids]
+    t = time.perf_counter()
+    acc = np.zeros(length, np.float32)
+    for x in plain:
+        acc += x
+    plain_s = time.perf_counter() - t
+    return {"setup_s": setup_s, "mask_s": statistics.median(mask_s), "mask_total_s": sum(mask_s),
+            "server_s": recv_s + finish_s, "plain_sum_s": plain_s}
+
+
+# ------------------------------------------------------------------------------------------ report
+def _size(b: float) -> str:
+    return f"{b / MB:.2f} MB" if b >= MB else f"{b / 1e3:.1f} KB"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "n/a"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parties", type=int, nargs="+", default=[3, 5, 10])
+    ap.add_argument("--quick", action="store_true", help="only 3 parties, one run per mode (overrides both)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per mode and party count (median reported)")
+    ap.add_argument("--local-steps", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--examples", type=int, default=24, help="synthetic examples per task per party")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-protocol", action="store_true", help="skip the SecAgg-only measurement")
+    ap.add_argument("--keep", action="store_true", help="keep the run and work directories")
+    ap.add_argument("--dir", default="", help="where to put data and runs (default: a temporary directory)")
+    ap.add_argument("--verbose", action="store_true", help="print the coordinator's log lines")
+    args = ap.parse_args()
+    parties = [3] if args.quick else sorted(set(args.parties))
+    if args.quick:
+        args.repeats = 1
+    torch.set_num_threads(args.threads)
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="distmoe-bench-secagg-"))
+    root.mkdir(parents=True, exist_ok=True)
+    log = print if args.verbose else (lambda _s: None)
+
+    res: dict[tuple[int, str], list[dict]] = defaultdict(list)
+    t_all = time.perf_counter()
+    try:
+        for n in parties:
+            data = write_synthetic(root / f"data-{n}-{uuid.uuid4().hex[:6]}", parties=n,
+                                   examples_per_task=args.examples, seed=0)
+            for rep in range(args.repeats):
+                for mode in (MODES if rep % 2 == 0 else MODES[::-1]):  # alternate which mode goes first
+                    r = one_run(mode, n, data, root, args, log)
+                    res[(n, mode)].append(r)
+                    print(f"  {n:2d} parties, {mode:9s} run {rep + 1}: {r['total_s']:.1f} s "
+                          f"(sft {r['sft']['wall_s']:.2f} s, stats {r['stats']['wall_s']:.2f} s, "
+                          f"eval {r['eval']['wall_s']:.2f} s)", flush=True)
+        proto = {}
+        if not args.no_protocol:
+            cfg = parse_run_config({})
+            model = apply_trainable(build_model(cfg.model)[0], cfg.model)
+            shapes = spec_of(model, cfg.model.trainable).shapes
+            for n in parties:
+                length = UpdateLayout.build(shapes, TRAIN_METRIC_KEYS, n, cfg.privacy.update_clip,
+                                            cfg.privacy.max_weight).length
+                proto[n] = (length, protocol_cost(n, length))
+                print(f"  protocol only, {n:2d} parties: done", flush=True)
+    finally:
+        if not args.dir and not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def med(n: int, mode: str, *path: str) -> float:
+        vals = []
+        for r in res[(n, mode)]:
+            v = r
+            for p in path:
+                v = v[p]
+            vals.append(v)
+        return statistics.median(vals)
+
+    first = res[(parties[0], "secagg")][0]
+    print()
+    print(f"model {first['params'] / 1e6:.2f}M params ({first['trainable'] / 1e6:.2f}M trainable), schedule "
+          f"'{SCHEDULE}', {args.local_steps} local steps x batch {args.batch}, {args.threads} thread(s), "
+          f"{args.repeats} run(s) per cell (median), total {time.perf_counter() - t_all:.0f} s")
+    print("\nWall time per round (s); 'in parties' = time inside the parties' serve calls (sequential, in-process)")
+    print(f"{'round':6s} {'parties':>7s} {'plaintext':>10s} {'secagg':>8s} {'ratio':>7s} "
+          f"{'plain in parties':>17s} {'secagg in parties':>18s} {'extra s':>8s}")
+    for kind in KINDS:
+        for n in parties:
+            p, s = med(n, "plaintext", kind, "wall_s"), med(n, "secagg", kind, "wall_s")
+            pp, sp = med(n, "plaintext", kind, "party_s"), med(n, "secagg", kind, "party_s")
+            print(f"{kind:6s} {n:7d} {p:10.2f} {s:8.2f} {_ratio(s, p):>7s} {pp:17.2f} {sp:18.2f} {s - p:8.2f}")
+    print("\nOne-off wire start before round 1 (s): allow-list + ledger (both modes) + secure setup (secagg only)")
+    print(f"{'parties':>7s} {'secagg':>7s} {'plaintext':>10s} {'setup extra':>12s} {'in parties':>11s} "
+          f"{'up/party':>10s} {'down/party':>11s}")
+    for n in parties:
+        s_w, p_w = med(n, "secagg", "start_wire_s"), med(n, "plaintext", "start_wire_s")
+        print(f"{n:7d} {s_w:7.2f} {p_w:10.2f} {s_w - p_w:12.2f} {med(n, 'secagg', 'setup_party_s'):11.2f} "
+              f"{_size(med(n, 'secagg', 'setup_up')):>10s} {_size(med(n, 'secagg', 'setup_down')):>11s}")
+    print("\nBytes per party per round (from the ledgers)")
+    print(f"{'round':6s} {'parties':>7s} {'up plain':>10s} {'up secagg':>10s} {'ratio':>7s} "
+          f"{'down plain':>11s} {'down secagg':>12s} {'ratio':>7s}")
+    for kind in KINDS:
+        for n in parties:
+            up_p, up_s = med(n, "plaintext", kind, "up"), med(n, "secagg", kind, "up")
+            dn_p, dn_s = med(n, "plaintext", kind, "down"), med(n, "secagg", kind, "down")
+            print(f"{kind:6s} {n:7d} {_size(up_p):>10s} {_size(up_s):>10s} {_ratio(up_s, up_p):>7s} "
+                  f"{_size(dn_p):>11s} {_size(dn_s):>12s} {_ratio(dn_s, dn_p):>7s}")
+    if proto:
+        print("\nProtocol only (SecAggClient/SecAggServer, one round over the SFT update vector in Z_2^64)")
+        print(f"{'parties':>7s} {'length':>10s} {'setup s':>8s} {'mask/client s':>14s} {'mask all s':>11s} "
+              f"{'server s':>9s} {'float32 sum s':>14s}")
+        for n, (length, c) in proto.items():
+            print(f"{n:7d} {length:10d} {c['setup_s']:8.3f} {c['mask_s']:14.3f} {c['mask_total_s']:11.3f} "
+                  f"{c['server_s']:9.3f} {c['plain_sum_s']:14.3f}")
+
+
+if __name__ == "__main__":
+    main()
