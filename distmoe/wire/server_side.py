@@ -19,6 +19,7 @@ Must not: read party data, or hand a payload to the coordinator that did not pas
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import time
 from collections.abc import Mapping
@@ -268,7 +269,7 @@ class ServerGuard:
 
 
 # ---------------------------------------------------------------------------------------- transport
-class GuardedTransport:
+class GuardedTransport(abc.ABC):
     """``exchange`` = encode + log every instruction, send, check + log every reply. Subclasses give
     ``_send({node: (message_type, content)}, timeout) -> {node: RecordDict | error reason}``."""
 
@@ -277,11 +278,13 @@ class GuardedTransport:
     def attach(self, guard: ServerGuard) -> None:
         self.guard = guard
 
-    def node_ids(self) -> list[int]:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def node_ids(self) -> list[int]:
+        """The nodes connected now."""
 
+    @abc.abstractmethod
     def _send(self, out: dict[int, tuple[str, RecordDict]], timeout: float) -> dict[int, RecordDict | str]:
-        raise NotImplementedError  # pragma: no cover
+        """Deliver every message; return each node's reply content or error reason."""
 
     def exchange(self, instructions: dict[int, object], expected: type, timeout: float, *, rnd: int | None = None,
                  phase: str = "", lengths: Mapping[int, int] | None = None
