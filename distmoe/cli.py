@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("audit", help="audit a run's privacy from its ledgers and run records")
     a.add_argument("run_dir")
     a.add_argument("--party-ledger", action="append", metavar="PATH",
-                   help="audit only this party ledger (its .pub next to it; repeatable; default: the ledgers under the run directory's work dir)")
+                   help="audit only this party ledger (its .pub next to it; repeatable; "
+                        "default: every party ledger under the run directory's work dir)")
     a.add_argument("--canaries", metavar="FILE", help="canary strings, one per line (default: the run's)")
     a.add_argument("--json", action="store_true", help="print the audit JSON instead of the summary")
     a.set_defaults(fn=cmd_audit)
