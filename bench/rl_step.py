@@ -3,14 +3,16 @@ mismatch weights, then the weighted update) against plain GRPO (``logp_old := lo
 same fixed rollouts, measured in one run, interleaved so that machine noise hits every arm alike.
 
     python bench/rl_step.py [--iters 20] [--warmup 3] [--threads 2] [--engine prune-2]
-                            [--prompts 8] [--group 4] [--tokens 8] [--simulator]
+                            [--prompts 8] [--group 4] [--tokens 8] [--simulator] [--replay]
 
 Setup: the default tiny model, briefly SFT-trained on synthetic lookup data, an ``InferenceEngine`` of profile
 ``--engine`` and one batch of rollouts generated once from it and reused by every arm. Before each timed update
 the model and optimizer state are restored from a snapshot (outside the timed region), so every arm updates the
 same theta. One update = forward with grad, ``grpo`` loss, backward, gradient clipping, AdamW step (as in
 ``run_grpo`` with one minibatch). The rollout generation is timed too (interleaved, same seed), so the reader
-sees the share of an iteration. Prints medians and the ratios vs plain GRPO.
+sees the share of an iteration. Prints medians and the ratios vs plain GRPO. ``--replay`` adds routing replay
+(``distmoe.rl.replay``): generation with the engine's routes recorded, and IcePop with the recompute and the update
+replaying them.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--sft-steps", type=int, default=100)
     ap.add_argument("--simulator", action="store_true", help="also time the inference simulator's predict")
+    ap.add_argument("--replay", action="store_true", help="also time routing replay (recording + replayed passes)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -88,10 +91,11 @@ def main() -> None:
     prompt_ids = [encode_prompt(tok, ex, gcfg.max_prompt_len) for ex in prompts]
     prompt_texts = [ex.prompt_messages[-1]["content"] if ex.prompt_messages else "" for ex in prompts]
 
-    def rollout():
-        return generate_rollouts(engine, tok, prompt_ids, args.group, args.tokens, gcfg.temperature, seed=0)
+    def rollout(record: bool = False):
+        return generate_rollouts(engine, tok, prompt_ids, args.group, args.tokens, gcfg.temperature, seed=0,
+                                 record_routes=record)
 
-    ro = rollout()
+    ro = rollout(record=args.replay)  # recording changes no sample or log-prob; it only adds engine_routes
     rows = ro.prompt_index.tolist()
     rewards = torch.tensor(compute_rewards(gcfg.reward, ro.texts, [prompts[i].answer for i in rows], TASK,
                                            [prompt_texts[i] for i in rows]), dtype=torch.float32)  # [N]
@@ -104,9 +108,9 @@ def main() -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     opt, _ = build_optimizer(model, gcfg.train_config())
 
-    def update(logp_old: torch.Tensor, weights: torch.Tensor) -> float:
+    def update(logp_old: torch.Tensor, weights: torch.Tensor, replay: bool = False) -> float:
         model.train()
-        logp_new = train_logprobs(model, ro, grad=True)  # [N, T]
+        logp_new = train_logprobs(model, ro, grad=True, replay=replay)  # [N, T]
         loss, _ = loss_fn(logp_new, logp_old, adv, mask, weights, clip_eps=gcfg.clip_eps,
                           clip_eps_high=gcfg.clip_eps_high)
         opt.zero_grad(set_to_none=True)
@@ -116,9 +120,9 @@ def main() -> None:
         model.eval()
         return float(loss.detach())
 
-    def recompute() -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    def recompute(replay: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         model.eval()
-        logp_old = train_logprobs(model, ro, grad=False)  # [N, T]
+        logp_old = train_logprobs(model, ro, grad=False, replay=replay)  # [N, T]
         w, st = mismatch_weights(logp_old, ro.logp_infer, mask, gcfg.level, "mask", gcfg.low, gcfg.high)
         return logp_old, w, st
 
@@ -146,6 +150,15 @@ def main() -> None:
     arms: dict[str, Callable[[], object]] = {"plain GRPO": plain, "GRPO + IcePop": icepop,
                                              "  recompute + weights only": recompute_only,
                                              "rollout generation": rollout}
+    if args.replay:
+        def icepop_replay() -> None:
+            logp_old, w, _ = recompute(replay=True)
+            update(logp_old, w, replay=True)
+
+        arms["GRPO + IcePop + replay"] = icepop_replay
+        arms["rollout generation, routes recorded"] = lambda: rollout(record=True)
+        restore()
+        _, _, rstats = recompute(replay=True)
     sim_note = ""
     if args.simulator:
         restore()
@@ -188,6 +201,12 @@ def main() -> None:
               f"(ratio {sp / rec:.3f})")
     elif args.simulator:
         print(f"simulator arm skipped: {sim_note}")
+    if args.replay:
+        print(f"routing replay: mean |dlogp| {mstats['mismatch/logp_abs_diff_mean']:.4f} -> "
+              f"{rstats['mismatch/logp_abs_diff_mean']:.4f}, IcePop masked share {mstats['icepop/masked_frac']:.3f} "
+              f"-> {rstats['icepop/masked_frac']:.3f}; update ratio vs IcePop "
+              f"{med['GRPO + IcePop + replay'] / med['GRPO + IcePop']:.3f}, generation ratio with recording "
+              f"{med['rollout generation, routes recorded'] / med['rollout generation']:.3f}")
     else:
         print("simulator arm skipped (pass --simulator to try distmoe.rl.simulator)")
 

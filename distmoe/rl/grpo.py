@@ -14,9 +14,13 @@ Owns: ``GRPOConfig`` (validated, every error names its field), ``run_grpo`` (the
    (``simulator.py``) is calibrated at step 0 and every ``simulator_recalibrate_every`` steps on fresh engine
    rollouts; ``delta_hat`` comes from the same theta_old pass, and unless the simulator is degraded (held-out
    calibration or this batch's R^2 / AUROC below the minimum: fallback, counted) the loss uses
-   ``logp_old = logp_infer + delta_hat`` and the weights ``exp(delta_hat)`` masked beyond ``simulator_bound``;
-4. ``ppo_epochs x minibatches`` updates (train mode) with the registered policy loss, gradient clipping; an
-   update whose loss or gradient norm is NaN/Inf is skipped (no optimizer step) and counted.
+   ``logp_old = logp_infer + delta_hat`` and the weights ``exp(delta_hat)`` masked beyond ``simulator_bound``
+   (per token, or per sequence from the mean ``delta_hat`` at ``level="sequence"``), and adds
+   ``simulator_lb_coef x`` the load-balance loss on the simulated routing to every update of that step;
+   With ``cfg.routing_replay`` (off by default) the rollouts record the engine's routes and every training-side
+   forward of the step (the theta_old recompute, every update, the reference) replays them (``replay.py``);
+4. ``ppo_epochs x minibatches`` updates (train mode) with the registered policy loss (``minibatch_loss``), gradient
+   clipping; an update whose loss or gradient norm is NaN/Inf is skipped (no optimizer step) and counted.
 
 Must not: read files, talk to the wire, or import Flower. The policy is in train mode only during the
 updates (eval mode for generation, recompute and diagnostics) and is left in eval mode.
@@ -38,6 +42,7 @@ from distmoe.data.template import collate, encode_example, encode_prompt
 from distmoe.rl.advantages import group_advantages
 from distmoe.rl.engines import InferenceEngine, parse_profile
 from distmoe.rl.losses import POLICY_LOSSES, get_policy_loss, masked_entropy, mismatch_weights
+from distmoe.rl.replay import ReplayStats, replay_routes
 from distmoe.rl.rewards import compute_rewards, get_reward
 from distmoe.rl.rollout import Rollouts, generate_rollouts, routing_disagreement, train_logprobs
 from distmoe.rl.simulator import InferenceSimulator, capture, compare, simulated_weights
@@ -83,6 +88,13 @@ class GRPOConfig:
     simulator_auroc_min: float = 0.5  # ... or AUROC(|delta_hat| for the top-10 % |delta|) is below
     simulator_hidden: int = 32
     simulator_fit_steps: int = 300
+    # load-balance loss on the simulated routing z_train + o (lb_loss_simulated), added to the policy loss with
+    # this coefficient on the steps where the simulator is used (not on fallback steps); 0.01 = the SFT default
+    # routing.aux-loss-coef
+    simulator_lb_coef: float = 0.01
+    # routing replay (replay.py): the trainer's forwards use the experts the engine's routers chose while
+    # generating, weighted by the trainer's own router (softmax renormalised over the replayed experts)
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -121,6 +133,12 @@ class GRPOConfig:
         for name in ("simulator_r2_min", "simulator_auroc_min"):
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and math.isfinite(v), name, "must be a finite number")
+        need(isinstance(self.simulator_lb_coef, (int, float)) and math.isfinite(self.simulator_lb_coef)
+             and self.simulator_lb_coef >= 0, "simulator_lb_coef", "must be a finite number >= 0")
+        need(isinstance(self.routing_replay, bool), "routing_replay", "must be a bool")
+        need(not (self.routing_replay and self.simulator), "routing_replay",
+             "cannot be combined with simulator=True (two alternative mitigations of the routing gap: replay "
+             "removes the gap the simulator's offset table models; choose one)")
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"GRPOConfig.policy_loss: unknown policy loss {self.policy_loss!r}; valid names: "
                              f"{', '.join(sorted(POLICY_LOSSES))}")
@@ -184,23 +202,71 @@ class GRPOResult:
 
 def _subset(ro: Rollouts, idx: torch.Tensor) -> Rollouts:
     """Rows ``idx`` of a rollout batch (same prompt length and temperature)."""
+    routes = None if ro.engine_routes is None else ro.engine_routes[:, idx]  # [L, n, S, k]
     return replace(ro, sequences=ro.sequences[idx], attention_mask=ro.attention_mask[idx], response=ro.response[idx],
                    logp_infer=ro.logp_infer[idx], response_mask=ro.response_mask[idx],
-                   texts=[ro.texts[i] for i in idx.tolist()], prompt_index=ro.prompt_index[idx])
+                   texts=[ro.texts[i] for i in idx.tolist()], prompt_index=ro.prompt_index[idx],
+                   engine_routes=routes)
 
 
-def _logprobs_and_logits(model: nn.Module, ro: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
-    """``train_logprobs`` (no grad) plus the temperature-scaled response logits ``[N, T, V]`` of that same pass."""
+def _logprobs_and_logits(model: nn.Module, ro: Rollouts,
+                         replay: bool = False) -> tuple[torch.Tensor, torch.Tensor, ReplayStats]:
+    """``train_logprobs`` (no grad) plus the temperature-scaled response logits ``[N, T, V]`` of that same pass;
+    with ``replay`` the pass replays the engine's routes, and the ``ReplayStats`` say where that changed them."""
     head = model.get_output_embeddings()
     got: list[torch.Tensor] = []
     handle = head.register_forward_hook(lambda _m, _i, out: got.append(out.detach()))
     try:
-        logp = train_logprobs(model, ro, grad=False)  # [N, T]
+        with replay_routes(model, ro.engine_routes if replay else None) as rstats:
+            logp = train_logprobs(model, ro, grad=False)  # [N, T]
     finally:
         handle.remove()
     t = ro.response.shape[1]
     logits = got[-1][:, ro.prompt_len - 1:ro.prompt_len - 1 + t].float() / ro.temperature  # [N, T, V]
-    return logp, logits
+    return logp, logits, rstats
+
+
+def replay_override_frac(rstats: ReplayStats, ro: Rollouts) -> float:
+    """Share of (valid response token, MoE layer) pairs whose replayed expert set differs from the trainer's own
+    top-k, at the positions whose outputs give the response log-probs (``P-1+t``); 0.0 without replay."""
+    if not rstats.overridden:
+        return 0.0
+    n, s = ro.sequences.shape
+    plen, t = ro.prompt_len, ro.response.shape[1]
+    valid = ro.response_mask  # [N, T]
+    fr = [float((o.reshape(n, s)[:, plen - 1:plen - 1 + t] & valid).sum()) / max(int(valid.sum()), 1)
+          for o in rstats.overridden.values()]
+    return float(sum(fr) / len(fr))
+
+
+def lb_mask(ro: Rollouts) -> torch.Tensor:
+    """``[N, P+T]`` long: valid prompt tokens and valid response tokens (not the padding after an eos)."""
+    return torch.cat([ro.attention_mask[:, :ro.prompt_len], ro.response_mask.to(ro.attention_mask.dtype)], 1)
+
+
+def minibatch_loss(model: nn.Module, sub: Rollouts, loss_fn, logp_old: torch.Tensor, adv: torch.Tensor,
+                   weights: torch.Tensor, cfg: GRPOConfig, ref_logp: torch.Tensor | None = None,
+                   sim: InferenceSimulator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one PPO minibatch ``sub`` (``[n, T]`` tensors for its rows), with the graph:
+
+    ``loss_fn(logp_new, logp_old, adv, mask, weights)`` with ``logp_new`` from the policy's forward (replaying
+    the engine's routes when ``cfg.routing_replay``), plus ``cfg.simulator_lb_coef * lb_loss_simulated`` on that
+    same forward's router logits when a simulator ``sim`` is passed (its offset table is a constant; the gradient
+    reaches the router through ``z_train``). Metrics: the loss's, plus ``sim_lb_loss`` when ``sim`` is given.
+    """
+    mask = sub.response_mask  # [n, T]
+    want_lb = sim is not None and cfg.simulator_lb_coef > 0
+    if want_lb:
+        logp_new, router = train_logprobs(model, sub, grad=True, replay=cfg.routing_replay, router_logits=True)
+    else:
+        logp_new = train_logprobs(model, sub, grad=True, replay=cfg.routing_replay)  # [n, T]
+    loss, lm = loss_fn(logp_new, logp_old, adv, mask, weights, clip_eps=cfg.clip_eps,
+                       clip_eps_high=cfg.clip_eps_high, ref_logp=ref_logp, kl_coef=cfg.kl_coef)
+    if want_lb:
+        lb = sim.lb_loss(router, lb_mask(sub))  # [] on the simulated routing of this forward
+        loss = loss + cfg.simulator_lb_coef * lb
+        lm = {**lm, "sim_lb_loss": float(lb.detach())}
+    return loss, lm
 
 
 def _encode(tokenizer, prompts: list[Example], cfg: GRPOConfig):
@@ -258,14 +324,26 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
             engine.sync(model)
         chosen = torch.randperm(len(prompts), generator=gen)[:cfg.prompts_per_step].tolist()
         ro = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in chosen], cfg.group_size,
-                               cfg.max_new_tokens, cfg.temperature, seed=cfg.seed * 100_003 + step)
+                               cfg.max_new_tokens, cfg.temperature, seed=cfg.seed * 100_003 + step,
+                               record_routes=cfg.routing_replay)
         rows = [chosen[int(i)] for i in ro.prompt_index]
         rewards = torch.tensor(compute_rewards(cfg.reward, ro.texts, [answers[i] for i in rows], task,
                                                [prompt_texts[i] for i in rows]), dtype=torch.float32)  # [N]
         adv = group_advantages(rewards, cfg.group_size, std_normalise=cfg.std_normalise)  # [N]
         t_rec = time.perf_counter()
+        replay_metrics: dict[str, float] = {}
         if sim is None:
-            logp_old, logits_old = _logprobs_and_logits(model, ro)  # [N, T], [N, T, V]
+            logp_old, logits_old, rstats = _logprobs_and_logits(model, ro, cfg.routing_replay)  # [N, T], [N, T, V]
+            if cfg.routing_replay:
+                t_native = time.perf_counter()
+                logp_native = train_logprobs(model, ro, grad=False)  # [N, T] the trainer's own routing
+                vm = ro.response_mask
+                replay_metrics = {
+                    "replay_override_frac": replay_override_frac(rstats, ro),
+                    "logp_diff_mean_native": float((logp_native - ro.logp_infer)[vm].abs().mean()) if vm.any()
+                    else 0.0,
+                    "replay_native_s": time.perf_counter() - t_native}
+                del logp_native
         else:  # the same pass, with the router logits the simulator's features need
             tf_old = capture(model, ro, lm_logits=True)
             logp_old, logits_old = tf_old.logp, tf_old.logits  # [N, T], [N, T, V]
@@ -291,7 +369,8 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
             del tf_old
             cmp = compare(delta_hat, logp_old - ro.logp_infer, mask, cfg.simulator_r2_min, cfg.simulator_auroc_min)
             fallback = bool(cal_m["degraded"]) or bool(cmp["degraded"])
-            sim_logp_old, sim_w, sstats = simulated_weights(ro.logp_infer, delta_hat, mask, cfg.simulator_bound)
+            sim_logp_old, sim_w, sstats = simulated_weights(ro.logp_infer, delta_hat, mask, cfg.simulator_bound,
+                                                            cfg.level)
             if not fallback:
                 logp_old_used, weights = sim_logp_old, sim_w
             res.sim_fallbacks += int(fallback)
@@ -308,7 +387,7 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
         del logits_old
         ref_logp = None
         if reference_model is not None:
-            ref_logp = train_logprobs(reference_model, ro, grad=False)  # [N, T]
+            ref_logp = train_logprobs(reference_model, ro, grad=False, replay=cfg.routing_replay)  # [N, T]
         routes = routing_disagreement(model, engine, ro)
 
         n = ro.num_rollouts
@@ -318,6 +397,8 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
         clip_fracs: list[float] = []
         kl_refs: list[float] = []
         grad_norms: list[float] = []
+        lb_losses: list[float] = []
+        lb_sim = sim if (sim is not None and not sim_metrics.get("sim_fallback", 1.0)) else None  # trusted steps only
         model.train()
         try:
             for _epoch in range(cfg.ppo_epochs):
@@ -326,10 +407,8 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
                     if idx.numel() == 0:
                         continue
                     sub = _subset(ro, idx)
-                    logp_new = train_logprobs(model, sub, grad=True)  # [n_mb, T]
-                    loss, lm = loss_fn(logp_new, logp_old_used[idx], adv[idx], mask[idx], weights[idx],
-                                       clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
-                                       ref_logp=None if ref_logp is None else ref_logp[idx], kl_coef=cfg.kl_coef)
+                    loss, lm = minibatch_loss(model, sub, loss_fn, logp_old_used[idx], adv[idx], weights[idx], cfg,
+                                              None if ref_logp is None else ref_logp[idx], lb_sim)
                     opt.zero_grad(set_to_none=True)
                     if not math.isfinite(float(loss.detach())):
                         skipped += 1
@@ -348,6 +427,8 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
                     grad_norms.append(float(grad_norm))
                     if "ppo/kl_ref" in lm:
                         kl_refs.append(lm["ppo/kl_ref"])
+                    if "sim_lb_loss" in lm:
+                        lb_losses.append(lm["sim_lb_loss"])
         finally:
             opt.zero_grad(set_to_none=True)
             model.eval()
@@ -380,6 +461,11 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
         }
         if kl_refs:
             metrics["kl_ref"] = mean(kl_refs)
+        if sim is not None:
+            metrics["sim_lb_loss"] = mean(lb_losses)  # NaN on fallback steps (no LB term) or with coef 0
+        if cfg.routing_replay:
+            metrics["replay"] = 1.0
+            metrics.update(replay_metrics)
         for li, d in enumerate(routes):
             metrics[f"route_disagree_l{li}"] = d
         metrics.update(sim_metrics)

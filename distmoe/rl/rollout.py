@@ -12,6 +12,7 @@ Must not: compute rewards, advantages or losses, update any model, or import Flo
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 from distmoe.data.template import collate_prompts
 from distmoe.model.build import router_modules
 from distmoe.model.router import topk_experts
+from distmoe.rl.replay import RouteRecorder, replay_routes
 
 
 @dataclass
@@ -34,6 +36,9 @@ class Rollouts:
     prompt_index: torch.Tensor  # [N] which input prompt each row samples (row i -> i // G)
     group_size: int
     temperature: float
+    # [L, N, P+T, k] long: the experts the engine's routers used while generating (``record_routes=True``);
+    # -1 where the engine routed nothing (the last position). Used by routing replay (``replay.py``).
+    engine_routes: torch.Tensor | None = None
 
     @property
     def num_rollouts(self) -> int:
@@ -60,12 +65,14 @@ def _model_of(engine) -> nn.Module:
 
 @torch.no_grad()
 def generate_rollouts(engine, tokenizer, prompts: list[list[int]], group_size: int, max_new_tokens: int,
-                      temperature: float | None = None, seed: int = 0) -> Rollouts:
+                      temperature: float | None = None, seed: int = 0, record_routes: bool = False) -> Rollouts:
     """Sample ``group_size`` responses per prompt from ``engine`` (an ``InferenceEngine`` or a model).
 
     Rows are prompt-major: rows ``i*G .. i*G+G-1`` are prompt ``i``. ``temperature`` defaults to the
     engine's. The global RNG state is restored afterwards (sampling uses a forked RNG seeded with
-    ``seed``), so the same seed, engine and prompts give identical rollouts.
+    ``seed``), so the same seed, engine and prompts give identical rollouts. ``record_routes=True`` also
+    records, with forward hooks on the engine's routers, the experts every generation forward used
+    (``Rollouts.engine_routes``; recording changes no number).
     """
     if group_size < 1 or max_new_tokens < 1:
         raise ValueError(f"group_size and max_new_tokens must be >= 1, got {group_size}, {max_new_tokens}")
@@ -80,13 +87,15 @@ def generate_rollouts(engine, tokenizer, prompts: list[list[int]], group_size: i
     ids, mask = batch["input_ids"], batch["attention_mask"]  # [N, P]
     plen = int(ids.shape[1])
     eos = tokenizer.eos_token_id
-    with torch.random.fork_rng(devices=[]):
+    recorder = RouteRecorder(model) if record_routes else None
+    with torch.random.fork_rng(devices=[]), (recorder if recorder is not None else nullcontext()):
         torch.manual_seed(seed)
         go = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
                             temperature=float(temperature), max_new_tokens=int(max_new_tokens),
                             output_scores=True, return_dict_in_generate=True,
                             eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     seqs = go.sequences  # [N, P+T]
+    routes = None if recorder is None else recorder.assemble(int(seqs.shape[0]), plen, int(seqs.shape[1]))
     response = seqs[:, plen:]  # [N, T]
     scores = torch.stack(go.scores, 1).float()  # [N, T, V] post-processor scores (temperature applied)
     logp = torch.log_softmax(scores, -1).gather(-1, response[..., None]).squeeze(-1)  # [N, T]
@@ -97,25 +106,34 @@ def generate_rollouts(engine, tokenizer, prompts: list[list[int]], group_size: i
     index = torch.arange(len(prompts)).repeat_interleave(group_size)  # [N]
     return Rollouts(sequences=seqs, attention_mask=full_mask, prompt_len=plen, response=response,
                     logp_infer=logp.float(), response_mask=rmask, texts=texts, prompt_index=index,
-                    group_size=group_size, temperature=float(temperature))
+                    group_size=group_size, temperature=float(temperature), engine_routes=routes)
 
 
 def train_logprobs(model: nn.Module, rollouts: Rollouts, temperature: float | None = None,
-                   grad: bool = False) -> torch.Tensor:
+                   grad: bool = False, replay: bool = False, router_logits: bool = False):
     """Teacher-forced ``log pi_train(response token)`` ``[N, T]`` float32 (0 on padding).
 
     Same temperature as the rollout (logits / T before log_softmax) and the same position ids as
     ``generate``, so with the ``exact`` profile in fp32 the difference to ``logp_infer`` is ~1e-6.
-    ``grad=True`` keeps the graph (for the policy-gradient step).
+    ``grad=True`` keeps the graph (for the policy-gradient step). ``replay=True`` runs the pass with the
+    engine's recorded experts (``replay.replay_routes``; needs ``rollouts.engine_routes``).
+    ``router_logits=True`` returns ``(logp, router_logits)`` with the model's router logits, L x ``[N*(P+T), E]``
+    (with the graph when ``grad``), e.g. for a load-balance loss.
     """
     temp = rollouts.temperature if temperature is None else float(temperature)
     plen = rollouts.prompt_len
-    with torch.set_grad_enabled(grad):
+    if replay and rollouts.engine_routes is None:
+        raise ValueError("train_logprobs(replay=True): the rollouts carry no engine routes "
+                         "(generate_rollouts(..., record_routes=True))")
+    with torch.set_grad_enabled(grad), replay_routes(model, rollouts.engine_routes if replay else None):
         out = model(input_ids=rollouts.sequences, attention_mask=rollouts.attention_mask,
-                    position_ids=rollouts.position_ids, use_cache=False)
+                    position_ids=rollouts.position_ids, use_cache=False, output_router_logits=router_logits)
         logits = out.logits[:, plen - 1:-1].float() / temp  # [N, T, V] position P-1+t predicts token t
         logp = torch.log_softmax(logits, -1).gather(-1, rollouts.response[..., None]).squeeze(-1)  # [N, T]
-    return logp * rollouts.response_mask.to(logp.dtype)
+    logp = logp * rollouts.response_mask.to(logp.dtype)
+    if router_logits:
+        return logp, tuple(out.router_logits)
+    return logp
 
 
 def _record_routes(model: nn.Module, rollouts: Rollouts) -> list[torch.Tensor]:

@@ -94,20 +94,36 @@ def _topk_sets(z: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def simulated_weights(logp_infer: torch.Tensor, delta_hat: torch.Tensor, mask: torch.Tensor,
-                      bound: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                      bound: float = 0.5, level: str = "token") -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """``(logp_old_sim, weights, stats)`` from a predicted ``delta_hat`` ``[N, T]`` (all detached).
 
-    ``logp_old_sim = logp_infer + delta_hat`` (so the loss's ratio is ``exp(logp_new - logp_infer - delta_hat)``);
-    ``weights = exp(delta_hat)`` where ``|delta_hat| <= bound``, 0 beyond it (masked, not clipped) and on padding.
-    ``stats["sim/masked_frac"]``: share of valid tokens masked.
+    ``logp_old_sim = logp_infer + delta_hat`` per token (so the loss's ratio is
+    ``exp(logp_new - logp_infer - delta_hat)``), at either level.
+
+    * ``level="token"``: ``weights = exp(delta_hat)`` where ``|delta_hat| <= bound``, 0 beyond it (masked, not
+      clipped).
+    * ``level="sequence"``: each sequence uses the mean of ``delta_hat`` over its valid tokens,
+      ``d_seq = mean_t delta_hat_t`` (so ``exp(d_seq)`` is the geometric mean of the per-token ``k_hat``, as
+      ``losses.mismatch_weights`` does with the true ``k``), on every one of its tokens:
+      ``exp(d_seq)`` if ``|d_seq| <= bound`` else 0, i.e. a sequence is kept or masked whole.
+
+    Padding gets weight 0. ``stats["sim/masked_frac"]``: share of valid tokens masked.
     """
     if bound <= 0 or not math.isfinite(bound):
         raise ValueError(f"bound must be a finite number > 0, got {bound}")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
     with torch.no_grad():
         valid = mask.bool()
         d = delta_hat.detach().float()
-        inside = (d.abs() <= bound) & valid  # [N, T]
-        weights = torch.where(inside, torch.exp(d.clamp(-bound, bound)), torch.zeros_like(d))  # [N, T]
+        d = torch.where(valid, d, torch.zeros_like(d))  # [N, T] padding values never count
+        if level == "sequence":
+            n_tok = valid.sum(1).clamp(min=1).to(d.dtype)  # [N]
+            d_lvl = (d.sum(1) / n_tok)[:, None].expand_as(d)  # [N, T] one value per row
+        else:
+            d_lvl = d  # [N, T]
+        inside = (d_lvl.abs() <= bound) & valid  # [N, T]
+        weights = torch.where(inside, torch.exp(d_lvl.clamp(-bound, bound)), torch.zeros_like(d))  # [N, T]
         logp_old_sim = torch.where(valid, logp_infer.detach().float() + d, torch.zeros_like(d))  # [N, T]
         n = int(valid.sum())
         masked = float((valid & ~inside).sum()) / max(n, 1)

@@ -148,7 +148,8 @@ def grpo_config(cfg: RunConfig, seed: int):
                       policy_loss=r.policy_loss, level=r.correction_level, mode=r.mode, low=r.icepop_low,
                       high=r.icepop_high, profile=r.engine, reward=r.reward, grad_clip=cfg.train.grad_clip,
                       seed=seed, max_prompt_len=cfg.model.max_seq_len, simulator=r.simulator,
-                      simulator_recalibrate_every=r.simulator_recalibrate_every, simulator_bound=r.simulator_bound)
+                      simulator_recalibrate_every=r.simulator_recalibrate_every, simulator_bound=r.simulator_bound,
+                      simulator_lb_coef=r.simulator_lb_coef, routing_replay=r.routing_replay)
 
 
 def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdate:

@@ -13,7 +13,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from distmoe.model.build import router_modules
 from distmoe.rl.engines import InferenceEngine
-from distmoe.rl.grpo import GRPOConfig, _encode, build_engine, run_grpo
+from distmoe.rl.grpo import GRPOConfig, _encode, build_engine, lb_mask, minibatch_loss, run_grpo
 from distmoe.rl.losses import grpo_loss, mismatch_weights
 from distmoe.rl.rollout import generate_rollouts, train_logprobs
 from distmoe.rl.simulator import (
@@ -250,3 +250,89 @@ def test_config_validation():
                 {"simulator_r2_min": math.nan}, {"simulator_hidden": 0}):
         with pytest.raises(ValueError, match=f"GRPOConfig.{next(iter(bad))}"):
             GRPOConfig(**bad)
+
+
+def test_sequence_level_simulated_weights():
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False], [True, True, True, True]])
+    d = torch.tensor([[0.2, 0.4, -0.3, 7.0], [0.9, 0.5, -5.0, 0.0], [-0.1, 0.1, 0.0, 0.4]])
+    logp_infer = -torch.ones_like(d)
+    old, w, st = simulated_weights(logp_infer, d, mask, bound=0.5, level="sequence")
+    seq = torch.tensor([0.1, 0.7, 0.1])  # mean delta_hat over each row's valid tokens (padding ignored)
+    expect = torch.tensor([[math.exp(0.1)] * 3 + [0.0], [0.0] * 4, [math.exp(0.1)] * 4])  # row 1 masked whole
+    assert torch.allclose(w, expect, atol=1e-6) and st["sim/masked_frac"] == pytest.approx(2 / 9)
+    assert torch.allclose(old[mask], (logp_infer + d)[mask])  # logp_old stays per token at either level
+    assert torch.equal(old[~mask], torch.zeros(int((~mask).sum())))
+    # with the exact delta it is sequence-level IcePop at bounds exp(+-bound)
+    w_ice, _ = mismatch_weights(logp_infer + d, logp_infer, mask, "sequence", "mask", math.exp(-0.5), math.exp(0.5))
+    assert torch.allclose(w, w_ice, atol=1e-6)
+    _, w_tok, _ = simulated_weights(logp_infer, d, mask, bound=0.5)
+    assert not torch.equal(w_tok, w)
+    assert float(seq[0]) == pytest.approx(float(d[0, :3].mean()))
+    with pytest.raises(ValueError, match="level"):
+        simulated_weights(logp_infer, d, mask, level="batch")
+
+
+TRUSTED = {"simulator": True, "simulator_r2_min": -1e9, "simulator_auroc_min": -1.0}  # never degraded: no fallback
+
+
+def test_grpo_simulator_sequence_level_uses_sequence_weights(env):
+    model = copy.deepcopy(env["model"])
+    res = run_grpo(model, env["tok"], env["examples"][:32], "lookup",
+                   GRPOConfig(**{**GRPO, "steps": 1}, profile="prune-1", level="sequence", **TRUSTED))
+    assert res.sim_fallbacks == 0 and res.steps[0]["sim_fallback"] == 0.0
+    b = res.last_batch
+    v = b.rollouts.response_mask
+    _, w, st = simulated_weights(b.rollouts.logp_infer, b.delta_hat, v, 0.5, "sequence")
+    assert torch.equal(b.weights, w) and res.steps[0]["sim_masked_frac"] == st["sim/masked_frac"]
+    for row, m in zip(b.weights, v, strict=True):  # one weight per sequence
+        assert torch.unique(row[m]).numel() <= 1
+
+
+def test_simulator_lb_coef_changes_the_gradient(env):
+    model = copy.deepcopy(env["model"])
+    eng = build_engine(model, env["tok"], env["examples"], GRPOConfig(profile="prune-1"))
+    sim = InferenceSimulator.for_model(model)
+    sim.calibrate(model, eng, _rollouts(env, eng, 0, 32, seed=1))
+    ro = _rollouts(env, eng, 32, 40, seed=2)
+    logp_old = train_logprobs(model, ro)  # [N, T]
+    adv = torch.randn(ro.num_rollouts, generator=torch.Generator().manual_seed(0))
+    w = ro.response_mask.float()
+    router_w = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+
+    def grads(coef, use_sim=True):
+        model.zero_grad(set_to_none=True)
+        cfg = GRPOConfig(simulator=True, simulator_lb_coef=coef)
+        loss, lm = minibatch_loss(model, ro, grpo_loss, logp_old, adv, w, cfg, None, sim if use_sim else None)
+        loss.backward()
+        return [p.grad.clone() for p in router_w], lm
+
+    g0, m0 = grads(0.0)
+    g_plain, _ = grads(0.5, use_sim=False)  # no simulator passed (a fallback step): no LB term
+    g1, m1 = grads(0.5)
+    assert "sim_lb_loss" not in m0 and math.isfinite(m1["sim_lb_loss"]) and m1["sim_lb_loss"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(g0, g_plain, strict=True))
+    assert any(not torch.allclose(a, b) for a, b in zip(g0, g1, strict=True))  # the coefficient changes the gradient
+    # ... by exactly coef * d(lb_loss_simulated)/d(router) on the same forward
+    model.zero_grad(set_to_none=True)
+    _, router = train_logprobs(model, ro, grad=True, router_logits=True)
+    lb = lb_loss_simulated(router, sim.offset, lb_mask(ro), sim.num_experts, sim.top_k)
+    assert float(lb.detach()) == pytest.approx(m1["sim_lb_loss"], rel=1e-6)
+    lb.backward()
+    for a, b, p in zip(g0, g1, router_w, strict=True):
+        assert torch.allclose(b - a, 0.5 * p.grad, atol=1e-6, rtol=1e-4)
+    model.zero_grad(set_to_none=True)
+
+
+def test_grpo_simulator_lb_coef_reaches_the_update(env):
+    prompts = env["examples"][:32]
+    cfg = {**GRPO, "steps": 1, "profile": "prune-1", **TRUSTED}
+    m0, m1 = copy.deepcopy(env["model"]), copy.deepcopy(env["model"])
+    r0 = run_grpo(m0, env["tok"], prompts, "lookup", GRPOConfig(**cfg, simulator_lb_coef=0.0))
+    r1 = run_grpo(m1, env["tok"], prompts, "lookup", GRPOConfig(**cfg, simulator_lb_coef=1.0))
+    assert r0.sim_fallbacks == r1.sim_fallbacks == 0
+    assert math.isnan(r0.steps[0]["sim_lb_loss"]) and r1.steps[0]["sim_lb_loss"] > 0
+    gate = [n for n, _ in m0.named_parameters() if n.endswith("mlp.gate.weight")]
+    p0, p1 = dict(m0.named_parameters()), dict(m1.named_parameters())
+    assert any(not torch.equal(p0[n], p1[n]) for n in gate)
+    with pytest.raises(ValueError, match="GRPOConfig.simulator_lb_coef"):
+        GRPOConfig(simulator_lb_coef=-0.1)
