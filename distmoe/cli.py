@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     cv = csub.add_parser("validate", help="validate a TOML override file")
     cv.add_argument("file")
     cv.set_defaults(fn=cmd_config_validate)
+
+    from distmoe.deploy.cli import add_parsers as add_deploy_parsers
+
+    add_deploy_parsers(sub)  # distmoe credentials, distmoe deploy superlink|supernode|register|connection
     return p
 
 

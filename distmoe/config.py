@@ -321,6 +321,7 @@ class NodeConfig:
     work_dir: Path
     model_path: str  # "" = use the run config's model.path
     epsilon_max: float | None = None  # this party's own budget cap: can only tighten privacy.epsilon
+    ledger_key: Path | None = None  # Ed25519 ledger-signing key file; None = <work-dir>/keys/<party>-ledger.key
 
 
 # ---------------------------------------------------------------------------------------------
@@ -665,7 +666,8 @@ def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeCon
     """Resolve this node's own facts.
 
     Deployment: the SuperNode's ``--node-config`` gives ``data-path`` (required), ``party-name``,
-    ``work-dir``, ``model-path``. Simulation: Flower only injects ``partition-id``; ``distmoe
+    ``work-dir``, ``model-path``, ``epsilon-max``, ``ledger-key`` (the party's Ed25519 ledger-signing key;
+    default ``<work-dir>/keys/<party>-ledger.key``). Simulation: Flower only injects ``partition-id``; ``distmoe
     simulate`` wrote one node file per virtual SuperNode (``<sim.nodes-dir>/node-<id>.toml``) with
     the same keys, so each virtual node sees exactly one party directory.
     """
@@ -683,7 +685,7 @@ def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeCon
         else:
             raise ConfigError("node config: 'data-path' is missing: start the SuperNode with "
                               "--node-config 'data-path=\"/path/to/party-dir\"' (or use distmoe simulate)")
-    for key in ("data-path", "party-name", "work-dir", "model-path"):
+    for key in ("data-path", "party-name", "work-dir", "model-path", "ledger-key"):
         if key in nc and not isinstance(nc[key], str):
             raise ConfigError(f"node config key '{key}': value {nc[key]!r} must be a string")
     eps_max = nc.get("epsilon-max")
@@ -699,8 +701,12 @@ def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeCon
     if not _TASK_RE.match(party):
         raise ConfigError(f"node config key 'party-name': value {party!r} must use letters, digits, '-', '_'")
     work = Path(nc.get("work-dir") or (data_path.parent / f".{party}-work")).expanduser()
+    ledger_key = Path(nc["ledger-key"]).expanduser() if nc.get("ledger-key") else None
+    if ledger_key is not None and not ledger_key.is_file():
+        raise ConfigError(f"node config key 'ledger-key': {str(ledger_key)!r} is not a file (expected this "
+                          "party's Ed25519 ledger-signing key, e.g. ledger.key made by 'distmoe credentials')")
     return NodeConfig(party=party, data_path=data_path, work_dir=work,
-                      model_path=nc.get("model-path", ""), epsilon_max=eps_max)
+                      model_path=nc.get("model-path", ""), epsilon_max=eps_max, ledger_key=ledger_key)
 
 
 def replace(cfg: Any, **changes: Any) -> Any:

@@ -3,7 +3,8 @@ public parameters it agreed to, persisted in the party's own work directory betw
 
 Owns: ``<work-dir>/secagg/<party>-<run>.state`` (the SecAgg client state machine: SECRET, mode 0600),
 ``<work-dir>/privacy/<party>-<run>.json`` (the setup facts, the party's own noise multipliers and its
-accountant), the party's ledger signing key ``<work-dir>/keys/<party>-ledger.key``, and the checks a party
+accountant), the party's ledger signing key (node config ``ledger-key``, else
+``<work-dir>/keys/<party>-ledger.key``), and the checks a party
 makes before anything of its data is released: the noise it uses is the larger of its own plan and the
 server's (a server can only tighten it), its budget is ``min(privacy.epsilon, node epsilon-max)``, a
 release that would exceed the budget is refused before the masked input is computed, and an unmask
@@ -43,7 +44,10 @@ def _safe(run_id: str) -> str:
 
 
 def ledger_key(node: NodeConfig):
-    """The party's Ed25519 ledger signing key (created on first use, mode 0600)."""
+    """The party's Ed25519 ledger signing key: node config ``ledger-key`` when given (e.g. from
+    ``distmoe credentials``), else ``<work-dir>/keys/<party>-ledger.key`` (created on first use, mode 0600)."""
+    if node.ledger_key is not None:
+        return load_signing_key(node.ledger_key)
     path = node.work_dir / "keys" / f"{node.party}-ledger.key"
     if path.exists():
         return load_signing_key(path)

@@ -1,22 +1,36 @@
-"""The same app on Flower's Deployment Engine: a real SuperLink and two SuperNodes on loopback.
+"""The same app on Flower's Deployment Engine with TLS and SuperNode authentication: a real SuperLink and
+three SuperNodes on loopback, credentials made by ``distmoe credentials``, every Flower process started
+through ``distmoe deploy ... --exec`` (which replaces itself with Flower's process, so the PID is Flower's).
 
 Each process runs with Flower's state (``FLWR_HOME``), ``HOME`` and ``TMPDIR`` inside ``tmp_path``
 and carries a per-test token in its environment, so everything it started (SuperExecs, ServerApp
 and ClientApp processes included) is found and stopped by PID at the end, whatever happened.
-Commands (flwr 1.42):
+Commands (flwr 1.42, as ``distmoe deploy`` prints them):
 
-    flower-superlink --insecure --host 127.0.0.1 --port P --database <tmp>/state.db \
-        --disable-runtime-dependency-installation
-    flower-supernode --insecure --superlink 127.0.0.1:P --host 127.0.0.1 --port Q_i \
-        --node-config 'data-path="<tmp>/data/party-i" party-name="party-i"'
-    flwr supernode list deploy --format json       # until 2 nodes are "online"
+    distmoe credentials --out <tmp>/creds --parties party-0,party-1,party-2
+    flower-superlink --ssl-ca-certfile C/superlink/ca.crt --ssl-certfile C/superlink/server.pem \
+        --ssl-keyfile C/superlink/server.key --enable-supernode-auth --host 127.0.0.1 --port P \
+        --database <tmp>/state.db --disable-runtime-dependency-installation
+    [superlink.deploy] address = "127.0.0.1:P", root-certificates = "C/superlink/ca.crt"   (flwr CLI)
+    flwr supernode register C/superlink/supernodes/party-i.pub deploy --name party-i
+    flower-supernode --root-certificates C/parties/party-i/ca.crt \
+        --auth-supernode-private-key C/parties/party-i/supernode.key --superlink 127.0.0.1:P \
+        --host 127.0.0.1 --port Q_i --node-config 'data-path="..." party-name="party-i" ledger-key="..."'
+    flwr supernode list deploy --format json       # until 3 nodes are "online"
     flwr run <repo> deploy --stream --run-config <tmp>/overrides.toml
+    distmoe audit <run> --party-ledger ... --canaries ...
+
+The refusals (flower-1.42.md section 8.3): a SuperNode whose key was never registered exits with
+``Exit Code: 305 ... [code: 2004] Failed to activate SuperNode`` and the SuperLink logs that no
+SuperNode has that key; an ``--insecure`` SuperNode against the TLS SuperLink exits with
+``Server disconnected without sending a response``; neither is ever listed online.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -31,15 +45,17 @@ from distmoe.simulate import TOKEN_ENV, free_port, processes_with_token, stop_pr
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+DISTMOE = [sys.executable, "-m", "distmoe.cli"]
 CONN = "deploy"
-NODES_DEADLINE = 60.0
-RUN_DEADLINE = 240.0
+NODES_DEADLINE = 90.0
+RUN_DEADLINE = 420.0
+N_PARTIES = 3
 
 OVERRIDES = {
     "schedule.phases": "stats:arith, sft:arith, eval",
     "schedule.sft-rounds": 1,
     "train.local-steps": 3,
-    "federation.min-parties": 2,
+    "federation.min-parties": N_PARTIES,
     "federation.wait-timeout": 60.0,
     "federation.round-timeout": 120.0,
     "checkpoint.keep": 10,  # keep round 0 so the final weights can be compared with it
@@ -61,6 +77,15 @@ class Deployment:
         self.procs: list[subprocess.Popen] = []
         self.logs: dict[str, Path] = {}
         self._files = []
+        self._ports: set[int] = set()
+
+    def port(self) -> int:
+        """A free loopback port not handed out before in this test."""
+        q = free_port()
+        while q in self._ports:
+            q = free_port()
+        self._ports.add(q)
+        return q
 
     def env(self, flwr_home: Path) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("FLWR_", "RAY_"))}
@@ -91,6 +116,14 @@ class Deployment:
     def cli(self, args: list[str], flwr_home: Path, timeout: float = 30.0) -> subprocess.CompletedProcess:
         return subprocess.run([str(BIN / "flwr"), *args], env=self.env(flwr_home), cwd=str(self.root),
                               capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def distmoe(self, args: list[str], flwr_home: Path, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        """Run ``distmoe ARGS`` to completion; a non-zero exit fails the test with its output and the logs."""
+        res = subprocess.run([*DISTMOE, *args], env=self.env(flwr_home), cwd=str(self.root), capture_output=True,
+                             text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        assert res.returncode == 0, (f"distmoe {' '.join(args)} exited {res.returncode}:\n{res.stdout}{res.stderr}"
+                                     + self.diag())
+        return res
 
     def diag(self, lines: int = 40) -> str:
         out = []
@@ -129,14 +162,14 @@ def deployment(tmp_path):
         assert not leftover, f"processes with the test token still running: {leftover}" + dep.diag(10)
 
 
-def _online_nodes(dep: Deployment, cli_home: Path) -> int:
+def _online_nodes(dep: Deployment, cli_home: Path) -> set[str]:
     res = dep.cli(["supernode", "list", CONN, "--format", "json"], cli_home)
     text = res.stdout
     try:
         data = json.loads(text[text.index("{"):])
     except ValueError:
-        return 0
-    return sum(1 for n in data.get("nodes", []) if n.get("status") == "online")
+        return set()
+    return {str(n.get("node-id")) for n in data.get("nodes", []) if n.get("status") == "online"}
 
 
 def _record(run_dir: Path) -> dict:
@@ -146,46 +179,75 @@ def _record(run_dir: Path) -> dict:
         return {}
 
 
-@pytest.mark.slow
-def test_deployment_engine_end_to_end(deployment: Deployment, tmp_path: Path):
-    dep = deployment
-    parties = write_synthetic(tmp_path / "data", 2, 24, 0, canaries=1)
-    run_dir = tmp_path / "run"
+def _federation(dep: Deployment, tmp_path: Path, parties: list[str], register: list[str]):
+    """Credentials, a TLS + node-auth SuperLink, the CLI's connection, and the registration of ``register``.
 
-    # SuperLink and SuperNodes, each with its own FLWR_HOME and log file
-    port = free_port()
-    dep.start("superlink", [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
-                            "--port", str(port), "--database", str(tmp_path / "state.db"),
-                            "--disable-runtime-dependency-installation"], tmp_path / "flwr-superlink")
-    node_ports: set[int] = {port}
-    for i, pdir in enumerate(parties):
-        q = free_port()
-        while q in node_ports:
-            q = free_port()
-        node_ports.add(q)
-        node_config = f'data-path="{pdir.resolve()}" party-name="party-{i}"'
-        dep.start(f"supernode-{i}", [str(BIN / "flower-supernode"), "--insecure", "--superlink",
-                                     f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port", str(q),
-                                     "--node-config", node_config], tmp_path / f"flwr-node-{i}")
-
-    # the CLI's connection: let flwr create its default config.toml, then add ours
+    Returns (credentials dir, SuperLink port, CLI FLWR_HOME, {party: node id from the registration}).
+    """
+    creds = tmp_path / "creds"
+    res = dep.distmoe(["credentials", "--out", str(creds), "--parties", ",".join(parties)], tmp_path / "flwr-cli")
+    assert "real CA" in res.stdout, res.stdout  # the production note
+    port = dep.port()
+    dep.start("superlink", [*DISTMOE, "deploy", "superlink", "--credentials", str(creds), "--port", str(port),
+                            "--database", str(tmp_path / "state.db"), "--flwr-home", str(tmp_path / "flwr-superlink"),
+                            "--exec"], tmp_path / "flwr-superlink")
     cli_home = tmp_path / "flwr-cli"
-    res = dep.cli(["config", "list"], cli_home)
-    cfg_file = cli_home / "config.toml"
-    assert cfg_file.exists(), f"flwr did not create {cfg_file}: {res.stdout}{res.stderr}"
-    with cfg_file.open("a") as fh:
-        fh.write(f'\n[superlink.{CONN}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+    dep.distmoe(["deploy", "connection", "--credentials", str(creds), "--address", f"127.0.0.1:{port}", "--name", CONN,
+                 "--write", "--flwr-home", str(cli_home)], cli_home)
+    # the SuperLink needs a moment before its Control API answers: retry the registration until it does
+    cmd = ["deploy", "register", "--credentials", str(creds), "--connection", CONN, "--flwr-home", str(cli_home),
+           "--exec", *(a for p in register for a in ("--party", p))]
+    deadline = time.monotonic() + 30
+    while True:
+        res = subprocess.run([*DISTMOE, *cmd], env=dep.env(cli_home), cwd=str(tmp_path), capture_output=True,
+                             text=True, timeout=60, stdin=subprocess.DEVNULL)
+        if res.returncode == 0 or time.monotonic() > deadline:
+            break
+        assert dep.procs[0].poll() is None, f"SuperLink exited with {dep.procs[0].returncode}" + dep.diag()
+        if "registered successfully" in res.stdout:
+            break  # partly registered: do not retry (a second registration of the same key is refused)
+        time.sleep(1.0)
+    assert res.returncode == 0, f"registration failed:\n{res.stdout}{res.stderr}" + dep.diag()
+    ids = re.findall(r"SuperNode (\d+) registered successfully", res.stdout)
+    assert len(ids) == len(register), res.stdout
+    superlink_log = dep.logs["superlink"].read_text(errors="replace")
+    assert f"https://127.0.0.1:{port}" in superlink_log, "the SuperLink does not serve HTTPS" + dep.diag()
+    return creds, port, cli_home, dict(zip(register, ids, strict=True))
 
+
+def _start_supernode(dep: Deployment, tmp_path: Path, creds: Path, party: str, port: int, data: Path):
+    return dep.start(f"supernode-{party}", [
+        *DISTMOE, "deploy", "supernode", "--credentials", str(creds / "parties" / party),
+        "--superlink", f"127.0.0.1:{port}", "--data-path", str(data), "--port", str(dep.port()),
+        "--flwr-home", str(tmp_path / f"flwr-node-{party}"), "--exec"], tmp_path / f"flwr-node-{party}")
+
+
+def _wait_online(dep: Deployment, cli_home: Path, want: set[str], watch: list[subprocess.Popen]) -> set[str]:
     deadline = time.monotonic() + NODES_DEADLINE
-    online = 0
+    online: set[str] = set()
     while time.monotonic() < deadline:
         online = _online_nodes(dep, cli_home)
-        if online >= 2:
+        if want <= online:
             break
-        for proc in dep.procs:
-            assert proc.poll() is None, f"{proc.args[0]} exited with {proc.returncode}" + dep.diag()
+        for proc in watch:
+            assert proc.poll() is None, f"{proc.args[:6]} exited with {proc.returncode}" + dep.diag()
         time.sleep(1.0)
-    assert online >= 2, f"only {online} SuperNodes online after {NODES_DEADLINE:.0f} s" + dep.diag()
+    assert want <= online, f"online {sorted(online)}, expected {sorted(want)} after {NODES_DEADLINE:.0f} s" + dep.diag()
+    return online
+
+
+@pytest.mark.slow
+def test_tls_node_auth_deployment_end_to_end(deployment: Deployment, tmp_path: Path):
+    dep = deployment
+    names = [f"party-{i}" for i in range(N_PARTIES)]
+    parties = write_synthetic(tmp_path / "data", N_PARTIES, 24, 0, canaries=1)
+    run_dir = tmp_path / "run"
+    creds, port, cli_home, ids = _federation(dep, tmp_path, names, register=names)
+
+    nodes = [_start_supernode(dep, tmp_path, creds, name, port, pdir)
+             for name, pdir in zip(names, parties, strict=True)]
+    online = _wait_online(dep, cli_home, set(ids.values()), [dep.procs[0], *nodes])
+    assert online == set(ids.values()), f"online {online} are not exactly the registered nodes {ids}"
 
     # the run: same app, same run config keys as in simulation
     overrides = tmp_path / "overrides.toml"
@@ -231,22 +293,70 @@ def test_deployment_engine_end_to_end(deployment: Deployment, tmp_path: Path):
     assert set(w0) == set(w1) and w0, "checkpoint tensors differ in names" + msg
     assert any(not (w0[k] == w1[k]).all() for k in w0), "final weights equal round 0's" + msg
 
-    # each SuperNode ran ClientApp work for every kind of message the schedule sends
-    for i in range(2):
-        log = dep.logs[f"supernode-{i}"].read_text(errors="replace")
+    # each SuperNode was the registered one and ran ClientApp work for every kind of message sent
+    for name in names:
+        log = dep.logs[f"supernode-{name}"].read_text(errors="replace")
+        assert f"SuperNode ID: {ids[name]}" in log, f"supernode-{name} is not node {ids[name]}" + msg
         for needle in ("Start `flwr-clientapp` process", "Sending: train.stats message",
                        "Sending: train.sft message", "Sending: evaluate message"):
-            assert needle in log, f"supernode-{i}.log lacks {needle!r}" + msg
-        assert "distmoe client:" not in log, f"supernode-{i} reported a ClientApp failure" + msg
-        assert "Sending: query.unmask message" in log, f"supernode-{i} never unmasked" + msg
+            assert needle in log, f"supernode-{name}.log lacks {needle!r}" + msg
+        assert "distmoe client:" not in log, f"supernode-{name} reported a ClientApp failure" + msg
+        assert "Sending: query.unmask message" in log, f"supernode-{name} never unmasked" + msg
+
+    # each data owner signed its ledger with the key from 'distmoe credentials' (node config ledger-key)
+    ledgers = sorted(tmp_path.glob("data/.party-*-work/ledger/*.jsonl"))
+    assert len(ledgers) == N_PARTIES, ledgers
+    for led in ledgers:
+        party = led.stem
+        made = (creds / "parties" / party / "ledger.pub").read_text().strip()
+        assert led.with_suffix(".pub").read_text().strip() == made, f"{led} not signed with {party}'s ledger.key"
+        assert not (led.parent.parent / "keys" / f"{party}-ledger.key").exists(), "a fallback key was generated"
 
     # the audit over the coordinator's ledger and each data owner's own ledger (kept in its work dir)
     from distmoe.audit import audit_run
 
-    ledgers = sorted(tmp_path.glob("data/.party-*-work/ledger/*.jsonl"))
-    assert len(ledgers) == 2, ledgers
     canary_file = tmp_path / "auditor-canaries.txt"  # the auditor's list: every party's planted canary
     canary_file.write_text("".join((p / "canaries.txt").read_text() for p in parties))
     result = audit_run(run_dir, party_ledgers=ledgers, canaries=canary_file)
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
     assert result.check("cross-check").status == "pass" and result.check("canaries").status == "pass"
+    res = dep.distmoe(["audit", str(run_dir), *(a for led in ledgers for a in ("--party-ledger", str(led))),
+                       "--canaries", str(canary_file)], cli_home, timeout=120)
+    assert (run_dir / "audit" / "audit.json").exists(), res.stdout
+
+
+@pytest.mark.slow
+def test_unregistered_and_insecure_supernodes_refused(deployment: Deployment, tmp_path: Path):
+    dep = deployment
+    parties = write_synthetic(tmp_path / "data", 2, 4, 0)
+    creds, port, cli_home, ids = _federation(dep, tmp_path, ["party-0", "intruder"], register=["party-0"])
+
+    member = _start_supernode(dep, tmp_path, creds, "party-0", port, parties[0])  # control: this one is let in
+    intruder = _start_supernode(dep, tmp_path, creds, "intruder", port, parties[1])  # CA-trusted, never registered
+    insecure = dep.start("supernode-insecure", [
+        str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}", "--host", "127.0.0.1",
+        "--port", str(dep.port()), "--max-retries", "2",
+        "--node-config", f'data-path="{parties[1].resolve()}" party-name="insecure"'], tmp_path / "flwr-node-insecure")
+
+    online = _wait_online(dep, cli_home, {ids["party-0"]}, [dep.procs[0], member])
+    for proc in (intruder, insecure):
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{proc.args[:6]} was not refused within 60 s" + dep.diag())
+    online = _online_nodes(dep, cli_home)
+    assert online == {ids["party-0"]}, f"online {online}: only the registered node may be" + dep.diag()
+    assert member.poll() is None, "the registered SuperNode stopped" + dep.diag()
+
+    log = dep.logs["supernode-intruder"].read_text(errors="replace")
+    assert intruder.returncode != 0 and "Exit Code: 305" in log and "Failed to activate SuperNode" in log, (
+        f"unregistered SuperNode: rc {intruder.returncode}" + dep.diag())
+    assert "SuperNode ID:" not in log, "the unregistered SuperNode got a node ID" + dep.diag()
+    assert "No SuperNode found with the given public key" in dep.logs["superlink"].read_text(errors="replace"), (
+        "the SuperLink did not log the unknown key" + dep.diag())
+
+    log = dep.logs["supernode-insecure"].read_text(errors="replace")
+    assert insecure.returncode != 0 and "Exit Code: 305" in log, f"insecure SuperNode: rc {insecure.returncode}" \
+        + dep.diag()
+    assert "Server disconnected without sending a response" in log, dep.diag()
+    assert "SuperNode ID:" not in log, "the insecure SuperNode got a node ID" + dep.diag()

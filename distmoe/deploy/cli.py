@@ -1,0 +1,169 @@
+"""The ``distmoe credentials`` and ``distmoe deploy superlink|supernode|register|connection`` subcommands.
+
+Owns: their argument parsers and the print-or-exec behaviour. By default each ``deploy`` command
+prints the Flower command line(s) on stdout (copy-pasteable, one per line) and notes on stderr;
+``--exec`` runs them: ``superlink``/``supernode`` replace this process with Flower's (same PID, same
+exit status), ``register`` runs ``flwr supernode register`` per key and stops at the first failure.
+Errors are one ``error: ...`` line and exit status 2, like the rest of ``distmoe``.
+
+Must not: hold logic beyond argument handling (that is :mod:`.credentials` and :mod:`.commands`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from distmoe.deploy import commands as dc
+from distmoe.deploy import credentials as cr
+
+
+def _fail(exc: Exception) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
+def cmd_credentials(args) -> int:
+    try:
+        names = cr.party_names(args.parties, args.num_parties)
+        creds = cr.create(Path(args.out), names, args.san, days=args.days, force=args.force)
+    except cr.CredentialsError as exc:
+        return _fail(exc)
+    print(cr.summary(creds))
+    return 0
+
+
+def _emit(cmds: list[dc.FlowerCommand], note: str = "") -> int:
+    for c in cmds:
+        print(c.shell())
+    if note:
+        print(note, file=sys.stderr)
+    return 0
+
+
+def cmd_deploy_superlink(args) -> int:
+    try:
+        cmd = dc.superlink_command(args.credentials, host=args.host, port=args.port, database=args.database,
+                                   flwr_home=args.flwr_home,
+                                   runtime_dependency_installation=args.allow_runtime_dependency_installation)
+        if args.exec:
+            cmd.exec()
+    except cr.CredentialsError as exc:
+        return _fail(exc)
+    return _emit([cmd], "# next: 'distmoe deploy connection' for the flwr CLI, then 'distmoe deploy register'. "
+                        "Use --host 0.0.0.0 when data owners connect from other machines.")
+
+
+def cmd_deploy_supernode(args) -> int:
+    try:
+        cmd = dc.supernode_command(args.credentials, superlink=args.superlink, data_path=args.data_path,
+                                   party_name=args.party_name, host=args.host, port=args.port,
+                                   work_dir=args.work_dir, epsilon_max=args.epsilon_max, model_path=args.model_path,
+                                   flwr_home=args.flwr_home)
+        if args.exec:
+            cmd.exec()
+    except cr.CredentialsError as exc:
+        return _fail(exc)
+    return _emit([cmd], "# the coordinator must have registered this SuperNode's public key "
+                        "(supernode.pub) first; otherwise Flower refuses it (exit code 305)")
+
+
+def cmd_deploy_register(args) -> int:
+    try:
+        cmds = dc.register_commands(args.credentials, args.connection, args.party, flwr_home=args.flwr_home)
+        if not args.exec:
+            return _emit(cmds)
+        for c in cmds:
+            res = c.run(timeout=args.timeout)
+            out = (res.stdout + res.stderr).strip()
+            if res.returncode != 0:
+                return _fail(dc.DeployError(f"{c.shell()} failed (exit {res.returncode}): {out}"))
+            print(out)
+    except cr.CredentialsError as exc:
+        return _fail(exc)
+    return 0
+
+
+def cmd_deploy_connection(args) -> int:
+    try:
+        table = dc.connection_toml(args.credentials, args.address, args.name)
+        if not args.write:
+            print(table, end="")
+            print("# add this to $FLWR_HOME/config.toml (default ~/.flwr/config.toml), or use --write", file=sys.stderr)
+            return 0
+        home = Path(args.flwr_home).expanduser() if args.flwr_home else Path.home() / ".flwr"
+        cfg = home / "config.toml"
+        if not cfg.exists():  # flwr writes its default config on first use; let it
+            dc.FlowerCommand(("flwr", "config", "list"), dc.flwr_env(home)).run(timeout=args.timeout)
+        path = dc.add_connection(cfg, table, args.name)
+    except cr.CredentialsError as exc:
+        return _fail(exc)
+    print(f"added connection [superlink.{args.name}] to {path}")
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Register ``credentials`` and ``deploy`` on the top-level ``distmoe`` parser."""
+    c = sub.add_parser("credentials", help="make a federation's CA, SuperLink certificate and data-owner keys")
+    c.add_argument("--out", required=True, metavar="DIR", help="credentials directory (created, mode 0700)")
+    g = c.add_mutually_exclusive_group(required=True)
+    g.add_argument("--parties", metavar="A,B,...", help="data owner names, comma separated")
+    g.add_argument("--num-parties", type=int, metavar="N", help="N data owners named party-0 .. party-N-1")
+    c.add_argument("--san", action="append", metavar="NAME",
+                   help="subject alternative name of the SuperLink certificate: DNS name or IP (repeatable; "
+                        f"default: {', '.join(cr.DEFAULT_SANS)})")
+    c.add_argument("--days", type=int, default=cr.DEFAULT_DAYS, help="validity of the certificates in days")
+    c.add_argument("--force", action="store_true", help="replace existing credential files (new keys)")
+    c.set_defaults(fn=cmd_credentials)
+
+    d = sub.add_parser("deploy", help="print (or --exec) the Flower commands of a TLS + node-auth deployment")
+    dsub = d.add_subparsers(dest="deploy_cmd", required=True)
+
+    def common(sp, what: str):
+        sp.add_argument("--flwr-home", metavar="DIR", help=f"Flower's state directory FLWR_HOME for {what} "
+                                                           "(default: Flower's, ~/.flwr)")
+        sp.add_argument("--exec", action="store_true", help="run the command instead of printing it")
+
+    s = dsub.add_parser("superlink", help="the coordinator's flower-superlink (TLS, node auth, state database)")
+    s.add_argument("--credentials", required=True, metavar="DIR", help="directory made by 'distmoe credentials'")
+    s.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 for remote data owners)")
+    s.add_argument("--port", type=int, default=dc.DEFAULT_SUPERLINK_PORT, help="the one HTTPS port (Fleet, "
+                                                                             "Control, Runtime APIs)")
+    s.add_argument("--database", metavar="PATH", help="state database (default: FLWR_HOME/superlink-state.db)")
+    s.add_argument("--allow-runtime-dependency-installation", action="store_true",
+                   help="let Flower install the app's dependencies per run (off by default)")
+    common(s, "the SuperLink")
+    s.set_defaults(fn=cmd_deploy_superlink)
+
+    n = dsub.add_parser("supernode", help="a data owner's flower-supernode (TLS, auth key, node config)")
+    n.add_argument("--credentials", required=True, metavar="PARTY_DIR",
+                   help="the data owner's directory as received (OUT/parties/<party>)")
+    n.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the coordinator's SuperLink address")
+    n.add_argument("--data-path", required=True, metavar="DIR", help="this party's data (<task>.jsonl files)")
+    n.add_argument("--party-name", help="must match the credentials (default: theirs)")
+    n.add_argument("--host", default="127.0.0.1", help="local Runtime API address of the SuperNode")
+    n.add_argument("--port", type=int, default=dc.DEFAULT_SUPERNODE_PORT,
+                   help="local Runtime API port (one per SuperNode on the same host)")
+    n.add_argument("--work-dir", metavar="DIR", help="node config work-dir (default: DATA/../.<party>-work)")
+    n.add_argument("--epsilon-max", type=float, help="node config epsilon-max: this party's own budget cap")
+    n.add_argument("--model-path", metavar="DIR", help="node config model-path: a local checkpoint")
+    common(n, "the SuperNode")
+    n.set_defaults(fn=cmd_deploy_supernode)
+
+    r = dsub.add_parser("register", help="flwr supernode register: one data owner's public key at a time")
+    r.add_argument("--credentials", required=True, metavar="DIR", help="directory made by 'distmoe credentials'")
+    r.add_argument("--connection", default=dc.DEFAULT_CONNECTION, help="the flwr CLI's SuperLink connection name")
+    r.add_argument("--party", action="append", help="register only this party (repeatable; default: all)")
+    r.add_argument("--timeout", type=float, default=60.0, help="seconds per flwr call with --exec")
+    common(r, "the flwr CLI")
+    r.set_defaults(fn=cmd_deploy_register)
+
+    k = dsub.add_parser("connection", help="the flwr CLI's TLS connection table for $FLWR_HOME/config.toml")
+    k.add_argument("--credentials", required=True, metavar="DIR", help="directory made by 'distmoe credentials'")
+    k.add_argument("--address", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    k.add_argument("--name", default=dc.DEFAULT_CONNECTION, help="connection name (used by flwr run . NAME)")
+    k.add_argument("--write", action="store_true", help="append it to FLWR_HOME/config.toml")
+    k.add_argument("--flwr-home", metavar="DIR", help="the flwr CLI's FLWR_HOME (default: ~/.flwr)")
+    k.add_argument("--timeout", type=float, default=30.0, help=argparse.SUPPRESS)
+    k.set_defaults(fn=cmd_deploy_connection)

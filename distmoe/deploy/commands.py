@@ -1,0 +1,252 @@
+"""The Flower 1.42 commands of a deployment, built from a credentials directory (``distmoe deploy``).
+
+Owns: the exact command line of the coordinator's ``flower-superlink`` (TLS, SuperNode
+authentication, a state database, Flower's state directory ``FLWR_HOME``), of a data owner's
+``flower-supernode`` (CA certificate, authentication key, the node config distmoe reads:
+``data-path``, ``party-name``, ``ledger-key``, optional ``work-dir``, ``epsilon-max``, ``model-path``),
+of the registration of each data owner's public key (``flwr supernode register``), and the
+``$FLWR_HOME/config.toml`` connection the ``flwr`` CLI uses. Each is a :class:`FlowerCommand`
+(argv + environment) that is printed for copy-paste or executed as is.
+
+Flower does the transport, TLS and authentication; nothing here re-implements them: ``--exec``
+replaces this process with the Flower process (``os.execvpe``), or, for registration, runs
+``flwr`` once per key and reports its exit status.
+
+Must not: import ``flwr`` (it calls Flower's executables), or hold credentials logic (that is
+:mod:`distmoe.deploy.credentials`).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distmoe.deploy.credentials import (
+    CredentialsError,
+    PartyFiles,
+    read_credentials,
+    read_party_dir,
+)
+
+DEFAULT_SUPERLINK_PORT = 8000  # flower-superlink's default (--port)
+DEFAULT_SUPERNODE_PORT = 9094  # flower-supernode's local Runtime API (--port); one per SuperNode on a host
+DEFAULT_CONNECTION = "distmoe"
+# Environment for every Flower process: no telemetry or update check (no network beyond the federation).
+QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+
+
+class DeployError(CredentialsError):
+    """A deploy command that cannot be built (the message names the option or the file)."""
+
+
+@dataclass(frozen=True)
+class FlowerCommand:
+    """One Flower command: what to run and the environment variables it needs set."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def shell(self) -> str:
+        """The command as one copy-pasteable POSIX shell line (env assignments first)."""
+        envs = [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
+        return " ".join([*envs, *(shlex.quote(a) for a in self.argv)])
+
+    def resolved_argv(self) -> list[str]:
+        """argv with the executable found on PATH or next to this Python (a virtual environment's bin/)."""
+        exe = self.argv[0]
+        found = shutil.which(exe) or shutil.which(exe, path=str(Path(sys.executable).parent))
+        if not found:
+            raise DeployError(f"{exe} not found on PATH or next to {sys.executable}: install flwr 1.42 "
+                              "in this environment")
+        return [found, *self.argv[1:]]
+
+    def full_env(self) -> dict[str, str]:
+        return {**os.environ, **self.env}
+
+    def exec(self) -> None:  # pragma: no cover - replaces the process
+        """Replace this process with the command (signals and exit status are Flower's own)."""
+        argv = self.resolved_argv()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(argv[0], argv, self.full_env())
+
+    def run(self, timeout: float | None = 60.0) -> subprocess.CompletedProcess:
+        """Run the command to completion, output captured."""
+        return subprocess.run(self.resolved_argv(), env=self.full_env(), capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _abs(p: str | os.PathLike[str]) -> str:
+    return str(Path(p).expanduser().resolve())
+
+
+def _need_file(path: Path, what: str) -> None:
+    if not path.is_file():
+        raise DeployError(f"{path}: {what} not found (made by 'distmoe credentials')")
+
+
+def flwr_env(flwr_home: str | os.PathLike[str] | None) -> dict[str, str]:
+    env = dict(QUIET_ENV)
+    if flwr_home:
+        env["FLWR_HOME"] = _abs(flwr_home)
+    return env
+
+
+def toml_string(value: str, key: str) -> str:
+    """A TOML string literal that Flower's ``--node-config`` parser keeps intact (it splits on
+    whitespace outside one pair of quotes and allows no quote of the same kind inside)."""
+    if '"' not in value and "\\" not in value:
+        return f'"{value}"'
+    if "'" not in value:
+        return f"'{value}'"  # literal string: backslashes and double quotes verbatim
+    raise DeployError(f"node config key '{key}': value {value!r} contains both quote characters; "
+                      "use a path without quotes")
+
+
+def node_config_string(items: Mapping[str, str | float | int]) -> str:
+    """``key="value" key=1.5`` in Flower's ``--node-config`` syntax (TOML values)."""
+    parts = []
+    for k, v in items.items():
+        if isinstance(v, bool):
+            parts.append(f"{k}={'true' if v else 'false'}")
+        elif isinstance(v, (int, float)):
+            parts.append(f"{k}={v!r}")
+        else:
+            parts.append(f"{k}={toml_string(str(v), k)}")
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------- coordinator
+def superlink_command(credentials: str | os.PathLike[str], *, host: str = "127.0.0.1",
+                      port: int = DEFAULT_SUPERLINK_PORT, database: str | os.PathLike[str] | None = None,
+                      flwr_home: str | os.PathLike[str] | None = None,
+                      runtime_dependency_installation: bool = False) -> FlowerCommand:
+    """``flower-superlink`` with TLS (CA, certificate, key), SuperNode authentication and a state database.
+
+    ``database`` defaults to ``<flwr_home>/superlink-state.db`` (or ``./superlink-state.db``): without one
+    Flower keeps runs and registered SuperNodes in memory only, lost on restart.
+    """
+    creds = read_credentials(credentials)
+    for path, what in ((creds.superlink_ca, "CA certificate"), (creds.server_cert, "server certificate"),
+                       (creds.server_key, "server private key")):
+        _need_file(path, what)
+    if not 0 < port < 65536:
+        raise DeployError(f"--port: value {port} is not a TCP port")
+    db = _abs(database) if database else _abs(Path(flwr_home or ".") / "superlink-state.db")
+    argv = ["flower-superlink",
+            "--ssl-ca-certfile", _abs(creds.superlink_ca),
+            "--ssl-certfile", _abs(creds.server_cert),
+            "--ssl-keyfile", _abs(creds.server_key),
+            "--enable-supernode-auth",
+            "--host", host, "--port", str(port),
+            "--database", db]
+    if not runtime_dependency_installation:
+        argv.append("--disable-runtime-dependency-installation")
+    return FlowerCommand(tuple(argv), flwr_env(flwr_home))
+
+
+def connection_toml(credentials: str | os.PathLike[str], address: str, name: str = DEFAULT_CONNECTION) -> str:
+    """The ``[superlink.<name>]`` table for ``$FLWR_HOME/config.toml`` (TLS with the federation's CA)."""
+    creds = read_credentials(credentials)
+    _need_file(creds.superlink_ca, "CA certificate")
+    _check_name(name)
+    _check_address(address, "--address")
+    return (f"[superlink.{name}]\naddress = {toml_string(address, 'address')}\n"
+            f"root-certificates = {toml_string(_abs(creds.superlink_ca), 'root-certificates')}\n")
+
+
+def add_connection(config_toml: str | os.PathLike[str], table: str, name: str) -> Path:
+    """Append ``table`` to ``config_toml`` (the file ``flwr`` created), refusing a duplicate connection."""
+    import tomllib
+
+    path = Path(config_toml)
+    if not path.is_file():
+        raise DeployError(f"{path} not found: run 'flwr config list' once with this FLWR_HOME so flwr creates it")
+    try:
+        existing = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise DeployError(f"{path} is not valid TOML: {exc}") from None
+    if name in existing.get("superlink", {}):
+        raise DeployError(f"{path} already has a connection [superlink.{name}]; edit it or pick another --name")
+    with path.open("a") as fh:
+        fh.write("\n" + table)
+    return path
+
+
+def register_commands(credentials: str | os.PathLike[str], connection: str = DEFAULT_CONNECTION,
+                      parties: Sequence[str] | None = None,
+                      flwr_home: str | os.PathLike[str] | None = None) -> list[FlowerCommand]:
+    """``flwr supernode register <pub> <connection> --name <party>`` for each data owner's public key."""
+    creds = read_credentials(credentials)
+    _check_name(connection)
+    chosen = [creds.party(p) for p in parties] if parties else list(creds.parties)
+    out = []
+    for p in chosen:
+        pub = creds.registered_pub(p.name)
+        _need_file(pub, f"public key of {p.name}")
+        out.append(FlowerCommand(("flwr", "supernode", "register", _abs(pub), connection, "--name", p.name),
+                                 flwr_env(flwr_home)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- data owner
+def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data_path: str | os.PathLike[str],
+                      party_name: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_SUPERNODE_PORT,
+                      work_dir: str | os.PathLike[str] | None = None, epsilon_max: float | None = None,
+                      model_path: str | os.PathLike[str] | None = None,
+                      flwr_home: str | os.PathLike[str] | None = None,
+                      check_paths: bool = True) -> FlowerCommand:
+    """``flower-supernode`` with TLS (the federation's CA), its authentication key and distmoe's node config.
+
+    ``party_dir`` is the data owner's credentials directory (``OUT/parties/<party>``); the party name
+    defaults to the one it was made for. With ``check_paths`` the data directory must exist here.
+    """
+    party: PartyFiles = read_party_dir(party_dir)
+    for path, what in ((party.ca_cert, "CA certificate"), (party.supernode_key, "SuperNode private key"),
+                       (party.ledger_key, "ledger signing key")):
+        _need_file(path, what)
+    _check_address(superlink, "--superlink")
+    if not 0 < port < 65536:
+        raise DeployError(f"--port: value {port} is not a TCP port")
+    data = Path(data_path).expanduser()
+    if check_paths and not data.is_dir():
+        raise DeployError(f"--data-path: {data} is not a directory (one directory of <task>.jsonl files "
+                          "for this party)")
+    name = party_name or party.name
+    if name != party.name:
+        raise DeployError(f"--party-name {name!r} differs from the party these credentials were made for "
+                          f"({party.name!r}, {party.info})")
+    nc: dict[str, str | float] = {"data-path": _abs(data), "party-name": name, "ledger-key": _abs(party.ledger_key)}
+    if work_dir:
+        nc["work-dir"] = _abs(work_dir)
+    if model_path:
+        nc["model-path"] = _abs(model_path)
+    if epsilon_max is not None:
+        if not epsilon_max > 0:
+            raise DeployError(f"--epsilon-max: value {epsilon_max} must be > 0")
+        nc["epsilon-max"] = float(epsilon_max)
+    argv = ["flower-supernode",
+            "--root-certificates", _abs(party.ca_cert),
+            "--auth-supernode-private-key", _abs(party.supernode_key),
+            "--superlink", superlink,
+            "--host", host, "--port", str(port),
+            "--node-config", node_config_string(nc)]
+    return FlowerCommand(tuple(argv), flwr_env(flwr_home))
+
+
+# --------------------------------------------------------------------------------------------- checks
+def _check_name(name: str) -> None:
+    if not name or not all(c.isalnum() or c in "-_" for c in name):
+        raise DeployError(f"connection name {name!r} must use only letters, digits, '-', '_'")
+
+
+def _check_address(address: str, option: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or " " in address:
+        raise DeployError(f"{option}: {address!r} is not host:port (e.g. 127.0.0.1:8000 or superlink.example.org:8000)")

@@ -1,0 +1,154 @@
+"""``distmoe deploy``: the command lines it builds are the ones Flower 1.42 accepts.
+
+Each argv is parsed by Flower's own argument parser (``flower-superlink``, ``flower-supernode``), and
+the ``--node-config`` string by Flower's ``parse_config_args`` and then by distmoe's
+``parse_node_config``, so a quoting or key mistake fails here rather than at a data owner's site.
+The ``ledger-key`` node-config key is followed through to the ledger the party signs.
+"""
+
+from __future__ import annotations
+
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from distmoe.cli import main
+from distmoe.config import ConfigError, SimConfig, parse_node_config, parse_run_config
+from distmoe.deploy import commands as dc
+from distmoe.deploy import credentials as cr
+
+
+@pytest.fixture(scope="module")
+def creds(tmp_path_factory) -> cr.Credentials:
+    return cr.create(tmp_path_factory.mktemp("creds") / "c", ["party-0", "party-1"])
+
+
+def _sim() -> SimConfig:
+    return parse_run_config({}).sim
+
+
+def test_superlink_command_parses_with_flowers_parser(creds, tmp_path):
+    from flwr.superlink.cli.flower_superlink import _parse_args_run_superlink
+
+    cmd = dc.superlink_command(creds.root, host="0.0.0.0", port=9300, flwr_home=tmp_path / "home")
+    assert cmd.argv[0] == "flower-superlink"
+    args = _parse_args_run_superlink().parse_args(list(cmd.argv[1:]))
+    assert Path(args.ssl_ca_certfile) == creds.superlink_ca.resolve()
+    assert Path(args.ssl_certfile) == creds.server_cert.resolve()
+    assert Path(args.ssl_keyfile) == creds.server_key.resolve()
+    assert args.enable_supernode_auth and not args.insecure
+    assert (args.host, args.port) == ("0.0.0.0", 9300)
+    assert Path(args.database) == (tmp_path / "home" / "superlink-state.db").resolve()
+    assert "--disable-runtime-dependency-installation" in cmd.argv
+    assert cmd.env["FLWR_HOME"] == str((tmp_path / "home").resolve()) and cmd.env["FLWR_TELEMETRY_ENABLED"] == "0"
+    # the printed line is the same command for a POSIX shell
+    words = shlex.split(cmd.shell())
+    assert words[len(cmd.env):] == list(cmd.argv)
+    assert words[:len(cmd.env)] == [f"{k}={v}" for k, v in cmd.env.items()]
+    with_deps = dc.superlink_command(creds.root, database=tmp_path / "s.db", runtime_dependency_installation=True)
+    assert "--disable-runtime-dependency-installation" not in with_deps.argv
+    assert with_deps.argv[with_deps.argv.index("--database") + 1] == str((tmp_path / "s.db").resolve())
+
+
+@pytest.mark.parametrize("odd", ["plain", "with space", 'with"quote', "back\\slash"])
+def test_supernode_node_config_survives_flower_and_distmoe_parsing(creds, tmp_path, odd):
+    from flwr.common.config import parse_config_args
+    from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode
+
+    data = tmp_path / odd / "party-0"
+    data.mkdir(parents=True)
+    party = creds.parties[0]
+    cmd = dc.supernode_command(party.dir, superlink="superlink.example.org:9300", data_path=data, port=9500,
+                               epsilon_max=2.5, work_dir=tmp_path / "work")
+    args = _parse_args_run_supernode().parse_args(list(cmd.argv[1:]))
+    assert Path(args.root_certificates) == party.ca_cert.resolve()
+    assert Path(args.auth_supernode_private_key) == party.supernode_key.resolve()
+    assert args.superlink == "superlink.example.org:9300" and args.port == 9500 and not args.insecure
+    nc = parse_config_args([args.node_config])  # exactly what flower-supernode does with the string
+    assert nc == {"data-path": str(data.resolve()), "party-name": "party-0",
+                  "ledger-key": str(party.ledger_key.resolve()), "work-dir": str((tmp_path / "work").resolve()),
+                  "epsilon-max": 2.5}
+    node = parse_node_config(nc, _sim())  # and what the ClientApp then makes of it
+    assert node.party == "party-0" and node.data_path == data.resolve() and node.epsilon_max == 2.5
+    assert node.ledger_key == party.ledger_key.resolve() and node.work_dir == (tmp_path / "work").resolve()
+
+
+def test_supernode_command_errors(creds, tmp_path):
+    party = creds.parties[0].dir
+    with pytest.raises(dc.DeployError, match="--data-path: .* is not a directory"):
+        dc.supernode_command(party, superlink="127.0.0.1:9092", data_path=tmp_path / "nope")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(dc.DeployError, match="--superlink: 'localhost' is not host:port"):
+        dc.supernode_command(party, superlink="localhost", data_path=tmp_path / "d")
+    with pytest.raises(dc.DeployError, match="differs from the party these credentials were made for"):
+        dc.supernode_command(party, superlink="127.0.0.1:9092", data_path=tmp_path / "d", party_name="party-1")
+    with pytest.raises(cr.CredentialsError, match="party.json not found"):
+        dc.supernode_command(creds.root, superlink="127.0.0.1:9092", data_path=tmp_path / "d")
+    with pytest.raises(dc.DeployError, match="both quote characters"):
+        dc.toml_string("""a'b"c""", "data-path")
+
+
+def test_register_commands_name_each_public_key(creds, tmp_path):
+    from flwr.cli.supernode.register import try_load_public_key
+
+    cmds = dc.register_commands(creds.root, "prod", flwr_home=tmp_path / "cli")
+    assert [c.argv[:3] for c in cmds] == [("flwr", "supernode", "register")] * 2
+    assert [c.argv[4:] for c in cmds] == [("prod", "--name", "party-0"), ("prod", "--name", "party-1")]
+    for c, p in zip(cmds, creds.parties, strict=True):
+        assert try_load_public_key(Path(c.argv[3])) == try_load_public_key(p.supernode_pub)
+    assert [c.argv[-1] for c in dc.register_commands(creds.root, parties=["party-1"])] == ["party-1"]
+    with pytest.raises(cr.CredentialsError, match="no party 'x'"):
+        dc.register_commands(creds.root, parties=["x"])
+    with pytest.raises(dc.DeployError, match="connection name"):
+        dc.register_commands(creds.root, "bad name")
+
+
+def test_connection_table_and_append(creds, tmp_path):
+    table = dc.connection_toml(creds.root, "127.0.0.1:9300", "prod")
+    parsed = tomllib.loads(table)["superlink"]["prod"]
+    assert parsed == {"address": "127.0.0.1:9300", "root-certificates": str(creds.superlink_ca.resolve())}
+    cfg = tmp_path / "config.toml"
+    with pytest.raises(dc.DeployError, match="flwr config list"):
+        dc.add_connection(cfg, table, "prod")
+    cfg.write_text('[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n')
+    dc.add_connection(cfg, table, "prod")
+    full = tomllib.loads(cfg.read_text())["superlink"]
+    assert full["prod"] == parsed and full["local"] == {"address": ":local:"}
+    with pytest.raises(dc.DeployError, match=r"already has a connection \[superlink.prod\]"):
+        dc.add_connection(cfg, table, "prod")
+
+
+def test_cli_prints_commands(creds, tmp_path, capsys):
+    (tmp_path / "d").mkdir()
+    assert main(["deploy", "supernode", "--credentials", str(creds.parties[1].dir), "--superlink", "10.0.0.1:9092",
+                 "--data-path", str(tmp_path / "d"), "--port", "9600"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "flower-supernode" in out[0] and 'party-name="party-1"' in out[0]
+    assert main(["deploy", "superlink", "--credentials", str(creds.root)]) == 0
+    assert "--enable-supernode-auth" in capsys.readouterr().out
+    assert main(["deploy", "register", "--credentials", str(creds.root), "--connection", "prod"]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 2
+    assert main(["deploy", "superlink", "--credentials", str(tmp_path)]) == 2
+    assert "manifest.json not found" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------- ledger-key
+def test_node_config_ledger_key_is_the_key_the_party_signs_with(creds, tmp_path):
+    from distmoe.privacy.session import open_ledger
+
+    data = tmp_path / "party-0"
+    data.mkdir()
+    party = creds.parties[0]
+    node = parse_node_config({"data-path": str(data), "ledger-key": str(party.ledger_key)}, _sim())
+    ledger = open_ledger(node)
+    assert ledger.public_key_hex == party.ledger_pub.read_text().strip()
+    assert not (node.work_dir / "keys").exists()  # no fallback key was generated
+    # without the key, the party keeps its generated key (the old behaviour)
+    other = parse_node_config({"data-path": str(data), "work-dir": str(tmp_path / "w2")}, _sim())
+    assert other.ledger_key is None
+    assert open_ledger(other).public_key_hex != ledger.public_key_hex
+    assert (tmp_path / "w2" / "keys" / "party-0-ledger.key").is_file()
+    with pytest.raises(ConfigError, match="node config key 'ledger-key': .* is not a file"):
+        parse_node_config({"data-path": str(data), "ledger-key": str(tmp_path / "missing.key")}, _sim())
