@@ -16,29 +16,38 @@ import traceback
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from distmoe.config import ConfigError, parse_node_config, parse_run_config
+from distmoe.config import ConfigError, SimConfig, parse_node_config, parse_run_config
 from distmoe.wire import codec
-from distmoe.wire.party_side import Blocked, Refused, serve
+from distmoe.wire.party_side import Blocked, Refused, guarded_error, serve
 
 app = ClientApp()
 
 
 def _handle(msg: Message, context: Context) -> Message:
     mtype = codec.message_type(msg)
+    node = None
     try:
+        node = parse_node_config(context.node_config, SimConfig(str(context.run_config.get("sim.nodes-dir", ""))))
         cfg = parse_run_config(context.run_config)
-        node = parse_node_config(context.node_config, cfg.sim)
         out = serve(mtype, msg.content, cfg, node, msg.metadata.dst_node_id, str(context.run_id))
         return codec.reply_content(out, msg)
-    except Blocked as exc:
+    except Blocked as exc:  # the text was logged, canary-scanned and carries the ledger head: send it as is
         print(f"distmoe client: {mtype}: {exc}", flush=True)
         return codec.error_reply(msg, 3, str(exc))
-    except (Refused, ConfigError) as exc:
+    except Refused as exc:
         print(f"distmoe client: {mtype} refused: {exc}", flush=True)
-        return codec.error_reply(msg, 1, f"{type(exc).__name__}: {exc}")
-    except Exception as exc:  # a bug or a resource problem: report it, never hang the round
-        print(f"distmoe client: {mtype} crashed:\n{traceback.format_exc()}", flush=True)
-        return codec.error_reply(msg, 2, f"{type(exc).__name__}: {exc}")
+        return codec.error_reply(msg, 1, str(exc))
+    except ConfigError as exc:  # before serve: a run config this party rejects, or a bad node config
+        print(f"distmoe client: {mtype}: {exc}", flush=True)
+        if node is None:  # no node config, so no ledger: nothing but the kind of error leaves
+            return codec.error_reply(msg, 1, "node configuration error at the party (details in its own log)")
+        try:
+            return codec.error_reply(msg, 1, guarded_error(mtype, node, str(context.run_id), f"ConfigError: {exc}"))
+        except Exception:
+            return codec.error_reply(msg, 1, "configuration error at the party (details in its own log)")
+    except Exception as exc:  # outside the guard (a bug): no ledger entry, so no text leaves
+        print(f"distmoe client: {mtype} failed outside the party guard:\n{traceback.format_exc()}", flush=True)
+        return codec.error_reply(msg, 2, f"{type(exc).__name__} at the party (details in its own log)")
 
 
 @app.train("sft")

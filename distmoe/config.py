@@ -91,6 +91,8 @@ DEFAULTS: dict[str, Scalar] = {
     "rl.simulator": False,  # the ICEPOP seed's inference simulator instead of the recompute (approximation)
     "rl.simulator-recalibrate-every": 5,
     "rl.simulator-bound": 0.5,
+    "rl.simulator-lb-coef": 0.01,  # load-balance loss on the simulated routing (trusted simulator steps only)
+    "rl.routing-replay": False,  # the trainer replays the engine's recorded top-k experts (R3)
     # schedule
     "schedule.phases": "sft:lookup, eval, stats:lookup, sft:arith, eval",
     "schedule.sft-rounds": 5,
@@ -104,7 +106,7 @@ DEFAULTS: dict[str, Scalar] = {
     "privacy.delta": 1e-6,
     "privacy.noise-multiplier": 0.0,  # router statistics z; 0 = derived from privacy.epsilon over the schedule
     "privacy.scale": 64.0,  # integer encoding scale s of router statistics (>= 32)
-    "privacy.canaries": 256,  # K known-zero noise-canary coordinates per router-statistics release
+    "privacy.canaries": 2048,  # K known-zero noise-canary coordinates per router-statistics release
     "privacy.min-parties": 2,  # fewest parties any release may be aggregated over (also the SecAgg threshold floor)
     "privacy.num-sequences-max": 10000,  # public bound on a party's sequences (bit width, delta <= 1/N)
     "privacy.update-clip": 10.0,  # L2 bound on a model update (clipped; fixes the fixed-point range)
@@ -211,6 +213,8 @@ class RLConfig:
     simulator: bool
     simulator_recalibrate_every: int
     simulator_bound: float
+    simulator_lb_coef: float
+    routing_replay: bool
 
     @property
     def mode(self) -> str:
@@ -524,6 +528,9 @@ def _parse_privacy(g, fed: FederationConfig) -> PrivacyConfig:
     _range("privacy.delta", p.delta, 0.0, 0.1, lo_open=True)
     _range("privacy.noise-multiplier", p.noise_multiplier, 0.0, 1e6)
     _range("privacy.scale", p.scale, 32.0, 2.0**20)
+    if p.scale != int(p.scale):
+        raise ConfigError(f"config key 'privacy.scale': value {p.scale:g} must be an integer (router statistics "
+                          "are rounded onto the integer simplex of that size)")
     _range("privacy.canaries", p.canaries, 0, 1 << 20)
     _range("privacy.min-parties", p.min_parties, 2, 10000)
     _range("privacy.num-sequences-max", p.num_sequences_max, 1, 10**9)
@@ -589,7 +596,23 @@ def _parse_rl(g) -> RLConfig:
                     icepop_high=fl["rl.icepop-high"], engine=engine, reward=reward,
                     simulator=g("rl.simulator", bool),
                     simulator_recalibrate_every=_checked_int(g, "rl.simulator-recalibrate-every", 1),
-                    simulator_bound=_checked_float(g, "rl.simulator-bound", 0.0))
+                    simulator_bound=_checked_float(g, "rl.simulator-bound", 0.0),
+                    simulator_lb_coef=_rl_lb_coef(g), routing_replay=_rl_replay(g))
+
+
+def _rl_lb_coef(g) -> float:
+    v = g("rl.simulator-lb-coef", float)
+    _range("rl.simulator-lb-coef", v, 0.0, 100.0)
+    return v
+
+
+def _rl_replay(g) -> bool:
+    replay = g("rl.routing-replay", bool)
+    if replay and g("rl.simulator", bool):
+        raise ConfigError("config key 'rl.routing-replay': value true cannot be combined with rl.simulator = true "
+                          "(two alternative mitigations of the routing gap: replay removes the gap the simulator "
+                          "models; choose one)")
+    return replay
 
 
 def load_override_file(path: str | Path) -> dict[str, Scalar]:

@@ -180,6 +180,14 @@ class Coordinator:
             rl_update_length=UpdateLayout.build(self.tspec.shapes, rl_metric_keys(L, cfg.rl.simulator), n,
                                                 p.update_clip, p.max_weight).length,
             stats_length=L * E + p.canaries, eval_length=2 * len(eval_metric_keys(cfg.schedule.tasks)))
+        if p.secure and self.plan.stats_releases:  # fail before anything is sent, naming the bound
+            from distmoe.privacy.dp import WrapError
+            from distmoe.privacy.plan import threshold_for
+            try:
+                stats_spec(p, self.plan.noise_multiplier, L, E, n, threshold_for(n, p.min_parties))
+            except WrapError as exc:
+                raise RunFailed(f"router statistics of {n} parties cannot be summed in Z_2^64: {exc}; lower "
+                                "privacy.num-sequences-max or privacy.scale") from None
         policy = build_policy(secure=p.secure, n_parties=n, trainable=dict(self.tspec.shapes), layers=L, experts=E,
                               tasks=cfg.schedule.tasks, **self.layout_facts)
         blob = canonical_json(policy).encode("ascii")
@@ -309,6 +317,8 @@ class Coordinator:
         agg, n_parties, n_nodes = out
         kl = f", anchor KL {agg['anchor_kl']:.4f}" if use_anchor and math.isfinite(agg.get("anchor_kl", math.nan)) \
             else ""
+        if not math.isfinite(agg.get("skipped_steps", math.nan)):
+            return f"{n_parties}/{n_nodes} parties | training metrics withheld (client-level DP on updates)"
         return (f"{n_parties}/{n_nodes} parties | task loss {agg['loss_first']:.3f} -> "
                 f"{agg['loss_last']:.3f}{kl} | skipped steps {int(agg['skipped_steps'])}")
 
@@ -324,6 +334,8 @@ class Coordinator:
         if isinstance(out, str):
             return out
         agg, n_parties, n_nodes = out
+        if self.cfg.privacy.secure and self.cfg.privacy.update_noise_multiplier > 0:
+            return f"{n_parties}/{n_nodes} parties | RL metrics withheld (client-level DP on updates)"
         return (f"{n_parties}/{n_nodes} parties | reward {agg['reward_first']:.3f} -> {agg['reward_last']:.3f} "
                 f"| |dlogp| mean {agg['logp_diff_mean']:.4f} max {agg['logp_diff_max']:.3f} | masked "
                 f"{agg['masked_frac_low'] + agg['masked_frac_high']:.4f} | K3 {agg['k3']:.2e}")
@@ -384,9 +396,10 @@ class Coordinator:
         cfg, p, s = self.cfg, self.cfg.privacy, self.s
         rl = event == "rl"
         keys = rl_metric_keys(self.mspec.num_moe_layers, cfg.rl.simulator) if rl else TRAIN_METRIC_KEYS
-        layout = UpdateLayout.build(self.tspec.shapes, keys, len(self.secure.roster), p.update_clip, p.max_weight)
-        release = "rl-update" if rl else "model-update"
         z_u = self.secure.plan.update_noise_multiplier
+        layout = UpdateLayout.build(self.tspec.shapes, keys, len(self.secure.roster), p.update_clip, p.max_weight,
+                                    private=z_u > 0)
+        release = "rl-update" if rl else "model-update"
         n, t = len(self.secure.roster), self.secure.threshold
 
         def event_at(n_active: int) -> PrivacyEvent:
@@ -400,7 +413,8 @@ class Coordinator:
         if z_u > 0:
             dp = {"mechanism": "gaussian", "unit": "party", "neighbours": "add/remove", "noise_multiplier": z_u,
                   "n_parties": n, "n_active": res.n_active, "max_dropouts": n - t,
-                  "z_eff": z_u * math.sqrt(res.n_active / t), "clip": p.update_clip, "max_weight": p.max_weight}
+                  "z_eff": z_u * math.sqrt(res.n_active / t), "clip": p.update_clip, "weights": "uniform",
+                  "sensitivity": layout.sensitivity, "metrics": "withheld"}
         self.guard.log_release(rnd=s.round, phase=phase.kind, release=release, total=res.total, dp=dp,
                                info={"mode": "secagg", "release": release, "included": list(res.included),
                                      "dropped": list(res.dropped), "responders": list(res.responders),

@@ -39,7 +39,7 @@ class GridTransport(GuardedTransport):
             node = msg.metadata.src_node_id
             if node not in out or node in got:
                 continue  # a reply from a node that was not asked, or a second reply: ignored
-            got[node] = (f"node {node} replied with an error: {msg.error.reason}" if msg.has_error()
+            got[node] = (codec.ErrorReply(str(msg.error.reason), int(msg.error.code)) if msg.has_error()
                          else msg.content)
         return got
 

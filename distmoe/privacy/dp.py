@@ -9,10 +9,15 @@ the count and the anchor are post-processing of the noisy rows (:func:`normalize
 
 Mechanism (Agarwal, Kairouz, Liu 2021, "The Skellam mechanism", arXiv 2110.04995), per party:
 
-1. encode as integers with scale ``s >= 32``: per sequence ``rint(s * m_x)`` summed (:func:`encode_per_sequence`,
-   the tighter option) or ``rint(s * S)`` of the float sum (:func:`encode_stats`);
-2. integer sensitivity after rounding (:func:`int_sensitivity`): ``D2 = s*sqrt(L) + sqrt(L*E)/2`` per-sequence
-   (each coordinate's rounding error is <= 1/2), ``s*sqrt(L) + sqrt(L*E)`` for a rounded sum (two roundings);
+1. encode as integers with scale ``s >= 32``: per sequence, each row rounded so that it stays on the scaled
+   simplex (``mass-preserving``: floor, then the largest remainders get the missing units, so every row sums to
+   exactly ``s``; the default), per sequence ``rint(s * m_x)`` (``per-sequence``), or ``rint(s * S)`` of the
+   float sum (``sum``, :func:`encode_stats`);
+2. integer sensitivity after rounding (:func:`int_sensitivity`): ``D2 = s*sqrt(L)`` mass-preserving (an integer
+   row with non-negative entries summing to ``s`` has L2 norm <= s), ``s*sqrt(L) + sqrt(L*E)/2`` per-sequence
+   (each coordinate's rounding error is <= 1/2), ``s*sqrt(L) + sqrt(L*E)`` for a rounded sum (two roundings).
+   Mass-preserving rounding also makes every row of the sum equal ``N*s`` plus noise exactly, which the
+   audit's row-sum test relies on;
 3. target noise in the *sum*: ``sigma_int = z * D2`` with ``z`` the noise multiplier the accountant takes;
    aggregate Skellam variance ``mu = sigma_int**2``;
 4. each of ``n`` parties adds ``Poisson(lam) - Poisson(lam)`` per coordinate with ``lam = mu / (2 (n - d_max))``
@@ -81,7 +86,7 @@ __all__ = [
 
 MIN_SCALE = 32
 MAX_BITS = 62  # ring values and pairwise sums stay inside int64
-ROUNDINGS = ("per-sequence", "sum")
+ROUNDINGS = ("mass-preserving", "per-sequence", "sum")
 
 
 class WrapError(ValueError):
@@ -103,6 +108,8 @@ def sequence_contribution_norm(per_seq: np.ndarray) -> np.ndarray:
 def int_sensitivity(layers: int, experts: int, scale: float, rounding: str = "per-sequence") -> tuple[float, float]:
     """``(D2, D1)`` add/remove sensitivity in integer units after rounding.
 
+    ``mass-preserving``: every rounded row is a non-negative integer vector summing to ``s``, so
+    ``D2 <= s*sqrt(L)`` and ``D1 = s*L`` (no slack; ``s`` must be an integer).
     ``per-sequence``: ``rint(s*m_x)`` differs from ``s*m_x`` by <= 1/2 per coordinate, so
     ``D2 <= s*sqrt(L) + sqrt(L*E)/2`` and ``D1 <= s*L + L*E/2``. ``sum``: the rounded sum changes by at most
     ``|s*m_x| + 1`` per coordinate (two roundings), so ``D2 <= s*sqrt(L) + sqrt(L*E)``, ``D1 <= s*L + L*E``.
@@ -110,6 +117,9 @@ def int_sensitivity(layers: int, experts: int, scale: float, rounding: str = "pe
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     d = layers * experts
+    if rounding == "mass-preserving":
+        _check_integer_scale(scale)
+        return scale * math.sqrt(layers), scale * layers
     slack = 0.5 if rounding == "per-sequence" else 1.0
     return scale * math.sqrt(layers) + slack * math.sqrt(d), scale * layers + slack * d
 
@@ -119,6 +129,11 @@ def _check_scale(scale: float) -> None:
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale >= MIN_SCALE):
         raise ValueError(f"scale must be a finite number >= {MIN_SCALE} (rounding inflates the sensitivity "
                          f"below that), got {scale!r}")
+
+
+def _check_integer_scale(scale: float) -> None:
+    if float(scale) != int(scale):
+        raise ValueError(f"mass-preserving rounding needs an integer scale, got {scale!r}")
 
 
 def encode_stats(stats: np.ndarray, scale: float) -> np.ndarray:
@@ -132,19 +147,37 @@ def encode_stats(stats: np.ndarray, scale: float) -> np.ndarray:
     return np.rint(a * scale).astype(np.int64)
 
 
-def encode_per_sequence(per_seq: np.ndarray, scale: float, *, atol: float = 1e-4) -> np.ndarray:
-    """Sum over sequences of ``rint(scale * m_x)``: ``[N, L, E]`` simplex rows -> int64 ``[L, E]``.
+def encode_per_sequence(per_seq: np.ndarray, scale: float, *, rounding: str = "per-sequence",
+                        atol: float = 1e-4) -> np.ndarray:
+    """Sum over sequences of each sequence's rounded ``s * m_x``: ``[N, L, E]`` simplex rows -> int64 ``[L, E]``.
 
+    ``rounding``: ``per-sequence`` rounds each entry to the nearest integer; ``mass-preserving`` rounds each
+    row down and gives the ``s - sum(floor)`` missing units to the entries with the largest remainders
+    (ties to the lower expert index), so every rounded row has non-negative entries summing to exactly ``s``.
     Checks every row is on the simplex (entries >= -atol, sums within atol of 1): the sensitivity bound,
     hence the DP guarantee, depends on it, so anything else is refused.
     """
     _check_scale(scale)
+    if rounding not in ("per-sequence", "mass-preserving"):
+        raise ValueError(f"per-sequence encoding takes rounding 'per-sequence' or 'mass-preserving', got {rounding!r}")
     a = np.asarray(per_seq, dtype=np.float64)
     if a.ndim != 3 or not np.isfinite(a).all():
         raise ValueError(f"per_seq must be a finite [N, L, E] array, got shape {a.shape}")
     if a.size and (a.min() < -atol or np.abs(a.sum(-1) - 1.0).max() > atol):
         raise ValueError("per-sequence rows must lie on the simplex (non-negative, summing to 1)")
-    return np.rint(a * scale).astype(np.int64).sum(0)
+    if rounding == "per-sequence":
+        return np.rint(a * scale).astype(np.int64).sum(0)
+    _check_integer_scale(scale)
+    s = int(scale)
+    p = np.clip(a, 0.0, None)
+    p = p / p.sum(-1, keepdims=True)  # exactly on the simplex (the check above bounds the correction)
+    x = p * s  # [N, L, E]
+    fl = np.floor(x)
+    missing = s - fl.sum(-1, keepdims=True).astype(np.int64)  # [N, L, 1], in [0, E)
+    order = np.argsort(-(x - fl), axis=-1, kind="stable")  # [N, L, E] experts by remainder, largest first
+    rank = np.argsort(order, axis=-1)  # [N, L, E] each expert's position in that order
+    ints = fl.astype(np.int64) + (rank < missing)  # [N, L, E], every row sums to s
+    return ints.sum(0)
 
 
 def decode_stats(int_stats: np.ndarray, scale: float) -> np.ndarray:
@@ -198,6 +231,8 @@ class SkellamSpec:
             raise ValueError("need num_sequences_max >= 1 and n_canaries >= 0")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if self.rounding == "mass-preserving":
+            _check_integer_scale(self.scale)
 
     @property
     def dim(self) -> int:
@@ -243,6 +278,14 @@ class SkellamSpec:
     def check_no_wrap(self, bits: int, **kw: Any) -> None:
         check_no_wrap(bits, self.n_parties, self.num_sequences_max, self.scale, self.aggregate_sigma(),
                       n_coords=self.payload_len, **kw)
+
+    def check_fits_ring64(self) -> None:
+        """Raise :class:`WrapError` unless the signed sum fits Z_2^64 (the secure sums' uint64 ring, read as
+        int64): all parties at ``num_sequences_max`` plus the noise tail (``required_bits <= 64``)."""
+        need = self.required_bits()
+        if need > 64:
+            raise WrapError(f"{self.n_parties} parties x {self.num_sequences_max} sequences at scale {self.scale:g} "
+                            f"plus noise (sigma_int={self.aggregate_sigma():.1f}) need {need} bits > 64")
 
     def dp_params(self, n_active: int | None = None) -> dict[str, Any]:
         """JSON-able parameters for the wire ledger's ``dp`` field."""

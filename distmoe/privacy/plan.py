@@ -46,7 +46,7 @@ class PrivacyPlan:
         if self.stats_releases and self.noise_multiplier > 0:
             ev.append(PrivacyEvent(self.noise_multiplier, 1.0, self.stats_releases, "skellam", "router-stats"))
         if self.update_releases and self.update_noise_multiplier > 0:
-            ev.append(PrivacyEvent(self.update_noise_multiplier, 1.0, self.update_releases, "skellam", "model-update"))
+            ev.append(PrivacyEvent(self.update_noise_multiplier, 1.0, self.update_releases, "gaussian", "model-update"))
         return ev
 
 
@@ -67,7 +67,7 @@ def _eps(events: list[PrivacyEvent], delta: float) -> float:
 @lru_cache(maxsize=32)
 def _plan(p: PrivacyConfig, schedule: ScheduleConfig) -> PrivacyPlan:
     n_stats, n_upd = count_releases(p, schedule)
-    upd = [PrivacyEvent(p.update_noise_multiplier, 1.0, n_upd, "skellam")] if n_upd else []
+    upd = [PrivacyEvent(p.update_noise_multiplier, 1.0, n_upd, "gaussian")] if n_upd else []
     z = p.noise_multiplier
     derived = False
     if n_stats and z == 0:
@@ -113,6 +113,8 @@ def stats_spec(p: PrivacyConfig, noise_multiplier: float, layers: int, experts: 
                threshold: int) -> SkellamSpec:
     if noise_multiplier <= 0:
         raise ValueError("router statistics need a noise multiplier > 0")
-    return SkellamSpec(layers=layers, experts=experts, noise_multiplier=noise_multiplier, n_parties=n_parties,
+    spec = SkellamSpec(layers=layers, experts=experts, noise_multiplier=noise_multiplier, n_parties=n_parties,
                        num_sequences_max=p.num_sequences_max, scale=p.scale, n_canaries=p.canaries,
-                       max_dropouts=n_parties - threshold)
+                       max_dropouts=n_parties - threshold, rounding="mass-preserving")
+    spec.check_fits_ring64()  # every secure sum lives in Z_2^64 (WrapError names the bound otherwise)
+    return spec

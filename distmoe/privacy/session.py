@@ -170,7 +170,8 @@ class PartySession:
 
     def update_layout(self, shapes, metric_keys) -> UpdateLayout:
         p = self.cfg.privacy
-        return UpdateLayout.build(shapes, metric_keys, self.n_parties, p.update_clip, p.max_weight)
+        return UpdateLayout.build(shapes, metric_keys, self.n_parties, p.update_clip, p.max_weight,
+                                  private=self._need().update_noise_multiplier > 0)
 
     def eval_layout(self, keys) -> EvalLayout:
         return EvalLayout(tuple(keys), self.n_parties, self.cfg.privacy.num_sequences_max)

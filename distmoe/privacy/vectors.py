@@ -17,6 +17,13 @@ dataset size and data-dependent numbers to the server. Each update is multiplied
 ``w = min(examples, privacy.max-weight)`` and the weight is summed alongside, so the server learns only
 ``sum w*delta`` and ``sum w``; each metric is summed as ``w*m`` with ``w*[m finite]`` beside it.
 
+With client-level DP on updates (``private=True``, i.e. ``privacy.update-noise-multiplier > 0``) the whole
+release must be covered by the noise, so it carries nothing else that depends on data: every weight is 1
+(``sum w`` is the number of included parties, which the server knows anyway: the standard DP-FedAvg
+estimator with uniform weights), and every metric slot is encoded as "no value" (0 and 0). The L2
+sensitivity of the sum is then ``clip`` (add/remove one party), and the noise covers every coordinate that
+varies. Training metrics stay in each party's own log.
+
 Must not: import ``flwr`` or ``torch``, add noise other than through ``dp``, or accept a value outside
 its declared bound (it clips updates to ``update_clip`` in L2 and metrics to ``METRIC_BOUND``, and says so).
 """
@@ -97,12 +104,23 @@ class UpdateLayout:
     n_parties: int
     clip: float
     max_weight: int
+    private: bool = False  # client-level DP on: uniform weights, no metrics (see the module docstring)
 
     @classmethod
     def build(cls, shapes: Mapping[str, tuple[int, ...]], metric_keys: Sequence[str], n_parties: int, clip: float,
-              max_weight: int) -> UpdateLayout:
+              max_weight: int, private: bool = False) -> UpdateLayout:
         return cls(tuple(sorted((k, tuple(int(d) for d in v)) for k, v in dict(shapes).items())), tuple(metric_keys),
-                   int(n_parties), float(clip), int(max_weight))
+                   int(n_parties), float(clip), int(max_weight), bool(private))
+
+    @property
+    def weight_bound(self) -> int:
+        """The largest weight a party can put in: 1 when private, else ``max_weight``."""
+        return 1 if self.private else self.max_weight
+
+    @property
+    def sensitivity(self) -> float:
+        """Add/remove-one-party L2 sensitivity of the ``w*delta`` block (float units): ``weight_bound * clip``."""
+        return self.weight_bound * self.clip
 
     @property
     def numel(self) -> int:
@@ -117,7 +135,7 @@ class UpdateLayout:
         return _frac_bits(self.n_parties, self.max_weight * max(self.clip, METRIC_BOUND))
 
     def weight_of(self, num_examples: int) -> int:
-        return int(min(max(num_examples, 0), self.max_weight))
+        return 1 if self.private else int(min(max(num_examples, 0), self.max_weight))
 
     def encode(self, delta: Mapping[str, np.ndarray], num_examples: int, metrics: Mapping[str, float]
                ) -> tuple[np.ndarray, dict[str, float]]:
@@ -138,6 +156,8 @@ class UpdateLayout:
         norm = float(np.linalg.norm(flat))
         factor = min(1.0, self.clip / norm) if norm > 0 else 1.0
         w = self.weight_of(num_examples)
+        if self.private:  # nothing data-dependent outside the noised block
+            metrics = {k: math.nan for k in self.metric_keys}
         wv, wn = _weighted_metrics(self.metric_keys, metrics,
                                    {k: (1.0 if k in SUM_KEYS else float(w)) for k in self.metric_keys})
         vec = np.concatenate([flat * (factor * w), [float(w)], wv, wn])  # [length]
@@ -153,7 +173,7 @@ class UpdateLayout:
         w = float(v[n])
         metrics = _metric_means(self.metric_keys, v[n + 1:n + 1 + m], v[n + 1 + m:])
         for i, k in enumerate(self.metric_keys):
-            if k in SUM_KEYS:
+            if k in SUM_KEYS and not self.private:
                 metrics[k] = float(round(v[n + 1 + i]))
         if w < 0.5:
             return None, w, metrics
@@ -168,9 +188,14 @@ class UpdateLayout:
 # ------------------------------------------------------------------------------------------ router stats
 @dataclass(frozen=True)
 class StatsLayout:
-    """``[L*E]`` per-sequence-rounded integer statistic + Skellam share | ``[K]`` noise canaries."""
+    """``[L*E]`` per-sequence-rounded integer statistic + Skellam share | ``[K]`` noise canaries. Built only if
+    the sum cannot wrap in Z_2^64 (``SkellamSpec.check_fits_ring64``: all parties at ``num-sequences-max``
+    plus the noise tail)."""
 
     spec: dp.SkellamSpec
+
+    def __post_init__(self) -> None:
+        self.spec.check_fits_ring64()  # the data bound plus the noise tail must fit the signed ring
 
     @property
     def length(self) -> int:
@@ -182,7 +207,8 @@ class StatsLayout:
         if a.ndim != 3 or a.shape[1:] != (self.spec.layers, self.spec.experts):
             raise LayoutError(f"per-sequence statistics {a.shape} do not match [N, {self.spec.layers}, "
                               f"{self.spec.experts}]")
-        ints = dp.encode_per_sequence(a, self.spec.scale) if len(a) else np.zeros(a.shape[1:], np.int64)
+        ints = (dp.encode_per_sequence(a, self.spec.scale, rounding=self.spec.rounding) if len(a)
+                else np.zeros(a.shape[1:], np.int64))
         share = dp.client_share(ints, self.spec, len(a), rng)  # [length] int64, noised
         return to_ring64(share)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -305,7 +306,42 @@ def reply(payload: object, to: Message) -> Message:
 def error_reply(to: Message, code: int, reason: str) -> Message:
     from flwr.app import Error
 
-    return Message(Error(code=code, reason=reason[:2000]), reply_to=to)
+    return Message(Error(code=code, reason=reason[:ERROR_MAX_BYTES]), reply_to=to)
+
+
+# ------------------------------------------------------------------------------------------------
+# Error replies: the only free text a party sends. The party's guard makes it printable ASCII of at most
+# ERROR_TEXT_MAX characters, scans it for canaries, logs it and appends its ledger head as a fixed suffix;
+# the server guard enforces the same form and ERROR_MAX_BYTES on arrival and anchors the head.
+# ------------------------------------------------------------------------------------------------
+ERROR_MAX_BYTES = 2048
+ERROR_TEXT_MAX = 1024
+_HEAD_SUFFIX = re.compile(r" \[ledger-head (\d{1,12}) ([0-9a-f]{64})\]\Z")
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """An error reply as a transport hands it to the server guard (Flower's ``Error`` reason and code)."""
+
+    reason: str
+    code: int = 0
+
+
+def error_text(text: str) -> str:
+    """The form a party's error text takes on the wire: printable ASCII (others -> '?'), <= ERROR_TEXT_MAX."""
+    return "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in str(text))[:ERROR_TEXT_MAX]
+
+
+def with_error_head(text: str, seq: int, hash_hex: str) -> str:
+    return f"{text} [ledger-head {int(seq)} {hash_hex}]"
+
+
+def split_error(reason: str) -> tuple[str, tuple[int, str] | None]:
+    """``(text, (seq, hash) or None)`` of an error reason (the head suffix removed when present)."""
+    m = _HEAD_SUFFIX.search(reason)
+    if m is None:
+        return reason, None
+    return reason[:m.start()], (int(m.group(1)), m.group(2))
 
 
 def read_instruction(msg: Message, expected: type) -> object:

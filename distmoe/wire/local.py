@@ -16,6 +16,7 @@ from collections.abc import Callable
 from flwr.app import RecordDict
 
 from distmoe.config import NodeConfig, RunConfig
+from distmoe.wire import codec
 from distmoe.wire.party_side import Refused, serve
 from distmoe.wire.server_side import GuardedTransport
 
@@ -46,10 +47,10 @@ class LocalTransport(GuardedTransport):
             try:
                 reply = serve(mtype, content, self.cfg, self.nodes[node], node, self.run_id)
             except Refused as exc:
-                got[node] = f"node {node} replied with an error: {exc}"
+                got[node] = codec.ErrorReply(str(exc), 1)
                 continue
-            except Exception as exc:  # as the ClientApp does: an error reply, the round goes on
-                got[node] = f"node {node} replied with an error: {type(exc).__name__}: {exc}"
+            except Exception as exc:  # as the ClientApp does: an error reply without text, the round goes on
+                got[node] = codec.ErrorReply(f"{type(exc).__name__} at the party (details in its own log)", 2)
                 continue
             got[node] = self.tamper(node, mtype, reply) if self.tamper is not None else reply
         return got

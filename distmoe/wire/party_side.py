@@ -165,6 +165,26 @@ def _phase_of(mtype: str) -> str:
     return PROTOCOL[mtype][2] if mtype in PROTOCOL else "unknown"
 
 
+def _guarded_error(ledger, canaries: list[bytes], run: str, rnd: int | None, phase: str, reason: str) -> str:
+    """The error text as it may leave (printable ASCII, bounded, canary-free), logged as sent, with this
+    party's new ledger head appended (``codec.with_error_head``)."""
+    text = codec.error_text(reason)
+    if canary_hits([reason.encode("utf-8"), text.encode("ascii")], canaries):
+        text = "error (reason withheld: it contained a canary string of this party's data)"
+    blob = text.encode("ascii")
+    entry = ledger.append(run=run, round=rnd, phase=phase, direction="out", payload_type="error",
+                          keys=["error.reason"], shapes={}, bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
+                          verdict="accepted", peer="coordinator",
+                          info={"canary_scan": {"strings": len(canaries), "hits": 0}})
+    return codec.with_error_head(text, entry["seq"], entry["hash"])
+
+
+def guarded_error(mtype: str, node: NodeConfig, run_id: str, reason: str) -> str:
+    """For errors raised before ``serve`` could run (a run config the party rejects): the same guarded,
+    logged and anchored error text ``serve`` sends."""
+    return _guarded_error(open_ledger(node), load_canaries(node), str(run_id), None, _phase_of(mtype), reason)
+
+
 def serve(mtype: str, content: RecordDict, cfg: RunConfig, node: NodeConfig, node_id: int, run_id: str
           ) -> RecordDict:
     """Answer one instruction. Returns the guarded reply content; raises ``Refused`` with the reason to
@@ -182,18 +202,11 @@ def serve(mtype: str, content: RecordDict, cfg: RunConfig, node: NodeConfig, nod
     ledger.append(run=run, round=rnd, phase=phase, direction="in", payload_type=codec.payload_tag(content),
                   keys=desc["keys"], shapes=desc["shapes"], bytes=desc["bytes"], sha256=desc["sha256"],
                   verdict=verdict, peer="coordinator")
-    if instr is None:
-        raise Refused(f"party {node.party}: instruction {mtype} does not conform: {verdict[10:]}")
-
     def refuse(reason: str, cls=Refused):
-        if canary_hits([reason.encode("utf-8")], canaries):
-            reason = "error (reason withheld: it contained a canary string of this party's data)"
-        blob = reason.encode("utf-8")
-        ledger.append(run=run, round=rnd, phase=phase, direction="out", payload_type="error", keys=["error.reason"],
-                      shapes={}, bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
-                      verdict="accepted" if cls is Refused else f"rejected: {reason}"[:500], peer="coordinator",
-                      info={"canary_scan": {"strings": len(canaries), "hits": 0}})
-        raise cls(reason)
+        raise cls(_guarded_error(ledger, canaries, run, rnd, phase, reason))
+
+    if instr is None:
+        refuse(f"party {node.party}: instruction {mtype} does not conform: {verdict[10:]}")
 
     try:
         reply, dp = _answer(mtype, instr, cfg, node, node_id, run)
@@ -214,7 +227,7 @@ def serve(mtype: str, content: RecordDict, cfg: RunConfig, node: NodeConfig, nod
         ledger.append(run=run, round=rnd, phase=phase, direction="out", payload_type=codec.payload_tag(out),
                       keys=odesc["keys"], shapes=odesc["shapes"], bytes=odesc["bytes"], sha256=odesc["sha256"],
                       verdict=f"rejected: {exc}"[:500], peer="coordinator")
-        raise Blocked(f"party {node.party}: blocked by the outbound guard, nothing left: {exc}") from None
+        refuse(f"party {node.party}: blocked by the outbound guard, nothing left: {exc}", Blocked)
     odesc = inspect.describe(out)
     entry = ledger.append(run=run, round=rnd, phase=phase, direction="out", payload_type=codec.payload_tag(out),
                           keys=odesc["keys"], shapes=odesc["shapes"], bytes=odesc["bytes"], sha256=odesc["sha256"],
@@ -321,23 +334,27 @@ def _moe_layers(cfg: RunConfig, node: NodeConfig) -> int:
 
 
 def _noise_update(vec: np.ndarray, layout, sess: PartySession, rnd: int):
-    """Client-level DP on the update (the weighted delta coordinates): each party adds its share of
-    Gaussian noise, so the sum over >= t survivors carries std ``z_u * max_weight * clip``, the L2
-    sensitivity of the weighted sum. The share is rounded to the fixed-point grid (step 2^-frac_bits,
-    some 10^-12 of the noise std): a rounded Gaussian, accounted as the Gaussian mechanism. Exact
-    Skellam is not used here because numpy's Poisson sampler stops at rate ~1e19, below these variances
+    """Client-level DP on the update: each party adds its share of Gaussian noise to the delta block, so
+    the sum over >= t survivors carries std ``z_u * clip``, the add/remove-one-party L2 sensitivity of the
+    sum (the private layout has uniform weights and withholds the metrics, so nothing outside the noised
+    block depends on data; see ``distmoe.privacy.vectors``). The share is rounded to the fixed-point
+    grid (step 2^-frac_bits, some 10^-12 of the noise std): a rounded Gaussian, accounted as the Gaussian
+    mechanism. Exact Skellam is not used here because numpy's Poisson sampler stops at rate ~1e19, below these variances
     in fixed-point units."""
     from distmoe.privacy import dp as D
     from distmoe.privacy.vectors import from_ring64, to_ring64
 
     z_u = sess.facts.update_noise_multiplier
     n, t = sess.n_parties, sess.params.threshold
-    sens = layout.max_weight * layout.clip * 2.0 ** layout.frac_bits  # L2 sensitivity, fixed-point units
+    if not layout.private:
+        raise Refused("update noise requested on a non-private layout (weights and metrics would leave exact)")
+    sens = layout.sensitivity * 2.0 ** layout.frac_bits  # L2 sensitivity, fixed-point units
     var = (z_u * sens) ** 2 / t  # over-provisioned: the sum over >= t survivors carries >= (z_u * sens)^2
     eps = sess.charge(PrivacyEvent(z_u, 1.0, 1, "gaussian", f"model-update round {rnd}"))
     signed = from_ring64(vec).copy()
     signed[:layout.numel] += np.rint(D.crypto_rng().normal(0.0, math.sqrt(var), layout.numel)).astype(np.int64)
     dp = {"mechanism": "gaussian", "unit": "party", "neighbours": "add/remove", "noise_multiplier": z_u,
           "n_parties": n, "n_active": t, "max_dropouts": n - t, "z_eff": z_u, "clip": layout.clip,
-          "max_weight": layout.max_weight, "epsilon": eps, "budget": sess.accountant.epsilon_budget}
+          "weights": "uniform", "sensitivity": layout.sensitivity, "metrics": "withheld",
+          "epsilon": eps, "budget": sess.accountant.epsilon_budget}
     return to_ring64(signed), dp

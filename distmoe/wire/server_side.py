@@ -190,15 +190,12 @@ class ServerGuard:
             raise WireError(f"outbound broadcast refused by the guard: {problem}")
         return codec.message_type_of(payload), content
 
-    def inbound(self, node: int, reply: RecordDict | str, expected: type, rnd: int | None, phase: str,
-                length: int | None = None) -> object:
+    def inbound(self, node: int, reply: RecordDict | codec.ErrorReply | str, expected: type, rnd: int | None,
+                phase: str, length: int | None = None) -> object:
         """The checked payload, or raise ``WireError`` with the reason (logged either way)."""
-        if isinstance(reply, str):  # an error reply (or no reply at all)
-            blob = reply.encode("utf-8")
-            if not reply.startswith("no reply"):
-                self.ledger.append(run=self.run_id, round=rnd, phase=phase, direction="in", payload_type="error",
-                                   keys=["error.reason"], shapes={}, bytes=len(blob),
-                                   sha256=hashlib.sha256(blob).hexdigest(), verdict="accepted", peer=self.peer(node))
+        if isinstance(reply, codec.ErrorReply):
+            raise WireError(self._error(node, reply, rnd, phase))
+        if isinstance(reply, str):  # no reply at all (the transport's note)
             raise WireError(reply)
         d = inspect.describe(reply, exclude=(codec.LEDGER_RECORD,))
         ptype = codec.payload_tag(reply)
@@ -238,6 +235,35 @@ class ServerGuard:
         elif getattr(payload, "party", None) and node not in self.names:
             self.names[node] = payload.party
         return payload
+
+    def _error(self, node: int, reply: codec.ErrorReply, rnd: int | None, phase: str) -> str:
+        """Check and log an error reply; returns the text the coordinator may log and print.
+
+        A party's guard sends printable ASCII of at most ``ERROR_TEXT_MAX`` characters with its ledger head
+        appended. Anything oversized (> ``ERROR_MAX_BYTES``) or not printable is rejected and its text is
+        not kept; an error without a head (Flower's own, e.g. a ClientApp process that died, or one raised
+        outside the party guard) is logged but its text is withheld: it never passed a canary scan."""
+        raw = reply.reason.encode("utf-8", "surrogatepass")
+        text, head = codec.split_error(reply.reason)
+        problem = None
+        if len(raw) > codec.ERROR_MAX_BYTES:
+            problem = f"error reply of {len(raw)} bytes exceeds {codec.ERROR_MAX_BYTES}"
+        elif head is not None and (len(text) > codec.ERROR_TEXT_MAX or codec.error_text(text) != text):
+            problem = "error text is not printable ASCII within the declared length"
+        blob = text.encode("utf-8", "surrogatepass")
+        peer = self.peer(node)
+        extra = {"anchor": {"node": peer, "seq": head[0], "hash": head[1]}} if head and problem is None else {}
+        if head is None and problem is None:
+            extra["info"] = {"anchored": False, "code": int(reply.code)}
+        self.ledger.append(run=self.run_id, round=rnd, phase=phase, direction="in", payload_type="error",
+                           keys=["error.reason"], shapes={}, bytes=len(raw), sha256=hashlib.sha256(blob).hexdigest(),
+                           verdict="accepted" if problem is None else f"rejected: {problem}", peer=peer, **extra)
+        if problem is not None:
+            return f"node {node}: error reply rejected by the server guard ({problem}); its text is not kept"
+        if head is None:
+            return (f"node {node} replied with an error (code {reply.code}) that did not pass its party guard; "
+                    f"{len(raw)} bytes of text withheld (see the party's own log)")
+        return f"node {node} replied with an error: {text}"
 
     @staticmethod
     def _semantic(payload: object, node: int, rnd: int | None, length: int | None) -> str | None:

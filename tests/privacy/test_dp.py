@@ -215,3 +215,61 @@ def test_normalize_rows_handles_negative_and_empty_rows():
     with pytest.warns(RuntimeWarning, match="uniform"):
         a = normalize_rows(noisy)
     assert np.allclose(a[0], [0.75, 0.0, 0.25]) and np.allclose(a[1], 1 / 3)
+
+
+# ------------------------------------------------------------------------------ mass-preserving rounding
+def test_mass_preserving_rounding_keeps_every_row_on_the_integer_simplex():
+    rng = np.random.default_rng(5)
+    m = np.concatenate([_per_seq(rng, 300, alpha=a) for a in (0.01, 0.3, 5.0)])  # [N, L, E]
+    for s in (32, 64, 100):
+        per = np.stack([encode_per_sequence(m[i:i + 1], s, rounding="mass-preserving") for i in range(0, 900, 7)])
+        assert (per >= 0).all() and (per.sum(-1) == s).all()  # every sequence's row sums to s exactly
+        assert np.abs(per - m[::7] * s).max() < 1.0  # and stays within one unit of s*m per entry
+        total = encode_per_sequence(m, s, rounding="mass-preserving")
+        assert (total.sum(-1) == len(m) * s).all()
+        d2, d1 = int_sensitivity(L, E, s, "mass-preserving")
+        assert d2 == pytest.approx(s * math.sqrt(L)) and d1 == s * L
+        assert np.sqrt((per.astype(float) ** 2).sum((1, 2))).max() <= d2 + 1e-9
+    # nearest-integer rounding per entry does not keep the row sums (why the audit needs this mode)
+    assert not (encode_per_sequence(m, 32).sum(-1) == len(m) * 32).all()
+    with pytest.raises(ValueError, match="integer scale"):
+        encode_per_sequence(m, 32.5, rounding="mass-preserving")
+
+
+def test_run_specs_use_mass_preserving_rounding_and_refuse_to_wrap_the_64_bit_ring():
+    from distmoe.config import parse_run_config
+    from distmoe.privacy.plan import stats_spec
+    from distmoe.privacy.vectors import StatsLayout
+
+    p = parse_run_config({"privacy.scale": 2**20, "privacy.num-sequences-max": 10**9, "privacy.delta": 1e-10,
+                          "federation.min-parties": 2}).privacy
+    spec = stats_spec(p, 1.0, 8, 8, 3, 2)  # 3 x 1e9 x 2^20 fits in 64 bits
+    assert spec.rounding == "mass-preserving" and spec.required_bits() <= 64
+    with pytest.raises(WrapError, match="> 64"):  # 10^4 parties x 10^9 sequences x 2^20 does not
+        stats_spec(p, 1.0, 8, 8, 10_000, 5_001)
+    big = SkellamSpec(8, 8, noise_multiplier=1.0, n_parties=10_000, num_sequences_max=10**9, scale=2**20)
+    with pytest.raises(WrapError):
+        StatsLayout(big)
+
+
+def test_default_canaries_detect_one_missing_noise_share_among_six_parties():
+    """With the default K, a party that skips its noise share in a 6-party round (threshold 4, so the
+    sum should carry 6/4 of the target variance) is caught at the audit's level in (almost) every round."""
+    from distmoe.audit.engine import ALPHA
+    from distmoe.config import parse_run_config
+    from distmoe.privacy.plan import threshold_for
+
+    k = parse_run_config({}).privacy.canaries
+    t = threshold_for(6, 2)
+    spec = SkellamSpec(L, E, noise_multiplier=0.7, n_parties=6, num_sequences_max=400, scale=64, n_canaries=k,
+                       max_dropouts=6 - t, rounding="mass-preserving")
+    bits = spec.required_bits()
+    sigma = spec.aggregate_sigma(6) / spec.scale
+    caught = honest_ok = 0
+    for seed in range(10):
+        _, _, honest, _ = _round(spec, [300] * 6, bits, seed=seed)
+        _, _, faulty, _ = _round(spec, [300] * 6, bits, skip_noise=(4,), seed=seed)
+        honest_ok += canary_chi2_test(honest, sigma, ALPHA).passed
+        caught += not canary_chi2_test(faulty, sigma, ALPHA).passed
+    assert honest_ok == 10
+    assert caught >= 9, f"default K = {k} caught {caught}/10 rounds with one noise share missing"

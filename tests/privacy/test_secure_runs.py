@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import tomllib
 import uuid
 from pathlib import Path
 
@@ -208,6 +209,23 @@ def test_client_that_skips_its_noise_share_fails_noise_presence(tmp_path, monkey
     assert result.verdict == "fail" and failed_checks(result) == {"noise-presence"}
 
 
+def test_audit_matches_each_party_canary_scan_to_its_own_list(honest, tmp_path):
+    """The party's outbound scans must have covered every canary string of its data (node files name the
+    party with ``party-name``)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(honest[0], run_dir)
+    assert audit_run(run_dir).verdict == "pass"
+    node_file = run_dir / "nodes" / "node-0.toml"
+    data = Path(tomllib.loads(node_file.read_text())["data-path"])
+    copy = run_dir / data.relative_to(honest[0])  # point the copied node file at the copied data
+    node_file.write_text(node_file.read_text().replace(json.dumps(str(data)), json.dumps(str(copy))))
+    with (copy / "canaries.txt").open("a") as fh:
+        fh.write("a canary the party never scanned for\n")
+    result = audit_run(run_dir)
+    (can,) = [c for c in result.checks if c.name == "canaries"]
+    assert can.status == "fail" and any("party-0 has 2" in f for f in can.findings)
+
+
 # --------------------------------------------------------------------------------------- ledgers
 def test_edited_party_ledger_fails_the_audit(honest, tmp_path):
     run_dir = tmp_path / "run"
@@ -354,6 +372,90 @@ def test_client_level_dp_on_updates_is_accounted_and_audited(tmp_path):
     coord.run()
     (upd,) = releases(run_dir, "model-update")
     assert upd["dp"]["unit"] == "party" and upd["dp"]["n_active"] == 3
+    # nothing data-dependent beside the noise: the weight sum is the party count, the metrics are withheld
+    assert upd["dp"]["weights"] == "uniform" and upd["dp"]["metrics"] == "withheld"
+    assert upd["info"]["weight_sum"] == pytest.approx(3.0)
+    assert upd["dp"]["sensitivity"] == pytest.approx(upd["dp"]["clip"])
     result = audit_run(run_dir)
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
     assert all(v["releases"] == 2 for v in result.epsilon.values())  # the update and the statistics
+
+
+def test_dp_update_with_data_dependent_weights_fails_the_audit(tmp_path, monkeypatch):
+    """A build that weights DP updates by dataset size again (the weight sum then leaves exact)."""
+    from distmoe.privacy.vectors import UpdateLayout
+
+    monkeypatch.setattr(UpdateLayout, "weight_of", lambda self, n: int(min(max(n, 0), self.max_weight)))
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith",
+                                                  "privacy.update-noise-multiplier": 5.0})
+    coord.run()
+    (upd,) = releases(run_dir, "model-update")
+    assert upd["info"]["weight_sum"] > 3
+    result = audit_run(run_dir)
+    assert result.verdict == "fail" and failed_checks(result) == {"epsilon"}
+    (eps,) = [c for c in result.checks if c.name == "epsilon"]
+    assert any("weight sum" in f for f in eps.findings)
+
+
+# ----------------------------------------------------------------------------------- error replies
+def _errors_of(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if json.loads(x).get("event") == "party_error"]
+
+
+def test_a_refusal_travels_as_guarded_text_anchored_in_the_coordinator_ledger(tmp_path):
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith"},
+                                       node_extra={"party-0": {"epsilon-max": 0.5}})
+    coord.run()
+    (err,) = [e for e in ledger(run_dir / "ledger" / "coordinator.jsonl")
+              if e["payload_type"] == "error" and e["peer"] == "party-0"]
+    assert err["verdict"] == "accepted" and err["anchor"]["node"] == "party-0"
+    sent = ledger(run_dir / "work" / "party-0" / "ledger" / "party-0.jsonl")[err["anchor"]["seq"]]
+    assert sent["payload_type"] == "error" and sent["sha256"] == err["sha256"] and sent["hash"] == err["anchor"]["hash"]
+    (reason,) = [e["reason"] for e in _errors_of(run_dir)]
+    assert "privacy budget" in reason and "ledger-head" not in reason
+    result = audit_run(run_dir)
+    assert result.verdict == "pass"
+    (cross,) = [c for c in result.checks if c.name == "cross-check"]
+    assert cross.status == "pass"
+
+
+def _replace_reply(monkeypatch, transport, node: int, mtype: str, reply):
+    real = transport._send
+
+    def send(out, timeout):
+        got = real(out, timeout)
+        if node in got and out[node][0] == mtype:
+            got[node] = reply
+        return got
+
+    monkeypatch.setattr(transport, "_send", send)
+
+
+@pytest.mark.parametrize("kind", ["oversized", "unanchored", "forged-head"])
+def test_error_text_that_did_not_pass_a_party_guard_is_not_kept(tmp_path, monkeypatch, kind):
+    """An error reply is the only free text a party sends: oversized or non-ASCII text (with a head) is
+    rejected, and text without a ledger head is logged by size and hash only; a canary in it never
+    reaches a file on the server side."""
+    coord, transport, run_dir, dirs, _ = make_run(tmp_path, {"schedule.phases": "stats:arith"})
+    canary = (dirs[1] / "canaries.txt").read_text().split()[0]
+    head = " [ledger-head 3 " + "ab" * 32 + "]"
+    text = {"oversized": "x" * 3000 + canary + head, "unanchored": f"ValueError: bad row {canary}",
+            "forged-head": f"bad row \u00e9 {canary}{head}"}[kind]
+    _replace_reply(monkeypatch, transport, 101, codec.MSG_STATS, codec.ErrorReply(text, 1))
+    coord.run()
+    (rel,) = releases(run_dir, "router-stats")
+    assert sorted(rel["info"]["included"]) == ["party-0", "party-2"]  # the round went on without it
+    (err,) = [e for e in ledger(run_dir / "ledger" / "coordinator.jsonl")
+              if e["payload_type"] == "error" and e["peer"] == "party-1"]
+    assert "anchor" not in err
+    if kind == "unanchored":
+        assert err["verdict"] == "accepted" and err["info"]["anchored"] is False
+    else:
+        assert err["verdict"].startswith("rejected")
+    (reason,) = [e["reason"] for e in _errors_of(run_dir)]
+    assert canary not in reason and ("withheld" in reason or "not kept" in reason)
+    result = audit_run(run_dir)
+    (can,) = [c for c in result.checks if c.name == "canaries"]
+    assert can.status == "pass", can.findings  # no server-side file holds the canary
+    assert ("no-blocked" in failed_checks(result)) == (kind != "unanchored")
