@@ -590,6 +590,17 @@ def _warnings(run: _Run) -> list[str]:
     return out + [""]
 
 
+def _anomalies(run: _Run) -> list[str]:
+    """Flagged aggregate metrics (non-finite, or beyond ``federation.anomaly-z`` rolling z-scores) and
+    rejected aggregates, from the run record and the metrics log."""
+    items = [a for a in run.record.get("anomalies") or [] if isinstance(a, dict)]
+    if not items:
+        return []
+    out = ["## Anomalies", ""]
+    out += [f"- round {a.get('round', '–')}: {str(a.get('detail', '')).strip()}" for a in items]
+    return out + [""]
+
+
 def _schedule(run: _Run) -> list[str]:
     sched = run.record.get("schedule") or []
     if isinstance(sched, str):
@@ -766,6 +777,7 @@ def write_report(run_dir: str | os.PathLike[str]) -> Path:
     md = [
         *_header(run),
         *_warnings(run),
+        *_anomalies(run),
         *_schedule(run),
         *_final_eval(run, tasks),
         *_routing(run),

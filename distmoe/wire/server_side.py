@@ -286,11 +286,11 @@ class ServerGuard:
         return None
 
     def log_release(self, *, rnd: int, phase: str, release: str, total: np.ndarray, dp: dict | None,
-                    info: dict) -> dict:
+                    info: dict, verdict: str = "accepted") -> dict:
         blob = np.ascontiguousarray(total).tobytes()
         return self.ledger.append(run=self.run_id, round=rnd, phase=phase, direction="in",
                                   payload_type=f"release:{release}", keys=[], shapes={"sum": [int(total.size)]},
-                                  bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest(), verdict="accepted",
+                                  bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest(), verdict=verdict[:500],
                                   peer="all", dp=dp, info={**info, "time": time.time()})
 
 

@@ -391,8 +391,11 @@ def test_dp_update_with_data_dependent_weights_fails_the_audit(tmp_path, monkeyp
     coord.run()
     (upd,) = releases(run_dir, "model-update")
     assert upd["info"]["weight_sum"] > 3
+    # the server refuses to apply a sum whose weight no honest private layout can produce ...
+    assert upd["info"]["applied"] is False and upd["verdict"].startswith("rejected: total weight")
+    # ... and the audit names both the uncovered release and the rejection
     result = audit_run(run_dir)
-    assert result.verdict == "fail" and failed_checks(result) == {"epsilon"}
+    assert result.verdict == "fail" and failed_checks(result) == {"epsilon", "no-blocked"}
     (eps,) = [c for c in result.checks if c.name == "epsilon"]
     assert any("weight sum" in f for f in eps.findings)
 

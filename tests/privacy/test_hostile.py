@@ -1,0 +1,178 @@
+"""Hostile or broken updates and anomalies (issue 5 item 6), on whole in-process runs: the server rejects
+what no honest party can produce, logs it in its ledger, leaves the global model untouched and goes on
+(or stops, as configured); anomalous aggregate losses are flagged in the run record and the report.
+
+Under secure aggregation the server cannot see one party's update, so a party that skips its own
+clipping is caught on the decoded sum (``distmoe.aggregate.aggregate_problem``); in plaintext mode the
+per-update norm-ratio screen applies (``divergent_updates``)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_secure_runs import failed_checks, make_run, releases
+
+from distmoe.aggregate import aggregate_problem, divergent_updates, eval_sum_problem, stats_sum_problem
+from distmoe.audit import audit_run
+from distmoe.coordinator import RunFailed
+from distmoe.privacy.vectors import UpdateLayout, from_ring64, to_ring64
+from distmoe.train import party as P
+from distmoe.wire import party_side
+from distmoe.wire.schema import ModelUpdate, SftInstruction
+
+
+# ------------------------------------------------------------------------------------------- units
+def test_norm_ratio_screen_rejects_only_the_outlier():
+    rng = np.random.default_rng(0)
+    ups = {n: {"w": rng.normal(0, 1, 50)} for n in (1, 2, 3, 4)}
+    ups[3] = {"w": ups[3]["w"] * 40}
+    bad = divergent_updates(ups, 10.0)
+    assert list(bad) == [3] and "round median" in bad[3] and "federation.max-norm-ratio" in bad[3]
+    assert divergent_updates(ups, 0.0) == {}  # off
+    assert divergent_updates({1: ups[1], 3: ups[3]}, 10.0) == {}  # no median of two
+
+
+def test_aggregate_bounds_hold_for_honest_sums_and_catch_broken_ones():
+    lay = UpdateLayout.build({"w": (4,)}, (), 3, clip=1.0, max_weight=10)
+    honest = {"w": np.array([0.5, -0.5, 0.5, 0.0])}
+    assert aggregate_problem(lay, honest, 25.0, 3) is None
+    assert "norm" in aggregate_problem(lay, {"w": np.array([3.0, 0, 0, 0])}, 25.0, 3)
+    assert "total weight" in aggregate_problem(lay, honest, 31.0, 3)
+    assert "not finite" in aggregate_problem(lay, {"w": np.array([np.nan, 0, 0, 0])}, 25.0, 3)
+    priv = UpdateLayout.build({"w": (4,)}, (), 3, clip=1.0, max_weight=10, private=True)
+    noisy = {"w": honest["w"] + np.random.default_rng(1).normal(0, 2.0 * math.sqrt(3 / 2) / 3, 4)}
+    assert aggregate_problem(priv, noisy, 3.0, 3, update_noise_multiplier=2.0, threshold=2) is None
+    assert "total weight" in aggregate_problem(priv, noisy, 4.0, 3, update_noise_multiplier=2.0, threshold=2)
+
+
+def test_stats_and_eval_sum_bounds():
+    ints = np.array([[300, 340], [320, 320]])  # rows 640 = N*s with N = 10, s = 64
+    assert stats_sum_problem(ints, 64, 3, 100, sigma_int=5.0) is None
+    assert "outside" in stats_sum_problem(np.array([[2**40, 0], [0, 0]]), 64, 3, 100, 5.0)
+    assert "rows differ" in stats_sum_problem(np.array([[300, 340], [900, 320]]), 64, 3, 100, 5.0)
+    assert eval_sum_problem({"n/a": 40.0, "acc/a": 0.5, "loss/b": math.nan}, 2, 100) is None
+    assert "count" in eval_sum_problem({"n/a": 1e9}, 2, 100)
+
+
+# --------------------------------------------------------------------------------- whole runs
+def _blow_up(monkeypatch, party: str, factor: float, clip: bool):
+    """``party`` returns a delta ``factor`` times too large; with ``clip=False`` it also skips the clipping
+    its honest layout would apply (a party that bypasses its own code, not its outbound guard)."""
+    real_sft, real_encode = P.run_sft, UpdateLayout.encode
+
+    def sft(cfg, node, instr):
+        upd = real_sft(cfg, node, instr)
+        if node.party != party:
+            return upd
+        return ModelUpdate(upd.party, {k: v * factor for k, v in upd.delta.items()}, upd.num_examples, upd.metrics)
+
+    def encode(self, delta, num_examples, metrics):
+        vec, facts = real_encode(self, delta, num_examples, metrics)
+        if clip:
+            return vec, facts
+        # the same fixed-point layout, but the delta block unclipped
+        flat = np.concatenate([np.asarray(delta[k], np.float64).ravel() for k, _ in self.shapes])
+        signed = from_ring64(vec).copy()
+        signed[:self.numel] = np.rint(flat * self.weight_of(num_examples) * 2.0**self.frac_bits).astype(np.int64)
+        return to_ring64(signed), facts
+
+    monkeypatch.setattr(P, "run_sft", sft)
+    monkeypatch.setitem(party_side._PLAIN_FN, SftInstruction, sft)  # the plaintext path's bound reference
+    monkeypatch.setattr(UpdateLayout, "encode", encode)
+
+
+def _weights_of(coord) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in coord.s.weights.items()}
+
+
+def test_unclipped_update_under_secagg_is_rejected_and_the_model_untouched(tmp_path, monkeypatch):
+    coord, _, run_dir, _, lines = make_run(tmp_path, {"schedule.phases": "sft:arith, eval",
+                                                      "privacy.update-clip": 1.0})
+    _blow_up(monkeypatch, "party-1", 1e4, clip=False)
+    before = {}
+    real_start = coord._start_wire
+
+    def start(nodes):
+        real_start(nodes)
+        before.update(_weights_of(coord))
+
+    coord._start_wire = start
+    coord.run()
+    (upd,) = releases(run_dir, "model-update")
+    assert upd["info"]["applied"] is False and upd["verdict"].startswith("rejected: average update norm")
+    for k, v in coord.s.weights.items():  # never touched by the rejected sum
+        assert torch.equal(v, before[k]), k
+    assert any("rejected" in x and "model-update" in x for x in lines)
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["status"] == "completed"  # the run went on: the eval round ran
+    assert len(releases(run_dir, "eval")) == 1
+    assert "no-blocked" in failed_checks(audit_run(run_dir))
+
+
+def test_rejected_round_stops_the_run_when_configured(tmp_path, monkeypatch):
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith, eval", "privacy.update-clip": 1.0,
+                                                  "federation.on-round-failure": "stop"})
+    _blow_up(monkeypatch, "party-1", 1e4, clip=False)
+    with pytest.raises(RunFailed, match="federation.on-round-failure"):
+        coord.run()
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["status"] == "failed" and "aggregate rejected" in rec["error"]
+    assert releases(run_dir, "eval") == []
+
+
+def test_too_many_dropouts_stop_the_run_when_configured(tmp_path):
+    coord, transport, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith, eval",
+                                                          "federation.on-round-failure": "stop"})
+    from distmoe.wire import codec
+
+    transport.drop = lambda mtype, node: mtype == codec.MSG_STATS and node in (101, 102)
+    with pytest.raises(RunFailed, match="no secure sum"):
+        coord.run()
+    assert releases(run_dir, "router-stats") == []
+
+
+def test_plaintext_outlier_update_is_rejected_by_the_norm_ratio(tmp_path, monkeypatch):
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith", "privacy.mode": "plaintext"})
+    _blow_up(monkeypatch, "party-2", 1e3, clip=True)
+    coord.run()
+    (upd,) = releases(run_dir, "model-update")
+    assert sorted(upd["info"]["included"]) == ["party-0", "party-1"]
+    assert "party-2" in upd["info"]["rejected"] and "round median" in upd["info"]["rejected"]["party-2"]
+    errors = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if json.loads(x).get("event") == "party_error"]
+    assert any(e["party"] == "party-2" and "max-norm-ratio" in e["reason"] for e in errors)
+
+
+def test_non_finite_aggregate_loss_is_flagged_in_record_and_report(tmp_path, monkeypatch):
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith"})
+    real = P.run_sft
+
+    def nan_loss(cfg, node, instr):
+        upd = real(cfg, node, instr)
+        return ModelUpdate(upd.party, upd.delta, upd.num_examples, {**upd.metrics, "loss": math.nan})
+
+    monkeypatch.setattr(P, "run_sft", nan_loss)
+    coord.run()
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["status"] == "completed"
+    assert any("non-finite" in a["detail"] and "loss" in a["detail"] for a in rec["anomalies"])
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(e.get("event") == "anomaly" for e in events)
+    from distmoe.report.report import write_report
+
+    md = write_report(run_dir).read_text()
+    assert "## Anomalies" in md and "non-finite" in md
+
+
+def test_loss_spike_beyond_the_rolling_z_score_is_flagged(tmp_path):
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"federation.anomaly-z": 4.0})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for v in (2.0, 1.9, 1.95, 1.85, 1.9):
+        assert coord._flag_anomalies("train", {"loss": v, "loss_last": v}) == []
+    found = coord._flag_anomalies("train", {"loss": 6.0, "loss_last": 1.8})
+    assert len(found) == 1 and "rolling standard deviations" in found[0] and "loss 6" in found[0]
+    assert json.loads((run_dir / "run.json").read_text())["anomalies"][0]["detail"] == found[0]
