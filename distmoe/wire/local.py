@@ -5,8 +5,10 @@ guard and ledger -> server guard), but the parties run in this process.
 Not a replacement for Flower's engines (the integration tests use those); it exists so that the
 coordinator's schedule, the secure aggregation and the fault cases can be tested in seconds. Faults
 are injected with ``down`` (nodes that never answer), ``drop(message_type, node) -> bool`` (a node
-that does not answer one stage: a dropout at that stage) and ``tamper(node, message_type, content)``
-(what a client that bypasses its own guard could send instead).
+that does not answer one stage: a dropout at that stage, before it did the work), ``late(message_type,
+node) -> bool`` (a straggler: the party does the work and its state moves on, but its reply arrives after
+the stage's timeout, so the server never sees it) and ``tamper(node, message_type, content)`` (what a
+client that bypasses its own guard could send instead).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ class LocalTransport(GuardedTransport):
         self.run_id = str(run_id)
         self.down: set[int] = set()
         self.drop: Callable[[str, int], bool] | None = None
+        self.late: Callable[[str, int], bool] | None = None
         self.tamper: Callable[[int, str, RecordDict], RecordDict] | None = None
         self.sent: dict[str, int] = {}  # message type -> messages delivered (for tests)
+        self.timeouts: dict[str, float] = {}  # message type -> the timeout its last exchange was given
 
     def node_ids(self) -> list[int]:
         return sorted(self.nodes)
@@ -37,6 +41,7 @@ class LocalTransport(GuardedTransport):
     def _send(self, out: dict[int, tuple[str, RecordDict]], timeout: float) -> dict[int, RecordDict | str]:
         got: dict[int, RecordDict | str] = {}
         for node, (mtype, content) in out.items():
+            self.timeouts[mtype] = timeout
             if node in self.down:
                 got[node] = "no reply (node down)"
                 continue
@@ -51,6 +56,9 @@ class LocalTransport(GuardedTransport):
                 continue
             except Exception as exc:  # as the ClientApp does: an error reply without text, the round goes on
                 got[node] = codec.ErrorReply(f"{type(exc).__name__} at the party (details in its own log)", 2)
+                continue
+            if self.late is not None and self.late(mtype, node):
+                got[node] = f"no reply within {timeout:.0f} s (straggler at {mtype}: its reply came too late)"
                 continue
             got[node] = self.tamper(node, mtype, reply) if self.tamper is not None else reply
         return got

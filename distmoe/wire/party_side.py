@@ -277,6 +277,7 @@ def _answer(mtype: str, instr, cfg: RunConfig, node: NodeConfig, node_id: int, r
         raise Refused(f"{mtype}: secure-aggregation messages in a plaintext-mode run")
     sess = PartySession(cfg, node, run)
     if isinstance(instr, SetupRequest):
+        _check_data(cfg, node)  # a party with broken data says so at its first contact, before any training
         advert = sess.setup(instr, node_id)
         return KeyAdvertReply(node.party, advert.c_pk, open_ledger(node).public_key_hex), None
     if isinstance(instr, DirectoryRequest):
@@ -284,6 +285,18 @@ def _answer(mtype: str, instr, cfg: RunConfig, node: NodeConfig, node_id: int, r
     if isinstance(instr, UnmaskRequestMsg):
         return UnmaskResponseMsg(sess.unmask(instr.request)), None
     return _secure_phase(instr, cfg, node, sess)
+
+
+def _check_data(cfg: RunConfig, node: NodeConfig) -> None:
+    """Validate every task file of this party (``DataError`` names file, line and field); the data
+    directory is shown as ``<data-path>`` so the reply does not carry the party's local path."""
+    from distmoe.data.formats import DataError
+
+    try:
+        P.load_data(cfg, node)
+    except DataError as exc:
+        text = str(exc).replace(str(node.data_path), "<data-path>")
+        raise Refused(f"party {node.party}: invalid data, not joining this run: {text}") from None
 
 
 def _secure_phase(si: SecureInstruction, cfg: RunConfig, node: NodeConfig, sess: PartySession):

@@ -176,3 +176,27 @@ def test_loss_spike_beyond_the_rolling_z_score_is_flagged(tmp_path):
     found = coord._flag_anomalies("train", {"loss": 6.0, "loss_last": 1.8})
     assert len(found) == 1 and "rolling standard deviations" in found[0] and "loss 6" in found[0]
     assert json.loads((run_dir / "run.json").read_text())["anomalies"][0]["detail"] == found[0]
+
+
+# ------------------------------------------------------------------------------------------ bad data
+@pytest.mark.parametrize("content,needle", [
+    ('{"instruction": "Compute", "input": "1+1", "output": "2"}\n{"instruction": "x", "output": 3}\n',
+     "arith.jsonl:2: field 'output': expected a string"),
+    ('{"messages": [{"role": "wizard", "content": "hi"}]}\n', "arith.jsonl:1: field 'messages[0].role'"),
+    ("not json at all\n", "arith.jsonl:1"),
+    ("", "arith.jsonl"),
+])
+def test_bad_party_data_is_refused_at_setup_naming_file_line_and_field(tmp_path, content, needle):
+    coord, _, run_dir, dirs, _ = make_run(tmp_path, {"schedule.phases": "sft:arith, eval",
+                                                     "federation.min-parties": 2})
+    (dirs[2] / "arith.jsonl").write_text(content)
+    coord.run()
+    errors = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if json.loads(x).get("event") == "party_error"]
+    (err,) = [e for e in errors if e["node"] == "102"]  # no party name yet: it never joined
+    assert err["phase_label"] == "setup" and "invalid data" in err["reason"] and needle in err["reason"]
+    assert str(dirs[2]) not in err["reason"]  # the party's local path stays local
+    p2 = [json.loads(x) for x in (run_dir / "work" / "party-2" / "ledger" / "party-2.jsonl").read_text().splitlines()]
+    assert not any(e["payload_type"].startswith("masked-input") for e in p2)  # never trained, never sent
+    (upd,) = releases(run_dir, "model-update")
+    assert sorted(upd["info"]["included"]) == ["party-0", "party-1"]

@@ -123,6 +123,15 @@ def test_numeric_coercions_that_are_allowed():
     ({"federation.wait-timeout": 0.5}, "federation.wait-timeout"),
     ({"checkpoint.keep": 0}, "checkpoint.keep"),
     ({"run.seed": -1}, "run.seed"),
+    # inconsistent combinations: one message naming the key, the value and what is allowed
+    ({"privacy.min-parties": 3, "federation.min-parties": 2}, "privacy.min-parties"),
+    ({"privacy.delta": 1e-3, "privacy.num-sequences-max": 10000}, "privacy.delta"),
+    ({"privacy.scale": 64.5}, "privacy.scale"),
+    ({"federation.on-round-failure": "retry"}, "federation.on-round-failure"),
+    ({"federation.max-norm-ratio": 0.5}, "federation.max-norm-ratio"),
+    ({"federation.setup-timeout": 0}, "federation.setup-timeout"),
+    ({"federation.unmask-timeout": 1e6}, "federation.unmask-timeout"),
+    ({"federation.anomaly-z": -1}, "federation.anomaly-z"),
 ])
 def test_out_of_range_names_the_key(overrides, key):
     _raises(overrides, f"'{key}'")
@@ -239,3 +248,16 @@ def test_node_config_simulation_node_files(tmp_path):
     assert n1.data_path == d1 and n1.party == "bob"
     with pytest.raises(ConfigError, match="node-5.toml"):
         parse_node_config({"partition-id": 5}, sim)
+
+
+def test_budget_exceeded_by_the_schedule_names_the_key():
+    """A given noise multiplier whose planned releases exceed privacy.epsilon is refused by the plan that
+    `distmoe config validate`, `distmoe simulate` and the coordinator compute before anything starts."""
+    from distmoe.privacy.plan import plan_privacy
+
+    cfg = parse_run_config({"privacy.noise-multiplier": 0.1, "privacy.epsilon": 1.0,
+                            "schedule.phases": "stats:arith, sft:arith, stats:arith"})
+    with pytest.raises(ConfigError) as ei:
+        plan_privacy(cfg.privacy, cfg.schedule)
+    msg = str(ei.value)
+    assert "'privacy.noise-multiplier'" in msg and "0.1" in msg and "privacy.epsilon = 1" in msg
