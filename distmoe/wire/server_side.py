@@ -52,7 +52,7 @@ from distmoe.wire.schema import (
 
 SLACK_BYTES = 4096  # names, scalar fields and per-message framing on top of the declared arrays
 PER_PEER_BYTES = 256  # one share envelope (id, nonce, ciphertext) or one share per peer, with margin
-STRUCTURAL = ("policy", "run-end", "ledger_head")  # ledger payload types that are not messages
+STRUCTURAL = ("policy", "run-end", "run-resume", "ledger_head")  # ledger payload types that are not messages
 
 
 # ------------------------------------------------------------------------------------------- policy
@@ -261,6 +261,9 @@ class ServerGuard:
         if problem is not None:
             return f"node {node}: error reply rejected by the server guard ({problem}); its text is not kept"
         if head is None:
+            flower = _flower_link_error(reply)
+            if flower is not None:  # written by the SuperLink itself (e.g. a dead node), not by the party
+                return f"node {node}: {flower}"
             return (f"node {node} replied with an error (code {reply.code}) that did not pass its party guard; "
                     f"{len(raw)} bytes of text withheld (see the party's own log)")
         return f"node {node} replied with an error: {text}"
@@ -292,6 +295,21 @@ class ServerGuard:
                                   payload_type=f"release:{release}", keys=[], shapes={"sum": [int(total.size)]},
                                   bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest(), verdict=verdict[:500],
                                   peer="all", dp=dp, info={**info, "time": time.time()})
+
+
+def _flower_link_error(reply: codec.ErrorReply) -> str | None:
+    """The text of an error the SuperLink itself writes for a message it cannot deliver (a node that
+    stopped sending heartbeats, an expired message), recognised by Flower's code *and* its exact text;
+    None for anything else (which may come from the party and is not kept)."""
+    if reply.code not in (3, 4, 5):  # flwr ErrorCode MESSAGE_/REPLY_MESSAGE_/NODE_UNAVAILABLE
+        return None
+    try:
+        from flwr.server.superlink.linkstate import utils as link
+    except ImportError:
+        return None
+    known = {link.MESSAGE_UNAVAILABLE_ERROR_REASON, link.REPLY_MESSAGE_UNAVAILABLE_ERROR_REASON,
+             link.NODE_UNAVAILABLE_ERROR_REASON}
+    return f"Flower: {reply.reason}" if reply.reason in known else None
 
 
 # ---------------------------------------------------------------------------------------- transport

@@ -497,3 +497,15 @@ def test_error_text_that_did_not_pass_a_party_guard_is_not_kept(tmp_path, monkey
     (can,) = [c for c in result.checks if c.name == "canaries"]
     assert can.status == "pass", can.findings  # no server-side file holds the canary
     assert ("no-blocked" in failed_checks(result)) == (kind != "unanchored")
+
+
+@pytest.mark.parametrize("code,kept", [(5, True), (1, False)])
+def test_the_superlinks_own_node_unavailable_error_is_kept_a_party_text_is_not(tmp_path, monkeypatch, code, kept):
+    from flwr.server.superlink.linkstate.utils import NODE_UNAVAILABLE_ERROR_REASON
+
+    coord, transport, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith"})
+    _replace_reply(monkeypatch, transport, 101, codec.MSG_STATS, codec.ErrorReply(NODE_UNAVAILABLE_ERROR_REASON, code))
+    coord.run()
+    (reason,) = [e["reason"] for e in _errors_of(run_dir)]
+    assert ("Node Unavailable" in reason) == kept and ("withheld" in reason) != kept
+    assert audit_run(run_dir).verdict == "pass"
