@@ -1,4 +1,4 @@
-"""The ``distmoe`` command: ``simulate | report | data | config``.
+"""The ``distmoe`` command: ``simulate | report | audit | credentials | deploy | data | config``.
 
 Every user error (a config key, a data file and line, a missing directory) is printed as one
 ``error: ...`` line and exits with status 2; a failed run exits with 1.
