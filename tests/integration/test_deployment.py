@@ -360,3 +360,58 @@ def test_unregistered_and_insecure_supernodes_refused(deployment: Deployment, tm
         + dep.diag()
     assert "Server disconnected without sending a response" in log, dep.diag()
     assert "SuperNode ID:" not in log, "the insecure SuperNode got a node ID" + dep.diag()
+
+
+@pytest.mark.slow
+def test_a_supernode_killed_mid_run_leaves_the_rounds_to_the_survivors(deployment: Deployment, tmp_path: Path):
+    """A data owner's SuperNode (with its ClientApp processes) is killed after the first round. The SuperLink
+    answers the messages to it with Flower's 'Node Unavailable' error once its heartbeats stop; the next
+    secure rounds complete over the two survivors (threshold 2), the run completes and the audit passes."""
+    dep = deployment
+    names = [f"party-{i}" for i in range(N_PARTIES)]
+    parties = write_synthetic(tmp_path / "data", N_PARTIES, 24, 0, canaries=1)
+    run_dir = tmp_path / "run"
+    creds, port, cli_home, ids = _federation(dep, tmp_path, names, register=names)
+    nodes = [_start_supernode(dep, tmp_path, creds, name, port, pdir)
+             for name, pdir in zip(names, parties, strict=True)]
+    _wait_online(dep, cli_home, set(ids.values()), [dep.procs[0], *nodes])
+
+    overrides = tmp_path / "overrides.toml"
+    overrides.write_text(to_toml({**OVERRIDES, "run.dir": str(run_dir), "federation.round-timeout": 180.0}))
+    t0 = time.monotonic()
+    cli = dep.start("flwr-run", [str(BIN / "flwr"), "run", str(REPO), CONN, "--stream",
+                                 "--run-config", str(overrides)], cli_home)
+    killed = False
+    while time.monotonic() - t0 < RUN_DEADLINE:
+        if not killed and (run_dir / "metrics.jsonl").exists() and any(
+                json.loads(x).get("event") == "stats" for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+                if x.strip()):
+            os.killpg(nodes[2].pid, 9)  # the SuperNode and every ClientApp process it started
+            killed = time.monotonic() - t0
+        if _record(run_dir).get("status") in ("completed", "failed"):
+            break
+        if cli.poll() is not None and cli.returncode != 0:
+            break
+        time.sleep(0.5)
+    rec = _record(run_dir)
+    msg = dep.diag()
+    assert killed, "the first round never completed" + msg
+    assert rec.get("status") == "completed", f"run {rec.get('status')!r}: {rec.get('error')!r}" + msg
+
+    coord = [json.loads(x) for x in (run_dir / "ledger" / "coordinator.jsonl").read_text().splitlines() if x]
+    rel = {e["payload_type"]: e for e in coord if e["payload_type"].startswith("release:")}
+    assert sorted(rel["release:router-stats"]["info"]["included"]) == names  # before the kill
+    for kind in ("release:model-update", "release:eval"):  # after it: the survivors
+        assert sorted(rel[kind]["info"]["included"]) == names[:2], (kind, rel[kind]["info"]) + (msg,)
+    errors = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if x and json.loads(x).get("event") == "party_error"]
+    assert errors and all(e["party"] == "party-2" for e in errors), errors
+    assert any("Node Unavailable" in e["reason"] or "no reply" in e["reason"] for e in errors), errors
+
+    from distmoe.audit import audit_run
+
+    ledgers = sorted(tmp_path.glob("data/.party-*-work/ledger/*.jsonl"))
+    canary_file = tmp_path / "auditor-canaries.txt"
+    canary_file.write_text("".join((p / "canaries.txt").read_text() for p in parties))
+    result = audit_run(run_dir, party_ledgers=ledgers, canaries=canary_file)
+    assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
