@@ -200,3 +200,52 @@ def test_bad_party_data_is_refused_at_setup_naming_file_line_and_field(tmp_path,
     assert not any(e["payload_type"].startswith("masked-input") for e in p2)  # never trained, never sent
     (upd,) = releases(run_dir, "model-update")
     assert sorted(upd["info"]["included"]) == ["party-0", "party-1"]
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "wrong-shape", "wrong-dtype", "trailing-bytes", "oversized"])
+def test_broken_plaintext_update_is_rejected_logged_and_never_applied(tmp_path, kind):
+    """Plaintext mode (the baseline): a party that bypasses its guard sends a broken update; the server
+    rejects it (guard or update check), logs it, aggregates the others and goes on."""
+    from flwr.app import Array
+
+    from distmoe.wire import codec
+
+    coord, transport, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith, eval",
+                                                          "privacy.mode": "plaintext"})
+
+    def tamper(node, mtype, rd):
+        if node != 102 or mtype != codec.MSG_SFT:
+            return rd
+        rec = rd.array_records["arrays"]
+        name = sorted(rec.keys())[0]
+        a = rec[name].numpy().copy()
+        if kind == "nan":
+            a.flat[0] = np.nan
+            rec[name] = Array(a)
+        elif kind == "inf":
+            a.flat[-1] = np.inf
+            rec[name] = Array(a)
+        elif kind == "wrong-shape":
+            rec[name] = Array(a.reshape(-1)[:-1].copy())
+        elif kind == "wrong-dtype":
+            rec[name] = Array(a.astype(np.float64))
+        elif kind == "trailing-bytes":
+            rec[name] = Array(dtype=rec[name].dtype, shape=rec[name].shape, stype=rec[name].stype,
+                              data=rec[name].data + b"x" * 64)
+        elif kind == "oversized":
+            rec["extra"] = Array(np.zeros(8_000_000, np.float32))
+        return rd
+
+    transport.tamper = tamper
+    coord.run()
+    (upd,) = releases(run_dir, "model-update")
+    assert sorted(upd["info"]["included"]) == ["party-0", "party-1"]
+    errors = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if json.loads(x).get("event") == "party_error"]
+    assert any(e["node"] == "102" for e in errors)
+    coordl = [json.loads(x) for x in (run_dir / "ledger" / "coordinator.jsonl").read_text().splitlines() if x]
+    bad = [e for e in coordl if e["direction"] == "in" and e["peer"] in ("party-2", "node-102")
+           and e["payload_type"] == "model-update"]
+    assert bad and bad[0]["verdict"].startswith("rejected"), [(e["peer"], e["payload_type"], e["verdict"])
+                                                              for e in coordl if e["direction"] == "in"]
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"

@@ -157,7 +157,8 @@ def test_leaky_client_is_blocked_client_side_and_fails_the_audit(tmp_path, monke
     assert result.verdict == "fail" and "no-blocked" in failed_checks(result)
 
 
-@pytest.mark.parametrize("kind", ["trailing-bytes", "extra-record", "shape-lie", "raw-update"])
+@pytest.mark.parametrize("kind", ["trailing-bytes", "extra-record", "shape-lie", "raw-update", "wrong-dtype",
+                                  "oversized"])
 def test_client_bypassing_its_guard_is_rejected_server_side(tmp_path, kind):
     """What a modified client could send without its guard: the server guard rejects it."""
     coord, transport, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith, eval"})
@@ -176,6 +177,12 @@ def test_client_bypassing_its_guard_is_rejected_server_side(tmp_path, kind):
             rd.array_records["masked_y"]["y"] = Array(a[:-1].copy())
         elif kind == "raw-update":  # a plaintext update instead of a masked vector
             rd["arrays"] = ArrayRecord({"w": Array(np.ones((64, 64), np.float32))})
+        elif kind == "wrong-dtype":  # the same numbers as float64: twice the bytes, the wrong type
+            a = rd.array_records["masked_y"]["y"].numpy()
+            rd.array_records["masked_y"]["y"] = Array(a.astype(np.float64))
+        elif kind == "oversized":  # a second vector the size of the first beside it
+            a = rd.array_records["masked_y"]["y"].numpy()
+            rd.array_records["masked_y"]["y2"] = Array(np.concatenate([a, a]))
         return rd
 
     transport.tamper = tamper
@@ -367,8 +374,8 @@ def test_server_stops_before_a_release_over_budget(tmp_path, monkeypatch):
 
     real = rounds.SecureRounds.setup
 
-    def tight(self, nodes, max_length):
-        real(self, nodes, max_length)
+    def tight(self, nodes, max_length, **kw):
+        real(self, nodes, max_length, **kw)
         self.accountants = {k: Accountant(self.cfg.privacy.delta, 0.05) for k in self.accountants}
 
     monkeypatch.setattr(rounds.SecureRounds, "setup", tight)
