@@ -7,6 +7,15 @@ weights). A checkpoint is written into a hidden temporary directory, every file 
 renamed into place, and ``checkpoints/LATEST`` is replaced atomically: a crash never leaves a
 half-written checkpoint under a real name. ``verify_checkpoint`` recomputes the hashes.
 
+Resume state: a checkpoint may also hold ``state.json`` (the coordinator's state at that round
+boundary: schedule position, tasks, anchor version and file hash, last evaluation, ...) and extra
+tensor files (``ref.safetensors``: the reference weights for retention), all in the manifest. The model
+and the state of one round therefore stand or fall together: falling back to an older checkpoint falls
+back both consistently. ``resumable`` picks the newest checkpoint that verifies; each newer one that does
+not (truncated, corrupted, no manifest) is moved aside to ``corrupt-round-<n>-<time>`` with a warning
+(kept for inspection, never used), and leftover ``.tmp-round-*`` directories of an interrupted write are
+removed.
+
 Must not: decide when to checkpoint (the ServerApp does) or read party data.
 """
 
@@ -58,7 +67,10 @@ def _export_model(model: nn.Module, tokenizer, out: Path) -> None:
 
 def save_checkpoint(root: Path, round_num: int, model: nn.Module, tokenizer,
                     trainable: dict[str, torch.Tensor], trainable_hash: str, meta: dict | None = None,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, state: dict | None = None,
+                    tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """Write ``round-<round_num>`` atomically; ``state`` (JSON) and ``tensors`` (name -> tensors, each
+    written as ``<name>.safetensors``) travel inside it, covered by the manifest."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"round-{round_num}"
     tmp = root / f".tmp-round-{round_num}-{os.getpid()}"
@@ -66,6 +78,12 @@ def save_checkpoint(root: Path, round_num: int, model: nn.Module, tokenizer,
     tmp.mkdir()
     try:
         save_file({k: v.contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
+        for name, group in (tensors or {}).items():
+            if name in ("trainable", "manifest", "state") or not name.isidentifier():
+                raise ValueError(f"checkpoint tensor file name {name!r} is reserved or not an identifier")
+            save_file({k: v.contiguous() for k, v in group.items()}, str(tmp / f"{name}.safetensors"))
+        if state is not None:
+            (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True, allow_nan=False))
         _export_model(model, tokenizer, tmp / "model")
         files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"round": round_num, "time": time.time(), "trainable_hash": trainable_hash,
@@ -85,8 +103,17 @@ def save_checkpoint(root: Path, round_num: int, model: nn.Module, tokenizer,
     return final
 
 
+def _round_dirs(root: Path) -> list[tuple[int, Path]]:
+    out = []
+    for p in root.glob("round-*"):
+        tail = p.name[len("round-"):]
+        if p.is_dir() and tail.isdigit():
+            out.append((int(tail), p))
+    return sorted(out)
+
+
 def _prune(root: Path, keep: int) -> None:
-    rounds = sorted((int(p.name.split("-")[1]), p) for p in root.glob("round-*") if p.is_dir())
+    rounds = _round_dirs(root)
     for _, p in rounds[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
 
@@ -120,3 +147,47 @@ def latest(root: Path) -> Path | None:
         return None
     target = root / p.read_text().strip()
     return target if target.exists() else None
+
+
+def load_checkpoint(path: Path
+                    ) -> tuple[dict, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict | None]:
+    """Verify, then return ``(manifest, trainable, extra tensor files by name, state or None)``."""
+    manifest = verify_checkpoint(path)
+    trainable = load_file(str(path / "trainable.safetensors"))
+    extra = {rel[:-len(".safetensors")]: load_file(str(path / rel)) for rel in manifest.get("files", {})
+             if rel.endswith(".safetensors") and "/" not in rel and rel != "trainable.safetensors"}
+    state = None
+    if "state.json" in manifest.get("files", {}):
+        try:
+            state = json.loads((path / "state.json").read_text())
+        except json.JSONDecodeError as exc:  # unreachable after a hash match, unless written corrupt
+            raise CheckpointError(f"{path / 'state.json'}: unreadable: {exc}") from None
+    return manifest, trainable, extra, state
+
+
+def resumable(root: Path, *, require_state: bool = True) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under ``root`` that verifies (and holds ``state.json`` when
+    ``require_state``), and the warnings about each newer one that did not (moved aside, see the
+    module docstring) and about leftovers of an interrupted write (removed)."""
+    warnings: list[str] = []
+    if not root.is_dir():
+        return None, warnings
+    for tmp in sorted(root.glob(".tmp-round-*")):
+        shutil.rmtree(tmp, ignore_errors=True)
+        warnings.append(f"{tmp.name}: an interrupted checkpoint write (never completed) was removed")
+    (root / ".LATEST.tmp").unlink(missing_ok=True)
+    for rnd, path in reversed(_round_dirs(root)):
+        try:
+            manifest = verify_checkpoint(path)
+            if require_state and "state.json" not in manifest.get("files", {}):
+                raise CheckpointError(f"{path}: no state.json (written by a distmoe without resume support)")
+            if manifest.get("round") != rnd:
+                raise CheckpointError(f"{path}: the manifest says round {manifest.get('round')!r}")
+        except CheckpointError as exc:
+            aside = root / f"corrupt-round-{rnd}-{int(time.time())}"
+            os.replace(path, aside)
+            warnings.append(f"checkpoint round {rnd} is unusable ({exc}); moved aside to {aside.name}, "
+                            "falling back to the previous checkpoint")
+            continue
+        return path, warnings
+    return None, warnings

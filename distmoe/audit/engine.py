@@ -51,7 +51,7 @@ COORDINATOR = "coordinator"
 ALPHA = 1e-4  # noise-presence
 ROW_SUM_ALPHA = 1e-6  # row-sums (two-sided)
 REL_TOL = 1e-6  # agreement between a recomputed number and the one the ledger claims
-STRUCTURAL = ("policy", "run-end", "ledger_head")
+STRUCTURAL = ("policy", "run-end", "run-resume", "ledger_head")
 RELEASE_TYPES = ("release:router-stats", "release:model-update", "release:rl-update", "release:eval")
 PLAINTEXT_TYPES = ("model-update", "router-stats", "eval-reply")  # unmasked arrays (plaintext mode only)
 HEAD_KEYS = {"node", "seq", "hash"}
@@ -413,6 +413,10 @@ def _check_allow_list(run: _Run) -> Check:
             if pt == "run-end":
                 if keys:
                     c.fail(f"{w}: run-end entry declares keys {keys}")
+                continue
+            if pt == "run-resume":  # a restarted coordinator continuing the chain (docs/operations.md)
+                if lf is not run.coord or keys or shapes or e.get("direction") != "out":
+                    c.fail(f"{w}: a run-resume entry outside the coordinator's ledger, or declaring keys/shapes")
                 continue
             if pt == "ledger_head":
                 if set(keys) - HEAD_KEYS or not isinstance(e.get("anchor"), dict):

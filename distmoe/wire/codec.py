@@ -435,15 +435,29 @@ def _enc_setup(p: SetupRequest) -> RecordDict:
     return RecordDict({"meta": ConfigRecord({
         "payload": "setup-request", "secagg_run": p.secagg_run, "threshold": int(p.threshold),
         "max_length": int(p.max_length), "n_invited": int(p.n_invited),
-        "noise_multiplier": float(p.noise_multiplier), "update_noise_multiplier": float(p.update_noise_multiplier)})})
+        "noise_multiplier": float(p.noise_multiplier), "update_noise_multiplier": float(p.update_noise_multiplier),
+        "logical_run": _logical_run(p.logical_run, "setup-request"), "epoch": _epoch(p.epoch, "setup-request")})})
+
+
+def _logical_run(value, tag: str) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]{0,128}", value):
+        raise WireError(f"{tag}: logical_run must be up to 128 of [A-Za-z0-9_.:-], got {str(value)[:40]!r}")
+    return value
+
+
+def _epoch(value, tag: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1_000_000:
+        raise WireError(f"{tag}: epoch must be an int in [0, 1e6), got {value!r}")
+    return value
 
 
 def _dec_setup(content, meta, tag) -> SetupRequest:
     _expect_records(content, {"meta"}, set(), tag)
     _exact_keys(meta, {"payload", "secagg_run", "threshold", "max_length", "n_invited", "noise_multiplier",
-                       "update_noise_multiplier"}, tag)
+                       "update_noise_multiplier", "logical_run", "epoch"}, tag)
     return SetupRequest(bytes(meta["secagg_run"]), int(meta["threshold"]), int(meta["max_length"]),
-                        int(meta["n_invited"]), float(meta["noise_multiplier"]), float(meta["update_noise_multiplier"]))
+                        int(meta["n_invited"]), float(meta["noise_multiplier"]), float(meta["update_noise_multiplier"]),
+                        _logical_run(meta["logical_run"], tag), _epoch(meta["epoch"], tag))
 
 
 def _enc_advert(p: KeyAdvertReply) -> RecordDict:

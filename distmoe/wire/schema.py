@@ -118,6 +118,11 @@ class SetupRequest:
     n_invited: int
     noise_multiplier: float  # router statistics
     update_noise_multiplier: float
+    # the logical run (the coordinator's run id, the same across a resume, which may come with a new
+    # Flower run id) and the setup epoch (0 at the start, k after the k-th resume): a party keys its
+    # privacy accountant by the logical run, so a resumed run never starts a fresh budget
+    logical_run: str = ""
+    epoch: int = 0
 
 
 @dataclass(frozen=True)

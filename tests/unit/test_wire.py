@@ -98,7 +98,7 @@ def _secure_payloads() -> list:
     req = sa.UnmaskRequest(1, (5, 6), (7,))
     resp = sa.UnmaskResponse(5, 1, ((5, bytes(66)), (6, bytes(range(66)))), ((7, bytes([1]) * 66),))
     return [
-        SetupRequest(params.run_id, 2, 10, 3, 1.5, 0.0),
+        SetupRequest(params.run_id, 2, 10, 3, 1.5, 0.0, "20261201-141100-ab12", 2),
         KeyAdvertReply("party-0", adverts[0].c_pk, "ab" * 32),
         DirectoryRequest(directory, 1, ((5, "a"), (6, "b"), (7, "c"))),
         ShareKeysReply(keys[0]),
@@ -327,3 +327,24 @@ def test_rl_update_metric_keys_are_checked():
         encode(ModelUpdate(party="p", delta=W, num_examples=2, metrics=METRICS, kind="rl"))
     with pytest.raises(WireError, match="unknown update kind"):
         encode(ModelUpdate(party="p", delta=W, num_examples=2, metrics=METRICS, kind="dpo"))
+
+
+def test_setup_request_declares_logical_run_and_epoch():
+    """The resume fields travel exactly (a party keys its accountant by them) and are validated both ways."""
+    from distmoe.wire.schema import SetupRequest
+
+    req = SetupRequest(bytes(16), 2, 10, 3, 1.5, 0.0, "sec-1a2b.c:d", 3)
+    back = decode(encode(req), SetupRequest)
+    assert back == req and back.logical_run == "sec-1a2b.c:d" and back.epoch == 3
+    for bad in (SetupRequest(bytes(16), 2, 10, 3, 1.5, 0.0, "a/../b", 0),
+                SetupRequest(bytes(16), 2, 10, 3, 1.5, 0.0, "x" * 129, 0),
+                SetupRequest(bytes(16), 2, 10, 3, 1.5, 0.0, "r", -1)):
+        with pytest.raises(WireError, match="logical_run|epoch"):
+            encode(bad)
+    content = encode(req)
+    content["meta"]["logical_run"] = "a b"  # a hostile sender: refused on decode too
+    with pytest.raises(WireError, match="logical_run"):
+        decode(content, SetupRequest)
+    del content["meta"]["logical_run"]
+    with pytest.raises(WireError, match="fields"):
+        decode(content, SetupRequest)
