@@ -24,6 +24,7 @@ from functools import lru_cache
 from distmoe.config import ConfigError, PrivacyConfig, ScheduleConfig
 from distmoe.privacy.accountant import PrivacyEvent, epsilon_from_events, noise_multiplier_for
 from distmoe.privacy.dp import SkellamSpec
+from distmoe.privacy.secagg.graph import graph_threshold
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,12 @@ def plan_privacy(p: PrivacyConfig, schedule: ScheduleConfig) -> PrivacyPlan:
     return _plan(p, schedule)
 
 
-def threshold_for(n_parties: int, min_parties: int) -> int:
-    """SecAgg threshold: a strict majority (so two disjoint sets cannot both reconstruct) and at least
-    ``privacy.min-parties`` (every release is a sum over at least that many parties)."""
-    return max(int(min_parties), n_parties // 2 + 1, 2)
+def threshold_for(n_parties: int, min_parties: int, graph: str = "complete") -> int:
+    """SecAgg threshold: a strict majority of each party's share holders (so two disjoint sets cannot both
+    reconstruct; all n parties with the complete graph, k + 1 with ``privacy.secagg-graph = "harary"``, see
+    ``secagg.graph.graph_threshold``) and at least ``privacy.min-parties`` (every release is a sum over at
+    least that many parties)."""
+    return graph_threshold(graph, n_parties, min_parties)
 
 
 def stats_spec(p: PrivacyConfig, noise_multiplier: float, layers: int, experts: int, n_parties: int,

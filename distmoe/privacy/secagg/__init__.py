@@ -42,9 +42,14 @@ same on the server) save and restore a state machine as a checksummed canonical-
 because a Flower SuperNode runs each message in a new process. A client blob is secret material: it
 stays in the party's own node state or work directory and is saved before each reply is sent.
 
+Peer graph: complete (Bonawitz et al.) by default; ``privacy.secagg-graph = "harary"`` selects the SecAgg+
+sparse graph of Bell et al. 2020 (``graph.peer_graph``: a Harary graph over a public permutation keyed by
+the run id, degree from ``graph.harary_degree``, threshold per neighbourhood). With its default bounds
+it equals the complete graph up to 25 parties (``bench/scale.py``, ``docs/results.md``).
+
 Not covered yet (semi-honest server plus client-side checks): key authentication (signatures on
-c_pk/s_pk from the node identity), the consistency-check round of the paper, a SecAgg+ sparse graph
-(``graph.PeerGraph`` is the hook), bit-packing of y below 32 bits.
+c_pk/s_pk from the node identity), the consistency-check round of the paper, bit-packing of y below
+32 bits.
 
 Example, 3 of 4 clients survive, t = 3:
 
@@ -85,7 +90,17 @@ from distmoe.privacy.secagg.errors import (
     UnknownClient,
     WrapAroundError,
 )
-from distmoe.privacy.secagg.graph import PeerGraph, complete_graph
+from distmoe.privacy.secagg.graph import (
+    GRAPHS,
+    PeerGraph,
+    check_graph,
+    complete_graph,
+    graph_degree,
+    graph_threshold,
+    harary_degree,
+    harary_graph,
+    peer_graph,
+)
 from distmoe.privacy.secagg.local import LocalFederation
 from distmoe.privacy.secagg.messages import (
     AggregateResult,
@@ -103,12 +118,13 @@ from distmoe.privacy.secagg.messages import (
 from distmoe.privacy.secagg.server import SecAggServer
 
 __all__ = [
-    "AggregateResult", "AlreadyDead", "BelowThreshold", "BothSharesRequested", "DuplicateClient",
+    "GRAPHS", "AggregateResult", "AlreadyDead", "BelowThreshold", "BothSharesRequested", "DuplicateClient",
     "EncryptedShares", "InconsistentLists", "InsecureThreshold", "KeyAdvert", "KeyDirectory", "KeySubstitution",
     "ListedAsDead", "LocalFederation", "MaskedInput", "PeerGraph", "Phase", "ProtocolViolation",
     "ReconstructionFailed", "RepeatedRequest", "RepeatedUnmask", "RoundStart", "SecAggAbort", "SecAggClient",
     "SecAggParams", "SecAggServer", "ShareKeys", "StateCorrupt", "StateError", "StateMismatch",
     "TamperedShare", "TooFewSurvivors", "UnknownClient",
-    "UnmaskRequest", "UnmaskResponse", "WrapAroundError", "check_no_wrap", "complete_graph", "decode_sum",
-    "encode_fixed", "payload_bytes", "required_bits", "to_ring", "to_signed",
+    "UnmaskRequest", "UnmaskResponse", "WrapAroundError", "check_graph", "check_no_wrap", "complete_graph",
+    "decode_sum", "encode_fixed", "graph_degree", "graph_threshold", "harary_degree", "harary_graph", "payload_bytes",
+    "peer_graph", "required_bits", "to_ring", "to_signed",
 ]
