@@ -44,7 +44,7 @@ def cmd_simulate(args) -> int:
     opts = SimOptions(overrides=overrides, parties=args.parties,
                       data=Path(args.data) if args.data else None, run_id=args.run_id,
                       runs_dir=Path(args.runs_dir), port=args.port, timeout=args.timeout,
-                      report=not args.no_report)
+                      report=not args.no_report, resume=Path(args.resume) if args.resume else None)
     code, _ = run(opts)
     return code
 
@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="local SuperLink port (default: a free port)")
     s.add_argument("--timeout", type=float, default=3600.0, help="overall time limit in seconds")
     s.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    s.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue an interrupted run from its last good checkpoint (docs/operations.md)")
     s.set_defaults(fn=cmd_simulate)
 
     r = sub.add_parser("report", help="write the Markdown report with plots for a run")

@@ -35,6 +35,7 @@ DEFAULTS: dict[str, Scalar] = {
     "run.seed": 0,
     "run.dir": "",  # where the ServerApp writes the run; "" = ./runs/<flower-run-id>
     "run.name": "",
+    "run.resume": "",  # a run directory to resume (docs/operations.md "Resume"); "" = a new run
     # model
     "model.path": "",  # local HF checkpoint directory; "" = the tiny default Qwen3-MoE
     "model.trainable": "all",  # all | router+experts | lora
@@ -99,7 +100,12 @@ DEFAULTS: dict[str, Scalar] = {
     # federation
     "federation.min-parties": 2,
     "federation.wait-timeout": 180.0,
-    "federation.round-timeout": 900.0,
+    "federation.round-timeout": 900.0,  # the training stage of a round: instruction out, (masked) reply in
+    "federation.setup-timeout": 300.0,  # secure-aggregation setup exchanges (a ClientApp's first start is slow)
+    "federation.unmask-timeout": 120.0,  # the unmask exchange of a secure round (no training in it)
+    "federation.on-round-failure": "skip",  # a round that releases nothing: "skip" it and go on, or "stop" the run
+    "federation.max-norm-ratio": 10.0,  # plaintext mode: reject updates with norm > ratio x the round median (0 = off)
+    "federation.anomaly-z": 4.0,  # flag aggregate losses beyond this rolling z-score (0 = off)
     # privacy plane (docs/privacy.md): secure aggregation of every reply, distributed DP on router statistics
     "privacy.mode": "secagg",  # secagg | plaintext (benchmark baseline only: warns, and the audit fails it)
     "privacy.epsilon": 8.0,  # per-party budget for the whole run (unit: one sequence, add/remove)
@@ -108,6 +114,7 @@ DEFAULTS: dict[str, Scalar] = {
     "privacy.scale": 64.0,  # integer encoding scale s of router statistics (>= 32)
     "privacy.canaries": 2048,  # K known-zero noise-canary coordinates per router-statistics release
     "privacy.min-parties": 2,  # fewest parties any release may be aggregated over (also the SecAgg threshold floor)
+    "privacy.secagg-graph": "complete",  # complete (Bonawitz et al.) | harary (SecAgg+ sparse graph, Bell et al. 2020)
     "privacy.num-sequences-max": 10000,  # public bound on a party's sequences (bit width, delta <= 1/N)
     "privacy.update-clip": 10.0,  # L2 bound on a model update (clipped; fixes the fixed-point range)
     "privacy.max-weight": 1024,  # an update's aggregation weight is min(examples, max-weight), summed masked
@@ -141,6 +148,7 @@ class RunSection:
     seed: int
     dir: str
     name: str
+    resume: str  # "" or the run directory to continue (checked by the coordinator, which holds it)
 
 
 @dataclass(frozen=True)
@@ -254,9 +262,16 @@ class FederationConfig:
     min_parties: int
     wait_timeout: float
     round_timeout: float
+    setup_timeout: float = 300.0
+    unmask_timeout: float = 120.0
+    on_round_failure: str = "skip"
+    max_norm_ratio: float = 10.0
+    anomaly_z: float = 4.0
 
 
 PRIVACY_MODES = ("secagg", "plaintext")
+SECAGG_GRAPHS = ("complete", "harary")  # == distmoe.privacy.secagg.GRAPHS (a test keeps them equal)
+ROUND_FAILURE_POLICIES = ("skip", "stop")
 
 
 @dataclass(frozen=True)
@@ -274,6 +289,7 @@ class PrivacyConfig:
     update_noise_multiplier: float
     dp_sgd: bool
     dp_sgd_noise_multiplier: float
+    secagg_graph: str = "complete"  # the SecAgg peer graph (distmoe.privacy.secagg.graph.peer_graph)
 
     @property
     def secure(self) -> bool:
@@ -430,7 +446,12 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
 
     seed = g("run.seed", int)
     _range("run.seed", seed, 0)
-    run = RunSection(seed=seed, dir=g("run.dir", str), name=g("run.name", str))
+    resume = g("run.resume", str)
+    if resume != resume.strip() or "\n" in resume:
+        raise ConfigError(f"config key 'run.resume': value {resume!r} must be a run directory path "
+                          "(no surrounding whitespace) or \"\" for a new run")
+    # only the type here: parties parse this config too, and the directory exists at the coordinator only
+    run = RunSection(seed=seed, dir=g("run.dir", str), name=g("run.name", str), resume=resume)
 
     trainable = g("model.trainable", str)
     _choice("model.trainable", trainable, TRAINABLE_MODES)
@@ -495,10 +516,21 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
 
     fed = FederationConfig(min_parties=g("federation.min-parties", int),
                            wait_timeout=g("federation.wait-timeout", float),
-                           round_timeout=g("federation.round-timeout", float))
+                           round_timeout=g("federation.round-timeout", float),
+                           setup_timeout=g("federation.setup-timeout", float),
+                           unmask_timeout=g("federation.unmask-timeout", float),
+                           on_round_failure=g("federation.on-round-failure", str),
+                           max_norm_ratio=g("federation.max-norm-ratio", float),
+                           anomaly_z=g("federation.anomaly-z", float))
     _range("federation.min-parties", fed.min_parties, 1)
     _range("federation.wait-timeout", fed.wait_timeout, 1.0)
-    _range("federation.round-timeout", fed.round_timeout, 1.0)
+    for key, v in (("federation.round-timeout", fed.round_timeout), ("federation.setup-timeout", fed.setup_timeout),
+                   ("federation.unmask-timeout", fed.unmask_timeout)):
+        _range(key, v, 1.0, 86400.0)
+    _choice("federation.on-round-failure", fed.on_round_failure, ROUND_FAILURE_POLICIES)
+    if fed.max_norm_ratio != 0.0:
+        _range("federation.max-norm-ratio", fed.max_norm_ratio, 1.0, 1e6, lo_open=True)
+    _range("federation.anomaly-z", fed.anomaly_z, 0.0, 1000.0)
 
     privacy = _parse_privacy(g, fed)
 
@@ -523,7 +555,9 @@ def _parse_privacy(g, fed: FederationConfig) -> PrivacyConfig:
         canaries=g("privacy.canaries", int), min_parties=g("privacy.min-parties", int),
         num_sequences_max=g("privacy.num-sequences-max", int), update_clip=g("privacy.update-clip", float),
         max_weight=g("privacy.max-weight", int), update_noise_multiplier=g("privacy.update-noise-multiplier", float),
-        dp_sgd=g("privacy.dp-sgd", bool), dp_sgd_noise_multiplier=g("privacy.dp-sgd-noise-multiplier", float))
+        dp_sgd=g("privacy.dp-sgd", bool), dp_sgd_noise_multiplier=g("privacy.dp-sgd-noise-multiplier", float),
+        secagg_graph=g("privacy.secagg-graph", str))
+    _choice("privacy.secagg-graph", p.secagg_graph, SECAGG_GRAPHS)
     _range("privacy.epsilon", p.epsilon, 0.0, 1000.0, lo_open=True)
     _range("privacy.delta", p.delta, 0.0, 0.1, lo_open=True)
     _range("privacy.noise-multiplier", p.noise_multiplier, 0.0, 1e6)

@@ -10,6 +10,12 @@ simulation process and Ray) carries a per-run token in its environment and is st
 the end, whatever happened. Progress lines (``distmoe | ...``) are shown; the full Flower log is
 kept in ``runs/<id>/flower.log``. The exit status is 0 only if the run record says ``completed``.
 
+``--resume RUN_DIR`` (``SimOptions.resume``) continues an interrupted run in its own directory: the same
+party data, node files and ``overrides.toml``, plus any new overrides, with ``run.resume`` set. It is
+refused before Flower starts when the run already completed or a key that matters changed
+(``distmoe.coordinator.check_resumable``); ``--parties``, ``--data`` and ``--run-id`` come from the run
+and may not be given. The Flower log is appended to, after a ``resume`` marker line.
+
 Must not: import ``flwr`` (it drives the ``flwr`` command like a user would).
 """
 
@@ -30,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from distmoe.config import ConfigError, parse_run_config, to_toml
+from distmoe.config import ConfigError, load_override_file, parse_run_config, to_toml
 from distmoe.data.formats import DataError
 from distmoe.data.party import load_party
 
@@ -54,6 +60,7 @@ class SimOptions:
     report: bool = True
     echo: bool = True
     cpus_per_party: int = 1
+    resume: Path | None = None  # an interrupted run directory to continue
 
 
 def app_dir() -> Path:
@@ -132,6 +139,9 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     """Validate, create the run directory, data and node files; return (run_dir, party_dirs, overrides)."""
     overrides = dict(opts.overrides)
     cfg = parse_run_config(overrides)  # fail before anything is created
+    from distmoe.privacy.plan import plan_privacy
+
+    plan_privacy(cfg.privacy, cfg.schedule)  # the budget must cover the schedule's releases (ConfigError)
     run_id = opts.run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
     run_dir = (opts.runs_dir / run_id).resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -178,6 +188,44 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     return run_dir, parties, overrides
 
 
+def prepare_resume(opts: SimOptions) -> tuple[Path, list[Path], dict]:
+    """The interrupted run's directory, party directories and overrides (+ new ones, + ``run.resume``),
+    after checking that it may resume; nothing is written before the checks pass."""
+    import tomllib
+
+    run_dir = Path(opts.resume).resolve()
+    given = [flag for flag, v in (("--parties", opts.parties), ("--data", opts.data), ("--run-id", opts.run_id))
+             if v is not None]
+    if given:
+        raise SimulationError(f"--resume {opts.resume}: {', '.join(given)} come from the run being resumed")
+    ov_path = run_dir / "overrides.toml"
+    if not ov_path.is_file():
+        raise SimulationError(f"--resume {opts.resume}: {ov_path} not found: not a `distmoe simulate` run directory")
+    try:
+        overrides = load_override_file(ov_path)
+    except ConfigError as exc:
+        raise SimulationError(f"--resume {opts.resume}: {exc}") from None
+    overrides = {**overrides, **opts.overrides, "run.resume": str(run_dir), "run.dir": str(run_dir)}
+    cfg = parse_run_config(overrides)
+    from distmoe.coordinator import RunFailed, check_resumable
+
+    try:
+        check_resumable(run_dir, cfg)
+    except RunFailed as exc:
+        raise SimulationError(f"--resume {opts.resume}: {exc}") from None
+    node_files = sorted((run_dir / "nodes").glob("node-*.toml"))
+    if not node_files:
+        raise SimulationError(f"--resume {opts.resume}: no node files in {run_dir / 'nodes'}")
+    parties = []
+    for nf in node_files:
+        try:
+            parties.append(Path(tomllib.loads(nf.read_text())["data-path"]))
+        except (OSError, KeyError, tomllib.TOMLDecodeError) as exc:
+            raise SimulationError(f"--resume {opts.resume}: node file {nf} is unreadable: {exc}") from None
+    (run_dir / "overrides.resume.toml").write_text(to_toml(overrides))
+    return run_dir, parties, overrides
+
+
 def _env(run_dir: Path, port: int, token: str, threads: int) -> tuple[dict, Path | None]:
     env = dict(os.environ)
     for k in [k for k in env if k.startswith(("FLWR_", "RAY_"))]:
@@ -217,25 +265,28 @@ def _read_record(run_dir: Path) -> dict:
 
 def run(opts: SimOptions) -> tuple[int, Path]:
     """Run one simulation; returns (exit status, run directory)."""
-    run_dir, parties, overrides = prepare(opts)
+    run_dir, parties, overrides = prepare_resume(opts) if opts.resume is not None else prepare(opts)
     cfg = parse_run_config(overrides)
+    overrides_file = run_dir / ("overrides.resume.toml" if opts.resume is not None else "overrides.toml")
     port = opts.port or free_port()
     token = secrets.token_hex(8)
     env, short_ray = _env(run_dir, port, token, cfg.train.threads)
     n = len(parties)
     cmd = [_flwr_bin(), "run", str(app_dir()), "local", "--stream",
            "--federation-config", f"num-supernodes={n} client-resources-num-cpus={opts.cpus_per_party}",
-           "--run-config", str(run_dir / "overrides.toml")]
+           "--run-config", str(overrides_file)]
     say = (lambda s: print(s, flush=True)) if opts.echo else (lambda s: None)
-    say(f"distmoe simulate: run {run_dir.name} | {n} parties ({', '.join(p.name for p in parties)}) | "
-        f"schedule {cfg.schedule.total_rounds} rounds | SuperLink port {port}")
+    say(f"distmoe simulate: {'resuming ' if opts.resume is not None else ''}run {run_dir.name} | {n} parties "
+        f"({', '.join(p.name for p in parties)}) | schedule {cfg.schedule.total_rounds} rounds | SuperLink port {port}")
     say(f"  run directory: {run_dir}")
     log_path = run_dir / "flower.log"
     t0 = time.monotonic()
     status = "failed"
     timed_out = False
     try:
-        with log_path.open("w") as log:
+        with log_path.open("a" if opts.resume is not None else "w") as log:
+            if opts.resume is not None:
+                log.write(f"---- distmoe simulate --resume {run_dir} at {time.strftime('%Y-%m-%d %H:%M:%S')} ----\n")
             proc = subprocess.Popen(cmd, env=env, cwd=str(run_dir), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
                                     start_new_session=True)

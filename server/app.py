@@ -2,6 +2,9 @@
 Flower's ``Grid`` with its own round loop (``send_and_receive`` with a timeout) rather than a
 stock strategy, since a round carries several records and phases of different kinds.
 
+``run.resume = "<run dir>"`` continues an interrupted run in that directory (new Flower run id, same
+logical run: ``distmoe.coordinator``), e.g. ``flwr run . <federation> --run-config "run.resume='runs/42'"``.
+
 Must not: load party data or build records by hand (only ``distmoe.wire.codec`` does).
 """
 
@@ -48,6 +51,9 @@ class GridTransport(GuardedTransport):
 def main(grid: Grid, context: Context) -> None:
     cfg = parse_run_config(context.run_config)
     run_id = str(context.run_id)
-    run_dir = Path(cfg.run.dir) if cfg.run.dir else Path("runs") / run_id
+    if cfg.run.resume:  # continue an interrupted run there (docs/operations.md, Resume)
+        run_dir = Path(cfg.run.resume)
+    else:
+        run_dir = Path(cfg.run.dir) if cfg.run.dir else Path("runs") / run_id
     coord = Coordinator(cfg, run_dir, GridTransport(grid), run_id, log=lambda s: log(logging.INFO, s))
     coord.run()

@@ -16,6 +16,12 @@ roster (the parties that completed setup) and names, the server's per-party acco
 A round that cannot complete (below the threshold at any stage, a corrupt share) releases nothing
 and the model or anchor stays unchanged; the next round starts from whoever shared keys for it.
 
+Resume: a restarted coordinator calls ``restore_accountants`` (the accountants in ``ledger.json`` are
+the latest ones and are never rolled back, even when the model falls back to an older checkpoint:
+privacy spent stays spent), then ``setup`` again with fresh SecAgg keys, ``first_round`` = the next
+round and the setup ``epoch`` of this resume; the ``SetupRequest`` names the logical run so that each
+party continues its own accountant (``distmoe.privacy.session``).
+
 Must not: see any individual input, import ``flwr``, or read party data.
 """
 
@@ -77,14 +83,31 @@ class SecureRounds:
         return self.transport.guard.peer(node)
 
     # ------------------------------------------------------------------ setup
-    def setup(self, nodes: list[int], max_length: int) -> None:
-        p, timeout = self.cfg.privacy, self.cfg.federation.round_timeout
-        t = threshold_for(len(nodes), p.min_parties)
+    def restore_accountants(self) -> dict[str, Accountant]:
+        """Load the per-party accountants of an interrupted run from ``ledger.json`` (before ``setup``)."""
+        import json
+
+        path = self.dir / "ledger.json"
+        if not path.exists():
+            raise PrivacyStop(f"{path} is missing: the privacy spent before the restart is unknown, so the run "
+                              "cannot resume (it never resets an accountant)")
+        try:
+            d = json.loads(path.read_text())
+            self.accountants = {str(k): Accountant.from_state_dict(v) for k, v in d["parties"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise PrivacyStop(f"{path} is unreadable ({type(exc).__name__}: {exc}): the privacy spent before the "
+                              "restart is unknown, so the run cannot resume") from None
+        return self.accountants
+
+    def setup(self, nodes: list[int], max_length: int, *, first_round: int = 1, logical_run: str = "",
+              epoch: int = 0) -> None:
+        p, timeout = self.cfg.privacy, self.cfg.federation.setup_timeout
+        t = threshold_for(len(nodes), p.min_parties, p.secagg_graph)
         params = sa.SecAggParams(os.urandom(16), t, 64, max_length)
-        self.server = sa.SecAggServer(params)
+        self.server = sa.SecAggServer(params, peers=sa.peer_graph(p.secagg_graph, params.run_id, len(nodes)))
         self.threshold = t
         req = SetupRequest(params.run_id, t, max_length, len(nodes), self.plan.noise_multiplier,
-                           self.plan.update_noise_multiplier)
+                           self.plan.update_noise_multiplier, logical_run, epoch)
         replies, errors = self.transport.exchange({n: req for n in nodes}, KeyAdvertReply, timeout, rnd=0,
                                                   phase="setup")
         self.report_errors("setup", errors)
@@ -96,7 +119,7 @@ class SecureRounds:
                               f"answered; threshold t = {t})") from None
         roster = self.server.roster
         names = tuple((n, self.name(n)) for n in roster)
-        replies, errors = self.transport.exchange({n: DirectoryRequest(directory, 1, names) for n in roster},
+        replies, errors = self.transport.exchange({n: DirectoryRequest(directory, first_round, names) for n in roster},
                                                   ShareKeysReply, timeout, rnd=0, phase="setup")
         self.report_errors("setup", errors)
         self.server.add_share_keys([r.keys for r in replies.values()])
@@ -106,7 +129,8 @@ class SecureRounds:
         self._save()
         left = sorted(set(nodes) - set(roster))
         self.say(f"secure aggregation: {len(roster)} parties in the run, threshold t = {t}, "
-                 f"{len(replies)} shared keys for round 1" + (f"; left out (no key advert): {left}" if left else ""))
+                 f"{len(replies)} shared keys for round {first_round}"
+                 + (f"; left out (no key advert): {left}" if left else ""))
 
     def _save(self) -> None:
         write_text_atomic(self.dir / "secagg-server.state", self.server.to_state())
@@ -161,7 +185,8 @@ class SecureRounds:
                                       f"{acc.primary_epsilon():.3f}, after {acc.epsilon_after(ev):.3f}); the sum "
                                       "was not unmasked and the run stops here")
         replies, errors = self.transport.exchange({n: UnmaskRequestMsg(request) for n in request.alive},
-                                                  UnmaskResponseMsg, timeout, rnd=rnd, phase=phase)
+                                                  UnmaskResponseMsg, self.cfg.federation.unmask_timeout, rnd=rnd,
+                                                  phase=phase)
         self.report_errors(f"{phase} unmask", errors)
         try:
             res = self.server.finish(rnd, [r.response for r in replies.values()])

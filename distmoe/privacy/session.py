@@ -2,8 +2,9 @@
 public parameters it agreed to, persisted in the party's own work directory between messages.
 
 Owns: ``<work-dir>/secagg/<party>-<run>.state`` (the SecAgg client state machine: SECRET, mode 0600),
-``<work-dir>/privacy/<party>-<run>.json`` (the setup facts, the party's own noise multipliers and its
-accountant), the party's ledger signing key (node config ``ledger-key``, else
+``<work-dir>/privacy/<party>-<run>.json`` (the setup facts and the party's own noise multipliers, per
+Flower run id ``<run>``), ``<work-dir>/privacy/<party>-<logical>.accountant.json`` (the party's
+accountant, per *logical* run: see "Resume" below), the party's ledger signing key (node config ``ledger-key``, else
 ``<work-dir>/keys/<party>-ledger.key``), and the checks a party
 makes before anything of its data is released: the noise it uses is the larger of its own plan and the
 server's (a server can only tighten it), its budget is ``min(privacy.epsilon, node epsilon-max)``, a
@@ -15,6 +16,17 @@ the SecAgg state, and only then is the reply returned to be sent. A crash in bet
 over-count a release or make the party refuse a stage it already started; it can never let a stage be
 answered twice.
 
+Resume (``docs/operations.md``): a coordinator that restarts with ``run.resume`` runs a fresh setup (new
+SecAgg keys) and may come with a new Flower run id. Its ``SetupRequest`` declares the logical run (the
+coordinator's run id, unchanged across resumes) and the setup epoch (0, then 1, 2, ... per resume). The
+accountant is keyed by the logical run, so whatever this party released before the restart stays
+charged; a setup for an epoch not above the one this session already agreed to is refused, and a new
+epoch replaces the SecAgg keys (the old session's secret state file is removed). A restarted party
+needs no cleanup: all its state is in these files, written atomically. Trust assumption
+(honest-but-curious server): the server names the logical run; a server that lied about it (a fresh
+name for a continued run) could restart the party's budget count. A party that must not rely on that
+sets a node ``epsilon-max`` over all runs it joins or runs one logical run per federation.
+
 Must not: import ``flwr``, read another party's directory, or send anything itself.
 """
 
@@ -24,6 +36,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from distmoe.config import NodeConfig, RunConfig
 from distmoe.privacy import secagg as sa
@@ -78,6 +91,9 @@ class _Facts:
     budget: float
     roster: list[int]
     names: dict[str, str]  # node id -> party name
+    logical_run: str = ""  # "" in files from before resume support: the Flower run id
+    epoch: int = 0
+    n_invited: int = 0  # parties the server invited: fixes the SecAgg peer graph's degree (privacy.secagg-graph)
 
 
 class PartySession:
@@ -92,11 +108,21 @@ class PartySession:
         if self.facts_path.exists():
             self._load()
 
+    def accountant_path(self, logical_run: str) -> Path:
+        return self.node.work_dir / "privacy" / f"{self.node.party}-{_safe(logical_run)}.accountant.json"
+
     # ------------------------------------------------------------------ persistence
     @property
     def params(self) -> sa.SecAggParams:
         f = self._need()
         return sa.SecAggParams(bytes.fromhex(f.secagg_run), f.threshold, 64, f.max_length)
+
+    @property
+    def peers(self) -> sa.PeerGraph:
+        """The SecAgg peer graph from public facts only (the coordinator derives the same one): this party's
+        ``privacy.secagg-graph``, the SecAgg run id and the number of invited parties."""
+        f = self._need()
+        return sa.peer_graph(self.cfg.privacy.secagg_graph, bytes.fromhex(f.secagg_run), f.n_invited)
 
     def _need(self) -> _Facts:
         if self.facts is None:
@@ -108,18 +134,45 @@ class PartySession:
         try:
             d = json.loads(self.facts_path.read_text())
             self.facts = _Facts(**d["facts"])
-            self.accountant = Accountant.from_state_dict(d["accountant"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise SessionError(f"party {self.node.party}: privacy session file {self.facts_path} is unreadable "
                                f"({type(exc).__name__}: {exc})") from None
+        self.accountant = self._load_accountant(self.facts.logical_run or self.run_id)
+        if self.accountant is None:
+            raise SessionError(f"party {self.node.party}: the accountant of run "
+                               f"{self.facts.logical_run or self.run_id} "
+                               f"({self.accountant_path(self.facts.logical_run or self.run_id)}) is missing")
         if self.state_path.exists():
             self.client = sa.SecAggClient.from_state(self.params, self.state_path.read_bytes(),
-                                                     cid=self.facts.node_id)
+                                                     cid=self.facts.node_id, peers=self.peers)
+
+    def _load_accountant(self, logical_run: str) -> Accountant | None:
+        path = self.accountant_path(logical_run)
+        if not path.exists():
+            return None
+        try:
+            d = json.loads(path.read_text())
+            return Accountant.from_state_dict(d["accountant"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SessionError(f"party {self.node.party}: privacy accountant file {path} is unreadable "
+                               f"({type(exc).__name__}: {exc}); it is never reset silently") from None
 
     def save(self) -> None:
-        """Accountant and facts first, then the SecAgg state: both before the reply leaves."""
+        """Accountant first, then the facts, then the SecAgg state: all before the reply leaves."""
         f = self._need()
-        write_json_atomic(self.facts_path, {"facts": f.__dict__, "accountant": self.accountant.state_dict()})
+        logical = f.logical_run or self.run_id
+        path = self.accountant_path(logical)
+        sessions = []
+        if path.exists():
+            try:
+                sessions = list(json.loads(path.read_text()).get("sessions", []))
+            except (OSError, ValueError, AttributeError):
+                sessions = []
+        if self.run_id not in sessions:
+            sessions.append(self.run_id)
+        write_json_atomic(path, {"logical_run": logical, "sessions": sessions,
+                                 "accountant": self.accountant.state_dict()})
+        write_json_atomic(self.facts_path, {"facts": f.__dict__})
         if self.client is not None:
             self.state_path.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.state_path, self.client.to_state())
@@ -127,10 +180,17 @@ class PartySession:
 
     # ------------------------------------------------------------------ setup
     def setup(self, req, node_id: int):
-        """SetupRequest -> (KeyAdvert, ledger public key hex)."""
+        """SetupRequest -> (KeyAdvert, ledger public key hex). A resumed run's setup (a higher epoch of the
+        same logical run) replaces the SecAgg keys and keeps the accountant (module docstring)."""
+        logical = str(getattr(req, "logical_run", "") or self.run_id)
+        epoch = int(getattr(req, "epoch", 0))
         if self.facts is not None:
-            raise SessionError(f"party {self.node.party}: a second setup request for run {self.run_id} (refused: "
-                               "keys are agreed once per run)")
+            same = (self.facts.logical_run or self.run_id) == logical
+            if not same or epoch <= self.facts.epoch:
+                raise SessionError(f"party {self.node.party}: a second setup request for run {self.run_id} (logical "
+                                   f"run {logical}, epoch {epoch}; this session agreed to epoch {self.facts.epoch} "
+                                   f"of {self.facts.logical_run or self.run_id}): refused, keys are agreed once per "
+                                   "run and epoch")
         p = self.cfg.privacy
         own = plan_privacy(p, self.cfg.schedule)
         z = max(own.noise_multiplier, float(req.noise_multiplier))
@@ -141,14 +201,41 @@ class PartySession:
         if req.threshold < p.min_parties:
             raise SessionError(f"party {self.node.party}: the server's SecAgg threshold {req.threshold} is below "
                                f"privacy.min-parties = {p.min_parties}")
+        carried = self._load_accountant(logical)  # spent stays spent: a resumed run continues the same count
+        if carried is not None:
+            if carried.delta != p.delta:
+                raise SessionError(f"party {self.node.party}: run {logical} was accounted at delta {carried.delta:g}, "
+                                   f"this config says privacy.delta = {p.delta:g}: refused")
+            budget = min(budget, carried.epsilon_budget)
         self.facts = _Facts(node_id=int(node_id), secagg_run=bytes(req.secagg_run).hex(), threshold=int(req.threshold),
                             max_length=int(req.max_length), noise_multiplier=z, update_noise_multiplier=z_upd,
-                            budget=budget, roster=[], names={})
-        self.accountant = Accountant(p.delta, budget)
-        self.client = sa.SecAggClient(self.params, int(node_id))
+                            budget=budget, roster=[], names={}, logical_run=logical, epoch=epoch,
+                            n_invited=int(req.n_invited))
+        if carried is not None:
+            carried.epsilon_budget = budget
+            self.accountant = carried
+        else:
+            self.accountant = Accountant(p.delta, budget)
+        self._drop_old_sessions(logical)
+        self.client = sa.SecAggClient(self.params, int(node_id), peers=self.peers)
         advert = self.client.advertise()
         self.save()
         return advert
+
+    def _drop_old_sessions(self, logical: str) -> None:
+        """Remove the secret SecAgg state of this logical run's earlier sessions (earlier Flower run ids):
+        a new setup epoch replaced those keys, and nothing may answer for them again."""
+        path = self.accountant_path(logical)
+        if not path.exists():
+            return
+        try:
+            sessions = json.loads(path.read_text()).get("sessions", [])
+        except (OSError, ValueError, AttributeError):
+            return
+        for old in sessions:
+            if str(old) != self.run_id:
+                stale = self.node.work_dir / "secagg" / f"{self.node.party}-{_safe(str(old))}.state"
+                stale.unlink(missing_ok=True)
 
     def directory(self, req) -> sa.ShareKeys:
         f = self._need()

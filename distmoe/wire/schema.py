@@ -27,7 +27,7 @@ TRAIN_METRIC_KEYS = ("loss", "task_loss", "aux_loss", "anchor_kl", "loss_first",
 # an rl update's metrics: these plus route_disagree_l<i> for each MoE layer i
 RL_METRIC_KEYS = ("reward", "reward_first", "reward_last", "masked_frac_low", "masked_frac_high", "seq_masked_frac",
                   "logp_diff_mean", "logp_diff_max", "k3", "clip_frac", "masked_entropy", "steps", "skipped_steps",
-                  "time_s")
+                  "time_s", "replay_override_frac", "logp_diff_mean_native")  # the last two: rl.routing-replay
 RL_SIM_METRIC_KEYS = ("sim_r2", "sim_auroc", "sim_fallback", "sim_masked_frac")  # only with rl.simulator
 EVAL_TASK_KEYS = ("acc", "loss", "n")
 EVAL_ROUTING_KEYS = ("routing_kl", "load_cv", "top1_consistency")

@@ -160,14 +160,14 @@ def test_eval_events_accuracy_and_retention(full_run):
 def test_checkpoints(full_run, tmp_path):
     run_dir, cfg = full_run["dir"], full_run["cfg"]
     root = run_dir / "checkpoints"
-    final_round, prev_round = 5, 2  # checkpoints after rounds 0, 1, 2, 5 (the sft rounds); keep = 2
+    final_round, prev_round = 6, 5  # every completed round ends with a checkpoint (the resume point); keep = 2
     assert (root / "LATEST").read_text().strip() == f"round-{final_round}"
     ck = latest(root)
     assert ck == root / f"round-{final_round}" and ck.is_dir()
     manifest = verify_checkpoint(ck)
     assert manifest["round"] == final_round
     rounds = sorted(p.name for p in root.iterdir() if p.is_dir())
-    assert rounds == ["round-2", "round-5"]  # only checkpoint.keep round dirs, no temporary dirs
+    assert rounds == ["round-5", "round-6"]  # only checkpoint.keep round dirs, no temporary dirs
     assert sorted(p.name for p in root.iterdir() if p.is_file()) == ["LATEST"]
     final = load_file(str(ck / "trainable.safetensors"))
     assert manifest["trainable_hash"] == hash_tensors({k: torch.from_numpy(v) for k, v in final.items()})
@@ -178,7 +178,8 @@ def test_checkpoints(full_run, tmp_path):
     assert any(not np.array_equal(init[k], final[k]) for k in init)
     verify_checkpoint(root / f"round-{prev_round}")
     prev = load_file(str(root / f"round-{prev_round}" / "trainable.safetensors"))
-    assert any(not np.array_equal(prev[k], final[k]) for k in prev)
+    assert all(np.array_equal(prev[k], final[k]) for k in prev)  # the final eval round leaves the model as is
+    assert json.loads((ck / "state.json").read_text())["round"] == final_round
     # the exported model loads with model.path and carries exactly the checkpointed weights
     loaded, tok = build_model(cfg.model, model_path=str(ck / "model"))
     loaded_state = trainable_state(apply_trainable(loaded, cfg.model))
@@ -314,7 +315,7 @@ def test_run_with_partial_trainable_modes(synth_dirs, make_cfg, tmp_path, mode):
     agg = next(e for e in _events(run_dir, "train") if e["party"] == "all")
     assert agg["parties"] == 2
     ck = latest(run_dir / "checkpoints")
-    assert ck.name == "round-1"
+    assert ck.name == "round-2"  # the stats round ends with a checkpoint too (same model, new anchor)
     verify_checkpoint(ck)
     final = load_file(str(ck / "trainable.safetensors"))
     model0 = apply_trainable(build_model(cfg.model)[0], cfg.model)

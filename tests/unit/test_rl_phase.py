@@ -82,7 +82,7 @@ def test_rl_phase_round_trip(synth_dirs, tmp_path: Path):
     if no_signal:
         assert not moved
     ck = run_dir / "checkpoints"
-    assert (ck / "round-2").is_dir() and (ck / "LATEST").read_text().strip() == "round-3"
+    assert (ck / "round-2").is_dir() and (ck / "LATEST").read_text().strip() == "round-4"  # every round ends saved
     report = write_report(run_dir)
     assert "RL rounds" in report.read_text() and (run_dir / "report" / "rl.png").exists()
 
@@ -101,3 +101,18 @@ def test_rl_phase_with_the_inference_simulator(synth_dirs, tmp_path: Path):
     assert len(rl) == 2
     for e in rl:  # the simulator's diagnostics travel with the update, and fallbacks are counted
         assert "sim_r2" in e and "sim_fallback" in e and 0.0 <= e["sim_fallback"] <= 1.0
+
+
+def test_rl_phase_with_routing_replay_reports_it_through_the_secure_sum(synth_dirs, tmp_path: Path):
+    cfg = parse_run_config({**TINY, "schedule.phases": "sft:lookup, rl:lookup*1", "schedule.sft-rounds": 1,
+                            "train.local-steps": 4, "rl.steps": 2, "rl.prompts-per-step": 4, "rl.group-size": 2,
+                            "rl.max-new-tokens": 4, "rl.engine": "prune-1", "rl.routing-replay": True,
+                            "federation.min-parties": 2})
+    nodes = {i: NodeConfig(party=d.name, data_path=d, work_dir=tmp_path / "w", model_path="")
+             for i, d in enumerate(synth_dirs)}
+    Coordinator(cfg, tmp_path / "run", LocalTransport(cfg, nodes), "replay", log=lambda s: None).run()
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (agg,) = [e for e in events if e["event"] == "rl" and e["party"] == "all"]
+    # the trainer replays the engine's experts: its log-probs match the engine's far better than natively
+    assert 0.0 <= agg["replay_override_frac"] <= 1.0
+    assert agg["logp_diff_mean"] < agg["logp_diff_mean_native"]
