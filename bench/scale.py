@@ -55,9 +55,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 import torch
+from secagg import TimedCoordinator  # bench/secagg.py (this folder is on sys.path when run as a script)
 
 from distmoe.config import parse_node_config, parse_run_config
-from distmoe.coordinator import Coordinator
 from distmoe.data.synth import write_synthetic
 from distmoe.model.build import build_model
 from distmoe.model.trainable import apply_trainable, spec_of
@@ -180,33 +180,6 @@ class StageTransport(LocalTransport):
             got.update(super()._send({node: item}, timeout))
             self.serve_s[item[0]].append(time.perf_counter() - t)
         return got
-
-
-class TimedCoordinator(Coordinator):
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.round_s: dict[int, float] = {}
-        self.start_wire_s = 0.0
-
-    def _timed(self, fn, *a):
-        t = time.perf_counter()
-        out = fn(*a)
-        self.round_s[self.s.round] = time.perf_counter() - t
-        return out
-
-    def _start_wire(self, nodes):
-        t = time.perf_counter()
-        super()._start_wire(nodes)
-        self.start_wire_s = time.perf_counter() - t
-
-    def _sft_round(self, pi, phase):
-        return self._timed(super()._sft_round, pi, phase)
-
-    def _stats_round(self, phase):
-        return self._timed(super()._stats_round, phase)
-
-    def _eval_round(self):
-        return self._timed(super()._eval_round)
 
 
 def local_cell(n: int, mode: str, data_dirs: list[Path], root: Path, args) -> dict:

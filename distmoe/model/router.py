@@ -45,23 +45,35 @@ def topk_experts(router_logits: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(probs, k, dim=-1).indices  # [N, k]
 
 
-class RouterRecorder:
-    """Context manager recording each router's logits via forward hooks (works in ``generate``)."""
+class RouterHooks:
+    """Forward hooks on every router module for the duration of a ``with`` block (they also fire inside
+    ``generate``); subclasses say what to keep from each router's output in ``_record``."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.calls: dict[int, list[torch.Tensor]] = {}
         self._handles: list = []
 
-    def __enter__(self) -> RouterRecorder:
+    def _record(self, layer: int, out) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
         for li, (_, mod) in enumerate(router_modules(self.model)):
-            def hook(_mod, _inp, out, li=li):
-                logits = out[0] if isinstance(out, tuple) else out
-                self.calls.setdefault(li, []).append(logits.detach().float())  # [tokens, E]
-            self._handles.append(mod.register_forward_hook(hook))
+            self._handles.append(mod.register_forward_hook(lambda _mod, _inp, out, li=li: self._record(li, out)))
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+class RouterRecorder(RouterHooks):
+    """Records each router's logits (``[tokens, E]`` float per call and layer)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.calls: dict[int, list[torch.Tensor]] = {}
+
+    def _record(self, layer: int, out) -> None:
+        logits = out[0] if isinstance(out, tuple) else out
+        self.calls.setdefault(layer, []).append(logits.detach().float())  # [tokens, E]

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from distmoe.model.build import router_modules
-from distmoe.model.router import topk_experts
+from distmoe.model.router import RouterHooks, topk_experts
 
 UNRECORDED = -1
 
@@ -51,7 +51,7 @@ def _router_indices(out, top_k: int) -> torch.Tensor:
     return topk_experts(logits.detach(), top_k)  # [rows, k]
 
 
-class RouteRecorder:
+class RouteRecorder(RouterHooks):
     """Context manager recording each router call's expert indices on ``model`` (e.g. during ``generate``).
 
     Hooks are registered last, so they see the routes after any ``prune-k`` hook of the engine.
@@ -59,25 +59,15 @@ class RouteRecorder:
     """
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        super().__init__(model)
         self.routers = router_modules(model)
         if not self.routers:
             raise ValueError("RouteRecorder: the model has no top-k router modules")
         self.top_k = int(model.config.num_experts_per_tok)
         self.calls: dict[int, list[torch.Tensor]] = {li: [] for li in range(len(self.routers))}
-        self._handles: list = []
 
-    def __enter__(self) -> RouteRecorder:
-        for li, (_, mod) in enumerate(self.routers):
-            def hook(_mod, _inp, out, li=li):
-                self.calls[li].append(_router_indices(out, self.top_k).long())  # [rows, k]
-            self._handles.append(mod.register_forward_hook(hook))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+    def _record(self, layer: int, out) -> None:
+        self.calls[layer].append(_router_indices(out, self.top_k).long())  # [rows, k]
 
     def assemble(self, n: int, prompt_len: int, seq_len: int) -> torch.Tensor:
         """``[L, N, S, k]`` long: the prefill call fills positions ``0..P-1``, decode call ``j >= 1`` fills

@@ -236,18 +236,26 @@ def _wait_online(dep: Deployment, cli_home: Path, want: set[str], watch: list[su
     return online
 
 
-@pytest.mark.slow
-def test_tls_node_auth_deployment_end_to_end(deployment: Deployment, tmp_path: Path):
-    dep = deployment
+def _registered_federation(dep: Deployment, tmp_path: Path):
+    """N_PARTIES data owners with synthetic data (one canary each), all registered and online over TLS.
+
+    Returns (names, party data dirs, credentials dir, CLI FLWR_HOME, {party: node id}, SuperNode processes).
+    """
     names = [f"party-{i}" for i in range(N_PARTIES)]
     parties = write_synthetic(tmp_path / "data", N_PARTIES, 24, 0, canaries=1)
-    run_dir = tmp_path / "run"
     creds, port, cli_home, ids = _federation(dep, tmp_path, names, register=names)
-
     nodes = [_start_supernode(dep, tmp_path, creds, name, port, pdir)
              for name, pdir in zip(names, parties, strict=True)]
     online = _wait_online(dep, cli_home, set(ids.values()), [dep.procs[0], *nodes])
     assert online == set(ids.values()), f"online {online} are not exactly the registered nodes {ids}"
+    return names, parties, creds, cli_home, ids, nodes
+
+
+@pytest.mark.slow
+def test_tls_node_auth_deployment_end_to_end(deployment: Deployment, tmp_path: Path):
+    dep = deployment
+    names, parties, creds, cli_home, ids, _ = _registered_federation(dep, tmp_path)
+    run_dir = tmp_path / "run"
 
     # the run: same app, same run config keys as in simulation
     overrides = tmp_path / "overrides.toml"
@@ -368,13 +376,8 @@ def test_a_supernode_killed_mid_run_leaves_the_rounds_to_the_survivors(deploymen
     answers the messages to it with Flower's 'Node Unavailable' error once its heartbeats stop; the next
     secure rounds complete over the two survivors (threshold 2), the run completes and the audit passes."""
     dep = deployment
-    names = [f"party-{i}" for i in range(N_PARTIES)]
-    parties = write_synthetic(tmp_path / "data", N_PARTIES, 24, 0, canaries=1)
+    names, parties, _, cli_home, _, nodes = _registered_federation(dep, tmp_path)
     run_dir = tmp_path / "run"
-    creds, port, cli_home, ids = _federation(dep, tmp_path, names, register=names)
-    nodes = [_start_supernode(dep, tmp_path, creds, name, port, pdir)
-             for name, pdir in zip(names, parties, strict=True)]
-    _wait_online(dep, cli_home, set(ids.values()), [dep.procs[0], *nodes])
 
     overrides = tmp_path / "overrides.toml"
     overrides.write_text(to_toml({**OVERRIDES, "run.dir": str(run_dir), "federation.round-timeout": 180.0}))
