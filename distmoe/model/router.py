@@ -11,6 +11,7 @@ Must not: compute losses (``routing/losses.py``) or statistics (``routing/stats.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ def topk_experts(router_logits: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(probs, k, dim=-1).indices  # [N, k]
 
 
-class RouterHooks:
+class RouterHooks(abc.ABC):
     """Forward hooks on every router module for the duration of a ``with`` block (they also fire inside
     ``generate``); subclasses say what to keep from each router's output in ``_record``."""
 
@@ -53,8 +54,9 @@ class RouterHooks:
         self.model = model
         self._handles: list = []
 
+    @abc.abstractmethod
     def _record(self, layer: int, out) -> None:
-        raise NotImplementedError
+        """Keep what this recorder needs of router ``layer``'s forward output ``out``."""
 
     def __enter__(self):
         for li, (_, mod) in enumerate(router_modules(self.model)):
