@@ -59,6 +59,7 @@ from secagg import TimedCoordinator  # bench/secagg.py (this folder is on sys.pa
 
 from distmoe.config import parse_node_config, parse_run_config
 from distmoe.data.synth import write_synthetic
+from distmoe.inprocess import LocalTransport
 from distmoe.model.build import build_model
 from distmoe.model.trainable import apply_trainable, spec_of
 from distmoe.privacy import secagg as sa
@@ -67,7 +68,6 @@ from distmoe.privacy.vectors import UpdateLayout
 from distmoe.simulate import TOKEN_ENV, SimOptions, processes_with_token
 from distmoe.simulate import run as simulate_run
 from distmoe.wire import codec
-from distmoe.wire.local import LocalTransport
 from distmoe.wire.schema import TRAIN_METRIC_KEYS
 
 TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,

@@ -46,17 +46,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from distmoe.audit.engine import STRUCTURAL
 from distmoe.config import parse_node_config, parse_run_config
 from distmoe.coordinator import Coordinator
 from distmoe.data.synth import write_synthetic
+from distmoe.inprocess import LocalTransport
 from distmoe.model.build import build_model
 from distmoe.model.trainable import apply_trainable, spec_of
 from distmoe.privacy import secagg as sa
 from distmoe.privacy.vectors import UpdateLayout
 from distmoe.report.metrics_log import read_metrics
-from distmoe.wire.local import LocalTransport
 from distmoe.wire.schema import TRAIN_METRIC_KEYS
-from distmoe.wire.server_side import STRUCTURAL
 
 SCHEDULE = "sft:lookup, stats:lookup, eval"
 KINDS = ("sft", "stats", "eval")
@@ -93,25 +93,16 @@ class TimedCoordinator(Coordinator):
         self.round_s: dict[int, float] = {}
         self.start_wire_s = 0.0
 
-    def _timed(self, fn, *a):
+    def start_plane(self, nodes):
         t = time.perf_counter()
-        out = fn(*a)
-        self.round_s[self.s.round] = time.perf_counter() - t
-        return out
-
-    def _start_wire(self, nodes):
-        t = time.perf_counter()
-        super()._start_wire(nodes)
+        super().start_plane(nodes)
         self.start_wire_s = time.perf_counter() - t
 
-    def _sft_round(self, pi, phase):
-        return self._timed(super()._sft_round, pi, phase)
-
-    def _stats_round(self, phase):
-        return self._timed(super()._stats_round, phase)
-
-    def _eval_round(self):
-        return self._timed(super()._eval_round)
+    def play_round(self, index, phase):
+        t = time.perf_counter()
+        out = super().play_round(index, phase)
+        self.round_s[self.s.round] = time.perf_counter() - t
+        return out
 
 
 def _jsonl(path: Path) -> list[dict]:

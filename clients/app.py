@@ -1,12 +1,15 @@
 """distmoe ClientApp: one handler per phase and protocol stage, all through one entry point.
 
-Every message goes to ``distmoe.wire.party_side.serve``, which logs it in the party's ledger, runs the
-party's own work (``distmoe.train.party``) or secure-aggregation stage (``distmoe.privacy.session``),
-and passes the reply through the outbound guard; this module only wraps exactly that record dict
-into the reply message. A refusal or failure becomes an error reply whose reason names what went
-wrong (bad data file and line, config key, model mismatch, a blocked reply, the privacy budget), so
-the server logs it and the round goes on without this party. Nothing is kept in process memory
-between messages (per-run state lives in the party's work directory).
+Every message goes to ``distmoe.wire.party_guard.serve`` with the party service
+(``distmoe.party.service.PartyService``): the instruction is logged in the party's ledger, the party's
+own work or secure-aggregation stage runs, and the reply passes the outbound guard; this module only
+wraps exactly that record dict into the reply message. A refusal or failure becomes an error reply
+(``distmoe.wire.errors.ErrorCode``) whose reason names what went wrong (bad data file and line, config
+key, model mismatch, a blocked reply, the privacy budget), so the server logs it and the round goes on
+without this party. Nothing is kept in process memory between messages (per-run state lives in the
+party's work directory).
+
+Must not: do any of the party's work itself, or send text that did not pass the party guard.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from distmoe.config import ConfigError, SimConfig, parse_node_config, parse_run_config
+from distmoe.party.service import PartyService, load_canaries
+from distmoe.party.session import open_ledger
 from distmoe.wire import codec
-from distmoe.wire.party_side import Blocked, Refused, guarded_error, serve
+from distmoe.wire.errors import ErrorCode, Refused
+from distmoe.wire.party_guard import guarded_error, phase_of, serve
 
 app = ClientApp()
 
@@ -29,25 +35,26 @@ def _handle(msg: Message, context: Context) -> Message:
     try:
         node = parse_node_config(context.node_config, SimConfig(str(context.run_config.get("sim.nodes-dir", ""))))
         cfg = parse_run_config(context.run_config)
-        out = serve(mtype, msg.content, cfg, node, msg.metadata.dst_node_id, str(context.run_id))
-        return codec.reply_content(out, msg)
-    except Blocked as exc:  # the text was logged, canary-scanned and carries the ledger head: send it as is
+        party = PartyService(cfg, node, msg.metadata.dst_node_id, str(context.run_id))
+        return codec.reply_content(serve(mtype, msg.content, party, str(context.run_id)), msg)
+    except Refused as exc:  # the text was logged, canary-scanned and carries the ledger head: send it as is
         print(f"distmoe client: {mtype}: {exc}", flush=True)
-        return codec.error_reply(msg, 3, str(exc))
-    except Refused as exc:
-        print(f"distmoe client: {mtype} refused: {exc}", flush=True)
-        return codec.error_reply(msg, 1, str(exc))
+        return codec.error_reply(msg, int(exc.code), str(exc))
     except ConfigError as exc:  # before serve: a run config this party rejects, or a bad node config
         print(f"distmoe client: {mtype}: {exc}", flush=True)
         if node is None:  # no node config, so no ledger: nothing but the kind of error leaves
-            return codec.error_reply(msg, 1, "node configuration error at the party (details in its own log)")
+            return codec.error_reply(msg, int(ErrorCode.CONFIG), "node configuration error at the party (details in "
+                                                            "its own log)")
         try:
-            return codec.error_reply(msg, 1, guarded_error(mtype, node, str(context.run_id), f"ConfigError: {exc}"))
+            text = guarded_error(open_ledger(node), load_canaries(node), str(context.run_id), None, phase_of(mtype),
+                                 f"ConfigError: {exc}")
         except Exception:
-            return codec.error_reply(msg, 1, "configuration error at the party (details in its own log)")
+            text = "configuration error at the party (details in its own log)"
+        return codec.error_reply(msg, int(ErrorCode.CONFIG), text)
     except Exception as exc:  # outside the guard (a bug): no ledger entry, so no text leaves
         print(f"distmoe client: {mtype} failed outside the party guard:\n{traceback.format_exc()}", flush=True)
-        return codec.error_reply(msg, 2, f"{type(exc).__name__} at the party (details in its own log)")
+        return codec.error_reply(msg, int(ErrorCode.INTERNAL), f"{type(exc).__name__} at the party (details in its own "
+                                                          "log)")
 
 
 @app.train("sft")

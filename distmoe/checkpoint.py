@@ -32,6 +32,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from distmoe.io import fsync_dir, write_text_atomic
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated or does not match its manifest."""
@@ -96,9 +98,8 @@ def save_checkpoint(root: Path, round_num: int, model: nn.Module, tokenizer,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    latest_tmp = root / ".LATEST.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, root / "LATEST")
+    fsync_dir(root)
+    write_text_atomic(root / "LATEST", final.name + "\n")
     _prune(root, keep)
     return final
 

@@ -20,7 +20,7 @@ from flwr.serverapp import Grid, ServerApp
 from distmoe.config import parse_run_config
 from distmoe.coordinator import Coordinator
 from distmoe.wire import codec
-from distmoe.wire.server_side import GuardedTransport
+from distmoe.wire.server_guard import GuardedTransport
 
 app = ServerApp()
 

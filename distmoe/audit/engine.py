@@ -35,9 +35,9 @@ from typing import Any
 
 from scipy import stats as _st
 
+from distmoe.ledger import canonical_json, verify_against_anchor, verify_ledger
 from distmoe.privacy.accountant import MECHANISMS, PrivacyEvent, epsilon_from_events
 from distmoe.privacy.dp import canary_chi2_test, int_sensitivity
-from distmoe.wire.ledger import canonical_json, verify_against_anchor, verify_ledger
 
 __all__ = ["AuditInputError", "AuditResult", "Check", "CHECKS", "audit_run"]
 
@@ -458,7 +458,7 @@ def _policy(run: _Run, c: Check) -> dict[str, dict[str, Any]] | None:
 
     Per payload type: ``keys`` (allowed), ``required`` (default: all of ``keys``, i.e. set equality),
     optional ``keys_pattern`` (``"prefix*"``: further allowed keys), ``shapes`` (fixed-shape arrays) and
-    ``max_bytes``, as ``distmoe.wire.server_side.build_policy`` writes them.
+    ``max_bytes``, as ``distmoe.wire.server_guard.build_policy`` writes them.
     """
     e0 = run.start
     pol = _info(e0).get("policy")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from distmoe.audit.engine import AuditInputError, AuditResult, audit_run
-from distmoe.report.metrics_log import sanitize, write_json_atomic, write_text_atomic
+from distmoe.io import sanitize, write_json_atomic, write_text_atomic
 
 __all__ = ["cli_audit", "render_markdown", "summary", "write_audit"]
 

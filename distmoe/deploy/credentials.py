@@ -39,7 +39,6 @@ import ipaddress
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from distmoe.io import write_atomic
 
 DEFAULT_SANS: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
 DEFAULT_DAYS = 365
@@ -207,26 +208,8 @@ def _mkdir_private(path: Path) -> None:
 
 
 def _write(path: Path, data: bytes, *, private: bool, force: bool) -> None:
-    """Write atomically (temp file, fsync, rename) with mode 0600 (private) or 0644; no replacement
-    without ``force`` (``O_EXCL`` on the final name, so a file that appeared meanwhile is not lost)."""
-    mode = 0o600 if private else 0o644
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, mode)
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        if force:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # fails with FileExistsError instead of replacing
-            os.unlink(tmp)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write atomically with mode 0600 (private) or 0644; no replacement without ``force``."""
+    write_atomic(path, data, mode=0o600 if private else 0o644, replace=force)
 
 
 def _pem_key(key) -> bytes:
@@ -307,7 +290,7 @@ def make_supernode_keypair(comment: str = "") -> tuple[bytes, bytes]:
 
 def make_ledger_key() -> tuple[bytes, str]:
     """An Ed25519 ledger-signing key as (PKCS#8 PEM, raw public key hex), the format
-    :func:`distmoe.wire.ledger.load_signing_key` reads."""
+    :func:`distmoe.ledger.load_signing_key` reads."""
     key = Ed25519PrivateKey.generate()
     pub = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
     return _pem_key(key), pub

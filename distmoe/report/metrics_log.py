@@ -4,7 +4,7 @@ Owns: the on-disk format of ``metrics.jsonl`` (one JSON object per line, non-fin
 ``null``, a unix ``"time"`` on every event), crash-safe appends (the whole line in one ``os.write`` on an
 ``O_APPEND`` descriptor, then ``fsync``), tolerant reading (a torn trailing line from a crash is skipped
 and counted; corruption anywhere else is an error naming file and line) and atomic replacement of whole
-files (temp file in the same directory, ``fsync``, ``os.replace``).
+files (``distmoe.io``).
 
 Must not: import ``flwr`` or ``torch``, interpret events (that is the report's job), or buffer events in
 memory: every ``append`` is durable when it returns.
@@ -14,45 +14,17 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "MetricsLog",
-    "MetricsRecords",
-    "read_metrics",
-    "sanitize",
-    "write_json_atomic",
-    "write_text_atomic",
-]
+from distmoe.io import append_durable, sanitize
+
+__all__ = ["MetricsLog", "MetricsRecords", "read_metrics"]
 
 log = logging.getLogger(__name__)
-
-
-def sanitize(obj: Any) -> Any:
-    """Return a JSON-safe copy of ``obj``: NaN/Inf floats become ``None`` (recursively).
-
-    Mappings become dicts with string keys, tuples/lists/sets become lists, and array-likes or scalars
-    exposing ``tolist()`` (NumPy and similar, duck-typed, never imported) are converted first. Other
-    objects are returned unchanged, so ``json.dumps`` rejects them loudly.
-    """
-    if obj is None or isinstance(obj, (bool, int, str)):
-        return obj
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Mapping):
-        return {str(k): sanitize(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [sanitize(v) for v in obj]
-    tolist = getattr(obj, "tolist", None)
-    if callable(tolist):
-        return sanitize(tolist())
-    return obj
 
 
 def _dumps_line(event: Mapping[str, Any]) -> bytes:
@@ -72,18 +44,7 @@ class MetricsLog:
         record = dict(event)
         record.setdefault("time", time.time())
         line = _dumps_line(record)  # fully built before the file is touched: a failure writes nothing
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            written = os.write(fd, line)
-            if written != len(line):  # practically never for regular files; finish rather than tear
-                view = memoryview(line)[written:]
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_durable(self.path, line)
         return json.loads(line)
 
     def __repr__(self) -> str:
@@ -128,44 +89,3 @@ def read_metrics(path: str | os.PathLike[str]) -> MetricsRecords:
             raise ValueError(f"{path}: line {i + 1}: malformed metrics line: {exc}") from exc
         out.append(obj)
     return out
-
-
-def write_text_atomic(path: str | os.PathLike[str], text: str | bytes) -> None:
-    """Replace ``path`` with ``text`` atomically: temp file in the same directory, fsync, ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = text.encode("utf-8") if isinstance(text, str) else text
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(path.parent)
-
-
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
-    """Atomically replace ``path`` with ``obj`` as indented JSON (non-finite floats written as null)."""
-    text = json.dumps(sanitize(obj), allow_nan=False, indent=2, sort_keys=False) + "\n"
-    write_text_atomic(path, text)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make the rename itself durable where the platform allows opening directories."""
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)

@@ -27,7 +27,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from distmoe.report.metrics_log import read_metrics, sanitize, write_text_atomic
+from distmoe.io import sanitize, write_text_atomic
+from distmoe.report.metrics_log import read_metrics
 
 __all__ = ["write_report", "summarise", "HEALTHY_LOAD_CV"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distmoe.report.metrics_log import write_text_atomic
+from distmoe.io import write_text_atomic
 
 
 class AnchorError(ValueError):

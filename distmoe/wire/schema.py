@@ -178,3 +178,9 @@ PAYLOAD_TAGS = {SftInstruction: "sft-instruction", RlInstruction: "rl-instructio
                 SetupRequest: "setup-request", KeyAdvertReply: "key-advert", DirectoryRequest: "key-directory",
                 ShareKeysReply: "share-keys", MaskedReply: "masked-input", UnmaskRequestMsg: "unmask-request",
                 UnmaskResponseMsg: "unmask-response"}
+
+
+# ConfigRecord fields that may hold text or bytes in a reply (everything else must be a number); both
+# guards check every reply against it
+REPLY_STRINGS = {"meta": {"payload", "release", "party", "ledger_public_key", "kind", "c_pk"},
+                 "keys": {"s_pk", "b_commit"}, "next": {"s_pk", "b_commit"}}

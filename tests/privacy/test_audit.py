@@ -16,9 +16,7 @@ import pytest
 
 from distmoe.audit import CHECKS, audit_run
 from distmoe.cli import main
-from distmoe.privacy.accountant import Accountant, PrivacyEvent
-from distmoe.privacy.dp import SkellamSpec
-from distmoe.wire.ledger import (
+from distmoe.ledger import (
     SIG_DOMAIN,
     Ledger,
     canonical_json,
@@ -27,6 +25,8 @@ from distmoe.wire.ledger import (
     generate_signing_key,
     public_key_hex,
 )
+from distmoe.privacy.accountant import Accountant, PrivacyEvent
+from distmoe.privacy.dp import SkellamSpec
 
 PARTIES = ("party-0", "party-1", "party-2")
 L, E, K = 4, 8, 256

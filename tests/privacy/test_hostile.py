@@ -19,9 +19,9 @@ from test_secure_runs import failed_checks, make_run, releases
 from distmoe.aggregate import aggregate_problem, divergent_updates, eval_sum_problem, stats_sum_problem
 from distmoe.audit import audit_run
 from distmoe.coordinator import RunFailed
+from distmoe.party import service as party_service
 from distmoe.privacy.vectors import UpdateLayout, from_ring64, to_ring64
-from distmoe.train import party as P
-from distmoe.wire import party_side
+from distmoe.party import work as P
 from distmoe.wire.schema import ModelUpdate, SftInstruction
 
 
@@ -81,7 +81,7 @@ def _blow_up(monkeypatch, party: str, factor: float, clip: bool):
         return to_ring64(signed), facts
 
     monkeypatch.setattr(P, "run_sft", sft)
-    monkeypatch.setitem(party_side._PLAIN_FN, SftInstruction, sft)  # the plaintext path's bound reference
+    monkeypatch.setitem(party_service._PLAIN, SftInstruction, sft)  # the plaintext path's bound reference
     monkeypatch.setattr(UpdateLayout, "encode", encode)
 
 
@@ -94,13 +94,13 @@ def test_unclipped_update_under_secagg_is_rejected_and_the_model_untouched(tmp_p
                                                       "privacy.update-clip": 1.0})
     _blow_up(monkeypatch, "party-1", 1e4, clip=False)
     before = {}
-    real_start = coord._start_wire
+    real_start = coord.start_plane
 
     def start(nodes):
         real_start(nodes)
         before.update(_weights_of(coord))
 
-    coord._start_wire = start
+    coord.start_plane = start
     coord.run()
     (upd,) = releases(run_dir, "model-update")
     assert upd["info"]["applied"] is False and upd["verdict"].startswith("rejected: average update norm")
@@ -172,8 +172,8 @@ def test_loss_spike_beyond_the_rolling_z_score_is_flagged(tmp_path):
     coord, _, run_dir, _, _ = make_run(tmp_path, {"federation.anomaly-z": 4.0})
     run_dir.mkdir(parents=True, exist_ok=True)
     for v in (2.0, 1.9, 1.95, 1.85, 1.9):
-        assert coord._flag_anomalies("train", {"loss": v, "loss_last": v}) == []
-    found = coord._flag_anomalies("train", {"loss": 6.0, "loss_last": 1.8})
+        assert coord.flag_anomalies("train", {"loss": v, "loss_last": v}) == []
+    found = coord.flag_anomalies("train", {"loss": 6.0, "loss_last": 1.8})
     assert len(found) == 1 and "rolling standard deviations" in found[0] and "loss 6" in found[0]
     assert json.loads((run_dir / "run.json").read_text())["anomalies"][0]["detail"] == found[0]
 

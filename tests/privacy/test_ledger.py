@@ -9,8 +9,8 @@ import stat
 
 import pytest
 
-import distmoe.wire.ledger as ledger_mod
-from distmoe.wire.ledger import (
+import distmoe.ledger as ledger_mod
+from distmoe.ledger import (
     GENESIS,
     Ledger,
     LedgerError,

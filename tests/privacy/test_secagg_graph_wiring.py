@@ -33,8 +33,8 @@ def test_a_run_with_the_harary_graph_goes_through_session_and_coordinator(tmp_pa
     bound gives the complete graph below 26 parties), so each party masks with 2 of the 4 others."""
     from distmoe.coordinator import Coordinator
     from distmoe.data.synth import write_synthetic
-    from distmoe.privacy.session import PartySession
-    from distmoe.wire.local import LocalTransport
+    from distmoe.inprocess import LocalTransport
+    from distmoe.party.session import PartySession
 
     monkeypatch.setattr(G, "harary_degree", lambda n, *a, **kw: 2)
     tiny = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,

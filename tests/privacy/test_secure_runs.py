@@ -20,12 +20,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from distmoe.audit import audit_run
 from distmoe.config import parse_node_config, parse_run_config
-from distmoe.coordinator import Coordinator
+from distmoe.coordinator import Coordinator, PrivacyStop
 from distmoe.data.party import load_party
 from distmoe.data.synth import write_synthetic
-from distmoe.privacy.rounds import PrivacyStop
-from distmoe.wire import codec, party_side
-from distmoe.wire.local import LocalTransport
+from distmoe.inprocess import LocalTransport
+from distmoe.wire import codec, party_guard
 
 TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,
         "model.kv-heads": 1, "model.head-dim": 32, "model.experts": 4, "model.top-k": 2,
@@ -139,7 +138,7 @@ def test_leaky_client_is_blocked_client_side_and_fails_the_audit(tmp_path, monke
             rd = mutate(rd)
         return rd
 
-    monkeypatch.setattr(party_side.codec, "encode", leaky)
+    monkeypatch.setattr(party_guard.codec, "encode", leaky)
     coord.run()
     party1 = ledger(run_dir / "work" / "party-1" / "ledger" / "party-1.jsonl")
     blocked = [e for e in party1 if e["verdict"].startswith("rejected")]
@@ -369,7 +368,7 @@ def test_party_budget_refuses_its_release_before_anything_leaves(tmp_path):
 
 def test_server_stops_before_a_release_over_budget(tmp_path, monkeypatch):
     coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith, stats:arith"})
-    from distmoe.privacy import rounds
+    from distmoe.coordinator import secagg as rounds
     from distmoe.privacy.accountant import Accountant
 
     real = rounds.SecureRounds.setup

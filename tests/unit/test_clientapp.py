@@ -120,10 +120,10 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path):
 
     from clients.app import directory, setup, unmask
     from distmoe.config import parse_run_config
+    from distmoe.ledger import verify_ledger
     from distmoe.privacy import secagg as sa
     from distmoe.privacy.plan import plan_privacy, stats_spec
     from distmoe.privacy.vectors import StatsLayout
-    from distmoe.wire.ledger import verify_ledger
     from distmoe.wire.schema import (
         DirectoryRequest,
         KeyAdvertReply,

@@ -22,10 +22,10 @@ from distmoe.aggregate import AggregationError, weighted_average
 from distmoe.checkpoint import CheckpointError, latest, verify_checkpoint
 from distmoe.config import load_override_file, parse_node_config, parse_run_config
 from distmoe.coordinator import Coordinator, RunFailed
+from distmoe.inprocess import LocalTransport
 from distmoe.model.build import build_model, hash_tensors
 from distmoe.model.trainable import apply_trainable, trainable_state
 from distmoe.report.metrics_log import read_metrics
-from distmoe.wire.local import LocalTransport
 
 SCHEDULE = "sft:arith*2, eval, stats:arith, sft:strings, eval"
 RUN = {"schedule.phases": SCHEDULE, "schedule.sft-rounds": 1, "train.local-steps": 3, "train.batch-size": 4,

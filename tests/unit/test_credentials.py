@@ -24,7 +24,7 @@ from cryptography.x509.verification import PolicyBuilder, Store
 
 from distmoe.cli import main
 from distmoe.deploy import credentials as cr
-from distmoe.wire.ledger import load_signing_key, public_key_hex
+from distmoe.ledger import load_signing_key, public_key_hex
 
 PARTIES = ["party-0", "party-1", "party-2"]
 

@@ -136,7 +136,7 @@ def test_cli_prints_commands(creds, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------------------- ledger-key
 def test_node_config_ledger_key_is_the_key_the_party_signs_with(creds, tmp_path):
-    from distmoe.privacy.session import open_ledger
+    from distmoe.party.session import open_ledger
 
     data = tmp_path / "party-0"
     data.mkdir()

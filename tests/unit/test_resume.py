@@ -30,10 +30,10 @@ from distmoe.audit import audit_run
 from distmoe.config import parse_node_config, parse_run_config
 from distmoe.coordinator import Coordinator, RunFailed
 from distmoe.data.synth import write_synthetic
+from distmoe.inprocess import LocalTransport
+from distmoe.ledger import verify_ledger
+from distmoe.party.session import PartySession, SessionError
 from distmoe.privacy.accountant import Accountant
-from distmoe.privacy.session import PartySession, SessionError
-from distmoe.wire.ledger import verify_ledger
-from distmoe.wire.local import LocalTransport
 from distmoe.wire.schema import SetupRequest
 
 TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,
@@ -420,7 +420,7 @@ def test_resume_refuses_a_completed_run_and_a_changed_config(exact):
 def test_resume_refuses_a_ledger_that_does_not_verify_or_a_foreign_key(exact, tmp_path):
     """Checked before anything is written: an edited ledger entry, or a coordinator key that is not the one
     that signed the chain, refuses the resume and leaves the run directory as it was."""
-    from distmoe.wire.ledger import generate_signing_key
+    from distmoe.ledger import generate_signing_key
 
     run_dir = tmp_path / "run"
     shutil.copytree(exact["run_dir"], run_dir)

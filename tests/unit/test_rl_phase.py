@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 from distmoe import config as C
 from distmoe.config import ConfigError, NodeConfig, parse_run_config
 from distmoe.coordinator import Coordinator
+from distmoe.inprocess import LocalTransport
 from distmoe.report.report import write_report
 from distmoe.rl.losses import POLICY_LOSSES
 from distmoe.rl.rewards import REWARDS
-from distmoe.wire.local import LocalTransport
 
 TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,
         "model.kv-heads": 1, "model.head-dim": 32, "model.experts": 4, "model.top-k": 2}
@@ -46,7 +46,7 @@ def test_routing_replay_keys_parse_and_exclude_the_simulator():
         assert r.routing_replay and r.correction == corr
     with pytest.raises(ConfigError, match="rl.routing-replay.*rl.simulator"):
         parse_run_config({"rl.routing-replay": True, "rl.simulator": True})
-    from distmoe.train.party import grpo_config
+    from distmoe.party.work import grpo_config
 
     g = grpo_config(parse_run_config({"rl.routing-replay": True, "rl.simulator-lb-coef": 0.2}), 0)
     assert g.routing_replay and g.simulator_lb_coef == 0.2

@@ -34,18 +34,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from distmoe.config import NodeConfig, RunConfig
+from distmoe.io import write_atomic, write_json_atomic, write_text_atomic
+from distmoe.ledger import Ledger, generate_signing_key, load_signing_key, public_key_hex
 from distmoe.privacy import secagg as sa
 from distmoe.privacy.accountant import Accountant, BudgetExceeded, PrivacyEvent
 from distmoe.privacy.dp import SkellamSpec
 from distmoe.privacy.plan import plan_privacy, stats_spec
 from distmoe.privacy.vectors import EvalLayout, UpdateLayout
-from distmoe.report.metrics_log import write_json_atomic, write_text_atomic
-from distmoe.wire.ledger import Ledger, generate_signing_key, load_signing_key, public_key_hex
 
 
 class SessionError(RuntimeError):
@@ -174,9 +173,7 @@ class PartySession:
                                  "accountant": self.accountant.state_dict()})
         write_json_atomic(self.facts_path, {"facts": f.__dict__})
         if self.client is not None:
-            self.state_path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.state_path, self.client.to_state())
-            os.chmod(self.state_path, 0o600)
+            write_atomic(self.state_path, self.client.to_state(), mode=0o600)
 
     # ------------------------------------------------------------------ setup
     def setup(self, req, node_id: int):

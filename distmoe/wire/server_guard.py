@@ -27,12 +27,13 @@ from collections.abc import Mapping
 import numpy as np
 from flwr.app import RecordDict
 
+from distmoe.ledger import Ledger, canonical_json
 from distmoe.privacy import secagg as sa
 from distmoe.wire import codec, inspect
 from distmoe.wire.codec import WireError
-from distmoe.wire.ledger import Ledger, canonical_json
-from distmoe.wire.party_side import REPLY_STRINGS
+from distmoe.wire.errors import FLOWER_LINK_CODES
 from distmoe.wire.schema import (
+    REPLY_STRINGS,
     DirectoryRequest,
     EvalInstruction,
     EvalReply,
@@ -52,7 +53,6 @@ from distmoe.wire.schema import (
 
 SLACK_BYTES = 4096  # names, scalar fields and per-message framing on top of the declared arrays
 PER_PEER_BYTES = 256  # one share envelope (id, nonce, ciphertext) or one share per peer, with margin
-STRUCTURAL = ("policy", "run-end", "run-resume", "ledger_head")  # ledger payload types that are not messages
 
 
 # ------------------------------------------------------------------------------------------- policy
@@ -301,7 +301,7 @@ def _flower_link_error(reply: codec.ErrorReply) -> str | None:
     """The text of an error the SuperLink itself writes for a message it cannot deliver (a node that
     stopped sending heartbeats, an expired message), recognised by Flower's code *and* its exact text;
     None for anything else (which may come from the party and is not kept)."""
-    if reply.code not in (3, 4, 5):  # flwr ErrorCode MESSAGE_/REPLY_MESSAGE_/NODE_UNAVAILABLE
+    if reply.code not in FLOWER_LINK_CODES:
         return None
     try:
         from flwr.server.superlink.linkstate import utils as link

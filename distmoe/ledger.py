@@ -38,7 +38,6 @@ import math
 import os
 import re
 import stat
-import tempfile
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -50,7 +49,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from distmoe.report.metrics_log import fsync_dir
+from distmoe.io import fsync_dir, write_atomic
 
 try:  # POSIX advisory locks; the single-writer guard degrades to the size check elsewhere
     import fcntl
@@ -118,28 +117,10 @@ def generate_signing_key(path: str | os.PathLike[str], *, force: bool = False) -
     Refuses (``FileExistsError``) to replace an existing file unless ``force=True``; with ``force`` the
     replacement is atomic (temp file in the same directory, fsync, rename).
     """
-    path = Path(path)
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not force:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # FileExistsError if present
-        tmp = None
-    else:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o600)  # independent of the umask
-        os.write(fd, pem)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp if tmp else path)
-        raise
-    os.close(fd)
-    if tmp:
-        os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_atomic(path, pem, mode=0o600, replace=force)  # FileExistsError without force
     return key
 
 

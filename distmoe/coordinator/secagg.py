@@ -20,7 +20,10 @@ Resume: a restarted coordinator calls ``restore_accountants`` (the accountants i
 the latest ones and are never rolled back, even when the model falls back to an older checkpoint:
 privacy spent stays spent), then ``setup`` again with fresh SecAgg keys, ``first_round`` = the next
 round and the setup ``epoch`` of this resume; the ``SetupRequest`` names the logical run so that each
-party continues its own accountant (``distmoe.privacy.session``).
+party continues its own accountant (``distmoe.party.session``).
+
+The protocol's math (key agreement, masks, Shamir shares, the server state machine) is
+``distmoe.privacy.secagg``; this module only drives it over the transport.
 
 Must not: see any individual input, import ``flwr``, or read party data.
 """
@@ -35,10 +38,11 @@ from pathlib import Path
 import numpy as np
 
 from distmoe.config import RunConfig
+from distmoe.coordinator.errors import PrivacyStop
+from distmoe.io import write_json_atomic, write_text_atomic
 from distmoe.privacy import secagg as sa
 from distmoe.privacy.accountant import Accountant, BudgetExceeded, PrivacyEvent
 from distmoe.privacy.plan import PrivacyPlan, threshold_for
-from distmoe.report.metrics_log import write_json_atomic, write_text_atomic
 from distmoe.wire.schema import (
     DirectoryRequest,
     KeyAdvertReply,
@@ -49,10 +53,6 @@ from distmoe.wire.schema import (
     UnmaskRequestMsg,
     UnmaskResponseMsg,
 )
-
-
-class PrivacyStop(RuntimeError):
-    """The run must stop before a release (budget, or too few parties for the threshold)."""
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """An in-process transport for tests and benchmarks: every instruction and reply goes through the
-same path as on Flower (server guard -> codec records -> ``party_side.serve`` with its outbound
-guard and ledger -> server guard), but the parties run in this process.
+same path as on Flower (server guard -> codec records -> ``party_guard.serve`` with the party service,
+its outbound guard and ledger -> server guard), but the parties run in this process.
 
 Not a replacement for Flower's engines (the integration tests use those); it exists so that the
 coordinator's schedule, the secure aggregation and the fault cases can be tested in seconds. Faults
@@ -8,19 +8,22 @@ are injected with ``down`` (nodes that never answer), ``drop(message_type, node)
 that does not answer one stage: a dropout at that stage, before it did the work), ``late(message_type,
 node) -> bool`` (a straggler: the party does the work and its state moves on, but its reply arrives after
 the stage's timeout, so the server never sees it) and ``tamper(node, message_type, content)`` (what a
-client that bypasses its own guard could send instead).
+client that bypasses its own guard could send instead). Error replies carry the same codes as the
+ClientApp's (``distmoe.wire.errors.ErrorCode``).
+
+Must not: be used for a real federation (the parties share this process and its memory).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from flwr.app import RecordDict
-
 from distmoe.config import NodeConfig, RunConfig
+from distmoe.party.service import PartyService
 from distmoe.wire import codec
-from distmoe.wire.party_side import Refused, serve
-from distmoe.wire.server_side import GuardedTransport
+from distmoe.wire.errors import ErrorCode, Refused
+from distmoe.wire.party_guard import serve
+from distmoe.wire.server_guard import GuardedTransport
 
 
 class LocalTransport(GuardedTransport):
@@ -31,15 +34,16 @@ class LocalTransport(GuardedTransport):
         self.down: set[int] = set()
         self.drop: Callable[[str, int], bool] | None = None
         self.late: Callable[[str, int], bool] | None = None
-        self.tamper: Callable[[int, str, RecordDict], RecordDict] | None = None
+        # (node, message type, reply record dict) -> what a guard-bypassing client sends instead
+        self.tamper: Callable[[int, str, object], object] | None = None
         self.sent: dict[str, int] = {}  # message type -> messages delivered (for tests)
         self.timeouts: dict[str, float] = {}  # message type -> the timeout its last exchange was given
 
     def node_ids(self) -> list[int]:
         return sorted(self.nodes)
 
-    def _send(self, out: dict[int, tuple[str, RecordDict]], timeout: float) -> dict[int, RecordDict | str]:
-        got: dict[int, RecordDict | str] = {}
+    def _send(self, out: dict[int, tuple[str, object]], timeout: float) -> dict[int, object]:
+        got: dict[int, object] = {}  # node -> the reply's Flower record dict, an ErrorReply, or a reason
         for node, (mtype, content) in out.items():
             self.timeouts[mtype] = timeout
             if node in self.down:
@@ -50,12 +54,13 @@ class LocalTransport(GuardedTransport):
                 continue
             self.sent[mtype] = self.sent.get(mtype, 0) + 1
             try:
-                reply = serve(mtype, content, self.cfg, self.nodes[node], node, self.run_id)
+                reply = serve(mtype, content, PartyService(self.cfg, self.nodes[node], node, self.run_id), self.run_id)
             except Refused as exc:
-                got[node] = codec.ErrorReply(str(exc), 1)
+                got[node] = codec.ErrorReply(str(exc), int(exc.code))
                 continue
             except Exception as exc:  # as the ClientApp does: an error reply without text, the round goes on
-                got[node] = codec.ErrorReply(f"{type(exc).__name__} at the party (details in its own log)", 2)
+                got[node] = codec.ErrorReply(f"{type(exc).__name__} at the party (details in its own log)",
+                                             int(ErrorCode.INTERNAL))
                 continue
             if self.late is not None and self.late(mtype, node):
                 got[node] = f"no reply within {timeout:.0f} s (straggler at {mtype}: its reply came too late)"

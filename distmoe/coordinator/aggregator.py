@@ -1,0 +1,199 @@
+"""How the replies of one round become one aggregate: the ``Aggregator`` interface and its plaintext form.
+
+Owns: the three sums a phase asks for (``updates``: the weighted mean model update and its metrics;
+``router_stats``: the summed ``[L, E]`` router statistics; ``evaluation``: the evaluation aggregate),
+their result types, ``Skip`` (a round that released nothing, with the line to print and whether it
+counts as a failed round for ``federation.on-round-failure``), and ``PlaintextAggregator`` (the
+benchmark baseline: each party's reply is seen and summed in the clear; FedAvg with the norm-ratio
+screen of ``distmoe.aggregate``). The secure form is ``distmoe.coordinator.secure.SecureAggregator``.
+Each implementation logs its release in the coordinator's ledger (``ServerGuard.log_release``).
+
+Phases (``distmoe.coordinator.phases``) are written once against this interface, in the style of Flower
+strategies' ``aggregate_*``: they never branch on the privacy mode.
+
+Must not: change the global model or the anchor (the phases do), or import ``flwr``.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from distmoe.aggregate import divergent_updates, weighted_average
+from distmoe.wire.schema import EVAL_ROUTING_KEYS, EvalReply, ModelUpdate, RouterStats
+
+if TYPE_CHECKING:
+    from distmoe.coordinator.loop import Coordinator
+
+
+@dataclass
+class Skip:
+    """Nothing was released this round; ``text`` is the round's line, ``failed`` makes it a failed round."""
+
+    text: str
+    failed: bool = True
+
+
+@dataclass
+class UpdateSum:
+    delta: dict[str, np.ndarray]  # name -> [*shape] float32: the weighted mean update to add
+    metrics: dict[str, float]  # aggregate training metrics (NaN where withheld)
+    num_examples: int  # the summed weight (examples, capped per party under secagg)
+    parties: int  # parties included in the sum
+    nodes: int  # parties asked
+
+
+@dataclass
+class StatsSum:
+    total: np.ndarray  # [L, E] summed per-sequence routing frequencies (noised under secagg)
+    parties: int
+    nodes: int
+    note: str  # the DP line for the progress output
+
+
+@dataclass
+class EvalSum:
+    per_party: dict[str, dict[str, float]] = field(default_factory=dict)  # "all" plus, in plaintext, each party
+    parties: int = 0
+    nodes: int = 0
+
+
+class Aggregator(abc.ABC):
+    """One implementation per privacy mode (module docstring)."""
+
+    def __init__(self, co: Coordinator):
+        self.co = co
+
+    @abc.abstractmethod
+    def updates(self, instr: object, kind: str, release: str, metric_keys: tuple[str, ...],
+                event: dict) -> UpdateSum | Skip:
+        """Send a training instruction (``kind`` = sft or rl) to every party; the aggregated update.
+        ``event``: the fields of this round's ``metrics.jsonl`` lines."""
+
+    @abc.abstractmethod
+    def router_stats(self, instr: object, shape: tuple[int, int], label: str) -> StatsSum | Skip:
+        """Collect router statistics of ``shape`` = (MoE layers, experts) and sum them (``label``: the
+        phase, for the log)."""
+
+    @abc.abstractmethod
+    def evaluation(self, instr: object, tasks: tuple[str, ...]) -> EvalSum | Skip:
+        """Run the evaluation instruction everywhere; the aggregate (``per_party["all"]``)."""
+
+
+def weighted_metrics(items: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """Example-weighted mean of each metric; counts are summed, ``logp_diff_max`` is a max."""
+    out: dict[str, float] = {}
+    for k in sorted({k for m, _ in items for k in m}):
+        vals = [(m[k], w) for m, w in items if k in m and math.isfinite(m[k]) and w > 0]
+        if not vals:
+            out[k] = math.nan
+        elif k in ("steps", "skipped_steps"):
+            out[k] = float(sum(v for v, _ in vals))
+        elif k == "logp_diff_max":
+            out[k] = float(max(v for v, _ in vals))
+        else:
+            out[k] = sum(v * w for v, w in vals) / sum(w for _, w in vals)
+    return out
+
+
+def aggregate_eval(parties: list[dict[str, float]], tasks: tuple[str, ...]) -> dict[str, float]:
+    """Held-out-count-weighted mean of each task's accuracy and loss, and of the routing metrics."""
+    out: dict[str, float] = {}
+    for t in tasks:
+        n_key = f"n/{t}"
+        items = [(m, m.get(n_key, 0.0)) for m in parties if m.get(n_key, 0.0) > 0]
+        out[n_key] = sum(w for _, w in items)
+        for k in ("acc", "loss"):
+            vals = [(m[f"{k}/{t}"], w) for m, w in items if math.isfinite(m.get(f"{k}/{t}", math.nan))]
+            out[f"{k}/{t}"] = sum(v * w for v, w in vals) / sum(w for _, w in vals) if vals else math.nan
+    for k in EVAL_ROUTING_KEYS:
+        vals = [(m[k], sum(m.get(f"n/{t}", 0.0) for t in tasks)) for m in parties
+                if math.isfinite(m.get(k, math.nan))]
+        wsum = sum(w for _, w in vals)
+        out[k] = sum(v * w for v, w in vals) / wsum if vals and wsum > 0 else math.nan
+    return out
+
+
+def check_update(upd: ModelUpdate, expected: dict[str, tuple[int, ...]]) -> str | None:
+    """None if a plaintext update has exactly the trainable tensors, with their shapes, all finite."""
+    if set(upd.delta) != set(expected):
+        return "update keys do not match the trainable parameters"
+    for k, shape in expected.items():
+        if tuple(upd.delta[k].shape) != shape:
+            return f"update tensor {k!r} has shape {tuple(upd.delta[k].shape)}, expected {shape}"
+        if not np.all(np.isfinite(upd.delta[k])):
+            return f"update tensor {k!r} contains NaN or Inf"
+    return None
+
+
+class PlaintextAggregator(Aggregator):
+    """``privacy.mode = "plaintext"``: a benchmark baseline; the server sees every reply."""
+
+    def _ask(self, instr: object, expected: type, phase: str) -> tuple[dict, dict, int]:
+        co = self.co
+        nodes = co.nodes()
+        replies, errors = co.transport.exchange({n: instr for n in nodes}, expected, co.cfg.federation.round_timeout,
+                                                rnd=co.s.round, phase=phase)
+        return replies, errors, len(nodes)
+
+    def _release(self, phase: str, release: str, total: np.ndarray, included: list[str], **info) -> None:
+        self.co.guard.log_release(rnd=self.co.s.round, phase=phase, release=release, total=total, dp=None,
+                                  info={"mode": "plaintext", "release": release, "included": sorted(included),
+                                        "dropped": [], "responders": [], **info})
+
+    def updates(self, instr, kind, release, metric_keys, event):
+        co = self.co
+        replies, errors, n_nodes = self._ask(instr, ModelUpdate, kind)
+        shapes = dict(co.tspec.shapes)
+        for node, upd in list(replies.items()):
+            problem = check_update(upd, shapes)
+            if problem:
+                errors[node] = problem
+                del replies[node]
+        rejected = divergent_updates({nd: u.delta for nd, u in replies.items()}, co.cfg.federation.max_norm_ratio)
+        for node, problem in rejected.items():
+            errors[node] = problem
+            del replies[node]
+        co.report_errors(event["phase_label"], errors)
+        for upd in replies.values():
+            co.metrics.append({**event, "party": upd.party, "num_examples": upd.num_examples, **upd.metrics})
+        avg = weighted_average([(u.delta, float(u.num_examples)) for u in replies.values()])
+        if avg is None:
+            return Skip(f"no usable update ({len(errors)} errors): model unchanged")
+        self._release(kind, "model-update", np.concatenate([a.ravel() for a in avg.values()]),
+                      [u.party for u in replies.values()],
+                      rejected={co.guard.peer(nd): why for nd, why in rejected.items()})
+        metrics = weighted_metrics([(u.metrics, u.num_examples) for u in replies.values() if u.num_examples > 0])
+        return UpdateSum(avg, metrics, sum(u.num_examples for u in replies.values()), len(replies), n_nodes)
+
+    def router_stats(self, instr, shape, label):
+        co = self.co
+        replies, errors, n_nodes = self._ask(instr, RouterStats, "stats")
+        good = []
+        for node, st in replies.items():
+            if tuple(st.sums.shape) != shape:
+                errors[node] = f"router statistics have shape {tuple(st.sums.shape)}, expected {shape}"
+            else:
+                good.append(st.sums)
+        co.report_errors(label, errors)
+        if not good:
+            return Skip("no usable router statistics: anchor unchanged", failed=False)
+        total = np.sum(good, axis=0)  # [L, E]
+        self._release("stats", "router-stats", total, [co.guard.peer(nd) for nd in replies],
+                      layers=shape[0], experts=shape[1])
+        return StatsSum(total, len(good), n_nodes, "no DP (plaintext baseline)")
+
+    def evaluation(self, instr, tasks):
+        co = self.co
+        replies, errors, n_nodes = self._ask(instr, EvalReply, "eval")
+        co.report_errors("eval", errors)
+        if not replies:
+            return Skip("no evaluation replies", failed=False)
+        per_party = {r.party: dict(r.metrics) for r in replies.values()}
+        agg = aggregate_eval(list(per_party.values()), tasks)
+        self._release("eval", "eval", np.zeros(1), list(per_party))
+        return EvalSum({**per_party, "all": agg}, len(replies), n_nodes)

@@ -1,0 +1,253 @@
+"""The coordinator's round loop, independent of Flower: read it top to bottom.
+
+``Coordinator.run`` writes the run record (``run.json``, ``config.toml``, ``metrics.jsonl``), builds the
+model once to know its trainable tensors and router shape, restores a checkpoint when resuming
+(``distmoe.coordinator.resume``), waits for ``federation.min-parties`` parties, starts the privacy
+plane (``distmoe.coordinator.plane``: signed ledger, allow-list, server guard, secure-aggregation
+setup, the aggregator), then runs every round of ``schedule.phases`` through its phase module
+(``distmoe.coordinator.phases``) and ends every completed round with a checkpoint holding the global
+model and the coordinator state (``distmoe.coordinator.state``). Parties that fail (error replies,
+malformed payloads, timeouts) are logged and left out of the round; a round without a usable sum leaves
+the model unchanged and, with ``federation.on-round-failure = "stop"``, ends the run.
+
+The ServerApp supplies a transport over Flower's ``Grid`` (``server/app.py``); tests and benchmarks use
+the in-process one (``distmoe.inprocess``). Layout and protocol: ``docs/architecture.md``.
+
+Must not: import ``flwr``, build Flower records, or read party data.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from distmoe.checkpoint import save_checkpoint
+from distmoe.config import RunConfig, to_toml
+from distmoe.coordinator import plane, resume
+from distmoe.coordinator.aggregator import Aggregator
+from distmoe.coordinator.errors import PrivacyStop, RunFailed
+from distmoe.coordinator.phases import run_round
+from distmoe.coordinator.record import RunRecord, flag_anomalies
+from distmoe.coordinator.secagg import SecureRounds
+from distmoe.coordinator.state import RoundState, to_checkpoint
+from distmoe.coordinator.transport import Transport
+from distmoe.io import write_text_atomic
+from distmoe.ledger import Ledger
+from distmoe.model.build import build_model, describe, hash_tensors, param_count
+from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state
+from distmoe.privacy.plan import plan_privacy
+from distmoe.report.metrics_log import MetricsLog
+from distmoe.wire.server_guard import ServerGuard
+
+PLAINTEXT_WARNING = ("privacy.mode = plaintext: model updates, router statistics and metrics travel to the "
+                     "server as plain (un-noised, un-masked) arrays and are summed there; a benchmark baseline "
+                     "only: do not use this run on data that must stay private from the coordinator (the audit "
+                     "fails it)")
+
+
+class Coordinator:
+    def __init__(self, cfg: RunConfig, run_dir: Path, transport: Transport, run_id: str,
+                 log: Callable[[str], None] = print):
+        """``run_id``: this process's run id (Flower's). On resume (``cfg.run.resume``) the coordinator
+        keeps the interrupted run's id as the logical run id (``self.run_id``: the ledger, the parties'
+        accountants) and records ``run_id`` as this session's."""
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.transport = transport
+        self.run_id = str(run_id)
+        self.session_id = str(run_id)
+        self.log = log
+        self.resuming = bool(cfg.run.resume)
+        self.epoch = 0  # secure-aggregation setup epoch: the number of resumes so far
+        self.resume_warnings: list[str] = []
+        self.resumed_from: dict | None = None  # checkpoint, round and hash a resume continued from
+        self.ckpt_round = -1  # the round of the last checkpoint written by this process
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.record = RunRecord(self.run_dir / "run.json")
+        self.s = RoundState()
+        self.plan = plan_privacy(cfg.privacy, cfg.schedule)
+        # set once the model is built (run) and the privacy plane started (plane.start)
+        self.model: torch.nn.Module | None = None
+        self.tok = None
+        self.tspec = None  # distmoe.model.trainable.TrainableSpec
+        self.mspec = None  # distmoe.model.build.ModelSpec
+        self.ledger: Ledger | None = None
+        self.guard: ServerGuard | None = None
+        self.secure: SecureRounds | None = None
+        self.aggregator: Aggregator | None = None
+
+    # ------------------------------------------------------------------ the run, top to bottom
+    def run(self) -> dict:
+        if self.resuming:
+            resume.begin(self)
+        else:
+            self._start_record()
+        status = "completed"
+        try:
+            self._build_model()
+            if not (self.resuming and resume.restore(self)):
+                self.checkpoint()
+            self.start_plane(self._wait_for_parties())
+            self._run_schedule()
+        except BaseException as exc:
+            status = "failed"
+            self.record.update(status="failed", finished=time.time(), error=f"{type(exc).__name__}: {exc}")
+            self.metrics.append({"event": "run_end", "status": "failed", "error": str(exc)})
+            self.say(f"run FAILED: {type(exc).__name__}: {exc}")
+            if not isinstance(exc, (RunFailed, PrivacyStop)):
+                self.log(traceback.format_exc())
+            raise
+        finally:
+            plane.close(self, status)
+        self.record.update(status="completed", finished=time.time())
+        self.metrics.append({"event": "run_end", "status": "completed", "rounds": self.s.round})
+        self.say(f"run completed: {self.s.round} rounds, results in {self.run_dir}")
+        return self.record.data
+
+    def _run_schedule(self) -> None:
+        total = self.cfg.schedule.total_rounds
+        rnd = 0
+        for index, phase in enumerate(self.cfg.schedule.phases):
+            for _ in range(phase.rounds):
+                rnd += 1
+                if rnd <= self.s.round:  # completed before the restart
+                    continue
+                self.s.round = rnd
+                t0 = time.perf_counter()
+                text = self.play_round(index, phase)
+                if self.ckpt_round != self.s.round:  # every completed round ends with a checkpoint
+                    self.checkpoint()
+                self.say(f"round {rnd}/{total} | {phase.label()} | {text} | {time.perf_counter() - t0:.1f} s")
+
+    def start_plane(self, nodes: list[int]) -> None:
+        """Ledger, allow-list, guard, secure setup, aggregator (``distmoe.coordinator.plane``)."""
+        plane.start(self, nodes)
+
+    def play_round(self, index: int, phase) -> str:
+        """One round of the ``index``-th phase; returns its progress line."""
+        return run_round(self, index, phase)
+
+    # ------------------------------------------------------------------ steps of run()
+    def _start_record(self) -> None:
+        cfg, p = self.cfg, self.cfg.privacy
+        schedule = [ph.label() + (f"*{ph.rounds}" if ph.rounds > 1 else "") for ph in cfg.schedule.phases]
+        warn = [] if p.secure else [PLAINTEXT_WARNING]
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.run_dir / "config.toml", to_toml(cfg.as_flat()))
+        updates = ("secure-sum + client-level DP" if p.update_noise_multiplier else "secure-sum") if p.secure \
+            else "plaintext"
+        self.record.update(run_id=self.run_id, name=cfg.run.name, status="running", started=time.time(),
+                           finished=None, error=None, config=cfg.as_flat(), schedule=schedule, warnings=warn,
+                           privacy={"mode": p.mode, "secure_aggregation": p.secure,
+                                    "router_stats": "secure-sum + distributed Skellam DP" if p.secure
+                                    else "plaintext-sum", "model_updates": updates,
+                                    "plan": self.plan.as_dict(), "epsilon_budget": p.epsilon, "delta": p.delta},
+                           parties={})
+        for w in warn:
+            self.say(f"WARNING: {w}")
+        if p.secure:
+            self.say(f"privacy: secure aggregation on every reply; router statistics with distributed DP at "
+                     f"z = {self.plan.noise_multiplier:.3f}{' (derived)' if self.plan.derived else ''} over "
+                     f"{self.plan.stats_releases} release(s): planned epsilon {self.plan.planned_epsilon:.3f} <= "
+                     f"{p.epsilon:g} at delta {p.delta:g} per party")
+        self.metrics.append({"event": "run_start", "run_id": self.run_id, "schedule": schedule, "warnings": warn})
+
+    def _build_model(self) -> None:
+        cfg = self.cfg
+        model, self.tok = build_model(cfg.model)
+        self.model = apply_trainable(model, cfg.model)
+        self.tspec = spec_of(self.model, cfg.model.trainable)
+        self.mspec = describe(self.model)
+        self.s.weights = trainable_state(self.model)
+        n_params = param_count(self.model)
+        self.record.update(model={"family": self.mspec.family, "parameters": n_params,
+                                  "trainable": cfg.model.trainable, "trainable_numel": self.tspec.numel,
+                                  "router_spec": self.mspec.router_spec()})
+        self.say(f"model {self.mspec.family}: {n_params / 1e6:.2f}M parameters, {self.tspec.numel / 1e6:.2f}M "
+                 f"trainable ({cfg.model.trainable}); {len(self.mspec.moe_layers)} MoE layers x "
+                 f"{self.mspec.num_experts} experts, top-{self.mspec.top_k}")
+
+    def _wait_for_parties(self) -> list[int]:
+        need, wait = self.cfg.federation.min_parties, self.cfg.federation.wait_timeout
+        deadline = time.monotonic() + wait
+        while True:
+            nodes = self.transport.node_ids()
+            if len(nodes) >= need:
+                self.say(f"{len(nodes)} parties connected")
+                return nodes
+            if time.monotonic() > deadline:
+                raise RunFailed(f"only {len(nodes)} of federation.min-parties = {need} parties connected within "
+                                f"federation.wait-timeout = {wait} s")
+            time.sleep(1.0)
+
+    # ------------------------------------------------------------------ services for phases and aggregators
+    def say(self, text: str) -> None:
+        self.log(f"distmoe | {text}")
+
+    def warn(self, text: str) -> None:
+        """A resume warning: printed, and kept in ``run.json`` ``warnings`` and the ``run-resume`` entry."""
+        self.say(f"WARNING: {text}")
+        self.resume_warnings.append(text)
+        self.record.append("warnings", text)
+
+    def nodes(self) -> list[int]:
+        """The connected nodes, at least ``federation.min-parties`` of them (else ``RunFailed``)."""
+        nodes = self.transport.node_ids()
+        if len(nodes) < self.cfg.federation.min_parties:
+            raise RunFailed(f"{len(nodes)} parties connected, federation.min-parties = "
+                            f"{self.cfg.federation.min_parties}")
+        return nodes
+
+    @staticmethod
+    def np_weights(w: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        return {k: v.numpy() for k, v in w.items()}
+
+    def event(self, name: str, index: int, phase, **extra) -> dict:
+        """The common fields of a round's ``metrics.jsonl`` lines."""
+        return {"event": name, "round": self.s.round, "phase": index, "phase_label": phase.label(),
+                "task": phase.task, **extra}
+
+    def report_errors(self, phase: str, errors: dict[int, str]) -> None:
+        for node, reason in errors.items():
+            who = self.guard.peer(node) if self.guard is not None else f"node {node}"
+            self.say(f"round {self.s.round}: party {who} left out of {phase}: {reason}")
+            self.metrics.append({"event": "party_error", "round": self.s.round, "phase_label": phase,
+                                 "node": str(node), "party": who, "reason": reason[:500]})
+
+    def round_failed(self, message: str) -> str:
+        """A round that released nothing: go on (``federation.on-round-failure = skip``) or stop the run."""
+        if self.cfg.federation.on_round_failure == "stop":
+            raise RunFailed(f"round {self.s.round}: {message} (federation.on-round-failure = 'stop')")
+        return message
+
+    def flag_anomalies(self, event: str, agg: Mapping[str, float]) -> list[str]:
+        """Anomalies of an aggregate (``distmoe.coordinator.record``), recorded in ``run.json``
+        (``anomalies``) and ``metrics.jsonl`` (``event: anomaly``); the report lists them."""
+        p = self.cfg.privacy
+        if p.secure and p.update_noise_multiplier > 0:
+            return []  # metrics withheld under client-level DP: nothing to judge
+        found = flag_anomalies(self.s.anomaly_history, event, agg, self.cfg.federation.anomaly_z)
+        for text in found:
+            self.say(f"round {self.s.round}: ANOMALY: {text}")
+            self.metrics.append({"event": "anomaly", "round": self.s.round, "kind": event, "party": "all",
+                                 "detail": text})
+            self.record.append("anomalies", {"round": self.s.round, "detail": text})
+        return found
+
+    def checkpoint(self) -> None:
+        """The model and the coordinator state at the end of round ``s.round`` (the resume point)."""
+        s = self.s
+        load_trainable(self.model, s.weights, self.tspec)
+        state, tensors = to_checkpoint(s, self.cfg.schedule.phases, run_id=self.run_id, session=self.session_id,
+                                       epoch=self.epoch)
+        save_checkpoint(self.run_dir / "checkpoints", s.round, self.model, self.tok, s.weights,
+                        hash_tensors(s.weights),
+                        meta={"run_id": self.run_id, "anchor_version": s.anchor_versions,
+                              "trainable": self.cfg.model.trainable},
+                        keep=self.cfg.checkpoint.keep, state=state, tensors=tensors)
+        self.ckpt_round = s.round

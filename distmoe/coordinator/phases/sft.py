@@ -1,0 +1,41 @@
+"""The ``sft`` phase: local supervised tuning at every party, then the aggregated update.
+
+``configure`` starts a new task when the phase's task changes (the model and evaluation before it are
+kept for retention) and sends the global weights with the router anchor when one exists and
+``routing.anchor-kl-coef`` > 0 (the party's loss is then task loss + aux load balance + anchor KL:
+``docs/algorithms.md``). ``aggregate`` adds the aggregated update to the global model.
+
+Must not: import ``flwr``, or see one party's update.
+"""
+
+from __future__ import annotations
+
+import math
+
+from distmoe.coordinator.phases.update import apply_update
+from distmoe.wire.schema import TRAIN_METRIC_KEYS, SftInstruction
+
+
+def configure(co, phase) -> SftInstruction:
+    s, cfg = co.s, co.cfg
+    if phase.task != s.current_task:
+        s.begin_task(phase.task)
+    use_anchor = s.anchor is not None and cfg.routing.anchor_kl_coef > 0
+    return SftInstruction(round=s.round, task=phase.task, weights=co.np_weights(s.weights),
+                          base_hash=co.tspec.base_hash, seed=cfg.run.seed * 100_003 + s.round,
+                          anchor=s.anchor.probs if use_anchor else None,
+                          anchor_version=s.anchor.meta.version if use_anchor else 0)
+
+
+def aggregate(co, index, phase, instr: SftInstruction) -> str:
+    event = co.event("train", index, phase, anchor_version=instr.anchor_version)
+    out = apply_update(co, co.aggregator.updates(instr, "sft", "model-update", TRAIN_METRIC_KEYS, event), event)
+    if isinstance(out, str):
+        return out
+    agg = out.metrics
+    kl = (f", anchor KL {agg['anchor_kl']:.4f}" if instr.anchor is not None
+          and math.isfinite(agg.get("anchor_kl", math.nan)) else "")
+    if not math.isfinite(agg.get("skipped_steps", math.nan)):
+        return f"{out.parties}/{out.nodes} parties | training metrics withheld (client-level DP on updates)"
+    return (f"{out.parties}/{out.nodes} parties | task loss {agg['loss_first']:.3f} -> "
+            f"{agg['loss_last']:.3f}{kl} | skipped steps {int(agg['skipped_steps'])}")

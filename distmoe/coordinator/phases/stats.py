@@ -1,0 +1,43 @@
+"""The ``stats`` phase: aggregated router statistics become a new version of the router anchor.
+
+The anchor is the per-layer routing distribution of the summed statistics
+(``distmoe.routing.anchor.build_anchor``: ``probs[l, e] = max(total[l, e], 0) / sum_e max(total[l, e], 0)``,
+``total: [L, E]``), versioned and saved under ``anchors/`` with the checkpoint hash it was measured on.
+
+Must not: import ``flwr``, or see one party's statistics.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distmoe.coordinator.aggregator import Skip
+from distmoe.model.build import hash_tensors
+from distmoe.routing.anchor import AnchorVersion, build_anchor, save_anchor
+from distmoe.wire.schema import StatsInstruction
+
+
+def configure(co, phase) -> StatsInstruction:
+    return StatsInstruction(round=co.s.round, task=phase.task or "", weights=co.np_weights(co.s.weights),
+                            base_hash=co.tspec.base_hash)
+
+
+def aggregate(co, index, phase, instr: StatsInstruction) -> str:
+    s = co.s
+    out = co.aggregator.router_stats(instr, (co.mspec.num_moe_layers, co.mspec.num_experts), phase.label())
+    if isinstance(out, Skip):
+        return co.round_failed(out.text) if out.failed else out.text
+    total = out.total  # [L, E]
+    n_seq = float(total.sum(1).mean())
+    if n_seq <= 0 or np.any(np.clip(total, 0, None).sum(1) <= 0):
+        return "router statistics are empty (or all noise): anchor unchanged"
+    s.anchor_versions += 1
+    meta = AnchorVersion(version=s.anchor_versions, round=s.round, source_checkpoint=hash_tensors(s.weights),
+                         router_spec=co.mspec.router_spec(), num_sequences=n_seq, task=phase.task)
+    s.anchor = build_anchor(total, meta)
+    save_anchor(s.anchor, co.run_dir / "anchors")
+    co.metrics.append({"event": "stats", "round": s.round, "party": "all", "task": phase.task,
+                       "anchor_version": meta.version, "num_sequences": n_seq, "parties": out.parties})
+    ent = float(-(s.anchor.probs * np.log(np.clip(s.anchor.probs, 1e-9, None))).sum(1).mean())
+    return (f"{out.parties}/{out.nodes} parties | anchor v{meta.version} from ~{n_seq:.0f} sequences "
+            f"| mean routing entropy {ent:.3f} nats | {out.note}")

@@ -1,0 +1,32 @@
+"""Applying an aggregated model update, shared by the ``sft`` and ``rl`` phases.
+
+Must not: import ``flwr``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from distmoe.coordinator.aggregator import Skip, UpdateSum
+
+if TYPE_CHECKING:
+    from distmoe.coordinator.loop import Coordinator
+
+
+def apply_update(co: Coordinator, out: UpdateSum | Skip, event: dict) -> UpdateSum | str:
+    """Add an aggregated update to the global weights, log it, watch it for anomalies and checkpoint;
+    or log a skipped round (``Skip``) and return its line."""
+    if isinstance(out, Skip):
+        text = co.round_failed(out.text) if out.failed else out.text
+        co.metrics.append({**event, "party": "all", "num_examples": 0, "skipped": True})
+        return text
+    s = co.s
+    for k, d in out.delta.items():
+        s.weights[k] = s.weights[k] + torch.from_numpy(d)
+    co.metrics.append({**event, "party": "all", "num_examples": out.num_examples, "parties": out.parties,
+                       **out.metrics})
+    co.flag_anomalies(event["event"], out.metrics)
+    co.checkpoint()
+    return out

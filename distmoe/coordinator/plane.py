@@ -1,0 +1,113 @@
+"""The coordinator's privacy plane for one run: its ledger, the run's allow-list, the server guard, and
+the secure-aggregation setup; and the ``run-end`` entry that closes the ledger.
+
+Owns: ``start`` (a new signed ledger ``ledger/coordinator.jsonl`` + ``.pub`` whose first entry is the
+run's allow-list with the privacy settings and plan; or, on resume, the interrupted run's ledger
+continued with a ``run-resume`` entry), the check that router statistics of this many parties cannot
+wrap Z_2^64 (before anything is sent), the ``ServerGuard`` attached to the transport, and the choice of
+aggregator: ``SecureAggregator`` after a ``SecureRounds.setup`` in ``privacy.mode = "secagg"``,
+``PlaintextAggregator`` in the benchmark baseline; ``close`` writes ``run-end`` with the epsilon spent.
+
+Must not: import ``flwr``, or send anything before the allow-list is signed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+from distmoe.coordinator import resume
+from distmoe.coordinator.aggregator import PlaintextAggregator
+from distmoe.coordinator.errors import RunFailed
+from distmoe.coordinator.secagg import SecureRounds
+from distmoe.coordinator.secure import SecureAggregator
+from distmoe.io import write_text_atomic
+from distmoe.ledger import Ledger, canonical_json, generate_signing_key, public_key_hex
+from distmoe.privacy.dp import WrapError
+from distmoe.privacy.plan import stats_spec, threshold_for
+from distmoe.privacy.vectors import UpdateLayout
+from distmoe.wire.schema import TRAIN_METRIC_KEYS, eval_metric_keys, rl_metric_keys
+from distmoe.wire.server_guard import ServerGuard, build_policy, policy_digest
+
+if TYPE_CHECKING:
+    from distmoe.coordinator.loop import Coordinator
+
+
+def layout_facts(co: Coordinator, n: int) -> dict[str, int]:
+    """The public vector lengths of each release for ``n`` parties (they size the allow-list)."""
+    cfg, p = co.cfg, co.cfg.privacy
+    L, E = co.mspec.num_moe_layers, co.mspec.num_experts
+    return dict(
+        update_length=UpdateLayout.build(co.tspec.shapes, TRAIN_METRIC_KEYS, n, p.update_clip, p.max_weight).length,
+        rl_update_length=UpdateLayout.build(co.tspec.shapes, rl_metric_keys(L, cfg.rl.simulator), n, p.update_clip,
+                                            p.max_weight).length,
+        stats_length=L * E + p.canaries, eval_length=2 * len(eval_metric_keys(cfg.schedule.tasks)))
+
+
+def start(co: Coordinator, nodes: list[int]) -> None:
+    cfg, p = co.cfg, co.cfg.privacy
+    lpath = co.run_dir / "ledger" / "coordinator.jsonl"
+    continuing = co.resuming and lpath.exists()  # else the interrupted session never opened its ledger
+    entries: list[dict] = []
+    if continuing:
+        co.ledger, run_start, entries = resume.reopen_ledger(co, lpath)
+    else:
+        key = generate_signing_key(co.run_dir / "keys" / "coordinator.key", force=True)
+        if lpath.exists():
+            raise RunFailed(f"{lpath} exists: a run directory is used by one run only")
+        co.ledger = Ledger(lpath, key)
+        write_text_atomic(lpath.with_suffix(".pub"), public_key_hex(key) + "\n")
+    n = len(nodes)
+    L, E = co.mspec.num_moe_layers, co.mspec.num_experts
+    facts = layout_facts(co, n)
+    if p.secure and co.plan.stats_releases:  # fail before anything is sent, naming the bound
+        try:
+            stats_spec(p, co.plan.noise_multiplier, L, E, n, threshold_for(n, p.min_parties, p.secagg_graph))
+        except WrapError as exc:
+            raise RunFailed(f"router statistics of {n} parties cannot be summed in Z_2^64: {exc}; lower "
+                            "privacy.num-sequences-max or privacy.scale") from None
+    policy = build_policy(secure=p.secure, n_parties=n, trainable=dict(co.tspec.shapes), layers=L, experts=E,
+                          tasks=cfg.schedule.tasks, **facts)
+    digest = policy_digest(policy)
+    if continuing:
+        resume.append_resume_entry(co, digest, policy, run_start, entries, n)
+    else:
+        blob = canonical_json(policy).encode("ascii")
+        co.ledger.append(run=co.run_id, round=0, phase="run-start", direction="out", payload_type="policy", keys=[],
+                         shapes={}, bytes=len(blob), sha256=digest, verdict="accepted", peer="all",
+                         info={"policy": policy, "mode": p.mode,
+                               "privacy": {k: v for k, v in cfg.as_flat().items()
+                                           if k.startswith("privacy.") or k == "data.canaries"},
+                               "plan": co.plan.as_dict(), "router_spec": co.mspec.router_spec()})
+    co.guard = ServerGuard(co.ledger, co.run_id, policy)
+    co.transport.attach(co.guard)
+    if not p.secure:
+        co.aggregator = PlaintextAggregator(co)
+        return
+    co.secure = SecureRounds(cfg, co.plan, co.transport, co.run_dir, co.say, co.report_errors)
+    if continuing:
+        resume.restore_accountants(co, entries)
+    co.secure.setup(nodes, max(facts.values()), first_round=co.s.round + 1, logical_run=co.run_id, epoch=co.epoch)
+    co.aggregator = SecureAggregator(co, co.secure)
+    guard = co.guard
+    co.record.update(parties={**(co.record.get("parties") or {}),
+                              **{guard.peer(nd): {"node": str(nd),
+                                                  "ledger_public_key": guard.public_keys.get(guard.peer(nd), "")}
+                                 for nd in co.secure.roster}},
+                     privacy={**co.record["privacy"], "threshold": co.secure.threshold,
+                              "n_parties": len(co.secure.roster)})
+
+
+def close(co: Coordinator, status: str) -> None:
+    """The ``run-end`` entry with the epsilon spent per party; never masks the run's own error."""
+    if co.ledger is None:
+        return
+    try:
+        eps = co.secure.epsilon() if co.secure is not None else {}
+        co.ledger.append(run=co.run_id, round=co.s.round, phase="run-end", direction="out", payload_type="run-end",
+                         keys=[], shapes={}, bytes=0, sha256=hashlib.sha256(b"").hexdigest(), verdict="accepted",
+                         peer="all", info={"status": status, "epsilon": eps})
+        if eps:
+            co.record.update(privacy={**co.record["privacy"], "epsilon_spent": eps})
+    except Exception as exc:  # never mask the run's own error
+        co.say(f"could not close the ledger: {exc}")

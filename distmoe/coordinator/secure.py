@@ -1,0 +1,110 @@
+"""The secure form of the ``Aggregator``: every reply of every phase is one secure sum.
+
+Owns: for each phase, the public layout of the vector the parties mask (``distmoe.privacy.vectors``:
+``UpdateLayout``, ``StatsLayout``, ``EvalLayout``), the DP event of a release at the survivors' count
+(``PrivacyEvent``: client-level Gaussian on updates when ``privacy.update-noise-multiplier`` > 0,
+distributed Skellam on router statistics), the bound checks on the decoded sum
+(``distmoe.aggregate``: a sum that no honest set of parties can produce is rejected, logged and not
+applied), and the release entry in the ledger with its survivors, DP parameters and canaries. The round
+itself (setup, masked input, the privacy gate, unmasking) is ``distmoe.coordinator.secagg.SecureRounds``.
+
+Must not: see any party's individual reply (only ``SecureRounds``' sums), or import ``flwr``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from distmoe.aggregate import aggregate_problem, eval_sum_problem, stats_sum_problem
+from distmoe.coordinator.aggregator import Aggregator, EvalSum, Skip, StatsSum, UpdateSum
+from distmoe.coordinator.secagg import SecureRounds, SecureSum
+from distmoe.privacy.accountant import PrivacyEvent
+from distmoe.privacy.plan import stats_spec
+from distmoe.privacy.vectors import EvalLayout, StatsLayout, UpdateLayout, from_ring64
+from distmoe.wire.schema import eval_metric_keys
+
+
+class SecureAggregator(Aggregator):
+    def __init__(self, co, rounds: SecureRounds):
+        super().__init__(co)
+        self.rounds = rounds
+
+    def _log(self, res: SecureSum, phase: str, release: str, dp: dict | None, problem: str | None, **info) -> None:
+        self.co.guard.log_release(rnd=self.co.s.round, phase=phase, release=release, total=res.total, dp=dp,
+                                  info={"mode": "secagg", "release": release, "included": list(res.included),
+                                        "dropped": list(res.dropped), "responders": list(res.responders), **info,
+                                        "applied": problem is None, **({"rejected": problem} if problem else {})},
+                                  verdict="accepted" if problem is None else f"rejected: {problem}")
+        if problem is not None:
+            what = {"router-stats": "router statistics", "eval": "evaluation numbers"}.get(release, release)
+            self.co.say(f"round {self.co.s.round}: the secure sum of {what} is rejected: {problem}")
+
+    def updates(self, instr, kind, release, metric_keys, event):
+        co, p, sec = self.co, self.co.cfg.privacy, self.rounds
+        n, t = len(sec.roster), sec.threshold
+        z_u = sec.plan.update_noise_multiplier
+        layout = UpdateLayout.build(co.tspec.shapes, metric_keys, n, p.update_clip, p.max_weight, private=z_u > 0)
+
+        def event_at(n_active: int) -> PrivacyEvent:  # the sum over n_active >= t survivors: z_u * sqrt(n_active/t)
+            return PrivacyEvent(z_u * math.sqrt(n_active / t), 1.0, 1, "gaussian", f"{release} round {co.s.round}")
+
+        res = sec.round(co.s.round, kind, instr, release, layout.length, event_at if z_u > 0 else None)
+        if res is None:
+            return Skip("no secure sum this round: model unchanged")
+        avg, weight, agg = layout.decode(res.total)
+        problem = aggregate_problem(layout, avg, weight, len(res.included), z_u, t)
+        dp = None
+        if z_u > 0:
+            dp = {"mechanism": "gaussian", "unit": "party", "neighbours": "add/remove", "noise_multiplier": z_u,
+                  "n_parties": n, "n_active": res.n_active, "max_dropouts": n - t,
+                  "z_eff": z_u * math.sqrt(res.n_active / t), "clip": p.update_clip, "weights": "uniform",
+                  "sensitivity": layout.sensitivity, "metrics": "withheld"}
+        self._log(res, kind, release, dp, problem, weight_sum=weight, frac_bits=layout.frac_bits)
+        if problem is not None:
+            return Skip(f"aggregate rejected ({problem}): model unchanged")
+        if avg is None:
+            return Skip(f"{len(res.included)} parties, total weight 0 (no data for task {instr.task!r}): model "
+                        "unchanged", failed=False)
+        return UpdateSum(avg, agg, int(round(weight)), len(res.included), n)
+
+    def router_stats(self, instr, shape, label):
+        p, sec, rnd = self.co.cfg.privacy, self.rounds, self.co.s.round
+        n, t = len(sec.roster), sec.threshold
+        spec = stats_spec(p, sec.plan.noise_multiplier, shape[0], shape[1], n, t)
+        layout = StatsLayout(spec)
+
+        def event_at(n_active: int) -> PrivacyEvent:
+            return PrivacyEvent(spec.effective_noise_multiplier(n_active), 1.0, 1, "skellam",
+                                f"router-stats round {rnd}")
+
+        res = sec.round(rnd, "stats", instr, "router-stats", layout.length, event_at)
+        if res is None:
+            return Skip("no secure sum this round: anchor unchanged")
+        noisy, canaries = layout.decode(res.total)  # [L, E] sequence units, [K] integer units
+        ints = from_ring64(res.total)[:spec.dim].reshape(shape)
+        dp = spec.dp_params(res.n_active)
+        problem = stats_sum_problem(ints, spec.scale, res.n_active, p.num_sequences_max,
+                                    spec.aggregate_sigma(res.n_active))
+        self._log(res, "stats", "router-stats", dp, problem, layers=shape[0], experts=shape[1],
+                  canary={"k": int(spec.n_canaries), "values": [int(v) for v in canaries]},
+                  row_sums=[int(v) for v in ints.sum(1)])
+        if problem is not None:  # the privacy cost is spent (the sum was unmasked), the anchor stays
+            return Skip(f"aggregate rejected ({problem}): anchor unchanged")
+        worst = max((max(v["prv"], v["rdp"]) for v in sec.epsilon().values()), default=0.0)
+        return StatsSum(np.asarray(noisy), len(res.included), n,
+                        f"DP z_eff {dp['z_eff']:.2f}, epsilon spent <= {worst:.3f} of {p.epsilon:g}")
+
+    def evaluation(self, instr, tasks):
+        co, sec = self.co, self.rounds
+        layout = EvalLayout(eval_metric_keys(tasks), len(sec.roster), co.cfg.privacy.num_sequences_max)
+        res = sec.round(co.s.round, "eval", instr, "eval", layout.length)
+        if res is None:
+            return Skip("no secure sum this round: no evaluation")
+        agg = layout.decode(res.total)
+        problem = eval_sum_problem(agg, len(res.included), co.cfg.privacy.num_sequences_max)
+        self._log(res, "eval", "eval", None, problem)
+        if problem is not None:
+            return Skip(f"aggregate rejected ({problem}): no evaluation")
+        return EvalSum({"all": agg}, len(res.included), len(sec.roster))

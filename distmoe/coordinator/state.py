@@ -1,0 +1,105 @@
+"""The coordinator's state between rounds, and its form inside a checkpoint.
+
+Owns: ``RoundState`` (round counter, hence the schedule position; the global trainable weights; the
+router anchor and its version count; the current and trained tasks; the reference weights and the
+evaluation baseline for retention; the last evaluation; the anomaly history), ``position`` (where a round
+sits in the schedule) and the round trip through a checkpoint: ``to_checkpoint`` gives ``state.json``
+and its tensors, ``from_checkpoint`` rebuilds the state from what ``distmoe.checkpoint`` loaded
+(``docs/operations.md``, Resume).
+
+Must not: talk to parties, write files, or know about privacy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from distmoe.config import Phase
+from distmoe.io import sanitize
+from distmoe.routing.anchor import Anchor, AnchorVersion
+
+STATE_FORMAT = 1  # of the coordinator state inside each checkpoint
+
+
+class StateError(ValueError):
+    """A checkpoint's state does not belong to this run or cannot be read."""
+
+
+@dataclass
+class RoundState:
+    round: int = 0
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # global trainable weights, float32
+    anchor: Anchor | None = None
+    anchor_versions: int = 0
+    current_task: str | None = None
+    trained_tasks: list[str] = field(default_factory=list)
+    ref_weights: dict[str, torch.Tensor] | None = None  # global model before the current task
+    last_eval: dict[str, dict[str, float]] = field(default_factory=dict)  # party -> metrics
+    baseline: dict[str, dict[str, float]] = field(default_factory=dict)  # eval before the current task
+    anomaly_history: dict[str, list[float]] = field(default_factory=dict)  # "event/key" -> aggregate values
+
+    def begin_task(self, task: str) -> None:
+        """A new task starts: remember the model and the evaluation before it (for retention)."""
+        self.ref_weights = {k: v.clone() for k, v in self.weights.items()}
+        self.baseline = {p: dict(m) for p, m in self.last_eval.items()}
+        self.current_task = task
+        self.mark_trained(task)
+
+    def mark_trained(self, task: str) -> None:
+        if task not in self.trained_tasks:
+            self.trained_tasks.append(task)
+
+
+def position(phases: tuple[Phase, ...], rnd: int) -> dict | None:
+    """Where round ``rnd`` sits in the schedule (None for round 0, before the first phase)."""
+    done = 0
+    for i, ph in enumerate(phases):
+        if rnd <= done + ph.rounds:
+            return {"phase": i, "label": ph.label(), "round_in_phase": rnd - done} if rnd > 0 else None
+        done += ph.rounds
+    return {"phase": len(phases), "label": "end", "round_in_phase": 0}
+
+
+def to_checkpoint(s: RoundState, phases: tuple[Phase, ...], *, run_id: str, session: str, epoch: int
+                  ) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """``state.json`` at this round boundary and its tensor files (``ref``, ``anchor``)."""
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    if s.ref_weights is not None:
+        tensors["ref"] = s.ref_weights
+    if s.anchor is not None:
+        tensors["anchor"] = {"probs": torch.from_numpy(np.ascontiguousarray(s.anchor.probs, dtype=np.float32))}
+    state = {"format": STATE_FORMAT, "run_id": run_id, "session": session, "epoch": epoch,
+             "round": s.round, "position": position(phases, s.round), "anchor_versions": s.anchor_versions,
+             "anchor": asdict(s.anchor.meta) if s.anchor is not None else None,
+             "current_task": s.current_task, "trained_tasks": list(s.trained_tasks),
+             "last_eval": sanitize(s.last_eval), "baseline": sanitize(s.baseline),
+             "anomaly_history": sanitize(s.anomaly_history)}
+    return state, tensors
+
+
+def _as_float(d: dict | None) -> dict[str, dict[str, float]]:
+    return {p: {k: (math.nan if v is None else float(v)) for k, v in m.items()} for p, m in (d or {}).items()}
+
+
+def from_checkpoint(state: object, weights: dict[str, torch.Tensor], extra: dict[str, dict[str, torch.Tensor]],
+                    *, run_id: str, where: str) -> RoundState:
+    """The state a checkpoint holds; ``StateError`` naming ``where`` when it is not this run's."""
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or state.get("run_id") != run_id:
+        raise StateError(f"{where}/state.json: not a state of run {run_id} in format {STATE_FORMAT}")
+    anchor = None
+    if state.get("anchor") is not None:
+        probs = extra.get("anchor", {}).get("probs")
+        if probs is None:
+            raise StateError(f"{where}: state.json names anchor v{state['anchor'].get('version')}, but "
+                             "anchor.safetensors is missing")
+        anchor = Anchor(probs=probs.numpy().astype(np.float32), meta=AnchorVersion(**state["anchor"]))
+    return RoundState(
+        round=int(state["round"]), weights=weights, anchor=anchor, anchor_versions=int(state["anchor_versions"]),
+        current_task=state.get("current_task"), trained_tasks=list(state.get("trained_tasks") or []),
+        ref_weights=({k: v.to(torch.float32) for k, v in extra["ref"].items()} if "ref" in extra else None),
+        last_eval=_as_float(state.get("last_eval")), baseline=_as_float(state.get("baseline")),
+        anomaly_history={k: [float(x) for x in v] for k, v in (state.get("anomaly_history") or {}).items()})

@@ -1,0 +1,162 @@
+"""The party service: one Flower-free ``answer(message_type, instruction) -> reply`` for everything a
+party is asked, used by the ClientApp (``clients/app.py``) and the in-process transport alike, both
+through the outbound guard (``distmoe.wire.party_guard.serve``).
+
+Owns: the dispatch of each decoded instruction to the party's own work (``distmoe.party.work``: SFT,
+RL, router statistics, evaluation) or secure-aggregation stage (``distmoe.party.session``: setup,
+directory, masked input, unmask), the assembly of a secure phase's reply (the public layout of the
+vector, the DP charge before anything is computed, the masked input), the party's identity on the wire
+(name, ledger, canary strings from ``<data-path>/canaries.txt``), and turning the party's own errors
+(``SessionError``, ``PartyError``, invalid data) into ``Refused`` with a reason fit to leave.
+
+Must not: import ``flwr``, encode or send anything itself (the guard does), draw DP noise (``distmoe.privacy``
+does), or read another party's directory.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from distmoe.config import NodeConfig, RunConfig
+from distmoe.party.session import PartySession, SessionError, open_ledger
+from distmoe.privacy.accountant import PrivacyEvent
+from distmoe.privacy.update_noise import add_update_noise, update_dp_facts
+from distmoe.privacy.vectors import StatsLayout
+from distmoe.party import work as P
+from distmoe.wire.errors import Refused
+from distmoe.wire.party_guard import PHASES
+from distmoe.wire.schema import (
+    TRAIN_METRIC_KEYS,
+    DirectoryRequest,
+    EvalInstruction,
+    KeyAdvertReply,
+    MaskedReply,
+    RlInstruction,
+    SecureInstruction,
+    SetupRequest,
+    SftInstruction,
+    ShareKeysReply,
+    StatsInstruction,
+    UnmaskRequestMsg,
+    UnmaskResponseMsg,
+    eval_metric_keys,
+    rl_metric_keys,
+)
+
+_PLAIN = {SftInstruction: P.run_sft, RlInstruction: P.run_rl, StatsInstruction: P.run_stats,
+          EvalInstruction: P.run_eval}
+
+
+def load_canaries(node: NodeConfig) -> list[bytes]:
+    """This party's canary strings (``<data-path>/canaries.txt``, one per line), as UTF-8 bytes."""
+    path = Path(node.data_path) / "canaries.txt"
+    if not path.exists():
+        return []
+    return [line.strip().encode("utf-8") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+class PartyService:
+    """One party in one run (Flower run id ``run_id``), as node ``node_id``. Holds no state between
+    messages beyond what its files hold (in deployment every message runs in a new process)."""
+
+    def __init__(self, cfg: RunConfig, node: NodeConfig, node_id: int, run_id: str):
+        self.cfg, self.node, self.node_id, self.run_id = cfg, node, int(node_id), str(run_id)
+        self.name = node.party
+        self.secure = cfg.privacy.secure
+        self.ledger = open_ledger(node)
+        self.canaries = load_canaries(node)
+
+    def answer(self, mtype: str, instr: object) -> tuple[object, dict | None]:
+        """-> (reply payload, DP facts for the ledger or None); ``Refused`` with the reason otherwise."""
+        try:
+            return self._answer(mtype, instr)
+        except SessionError as exc:
+            raise Refused(str(exc)) from None
+        except P.PartyError as exc:
+            raise Refused(f"PartyError: {exc}") from None
+
+    def _answer(self, mtype: str, instr: object) -> tuple[object, dict | None]:
+        cfg, node = self.cfg, self.node
+        if not self.secure and mtype in PHASES:
+            return _PLAIN[type(instr)](cfg, node, instr), None
+        if not self.secure:
+            raise Refused(f"{mtype}: secure-aggregation messages in a plaintext-mode run")
+        sess = PartySession(cfg, node, self.run_id)
+        if isinstance(instr, SetupRequest):
+            self._check_data()  # a party with broken data says so at its first contact, before any training
+            advert = sess.setup(instr, self.node_id)
+            return KeyAdvertReply(node.party, advert.c_pk, self.ledger.public_key_hex), None
+        if isinstance(instr, DirectoryRequest):
+            return ShareKeysReply(sess.directory(instr)), None
+        if isinstance(instr, UnmaskRequestMsg):
+            return UnmaskResponseMsg(sess.unmask(instr.request)), None
+        return self._secure_phase(instr, sess)
+
+    def _check_data(self) -> None:
+        """Validate every task file of this party (``DataError`` names file, line and field); the data
+        directory is shown as ``<data-path>`` so the reply does not carry the party's local path."""
+        from distmoe.data.formats import DataError
+
+        try:
+            P.load_data(self.cfg, self.node)
+        except DataError as exc:
+            text = str(exc).replace(str(self.node.data_path), "<data-path>")
+            raise Refused(f"party {self.name}: invalid data, not joining this run: {text}") from None
+
+    def _secure_phase(self, si: SecureInstruction, sess: PartySession) -> tuple[MaskedReply, dict | None]:
+        cfg, node = self.cfg, self.node
+        instr, st = si.instruction, si.start
+        if st is None:  # outside this round's U1: share keys for the next round and rejoin there
+            return MaskedReply(si.release, None, sess.late_keys(instr.round)), None
+        dp = None
+        if isinstance(instr, StatsInstruction):
+            per_seq = P.router_stats_per_sequence(cfg, node, instr, cfg.privacy.num_sequences_max)  # [N, L, E]
+            spec = sess.stats_spec(per_seq.shape[1], per_seq.shape[2])
+            t = sess.params.threshold
+            z_worst = spec.effective_noise_multiplier(t)  # the fewest survivors a completed round can have
+            eps = sess.charge(PrivacyEvent(z_worst, 1.0, 1, "skellam", f"router-stats round {instr.round}"))
+            vec = StatsLayout(spec).encode(per_seq)  # [D] uint64, Skellam share included
+            dp = {**spec.dp_params(n_active=t), "epsilon": eps, "budget": sess.accountant.epsilon_budget}
+        elif isinstance(instr, (SftInstruction, RlInstruction)):
+            vec, dp = self._update_vector(instr, sess)
+        else:
+            rep = P.run_eval(cfg, node, instr)
+            vec = sess.eval_layout(eval_metric_keys(instr.tasks)).encode(rep.metrics)
+        length = st.length or sess.params.length
+        if vec.shape != (length,):
+            raise Refused(f"round {instr.round}: the server declared a {length}-element vector, this party's layout "
+                          f"for {si.release} has {vec.shape[0]}: refused (mismatched model or config?)")
+        return MaskedReply(si.release, sess.masked(st, vec), None), dp
+
+    def _update_vector(self, instr: SftInstruction | RlInstruction, sess: PartySession):
+        """Train locally; the update as this round's ``[D]`` vector (noised under client-level DP)."""
+        cfg, node = self.cfg, self.node
+        upd = (P.run_sft if isinstance(instr, SftInstruction) else P.run_rl)(cfg, node, instr)
+        if isinstance(instr, SftInstruction):
+            keys = TRAIN_METRIC_KEYS
+        else:
+            n_layers = sum(1 for k in upd.metrics if k.startswith("route_disagree_l")) or self._moe_layers()
+            keys = rl_metric_keys(n_layers, cfg.rl.simulator)
+        extra = sorted(set(upd.metrics) - set(keys))
+        if extra:
+            raise Refused(f"update metrics outside the declared layout: {extra[:3]}")
+        metrics = {k: upd.metrics.get(k, math.nan) for k in keys}
+        layout = sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()}, keys)
+        vec, _ = layout.encode(upd.delta, upd.num_examples, metrics)
+        z_u = sess.facts.update_noise_multiplier
+        if z_u <= 0:
+            return vec, None
+        if not layout.private:
+            raise Refused("update noise requested on a non-private layout (weights and metrics would leave exact)")
+        eps = sess.charge(PrivacyEvent(z_u, 1.0, 1, "gaussian", f"model-update round {instr.round}"))
+        vec = add_update_noise(vec, layout, z_u, sess.params.threshold)
+        dp = {**update_dp_facts(layout, z_u, sess.n_parties, sess.params.threshold), "epsilon": eps,
+              "budget": sess.accountant.epsilon_budget}
+        return vec, dp
+
+    def _moe_layers(self) -> int:
+        from distmoe.model.build import build_model, describe
+
+        model, _ = build_model(self.cfg.model, self.node.model_path)
+        return describe(model).num_moe_layers

@@ -1,0 +1,52 @@
+"""Client-level DP on model updates: each party's share of the Gaussian noise on the summed update.
+
+Mechanism (the Gaussian mechanism on the secure sum; client-level DP as in McMahan et al., "Learning
+Differentially Private Recurrent Language Models", ICLR 2018, https://arxiv.org/abs/1710.06963, with the
+noise split across parties as in distributed DP): every party clips its update to L2 norm ``C``
+(``privacy.update-clip``) in the private ``UpdateLayout`` (uniform weights, no metrics, so nothing outside
+the noised block depends on data) and adds
+
+    n_i ~ round(N(0, (z_u * C * 2^f)^2 / t))   over the first ``numel`` coordinates of its vector ``[D]``
+
+in fixed-point units (``f = layout.frac_bits``; ``t`` = the SecAgg threshold). The sum over ``n_active >= t``
+survivors then carries standard deviation ``>= z_u * C``, the add/remove-one-party L2 sensitivity of the
+sum; the accountant charges a Gaussian event at ``z_u`` (``z_u * sqrt(n_active / t)`` on the server side).
+The share is rounded to the fixed-point grid (step ``2^-f``, some 10^-12 of the noise std): a rounded
+Gaussian, accounted as the Gaussian mechanism. Exact Skellam is not used here because numpy's Poisson
+sampler stops at rate ~1e19, below these variances in fixed-point units.
+
+Must not: decide whether a release may happen (the party's accountant does), or touch anything but the
+update block of the vector.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from distmoe.privacy.dp import crypto_rng
+from distmoe.privacy.vectors import UpdateLayout, from_ring64, to_ring64
+
+
+class UpdateNoiseError(ValueError):
+    """Update noise was asked for a layout that would release exact weights or metrics."""
+
+
+def add_update_noise(vec: np.ndarray, layout: UpdateLayout, z_u: float, threshold: int) -> np.ndarray:
+    """``vec`` ([D] uint64, the party's encoded update) plus its Gaussian noise share (module docstring)."""
+    if not layout.private:
+        raise UpdateNoiseError("update noise requested on a non-private layout (weights and metrics would leave "
+                               "exact)")
+    sens = layout.sensitivity * 2.0 ** layout.frac_bits  # L2 sensitivity, fixed-point units
+    var = (z_u * sens) ** 2 / threshold  # over-provisioned: the sum over >= t survivors carries >= (z_u * sens)^2
+    signed = from_ring64(vec).copy()  # [D] int64
+    signed[:layout.numel] += np.rint(crypto_rng().normal(0.0, math.sqrt(var), layout.numel)).astype(np.int64)
+    return to_ring64(signed)
+
+
+def update_dp_facts(layout: UpdateLayout, z_u: float, n_parties: int, threshold: int) -> dict:
+    """The ledger's ``dp`` facts of one party's noised update release."""
+    return {"mechanism": "gaussian", "unit": "party", "neighbours": "add/remove", "noise_multiplier": z_u,
+            "n_parties": n_parties, "n_active": threshold, "max_dropouts": n_parties - threshold, "z_eff": z_u,
+            "clip": layout.clip, "weights": "uniform", "sensitivity": layout.sensitivity, "metrics": "withheld"}

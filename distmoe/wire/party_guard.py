@@ -1,0 +1,242 @@
+"""The party's outbound guard: everything a party answers passes here, and nothing else leaves it.
+
+Owns: ``serve(message_type, content, party, run_id)``, the one path of every instruction at a party
+(the ClientApp's and the in-process transport's): it decodes the instruction strictly and derives what
+its reply may be (``read_instruction``), logs it in the party's ledger, asks the Flower-free party
+service for the answer (``party.answer``: ``distmoe.party.service``), encodes the reply with the codec,
+and passes it through ``OutboundGuard``. The guard decodes the reply again with the strict codec,
+checks it against what this message type may answer (payload type, exact records and keys, the
+masked-vector length the round declared, the update shapes of the instruction, only allow-listed
+string fields: ``schema.REPLY_STRINGS``), scans every byte of it for this party's canary strings,
+writes the "out" ledger entry, and attaches the new ledger head to the reply. A nonconforming reply is
+replaced by an error naming the problem: it is logged as rejected and nothing of it leaves
+(fail-closed). Error texts are guarded too (``guarded_error``): printable ASCII, bounded, scanned (a
+reason that contains a canary is withheld), logged and anchored with the ledger head.
+
+The guard is the last step of ``serve`` rather than a Flower mod, so that the in-process transport
+runs the identical code path without Flower messages (``docs/architecture.md``, The wire rule).
+
+Must not: run the party's work (it only calls ``party.answer``), read party data, or let anything out
+that did not pass the guard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from flwr.app import RecordDict
+
+from distmoe.ledger import Ledger
+from distmoe.wire import codec, inspect
+from distmoe.wire.codec import WireError
+from distmoe.wire.errors import Blocked, Refused
+from distmoe.wire.schema import (
+    REPLY_STRINGS,
+    DirectoryRequest,
+    EvalInstruction,
+    EvalReply,
+    KeyAdvertReply,
+    MaskedReply,
+    ModelUpdate,
+    RlInstruction,
+    RouterStats,
+    SecureInstruction,
+    SetupRequest,
+    SftInstruction,
+    ShareKeysReply,
+    StatsInstruction,
+    UnmaskRequestMsg,
+    UnmaskResponseMsg,
+    eval_metric_keys,
+)
+
+PHASES = {codec.MSG_SFT: (SftInstruction, "model-update", "sft"), codec.MSG_RL: (RlInstruction, "rl-update", "rl"),
+          codec.MSG_STATS: (StatsInstruction, "router-stats", "stats"),
+          codec.MSG_EVAL: (EvalInstruction, "eval", "eval")}
+PROTOCOL = {codec.MSG_SETUP: (SetupRequest, KeyAdvertReply, "setup"),
+            codec.MSG_DIRECTORY: (DirectoryRequest, ShareKeysReply, "setup"),
+            codec.MSG_UNMASK: (UnmaskRequestMsg, UnmaskResponseMsg, "unmask")}
+PLAIN_REPLY = {codec.MSG_SFT: ModelUpdate, codec.MSG_RL: ModelUpdate, codec.MSG_STATS: RouterStats,
+               codec.MSG_EVAL: EvalReply}
+def _all_bytes(content: RecordDict) -> list[bytes]:
+    out = []
+    for _, rec in content.items():
+        for _, v in rec.items():
+            vals = v if isinstance(v, list) else [v]
+            for x in vals:
+                if hasattr(x, "data") and isinstance(x.data, bytes):
+                    out.append(x.data)
+                elif isinstance(x, bytes):
+                    out.append(x)
+                elif isinstance(x, str):
+                    out.append(x.encode("utf-8"))
+    return out
+
+
+def canary_hits(blobs: list[bytes], canaries: list[bytes]) -> int:
+    return sum(1 for c in canaries for b in blobs if c and c in b)
+
+
+class Party(Protocol):
+    """What ``serve`` needs of a party (``distmoe.party.service.PartyService``)."""
+
+    name: str
+    ledger: Ledger
+    canaries: list[bytes]  # this party's canary strings, as UTF-8 bytes
+    secure: bool  # privacy.mode = secagg: phase replies are masked inputs
+
+    def answer(self, mtype: str, instruction: object) -> tuple[object, dict | None]:
+        """The reply payload and the DP facts for the ledger (or None); raises ``Refused``."""
+        ...
+
+
+@dataclass
+class Expectation:
+    """What the reply to one instruction may be (filled from the decoded instruction)."""
+
+    reply: type
+    release: str | None = None
+    length: int | None = None  # masked-input length declared by the round start
+    round: int | None = None
+    shapes: dict[str, tuple[int, ...]] | None = None  # plaintext update shapes
+    eval_keys: tuple[str, ...] | None = None
+
+
+class OutboundGuard:
+    """Fail-closed check of one reply against its expectation (see the module docstring)."""
+
+    def __init__(self, canaries: list[bytes]):
+        self.canaries = canaries
+
+    def check(self, content: RecordDict, exp: Expectation) -> tuple[object, dict]:
+        try:
+            inspect.check_strings(codec.strip_ledger(content), REPLY_STRINGS)
+            payload = codec.decode(content, exp.reply)
+        except (WireError, inspect.InspectError) as exc:
+            raise Blocked(f"reply does not conform to the schema: {exc}") from None
+        if isinstance(payload, MaskedReply):
+            if payload.release != exp.release:
+                raise Blocked(f"masked input labelled {payload.release!r}, this message type releases {exp.release!r}")
+            if payload.masked is not None:
+                y = payload.masked.y
+                if exp.length is None or y.shape != (exp.length,):
+                    raise Blocked(f"masked vector has {y.shape[0]} elements, the round declared {exp.length}")
+                if payload.masked.round != exp.round:
+                    raise Blocked(f"masked input for round {payload.masked.round}, the instruction is "
+                                  f"round {exp.round}")
+            elif exp.length is not None:
+                raise Blocked("late share keys only, but this party was given a round start")
+        elif isinstance(payload, ModelUpdate) and exp.shapes is not None:
+            got = {k: tuple(v.shape) for k, v in payload.delta.items()}
+            if got != exp.shapes:
+                bad = sorted(set(got) ^ set(exp.shapes)) or [k for k in got if got[k] != exp.shapes[k]]
+                raise Blocked(f"update tensors differ from the instruction's weights: {bad[:3]}")
+        elif isinstance(payload, RouterStats):
+            if payload.sums.ndim != 2 or payload.sums.dtype != np.float64:
+                raise Blocked(f"router statistics must be a float64 [L, E] array, got {payload.sums.shape}")
+        elif isinstance(payload, EvalReply) and exp.eval_keys is not None:
+            if set(payload.metrics) != set(exp.eval_keys):
+                raise Blocked("evaluation metric keys differ from the instruction's tasks")
+        hits = canary_hits(_all_bytes(content), self.canaries)
+        if hits:
+            raise Blocked(f"reply contains {hits} canary string occurrence(s) of this party's data")
+        return payload, {"strings": len(self.canaries), "hits": 0}
+
+
+def phase_of(mtype: str) -> str:
+    if mtype in PHASES:
+        return PHASES[mtype][2]
+    return PROTOCOL[mtype][2] if mtype in PROTOCOL else "unknown"
+
+
+def guarded_error(ledger: Ledger, canaries: list[bytes], run: str, rnd: int | None, phase: str, reason: str) -> str:
+    """The error text as it may leave (printable ASCII, bounded, canary-free), logged as sent, with this
+    party's new ledger head appended (``codec.with_error_head``). Also for errors raised before ``serve``
+    could run (a run config the party rejects: ``phase_of`` names the phase)."""
+    text = codec.error_text(reason)
+    if canary_hits([reason.encode("utf-8"), text.encode("ascii")], canaries):
+        text = "error (reason withheld: it contained a canary string of this party's data)"
+    blob = text.encode("ascii")
+    entry = ledger.append(run=run, round=rnd, phase=phase, direction="out", payload_type="error",
+                          keys=["error.reason"], shapes={}, bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
+                          verdict="accepted", peer="coordinator",
+                          info={"canary_scan": {"strings": len(canaries), "hits": 0}})
+    return codec.with_error_head(text, entry["seq"], entry["hash"])
+
+
+def _log(ledger: Ledger, content: RecordDict, direction: str, verdict: str, run: str, rnd: int | None, phase: str,
+         **extra) -> dict:
+    d = inspect.describe(content)
+    return ledger.append(run=run, round=rnd, phase=phase, direction=direction, payload_type=codec.payload_tag(content),
+                         keys=d["keys"], shapes=d["shapes"], bytes=d["bytes"], sha256=d["sha256"],
+                         verdict=verdict[:500], peer="coordinator", **extra)
+
+
+def serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> RecordDict:
+    """Answer one instruction. Returns the guarded reply content; raises ``Refused`` (or ``Blocked``)
+    with the reason to send back as an error reply (already logged and canary-checked)."""
+    run, phase, ledger = str(run_id), phase_of(mtype), party.ledger
+    try:
+        instr, exp, rnd = read_instruction(mtype, content, party.secure)
+        verdict = "accepted"
+    except (WireError, inspect.InspectError, Refused) as exc:
+        instr, verdict, rnd = None, f"rejected: {exc}", None
+    _log(ledger, content, "in", verdict, run, rnd, phase)
+
+    def refuse(reason: str, cls=Refused):
+        raise cls(guarded_error(ledger, party.canaries, run, rnd, phase, reason))
+
+    if instr is None:
+        refuse(f"party {party.name}: instruction {mtype} does not conform: {verdict[10:500]}")
+    try:
+        reply, dp = party.answer(mtype, instr)
+        out = codec.encode(reply)
+    except Refused as exc:
+        refuse(str(exc))
+    except WireError as exc:
+        refuse(f"the reply could not be encoded: {exc}")
+    except Exception as exc:  # data, config, model errors and bugs: an error reply, never a hang
+        print(f"distmoe party {party.name}: {mtype} failed:\n{traceback.format_exc()}", flush=True)
+        refuse(f"{type(exc).__name__}: {exc}")
+    try:
+        _, scan = OutboundGuard(party.canaries).check(out, exp)
+    except Blocked as exc:
+        _log(ledger, out, "out", f"rejected: {exc}", run, rnd, phase)
+        refuse(f"party {party.name}: blocked by the outbound guard, nothing left: {exc}", Blocked)
+    entry = _log(ledger, out, "out", "accepted", run, rnd, phase, dp=dp,
+                 info={"canary_scan": scan, "time": time.time()})
+    return codec.with_ledger_head(out, entry["seq"], entry["hash"])
+
+
+def read_instruction(mtype: str, content: RecordDict, secure: bool) -> tuple[object, Expectation, int | None]:
+    """Decode the instruction strictly and derive what its reply may be: (instruction, expectation, round)."""
+    if mtype in PROTOCOL:
+        req_t, rep_t, _ = PROTOCOL[mtype]
+        req = codec.decode(content, req_t)
+        rnd = req.request.round if isinstance(req, UnmaskRequestMsg) else (
+            req.first_round if isinstance(req, DirectoryRequest) else 0)
+        return req, Expectation(rep_t), rnd
+    if mtype not in PHASES:
+        raise Refused(f"unknown message type {mtype!r}")
+    instr_t, release, _ = PHASES[mtype]
+    if secure:
+        si = codec.decode(content, SecureInstruction)
+        if not isinstance(si.instruction, instr_t) or si.release != release:
+            raise Refused(f"{mtype} carries {type(si.instruction).__name__}/{si.release}")
+        st = si.start
+        if st is not None and st.round != si.instruction.round:
+            raise Refused(f"round start for round {st.round} inside a round {si.instruction.round} instruction")
+        return si, Expectation(MaskedReply, release, st.length if st else None, si.instruction.round), \
+            si.instruction.round
+    instr = codec.decode(content, instr_t)
+    exp = Expectation(PLAIN_REPLY[mtype])
+    if isinstance(instr, (SftInstruction, RlInstruction)):
+        exp.shapes = {k: tuple(v.shape) for k, v in instr.weights.items()}
+    if isinstance(instr, EvalInstruction):
+        exp.eval_keys = eval_metric_keys(instr.tasks)
+    return instr, exp, instr.round
