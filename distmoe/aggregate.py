@@ -9,6 +9,11 @@ when client-level DP is on; a party that bypasses its guard and sends an unclipp
 breaks one of them). Under secure aggregation one party's norm cannot be seen; its bound is the clip its
 own guard applies, and this sum check is what the server can verify.
 
+FedAvg (McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data",
+AISTATS 2017, https://arxiv.org/abs/1602.05629) on deltas, per trainable tensor ``k`` of shape ``shape_k``::
+
+    avg_k = sum_i w_i * delta_{i,k} / sum_i w_i      [shape_k]   over updates with w_i > 0
+
 Must not: see anything but the deltas and their weights; it never modifies its inputs.
 """
 

@@ -23,8 +23,8 @@ Must not: import ``flwr``, see payload contents (callers pass sizes and digests,
 :func:`describe_payload`), silently keep or drop anything (a torn tail is truncated *with a warning*;
 any other damage is an error), or overwrite a key file without ``force=True``.
 
-Why hand-written: the reference design (an HMAC chain) needs a shared key; a signature lets the
-coordinator and an auditor verify a party's chain with its public key only, and no maintained
+Why hand-written: a plain HMAC chain (Schneier and Kelsey's secure audit logs) needs a shared key; a
+signature lets the coordinator and an auditor verify a party's chain with its public key only, and no maintained
 library offers a small signed append-only log over plain files (Certificate-Transparency style logs
 are services). It is ~300 lines on ``cryptography``'s Ed25519 and ``hashlib``.
 """

@@ -2,8 +2,8 @@
 
 Owns: loading a run directory (``run.json``, ``ledger/coordinator.jsonl`` + ``.pub``, the party ledgers
 ``work/<party>/ledger/<party>.jsonl`` + ``.pub`` or the ones given, ``privacy/ledger.json``), the ten checks
-of ``reference/privacy-and-secagg.md`` section 4 as applied to this project's ledger conventions
-(``docs/privacy.md``), and their result (:class:`AuditResult`). Check names, in order:
+of ``docs/privacy.md`` §6 as applied to this project's ledger conventions, and their result (:class:`AuditResult`).
+Check names, in order:
 ``ledger-integrity, cross-check, allow-list, no-blocked, no-plaintext, epsilon, noise-presence, row-sums,
 min-parties, canaries``. Each is ``pass``, ``fail`` or ``skipped`` with human-readable details; the verdict
 fails if any check fails. Rendering and writing the report is :mod:`distmoe.audit.report`.

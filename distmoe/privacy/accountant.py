@@ -12,10 +12,23 @@ Events. A router-statistic release on all local data is ``PrivacyEvent(z_eff, sa
 ``PrivacyEvent(z, sample_rate=B/N, steps=k)`` with Poisson sampling of local sequences. The unit is one
 sequence (add/remove); client-level DP events are also example-level events with the same (eps, delta).
 
+Papers: PRV, Gopi, Lee, Wutschitz, "Numerical Composition of Differential Privacy", NeurIPS 2021,
+https://arxiv.org/abs/2106.02848; RDP, Mironov, "Renyi Differential Privacy", CSF 2017,
+https://arxiv.org/abs/1702.07476; the Skellam bound, Agarwal, Kairouz, Liu, "The Skellam Mechanism for
+Differentially Private Federated Learning", NeurIPS 2021, https://arxiv.org/abs/2110.04995. For a history of
+events ``(z_i, q_i, steps_i)`` (merged per ``(z, q)``) at a fixed ``delta``, with RDP orders ``alpha`` in ``ALPHAS``
+(``[A]``, 1.1 ... 1024)::
+
+    rdp(alpha)  = sum_i steps_i * rdp_subsampled_gaussian(q_i, z_i, alpha)   [A]   (= steps * alpha / (2 z^2) at q = 1)
+    eps_rdp     = min_alpha rdp(alpha) - (log delta + log alpha) / (alpha - 1) + log((alpha - 1) / alpha)     []
+                  (opacus' RDP -> (eps, delta) conversion, Balle et al. 2020)
+    eps_prv     = PRV composition of the privacy-loss distributions, within eps_error = 0.01   []
+    eps         = max(eps_prv, eps_rdp)   (the default primary)                                 []
+
 Which epsilon. ``epsilon()`` returns ``(eps_prv, eps_rdp)``. PRV (Gopi et al. 2021, opacus ``PRVAccountant``,
 ``eps_error=0.01``) is a numerical upper bound within ~0.01 of the exact value; RDP (opacus ``RDPAccountant``
 with orders up to 1024; opacus' default orders stop at 63 and over-estimate small-noise-count cases) is a
-looser analytical upper bound (~7% above, reference doc §1.4). The budget is enforced on the **primary**
+looser analytical upper bound (~7% above, ``docs/privacy.md`` §10). The budget is enforced on the **primary**
 epsilon, by default ``"max"`` = max(PRV, RDP): both are valid upper bounds, so the maximum can only be safe,
 and a numerical failure of one accountant cannot under-report; the cost is ~7% of budget. ``"prv"`` (tighter)
 and ``"rdp"`` are selectable. If PRV fails to compute, it is reported as NaN and the primary falls back to RDP.

@@ -7,7 +7,8 @@ against the server and all other parties. A sequence contributes its per-layer m
 (:func:`l2_sensitivity`). No count is released: every row of the sum equals the number of sequences, so
 the count and the anchor are post-processing of the noisy rows (:func:`normalize_rows`).
 
-Mechanism (Agarwal, Kairouz, Liu 2021, "The Skellam mechanism", arXiv 2110.04995), per party:
+Mechanism (Agarwal, Kairouz, Liu, "The Skellam Mechanism for Differentially Private Federated Learning", NeurIPS
+2021, https://arxiv.org/abs/2110.04995), per party:
 
 1. encode as integers with scale ``s >= 32``: per sequence, each row rounded so that it stays on the scaled
    simplex (``mass-preserving``: floor, then the largest remainders get the missing units, so every row sums to
@@ -32,6 +33,15 @@ Dropouts and colluders remove their noise share: with ``n_active`` survivors the
 ``n_active * 2 lam`` variance, i.e. ``z_eff = z * sqrt(n_active / (n - d_max))``
 (:meth:`SkellamSpec.effective_noise_multiplier`); account every release with the survivors' ``z_eff``.
 The accountant treats the Skellam release as a Gaussian with that ``z`` (see ``distmoe.privacy.accountant``).
+
+In shapes, for one party with sequence means ``m: [N_seq, L, E]`` (rows on the simplex), ``K`` canaries, ``n``
+parties, ``t = n - d_max`` (mass-preserving rounding)::
+
+    c      = sum_x round_s(m_x)                                   [L, E]   integers, every row sums to N_seq * s
+    D2     = s * sqrt(L),  D1 = s * L                             []
+    share  = concat(flatten(c), zeros(K)) + Sk(sigma_int^2 / t)    [L*E + K]   Sk(v) = Poisson(v/2) - Poisson(v/2)
+    sum    = sum over n_active survivors of share                 [L*E + K]   noise variance n_active * sigma_int^2 / t
+    z_eff  = z * sqrt(n_active / t)                               []
 
 Noise source: a ``numpy`` Generator (PCG64DXSM) seeded with 256 bits from ``secrets`` (OS CSPRNG). PCG64 is not
 itself a CSPRNG; the seed cannot be guessed and single noise draws are never observed (they are inside masked

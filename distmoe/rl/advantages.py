@@ -1,5 +1,15 @@
 """Group-relative advantages for GRPO.
 
+Paper: Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
+https://arxiv.org/abs/2402.03300 (GRPO's outcome-supervised advantage); without the std division it is Dr. GRPO
+(Liu et al., "Understanding R1-Zero-Like Training: A Critical Perspective", https://arxiv.org/abs/2503.20783).
+With ``B`` prompts of ``G`` completions each, rewards ``R: [B, G]`` (or flat ``[B*G]``, groups contiguous)::
+
+    mu_b  = 1/G sum_g R_bg                                   [B, 1]
+    sd_b  = sqrt(1/G sum_g (R_bg - mu_b)^2)                  [B, 1]   (population std)
+    A_bg  = (R_bg - mu_b) / (sd_b + eps)                     [B, G]   (R_bg - mu_b without std_normalise)
+    A_bg  = 0 where all R_b. are equal                       returned flat as [B*G]
+
 Owns: turning per-completion scalar rewards into per-completion advantages, group by group.
 Must not: see log-probs, tokens or models; it never modifies its input and never needs gradients.
 """

@@ -1,5 +1,5 @@
 """The CPU inference engine for RL rollouts: a weight-synced copy of the policy whose numerics differ
-from the trainer's in a controlled, genuine way (DESIGN.md section 7, reference Part B.5).
+from the trainer's in a controlled, genuine way (``docs/algorithms.md``, "Inference engine profiles").
 
 Owns: the numerics profiles (``exact``, ``bf16``, ``int8-dynamic``, ``int8-weight-only``,
 ``prune-k`` and ``+``-combinations such as ``bf16+prune-1``), the expert-usage table used to choose
@@ -9,7 +9,7 @@ re-apply the profile).
 Must not: modify the policy model (every change is made on a deep copy), train anything, compute
 log-probs or losses (``rollout.py`` and the RL loss do that), or import Flower.
 
-Profiles (measured on a briefly trained tiny Qwen3-MoE; numbers in the reference):
+Profiles (measured on a briefly trained tiny Qwen3-MoE; the table is in ``docs/algorithms.md``):
 
 * ``exact``: same numerics (the control; KV-cache decode vs teacher forcing differs by ~1e-6).
 * ``bf16``: weights and compute in bfloat16 (mild: mean |dlogp| ~1e-2, ~0.4 % routing flips).

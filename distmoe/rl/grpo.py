@@ -1,5 +1,23 @@
 """The local GRPO loop at one party: rollouts from the inference engine, IcePop / TIS mismatch correction,
-PPO-clipped updates of the policy (DESIGN.md section 7, reference Part A).
+PPO-clipped updates of the policy (``docs/algorithms.md``, "Local RL: GRPO with IcePop").
+
+Papers: GRPO from Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language
+Models", https://arxiv.org/abs/2402.03300 (PPO clipping: https://arxiv.org/abs/1707.06347); the mismatch
+correction from IcePop (Ring-1T, https://arxiv.org/abs/2510.18855), see ``losses.py``. The objective one step
+minimises, with ``P = prompts_per_step`` prompts, ``G = group_size`` samples each, ``N = P*G`` rollouts of at most
+``T = max_new_tokens`` response tokens (``mask: [N, T]``)::
+
+    R          rewards of the engine's samples                                        [N]
+    A          group_advantages(R, G): (R - mean_group) / (std_group + 1e-6)           [N]   (0 for equal rewards)
+    logp_old   log pi_train(y | theta_old), recomputed once per batch, no grad        [N, T]
+    logp_infer log pi_infer(y | theta_old), from the engine's generation scores       [N, T]
+    w          mismatch_weights(logp_old, logp_infer): IcePop / TIS / 1, detached      [N, T]
+    L(theta)   = -1/N sum_i 1/|y_i| sum_t w_it min(r_it A_i, clip(r_it, 1-eps, 1+eps_high) A_i)
+                 + kl_coef * 1/N sum_i 1/|y_i| sum_t k3(pi_theta || pi_ref)_it           []
+    r_it       = pi_train(y_it | theta) / pi_train(y_it | theta_old)                   [N, T]
+
+``|y_i|`` counts every valid response token, masked ones included; ``L`` is minimised on ``minibatches`` slices of
+the ``N`` rollouts, ``ppo_epochs`` times per step.
 
 Owns: ``GRPOConfig`` (validated, every error names its field), ``run_grpo`` (the loop) and ``GRPOResult``
 (per-step metrics and the per-round summary). One step is:

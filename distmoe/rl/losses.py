@@ -5,7 +5,27 @@ losses sharing one signature, and the masked-token entropy helper.
 Must not: run models, sample, compute rewards or advantages (see ``advantages.py``), step optimisers, or import
 flwr. Weights are always detached: no gradient ever flows into ``logp_train_old`` or ``logp_infer``.
 
-Conventions (see ``shared/reference/rl-icepop-and-hf-moe.md`` Part A):
+Papers: IcePop (Ring-1T, "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale Thinking Model",
+https://arxiv.org/abs/2510.18855); TIS (Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+Training", https://fengyao.notion.site/off-policy-rl); the GRPO surrogate (Shao et al., "DeepSeekMath",
+https://arxiv.org/abs/2402.03300) with PPO clipping (Schulman et al., https://arxiv.org/abs/1707.06347); the k3
+KL estimator (Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html).
+
+Formulas, with ``B`` sequences, ``T`` response tokens, all inputs ``[B, T]`` (``mask`` 1 on valid tokens)::
+
+    log k   = clamp(logp_train_old - logp_infer, -20, 20)                    [B, T]   (sequence level: its
+                                                                                       mean over valid tokens)
+    M(k)    = k if low <= k <= high else 0   (IcePop, mode="mask")           [B, T]   detached
+            = min(k, high)                   (TIS, mode="truncate")
+            = 1                              (mode="none")
+    r       = exp(clamp(logp_new - logp_old, -20, 20))                       [B, T]
+    l_grpo  = -M(k) * min(r A, clip(r, 1 - eps, 1 + eps_high) A)            [B, T]   (A: [B] broadcast)
+    l_rf    = -M(k) * r A                                                    [B, T]   (reinforce)
+    kl_k3   = exp(d) - 1 - d,  d = clamp(logp_ref - logp_new, -20, 20)       [B, T]   (when ref_logp is given)
+    loss    = mean over sequences with a valid token of
+              sum_t mask * (l + kl_coef * kl_k3) / sum_t mask                []
+
+Conventions (``docs/algorithms.md``, "GRPO" and "The mismatch ratio and its corrections"):
 
 * ``k = pi_train(theta_old) / pi_infer(theta_old)``, i.e. ``log k = logp_train_old - logp_infer`` (this sign;
   verl's ``token_k1`` is the negative of it, which is why its asymmetric bounds differ).

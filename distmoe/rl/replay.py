@@ -1,5 +1,14 @@
 """Routing replay (R3): the trainer replays the inference engine's recorded top-k experts
-(DESIGN.md section 7, reference Part A.1 "Related mitigation" and Part B.5).
+(Ma et al., "Stabilizing MoE Reinforcement Learning by Aligning Training and Inference Routers",
+https://arxiv.org/abs/2510.11370; what it measurably removes: ``docs/algorithms.md``, "Routing replay").
+
+With ``L`` MoE layers, ``N`` rollouts, ``S = P + T`` positions (prompt + response), ``k`` = top-k, ``E`` experts::
+
+    I_infer = the engine's recorded experts, -1 where unrouted                 [L, N, S, k]
+    z       = x W_r^T, the trainer's own router logits (with gradient)         [rows, E]
+    s_j     = exp(z_{I_j}) / sum_m exp(z_{I_m})   (norm_topk_prob)             [rows, k]
+            = softmax(z)[I_j]                      (without norm_topk_prob)
+    MoE(x)  = sum_j s_j * Expert_{I_j}(x)
 
 Owns: ``RouteRecorder`` (forward hooks on the engine's routers that record, during ``generate``, the
 top-k expert indices each router actually used: one prefill call of ``N*P`` rows, then one decode call

@@ -1,5 +1,17 @@
 """The ICEPOP seed's inference simulator: an optional approximation of the train/inference mismatch
-``delta = logp_train(theta_old) - logp_infer(theta_old)`` (DESIGN.md section 7, reference Part A.2).
+``delta = logp_train(theta_old) - logp_infer(theta_old)`` (``docs/algorithms.md``, "The ICEPOP seed's inference
+simulator"). It approximates the ratio IcePop corrects (Ring-1T, https://arxiv.org/abs/2510.18855); the simulator
+itself is the ICEPOP seed's idea and has no paper. With ``N`` rollouts of ``T`` response tokens, ``L`` MoE layers,
+``E`` experts, ``k`` = top-k::
+
+    o          = mean over valid calibration tokens of clamp(z_infer - z_train, -30, 30)      [L, E]
+    routes_sim = topk(z_train + o, k)                                                          [L, N, T, k]
+    delta_hat  = MLP(features of the theta_old forward), Huber fit on calibration delta        [N, T]
+    logp_old   = logp_infer + delta_hat                                                        [N, T]
+    w          = exp(delta_hat) if |delta_hat| <= bound else 0   (per token, or per sequence  [N, T]
+                 from the mean delta_hat over its valid tokens)
+    L_LB,sim   = E * sum_e f_e P_e on z_train + o   (f_e: share of simulated top-k picks,     []
+                 P_e: mean softmax(z_train + o), both pooled over layers and valid tokens)
 
 Owns: ``InferenceSimulator`` (a route-offset table ``o [L, E]`` plus a small error MLP, calibrated on rollouts
 sampled from the inference engine), ``simulated_weights`` (IcePop-style weights from ``delta_hat``),
@@ -20,7 +32,7 @@ Conventions:
 * The offset table is ``mean(clamp(z_infer - z_train, -30, 30))`` over valid calibration tokens, so an expert
   the engine prunes (router logit -inf) shows up as -30; the simulated routing is ``topk(z_train + o)``.
 
-Limitation (measured, reference A.2): pure numeric noise (bf16, int8) is not predictable (R^2 ~ 0); the
+Limitation (measured, ``docs/algorithms.md``): pure numeric noise (bf16, int8) is not predictable (R^2 ~ 0); the
 metrics mode detects that (``degraded``) and the caller falls back to the real recompute. The features need
 the theta_old forward of the training model, so the simulator saves no forward pass here; it is a risk
 model and a testbed, the recompute + IcePop stays the reference path.
@@ -132,7 +144,7 @@ def simulated_weights(logp_infer: torch.Tensor, delta_hat: torch.Tensor, mask: t
 
 def lb_loss_simulated(router_logits_train, offset: torch.Tensor, mask: torch.Tensor | None, num_experts: int,
                       top_k: int) -> torch.Tensor:
-    """Load-balance loss (transformers' ``load_balancing_loss_func``: ``E * sum_i f_i P_i`` summed over layers)
+    """Load-balance loss (transformers' ``load_balancing_loss_func``: ``E * sum_i f_i P_i`` pooled over layers)
     on the simulated routing ``z_train + o``: ``f`` from its top-k, ``P = softmax(z_train + o)``.
 
     ``router_logits_train``: L x ``[B*S, E]`` (a tuple, as ``out.router_logits``) or a ``[L, B*S, E]`` tensor;

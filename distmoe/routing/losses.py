@@ -1,11 +1,31 @@
 """Routing losses: the aux load-balance loss (with the attention mask) and the router-anchor KL.
 
+Shapes: ``router_logits`` is a tuple of ``L`` tensors ``z_l: [N, E]`` (one per MoE layer, ``N = B*S`` token
+rows, padding included), ``attention_mask: [B, S]`` (``m_t``, flattened to ``[N]``), ``anchor: [L, E]``
+(rows ``a_l`` on the simplex). ``p_{l,t} = softmax(z_{l,t})``, ``N_v = sum_t m_t`` valid tokens.
+
+Aux load-balance loss (Switch Transformer: Fedus, Zoph, Shazeer, "Switch Transformers: Scaling to Trillion
+Parameter Models with Simple and Efficient Sparsity", https://arxiv.org/abs/2101.03961; balancing losses
+for top-k gating go back to Shazeer et al., "Outrageously Large Neural Networks: The Sparsely-Gated
+Mixture-of-Experts Layer", https://arxiv.org/abs/1701.06538), computed by transformers'
+``load_balancing_loss_func``, pooled over layers and valid tokens::
+
+    f_e   = 1/(L N_v) sum_l sum_t m_t [e in topk(p_{l,t}, k)]      [E], sum_e f_e = k
+    P_e   = 1/(L N_v) sum_l sum_t m_t p_{l,t,e}                    [E]
+    L_aux = E * sum_e f_e * P_e                                    []  (balanced routing gives k, not 1)
+
 Anchor KL (DistMoE): ``KL(a_l || p)`` per MoE layer ``l``, averaged over layers, where ``a_l`` is
 the global anchor's routing distribution (a row of ``[L, E]``) and ``p`` is the current routing:
 - ``token``: each valid token's softmax distribution, as in the DistMoE seed (mean over tokens);
 - ``batch``: the mask-weighted batch-mean distribution (constrains aggregate utilisation).
 Padding tokens never contribute. The anchor is a constant (no gradient); the gradient reaches the
-router through ``p``.
+router through ``p``. With ``a_l`` clamped at ``1e-8`` and renormalised::
+
+    token:  L_anchor = 1/L sum_l 1/N_v sum_t m_t sum_e a_{l,e} (log a_{l,e} - log p_{l,t,e})     []
+    batch:  pbar_l   = sum_t m_t p_{l,t} / N_v                                                    [E]
+            L_anchor = 1/L sum_l sum_e a_{l,e} (log a_{l,e} - log max(pbar_{l,e}, 1e-8))          []
+
+Why ``batch`` is the default and what ``token`` costs: ``docs/algorithms.md`` (Anchor KL).
 
 Must not: hold state or read config beyond the scalars passed in.
 """

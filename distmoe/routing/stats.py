@@ -3,7 +3,12 @@
 Each sequence contributes, per MoE layer, the mean of its valid tokens' softmax routing
 distributions (a row on the simplex), so every row of the sum equals the number of sequences and
 a sequence's contribution has L2 norm <= sqrt(L): the quantity the privacy plane noises. The
-anchor is the row-normalised aggregate.
+anchor is the row-normalised aggregate. With ``z_l: [B*S, E]`` per MoE layer and ``m: [B, S]``::
+
+    m_{x,l} = sum_t m_{x,t} softmax(z_{l,x,t}) / sum_t m_{x,t}        [B, L, E]   (per sequence x)
+    S       = sum_x m_x                                               [L, E]      (every row sums to N_seq)
+
+(``docs/algorithms.md``, "Router statistics and the anchor"; the DP release: ``docs/privacy.md`` §4.1).
 
 Must not: train, or send anything (the caller hands the array to the wire codec).
 """

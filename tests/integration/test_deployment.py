@@ -20,7 +20,7 @@ Commands (flwr 1.42, as ``distmoe deploy`` prints them):
     flwr run <repo> deploy --stream --run-config <tmp>/overrides.toml
     distmoe audit <run> --party-ledger ... --canaries ...
 
-The refusals (flower-1.42.md section 8.3): a SuperNode whose key was never registered exits with
+The refusals (``docs/deploy.md`` §4): a SuperNode whose key was never registered exits with
 ``Exit Code: 305 ... [code: 2004] Failed to activate SuperNode`` and the SuperLink logs that no
 SuperNode has that key; an ``--insecure`` SuperNode against the TLS SuperLink exits with
 ``Server disconnected without sending a response``; neither is ever listed online.

@@ -1,4 +1,4 @@
-"""Per-party accountant: composition, refusal before composing, replay, inversion, reference figures."""
+"""Per-party accountant: composition, refusal before composing, replay, inversion, docs/privacy.md §10."""
 
 from __future__ import annotations
 
@@ -48,13 +48,13 @@ def test_prv_and_rdp_bound_the_exact_gaussian(z, r):
 
 
 def test_reference_doc_figures():
-    # reference/privacy-and-secagg.md §1.4, delta = 1e-6, q = 1: opacus RDP / PRV (measured there)
+    # docs/privacy.md §10, delta = 1e-6, q = 1: opacus RDP / PRV (measured there)
     for z, r, rdp_ref, prv_ref in [(5.0, 50, 7.766, 7.296), (10.0, 50, 3.542, 3.318), (20.0, 50, 1.661, 1.554)]:
         prv, rdp = epsilon_from_events([PrivacyEvent(z, steps=r)], 1e-6)
         assert rdp == pytest.approx(rdp_ref, abs=0.005) and prv == pytest.approx(prv_ref, abs=0.005)
     # z = 50, one release: orders up to 1024 give ~0.080, opacus' default orders (<= 63) would give 0.153
     assert epsilon_from_events([PrivacyEvent(50.0)], 1e-6)[1] == pytest.approx(0.080, abs=0.002)
-    # §1.4 combined history: DP-SGD (z=1, q=256/10k, 50 * 39 steps) + router stats (z=10, 50 rounds)
+    # docs/privacy.md §10, combined history: DP-SGD (z=1, q=256/10k, 50 * 39 steps) + router stats (z=10, 50 rounds)
     events = [PrivacyEvent(1.0, 256 / 10_000, 50 * (10_000 // 256), label="dp-sgd"),
               PrivacyEvent(10.0, 1.0, 50, mechanism="skellam", label="router-stats")]
     prv, rdp = epsilon_from_events(events, 1e-6)
@@ -140,7 +140,7 @@ def test_noise_multiplier_for_inverts_epsilon(target, releases, primary):
 
 
 def test_noise_multiplier_for_matches_reference_table():
-    # reference §1.4: eps = 3, q = 1, R = 50, delta = 1e-6 -> z_rdp 11.64, z_prv 10.98 (z_exact 10.92)
+    # docs/privacy.md §10: eps = 3, q = 1, R = 50, delta = 1e-6 -> z_rdp 11.64, z_prv 10.98 (z_exact 10.92)
     assert noise_multiplier_for(3.0, 1e-6, 50, primary="rdp") == pytest.approx(11.64, rel=0.01)
     assert noise_multiplier_for(3.0, 1e-6, 50, primary="prv") == pytest.approx(10.98, rel=0.01)
 
@@ -150,7 +150,7 @@ def test_dropouts_raise_epsilon_when_accounted_with_survivors():
     eps = [epsilon_from_events([PrivacyEvent(spec.effective_noise_multiplier(10 - d), steps=50)], 1e-6)[0]
            for d in (0, 1, 3)]
     assert eps[0] < eps[1] < eps[2]
-    # reference §2.1, n = 10, z = 10, R = 50: exact 3.308 / 3.508 / 4.039 for d = 0 / 1 / 3 (PRV is ~0.01 above)
+    # docs/privacy.md §10, n = 10, z = 10, R = 50: exact 3.308 / 3.508 / 4.039 for d = 0 / 1 / 3 (PRV ~0.01 above)
     assert eps == pytest.approx([3.308, 3.508, 4.039], abs=0.02)
 
 
@@ -158,7 +158,7 @@ def test_skellam_is_accounted_accurately_by_its_gaussian_approximation():
     spec = SkellamSpec(24, 8, noise_multiplier=10.0, n_parties=6, num_sequences_max=1000, scale=32)
     sk = skellam_epsilon(spec.sigma_int**2, spec.delta2_int, spec.delta1_int, 50, 1e-6)
     gauss_rdp = epsilon_from_events([PrivacyEvent(spec.noise_multiplier, steps=50)], 1e-6)[1]
-    assert sk >= gauss_rdp and sk == pytest.approx(gauss_rdp, rel=1e-3)  # reference: 3.543 vs 3.543
+    assert sk >= gauss_rdp and sk == pytest.approx(gauss_rdp, rel=1e-3)  # docs/privacy.md §10: 3.543 vs 3.543
     # with a tiny variance (sigma_int of a few units) the approximation breaks down: use skellam_epsilon
     small = skellam_epsilon(4.0, 1.0, 1.0, 1, 1e-6)
     assert small > 1.1 * epsilon_from_events([PrivacyEvent(2.0)], 1e-6)[1]

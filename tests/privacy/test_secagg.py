@@ -6,7 +6,7 @@ masked vector, AEAD tamper detection, mask cancellation, key reuse across rounds
 property and the no-wrap bit-width check.
 
 Must not: touch the network or ``flwr``; every test is in process and takes well under a second.
-The protocol is hand-written on ``cryptography`` instead of Flower's SecAgg+ (DESIGN.md section 6),
+The protocol is hand-written on ``cryptography`` instead of Flower's SecAgg+ (``docs/privacy.md`` §9),
 so these tests are what stands between it and a silent privacy failure.
 """
 

@@ -10,7 +10,7 @@ graph refused. The config key and a whole run through the party session and the 
 ``test_secagg_graph_wiring.py``.
 
 Must not: touch the network or ``flwr`` beyond the in-process transport. The graph is hand-written
-because the protocol is (DESIGN.md section 6).
+because the protocol is (``docs/privacy.md`` §9).
 """
 
 from __future__ import annotations

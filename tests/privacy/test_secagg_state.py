@@ -6,7 +6,7 @@ new ClientApp process; that the blobs are deterministic and byte-identical to th
 that restored clients keep every refusal; corruption and mismatch detection; blob sizes.
 
 Must not: touch the network or ``flwr``. Exists because a SuperNode keeps nothing in memory between
-messages (DESIGN.md section 1), so a protocol check that does not survive a restore does not exist.
+messages (``docs/architecture.md`` §1), so a protocol check that does not survive a restore does not exist.
 """
 
 from __future__ import annotations

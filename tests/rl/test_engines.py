@@ -1,5 +1,5 @@
 """Inference engines, rollouts and rewards for local RL: genuine train/inference mismatch on a briefly
-trained tiny MoE (random init misleads: reference Part B.5)."""
+trained tiny MoE (random init misleads: ``docs/algorithms.md``, inference engine profiles)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Architecture rules of ``docs/architecture.md`` (Layering), checked on the source with ``ast``.
+"""Architecture rules from ``docs/architecture.md`` §3-§4, checked on the source with ``ast``.
 
 - ``flwr`` is imported only in ``server/``, ``clients/`` and ``distmoe/wire/``;
 - Flower records and messages are constructed only in ``distmoe/wire/codec.py``;

@@ -1,4 +1,5 @@
-"""Secure aggregation (Bonawitz et al. 2017, "Practical Secure Aggregation"), transport-agnostic.
+"""Secure aggregation (Bonawitz et al., "Practical Secure Aggregation for Privacy-Preserving Machine Learning",
+CCS 2017, https://eprint.iacr.org/2017/281), transport-agnostic.
 
 Owns: the protocol. ``SecAggClient`` and ``SecAggServer`` are state machines whose inputs and outputs
 are the frozen dataclasses of ``messages`` (ints, bytes, numpy arrays); ``encoding`` turns reals into
@@ -7,7 +8,7 @@ Z_{2^bits} and checks that a sum cannot wrap; ``local.LocalFederation`` runs the
 Must not: import ``flwr`` (``distmoe/wire`` maps the messages onto records), do I/O, or use
 non-cryptographic randomness (``os.urandom`` unless a test injects a seeded byte source).
 
-Why hand-written on ``cryptography`` and not Flower 1.42's SecAgg+ (DESIGN.md section 6): SecAgg+
+Why hand-written on ``cryptography`` and not Flower 1.42's SecAgg+ (``docs/privacy.md`` §9): SecAgg+
 only runs in the legacy ``LegacyContext`` workflow; its mask PRG is MT19937 seeded with a 32-bit fold
 of the key (flwrlabs/flower#7522); a dropout before key sharing kills the round; its clients reveal
 both shares of a peer when asked (unmasking that peer); metrics and ``num_examples`` travel in clear.
@@ -16,6 +17,17 @@ Primitives: X25519 (share-encryption key c once per run; mask key s fresh every 
 with info bound to (run, round, ordered ids, purpose), ChaCha20 keystream as PRG (exactly uniform
 over Z_{2^bits}), ChaCha20-Poly1305 for the shares with associated data binding run, round, sender,
 recipient and the sender's mask key, Shamir over GF(2^521 - 1) with threshold t (2t > holders).
+
+The sum, for client u with input ``x_u: [length]`` in Z_{2^bits} (bits = 64 in a run), peers v of u in U1 (every
+other client of U1 with the complete graph), U2 the clients whose masked input arrived::
+
+    s_uv = HKDF(X25519(s_sk_u, s_pk_v), info = ("pair-mask", run, round, min(u,v), max(u,v)))  same for u and v
+    y_u  = x_u + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)   mod 2^bits    [length]
+    sum_{u in U2} x_u = sum_{u in U2} y_u - sum_{u in U2} PRG(b_u)                          [length]
+                        -/+ the pairwise masks of U2 members with dropped peers (from their s_sk)
+
+The pairwise masks of two survivors cancel; the server rebuilds ``b_u`` of survivors and ``s_sk_v`` of dropped
+peers from t Shamir shares each.
 
 Schedule (the caller's exchanges; each reaches every online client at once):
 
@@ -26,7 +38,7 @@ Schedule (the caller's exchanges; each reaches every online client at once):
             2. UnmaskRequest down; client: UnmaskResponse;    server: finish -> AggregateResult
 
 So a round is always two exchanges, with or without dropouts: the share-keys stage of round r+1 rides
-on the masked input of round r (the choice asked for in the design; shares for the first round go in
+on the masked input of round r (``docs/architecture.md`` §2; shares for the first round go in
 setup B). A client that missed the previous round's masked input is outside U1 of round r; it answers
 exchange 1 with ``share_keys(r + 1)`` only and rejoins at r+1. Dropouts are recovered in exchange 2:
 survivors reveal b-shares of U2 members and s-shares of U1 minus U2, never both for one peer.
@@ -43,7 +55,8 @@ because a Flower SuperNode runs each message in a new process. A client blob is 
 stays in the party's own node state or work directory and is saved before each reply is sent.
 
 Peer graph: complete (Bonawitz et al.) by default; ``privacy.secagg-graph = "harary"`` selects the SecAgg+
-sparse graph of Bell et al. 2020 (``graph.peer_graph``: a Harary graph over a public permutation keyed by
+sparse graph of Bell et al., "Secure Single-Server Aggregation with (Poly)Logarithmic Overhead", CCS 2020,
+https://eprint.iacr.org/2020/704 (``graph.peer_graph``: a Harary graph over a public permutation keyed by
 the run id, degree from ``graph.harary_degree``, threshold per neighbourhood). With its default bounds
 it equals the complete graph up to 25 parties (``bench/scale.py``, ``docs/results.md``).
 

@@ -11,10 +11,10 @@ share set for one round (the difference of two masked inputs under the same mask
 of the inputs), or keep a round's secrets after it ends. Hand-written on ``cryptography`` rather than
 Flower's SecAgg+ because Flower's client answers an unmask request that lists a peer as both alive
 and dead (revealing that peer's vector), seeds its masks with 32 bits, and cannot recover from a
-dropout before key sharing (DESIGN.md section 6).
+dropout before key sharing (``docs/privacy.md`` §9).
 
 State between messages: ``to_state()`` / ``SecAggClient.from_state(params, blob)`` (a Flower SuperNode
-runs every message in a new process, DESIGN.md section 1). The blob is secret material.
+runs every message in a new process: ``docs/architecture.md`` §1). The blob is secret material.
 
 Per-round states: SHARED (after ``share_keys``) -> MASKED (after ``masked_input``) -> DONE (after
 ``unmask``); any abort moves the round to ABORTED, after which nothing more is answered for it.

@@ -6,7 +6,7 @@ any sign work), ``decode_sum`` (the signed reading of a sum), ``required_bits`` 
 
 Must not: clip silently (an out-of-range value raises), or add noise (DP noise is the DP module's job;
 the caller adds its bound to ``max_abs_per_client``). Flower's SecAgg+ quantiser clips every
-coordinate to +-8 and wraps silently when the sum overflows (DESIGN.md section 6); here the bound is
+coordinate to +-8 and wraps silently when the sum overflows (``docs/privacy.md`` §9); here the bound is
 checked before anything is sent.
 """
 

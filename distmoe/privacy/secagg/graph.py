@@ -1,7 +1,8 @@
 """The peer graph: with whom each client masks and to whom it gives shares.
 
 Owns: ``complete_graph`` (Bonawitz et al. 2017, the default), ``harary_graph`` (the SecAgg+ sparse
-graph of Bell et al. 2020: a Harary graph H(n, k) over a public random permutation of the roster),
+graph of Bell et al., "Secure Single-Server Aggregation with (Poly)Logarithmic Overhead", CCS 2020,
+https://eprint.iacr.org/2020/704: a Harary graph H(n, k) over a public random permutation of the roster),
 ``harary_degree`` (the smallest degree k that keeps the protocol's three guarantees at n parties, see
 below), ``peer_graph`` / ``graph_threshold`` (the graph and the Shamir threshold that
 ``privacy.secagg-graph`` names, from public facts only), and the checks every graph must pass
@@ -9,8 +10,8 @@ below), ``peer_graph`` / ``graph_threshold`` (the graph and the Shamir threshold
 client and its peers).
 
 Must not: depend on anything but public facts (the sorted roster, the run id and the degree rule), so
-the server and every client compute the same graph. Hand-written because the protocol is (DESIGN.md
-section 6: Flower's SecAgg+ only runs in the legacy workflow).
+the server and every client compute the same graph. Hand-written because the protocol is (``docs/privacy.md``
+§9: Flower's SecAgg+ only runs in the legacy workflow).
 
 Why a sparse graph and what it costs. With the complete graph each client expands n PRG masks of the
 vector, Shamir-shares two secrets to n holders and encrypts n - 1 share envelopes; the server, per
@@ -34,7 +35,7 @@ every n up to 25 (then k = 22 at n = 30 and 50, 24 at 100, 36 at 200, 54 at 1000
 
 The permutation is keyed by the run id, which the server picks: a malicious server could try run ids
 until colluding clients land next to a target. That is within the protocol's semi-honest server
-model (DESIGN.md section 6: key authentication and the consistency round are not implemented either).
+model (``docs/privacy.md`` §1: key authentication and the consistency round are not implemented either).
 """
 
 from __future__ import annotations

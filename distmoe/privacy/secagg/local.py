@@ -6,7 +6,7 @@ wiring use it as the executable description of who sends what when.
 
 Must not: be used as a transport in a real run (everything is in one process, so it protects nothing),
 or reach into client or server internals: it calls only their public stage methods. Exists because the
-protocol is ours, not Flower's SecAgg+ (DESIGN.md section 6), so its schedule has to be written down
+protocol is ours, not Flower's SecAgg+ (``docs/privacy.md`` §9), so its schedule has to be written down
 somewhere runnable.
 """
 

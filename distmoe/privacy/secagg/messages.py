@@ -7,7 +7,7 @@ Must not: import ``flwr`` or know about records (``distmoe/wire`` maps these ont
 hold secrets in the clear (shares travel only inside ``EncryptedShares`` or in ``UnmaskResponse``,
 which goes to the server by design). Hand-written rather than Flower's SecAgg+ messages because those
 only exist inside the legacy workflow and carry metrics and ``num_examples`` in the clear
-(DESIGN.md section 6).
+(``docs/privacy.md`` §9).
 
 Exchanges (see ``distmoe.privacy.secagg`` for the full schedule): setup ``KeyAdvert`` ->
 ``KeyDirectory``; share keys ``ShareKeys`` (standalone or inside ``MaskedInput.next_keys``); masked

@@ -8,7 +8,7 @@ Must not: use a non-cryptographic generator (``random``, ``numpy.random``) for a
 seed to fewer than 256 bits, reuse a derived key for two purposes, or derive a key without binding it
 to (run, round, ordered party ids, purpose). Flower 1.42's SecAgg+ is not used because its PRG is
 MT19937 seeded with a 32-bit fold of the key (flwrlabs/flower#7522) and its key derivation has no
-context binding (DESIGN.md section 6).
+context binding (``docs/privacy.md`` §9).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ reconstruction that fails its commitment, aborts the round.
 Must not: import ``flwr``, see any individual input, or ask a client for both shares of a peer (the
 clients enforce it anyway). Hand-written on ``cryptography`` rather than Flower's SecAgg+ workflow,
 which needs the legacy ``LegacyContext``, fails a round on a dropout before key sharing, and lets
-metrics and ``num_examples`` travel in the clear (DESIGN.md section 6).
+metrics and ``num_examples`` travel in the clear (``docs/privacy.md`` §9).
 
 State: ``to_state()`` / ``SecAggServer.from_state(params, blob)`` survive a ServerApp restart at any
 point between stage calls.

@@ -6,7 +6,7 @@ shares, and the fixed 66-byte share encoding.
 
 Must not: use x = 0 (that share is the secret), draw coefficients from a non-cryptographic generator,
 or accept a share outside the field. ``cryptography`` has no Shamir, and Flower's SecAgg+ uses
-pycryptodome's GF(2^128) sharing inside a protocol we do not use (DESIGN.md section 6), so this small
+pycryptodome's GF(2^128) sharing inside a protocol we do not use (``docs/privacy.md`` §9), so this small
 implementation lives here, next to the tests that check its threshold property.
 """
 

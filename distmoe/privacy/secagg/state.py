@@ -14,8 +14,8 @@ Must not: use ``pickle`` or anything else that can run code while decoding (a bl
 another process or another version of this code), or put a secret into an exception message. The
 checksum detects corruption, not forgery: whoever can write a party's state can also read its
 secrets, so the blob's protection is where it is kept (the party's own node state or work directory).
-Exists because a Flower SuperNode starts a new ClientApp process for every message (DESIGN.md
-section 1), so the protocol state machines must survive between messages.
+Exists because a Flower SuperNode starts a new ClientApp process for every message (``docs/architecture.md``
+§1), so the protocol state machines must survive between messages.
 """
 
 from __future__ import annotations
