@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from distmoe.privacy import ring
 from distmoe.privacy.secagg import (
     AlreadyDead,
     BelowThreshold,
@@ -44,7 +45,6 @@ from distmoe.privacy.secagg import (
     UnmaskResponse,
     shamir,
 )
-from distmoe.privacy import ring
 from distmoe.privacy.secagg import primitives as P
 
 L = 512
@@ -106,7 +106,7 @@ def test_exact_sum_other_bit_widths(bits):
 
 def test_real_valued_inputs_through_the_ring_codec():
     n, scale, bound = 6, 2.0**16, 3.0
-    assert ring.check_fits_ring64(n * (bound * scale + 0.5)) == 21  # |sum| <= 6 * (3 * 2^16 + 1/2) < 2^20
+    assert ring.check_fits_ring64(n * (bound * scale + 0.5)) == 22  # |sum| <= 6 * (3 * 2^16 + 1/2) < 2^21
     g = np.random.default_rng(7)
     reals = {i: g.uniform(-bound, bound, L) for i in range(1, n + 1)}
     fed = fed_of(n, 4, bits=64)
