@@ -22,7 +22,8 @@ from distmoe.coordinator.aggregator import Aggregator, EvalSum, Skip, StatsSum, 
 from distmoe.coordinator.secagg import SecureRounds, SecureSum
 from distmoe.privacy.accountant import PrivacyEvent
 from distmoe.privacy.plan import stats_spec
-from distmoe.privacy.vectors import EvalLayout, StatsLayout, UpdateLayout, from_ring64
+from distmoe.privacy.ring import from_ring64
+from distmoe.privacy.vectors import EvalLayout, StatsLayout, UpdateLayout
 from distmoe.wire.schema import eval_metric_keys
 
 

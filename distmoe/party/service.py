@@ -19,13 +19,12 @@ import math
 from pathlib import Path
 
 from distmoe.config import NodeConfig, RunConfig
+from distmoe.party import work as P
 from distmoe.party.session import PartySession, SessionError, open_ledger
 from distmoe.privacy.accountant import PrivacyEvent
 from distmoe.privacy.update_noise import add_update_noise, update_dp_facts
 from distmoe.privacy.vectors import StatsLayout
-from distmoe.party import work as P
 from distmoe.wire.errors import Refused
-from distmoe.wire.party_guard import PHASES
 from distmoe.wire.schema import (
     TRAIN_METRIC_KEYS,
     DirectoryRequest,
@@ -78,7 +77,7 @@ class PartyService:
 
     def _answer(self, mtype: str, instr: object) -> tuple[object, dict | None]:
         cfg, node = self.cfg, self.node
-        if not self.secure and mtype in PHASES:
+        if not self.secure and type(instr) in _PLAIN:
             return _PLAIN[type(instr)](cfg, node, instr), None
         if not self.secure:
             raise Refused(f"{mtype}: secure-aggregation messages in a plaintext-mode run")

@@ -5,7 +5,7 @@ against the server and all other parties. A sequence contributes its per-layer m
 ``m_x`` (``[L, E]``, every row on the simplex, see ``distmoe.routing.stats``). Since a row ``p`` has
 ``||p||_2 <= ||p||_1 = 1``, the L2 sensitivity of the summed statistic is ``sqrt(L)`` with no clipping
 (:func:`l2_sensitivity`). No count is released: every row of the sum equals the number of sequences, so
-the count and the anchor are post-processing of the noisy rows (:func:`normalize_rows`).
+the count and the anchor are post-processing of the noisy rows.
 
 Mechanism (Agarwal, Kairouz, Liu, "The Skellam Mechanism for Differentially Private Federated Learning", NeurIPS
 2021, https://arxiv.org/abs/2110.04995), per party:
@@ -26,8 +26,9 @@ Mechanism (Agarwal, Kairouz, Liu, "The Skellam Mechanism for Differentially Priv
    ``Poisson(mu/2) - Poisson(mu/2)`` = Skellam with variance ``mu``. ``d_max > 0`` over-provisions for dropouts;
 5. append ``K`` known-zero noise-canary coordinates (noised like the rest): their aggregate is pure noise, which
    the audit tests with :func:`canary_chi2_test` (a missing noise share shows as too little variance);
-6. sum modulo ``2**bits`` in secure aggregation; :func:`required_bits` picks ``bits`` so that the true sum plus a
-   Chernoff tail bound of the Skellam noise cannot wrap; :func:`check_no_wrap` raises otherwise.
+6. sum modulo ``2**64`` in secure aggregation (``distmoe.privacy.ring``); :func:`required_bits` counts the bits
+   the true sum plus a Chernoff tail bound of the Skellam noise needs, and
+   :meth:`SkellamSpec.check_fits_ring64` raises unless that is at most 64 (63 magnitude bits and a sign).
 
 Dropouts and colluders remove their noise share: with ``n_active`` survivors the sum carries
 ``n_active * 2 lam`` variance, i.e. ``z_eff = z * sqrt(n_active / (n - d_max))``
@@ -48,9 +49,10 @@ itself a CSPRNG; the seed cannot be guessed and single noise draws are never obs
 sums), which is the threat model here. numpy's Poisson sampler is floating-point based, so its law is exact only
 up to float rounding (no low-bit attack applies: outputs are integers).
 
-Owns: the encoding, the noise calibration (``SkellamSpec``), share generation, ring arithmetic helpers,
-decoding, the canary test and the bit-width check. Must not: import ``flwr`` or ``torch``, perform secure
-aggregation (``distmoe.privacy`` secagg does), account epsilon (the accountant does), or send anything.
+Owns: the encoding, the noise calibration (``SkellamSpec``), share generation, decoding, the canary test and
+the data-plus-noise bound of the bit-width check (the ring and its no-wrap rule are ``distmoe.privacy.ring``).
+Must not: import ``flwr`` or ``torch``, perform secure aggregation (``distmoe.privacy`` secagg does), account
+epsilon (the accountant does), or send anything.
 
 Why hand-written: opacus only implements central/per-sample Gaussian DP-SGD; it has no integer, distributed
 (Skellam or discrete-Gaussian) mechanism. TFF's ``DistributedDpSumFactory`` has one but needs TensorFlow and
@@ -61,46 +63,37 @@ from __future__ import annotations
 
 import math
 import secrets
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from scipy import stats as _st
 
+from distmoe.privacy import ring
+
 __all__ = [
     "CanaryTest",
     "SkellamSpec",
     "WrapError",
     "canary_chi2_test",
-    "check_no_wrap",
     "client_share",
-    "count_from_rows",
     "crypto_rng",
-    "decode_noisy_sum",
     "decode_stats",
     "encode_per_sequence",
     "encode_stats",
-    "from_ring",
     "int_sensitivity",
     "l2_sensitivity",
-    "normalize_rows",
     "pack",
     "required_bits",
-    "ring_sum",
     "sequence_contribution_norm",
     "skellam_noise",
     "skellam_tail",
-    "to_ring",
+    "sum_bound",
 ]
 
 MIN_SCALE = 32
-MAX_BITS = 62  # ring values and pairwise sums stay inside int64
 ROUNDINGS = ("mass-preserving", "per-sequence", "sum")
-
-
-class WrapError(ValueError):
-    """The chosen bit width lets the modular sum wrap around."""
+WrapError = ring.WrapError  # the sum could wrap in Z_2^64
 
 
 # ------------------------------------------------------------------------------------------ sensitivity
@@ -152,9 +145,7 @@ def encode_stats(stats: np.ndarray, scale: float) -> np.ndarray:
     a = np.asarray(stats, dtype=np.float64)
     if a.ndim != 2 or not np.isfinite(a).all():
         raise ValueError(f"stats must be a finite [L, E] array, got shape {a.shape}")
-    if np.abs(a).max(initial=0.0) * scale >= 2.0**62:
-        raise ValueError("stats * scale does not fit in int64")
-    return np.rint(a * scale).astype(np.int64)
+    return ring.from_ring64(ring.encode_fixed(a, scale))  # raises WrapError if it does not fit int64
 
 
 def encode_per_sequence(per_seq: np.ndarray, scale: float, *, rounding: str = "per-sequence",
@@ -280,22 +271,20 @@ class SkellamSpec:
         """``z_eff = z * sqrt(n_active / (n - d_max))``: what the accountant must use for this release."""
         return self.aggregate_sigma(n_active) / self.delta2_int
 
+    def sum_bound(self, **kw: Any) -> float:
+        """:func:`sum_bound` for this spec (worst case: all parties present, all canaries)."""
+        return sum_bound(self.n_parties, self.num_sequences_max, self.scale, self.aggregate_sigma(),
+                         n_coords=self.payload_len, **kw)
+
     def required_bits(self, **kw: Any) -> int:
         """:func:`required_bits` for this spec (worst case: all parties present, all canaries)."""
-        return required_bits(self.n_parties, self.num_sequences_max, self.scale, self.aggregate_sigma(),
-                             n_coords=self.payload_len, **kw)
-
-    def check_no_wrap(self, bits: int, **kw: Any) -> None:
-        check_no_wrap(bits, self.n_parties, self.num_sequences_max, self.scale, self.aggregate_sigma(),
-                      n_coords=self.payload_len, **kw)
+        return ring.required_bits(self.sum_bound(**kw))
 
     def check_fits_ring64(self) -> None:
-        """Raise :class:`WrapError` unless the signed sum fits Z_2^64 (the secure sums' uint64 ring, read as
-        int64): all parties at ``num_sequences_max`` plus the noise tail (``required_bits <= 64``)."""
-        need = self.required_bits()
-        if need > 64:
-            raise WrapError(f"{self.n_parties} parties x {self.num_sequences_max} sequences at scale {self.scale:g} "
-                            f"plus noise (sigma_int={self.aggregate_sigma():.1f}) need {need} bits > 64")
+        """Raise :class:`WrapError` unless the signed sum fits Z_2^64 (``ring.check_fits_ring64``): all parties
+        at ``num_sequences_max`` plus the noise tail (``required_bits <= 64``)."""
+        ring.check_fits_ring64(self.sum_bound(), f"{self.n_parties} parties x {self.num_sequences_max} sequences "
+                               f"at scale {self.scale:g} plus noise (sigma_int={self.aggregate_sigma():.1f})")
 
     def dp_params(self, n_active: int | None = None) -> dict[str, Any]:
         """JSON-able parameters for the wire ledger's ``dp`` field."""
@@ -360,9 +349,9 @@ def skellam_tail(variance: float, n_coords: int = 1, fail_prob: float = 1e-12) -
     return hi
 
 
-def required_bits(n_parties: int, num_sequences_max: int, scale: float, sigma_int: float,
-                  tail: float | None = None, *, n_coords: int = 1, fail_prob: float = 1e-12) -> int:
-    """Bits ``b`` such that the signed sum fits in ``[-2**(b-1), 2**(b-1))`` and therefore never wraps.
+def sum_bound(n_parties: int, num_sequences_max: int, scale: float, sigma_int: float,
+              tail: float | None = None, *, n_coords: int = 1, fail_prob: float = 1e-12) -> float:
+    """Bound ``B`` on ``|sum|`` per coordinate of the noisy integer sum: data plus noise.
 
     Data bound per coordinate: ``n_parties * num_sequences_max * (scale + 1/2)`` (a rounded simplex entry
     is <= scale + 1/2). Noise bound: ``tail * sigma_int`` if ``tail`` (in standard deviations) is given,
@@ -372,88 +361,15 @@ def required_bits(n_parties: int, num_sequences_max: int, scale: float, sigma_in
     """
     data = n_parties * num_sequences_max * (scale + 0.5)
     noise = tail * sigma_int if tail is not None else skellam_tail(sigma_int**2, n_coords, fail_prob)
-    bound = math.ceil(data + noise)
-    return int(bound).bit_length() + 1
+    return data + noise
 
 
-def check_no_wrap(bits: int, n_parties: int, num_sequences_max: int, scale: float, sigma_int: float,
-                  tail: float | None = None, **kw: Any) -> None:
-    """Raise :class:`WrapError` if ``bits`` is below :func:`required_bits` (or above ``MAX_BITS``)."""
-    need = required_bits(n_parties, num_sequences_max, scale, sigma_int, tail, **kw)
-    if bits > MAX_BITS:
-        raise WrapError(f"bits={bits} exceeds the supported maximum {MAX_BITS}")
-    if bits < need:
-        raise WrapError(f"bits={bits} can wrap: {n_parties} parties x {num_sequences_max} sequences at scale "
-                        f"{scale} plus noise (sigma_int={sigma_int:.1f}) need {need} bits")
-
-
-# --------------------------------------------------------------------------------------- ring arithmetic
-def _mask(bits: int) -> int:
-    if not 1 <= bits <= MAX_BITS:
-        raise ValueError(f"bits must be in [1, {MAX_BITS}], got {bits}")
-    return (1 << bits) - 1
-
-
-def to_ring(x: np.ndarray, bits: int) -> np.ndarray:
-    """Signed int64 -> representative in ``[0, 2**bits)`` (two's complement modulo ``2**bits``)."""
-    return np.bitwise_and(np.asarray(x, dtype=np.int64), np.int64(_mask(bits)))
-
-
-def from_ring(v: np.ndarray, bits: int) -> np.ndarray:
-    """Ring element -> signed value in ``[-2**(bits-1), 2**(bits-1))``."""
-    v = np.bitwise_and(np.asarray(v, dtype=np.int64), np.int64(_mask(bits)))
-    return np.where(v >= (1 << (bits - 1)), v - (1 << bits), v)
-
-
-def ring_sum(vectors: Any, bits: int) -> np.ndarray:
-    """Sum of ring vectors modulo ``2**bits`` (reduced after every addition: no int64 overflow)."""
-    m = np.int64(_mask(bits))
-    total = None
-    for v in vectors:
-        v = np.bitwise_and(np.asarray(v, dtype=np.int64), m)
-        total = v if total is None else np.bitwise_and(total + v, m)
-    if total is None:
-        raise ValueError("ring_sum of no vectors")
-    return total
-
-
-# ---------------------------------------------------------------------------------------------- decode
-def decode_noisy_sum(int_sum: np.ndarray, scale: float, n_canaries: int, *, shape: tuple[int, int],
-                     bits: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Server side: flat integer sum -> ``(stats [L, E] float64, canaries [K] float64)``, both / scale.
-
-    With ``bits`` the input is a ring element and is first mapped to its signed value. Canary values
-    are the aggregate noise in statistic units: std ``aggregate_sigma / scale``.
-    """
-    v = np.asarray(int_sum, dtype=np.int64).ravel()
-    if bits is not None:
-        v = from_ring(v, bits)
-    d = shape[0] * shape[1]
-    if v.size != d + n_canaries:
-        raise ValueError(f"sum has {v.size} coordinates, expected {d} + {n_canaries} canaries")
-    return v[:d].reshape(shape).astype(np.float64) / scale, v[d:].astype(np.float64) / scale
-
-
-def normalize_rows(noisy: np.ndarray) -> np.ndarray:
-    """Anchor from a noisy sum: clip negatives to 0 and renormalise each row to sum 1.
-
-    A row with no positive mass (possible only when the noise swamps the signal) becomes uniform, with a
-    warning. Pure post-processing: no privacy cost.
-    """
-    a = np.clip(np.asarray(noisy, dtype=np.float64), 0.0, None)
-    s = a.sum(-1, keepdims=True)
-    empty = s[..., 0] <= 0
-    if empty.any():
-        warnings.warn(f"{int(empty.sum())} noisy row(s) had no positive mass; set to uniform", RuntimeWarning,
-                      stacklevel=2)
-        a[empty] = 1.0
-        s = a.sum(-1, keepdims=True)
-    return a / s
-
-
-def count_from_rows(noisy: np.ndarray) -> float:
-    """Estimate of the number of sequences: the mean row sum (every true row sums to the count)."""
-    return float(np.asarray(noisy, dtype=np.float64).sum(-1).mean())
+def required_bits(n_parties: int, num_sequences_max: int, scale: float, sigma_int: float,
+                  tail: float | None = None, *, n_coords: int = 1, fail_prob: float = 1e-12) -> int:
+    """Bits ``b`` such that the signed sum fits in ``[-2**(b-1), 2**(b-1))`` and therefore never wraps:
+    ``ring.required_bits(sum_bound(...))`` (see :func:`sum_bound`); it fits Z_2^64 iff ``b <= 64``."""
+    return ring.required_bits(sum_bound(n_parties, num_sequences_max, scale, sigma_int, tail, n_coords=n_coords,
+                                        fail_prob=fail_prob))
 
 
 # ----------------------------------------------------------------------------------------- canary test

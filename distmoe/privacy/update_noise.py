@@ -26,7 +26,8 @@ import math
 import numpy as np
 
 from distmoe.privacy.dp import crypto_rng
-from distmoe.privacy.vectors import UpdateLayout, from_ring64, to_ring64
+from distmoe.privacy.ring import from_ring64, to_ring64
+from distmoe.privacy.vectors import UpdateLayout
 
 
 class UpdateNoiseError(ValueError):

@@ -7,9 +7,10 @@ party's values into its input vector and the decoding of the *sum* of all inputs
 Every layout has an exact ``length``: the client guard and the server check a masked vector against
 it, so nothing else fits into a reply.
 
-Encoding: fixed point in two's complement mod 2^64 (``round(v * 2^frac_bits)``), with ``frac_bits``
-chosen so that the sum over all parties of the largest declared values cannot wrap (checked when the
-layout is built and on every encode). Router statistics are integers already (``distmoe.privacy.dp``:
+Encoding: ``distmoe.privacy.ring`` (fixed point in two's complement mod 2^64, ``round(v * 2^frac_bits)``),
+with ``frac_bits`` the largest (at most 40) that leaves one bit of margin below the ring's 63 magnitude
+bits for the sum over all parties of the largest declared values (``ring.check_fits_ring64`` confirms it
+whenever ``frac_bits`` is computed). Router statistics are integers already (``distmoe.privacy.dp``:
 per-sequence rounding at scale s, a Skellam noise share, K noise canaries).
 
 Why weights and metrics go inside the sum: a plaintext ``num_examples`` or per-party loss would reveal
@@ -36,9 +37,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distmoe.privacy import dp
+from distmoe.privacy import dp, ring
+from distmoe.privacy.ring import from_ring64, to_ring64
 
-BITS = 64  # every secure sum of this project lives in Z_2^64
+__all__ = ["BITS", "METRIC_BOUND", "SUM_KEYS", "EvalLayout", "LayoutError", "StatsLayout", "UpdateLayout",
+           "from_ring64", "to_ring64"]
+
+BITS = ring.RING_BITS  # every secure sum of this project lives in Z_2^64
 SUM_KEYS = ("steps", "skipped_steps")  # update metrics summed over parties, not averaged
 METRIC_BOUND = 1e6  # |metric| is clipped to this before encoding (losses, rewards, counts are far below)
 _MAX_FRAC_BITS = 40
@@ -49,29 +54,15 @@ class LayoutError(ValueError):
 
 
 def _frac_bits(n_parties: int, bound: float) -> int:
-    """Largest f with n * bound * 2^f < 2^62 (a bit of margin below the sign bit), capped at 40."""
-    f = math.floor(62 - math.log2(max(n_parties, 1) * max(bound, 1.0)))
+    """Largest f with ``n * bound * 2^f <= 2^62`` (one bit of margin below the ring's 63 magnitude bits),
+    capped at 40; the rounded sum ``n * (bound * 2^f + 1/2)`` is then checked to fit Z_2^64."""
+    n = max(n_parties, 1)
+    f = math.floor(ring.RING_BITS - 2 - math.log2(n * max(bound, 1.0)))
     if f < 8:
         raise LayoutError(f"{n_parties} parties x bound {bound:g} leaves {f} fractional bits in Z_2^64 (need 8)")
-    return min(f, _MAX_FRAC_BITS)
-
-
-def to_ring64(x: np.ndarray) -> np.ndarray:
-    """Signed int64 -> its two's-complement representative in Z_2^64 (uint64, same bits)."""
-    return np.ascontiguousarray(np.asarray(x, np.int64)).view(np.uint64)
-
-
-def from_ring64(v: np.ndarray) -> np.ndarray:
-    """Z_2^64 (uint64) -> signed int64 in [-2^63, 2^63)."""
-    return np.ascontiguousarray(np.asarray(v, np.uint64)).view(np.int64)
-
-
-def _to_fixed(x: np.ndarray, f: int) -> np.ndarray:
-    return to_ring64(np.rint(np.asarray(x, np.float64) * 2.0**f).astype(np.int64))
-
-
-def _from_fixed(v: np.ndarray, f: int) -> np.ndarray:
-    return from_ring64(v).astype(np.float64) / 2.0**f
+    f = min(f, _MAX_FRAC_BITS)
+    ring.check_fits_ring64(n * (max(bound, 1.0) * 2.0**f + 0.5), f"{n_parties} parties x bound {bound:g}")
+    return f
 
 
 def _weighted_metrics(keys: Sequence[str], values: Mapping[str, float], weights: Mapping[str, float] | float
@@ -161,12 +152,13 @@ class UpdateLayout:
         wv, wn = _weighted_metrics(self.metric_keys, metrics,
                                    {k: (1.0 if k in SUM_KEYS else float(w)) for k in self.metric_keys})
         vec = np.concatenate([flat * (factor * w), [float(w)], wv, wn])  # [length]
-        return _to_fixed(vec, self.frac_bits), {"norm": norm, "clipped": float(factor < 1.0), "weight": float(w)}
+        facts = {"norm": norm, "clipped": float(factor < 1.0), "weight": float(w)}
+        return ring.encode_fixed(vec, 2.0**self.frac_bits), facts
 
     def decode(self, total: np.ndarray) -> tuple[dict[str, np.ndarray] | None, float, dict[str, float]]:
         """From the sum: (weighted-average delta per tensor, or None if the total weight is 0; total weight;
         weighted-mean metrics)."""
-        v = _from_fixed(total, self.frac_bits)
+        v = ring.decode_fixed(total, 2.0**self.frac_bits)
         if v.shape != (self.length,):
             raise LayoutError(f"sum has shape {v.shape}, layout length {self.length}")
         n, m = self.numel, len(self.metric_keys)
@@ -253,10 +245,10 @@ class EvalLayout:
 
     def encode(self, metrics: Mapping[str, float]) -> np.ndarray:
         wv, wn = _weighted_metrics(self.keys, metrics, self._weights(metrics))
-        return _to_fixed(np.concatenate([wv, wn]), self.frac_bits)
+        return ring.encode_fixed(np.concatenate([wv, wn]), 2.0**self.frac_bits)
 
     def decode(self, total: np.ndarray) -> dict[str, float]:
-        v = _from_fixed(total, self.frac_bits)
+        v = ring.decode_fixed(total, 2.0**self.frac_bits)
         m = len(self.keys)
         out = _metric_means(self.keys, v[:m], v[m:])
         for i, k in enumerate(self.keys):  # counts are sums, not means

@@ -1,11 +1,13 @@
 """The codec: ``encode(payload) -> RecordDict`` and ``decode(RecordDict) -> payload``, plus the
 message constructors. The only code that builds or reads Flower records and messages.
 
-Record layout (every payload): ``"meta"`` ConfigRecord with ``"payload"`` (the type tag) and the
-payload's scalar fields; ``"arrays"`` ArrayRecord for weights or deltas; ``"ref"`` ArrayRecord for
-reference weights; ``"anchor"`` / ``"stats"`` ArrayRecords for ``[L, E]`` arrays; ``"metrics"``
-MetricRecord for scalar metrics. Decoding checks the tag, the exact set of records and keys, and
-that arrays are finite; anything else raises ``WireError`` naming what was wrong.
+Driven by one table, ``schema.PAYLOADS``: each payload type lists its dataclass fields with the record
+key they travel under and their kind; ``KINDS`` maps each kind to how it is written and read. Record
+layout: a ``"meta"`` ConfigRecord with ``"payload"`` (the type tag) and the scalar fields; ArrayRecords
+for weights, deltas and ``[L, E]`` arrays; a MetricRecord for scalar metrics; the SecAgg protocol
+messages in their own records. Decoding checks the tag, that every record and every ConfigRecord key
+present was read by a field (nothing more, nothing less), and that arrays are finite; anything else
+raises ``WireError`` naming what was wrong. Encoding refuses what decoding would reject.
 
 Must not: know about models, data or training.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,44 +24,29 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from distmoe.privacy import secagg as sa
 from distmoe.wire import inspect
-from distmoe.wire.schema import (
+from distmoe.wire.schema import (  # noqa: F401  (MSG_* are part of the codec's interface)
+    BY_CLASS,
+    BY_TAG,
     EVAL_ROUTING_KEYS,
-    PAYLOAD_TAGS,
+    MSG_DIRECTORY,
+    MSG_EVAL,
+    MSG_RL,
+    MSG_SETUP,
+    MSG_SFT,
+    MSG_STATS,
+    MSG_UNMASK,
+    PAYLOADS,
     RELEASES,
     RL_METRIC_KEYS,
     RL_SIM_METRIC_KEYS,
     TRAIN_METRIC_KEYS,
-    DirectoryRequest,
     EvalInstruction,
-    EvalReply,
-    KeyAdvertReply,
-    MaskedReply,
-    ModelUpdate,
-    RlInstruction,
-    RouterStats,
+    PayloadType,
     SecureInstruction,
-    SetupRequest,
-    SftInstruction,
-    ShareKeysReply,
-    StatsInstruction,
-    UnmaskRequestMsg,
-    UnmaskResponseMsg,
 )
 
 _PARTY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-TAG_TO_TYPE = {v: k for k, v in PAYLOAD_TAGS.items()}
-
-# message types (Flower's "train.<action>" / "evaluate")
-MSG_SFT = "train.sft"
-MSG_STATS = "train.stats"
-MSG_RL = "train.rl"
-MSG_EVAL = "evaluate"
-MSG_SETUP = "query.setup"
-MSG_DIRECTORY = "query.directory"
-MSG_UNMASK = "query.unmask"
-MESSAGE_TYPE = {SftInstruction: MSG_SFT, RlInstruction: MSG_RL, StatsInstruction: MSG_STATS,
-                EvalInstruction: MSG_EVAL, SetupRequest: MSG_SETUP, DirectoryRequest: MSG_DIRECTORY,
-                UnmaskRequestMsg: MSG_UNMASK}
+MESSAGE_TYPE = {pt.cls: pt.message_type for pt in PAYLOADS if pt.message_type}
 LEDGER_RECORD = "ledger"  # the sender's ledger head, attached by the outbound guard; not part of the digest
 
 
@@ -82,68 +70,14 @@ def _read_arrays(rec: ArrayRecord, what: str) -> dict[str, np.ndarray]:
     return out
 
 
-def encode(payload: object) -> RecordDict:
-    if type(payload) in _SECURE_ENCODERS:
-        return _SECURE_ENCODERS[type(payload)](payload)
-    tag = PAYLOAD_TAGS.get(type(payload))
-    if tag is None:
-        raise WireError(f"not a wire payload: {type(payload).__name__}")
-    _audit(payload, tag)
-    meta: dict = {"payload": tag}
-    rd: dict = {}
-    p = payload
-    if isinstance(p, SftInstruction):
-        meta.update(round=p.round, task=p.task, base_hash=p.base_hash, seed=p.seed,
-                    anchor_version=p.anchor_version)
-        rd["arrays"] = _arrays(p.weights)
-        if p.anchor is not None:
-            rd["anchor"] = _arrays({"probs": np.asarray(p.anchor, np.float32)})
-    elif isinstance(p, StatsInstruction):
-        meta.update(round=p.round, task=p.task, base_hash=p.base_hash)
-        rd["arrays"] = _arrays(p.weights)
-    elif isinstance(p, EvalInstruction):
-        meta.update(round=p.round, tasks=list(p.tasks), new_task=p.new_task, base_hash=p.base_hash,
-                    anchor_version=p.anchor_version)
-        rd["arrays"] = _arrays(p.weights)
-        if p.ref_weights is not None:
-            rd["ref"] = _arrays(p.ref_weights)
-        if p.anchor is not None:
-            rd["anchor"] = _arrays({"probs": np.asarray(p.anchor, np.float32)})
-    elif isinstance(p, RlInstruction):
-        meta.update(round=p.round, task=p.task, base_hash=p.base_hash, seed=p.seed)
-        rd["arrays"] = _arrays(p.weights)
-    elif isinstance(p, ModelUpdate):
-        _check_update_keys(p.kind, p.metrics, tag)
-        meta.update(num_examples=int(p.num_examples), party=_party(p.party), kind=p.kind)
-        rd["arrays"] = _arrays({k: np.asarray(v, np.float32) for k, v in p.delta.items()})
-        rd["metrics"] = MetricRecord({k: _finite_or_nan(v) for k, v in sorted(p.metrics.items())})
-    elif isinstance(p, RouterStats):
-        rd["stats"] = _arrays({"sums": np.asarray(p.sums, np.float64)})
-    elif isinstance(p, EvalReply):
-        meta.update(party=_party(p.party))
-        rd["metrics"] = MetricRecord({k: _finite_or_nan(v) for k, v in sorted(p.metrics.items())})
-    rd["meta"] = ConfigRecord(meta)
-    return RecordDict(rd)
-
-
-def _audit(p: object, tag: str) -> None:
-    """Refuse to encode what decode would reject: non-finite arrays, negative counts, stray keys."""
-    arrays: dict[str, np.ndarray] = {}
-    for field_name in ("weights", "ref_weights", "delta"):
-        arrays.update({f"{field_name}.{k}": v for k, v in (getattr(p, field_name, None) or {}).items()})
-    for field_name in ("anchor", "sums"):
-        if getattr(p, field_name, None) is not None:
-            arrays[field_name] = getattr(p, field_name)
+def _check_numeric(arrays: dict[str, np.ndarray], tag: str, field: str) -> None:
+    """Refuse to encode what decode would reject: non-numeric or non-finite arrays."""
     for k, v in arrays.items():
         a = np.asarray(v)
         if a.dtype.kind not in "fiu":
-            raise WireError(f"{tag}: array {k!r} has dtype {a.dtype}, expected a numeric array")
+            raise WireError(f"{tag}: array {field}.{k!r} has dtype {a.dtype}, expected a numeric array")
         if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
-            raise WireError(f"{tag}: array {k!r} contains NaN or Inf")
-    if isinstance(p, ModelUpdate) and p.num_examples < 0:
-        raise WireError(f"{tag}: negative num_examples {p.num_examples}")
-    if isinstance(p, EvalReply):
-        _check_eval_keys(p.metrics, tag)
+            raise WireError(f"{tag}: array {field}.{k!r} contains NaN or Inf")
 
 
 def _party(name: str) -> str:
@@ -157,27 +91,7 @@ def _finite_or_nan(v: float) -> float:
     return v if math.isfinite(v) else float("nan")
 
 
-def _expect_records(content: RecordDict, required: set[str], optional: set[str], tag: str) -> None:
-    present = set(content.keys())
-    missing = required - present
-    extra = present - required - optional
-    if missing or extra:
-        raise WireError(f"{tag}: records {sorted(present)} do not match the schema "
-                        f"(missing {sorted(missing)}, unexpected {sorted(extra)})")
-
-
-META_KEYS = {
-    SftInstruction: {"payload", "round", "task", "base_hash", "seed", "anchor_version"},
-    RlInstruction: {"payload", "round", "task", "base_hash", "seed"},
-    StatsInstruction: {"payload", "round", "task", "base_hash"},
-    EvalInstruction: {"payload", "round", "tasks", "new_task", "base_hash", "anchor_version"},
-    ModelUpdate: {"payload", "num_examples", "party", "kind"},
-    RouterStats: {"payload"},
-    EvalReply: {"payload", "party"},
-}
 _EVAL_KEY_RE = re.compile(r"^(acc|loss|n)/[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-
-
 _ROUTE_KEY_RE = re.compile(r"^route_disagree_l\d{1,3}$")
 
 
@@ -202,167 +116,174 @@ def _check_eval_keys(keys, tag: str) -> None:
                         f"{', '.join(EVAL_ROUTING_KEYS)})")
 
 
-def _single(rec: ArrayRecord, key: str, tag: str) -> np.ndarray:
-    arrays = _read_arrays(rec, tag)
-    if set(arrays) != {key}:
-        raise WireError(f"{tag}: arrays {sorted(arrays)} != [{key!r}]")
-    return arrays[key]
-
-
-def decode(content: RecordDict, expected: type | None = None) -> object:
-    """Payload of a record dict; a sender's ledger head record, if any, is checked and left aside
-    (read it with :func:`ledger_head`)."""
-    if LEDGER_RECORD in content:
-        ledger_head(content)
-        content = strip_ledger(content)
-    if "meta" not in content.config_records:
-        raise WireError("record has no 'meta' ConfigRecord: not a distmoe payload")
-    meta = content.config_records["meta"]
-    tag = meta.get("payload")
-    if expected is SecureInstruction and "sa" in content:
-        return _decode_secure_instruction(content)
-    typ = TAG_TO_TYPE.get(tag)
-    if typ is None:
-        raise WireError(f"unknown payload type {tag!r}")
-    if expected is not None and typ is not expected:
-        raise WireError(f"expected {PAYLOAD_TAGS[expected]!r}, got {tag!r}")
-    if typ in _SECURE_DECODERS:
-        try:
-            return _SECURE_DECODERS[typ](content, meta, tag)
-        except KeyError as exc:
-            raise WireError(f"{tag}: missing field {exc}") from None
-        except (TypeError, ValueError) as exc:
-            if isinstance(exc, WireError):
-                raise
-            raise WireError(f"{tag}: malformed: {exc}") from None
-    extra_meta = sorted(set(meta.keys()) - META_KEYS[typ])
-    if extra_meta:
-        raise WireError(f"{tag}: unexpected meta fields {extra_meta}")
-    try:
-        if typ is SftInstruction:
-            _expect_records(content, {"meta", "arrays"}, {"anchor"}, tag)
-            anchor = _single(content.array_records["anchor"], "probs", tag) if "anchor" in content else None
-            return SftInstruction(round=int(meta["round"]), task=str(meta["task"]),
-                                  weights=_read_arrays(content.array_records["arrays"], tag),
-                                  base_hash=str(meta["base_hash"]), seed=int(meta["seed"]),
-                                  anchor=anchor, anchor_version=int(meta["anchor_version"]))
-        if typ is RlInstruction:
-            _expect_records(content, {"meta", "arrays"}, set(), tag)
-            return RlInstruction(round=int(meta["round"]), task=str(meta["task"]),
-                                 weights=_read_arrays(content.array_records["arrays"], tag),
-                                 base_hash=str(meta["base_hash"]), seed=int(meta["seed"]))
-        if typ is StatsInstruction:
-            _expect_records(content, {"meta", "arrays"}, set(), tag)
-            return StatsInstruction(round=int(meta["round"]), task=str(meta["task"]),
-                                    weights=_read_arrays(content.array_records["arrays"], tag),
-                                    base_hash=str(meta["base_hash"]))
-        if typ is EvalInstruction:
-            _expect_records(content, {"meta", "arrays"}, {"ref", "anchor"}, tag)
-            anchor = _single(content.array_records["anchor"], "probs", tag) if "anchor" in content else None
-            ref = _read_arrays(content.array_records["ref"], tag) if "ref" in content else None
-            return EvalInstruction(round=int(meta["round"]), tasks=tuple(meta["tasks"]),
-                                   new_task=str(meta["new_task"]),
-                                   weights=_read_arrays(content.array_records["arrays"], tag),
-                                   base_hash=str(meta["base_hash"]), ref_weights=ref, anchor=anchor,
-                                   anchor_version=int(meta["anchor_version"]))
-        if typ is ModelUpdate:
-            _expect_records(content, {"meta", "arrays", "metrics"}, set(), tag)
-            metrics = dict(content.metric_records["metrics"])
-            kind = str(meta["kind"])
-            _check_update_keys(kind, metrics, tag)
-            n = int(meta["num_examples"])
-            if n < 0:
-                raise WireError(f"{tag}: negative num_examples {n}")
-            return ModelUpdate(party=_party(str(meta["party"])),
-                               delta=_read_arrays(content.array_records["arrays"], tag), num_examples=n,
-                               metrics={k: float(v) for k, v in metrics.items()}, kind=kind)
-        if typ is RouterStats:
-            _expect_records(content, {"meta", "stats"}, set(), tag)
-            return RouterStats(sums=_single(content.array_records["stats"], "sums", tag))
-        if typ is EvalReply:
-            _expect_records(content, {"meta", "metrics"}, set(), tag)
-            metrics = {k: float(v) for k, v in content.metric_records["metrics"].items()}
-            _check_eval_keys(metrics, tag)
-            return EvalReply(party=_party(str(meta["party"])), metrics=metrics)
-    except KeyError as exc:
-        raise WireError(f"{tag}: missing field {exc}") from None
-    raise WireError(f"unhandled payload type {tag!r}")  # pragma: no cover
+def _release(name: str, tag: str) -> str:
+    if name not in RELEASES:
+        raise WireError(f"{tag}: unknown release {name!r} (one of {', '.join(RELEASES)})")
+    return name
 
 
 # ------------------------------------------------------------------------------------------------
-# Messages
+# The table-driven codec: an _Out collects records while encoding, an _In tracks what decoding read
 # ------------------------------------------------------------------------------------------------
-def instruction(payload: object, node_id: int) -> Message:
-    mtype = MESSAGE_TYPE.get(type(payload))
-    if mtype is None:
-        raise WireError(f"{type(payload).__name__} is not a server instruction")
-    return Message(content=encode(payload), dst_node_id=node_id, message_type=mtype)
+class _Out:
+    def __init__(self, pt: PayloadType, payload: object):
+        self.pt, self.payload, self.tag = pt, payload, pt.tag or "secure instruction"
+        self.recs: dict[str, dict | ArrayRecord | MetricRecord | ConfigRecord] = {}
+
+    def config(self, name: str) -> dict:
+        return self.recs.setdefault(name, {})
+
+    def record_dict(self) -> RecordDict:
+        order = [k for k in self.recs if k not in self.pt.records] + [k for k in self.pt.records if k in self.recs]
+        return RecordDict({k: ConfigRecord(v) if isinstance(v, dict) else v for k, v in
+                           ((k, self.recs[k]) for k in order)})
 
 
-def reply(payload: object, to: Message) -> Message:
-    return Message(content=encode(payload), reply_to=to)
+class _In:
+    def __init__(self, content: RecordDict, pt: PayloadType, tag: str):
+        self.content, self.pt, self.tag = content, pt, tag
+        self.used: dict[str, set[str]] = {}  # record -> the ConfigRecord keys read
 
+    def has(self, name: str) -> bool:
+        return name in self.content
 
-def error_reply(to: Message, code: int, reason: str) -> Message:
-    from flwr.app import Error
+    def record(self, name: str):
+        if name not in self.content:
+            raise WireError(f"{self.tag}: records {sorted(self.content.keys())} do not match the schema "
+                            f"(missing [{name!r}])")
+        self.used.setdefault(name, set())
+        return self.content[name]
 
-    return Message(Error(code=code, reason=reason[:ERROR_MAX_BYTES]), reply_to=to)
+    def value(self, at: str):
+        name, key = at.split(".", 1)
+        rec = self.record(name)
+        if not isinstance(rec, ConfigRecord):
+            raise WireError(f"{self.tag}: record {name!r} is not a ConfigRecord")
+        if key not in rec:
+            raise WireError(f"{self._what(name)}: missing field {key!r} (fields {sorted(rec.keys())})")
+        self.used[name].add(key)
+        return rec[key]
 
+    def arrays(self, name: str, keys: set[str] | None = None) -> dict[str, np.ndarray]:
+        rec = self.record(name)
+        if not isinstance(rec, ArrayRecord):
+            raise WireError(f"{self.tag}: record {name!r} is not an ArrayRecord")
+        out = _read_arrays(rec, self.tag if name in ("arrays", "ref") else f"{self.tag}: {name}")
+        if keys is not None and set(out) != keys:
+            raise WireError(f"{self.tag}: {name} arrays {sorted(out)} != {sorted(keys)}")
+        return out
 
-# ------------------------------------------------------------------------------------------------
-# Error replies: the only free text a party sends. The party's guard makes it printable ASCII of at most
-# ERROR_TEXT_MAX characters, scans it for canaries, logs it and appends its ledger head as a fixed suffix;
-# the server guard enforces the same form and ERROR_MAX_BYTES on arrival and anchors the head.
-# ------------------------------------------------------------------------------------------------
-ERROR_MAX_BYTES = 2048
-ERROR_TEXT_MAX = 1024
-_HEAD_SUFFIX = re.compile(r" \[ledger-head (\d{1,12}) ([0-9a-f]{64})\]\Z")
+    def metrics(self, name: str) -> dict[str, float]:
+        rec = self.record(name)
+        if not isinstance(rec, MetricRecord):
+            raise WireError(f"{self.tag}: record {name!r} is not a MetricRecord")
+        return {k: float(v) for k, v in rec.items()}
+
+    def _what(self, name: str) -> str:
+        return self.tag if name == "meta" else f"{self.tag}: {name}"
+
+    def finish(self) -> None:
+        extra = sorted(set(self.content.keys()) - set(self.used))
+        if extra:
+            raise WireError(f"{self.tag}: records {sorted(self.content.keys())} do not match the schema "
+                            f"(unexpected {extra})")
+        for name, keys in self.used.items():
+            rec = self.content[name]
+            if isinstance(rec, ConfigRecord) and set(rec.keys()) != keys:
+                raise WireError(f"{self._what(name)}: fields {sorted(rec.keys())} != {sorted(keys)} "
+                                f"(unexpected {sorted(set(rec.keys()) - keys)})")
 
 
 @dataclass(frozen=True)
-class ErrorReply:
-    """An error reply as a transport hands it to the server guard (Flower's ``Error`` reason and code)."""
+class Kind:
+    """How one field kind is written (``put(out, at, value)``) and read (``take(inp, at, got)``; ``got``
+    holds the fields decoded so far); ``strings(at)`` names the ConfigRecord keys that hold text or bytes."""
 
-    reason: str
-    code: int = 0
-
-
-def error_text(text: str) -> str:
-    """The form a party's error text takes on the wire: printable ASCII (others -> '?'), <= ERROR_TEXT_MAX."""
-    return "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in str(text))[:ERROR_TEXT_MAX]
+    put: Callable
+    take: Callable
+    strings: Callable = lambda at: {}
 
 
-def with_error_head(text: str, seq: int, hash_hex: str) -> str:
-    return f"{text} [ledger-head {int(seq)} {hash_hex}]"
+def _scalar(enc: Callable, dec: Callable | None = None, text: bool = False) -> Kind:
+    """A ConfigRecord value: ``enc(value, tag, key)`` on the way out, ``dec(raw, tag, key)`` on the way in."""
+    dec = dec or enc
+
+    def put(out: _Out, at: str, v) -> None:
+        name, key = at.split(".", 1)
+        out.config(name)[key] = enc(v, out.tag, key)
+
+    def take(inp: _In, at: str, got: dict):
+        return dec(inp.value(at), inp.tag, at.split(".", 1)[1])
+
+    return Kind(put, take, (lambda at: {at.split(".", 1)[0]: {at.split(".", 1)[1]}}) if text else (lambda at: {}))
 
 
-def split_error(reason: str) -> tuple[str, tuple[int, str] | None]:
-    """``(text, (seq, hash) or None)`` of an error reason (the head suffix removed when present)."""
-    m = _HEAD_SUFFIX.search(reason)
-    if m is None:
-        return reason, None
-    return reason[:m.start()], (int(m.group(1)), m.group(2))
+def _count(v, tag: str, key: str) -> int:
+    n = int(v)
+    if n < 0:
+        raise WireError(f"{tag}: negative {key} {n}")
+    return n
 
 
-def read_instruction(msg: Message, expected: type) -> object:
-    return decode(msg.content, expected)
+def _key32(v, tag: str, key: str) -> bytes:
+    b = bytes(v)
+    if len(b) != 32:
+        raise WireError(f"{tag}: {key} must be 32 bytes")
+    return b
 
 
-def read_reply(msg: Message, expected: type) -> tuple[int, object]:
-    """``(source node id, payload)``; raises WireError for an error reply or a malformed one."""
-    node = msg.metadata.src_node_id
-    if msg.has_error():
-        raise WireError(f"node {node} replied with an error: {msg.error.reason}")
-    return node, decode(msg.content, expected)
+def _hex64(v, tag: str, key: str) -> str:
+    if not isinstance(v, str) or not re.fullmatch(r"[0-9a-f]{64}", v):
+        raise WireError(f"{tag}: {key} must be 64 lowercase hex characters")
+    return v
 
 
-def message_type(msg: Message) -> str:
-    return msg.metadata.message_type
+def _weights(dtype=None) -> Kind:
+    def put(out: _Out, at: str, v) -> None:
+        _check_numeric(v, out.tag, at)
+        out.recs[at] = _arrays(v if dtype is None else {k: np.asarray(a, dtype) for k, a in v.items()})
+
+    return Kind(put, lambda inp, at, got: inp.arrays(at))
 
 
-# ------------------------------------------------------------------------------------------------
-# Secure aggregation payloads (privacy.mode = "secagg"): protocol messages of distmoe.privacy.secagg
-# ------------------------------------------------------------------------------------------------
+def _single(key: str, dtype) -> Kind:
+    def put(out: _Out, at: str, v) -> None:
+        _check_numeric({key: v}, out.tag, at)
+        out.recs[at] = _arrays({key: np.asarray(v, dtype)})
+
+    return Kind(put, lambda inp, at, got: inp.arrays(at, {key})[key])
+
+
+def _metrics(check: Callable) -> Kind:
+    def put(out: _Out, at: str, v) -> None:
+        check(out.payload, v, out.tag)
+        out.recs[at] = MetricRecord({k: _finite_or_nan(x) for k, x in sorted(v.items())})
+
+    def take(inp: _In, at: str, got: dict) -> dict[str, float]:
+        m = inp.metrics(at)
+        check(got, m, inp.tag)
+        return m
+
+    return Kind(put, take)
+
+
+def _kind_of(p) -> str:
+    return p["kind"] if isinstance(p, dict) else p.kind
+
+
+def _logical_run(value, tag: str) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]{0,128}", value):
+        raise WireError(f"{tag}: logical_run must be up to 128 of [A-Za-z0-9_.:-], got {str(value)[:40]!r}")
+    return value
+
+
+def _epoch(value, tag: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1_000_000:
+        raise WireError(f"{tag}: epoch must be an int in [0, 1e6), got {value!r}")
+    return value
+
+
+
 _SA_ENVELOPES = {"ids": "uint64", "nonces": "uint8", "cts": "uint8"}
 
 
@@ -406,236 +327,300 @@ def _read_envelopes(rec: ArrayRecord, what: str, make) -> tuple:
     return tuple(make(i, n, c) for i, n, c in zip(ids, nonces, cts, strict=True))
 
 
-def _share_keys_records(k, prefix: str) -> dict:
-    meta = ConfigRecord({"round": k.round, "sender": k.sender, "s_pk": k.s_pk, "b_commit": k.b_commit})
-    return {f"{prefix}": meta, f"{prefix}_shares": _envelopes(k.shares, lambda e: e.recipient)}
+# ------------------------------------------------------------------------------------------------
+# Secure aggregation protocol messages (privacy.mode = "secagg") as field kinds
+# ------------------------------------------------------------------------------------------------
+def _put_share_keys(out: _Out, prefix: str, k) -> None:
+    out.recs[prefix] = ConfigRecord({"round": k.round, "sender": k.sender, "s_pk": k.s_pk, "b_commit": k.b_commit})
+    out.recs[f"{prefix}_shares"] = _envelopes(k.shares, lambda e: e.recipient)
 
 
-def _read_share_keys(content: RecordDict, prefix: str, tag: str):
-    m = content.config_records[prefix]
-    _exact_keys(m, {"round", "sender", "s_pk", "b_commit"}, f"{tag}: {prefix}")
-    sender, rnd = int(m["sender"]), int(m["round"])
-    shares = _read_envelopes(content.array_records[f"{prefix}_shares"], f"{tag}: {prefix}_shares",
+def _take_share_keys(inp: _In, prefix: str):
+    sender, rnd = int(inp.value(f"{prefix}.sender")), int(inp.value(f"{prefix}.round"))
+    s_pk, b_commit = bytes(inp.value(f"{prefix}.s_pk")), bytes(inp.value(f"{prefix}.b_commit"))
+    shares = _read_envelopes(inp.record(f"{prefix}_shares"), f"{inp.tag}: {prefix}_shares",
                              lambda i, n, c: sa.EncryptedShares(sender, i, rnd, n, c))
-    return sa.ShareKeys(sender, rnd, bytes(m["s_pk"]), bytes(m["b_commit"]), shares)
+    return sa.ShareKeys(sender, rnd, s_pk, b_commit, shares)
 
 
-def _exact_keys(rec, keys: set[str], what: str) -> None:
-    if set(rec.keys()) != keys:
-        raise WireError(f"{what}: fields {sorted(rec.keys())} != {sorted(keys)}")
+def _share_key_strings(at: str) -> dict[str, set[str]]:
+    return {at: {"s_pk", "b_commit"}}
 
 
-def _release(name: str, tag: str) -> str:
-    if name not in RELEASES:
-        raise WireError(f"{tag}: unknown release {name!r} (one of {', '.join(RELEASES)})")
-    return name
+def _put_directory(out: _Out, at: str, d) -> None:
+    out.config("meta")["secagg_run"] = d.run_id
+    out.recs[at] = _arrays({"ids": _u64(cid for cid, _ in d.keys), "keys": _u8([k for _, k in d.keys], 32)})
 
 
-def _enc_setup(p: SetupRequest) -> RecordDict:
-    return RecordDict({"meta": ConfigRecord({
-        "payload": "setup-request", "secagg_run": p.secagg_run, "threshold": int(p.threshold),
-        "max_length": int(p.max_length), "n_invited": int(p.n_invited),
-        "noise_multiplier": float(p.noise_multiplier), "update_noise_multiplier": float(p.update_noise_multiplier),
-        "logical_run": _logical_run(p.logical_run, "setup-request"), "epoch": _epoch(p.epoch, "setup-request")})})
+def _take_directory(inp: _In, at: str, got: dict):
+    run = bytes(inp.value("meta.secagg_run"))
+    arrays = inp.arrays(at, {"ids", "keys"})
+    ids, keys = _ids(arrays["ids"], inp.tag), _rows(arrays["keys"], 32, inp.tag)
+    if len(ids) != len(keys):
+        raise WireError(f"{inp.tag}: {len(ids)} ids, {len(keys)} keys")
+    return sa.KeyDirectory(run, tuple(zip(ids, keys, strict=True)))
 
 
-def _logical_run(value, tag: str) -> str:
-    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]{0,128}", value):
-        raise WireError(f"{tag}: logical_run must be up to 128 of [A-Za-z0-9_.:-], got {str(value)[:40]!r}")
-    return value
+def _put_roster(out: _Out, at: str, names) -> None:
+    by_id = dict(names)
+    out.config("meta")[at.split(".", 1)[1]] = [_party(by_id[cid]) for cid, _ in out.payload.directory.keys]
 
 
-def _epoch(value, tag: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1_000_000:
-        raise WireError(f"{tag}: epoch must be an int in [0, 1e6), got {value!r}")
-    return value
+def _take_roster(inp: _In, at: str, got: dict):
+    names = [_party(str(n)) for n in inp.value(at)]
+    ids = [cid for cid, _ in got["directory"].keys]
+    if len(ids) != len(names):
+        raise WireError(f"{inp.tag}: {len(ids)} ids, {len(names)} names")
+    return tuple(zip(ids, names, strict=True))
 
 
-def _dec_setup(content, meta, tag) -> SetupRequest:
-    _expect_records(content, {"meta"}, set(), tag)
-    _exact_keys(meta, {"payload", "secagg_run", "threshold", "max_length", "n_invited", "noise_multiplier",
-                       "update_noise_multiplier", "logical_run", "epoch"}, tag)
-    return SetupRequest(bytes(meta["secagg_run"]), int(meta["threshold"]), int(meta["max_length"]),
-                        int(meta["n_invited"]), float(meta["noise_multiplier"]), float(meta["update_noise_multiplier"]),
-                        _logical_run(meta["logical_run"], tag), _epoch(meta["epoch"], tag))
+def _put_instruction(out: _Out, at: str, instr) -> None:
+    out.recs.update(encode(instr).items())
 
 
-def _enc_advert(p: KeyAdvertReply) -> RecordDict:
-    if not re.fullmatch(r"[0-9a-f]{64}", p.ledger_public_key):
-        raise WireError("key-advert: ledger_public_key must be 64 lowercase hex characters")
-    return RecordDict({"meta": ConfigRecord({"payload": "key-advert", "party": _party(p.party), "c_pk": p.c_pk,
-                                             "ledger_public_key": p.ledger_public_key})})
+def _take_instruction(inp: _In, at: str, got: dict):
+    inner = RecordDict({k: v for k, v in inp.content.items() if k not in inp.pt.records})
+    for k in inner.keys():
+        inp.used[k] = set(inner[k].keys()) if isinstance(inner[k], ConfigRecord) else set()
+    instr = decode(inner)
+    if not BY_CLASS[type(instr)].release:
+        raise WireError(f"{inp.tag}: carries {type(instr).__name__}, not a phase instruction")
+    return instr
 
 
-def _dec_advert(content, meta, tag) -> KeyAdvertReply:
-    _expect_records(content, {"meta"}, {LEDGER_RECORD}, tag)
-    _exact_keys(meta, {"payload", "party", "c_pk", "ledger_public_key"}, tag)
-    pk = str(meta["ledger_public_key"])
-    if not re.fullmatch(r"[0-9a-f]{64}", pk):
-        raise WireError(f"{tag}: ledger_public_key is not 64 hex characters")
-    c_pk = bytes(meta["c_pk"])
-    if len(c_pk) != 32:
-        raise WireError(f"{tag}: c_pk must be 32 bytes")
-    return KeyAdvertReply(_party(str(meta["party"])), c_pk, pk)
-
-
-def _enc_directory(p: DirectoryRequest) -> RecordDict:
-    d = p.directory
-    names = dict(p.names)
-    ids = [cid for cid, _ in d.keys]
-    return RecordDict({
-        "meta": ConfigRecord({"payload": "key-directory", "secagg_run": d.run_id, "first_round": int(p.first_round),
-                              "names": [_party(names[i]) for i in ids]}),
-        "dir": _arrays({"ids": _u64(ids), "keys": _u8([k for _, k in d.keys], 32)})})
-
-
-def _dec_directory(content, meta, tag) -> DirectoryRequest:
-    _expect_records(content, {"meta", "dir"}, set(), tag)
-    _exact_keys(meta, {"payload", "secagg_run", "first_round", "names"}, tag)
-    arrays = _read_arrays(content.array_records["dir"], tag)
-    if set(arrays) != {"ids", "keys"}:
-        raise WireError(f"{tag}: arrays {sorted(arrays)} != ['ids', 'keys']")
-    ids, keys = _ids(arrays["ids"], tag), _rows(arrays["keys"], 32, tag)
-    names = [_party(str(n)) for n in meta["names"]]
-    if not len(ids) == len(keys) == len(names):
-        raise WireError(f"{tag}: {len(ids)} ids, {len(keys)} keys, {len(names)} names")
-    return DirectoryRequest(sa.KeyDirectory(bytes(meta["secagg_run"]), tuple(zip(ids, keys, strict=True))),
-                            int(meta["first_round"]), tuple(zip(ids, names, strict=True)))
-
-
-def _enc_share_keys(p: ShareKeysReply) -> RecordDict:
-    return RecordDict({"meta": ConfigRecord({"payload": "share-keys"}), **_share_keys_records(p.keys, "keys")})
-
-
-def _dec_share_keys(content, meta, tag) -> ShareKeysReply:
-    _expect_records(content, {"meta", "keys", "keys_shares"}, {LEDGER_RECORD}, tag)
-    _exact_keys(meta, {"payload"}, tag)
-    return ShareKeysReply(_read_share_keys(content, "keys", tag))
-
-
-def _enc_secure_instruction(p: SecureInstruction) -> RecordDict:
-    rd = encode(p.instruction)
-    st = p.start
-    sa_meta = {"release": _release(p.release, "secure instruction"), "has_start": st is not None}
+def _put_start(out: _Out, at: str, st) -> None:
+    meta = out.config(at)
+    meta["has_start"] = st is not None
     if st is not None:
-        sa_meta.update(round=int(st.round), recipient=int(st.recipient), length=int(st.length))
-        rd["sa_parts"] = _arrays({"ids": _u64(v for v, _ in st.participants),
-                                  "s_pks": _u8([k for _, k in st.participants], 32)})
-        rd["sa_shares"] = _envelopes(st.shares, lambda e: e.sender)
-    rd["sa"] = ConfigRecord(sa_meta)
-    return rd
+        meta.update(round=int(st.round), recipient=int(st.recipient), length=int(st.length))
+        out.recs["sa_parts"] = _arrays({"ids": _u64(v for v, _ in st.participants),
+                                        "s_pks": _u8([k for _, k in st.participants], 32)})
+        out.recs["sa_shares"] = _envelopes(st.shares, lambda e: e.sender)
 
 
-def _decode_secure_instruction(content: RecordDict) -> SecureInstruction:
-    m = content.config_records["sa"]
-    tag = "secure instruction"
-    try:
-        has = bool(m["has_start"])
-        _exact_keys(m, {"release", "has_start"} | ({"round", "recipient", "length"} if has else set()), tag)
-        release = _release(str(m["release"]), tag)
-        inner = RecordDict({k: v for k, v in content.items() if k not in ("sa", "sa_parts", "sa_shares")})
-        if not has and ("sa_parts" in content or "sa_shares" in content):
-            raise WireError(f"{tag}: protocol arrays without a round start")
-        instr = decode(inner)
-        if type(instr) not in MESSAGE_TYPE or type(instr) in (SetupRequest, DirectoryRequest, UnmaskRequestMsg):
-            raise WireError(f"{tag}: carries {type(instr).__name__}, not a phase instruction")
-        start = None
-        if has:
-            rnd, rcpt = int(m["round"]), int(m["recipient"])
-            parts = _read_arrays(content.array_records["sa_parts"], tag)
-            if set(parts) != {"ids", "s_pks"}:
-                raise WireError(f"{tag}: sa_parts arrays {sorted(parts)} != ['ids', 's_pks']")
-            ids, pks = _ids(parts["ids"], tag), _rows(parts["s_pks"], 32, tag)
-            if len(ids) != len(pks):
-                raise WireError(f"{tag}: {len(ids)} participants, {len(pks)} keys")
-            shares = _read_envelopes(content.array_records["sa_shares"], f"{tag}: sa_shares",
-                                     lambda i, n, c: sa.EncryptedShares(i, rcpt, rnd, n, c))
-            start = sa.RoundStart(rnd, rcpt, tuple(zip(ids, pks, strict=True)), shares, int(m["length"]))
-        return SecureInstruction(instr, start, release)
-    except KeyError as exc:
-        raise WireError(f"{tag}: missing field {exc}") from None
+def _take_start(inp: _In, at: str, got: dict):
+    if not bool(inp.value(f"{at}.has_start")):
+        return None
+    rnd, rcpt = int(inp.value(f"{at}.round")), int(inp.value(f"{at}.recipient"))
+    parts = inp.arrays("sa_parts", {"ids", "s_pks"})
+    ids, pks = _ids(parts["ids"], inp.tag), _rows(parts["s_pks"], 32, inp.tag)
+    if len(ids) != len(pks):
+        raise WireError(f"{inp.tag}: {len(ids)} participants, {len(pks)} keys")
+    shares = _read_envelopes(inp.record("sa_shares"), f"{inp.tag}: sa_shares",
+                             lambda i, n, c: sa.EncryptedShares(i, rcpt, rnd, n, c))
+    return sa.RoundStart(rnd, rcpt, tuple(zip(ids, pks, strict=True)), shares, int(inp.value(f"{at}.length")))
 
 
-def _enc_masked(p: MaskedReply) -> RecordDict:
-    rd: dict = {"meta": ConfigRecord({"payload": "masked-input", "release": _release(p.release, "masked-input"),
-                                      "has_masked": p.masked is not None})}
-    if p.masked is not None:
-        m = p.masked
-        if m.y.dtype != np.uint64:
-            raise WireError("masked-input: y must be uint64 (Z_2^64)")
-        rd["masked"] = ConfigRecord({"round": int(m.round), "sender": int(m.sender)})
-        rd["masked_y"] = _arrays({"y": m.y})
-        if m.next_keys is not None:
-            rd.update(_share_keys_records(m.next_keys, "next"))
-    if p.late_keys is not None:
-        rd.update(_share_keys_records(p.late_keys, "next"))
-    if (p.masked is None) == (p.late_keys is None):
-        raise WireError("masked-input: exactly one of a masked input and late share keys")
-    return RecordDict(rd)
+def _put_masked(out: _Out, at: str, m) -> None:
+    out.config("meta")["has_masked"] = m is not None
+    if m is None:
+        return
+    if m.y.dtype != np.uint64:
+        raise WireError(f"{out.tag}: y must be uint64 (Z_2^64)")
+    out.recs[at] = ConfigRecord({"round": int(m.round), "sender": int(m.sender)})
+    out.recs[f"{at}_y"] = _arrays({"y": m.y})
+    if m.next_keys is not None:
+        _put_share_keys(out, "next", m.next_keys)
 
 
-def _dec_masked(content, meta, tag) -> MaskedReply:
-    _exact_keys(meta, {"payload", "release", "has_masked"}, tag)
-    release = _release(str(meta["release"]), tag)
-    has = bool(meta["has_masked"])
-    req = {"meta"} | ({"masked", "masked_y"} if has else {"next", "next_shares"})
-    _expect_records(content, req, {"next", "next_shares", LEDGER_RECORD} if has else {LEDGER_RECORD}, tag)
-    nxt = _read_share_keys(content, "next", tag) if "next" in content else None
-    if not has:
-        return MaskedReply(release, None, nxt)
-    m = content.config_records["masked"]
-    _exact_keys(m, {"round", "sender"}, f"{tag}: masked")
-    y = _single(content.array_records["masked_y"], "y", tag)
+def _take_masked(inp: _In, at: str, got: dict):
+    if not bool(inp.value("meta.has_masked")):
+        return None
+    sender, rnd = int(inp.value(f"{at}.sender")), int(inp.value(f"{at}.round"))
+    y = inp.arrays(f"{at}_y", {"y"})["y"]
     if y.dtype != np.uint64 or y.ndim != 1:
-        raise WireError(f"{tag}: y must be uint64 [length], got {y.dtype} {y.shape}")
-    return MaskedReply(release, sa.MaskedInput(int(m["sender"]), int(m["round"]), y, nxt), None)
+        raise WireError(f"{inp.tag}: y must be uint64 [length], got {y.dtype} {y.shape}")
+    nxt = _take_share_keys(inp, "next") if inp.has("next") else None
+    return sa.MaskedInput(sender, rnd, y, nxt)
 
 
-def _enc_unmask_req(p: UnmaskRequestMsg) -> RecordDict:
-    r = p.request
-    return RecordDict({"meta": ConfigRecord({"payload": "unmask-request", "round": int(r.round)}),
-                       "lists": _arrays({"alive": _u64(r.alive), "dead": _u64(r.dead)})})
+def _put_late_keys(out: _Out, at: str, keys) -> None:
+    if (out.payload.masked is None) == (keys is None):
+        raise WireError(f"{out.tag}: exactly one of a masked input and late share keys")
+    if keys is not None:
+        _put_share_keys(out, at, keys)
 
 
-def _dec_unmask_req(content, meta, tag) -> UnmaskRequestMsg:
-    _expect_records(content, {"meta", "lists"}, set(), tag)
-    _exact_keys(meta, {"payload", "round"}, tag)
-    arrays = _read_arrays(content.array_records["lists"], tag)
-    if set(arrays) != {"alive", "dead"}:
-        raise WireError(f"{tag}: arrays {sorted(arrays)} != ['alive', 'dead']")
-    return UnmaskRequestMsg(sa.UnmaskRequest(int(meta["round"]), _ids(arrays["alive"], tag), _ids(arrays["dead"], tag)))
+def _take_late_keys(inp: _In, at: str, got: dict):
+    return _take_share_keys(inp, at) if got["masked"] is None else None
 
 
-def _enc_unmask_resp(p: UnmaskResponseMsg) -> RecordDict:
-    r = p.response
+def _put_unmask_request(out: _Out, at: str, r) -> None:
+    out.config("meta")["round"] = int(r.round)
+    out.recs[at] = _arrays({"alive": _u64(r.alive), "dead": _u64(r.dead)})
+
+
+def _take_unmask_request(inp: _In, at: str, got: dict):
+    a = inp.arrays(at, {"alive", "dead"})
+    return sa.UnmaskRequest(int(inp.value("meta.round")), _ids(a["alive"], inp.tag), _ids(a["dead"], inp.tag))
+
+
+def _put_unmask_response(out: _Out, at: str, r) -> None:
     w = sa.shamir.SHARE_BYTES
-    return RecordDict({
-        "meta": ConfigRecord({"payload": "unmask-response", "round": int(r.round), "sender": int(r.sender)}),
-        "shares": _arrays({"b_owner": _u64(o for o, _ in r.b_shares), "b_share": _u8([s for _, s in r.b_shares], w),
-                           "s_owner": _u64(o for o, _ in r.s_shares), "s_share": _u8([s for _, s in r.s_shares], w)})})
+    out.config("meta").update(round=int(r.round), sender=int(r.sender))
+    out.recs[at] = _arrays({"b_owner": _u64(o for o, _ in r.b_shares), "b_share": _u8([s for _, s in r.b_shares], w),
+                            "s_owner": _u64(o for o, _ in r.s_shares), "s_share": _u8([s for _, s in r.s_shares], w)})
 
 
-def _dec_unmask_resp(content, meta, tag) -> UnmaskResponseMsg:
-    _expect_records(content, {"meta", "shares"}, {LEDGER_RECORD}, tag)
-    _exact_keys(meta, {"payload", "round", "sender"}, tag)
-    a = _read_arrays(content.array_records["shares"], tag)
-    if set(a) != {"b_owner", "b_share", "s_owner", "s_share"}:
-        raise WireError(f"{tag}: arrays {sorted(a)} != ['b_owner', 'b_share', 's_owner', 's_share']")
+def _take_unmask_response(inp: _In, at: str, got: dict):
+    rnd, sender = int(inp.value("meta.round")), int(inp.value("meta.sender"))
+    a = inp.arrays(at, {"b_owner", "b_share", "s_owner", "s_share"})
     w = sa.shamir.SHARE_BYTES
-    bo, bs = _ids(a["b_owner"], tag), _rows(a["b_share"], w, tag)
-    so, ss = _ids(a["s_owner"], tag), _rows(a["s_share"], w, tag)
+    bo, bs = _ids(a["b_owner"], inp.tag), _rows(a["b_share"], w, inp.tag)
+    so, ss = _ids(a["s_owner"], inp.tag), _rows(a["s_share"], w, inp.tag)
     if len(bo) != len(bs) or len(so) != len(ss):
-        raise WireError(f"{tag}: owners and shares differ in number")
-    return UnmaskResponseMsg(sa.UnmaskResponse(int(meta["sender"]), int(meta["round"]),
-                                               tuple(zip(bo, bs, strict=True)), tuple(zip(so, ss, strict=True))))
+        raise WireError(f"{inp.tag}: owners and shares differ in number")
+    return sa.UnmaskResponse(sender, rnd, tuple(zip(bo, bs, strict=True)), tuple(zip(so, ss, strict=True)))
 
 
-_SECURE_ENCODERS = {SetupRequest: _enc_setup, KeyAdvertReply: _enc_advert, DirectoryRequest: _enc_directory,
-                    ShareKeysReply: _enc_share_keys, SecureInstruction: _enc_secure_instruction,
-                    MaskedReply: _enc_masked, UnmaskRequestMsg: _enc_unmask_req, UnmaskResponseMsg: _enc_unmask_resp}
-_SECURE_DECODERS = {SetupRequest: _dec_setup, KeyAdvertReply: _dec_advert, DirectoryRequest: _dec_directory,
-                    ShareKeysReply: _dec_share_keys, MaskedReply: _dec_masked, UnmaskRequestMsg: _dec_unmask_req,
-                    UnmaskResponseMsg: _dec_unmask_resp}
+def _text(v, tag: str, key: str) -> str:
+    return str(v)
+
+
+KINDS: dict[str, Kind] = {
+    "int": _scalar(lambda v, tag, key: int(v)),
+    "count": _scalar(_count),
+    "float": _scalar(lambda v, tag, key: float(v)),
+    "str": _scalar(_text, text=True),
+    "bytes": _scalar(lambda v, tag, key: bytes(v), text=True),
+    "key32": _scalar(_key32, text=True),
+    "hex64": _scalar(_hex64, lambda v, tag, key: _hex64(str(v), tag, key), text=True),
+    "party": _scalar(lambda v, tag, key: _party(v), lambda v, tag, key: _party(str(v)), text=True),
+    "tasks": _scalar(lambda v, tag, key: list(v), lambda v, tag, key: tuple(v), text=True),
+    "release": _scalar(lambda v, tag, key: _release(v, tag), lambda v, tag, key: _release(str(v), tag), text=True),
+    "logical-run": _scalar(lambda v, tag, key: _logical_run(v, tag), text=True),
+    "epoch": _scalar(lambda v, tag, key: _epoch(v, tag)),
+    "weights": _weights(),
+    "deltas": _weights(np.float32),
+    "probs": _single("probs", np.float32),
+    "sums": _single("sums", np.float64),
+    "update-metrics": _metrics(lambda p, m, tag: _check_update_keys(_kind_of(p), m, tag)),
+    "eval-metrics": _metrics(lambda p, m, tag: _check_eval_keys(m, tag)),
+    "key-directory": Kind(_put_directory, _take_directory),
+    "roster": Kind(_put_roster, _take_roster, lambda at: {"meta": {"names"}}),
+    "share-keys": Kind(lambda out, at, k: _put_share_keys(out, at, k), lambda inp, at, got: _take_share_keys(inp, at),
+                       _share_key_strings),
+    "instruction": Kind(_put_instruction, _take_instruction),
+    "round-start": Kind(_put_start, _take_start),
+    "masked-input": Kind(_put_masked, _take_masked, lambda at: _share_key_strings("next")),
+    "late-keys": Kind(_put_late_keys, _take_late_keys, _share_key_strings),
+    "unmask-request": Kind(_put_unmask_request, _take_unmask_request),
+    "unmask-response": Kind(_put_unmask_response, _take_unmask_response),
+}
+assert {f.kind.rstrip("?") for pt in PAYLOADS for f in pt.fields} <= set(KINDS)
+
+
+def encode(payload: object) -> RecordDict:
+    pt = BY_CLASS.get(type(payload))
+    if pt is None:
+        raise WireError(f"not a wire payload: {type(payload).__name__}")
+    out = _Out(pt, payload)
+    if pt.tag:
+        out.config("meta")["payload"] = pt.tag
+    for f in pt.fields:
+        v = getattr(payload, f.attr)
+        if not (f.optional and v is None):
+            KINDS[f.kind.rstrip("?")].put(out, f.at, v)
+    return out.record_dict()
+
+
+def decode(content: RecordDict, expected: type | None = None) -> object:
+    """Payload of a record dict; a sender's ledger head record, if any, is checked and left aside
+    (read it with :func:`ledger_head`)."""
+    if LEDGER_RECORD in content:
+        ledger_head(content)
+        content = strip_ledger(content)
+    if expected is SecureInstruction and "sa" in content:
+        pt, tag = BY_CLASS[SecureInstruction], "secure instruction"
+    else:
+        if "meta" not in content.config_records:
+            raise WireError("record has no 'meta' ConfigRecord: not a distmoe payload")
+        tag = content.config_records["meta"].get("payload")
+        pt = BY_TAG.get(tag)
+        if pt is None:
+            raise WireError(f"unknown payload type {tag!r}")
+        if expected is not None and pt.cls is not expected:
+            want = BY_CLASS[expected].tag if expected in BY_CLASS else expected.__name__
+            raise WireError(f"expected {want or 'a secure instruction'!r}, got {tag!r}")
+    inp = _In(content, pt, tag)
+    try:
+        if pt.tag:
+            inp.value("meta.payload")
+        got: dict = {}
+        for f in pt.fields:
+            if f.optional and not inp.has(f.record):
+                got[f.attr] = None
+            else:
+                got[f.attr] = KINDS[f.kind.rstrip("?")].take(inp, f.at, got)
+        inp.finish()
+        return pt.cls(**got)
+    except WireError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"{tag}: malformed: {exc}") from None
+
+
+def string_fields(direction: str) -> dict[str, set[str]]:
+    """``{record: keys}`` of the ConfigRecord fields that may hold text or bytes in any payload of this
+    direction (``"reply"``: what the guards pass to ``inspect.check_strings``); everything else is a number."""
+    out: dict[str, set[str]] = {}
+    for pt in PAYLOADS:
+        if pt.direction != direction:
+            continue
+        if pt.tag:
+            out.setdefault("meta", set()).add("payload")
+        for f in pt.fields:
+            for rec, keys in KINDS[f.kind.rstrip("?")].strings(f.at).items():
+                out.setdefault(rec, set()).update(keys)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Messages
+# ------------------------------------------------------------------------------------------------
+def error_reply(to: Message, code: int, reason: str) -> Message:
+    from flwr.app import Error
+
+    return Message(Error(code=code, reason=reason[:ERROR_MAX_BYTES]), reply_to=to)
+
+
+def message_type(msg: Message) -> str:
+    return msg.metadata.message_type
+
+
+# ------------------------------------------------------------------------------------------------
+# Error replies: the only free text a party sends. The party's guard makes it printable ASCII of at most
+# ERROR_TEXT_MAX characters, scans it for canaries, logs it and appends its ledger head as a fixed suffix;
+# the server guard enforces the same form and ERROR_MAX_BYTES on arrival and anchors the head.
+# ------------------------------------------------------------------------------------------------
+ERROR_MAX_BYTES = 2048
+ERROR_TEXT_MAX = 1024
+_HEAD_SUFFIX = re.compile(r" \[ledger-head (\d{1,12}) ([0-9a-f]{64})\]\Z")
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """An error reply as a transport hands it to the server guard (Flower's ``Error`` reason and code)."""
+
+    reason: str
+    code: int = 0
+
+
+def error_text(text: str) -> str:
+    """The form a party's error text takes on the wire: printable ASCII (others -> '?'), <= ERROR_TEXT_MAX."""
+    return "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in str(text))[:ERROR_TEXT_MAX]
+
+
+def with_error_head(text: str, seq: int, hash_hex: str) -> str:
+    return f"{text} [ledger-head {int(seq)} {hash_hex}]"
+
+
+def split_error(reason: str) -> tuple[str, tuple[int, str] | None]:
+    """``(text, (seq, hash) or None)`` of an error reason (the head suffix removed when present)."""
+    m = _HEAD_SUFFIX.search(reason)
+    if m is None:
+        return reason, None
+    return reason[:m.start()], (int(m.group(1)), m.group(2))
 
 
 def payload_tag(content: RecordDict) -> str:
@@ -661,7 +646,8 @@ def ledger_head(content: RecordDict) -> tuple[int, str] | None:
     if LEDGER_RECORD not in content:
         return None
     rec = content.config_records[LEDGER_RECORD]
-    _exact_keys(rec, {"seq", "hash"}, "ledger head")
+    if set(rec.keys()) != {"seq", "hash"}:
+        raise WireError(f"ledger head: fields {sorted(rec.keys())} != ['hash', 'seq']")
     h = str(rec["hash"])
     if not re.fullmatch(r"[0-9a-f]{64}", h):
         raise WireError("ledger head: hash is not 64 hex characters")

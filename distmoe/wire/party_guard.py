@@ -7,7 +7,7 @@ service for the answer (``party.answer``: ``distmoe.party.service``), encodes th
 and passes it through ``OutboundGuard``. The guard decodes the reply again with the strict codec,
 checks it against what this message type may answer (payload type, exact records and keys, the
 masked-vector length the round declared, the update shapes of the instruction, only allow-listed
-string fields: ``schema.REPLY_STRINGS``), scans every byte of it for this party's canary strings,
+string fields: ``codec.string_fields``), scans every byte of it for this party's canary strings,
 writes the "out" ledger entry, and attaches the new ledger head to the reply. A nonconforming reply is
 replaced by an error naming the problem: it is logged as rejected and nothing of it leaves
 (fail-closed). Error texts are guarded too (``guarded_error``): printable ASCII, bounded, scanned (a
@@ -36,33 +36,23 @@ from distmoe.wire import codec, inspect
 from distmoe.wire.codec import WireError
 from distmoe.wire.errors import Blocked, Refused
 from distmoe.wire.schema import (
-    REPLY_STRINGS,
+    BY_MESSAGE_TYPE,
     DirectoryRequest,
     EvalInstruction,
     EvalReply,
-    KeyAdvertReply,
     MaskedReply,
     ModelUpdate,
     RlInstruction,
     RouterStats,
     SecureInstruction,
-    SetupRequest,
     SftInstruction,
-    ShareKeysReply,
-    StatsInstruction,
     UnmaskRequestMsg,
-    UnmaskResponseMsg,
     eval_metric_keys,
 )
 
-PHASES = {codec.MSG_SFT: (SftInstruction, "model-update", "sft"), codec.MSG_RL: (RlInstruction, "rl-update", "rl"),
-          codec.MSG_STATS: (StatsInstruction, "router-stats", "stats"),
-          codec.MSG_EVAL: (EvalInstruction, "eval", "eval")}
-PROTOCOL = {codec.MSG_SETUP: (SetupRequest, KeyAdvertReply, "setup"),
-            codec.MSG_DIRECTORY: (DirectoryRequest, ShareKeysReply, "setup"),
-            codec.MSG_UNMASK: (UnmaskRequestMsg, UnmaskResponseMsg, "unmask")}
-PLAIN_REPLY = {codec.MSG_SFT: ModelUpdate, codec.MSG_RL: ModelUpdate, codec.MSG_STATS: RouterStats,
-               codec.MSG_EVAL: EvalReply}
+REPLY_STRINGS = codec.string_fields("reply")  # {record: keys} that may hold text or bytes in a reply
+
+
 def _all_bytes(content: RecordDict) -> list[bytes]:
     out = []
     for _, rec in content.items():
@@ -149,9 +139,8 @@ class OutboundGuard:
 
 
 def phase_of(mtype: str) -> str:
-    if mtype in PHASES:
-        return PHASES[mtype][2]
-    return PROTOCOL[mtype][2] if mtype in PROTOCOL else "unknown"
+    pt = BY_MESSAGE_TYPE.get(mtype)
+    return pt.phase if pt is not None else "unknown"
 
 
 def guarded_error(ledger: Ledger, canaries: list[bytes], run: str, rnd: int | None, phase: str, reason: str) -> str:
@@ -215,15 +204,15 @@ def serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> RecordD
 
 def read_instruction(mtype: str, content: RecordDict, secure: bool) -> tuple[object, Expectation, int | None]:
     """Decode the instruction strictly and derive what its reply may be: (instruction, expectation, round)."""
-    if mtype in PROTOCOL:
-        req_t, rep_t, _ = PROTOCOL[mtype]
-        req = codec.decode(content, req_t)
+    pt = BY_MESSAGE_TYPE.get(mtype)
+    if pt is None:
+        raise Refused(f"unknown message type {mtype!r}")
+    if not pt.release:  # a secure-aggregation protocol stage
+        req = codec.decode(content, pt.cls)
         rnd = req.request.round if isinstance(req, UnmaskRequestMsg) else (
             req.first_round if isinstance(req, DirectoryRequest) else 0)
-        return req, Expectation(rep_t), rnd
-    if mtype not in PHASES:
-        raise Refused(f"unknown message type {mtype!r}")
-    instr_t, release, _ = PHASES[mtype]
+        return req, Expectation(pt.reply), rnd
+    instr_t, release = pt.cls, pt.release
     if secure:
         si = codec.decode(content, SecureInstruction)
         if not isinstance(si.instruction, instr_t) or si.release != release:
@@ -234,7 +223,7 @@ def read_instruction(mtype: str, content: RecordDict, secure: bool) -> tuple[obj
         return si, Expectation(MaskedReply, release, st.length if st else None, si.instruction.round), \
             si.instruction.round
     instr = codec.decode(content, instr_t)
-    exp = Expectation(PLAIN_REPLY[mtype])
+    exp = Expectation(pt.reply)
     if isinstance(instr, (SftInstruction, RlInstruction)):
         exp.shapes = {k: tuple(v.shape) for k, v in instr.weights.items()}
     if isinstance(instr, EvalInstruction):

@@ -13,12 +13,17 @@ as such: each is encoded into the declared integer layout of ``distmoe.privacy.v
 ``UnmaskRequestMsg`` / ``UnmaskResponseMsg``). ``privacy.mode = "plaintext"`` sends them in the clear: a
 benchmark baseline only, which the server warns about and the audit fails.
 
+``PAYLOADS`` is the one table of payload types: per type its class, tag, direction, the Flower message
+type, reply, release and phase of an instruction, and every dataclass field with the record key it
+travels under and its kind (the converter in ``codec.KINDS``). The codec, the guards and the policy read
+it; nothing else lists payload types.
+
 Must not: import ``flwr`` types (``codec.py`` maps these payloads onto records).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -171,16 +176,115 @@ class UnmaskResponseMsg:
     response: object  # secagg.UnmaskResponse
 
 
-PAYLOAD_TAGS = {SftInstruction: "sft-instruction", RlInstruction: "rl-instruction",
-                StatsInstruction: "stats-instruction",
-                EvalInstruction: "eval-instruction", ModelUpdate: "model-update",
-                RouterStats: "router-stats", EvalReply: "eval-reply",
-                SetupRequest: "setup-request", KeyAdvertReply: "key-advert", DirectoryRequest: "key-directory",
-                ShareKeysReply: "share-keys", MaskedReply: "masked-input", UnmaskRequestMsg: "unmask-request",
-                UnmaskResponseMsg: "unmask-response"}
+# Flower message types of the instructions ("train.<action>" / "evaluate" / "query.<stage>")
+MSG_SFT = "train.sft"
+MSG_STATS = "train.stats"
+MSG_RL = "train.rl"
+MSG_EVAL = "evaluate"
+MSG_SETUP = "query.setup"
+MSG_DIRECTORY = "query.directory"
+MSG_UNMASK = "query.unmask"
 
 
-# ConfigRecord fields that may hold text or bytes in a reply (everything else must be a number); both
-# guards check every reply against it
-REPLY_STRINGS = {"meta": {"payload", "release", "party", "ledger_public_key", "kind", "c_pk"},
-                 "keys": {"s_pk", "b_commit"}, "next": {"s_pk", "b_commit"}}
+@dataclass(frozen=True)
+class Field:
+    """One dataclass field on the wire: ``attr`` travels at ``at`` as ``kind``.
+
+    ``at`` is ``"<record>.<key>"`` for a scalar in a ConfigRecord, or ``"<record>"`` for a field that fills
+    whole records (arrays, metrics, a protocol message; ``"*"``: the records of a nested payload). A kind
+    ending in ``?`` is optional: ``None`` on the payload, the record absent on the wire."""
+
+    attr: str
+    at: str
+    kind: str
+
+    @property
+    def record(self) -> str:
+        return self.at.split(".", 1)[0]
+
+    @property
+    def optional(self) -> bool:
+        return self.kind.endswith("?")
+
+
+@dataclass(frozen=True)
+class PayloadType:
+    """One row of ``PAYLOADS``."""
+
+    cls: type
+    tag: str  # meta.payload; "" for SecureInstruction (it carries its instruction's tag)
+    direction: str  # "instruction" (server -> party) or "reply" (party -> server)
+    fields: tuple[Field, ...]  # every dataclass field, in wire order
+    records: tuple[str, ...]  # the records this type may fill, in wire order
+    message_type: str = ""  # instructions: the Flower message type
+    reply: type | None = None  # instructions: what a party answers (phases: in plaintext mode)
+    release: str = ""  # phase instructions: what the masked reply carries in secure mode (one of RELEASES)
+    phase: str = ""  # instructions: the ledger phase of the exchange
+    arrays: tuple[tuple[str, str], ...] = field(init=False)  # (record, kind) of every array field
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "arrays", tuple((f.record, f.kind.rstrip("?")) for f in self.fields
+                                                 if f.kind.rstrip("?") in ARRAY_KINDS))
+
+
+# kinds whose record holds float arrays: "weights"/"deltas" one per trainable tensor (float32 for deltas),
+# "probs" one [L, E] float32 array named "probs", "sums" one [L, E] float64 array named "sums"
+ARRAY_KINDS = ("weights", "deltas", "probs", "sums")
+
+
+def _meta(*specs: str) -> tuple[Field, ...]:
+    """``"attr:kind"`` -> ``Field(attr, "meta.attr", kind)``."""
+    return tuple(Field(a, f"meta.{a}", k) for a, k in (x.split(":") for x in specs))
+
+
+PAYLOADS: tuple[PayloadType, ...] = (
+    PayloadType(SftInstruction, "sft-instruction", "instruction",
+                _meta("round:int", "task:str", "base_hash:str", "seed:int", "anchor_version:int")
+                + (Field("weights", "arrays", "weights"), Field("anchor", "anchor", "probs?")),
+                ("arrays", "anchor", "meta"), MSG_SFT, ModelUpdate, "model-update", "sft"),
+    PayloadType(RlInstruction, "rl-instruction", "instruction",
+                _meta("round:int", "task:str", "base_hash:str", "seed:int") + (Field("weights", "arrays", "weights"),),
+                ("arrays", "meta"), MSG_RL, ModelUpdate, "rl-update", "rl"),
+    PayloadType(StatsInstruction, "stats-instruction", "instruction",
+                _meta("round:int", "task:str", "base_hash:str") + (Field("weights", "arrays", "weights"),),
+                ("arrays", "meta"), MSG_STATS, RouterStats, "router-stats", "stats"),
+    PayloadType(EvalInstruction, "eval-instruction", "instruction",
+                _meta("round:int", "tasks:tasks", "new_task:str", "base_hash:str", "anchor_version:int")
+                + (Field("weights", "arrays", "weights"), Field("ref_weights", "ref", "weights?"),
+                   Field("anchor", "anchor", "probs?")),
+                ("arrays", "ref", "anchor", "meta"), MSG_EVAL, EvalReply, "eval", "eval"),
+    PayloadType(ModelUpdate, "model-update", "reply",
+                _meta("num_examples:count", "party:party", "kind:str")
+                + (Field("delta", "arrays", "deltas"), Field("metrics", "metrics", "update-metrics")),
+                ("arrays", "metrics", "meta")),
+    PayloadType(RouterStats, "router-stats", "reply", (Field("sums", "stats", "sums"),), ("stats", "meta")),
+    PayloadType(EvalReply, "eval-reply", "reply",
+                _meta("party:party") + (Field("metrics", "metrics", "eval-metrics"),), ("metrics", "meta")),
+    PayloadType(SetupRequest, "setup-request", "instruction",
+                _meta("secagg_run:bytes", "threshold:int", "max_length:int", "n_invited:int", "noise_multiplier:float",
+                      "update_noise_multiplier:float", "logical_run:logical-run", "epoch:epoch"),
+                ("meta",), MSG_SETUP, KeyAdvertReply, "", "setup"),
+    PayloadType(KeyAdvertReply, "key-advert", "reply",
+                _meta("party:party", "c_pk:key32", "ledger_public_key:hex64"), ("meta",)),
+    PayloadType(DirectoryRequest, "key-directory", "instruction",
+                (Field("directory", "dir", "key-directory"),) + _meta("first_round:int", "names:roster"),
+                ("meta", "dir"), MSG_DIRECTORY, ShareKeysReply, "", "setup"),
+    PayloadType(ShareKeysReply, "share-keys", "reply", (Field("keys", "keys", "share-keys"),),
+                ("meta", "keys", "keys_shares")),
+    PayloadType(SecureInstruction, "", "instruction",
+                (Field("instruction", "*", "instruction"), Field("release", "sa.release", "release"),
+                 Field("start", "sa", "round-start")),
+                ("sa_parts", "sa_shares", "sa")),
+    PayloadType(MaskedReply, "masked-input", "reply",
+                (Field("release", "meta.release", "release"), Field("masked", "masked", "masked-input"),
+                 Field("late_keys", "next", "late-keys")),
+                ("meta", "masked", "masked_y", "next", "next_shares")),
+    PayloadType(UnmaskRequestMsg, "unmask-request", "instruction", (Field("request", "lists", "unmask-request"),),
+                ("meta", "lists"), MSG_UNMASK, UnmaskResponseMsg, "", "unmask"),
+    PayloadType(UnmaskResponseMsg, "unmask-response", "reply", (Field("response", "shares", "unmask-response"),),
+                ("meta", "shares")),
+)
+BY_CLASS = {pt.cls: pt for pt in PAYLOADS}
+BY_TAG = {pt.tag: pt for pt in PAYLOADS if pt.tag}
+BY_MESSAGE_TYPE = {pt.message_type: pt for pt in PAYLOADS if pt.message_type}
+PAYLOAD_TAGS = {pt.cls: pt.tag for pt in PAYLOADS if pt.tag}

@@ -32,8 +32,8 @@ from distmoe.privacy import secagg as sa
 from distmoe.wire import codec, inspect
 from distmoe.wire.codec import WireError
 from distmoe.wire.errors import FLOWER_LINK_CODES
+from distmoe.wire.party_guard import REPLY_STRINGS
 from distmoe.wire.schema import (
-    REPLY_STRINGS,
     DirectoryRequest,
     EvalInstruction,
     EvalReply,

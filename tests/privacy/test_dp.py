@@ -7,29 +7,24 @@ import math
 import numpy as np
 import pytest
 
+from distmoe.privacy import ring
 from distmoe.privacy.dp import (
     SkellamSpec,
     WrapError,
     canary_chi2_test,
-    check_no_wrap,
     client_share,
-    count_from_rows,
     crypto_rng,
-    decode_noisy_sum,
     decode_stats,
     encode_per_sequence,
     encode_stats,
-    from_ring,
     int_sensitivity,
     l2_sensitivity,
-    normalize_rows,
     pack,
     required_bits,
-    ring_sum,
     sequence_contribution_norm,
     skellam_noise,
     skellam_tail,
-    to_ring,
+    sum_bound,
 )
 
 L, E = 24, 8
@@ -113,8 +108,8 @@ def test_effective_noise_multiplier_drops_with_survivors():
     assert spec.dp_params(5)["z_eff"] == pytest.approx(10.0 * math.sqrt(5 / 6))
 
 
-def _round(spec, parties_seqs, bits, skip_noise=(), seed=0):
-    """Encode, share, ring-sum and decode one round; returns (true float sum, stats, canaries, int_sum)."""
+def _round(spec, parties_seqs, skip_noise=(), seed=0):
+    """Encode, share, sum in Z_2^64 and decode one round; returns (true float sum, stats, canaries, int_sum)."""
     rng = np.random.default_rng(seed)
     shares, true = [], np.zeros((spec.layers, spec.experts))
     for i, n in enumerate(parties_seqs):
@@ -123,17 +118,17 @@ def _round(spec, parties_seqs, bits, skip_noise=(), seed=0):
         enc = encode_per_sequence(m, spec.scale)
         share = pack(enc, spec.n_canaries) if i in skip_noise else client_share(enc, spec, n, np.random.default_rng(
             1000 + seed * 10 + i))
-        shares.append(to_ring(share, bits))
-    int_sum = ring_sum(shares, bits)
-    stats, canaries = decode_noisy_sum(int_sum, spec.scale, spec.n_canaries, shape=(spec.layers, spec.experts),
-                                       bits=bits)
-    return true, stats, canaries, int_sum
+        shares.append(ring.to_ring64(share))
+    int_sum = ring.from_ring64(np.sum(shares, axis=0, dtype=np.uint64))  # the sum mod 2^64, read as int64
+    d = spec.dim
+    stats = int_sum[:d].reshape(spec.layers, spec.experts) / spec.scale
+    return true, stats, int_sum[d:] / spec.scale, int_sum
 
 
 def test_canaries_decode_to_noise_with_calibrated_variance():
     spec = SkellamSpec(L, E, noise_multiplier=10.0, n_parties=6, num_sequences_max=400, scale=32, n_canaries=4096)
-    bits = spec.required_bits()
-    true, stats, canaries, _ = _round(spec, [400, 300, 350, 200, 250, 380], bits)
+    spec.check_fits_ring64()
+    true, stats, canaries, _ = _round(spec, [400, 300, 350, 200, 250, 380])
     sigma = spec.aggregate_sigma() / spec.scale
     t = canary_chi2_test(canaries, sigma)
     assert t.passed and t.dof == 4096
@@ -141,16 +136,13 @@ def test_canaries_decode_to_noise_with_calibrated_variance():
     assert 1e-3 < t.p_low < 1 - 1e-3  # a two-sided goodness of fit passes too
     # the statistic itself is the truth plus that noise, and rows give the count
     assert np.abs(stats - true).max() < 6 * sigma
-    assert count_from_rows(stats) == pytest.approx(1880, abs=6 * sigma * math.sqrt(E / L))
-    anchor = normalize_rows(stats)
-    assert (anchor >= 0).all() and np.allclose(anchor.sum(-1), 1.0)
+    assert stats.sum(-1).mean() == pytest.approx(1880, abs=6 * sigma * math.sqrt(E / L))
 
 
 def test_missing_noise_share_fails_the_canary_test():
     spec = SkellamSpec(L, E, noise_multiplier=10.0, n_parties=6, num_sequences_max=400, scale=32, n_canaries=4096)
-    bits = spec.required_bits()
-    _, _, honest, _ = _round(spec, [300] * 6, bits, seed=1)
-    _, _, faulty, _ = _round(spec, [300] * 6, bits, skip_noise=(2,), seed=1)
+    _, _, honest, _ = _round(spec, [300] * 6, seed=1)
+    _, _, faulty, _ = _round(spec, [300] * 6, skip_noise=(2,), seed=1)
     sigma = spec.aggregate_sigma() / spec.scale
     good, bad = canary_chi2_test(honest, sigma), canary_chi2_test(faulty, sigma)
     assert good.passed
@@ -161,25 +153,21 @@ def test_missing_noise_share_fails_the_canary_test():
     assert canary_chi2_test(faulty, spec.aggregate_sigma(5) / spec.scale).passed
 
 
-def test_wrap_check_and_actual_wrap():
+def test_ring_sum_of_shares_decodes_to_the_plain_sum():
+    """DP shares go through the one ring codec: their sum mod 2^64, read as int64, is the plain integer sum,
+    and the bits it needs are those of the data-plus-noise bound."""
     spec = SkellamSpec(4, 4, noise_multiplier=1.0, n_parties=3, num_sequences_max=50, scale=32, n_canaries=8)
-    bits = spec.required_bits()
-    spec.check_no_wrap(bits)  # passes
-    with pytest.raises(WrapError, match="need"):
-        spec.check_no_wrap(bits - 1)
-    with pytest.raises(WrapError):
-        check_no_wrap(8, 3, 50, 32, spec.aggregate_sigma())
-    # with the required bits the ring sum decodes exactly to the plain integer sum of the shares
+    spec.check_fits_ring64()
+    assert spec.required_bits() == ring.required_bits(spec.sum_bound())
     rng = np.random.default_rng(5)
     shares = []
     for i in range(3):
         enc = encode_per_sequence(_per_seq(rng, 50, 4, 4, alpha=0.05), 32)
         shares.append(client_share(enc, spec, 50, np.random.default_rng(i)))
     plain = np.sum(shares, axis=0)
-    assert np.array_equal(from_ring(ring_sum([to_ring(s, bits) for s in shares], bits), bits), plain)
-    few = int(plain.max()).bit_length()  # one bit short of the signed range of the true sum
-    assert few < bits
-    assert not np.array_equal(from_ring(ring_sum([to_ring(s, few) for s in shares], few), few), plain)
+    assert np.array_equal(ring.from_ring64(np.sum([ring.to_ring64(s) for s in shares], axis=0, dtype=np.uint64)),
+                          plain)
+    assert int(np.abs(plain).max()) <= spec.sum_bound()
 
 
 def test_required_bits_grows_with_parties_and_noise():
@@ -187,6 +175,7 @@ def test_required_bits_grows_with_parties_and_noise():
     assert base == 22  # 6 * 10k * 32.5 ~ 1.95e6 (21 bits) plus sign
     assert required_bits(12, 10_000, 32, 1637.0, n_coords=4288) == base + 1
     assert required_bits(6, 10_000, 32, 1637.0, tail=1e4) > base
+    assert base == ring.required_bits(sum_bound(6, 10_000, 32, 1637.0, n_coords=4288))
 
 
 def test_skellam_tail_bound_holds_and_is_gaussian_like():
@@ -208,13 +197,6 @@ def test_client_share_refuses_more_sequences_than_planned():
 def test_crypto_rng_is_fresh_each_time():
     a, b = crypto_rng().integers(0, 2**63, 4), crypto_rng().integers(0, 2**63, 4)
     assert not np.array_equal(a, b)
-
-
-def test_normalize_rows_handles_negative_and_empty_rows():
-    noisy = np.array([[3.0, -1.0, 1.0], [-2.0, -1.0, -0.5]])
-    with pytest.warns(RuntimeWarning, match="uniform"):
-        a = normalize_rows(noisy)
-    assert np.allclose(a[0], [0.75, 0.0, 0.25]) and np.allclose(a[1], 1 / 3)
 
 
 # ------------------------------------------------------------------------------ mass-preserving rounding
@@ -263,12 +245,11 @@ def test_default_canaries_detect_one_missing_noise_share_among_six_parties():
     t = threshold_for(6, 2)
     spec = SkellamSpec(L, E, noise_multiplier=0.7, n_parties=6, num_sequences_max=400, scale=64, n_canaries=k,
                        max_dropouts=6 - t, rounding="mass-preserving")
-    bits = spec.required_bits()
     sigma = spec.aggregate_sigma(6) / spec.scale
     caught = honest_ok = 0
     for seed in range(10):
-        _, _, honest, _ = _round(spec, [300] * 6, bits, seed=seed)
-        _, _, faulty, _ = _round(spec, [300] * 6, bits, skip_noise=(4,), seed=seed)
+        _, _, honest, _ = _round(spec, [300] * 6, seed=seed)
+        _, _, faulty, _ = _round(spec, [300] * 6, skip_noise=(4,), seed=seed)
         honest_ok += canary_chi2_test(honest, sigma, ALPHA).passed
         caught += not canary_chi2_test(faulty, sigma, ALPHA).passed
     assert honest_ok == 10

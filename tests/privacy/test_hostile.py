@@ -20,8 +20,8 @@ from distmoe.aggregate import aggregate_problem, divergent_updates, eval_sum_pro
 from distmoe.audit import audit_run
 from distmoe.coordinator import RunFailed
 from distmoe.party import service as party_service
-from distmoe.privacy.vectors import UpdateLayout, from_ring64, to_ring64
 from distmoe.party import work as P
+from distmoe.privacy.vectors import UpdateLayout, from_ring64, to_ring64
 from distmoe.wire.schema import ModelUpdate, SftInstruction
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from distmoe.privacy import ring
 from distmoe.privacy.secagg import (
     AlreadyDead,
     BelowThreshold,
@@ -42,13 +43,7 @@ from distmoe.privacy.secagg import (
     UnknownClient,
     UnmaskRequest,
     UnmaskResponse,
-    WrapAroundError,
-    check_no_wrap,
-    decode_sum,
-    encode_fixed,
-    required_bits,
     shamir,
-    to_ring,
 )
 from distmoe.privacy.secagg import primitives as P
 
@@ -70,7 +65,7 @@ def fed_of(n: int, t: int, *, bits: int = 32, length: int = L, seed: int | None 
 
 def rand_inputs(n: int, bits: int, length: int = L, seed: int = 1) -> dict[int, np.ndarray]:
     g = np.random.default_rng(seed)
-    return {i: to_ring(g.integers(0, 2**bits, length, dtype=np.uint64).astype(np.int64), bits) if bits < 64
+    return {i: g.integers(0, 2**bits, length, dtype=np.uint64).astype(P.word_dtype(bits)) if bits < 64
             else g.integers(0, 2**64, length, dtype=np.uint64) for i in range(1, n + 1)}
 
 
@@ -109,14 +104,14 @@ def test_exact_sum_other_bit_widths(bits):
     np.testing.assert_array_equal(res.total.astype(np.uint64), expected(xs, range(1, 5), bits))
 
 
-def test_real_valued_inputs_through_encode_decode():
+def test_real_valued_inputs_through_the_ring_codec():
     n, scale, bound = 6, 2.0**16, 3.0
-    bits = required_bits(bound, n, scale)
+    assert ring.check_fits_ring64(n * (bound * scale + 0.5)) == 22  # |sum| <= 6 * (3 * 2^16 + 1/2) < 2^21
     g = np.random.default_rng(7)
     reals = {i: g.uniform(-bound, bound, L) for i in range(1, n + 1)}
-    fed = fed_of(n, 4, bits=bits)
-    res = fed.round(1, {i: encode_fixed(x, scale, bits) for i, x in reals.items()})
-    got = decode_sum(res.total, scale, bits, n, max_abs_per_client=bound)
+    fed = fed_of(n, 4, bits=64)
+    res = fed.round(1, {i: ring.encode_fixed(x, scale) for i, x in reals.items()})
+    got = ring.decode_fixed(res.total, scale)
     truth = sum(reals.values())
     assert np.abs(got - truth).max() <= n / (2 * scale)
     assert (got < 0).any() and (got > 0).any()  # negative sums decode too
@@ -510,29 +505,20 @@ def test_shamir_shares_differ_between_secrets_and_sharings():
 
 # ---- encoding and wrap-around ---------------------------------------------------------------
 
-def test_required_bits_prevents_wrap():
-    n, scale, bound = 10, 1024.0, 1.0
-    b = required_bits(bound, n, scale)
-    assert b == 15  # |sum| <= 10 * 1024 = 10240 < 2^14
-    check_no_wrap(bound, n, scale, b)
-    with pytest.raises(WrapAroundError, match="needs 15 bits"):
-        check_no_wrap(bound, n, scale, b - 1)
-    for bits, ok in ((b, True), (b - 1, False)):  # worst case: every client at +bound
-        res = fed_of(n, 6, bits=bits, length=8).round(1, {i: encode_fixed(np.full(8, bound), scale, bits)
-                                                          for i in range(1, n + 1)})
-        got = decode_sum(res.total, scale, bits, n)
-        assert np.allclose(got, n * bound) == ok  # with one bit fewer it wraps to a negative number
-    with pytest.raises(WrapAroundError):
-        decode_sum(res.total, scale, b - 1, n, max_abs_per_client=bound)
-    neg = decode_sum(sum(encode_fixed(np.full(8, -bound), scale, b).astype(np.uint64) for _ in range(n)), scale, b, n)
-    assert np.allclose(neg, -n * bound)
-
-
-def test_encode_fixed_refuses_values_that_do_not_fit():
-    with pytest.raises(WrapAroundError):
-        encode_fixed(np.array([1.0]), 2.0**15, 16)  # 32768 is not a signed 16-bit value
-    with pytest.raises(ValueError):
-        encode_fixed(np.array([np.nan]), 1.0, 16)
+def test_the_no_wrap_boundary_holds_through_the_protocol():
+    """Two inputs whose sum is 2^63 - 1 (the largest that ``ring.check_fits_ring64`` admits) decode exactly
+    through a real round; one more unit (2^63, refused by the check) wraps to -2^63."""
+    half = 2**62
+    for top, ok in ((half - 1, True), (half, False)):
+        xs = {1: ring.to_ring64(np.full(4, top)), 2: ring.to_ring64(np.full(4, half)),
+              3: ring.to_ring64(np.zeros(4, np.int64))}
+        got = ring.from_ring64(fed_of(3, 2, bits=64, length=4).round(1, xs).total)
+        assert (got == top + half).all() if ok else (got == -(2**63)).all()
+        if ok:
+            assert ring.check_fits_ring64(top + half) == 64
+        else:
+            with pytest.raises(ring.WrapError, match="65 bits"):
+                ring.check_fits_ring64(top + half)
 
 
 def test_round_length_is_declared_per_round_and_bounded():

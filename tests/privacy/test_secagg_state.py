@@ -30,7 +30,6 @@ from distmoe.privacy.secagg import (
     StateCorrupt,
     StateMismatch,
     UnmaskRequest,
-    to_ring,
 )
 from distmoe.privacy.secagg import state as S
 
@@ -45,7 +44,7 @@ def rng_of(cid: int, seed: int = 0):
 
 def inputs(r: int) -> dict[int, np.ndarray]:
     g = np.random.default_rng(r)
-    return {i: to_ring(g.integers(0, 2**32, L, dtype=np.uint64).astype(np.int64), 32) for i in range(1, N + 1)}
+    return {i: g.integers(0, 2**32, L, dtype=np.uint64).astype(np.uint32) for i in range(1, N + 1)}
 
 
 def expected(xs: dict[int, np.ndarray], ids) -> np.ndarray:

@@ -289,7 +289,7 @@ def test_record_layout():
     assert codec.MESSAGE_TYPE[StatsInstruction] == "train.stats"
     assert codec.MESSAGE_TYPE[EvalInstruction] == "evaluate"
     with pytest.raises(WireError, match="not a server instruction"):
-        codec.instruction(_payloads()[7], 1)
+        codec.message_type_of(_payloads()[7])
 
 
 def test_decode_rejects_extra_meta_fields():

@@ -2,8 +2,8 @@
 CCS 2017, https://eprint.iacr.org/2017/281), transport-agnostic.
 
 Owns: the protocol. ``SecAggClient`` and ``SecAggServer`` are state machines whose inputs and outputs
-are the frozen dataclasses of ``messages`` (ints, bytes, numpy arrays); ``encoding`` turns reals into
-Z_{2^bits} and checks that a sum cannot wrap; ``local.LocalFederation`` runs the schedule in process.
+are the frozen dataclasses of ``messages`` (ints, bytes, numpy arrays); ``local.LocalFederation`` runs the
+schedule in process. Turning reals into Z_2^64 and checking that a sum cannot wrap is ``distmoe.privacy.ring``.
 
 Must not: import ``flwr`` (``distmoe/wire`` maps the messages onto records), do I/O, or use
 non-cryptographic randomness (``os.urandom`` unless a test injects a seeded byte source).
@@ -66,21 +66,14 @@ c_pk/s_pk from the node identity), the consistency-check round of the paper, bit
 
 Example, 3 of 4 clients survive, t = 3:
 
-    params = SecAggParams(run_id=os.urandom(16), threshold=3, bits=32, length=n)
+    params = SecAggParams(run_id=os.urandom(16), threshold=3, bits=64, length=n)
     fed = LocalFederation(params, [1, 2, 3, 4]); fed.setup()
-    res = fed.round(1, {i: encode_fixed(x[i], 64, 32) for i in (1, 2, 3, 4)}, drop_before_masked={4})
-    decode_sum(res.total, 64, 32, len(res.included))    # == x[1] + x[2] + x[3] to 3/128
+    ring.check_fits_ring64(3 * (64 * max_abs + 0.5))   # three summands of |x| <= max_abs at scale 64
+    res = fed.round(1, {i: ring.encode_fixed(x[i], 64) for i in (1, 2, 3, 4)}, drop_before_masked={4})
+    ring.decode_fixed(res.total, 64)    # == x[1] + x[2] + x[3] to 3/128
 """
 
 from distmoe.privacy.secagg.client import Phase, SecAggClient
-from distmoe.privacy.secagg.encoding import (
-    check_no_wrap,
-    decode_sum,
-    encode_fixed,
-    required_bits,
-    to_ring,
-    to_signed,
-)
 from distmoe.privacy.secagg.errors import (
     AlreadyDead,
     BelowThreshold,
@@ -101,7 +94,6 @@ from distmoe.privacy.secagg.errors import (
     TamperedShare,
     TooFewSurvivors,
     UnknownClient,
-    WrapAroundError,
 )
 from distmoe.privacy.secagg.graph import (
     GRAPHS,
@@ -137,7 +129,6 @@ __all__ = [
     "ReconstructionFailed", "RepeatedRequest", "RepeatedUnmask", "RoundStart", "SecAggAbort", "SecAggClient",
     "SecAggParams", "SecAggServer", "ShareKeys", "StateCorrupt", "StateError", "StateMismatch",
     "TamperedShare", "TooFewSurvivors", "UnknownClient",
-    "UnmaskRequest", "UnmaskResponse", "WrapAroundError", "check_graph", "check_no_wrap", "complete_graph",
-    "decode_sum", "encode_fixed", "graph_degree", "graph_threshold", "harary_degree", "harary_graph", "payload_bytes",
-    "peer_graph", "required_bits", "to_ring", "to_signed",
+    "UnmaskRequest", "UnmaskResponse", "check_graph", "complete_graph", "graph_degree", "graph_threshold",
+    "harary_degree", "harary_graph", "payload_bytes", "peer_graph",
 ]

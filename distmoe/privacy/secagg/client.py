@@ -265,7 +265,7 @@ class SecAggClient:
 
     # ---- stage 2: masked input ----------------------------------------------------------------
     def masked_input(self, start: RoundStart, x: np.ndarray, *, share_next: bool = True) -> MaskedInput:
-        """``x``: ``[start.length]`` integers in [0, 2^bits) (see ``encoding.encode_fixed``). With
+        """``x``: ``[start.length]`` integers in [0, 2^bits) (for 64 bits: ``distmoe.privacy.ring.encode_fixed``). With
         ``share_next`` the share keys of round + 1 ride along, so the next round needs no extra
         exchange."""
         st = self._state(start.round, Phase.SHARED, "masked input")
@@ -344,7 +344,7 @@ class SecAggClient:
         if x.shape != (length,) or not np.issubdtype(x.dtype, np.integer):
             raise ValueError(f"round {r}: input must be [{length}] integers, got {x.shape} {x.dtype}")
         if x.size and (int(x.min()) < 0 or int(x.max()) > P.ring_mask(p.bits)):
-            raise ValueError(f"round {r}: input outside [0, 2^{p.bits}); encode with encode_fixed/to_ring")
+            raise ValueError(f"round {r}: input outside [0, 2^{p.bits}); encode with ring.encode_fixed/to_ring64")
         return x.astype(P.word_dtype(p.bits))
 
     # ---- stage 3: unmask ----------------------------------------------------------------------

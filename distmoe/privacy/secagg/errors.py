@@ -96,7 +96,3 @@ class StateCorrupt(StateError):
 class StateMismatch(StateError):
     """An intact blob of another run, other parameters, another client, peer graph, kind or format
     version than the one restoring it."""
-
-
-class WrapAroundError(ValueError):
-    """The encoded sum could leave the signed range of Z_{2^bits} (it would wrap silently)."""

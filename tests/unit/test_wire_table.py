@@ -1,0 +1,189 @@
+"""Unit tests: the payload table drives the codec; the bytes on the wire are pinned."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord
+
+from distmoe.privacy import secagg as sa
+from distmoe.wire import codec
+from distmoe.wire.codec import WireError
+from distmoe.wire.schema import (
+    BY_MESSAGE_TYPE,
+    PAYLOADS,
+    RL_METRIC_KEYS,
+    TRAIN_METRIC_KEYS,
+    DirectoryRequest,
+    EvalInstruction,
+    EvalReply,
+    KeyAdvertReply,
+    MaskedReply,
+    ModelUpdate,
+    RlInstruction,
+    RouterStats,
+    SecureInstruction,
+    SetupRequest,
+    SftInstruction,
+    ShareKeysReply,
+    StatsInstruction,
+    UnmaskRequestMsg,
+    UnmaskResponseMsg,
+    eval_metric_keys,
+)
+
+W = {"model.layers.0.mlp.gate.weight": np.arange(8, dtype=np.float32).reshape(2, 4) / 7,
+     "model.layers.0.mlp.experts.down_proj": np.linspace(-1, 1, 24, dtype=np.float32).reshape(2, 3, 4)}
+ANCHOR = np.array([[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]], dtype=np.float32)
+METRICS = {k: float(i) + 0.5 for i, k in enumerate(TRAIN_METRIC_KEYS)}
+METRICS["anchor_kl"] = float("nan")
+tasks = ("arith", "strings")
+B = lambda n, s=0: bytes((i + s) % 256 for i in range(n))
+CT = sa.messages.SHARE_CIPHERTEXT_BYTES
+env = lambda snd, rcp, r: sa.EncryptedShares(snd, rcp, r, B(12, snd), B(CT, rcp))
+keys = sa.ShareKeys(5, 1, B(32, 1), B(32, 2), (env(5, 6, 1), env(5, 7, 1)))
+keys0 = sa.ShareKeys(6, 2, B(32, 3), B(32, 4), ())
+start = sa.RoundStart(1, 5, ((5, B(32, 5)), (6, B(32, 6))), (env(6, 5, 1),), 6)
+PAYLOADS_FIXED = [
+    SftInstruction(3, "arith", W, "ab" * 32, 17, ANCHOR, 2),
+    SftInstruction(1, "strings", W, "cd", 0, None, 0),
+    StatsInstruction(4, "", W, "ef"),
+    EvalInstruction(5, tasks, "strings", W, "01", {k: v + 1 for k, v in W.items()}, ANCHOR, 1),
+    EvalInstruction(2, ("arith",), "", W, "01", None, None, 0),
+    ModelUpdate("party-0", {k: v * -0.01 for k, v in W.items()}, 19, METRICS),
+    RouterStats(np.array([[1.5, 0.5, 2.0, 1.0], [1.25, 1.75, 1.0, 1.0]])),
+    EvalReply("hospital_B", {k: 0.25 for k in eval_metric_keys(tasks)} | {"load_cv": float("inf")}),
+    RlInstruction(6, "arith", W, "ab", 5),
+    ModelUpdate("party-1", W, 8, {**{k: 0.5 for k in RL_METRIC_KEYS}, "route_disagree_l0": 0.1}, "rl"),
+    SetupRequest(B(16), 2, 10, 3, 1.5, 0.0, "20261201-141100-ab12", 2),
+    SetupRequest(B(16, 9), 3, 100, 4, 2, 1, "", 0),
+    KeyAdvertReply("party-0", B(32, 7), "ab" * 32),
+    DirectoryRequest(sa.KeyDirectory(B(16), ((5, B(32, 1)), (6, B(32, 2)), (7, B(32, 3)))), 1,
+                     ((7, "c"), (5, "a"), (6, "b"))),
+    ShareKeysReply(keys),
+    ShareKeysReply(keys0),
+    SecureInstruction(StatsInstruction(1, "", W, "ef"), start, "router-stats"),
+    SecureInstruction(SftInstruction(1, "arith", W, "h", 0, ANCHOR, 1), None, "model-update"),
+    SecureInstruction(EvalInstruction(5, tasks, "strings", W, "01", W, None, 0), start, "eval"),
+    MaskedReply("router-stats", sa.MaskedInput(5, 1, np.arange(6, dtype=np.uint64), keys), None),
+    MaskedReply("model-update", sa.MaskedInput(5, 1, np.arange(3, dtype=np.uint64), None), None),
+    MaskedReply("eval", None, keys0),
+    UnmaskRequestMsg(sa.UnmaskRequest(1, (5, 6), (7,))),
+    UnmaskRequestMsg(sa.UnmaskRequest(2, (5,), ())),
+    UnmaskResponseMsg(sa.UnmaskResponse(5, 1, ((5, B(66)), (6, B(66, 1))), ((7, B(66, 2)),))),
+]
+
+
+
+# sha256 of the structural dump (records in order, keys in order, value types, array bytes) of each payload
+# above, taken from the codec before it was driven by the table: the bytes on the wire must not change
+PINNED = [
+    "67a6aa23852a6c92ac3babac4e3e08dc79e1d17d0d80796de163bff21fb2776a",
+    "96cb2db607f4ed78444b4abfced6e30cbac0ec1a8c9ecee48492e75548b66df2",
+    "20cd4ece194dc7156a14494b7fdc36fe9a5b163094b0d48994eb7a82708c191c",
+    "488002e77136873bf21b275bd12aa49c61f0500d562dc27c63f99d8d21b4d367",
+    "ea18730bd8560fb73bd1c0439f669eabebcd97281f13ba3df2e5b5beb613713c",
+    "db00803dbefa9f95b9795ecc765e946c5eedefa0615a6a61dd9999d89ff36b8f",
+    "ca7e4433073b61b2ba962d4319c315f19db9cf5d4fa4480f755cf8e1c2c5ae80",
+    "9169602ce2efa6d201788d8d376083ac8e5e21e9499ce82ea52c156f763470dc",
+    "edf18a3eb5cf3e470586413056d00e20a739e9fe66c9792662fcdf1a23ff364b",
+    "25c7c7f2792d31c8e3078d4c17c2c34261b02475f3c39ec0cddc58e3ae5117db",
+    "8902a0e4bcf99c029f8eab5a3f131483eedc56db0d28ec13c811dc6505b9e33f",
+    "54342bfca4a365962bce71b9166f2b0ee1710748516994b86ac250490b2c40db",
+    "11daf2887c64ae71e5af23788d086b5d51a016ad931e4f9e749cd2fbb6c5be4b",
+    "231b1494a1e980f3ea9d18322329366525d391f2fae14b7039ed9c48506d4154",
+    "1fda911fef739a41dd00a68385dd863846d87758d462767f48b8494a7b4a601d",
+    "a75d93ac19ea6889d99ce518de0896c8d50233ffae4ac940bd314cec6b061c67",
+    "917ef0c2476494b6a54f52bb5a00cdc92f66dc02fad8f22230eb1460981cf6e5",
+    "7ffccc8af5150efc00aa2780a03fec4714e9a21d359129ee440deacbcccd203f",
+    "01e07a62343f28a6f783579d1c148f73ad97ae950c252bfba1922fd2090f66c6",
+    "13f7e3ea6a481f834dd04928839d0c9a8fb34ced9b376d93e84152c81952c37b",
+    "7e1b3f4e1695630204329b3d57689d8915c4799682bbb1d05d2b448f166e1bd6",
+    "9207289cc1c2225aa71a7f7e1c56d4cb4b5195391f4df1d745cdda413e3f77fa",
+    "502165a0778ecde7a8e60cc4817bf0921192fc7754ed853e70fe771daec2e004",
+    "87fa348d3cd419cbe5e67fb08541dbe55691cc2495cc47a585ad606da77558c8",
+    "0071e3d7d4ebe8ab04ea97d229248896aa6c6534308cf3dc744baf5a25e705c0",
+]
+
+
+def dump(rd):
+    out = []
+    for name, rec in rd.items():
+        items = []
+        for k, v in rec.items():
+            if isinstance(rec, ArrayRecord):
+                items.append([k, v.dtype, list(v.shape), v.stype, hashlib.sha256(v.data).hexdigest()])
+            else:
+                vv = v if not isinstance(v, bytes) else "b:" + v.hex()
+                items.append([k, type(v).__name__, repr(vv)])
+        out.append([name, type(rec).__name__, items])
+    return out
+
+
+
+def test_wire_bytes_are_pinned():
+    got = [hashlib.sha256(json.dumps(dump(codec.encode(p))).encode()).hexdigest() for p in PAYLOADS_FIXED]
+    assert got == PINNED
+
+
+@pytest.mark.parametrize("i", range(len(PAYLOADS_FIXED)))
+def test_pinned_payloads_round_trip(i):
+    p = PAYLOADS_FIXED[i]
+    back = codec.decode(codec.encode(p), type(p))
+    assert type(back) is type(p)
+    assert codec.encode(back).keys() == codec.encode(p).keys()
+    assert json.dumps(dump(codec.encode(back))) == json.dumps(dump(codec.encode(p)))
+
+
+def test_the_table_lists_every_field_of_every_payload_once():
+    for pt in PAYLOADS:
+        assert sorted(f.attr for f in pt.fields) == sorted(f.name for f in dataclasses.fields(pt.cls)), pt.cls
+        assert set(pt.records) >= {f.record for f in pt.fields} - {"*"}, pt.cls
+        assert all(f.kind.rstrip("?") in codec.KINDS for f in pt.fields), pt.cls
+    assert {pt.cls for pt in PAYLOADS} >= {type(p) for p in PAYLOADS_FIXED}
+    assert codec.MESSAGE_TYPE[SftInstruction] == "train.sft"
+    assert BY_MESSAGE_TYPE["query.unmask"].reply is UnmaskResponseMsg
+    assert {pt.release for pt in PAYLOADS if pt.release} == {"model-update", "rl-update", "router-stats", "eval"}
+
+
+def test_string_fields_are_what_the_guards_allow():
+    """The reply fields that may carry text or bytes, derived from the table: exactly the list the party
+    and server guards kept by hand (``party_side.REPLY_STRINGS``)."""
+    assert codec.string_fields("reply") == {"meta": {"payload", "release", "party", "ledger_public_key", "kind",
+                                                     "c_pk"},
+                                            "keys": {"s_pk", "b_commit"}, "next": {"s_pk", "b_commit"}}
+    assert codec.string_fields("instruction")["meta"] >= {"payload", "task", "tasks", "names", "secagg_run"}
+
+
+def test_decode_rejects_a_record_no_field_reads_and_a_wrong_kind_of_record():
+    rd = codec.encode(PAYLOADS_FIXED[20])  # a masked input without share keys
+    rd["next_shares"] = ArrayRecord({"x": Array(np.zeros(2, np.uint8))})
+    with pytest.raises(WireError, match="unexpected"):
+        codec.decode(rd, MaskedReply)
+    rd = codec.encode(PAYLOADS_FIXED[21])  # late keys: a masked record does not belong
+    rd["masked"] = ConfigRecord({"round": 1, "sender": 6})
+    with pytest.raises(WireError, match="unexpected"):
+        codec.decode(rd, MaskedReply)
+    rd = codec.encode(PAYLOADS_FIXED[6])
+    rd["stats"] = ConfigRecord({"sums": 1.0})
+    with pytest.raises(WireError, match="not an ArrayRecord"):
+        codec.decode(rd, RouterStats)
+
+
+def test_secure_instruction_checks():
+    rd = codec.encode(PAYLOADS_FIXED[16])
+    assert isinstance(codec.decode(rd, SecureInstruction), SecureInstruction)
+    assert isinstance(codec.decode(codec.encode(PAYLOADS_FIXED[2]), StatsInstruction), StatsInstruction)
+    with pytest.raises(WireError, match="secure instruction"):
+        codec.decode(codec.encode(PAYLOADS_FIXED[2]), SecureInstruction)  # no protocol part
+    inner = codec.encode(PAYLOADS_FIXED[10])  # a setup request is not a phase instruction
+    for k in ("sa", "sa_parts", "sa_shares"):
+        inner[k] = rd[k]
+    with pytest.raises(WireError, match="not a phase instruction"):
+        codec.decode(inner, SecureInstruction)
+    with pytest.raises(WireError, match="exactly one"):
+        codec.encode(MaskedReply("eval", None, None))
