@@ -23,8 +23,8 @@ from distmoe.coordinator.secagg import SecureRounds
 from distmoe.coordinator.secure import SecureAggregator
 from distmoe.io import write_text_atomic
 from distmoe.ledger import Ledger, canonical_json, generate_signing_key, public_key_hex
-from distmoe.privacy.ring import WrapError
 from distmoe.privacy.plan import stats_spec, threshold_for
+from distmoe.privacy.ring import WrapError
 from distmoe.privacy.vectors import UpdateLayout
 from distmoe.wire.schema import TRAIN_METRIC_KEYS, eval_metric_keys, rl_metric_keys
 from distmoe.wire.server_guard import ServerGuard, build_policy, policy_digest
