@@ -25,13 +25,13 @@ from collections.abc import Callable
 
 import torch
 
-from distmoe.config import parse_run_config, replace
+from distmoe.config import RLConfig, parse_run_config, replace
 from distmoe.data.formats import parse_line
 from distmoe.data.synth import generate
 from distmoe.data.template import encode_example, encode_prompt
 from distmoe.model.build import build_model, describe
 from distmoe.rl.advantages import group_advantages
-from distmoe.rl.grpo import GRPOConfig, build_engine
+from distmoe.rl.grpo import build_engine, optimizer_config
 from distmoe.rl.losses import get_policy_loss, mismatch_weights
 from distmoe.rl.rewards import compute_rewards
 from distmoe.rl.rollout import generate_rollouts, train_logprobs
@@ -81,14 +81,14 @@ def main() -> None:
     print(f"SFT: {sft.steps} steps in {sft.time_s:.2f} s (task loss {s['loss_first']:.3f} -> {s['loss_last']:.3f})")
 
     # --- engine and one fixed batch of rollouts --------------------------------------------------------------
-    gcfg = GRPOConfig(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.tokens,
-                      profile=args.engine, minibatches=1)
+    gcfg = RLConfig(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.tokens,
+                    engine=args.engine, minibatches=1)
     prompts = examples[:args.prompts]
     model.eval()
     t = time.perf_counter()
     engine = build_engine(model, tok, examples, gcfg)
     t_engine = time.perf_counter() - t
-    prompt_ids = [encode_prompt(tok, ex, gcfg.max_prompt_len) for ex in prompts]
+    prompt_ids = [encode_prompt(tok, ex, 256) for ex in prompts]
     prompt_texts = [ex.prompt_messages[-1]["content"] if ex.prompt_messages else "" for ex in prompts]
 
     def rollout(record: bool = False):
@@ -99,23 +99,22 @@ def main() -> None:
     rows = ro.prompt_index.tolist()
     rewards = torch.tensor(compute_rewards(gcfg.reward, ro.texts, [prompts[i].answer for i in rows], TASK,
                                            [prompt_texts[i] for i in rows]), dtype=torch.float32)  # [N]
-    adv = group_advantages(rewards, args.group, std_normalise=gcfg.std_normalise)  # [N]
+    adv = group_advantages(rewards, args.group)  # [N]
     mask = ro.response_mask  # [N, T]
     ones = mask.to(torch.float32)  # [N, T] plain GRPO: w = 1 on valid tokens
 
     # --- the update, snapshot / restore -----------------------------------------------------------------------
     loss_fn = get_policy_loss(gcfg.policy_loss)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt, _ = build_optimizer(model, gcfg.train_config())
+    opt, _ = build_optimizer(model, optimizer_config(gcfg, cfg.train.grad_clip))
 
     def update(logp_old: torch.Tensor, weights: torch.Tensor, replay: bool = False) -> float:
         model.train()
         logp_new = train_logprobs(model, ro, grad=True, replay=replay)  # [N, T]
-        loss, _ = loss_fn(logp_new, logp_old, adv, mask, weights, clip_eps=gcfg.clip_eps,
-                          clip_eps_high=gcfg.clip_eps_high)
+        loss, _ = loss_fn(logp_new, logp_old, adv, mask, weights, clip_eps=gcfg.clip_eps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, gcfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
         opt.step()
         model.eval()
         return float(loss.detach())
@@ -123,7 +122,8 @@ def main() -> None:
     def recompute(replay: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         model.eval()
         logp_old = train_logprobs(model, ro, grad=False, replay=replay)  # [N, T]
-        w, st = mismatch_weights(logp_old, ro.logp_infer, mask, gcfg.level, "mask", gcfg.low, gcfg.high)
+        w, st = mismatch_weights(logp_old, ro.logp_infer, mask, gcfg.correction_level, "mask", gcfg.icepop_low,
+                                 gcfg.icepop_high)
         return logp_old, w, st
 
     snap_model = copy.deepcopy(model.state_dict())  # theta_old: the weights the engine was synced to

@@ -19,7 +19,7 @@ import traceback
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from distmoe.config import ConfigError, SimConfig, parse_node_config, parse_run_config
+from distmoe.config import ConfigError, SimConfig, parse_node_config, parse_run_config, parse_section
 from distmoe.party.service import PartyService, load_canaries
 from distmoe.party.session import open_ledger
 from distmoe.wire import codec
@@ -33,7 +33,7 @@ def _handle(msg: Message, context: Context) -> Message:
     mtype = codec.message_type(msg)
     node = None
     try:
-        node = parse_node_config(context.node_config, SimConfig(str(context.run_config.get("sim.nodes-dir", ""))))
+        node = parse_node_config(context.node_config, parse_section(context.run_config, SimConfig))
         cfg = parse_run_config(context.run_config)
         party = PartyService(cfg, node, msg.metadata.dst_node_id, str(context.run_id))
         return codec.reply_content(serve(mtype, msg.content, party, str(context.run_id)), msg)

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 from distmoe.config import (
-    DEFAULTS,
     ConfigError,
     load_override_file,
     parse_kv_pairs,
@@ -137,6 +136,17 @@ def cmd_config_validate(args) -> int:
     return 0
 
 
+def cmd_config_sync(args) -> int:
+    from distmoe.config_sync import SYNC_COMMAND, sync
+
+    changed = sync(Path(args.root), write=not args.check)
+    for rel in changed:
+        print(f"{rel}: {'out of date (run: ' + SYNC_COMMAND + ')' if args.check else 'rewritten'}")
+    if not changed:
+        print("pyproject.toml and docs/configuration.md match distmoe/config.py")
+    return 1 if (args.check and changed) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distmoe", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -198,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     cv = csub.add_parser("validate", help="validate a TOML override file")
     cv.add_argument("file")
     cv.set_defaults(fn=cmd_config_validate)
+    cy = csub.add_parser("sync", help="rewrite the run-config blocks of pyproject.toml and docs/configuration.md "
+                                      "from the key declaration in distmoe/config.py")
+    cy.add_argument("--root", default=str(Path(__file__).resolve().parents[1]),
+                    help="the repository root (default: the one this distmoe was imported from)")
+    cy.add_argument("--check", action="store_true", help="change nothing; exit 1 when a file is out of date")
+    cy.set_defaults(fn=cmd_config_sync)
 
     from distmoe.deploy.cli import add_parsers as add_deploy_parsers
 
@@ -224,6 +240,5 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-assert set(DEFAULTS)  # the CLI exposes exactly the keys config.py defines
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,12 +1,18 @@
-"""The one configuration parser: Flower run config + node config -> frozen, validated dataclasses.
+"""The one declaration and parser of the run configuration: Flower run config + node config -> frozen,
+validated dataclasses.
 
-Owns: the default values of every run-config key (``DEFAULTS``, mirrored verbatim in
-``pyproject.toml`` ``[tool.flwr.app.config]``; a unit test keeps the two equal), the validation of
-every key (an error names the key, the value and what is allowed), the schedule grammar, and the
-node-local facts (data path, party name, work directory).
+Owns: the declaration of every run-config key, once: the frozen section dataclasses below ARE the
+declaration. Each field is made by :func:`key` (default, one-line doc, range or choices); the key's name is
+``<section>.<field name with _ -> ->`` and its type comes from the annotation. Everything else is derived from
+it: ``DEFAULTS``, ``KEYS``, the type and range checks (a section validates itself when it is constructed, so
+``RLConfig(group_size=1)`` fails like the run config would), the ``pyproject.toml`` ``[tool.flwr.app.config]``
+block and the key table of ``docs/configuration.md`` (both written by ``distmoe config sync``, see
+:mod:`distmoe.config_sync`; a unit test fails when they drift). Checks across keys are explicit ``check``
+methods (within a section) and :func:`_check_across` (between sections). Also: the refusal of retired keys
+(``RETIRED``), the schedule grammar and the node-local facts (data path, party name, work directory).
 
-Must not: import ``flwr``, touch models or data, or be bypassed. Library code receives the narrowest
-section (``cfg.train``, ``cfg.routing``), never the raw mapping.
+Must not: import ``flwr`` or anything of distmoe, touch models or data, or be bypassed. Library code
+receives the narrowest section (``cfg.train``, ``cfg.routing``), never the raw mapping.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 Scalar = int | float | str | bool
 
@@ -28,107 +34,103 @@ class ConfigError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Defaults. Flat, Flower-style keys (kebab-case, dotted sections). pyproject.toml mirrors these.
+# The declaration helper
 # ---------------------------------------------------------------------------------------------
-DEFAULTS: dict[str, Scalar] = {
-    # run
-    "run.seed": 0,
-    "run.dir": "",  # where the ServerApp writes the run; "" = ./runs/<flower-run-id>
-    "run.name": "",
-    "run.resume": "",  # a run directory to resume (docs/operations.md "Resume"); "" = a new run
-    # model
-    "model.path": "",  # local HF checkpoint directory; "" = the tiny default Qwen3-MoE
-    "model.trainable": "all",  # all | router+experts | lora
-    "model.hidden-size": 256,
-    "model.layers": 4,
-    "model.experts": 8,
-    "model.top-k": 2,
-    "model.moe-intermediate-size": 256,
-    "model.heads": 4,
-    "model.kv-heads": 2,
-    "model.head-dim": 64,
-    "model.max-seq-len": 96,
-    "model.lora-r": 8,
-    "model.lora-alpha": 16,
-    "model.lora-router": True,
-    # party data
-    "data.eval-fraction": 0.2,
-    "data.max-train-examples": 0,  # 0 = no cap
-    "data.max-eval-examples": 48,
-    "data.synth-examples": 240,  # per task family per party, for `distmoe data synth` defaults
-    "data.canaries": "",  # file of canary strings planted in party data, for the audit ("" = none known)
-    # local SFT
-    "train.local-steps": 40,
-    "train.batch-size": 16,
-    "train.lr": 1e-3,
-    "train.lr-experts": 1e-3,
-    "train.lr-router": 1e-3,
-    "train.weight-decay": 0.0,
-    "train.warmup-steps": 5,
-    "train.grad-clip": 1.0,
-    "train.threads": 1,
-    # routing: aux load-balance loss and the router anchor
-    "routing.aux-loss-coef": 0.01,
-    "routing.anchor-kl-coef": 0.5,
-    "routing.anchor-granularity": "batch",  # batch | token
-    # local RL (GRPO with IcePop correction of the train/inference mismatch)
-    "rl.steps": 6,
-    "rl.prompts-per-step": 8,
-    "rl.group-size": 4,
-    "rl.max-new-tokens": 8,
-    "rl.temperature": 1.0,
-    "rl.lr": 1e-4,
-    "rl.ppo-epochs": 1,
-    "rl.minibatches": 2,
-    "rl.clip-eps": 0.2,
-    "rl.kl-coef": 0.0,
-    "rl.policy-loss": "grpo",  # grpo | reinforce
-    "rl.correction": "icepop",  # icepop (mask) | tis (truncate) | none
-    "rl.correction-level": "token",  # token | sequence
-    "rl.icepop-low": 0.5,
-    "rl.icepop-high": 5.0,
-    "rl.engine": "bf16",  # exact | bf16 | int8-dynamic | int8-weight-only | prune-<k>, combined with '+'
-    "rl.reward": "task",  # task | exact_match | numeric | format
-    "rl.simulator": False,  # the ICEPOP seed's inference simulator instead of the recompute (approximation)
-    "rl.simulator-recalibrate-every": 5,
-    "rl.simulator-bound": 0.5,
-    "rl.simulator-lb-coef": 0.01,  # load-balance loss on the simulated routing (trusted simulator steps only)
-    "rl.routing-replay": False,  # the trainer replays the engine's recorded top-k experts (R3)
-    # schedule
-    "schedule.phases": "sft:lookup, eval, stats:lookup, sft:arith, eval",
-    "schedule.sft-rounds": 5,
-    # federation
-    "federation.min-parties": 2,
-    "federation.wait-timeout": 180.0,
-    "federation.round-timeout": 900.0,  # the training stage of a round: instruction out, (masked) reply in
-    "federation.setup-timeout": 300.0,  # secure-aggregation setup exchanges (a ClientApp's first start is slow)
-    "federation.unmask-timeout": 120.0,  # the unmask exchange of a secure round (no training in it)
-    "federation.on-round-failure": "skip",  # a round that releases nothing: "skip" it and go on, or "stop" the run
-    "federation.max-norm-ratio": 10.0,  # plaintext mode: reject updates with norm > ratio x the round median (0 = off)
-    "federation.anomaly-z": 4.0,  # flag aggregate losses beyond this rolling z-score (0 = off)
-    # privacy plane (docs/privacy.md): secure aggregation of every reply, distributed DP on router statistics
-    "privacy.mode": "secagg",  # secagg | plaintext (benchmark baseline only: warns, and the audit fails it)
-    "privacy.epsilon": 8.0,  # per-party budget for the whole run (unit: one sequence, add/remove)
-    "privacy.delta": 1e-6,
-    "privacy.noise-multiplier": 0.0,  # router statistics z; 0 = derived from privacy.epsilon over the schedule
-    "privacy.scale": 64.0,  # integer encoding scale s of router statistics (>= 32)
-    "privacy.canaries": 2048,  # K known-zero noise-canary coordinates per router-statistics release
-    "privacy.min-parties": 2,  # fewest parties any release may be aggregated over (also the SecAgg threshold floor)
-    "privacy.secagg-graph": "complete",  # complete (Bonawitz et al.) | harary (SecAgg+ sparse graph, Bell et al. 2020)
-    "privacy.num-sequences-max": 10000,  # public bound on a party's sequences (bit width, delta <= 1/N)
-    "privacy.update-clip": 10.0,  # L2 bound on a model update (clipped; fixes the fixed-point range)
-    "privacy.max-weight": 1024,  # an update's aggregation weight is min(examples, max-weight), summed masked
-    "privacy.update-noise-multiplier": 0.0,  # > 0: client-level DP on model updates (distributed Skellam)
-    "privacy.dp-sgd": False,  # example-level DP-SGD with opacus (refused with a reason where unsupported)
-    "privacy.dp-sgd-noise-multiplier": 1.0,
-    # checkpoints
-    "checkpoint.keep": 2,
-    # evaluation
-    "eval.max-new-tokens": 10,
-    "eval.batch-size": 32,
-    # simulation-only: where `distmoe simulate` put each virtual SuperNode's node config
-    "sim.nodes-dir": "",
-}
+@dataclass(frozen=True)
+class KeySpec:
+    """One run-config key: what :func:`key` declared plus what the section decorator filled in."""
+
+    default: Scalar
+    doc: str  # one line of Markdown: the "meaning" column of docs/configuration.md
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself is excluded
+    choices: tuple[str, ...] | None = None
+    off: float | None = None  # a value outside [lo, hi] that is allowed and switches the feature off
+    allowed: str = ""  # how the docs state what is allowed, where lo/hi/choices alone do not say it
+    kind: type | None = None  # the value type; None = from the field's annotation
+    name: str = ""  # "<section>.<key>", set by @section
+    attr: str = ""  # the dataclass field name, set by @section
+
+    def check(self, value: Any) -> Scalar:
+        """``value`` of this key, type-checked (ints accepted for floats, integral floats for ints), range- and
+        choice-checked; a ConfigError names the key, the value and what is allowed."""
+        key, kind = self.name, self.kind
+        if kind is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"config key '{key}': value {value!r} must be a number")
+            value = float(value)
+            if not math.isfinite(value):
+                raise ConfigError(f"config key '{key}': value {value!r} must be finite")
+        elif kind is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                if not (isinstance(value, float) and value.is_integer()):
+                    raise ConfigError(f"config key '{key}': value {value!r} must be an integer")
+                value = int(value)
+        elif kind is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"config key '{key}': value {value!r} must be true or false")
+        elif not isinstance(value, str):
+            raise ConfigError(f"config key '{key}': value {value!r} must be a string")
+        if self.choices is not None:
+            _choice(key, value, self.choices)
+        if kind in (int, float) and not (self.off is not None and value == self.off):
+            _range(key, value, self.lo, self.hi, self.lo_open)
+        return value
+
+
+def key(default: Scalar, doc: str, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+        choices: tuple[str, ...] | None = None, off: float | None = None, allowed: str = "",
+        kind: type | None = None) -> Any:
+    """A section field that is a run-config key (see the module docstring)."""
+    spec = KeySpec(default=default, doc=doc, lo=lo, hi=hi, lo_open=lo_open, choices=choices, off=off,
+                   allowed=allowed, kind=kind)
+    return dataclasses.field(default=default, metadata={"key": spec})
+
+
+_S = TypeVar("_S", bound="_Section")
+_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+SECTIONS: dict[str, type] = {}  # section name -> its dataclass, in declaration (= documentation) order
+
+
+def section(name: str):
+    """Class decorator: a frozen dataclass whose :func:`key` fields are the keys ``<name>.<field>``."""
+
+    def wrap(cls):
+        cls = dataclass(frozen=True)(cls)
+        specs = []
+        for f in dataclasses.fields(cls):
+            spec = f.metadata.get("key")
+            if spec is None:
+                continue
+            kind = spec.kind or _KINDS.get(f.type if isinstance(f.type, str) else f.type.__name__)
+            if kind is None:
+                raise TypeError(f"{cls.__name__}.{f.name}: annotation {f.type!r} needs key(..., kind=...)")
+            specs.append(dataclasses.replace(spec, kind=kind, attr=f.name, name=f"{name}.{f.name.replace('_', '-')}"))
+        cls.SECTION, cls.KEYS = name, tuple(specs)
+        SECTIONS[name] = cls
+        return cls
+
+    return wrap
+
+
+class _Section:
+    """Base of the section dataclasses: validation on construction (every key, then ``check``)."""
+
+    SECTION: ClassVar[str]
+    KEYS: ClassVar[tuple[KeySpec, ...]]
+
+    def __post_init__(self) -> None:
+        for spec in self.KEYS:
+            value = getattr(self, spec.attr)
+            if isinstance(value, tuple):  # already parsed (schedule.phases), checked when it was parsed
+                continue
+            object.__setattr__(self, spec.attr, spec.check(value))
+        self.check()
+
+    def check(self) -> None:
+        """Checks across the keys of this section (none by default)."""
+
 
 TRAINABLE_MODES = ("all", "router+experts", "lora")
 GRANULARITIES = ("batch", "token")
@@ -137,102 +139,157 @@ POLICY_LOSSES = ("grpo", "reinforce")  # distmoe/rl/losses.py registry (a test k
 REWARDS = ("exact_match", "numeric", "format", "task")  # distmoe/rl/rewards.py registry
 CORRECTIONS = {"icepop": "mask", "tis": "truncate", "none": "none"}
 ENGINE_PARTS = ("exact", "bf16", "int8-dynamic", "int8-weight-only")
+PRIVACY_MODES = ("secagg", "plaintext")
+SECAGG_GRAPHS = ("complete", "harary")  # == distmoe.privacy.secagg.GRAPHS (a test keeps them equal)
+ROUND_FAILURE_POLICIES = ("skip", "stop")
 _TASK_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+_DAY = 86400.0
 
 
 # ---------------------------------------------------------------------------------------------
-# Sections
+# The declaration: one section dataclass per run-config section, in documentation order
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RunSection:
-    seed: int
-    dir: str
-    name: str
-    resume: str  # "" or the run directory to continue (checked by the coordinator, which holds it)
+@section("run")
+class RunSection(_Section):
+    seed: int = key(0, "seeds the tiny model's initialisation, data splits, synthetic data and local training",
+                    lo=0)
+    dir: str = key("", "where the ServerApp writes the run; `\"\"` = `./runs/<flower run id>` (simulate sets it)",
+                   allowed="path")
+    name: str = key("", "free label stored in the run record")
+    resume: str = key("", "continue the run in this directory from its last good checkpoint (`docs/operations.md`, "
+                      "Resume); `\"\"` = a new run; checked by the coordinator, which holds the directory",
+                      allowed="path")
+
+    def check(self) -> None:
+        if self.resume != self.resume.strip() or "\n" in self.resume:
+            raise ConfigError(f"config key 'run.resume': value {self.resume!r} must be a run directory path "
+                              "(no surrounding whitespace) or \"\" for a new run")
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    path: str
-    trainable: str
-    hidden_size: int
-    layers: int
-    experts: int
-    top_k: int
-    moe_intermediate_size: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    max_seq_len: int
-    lora_r: int
-    lora_alpha: int
-    lora_router: bool
-    seed: int  # = run.seed: the tiny default model is initialised identically everywhere
+@section("model")
+class ModelConfig(_Section):
+    path: str = key("", "local Hugging Face checkpoint (`qwen3_moe`, `qwen2_moe`, `mixtral`, `olmoe`); `\"\"` = the "
+                    "tiny default Qwen3-MoE. A checkpoint of another architecture is refused with a message naming it",
+                    allowed="directory")
+    trainable: str = key("all", "what is trained and sent; only these tensors travel", choices=TRAINABLE_MODES)
+    hidden_size: int = key(256, "tiny default: hidden size", lo=1)
+    layers: int = key(4, "tiny default: decoder layers, all MoE", lo=1)
+    experts: int = key(8, "tiny default: experts per layer", lo=2, hi=256)
+    top_k: int = key(2, "tiny default: experts per token", lo=1, allowed="1..`model.experts`")
+    moe_intermediate_size: int = key(256, "tiny default: expert MLP width", lo=1)
+    heads: int = key(4, "tiny default: attention heads", lo=1)
+    kv_heads: int = key(2, "tiny default: key/value heads", lo=1, allowed=">= 1, divides `model.heads`")
+    head_dim: int = key(64, "tiny default: attention head width", lo=1)
+    max_seq_len: int = key(96, "tokens per example (prompt truncated from the left; the answer always kept)",
+                           lo=16, hi=8192)
+    lora_r: int = key(8, "`lora` mode: adapter rank", lo=1)
+    lora_alpha: int = key(16, "`lora` mode: adapter scale", lo=1)
+    lora_router: bool = key(True, "`lora` mode: adapt the router weight too")
+    seed: int = 0  # not a key: = run.seed, so the tiny default model is initialised identically everywhere
+
+    def check(self) -> None:
+        _range("model.top-k", self.top_k, 1, self.experts)
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"config key 'model.kv-heads': value {self.kv_heads} must divide "
+                              f"model.heads = {self.heads}")
 
 
-@dataclass(frozen=True)
-class DataConfig:
-    eval_fraction: float
-    max_train_examples: int
-    max_eval_examples: int
-    synth_examples: int
-    seed: int
+@section("data")
+class DataConfig(_Section):
+    eval_fraction: float = key(0.2, "held-out share of each task, split by a stable hash of each example",
+                               lo=0.0, hi=0.9, lo_open=True)
+    max_train_examples: int = key(0, "cap per task (0 = none)", lo=0)
+    max_eval_examples: int = key(48, "held-out examples evaluated per task", lo=1)
+    synth_examples: int = key(240, "examples per task per party written by `distmoe simulate` without `--data`",
+                              lo=10)
+    canary_file: str = key("", "optional canary list (one string per line) the audit searches for in every "
+                           "server-side file; `\"\"` = each party's `<data-path>/canaries.txt`", allowed="path")
+    seed: int = 0  # not a key: = run.seed
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    local_steps: int
-    batch_size: int
-    lr: float
-    lr_experts: float
-    lr_router: float
-    weight_decay: float
-    warmup_steps: int
-    grad_clip: float
-    threads: int
+@section("train")
+class TrainConfig(_Section):
+    local_steps: int = key(40, "optimizer steps per SFT round at each party", lo=1)
+    batch_size: int = key(16, "sequences per step", lo=1, hi=4096)
+    lr: float = key(1e-3, "AdamW learning rate of the rest group (neither experts nor router)", lo=0.0, hi=1.0)
+    lr_experts: float = key(1e-3, "AdamW learning rate of the expert weights", lo=0.0, hi=1.0)
+    lr_router: float = key(1e-3, "AdamW learning rate of the router weights", lo=0.0, hi=1.0)
+    weight_decay: float = key(0.0, "AdamW weight decay", lo=0.0, hi=1.0)
+    warmup_steps: int = key(5, "linear warm-up at the start of each local round", lo=0)
+    grad_clip: float = key(1.0, "gradient-norm clipping (also of the local RL updates)", lo=0.0, lo_open=True)
+    threads: int = key(1, "torch threads per party process", lo=1, hi=256)
 
 
-@dataclass(frozen=True)
-class RoutingConfig:
-    aux_loss_coef: float
-    anchor_kl_coef: float
-    anchor_granularity: str
+@section("routing")
+class RoutingConfig(_Section):
+    aux_loss_coef: float = key(0.01, "aux load-balance loss weight", lo=0.0, hi=100.0)
+    anchor_kl_coef: float = key(0.5, "anchor-KL weight; 0 turns the anchor off", lo=0.0, hi=1000.0)
+    anchor_granularity: str = key("batch", "where the anchor KL is taken; see `docs/algorithms.md`",
+                                  choices=GRANULARITIES)
 
 
-@dataclass(frozen=True)
-class RLConfig:
-    steps: int
-    prompts_per_step: int
-    group_size: int
-    max_new_tokens: int
-    temperature: float
-    lr: float
-    ppo_epochs: int
-    minibatches: int
-    clip_eps: float
-    kl_coef: float
-    policy_loss: str
-    correction: str  # icepop | tis | none
-    correction_level: str
-    icepop_low: float
-    icepop_high: float
-    engine: str
-    reward: str
-    simulator: bool
-    simulator_recalibrate_every: int
-    simulator_bound: float
-    simulator_lb_coef: float
-    routing_replay: bool
+@section("rl")
+class RLConfig(_Section):
+    """Local GRPO (``distmoe.rl.grpo.run_grpo`` takes this section as it is)."""
+
+    steps: int = key(6, "GRPO steps per `rl` round at each party", lo=1, hi=100000)
+    prompts_per_step: int = key(8, "prompts per GRPO step", lo=1, hi=100000)
+    group_size: int = key(4, "samples per prompt (G, group-relative advantages)", lo=2, hi=1024)
+    max_new_tokens: int = key(8, "rollout length", lo=1, hi=100000)
+    temperature: float = key(1.0, "sampling temperature (applied identically in the trainer)", lo=0.0, hi=100.0,
+                             lo_open=True)
+    lr: float = key(1e-4, "AdamW learning rate of the RL updates (every parameter group)", lo=0.0, hi=1.0,
+                    lo_open=True)
+    ppo_epochs: int = key(1, "passes over each rollout batch", lo=1, hi=100000)
+    minibatches: int = key(2, "updates per pass", lo=1, hi=100000,
+                           allowed="1..`rl.prompts-per-step` x `rl.group-size`")
+    clip_eps: float = key(0.2, "PPO clip of the train/train ratio (symmetric)", lo=0.0, hi=0.99, lo_open=True)
+    kl_coef: float = key(0.0, "k3 KL to the policy at the start of the round", lo=0.0, hi=100.0)
+    policy_loss: str = key("grpo", "the policy-loss registry entry", choices=POLICY_LOSSES)
+    correction: str = key("icepop", "train/inference mismatch correction: `icepop` masks, `tis` truncates",
+                          choices=tuple(CORRECTIONS))
+    correction_level: str = key("token", "where the ratio k is computed (`sequence`: geometric mean)",
+                                choices=("token", "sequence"))
+    icepop_low: float = key(0.5, "IcePop keeps tokens with low <= k <= high", lo=0.0, hi=1.0)
+    icepop_high: float = key(5.0, "IcePop upper bound of k (also the TIS truncation)", lo=1.0, hi=1e6)
+    engine: str = key("bf16", "the rollout engine's numerics",
+                      allowed="`exact`, `bf16`, `int8-dynamic`, `int8-weight-only`, `prune-<k>`, joined with `+`")
+    reward: str = key("task", "verifiable reward", choices=REWARDS)
+    simulator: bool = key(False, "use the ICEPOP seed's inference simulator's δ̂ for the mismatch weights (falls "
+                          "back to the recompute when it degrades)")
+    simulator_recalibrate_every: int = key(5, "GRPO steps between calibrations", lo=1)
+    simulator_bound: float = key(0.5, "tokens with abs δ̂ above this are masked", lo=0.0, lo_open=True)
+    simulator_lb_coef: float = key(0.01, "coefficient of the load-balance loss on the simulated routing "
+                                   "`z_train + o`, added on the steps where the simulator is used (not on fallback "
+                                   "steps); `0.01` = `routing.aux-loss-coef`'s default", lo=0.0, hi=100.0)
+    routing_replay: bool = key(False, "routing replay: the trainer's forwards use the experts the engine's routers "
+                               "chose during generation, weighted by the trainer's own router; combines with every "
+                               "`rl.correction`, not with `rl.simulator`")
 
     @property
     def mode(self) -> str:
         """The mismatch-weight mode of ``distmoe.rl.losses.mismatch_weights``."""
         return CORRECTIONS[self.correction]
 
+    def check(self) -> None:
+        rollouts = self.prompts_per_step * self.group_size
+        if self.minibatches > rollouts:
+            raise ConfigError(f"config key 'rl.minibatches': value {self.minibatches} exceeds "
+                              f"rl.prompts-per-step x rl.group-size = {rollouts}")
+        for part in self.engine.split("+"):
+            if part not in ENGINE_PARTS and not re.fullmatch(r"prune-[1-9]\d*", part):
+                raise ConfigError(f"config key 'rl.engine': value {self.engine!r}: {part!r} is not one of "
+                                  f"{', '.join(ENGINE_PARTS)}, prune-<k> (parts combine with '+', e.g. "
+                                  "'bf16+prune-1')")
+        if self.routing_replay and self.simulator:
+            raise ConfigError("config key 'rl.routing-replay': value true cannot be combined with rl.simulator = "
+                              "true (two alternative mitigations of the routing gap: replay removes the gap the "
+                              "simulator models; choose one)")
+
 
 @dataclass(frozen=True)
 class Phase:
-    kind: str  # sft | stats | eval
+    kind: str  # sft | stats | eval | rl
     task: str | None
     rounds: int
 
@@ -240,9 +297,15 @@ class Phase:
         return self.kind + (f":{self.task}" if self.task else "")
 
 
-@dataclass(frozen=True)
-class ScheduleConfig:
-    phases: tuple[Phase, ...]
+@section("schedule")
+class ScheduleConfig(_Section):
+    phases: tuple[Phase, ...] = key("sft:lookup, eval, stats:lookup, sft:arith, eval", "the round schedule",
+                                    kind=str, allowed="grammar below")  # parsed by check()
+    sft_rounds: int = key(5, "rounds of an `sft` or `rl` phase without `*n`", lo=1, hi=100000)
+
+    def check(self) -> None:
+        if isinstance(self.phases, str):
+            object.__setattr__(self, "phases", parse_schedule(self.phases, self.sft_rounds))
 
     @property
     def total_rounds(self) -> int:
@@ -257,59 +320,123 @@ class ScheduleConfig:
         return tuple(seen)
 
 
-@dataclass(frozen=True)
-class FederationConfig:
-    min_parties: int
-    wait_timeout: float
-    round_timeout: float
-    setup_timeout: float = 300.0
-    unmask_timeout: float = 120.0
-    on_round_failure: str = "skip"
-    max_norm_ratio: float = 10.0
-    anomaly_z: float = 4.0
+@section("federation")
+class FederationConfig(_Section):
+    min_available: int = key(2, "parties that must be connected before the run starts and at every round; "
+                             "simulate sets it to the number of parties", lo=1)
+    wait_timeout: float = key(180.0, "seconds the server waits for `federation.min-available` parties at start",
+                              lo=1.0)
+    round_timeout: float = key(900.0, "seconds for the training stage of a round (instruction out, update, "
+                               "statistics, eval or masked input back); late parties are left out of that round and "
+                               "rejoin at the next", lo=1.0, hi=_DAY)
+    setup_timeout: float = key(300.0, "seconds for each of the two secure-aggregation setup exchanges (a deployed "
+                               "ClientApp's first start, imports included, can take tens of seconds)", lo=1.0, hi=_DAY)
+    unmask_timeout: float = key(120.0, "seconds for the unmask exchange of a secure round (no training in it)",
+                                lo=1.0, hi=_DAY)
+    on_round_failure: str = key("skip", "a round that releases nothing (fewer than the threshold survived, or the "
+                                "server rejected the sum): `skip` leaves the model/anchor unchanged and goes on; "
+                                "`stop` ends the run with a message naming the round", choices=ROUND_FAILURE_POLICIES)
+    max_norm_ratio: float = key(10.0, "plaintext mode: an update whose L2 norm is above this many times the round's "
+                                "median (3+ updates) is rejected and logged. Under secure aggregation the server "
+                                "checks the decoded sum instead (total weight ≤ n·max-weight, average norm ≤ "
+                                "`privacy.update-clip`, plus noise)", lo=1.0, hi=1e6, lo_open=True, off=0.0)
+    anomaly_z: float = key(4.0, "an aggregate training loss (or RL K3 / mean abs Δlogp) beyond this many rolling "
+                           "standard deviations above its last 8 rounds, or non-finite, is flagged in `run.json` "
+                           "(`anomalies`), `metrics.jsonl` and the report; 0 turns the spike test off",
+                           lo=0.0, hi=1000.0)
 
 
-PRIVACY_MODES = ("secagg", "plaintext")
-SECAGG_GRAPHS = ("complete", "harary")  # == distmoe.privacy.secagg.GRAPHS (a test keeps them equal)
-ROUND_FAILURE_POLICIES = ("skip", "stop")
-
-
-@dataclass(frozen=True)
-class PrivacyConfig:
-    mode: str
-    epsilon: float
-    delta: float
-    noise_multiplier: float  # as configured (0 = derive); see ``resolved_noise_multiplier``
-    scale: float
-    canaries: int
-    min_parties: int
-    num_sequences_max: int
-    update_clip: float
-    max_weight: int
-    update_noise_multiplier: float
-    dp_sgd: bool
-    dp_sgd_noise_multiplier: float
-    secagg_graph: str = "complete"  # the SecAgg peer graph (distmoe.privacy.secagg.graph.peer_graph)
+@section("privacy")
+class PrivacyConfig(_Section):
+    mode: str = key("secagg", "`secagg`: every reply is a masked vector in secure aggregation, the server sees sums "
+                    "only. `plaintext`: a benchmark baseline that sends plain arrays; it warns at start, is recorded "
+                    "in the ledger and `distmoe audit` fails the run", choices=PRIVACY_MODES)
+    epsilon: float = key(8.0, "per-party budget (at `privacy.delta`) over the run, unit one sequence (add/remove); "
+                         "each party's budget is `min(privacy.epsilon, node epsilon-max)`", lo=0.0, hi=1000.0,
+                         lo_open=True)
+    delta: float = key(1e-6, "δ of the (ε, δ) guarantee", lo=0.0, hi=0.1, lo_open=True,
+                       allowed="(0, 0.1], <= 1/`privacy.num-sequences-max`")
+    noise_multiplier: float = key(0.0, "z of the router-statistics noise; `0` = derived from `privacy.epsilon` over "
+                                  "the schedule's `stats` releases (`distmoe config show` prints z and the planned "
+                                  "ε). A given z whose plan exceeds the budget is refused at config time",
+                                  lo=0.0, hi=1e6)  # see distmoe.privacy.plan for the resolved value
+    scale: float = key(64.0, "integer encoding scale s of router statistics: each sequence's per-layer routing row "
+                       "is rounded onto the integer simplex of size s (mass-preserving, so every row sums to s)",
+                       lo=32.0, hi=2.0**20, allowed="integer in [32, 2^20]")
+    noise_canaries: int = key(2048, "K known-zero noise-canary coordinates per router-statistics release; the "
+                              "audit's χ² test on them detects missing noise (at the audit's level 1e-4, K = 2048 "
+                              "caught one of 6 parties skipping its share in 40 of 40 rounds, K = 256 in 1 of 40)",
+                              lo=0, hi=1 << 20)
+    min_parties: int = key(2, "fewest parties any release is aggregated over; floor of the SecAgg threshold "
+                           "`t = max(min-parties, n//2 + 1)`; parties refuse an unmask that names fewer",
+                           lo=2, hi=10000, allowed="2..10000, <= `federation.min-available` in `secagg` mode")
+    secagg_graph: str = key("complete", "the SecAgg peer graph: `complete` (Bonawitz et al. 2017: every party masks "
+                            "with and shares to all others) or `harary` (SecAgg+, Bell et al. 2020: a k-regular "
+                            "Harary graph over a public permutation keyed by the run id, k from the bound in "
+                            "`distmoe/privacy/secagg/graph.py`, threshold `t = max(min-parties, ⌊(k+1)/2⌋ + 1)` per "
+                            "neighbourhood). With the default bound `harary` equals `complete` up to 25 parties; "
+                            "above that it cuts each party's masks and shares from n to k + 1 (k = 22 at 50 "
+                            "parties), at the price of a guarantee that holds with probability 1 − 2^-40 for up to "
+                            "10 % colluding and 10 % dropped parties, and more DP noise per party (shares are "
+                            "over-provisioned for n − t dropouts); see `docs/results.md` \"Scale\"",
+                            choices=SECAGG_GRAPHS)
+    num_sequences_max: int = key(10000, "public bound on a party's sequences per release (caps what a party "
+                                 "contributes; fixes the bit width, checked so the 64-bit sum cannot wrap)",
+                                 lo=1, hi=10**9)
+    update_clip: float = key(10.0, "L2 bound a model update is clipped to before masking (fixes the fixed-point "
+                             "range)", lo=0.0, hi=1e6, lo_open=True)
+    max_weight: int = key(1024, "cap on a party's FedAvg weight `w = min(examples, max-weight)` (the server learns "
+                          "only `sum w`)", lo=1, hi=1 << 20)
+    update_noise_multiplier: float = key(0.0, "> 0: client-level DP on model updates (distributed Skellam): noise "
+                                         "`z_u * update-clip` in the sum, uniform weights and training metrics "
+                                         "withheld (they stay in each party's log), accounted per party",
+                                         lo=0.0, hi=1e6)
 
     @property
     def secure(self) -> bool:
         return self.mode == "secagg"
 
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    keep: int
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    max_new_tokens: int
-    batch_size: int
+    def check(self) -> None:
+        if self.scale != int(self.scale):
+            raise ConfigError(f"config key 'privacy.scale': value {self.scale:g} must be an integer (router "
+                              "statistics are rounded onto the integer simplex of that size)")
+        if self.delta > 1.0 / self.num_sequences_max:
+            raise ConfigError(f"config key 'privacy.delta': value {self.delta:g} must be <= 1/privacy.num-sequences-"
+                              f"max = {1.0 / self.num_sequences_max:g} (delta must stay below 1/N for a meaningful "
+                              "guarantee)")
 
 
-@dataclass(frozen=True)
-class SimConfig:
-    nodes_dir: str
+@section("checkpoint")
+class CheckpointConfig(_Section):
+    keep: int = key(2, "checkpoints kept (oldest pruned)", lo=1)
+
+
+@section("eval")
+class EvalConfig(_Section):
+    max_new_tokens: int = key(10, "greedy generation length for accuracy", lo=1, hi=1024)
+    batch_size: int = key(32, "evaluation and statistics batch size", lo=1, hi=4096)
+
+
+@section("sim")
+class SimConfig(_Section):
+    nodes_dir: str = key("", "internal: where `distmoe simulate` wrote each virtual SuperNode's node file "
+                         "(`node-<partition-id>.toml`)", allowed="path")
+
+
+KEYS: tuple[KeySpec, ...] = tuple(spec for cls in SECTIONS.values() for spec in cls.KEYS)
+DEFAULTS: dict[str, Scalar] = {spec.name: spec.default for spec in KEYS}
+
+_UPDATE_DP = ("use privacy.update-noise-multiplier (client-level DP on model updates) instead")
+RETIRED: dict[str, str] = {  # old key -> why it is refused (what to use instead)
+    "federation.min-parties": "it was renamed 'federation.min-available' (privacy.min-parties is the other one)",
+    "privacy.canaries": "it was renamed 'privacy.noise-canaries' (a count of noise canaries)",
+    "data.canaries": "it was renamed 'data.canary-file' (a file of canary strings)",
+    "privacy.dp-sgd": "example-level DP-SGD was removed: opacus cannot compute per-sample gradients for the fused "
+                      "expert and router parameters of the MoE models; " + _UPDATE_DP,
+    "privacy.dp-sgd-noise-multiplier": "example-level DP-SGD was removed: opacus cannot compute per-sample "
+                                       "gradients for the fused expert and router parameters of the MoE models; "
+                                       + _UPDATE_DP,
+}
 
 
 @dataclass(frozen=True)
@@ -347,30 +474,6 @@ class NodeConfig:
 # ---------------------------------------------------------------------------------------------
 # Validation helpers
 # ---------------------------------------------------------------------------------------------
-def _typed(flat: Mapping[str, Any], key: str, kind: type) -> Any:
-    value = flat[key]
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"config key '{key}': value {value!r} must be a number")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ConfigError(f"config key '{key}': value {value!r} must be finite")
-        return value
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"config key '{key}': value {value!r} must be an integer")
-        return value
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"config key '{key}': value {value!r} must be true or false")
-        return value
-    if not isinstance(value, str):
-        raise ConfigError(f"config key '{key}': value {value!r} must be a string")
-    return value
-
-
 def _range(key: str, value: float, lo: float | None = None, hi: float | None = None,
            lo_open: bool = False) -> None:
     if lo is not None and (value < lo or (lo_open and value == lo)):
@@ -426,14 +529,17 @@ def parse_schedule(text: str, default_rounds: int, key: str = "schedule.phases")
 # Parsing
 # ---------------------------------------------------------------------------------------------
 def resolve(overrides: Mapping[str, Any] | None = None) -> dict[str, Scalar]:
-    """DEFAULTS updated with ``overrides``; an unknown key is an error naming the closest keys."""
+    """DEFAULTS updated with ``overrides``; an unknown key is an error naming the closest keys, a retired key
+    one naming its replacement (or why it was removed)."""
     flat: dict[str, Scalar] = dict(DEFAULTS)
     for key, value in (overrides or {}).items():
+        if key in RETIRED:
+            raise ConfigError(f"config key '{key}' (value {value!r}) is no longer accepted: {RETIRED[key]}")
         if key not in DEFAULTS:
             section = key.split(".")[0]
             near = [k for k in DEFAULTS if k.startswith(section + ".")]
             hint = f"; keys in '{section}': {', '.join(near)}" if near else \
-                f"; sections: {', '.join(sorted({k.split('.')[0] for k in DEFAULTS}))}"
+                f"; sections: {', '.join(SECTIONS)}"
             raise ConfigError(f"unknown config key '{key}' (value {value!r}){hint}")
         flat[key] = value
     return flat
@@ -442,211 +548,27 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> dict[str, Scalar]:
 def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
     """Validate a (possibly partial) flat run config and return the frozen tree."""
     flat = resolve(run_config)
-    g = lambda k, t: _typed(flat, k, t)  # noqa: E731
-
-    seed = g("run.seed", int)
-    _range("run.seed", seed, 0)
-    resume = g("run.resume", str)
-    if resume != resume.strip() or "\n" in resume:
-        raise ConfigError(f"config key 'run.resume': value {resume!r} must be a run directory path "
-                          "(no surrounding whitespace) or \"\" for a new run")
-    # only the type here: parties parse this config too, and the directory exists at the coordinator only
-    run = RunSection(seed=seed, dir=g("run.dir", str), name=g("run.name", str), resume=resume)
-
-    trainable = g("model.trainable", str)
-    _choice("model.trainable", trainable, TRAINABLE_MODES)
-    ints = {k: g(k, int) for k in (
-        "model.hidden-size", "model.layers", "model.experts", "model.top-k",
-        "model.moe-intermediate-size", "model.heads", "model.kv-heads", "model.head-dim",
-        "model.max-seq-len", "model.lora-r", "model.lora-alpha")}
-    for k, v in ints.items():
-        _range(k, v, 1)
-    _range("model.experts", ints["model.experts"], 2, 256)
-    _range("model.top-k", ints["model.top-k"], 1, ints["model.experts"])
-    _range("model.max-seq-len", ints["model.max-seq-len"], 16, 8192)
-    if ints["model.heads"] % ints["model.kv-heads"]:
-        raise ConfigError(f"config key 'model.kv-heads': value {ints['model.kv-heads']} must divide "
-                          f"model.heads = {ints['model.heads']}")
-    model = ModelConfig(
-        path=g("model.path", str), trainable=trainable,
-        hidden_size=ints["model.hidden-size"], layers=ints["model.layers"],
-        experts=ints["model.experts"], top_k=ints["model.top-k"],
-        moe_intermediate_size=ints["model.moe-intermediate-size"], heads=ints["model.heads"],
-        kv_heads=ints["model.kv-heads"], head_dim=ints["model.head-dim"],
-        max_seq_len=ints["model.max-seq-len"], lora_r=ints["model.lora-r"],
-        lora_alpha=ints["model.lora-alpha"], lora_router=g("model.lora-router", bool), seed=seed)
-
-    ef = g("data.eval-fraction", float)
-    _range("data.eval-fraction", ef, 0.0, 0.9, lo_open=True)
-    data = DataConfig(eval_fraction=ef, max_train_examples=g("data.max-train-examples", int),
-                      max_eval_examples=g("data.max-eval-examples", int),
-                      synth_examples=g("data.synth-examples", int), seed=seed)
-    _range("data.max-train-examples", data.max_train_examples, 0)
-    _range("data.max-eval-examples", data.max_eval_examples, 1)
-    _range("data.synth-examples", data.synth_examples, 10)
-
-    train = TrainConfig(
-        local_steps=g("train.local-steps", int), batch_size=g("train.batch-size", int),
-        lr=g("train.lr", float), lr_experts=g("train.lr-experts", float),
-        lr_router=g("train.lr-router", float), weight_decay=g("train.weight-decay", float),
-        warmup_steps=g("train.warmup-steps", int), grad_clip=g("train.grad-clip", float),
-        threads=g("train.threads", int))
-    _range("train.local-steps", train.local_steps, 1)
-    _range("train.batch-size", train.batch_size, 1, 4096)
-    for k in ("train.lr", "train.lr-experts", "train.lr-router"):
-        _range(k, g(k, float), 0.0, 1.0)
-    _range("train.weight-decay", train.weight_decay, 0.0, 1.0)
-    _range("train.warmup-steps", train.warmup_steps, 0)
-    _range("train.grad-clip", train.grad_clip, 0.0, lo_open=True)
-    _range("train.threads", train.threads, 1, 256)
-
-    gran = g("routing.anchor-granularity", str)
-    _choice("routing.anchor-granularity", gran, GRANULARITIES)
-    routing = RoutingConfig(aux_loss_coef=g("routing.aux-loss-coef", float),
-                            anchor_kl_coef=g("routing.anchor-kl-coef", float),
-                            anchor_granularity=gran)
-    _range("routing.aux-loss-coef", routing.aux_loss_coef, 0.0, 100.0)
-    _range("routing.anchor-kl-coef", routing.anchor_kl_coef, 0.0, 1000.0)
-
-    rl = _parse_rl(g)
-
-    sft_rounds = g("schedule.sft-rounds", int)
-    _range("schedule.sft-rounds", sft_rounds, 1, 100000)
-    schedule = ScheduleConfig(phases=parse_schedule(g("schedule.phases", str), sft_rounds))
-
-    fed = FederationConfig(min_parties=g("federation.min-parties", int),
-                           wait_timeout=g("federation.wait-timeout", float),
-                           round_timeout=g("federation.round-timeout", float),
-                           setup_timeout=g("federation.setup-timeout", float),
-                           unmask_timeout=g("federation.unmask-timeout", float),
-                           on_round_failure=g("federation.on-round-failure", str),
-                           max_norm_ratio=g("federation.max-norm-ratio", float),
-                           anomaly_z=g("federation.anomaly-z", float))
-    _range("federation.min-parties", fed.min_parties, 1)
-    _range("federation.wait-timeout", fed.wait_timeout, 1.0)
-    for key, v in (("federation.round-timeout", fed.round_timeout), ("federation.setup-timeout", fed.setup_timeout),
-                   ("federation.unmask-timeout", fed.unmask_timeout)):
-        _range(key, v, 1.0, 86400.0)
-    _choice("federation.on-round-failure", fed.on_round_failure, ROUND_FAILURE_POLICIES)
-    if fed.max_norm_ratio != 0.0:
-        _range("federation.max-norm-ratio", fed.max_norm_ratio, 1.0, 1e6, lo_open=True)
-    _range("federation.anomaly-z", fed.anomaly_z, 0.0, 1000.0)
-
-    privacy = _parse_privacy(g, fed)
-
-    ck = CheckpointConfig(keep=g("checkpoint.keep", int))
-    _range("checkpoint.keep", ck.keep, 1)
-    ev = EvalConfig(max_new_tokens=g("eval.max-new-tokens", int), batch_size=g("eval.batch-size", int))
-    _range("eval.max-new-tokens", ev.max_new_tokens, 1, 1024)
-    _range("eval.batch-size", ev.batch_size, 1, 4096)
-
-    return RunConfig(run=run, model=model, data=data, train=train, routing=routing, rl=rl,
-                     schedule=schedule, federation=fed, privacy=privacy, checkpoint=ck, eval=ev,
-                     sim=SimConfig(nodes_dir=g("sim.nodes-dir", str)),
-                     raw=tuple(sorted(flat.items())))
+    parts: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():  # "run" first: model and data carry run.seed (their non-key field)
+        derived = {"seed": parts["run"].seed} if name in ("model", "data") else {}
+        parts[name] = cls(**{s.attr: flat[s.name] for s in cls.KEYS}, **derived)
+    _check_across(parts["federation"], parts["privacy"])
+    return RunConfig(**parts, raw=tuple(sorted(flat.items())))
 
 
-def _parse_privacy(g, fed: FederationConfig) -> PrivacyConfig:
-    mode = g("privacy.mode", str)
-    _choice("privacy.mode", mode, PRIVACY_MODES)
-    p = PrivacyConfig(
-        mode=mode, epsilon=g("privacy.epsilon", float), delta=g("privacy.delta", float),
-        noise_multiplier=g("privacy.noise-multiplier", float), scale=g("privacy.scale", float),
-        canaries=g("privacy.canaries", int), min_parties=g("privacy.min-parties", int),
-        num_sequences_max=g("privacy.num-sequences-max", int), update_clip=g("privacy.update-clip", float),
-        max_weight=g("privacy.max-weight", int), update_noise_multiplier=g("privacy.update-noise-multiplier", float),
-        dp_sgd=g("privacy.dp-sgd", bool), dp_sgd_noise_multiplier=g("privacy.dp-sgd-noise-multiplier", float),
-        secagg_graph=g("privacy.secagg-graph", str))
-    _choice("privacy.secagg-graph", p.secagg_graph, SECAGG_GRAPHS)
-    _range("privacy.epsilon", p.epsilon, 0.0, 1000.0, lo_open=True)
-    _range("privacy.delta", p.delta, 0.0, 0.1, lo_open=True)
-    _range("privacy.noise-multiplier", p.noise_multiplier, 0.0, 1e6)
-    _range("privacy.scale", p.scale, 32.0, 2.0**20)
-    if p.scale != int(p.scale):
-        raise ConfigError(f"config key 'privacy.scale': value {p.scale:g} must be an integer (router statistics "
-                          "are rounded onto the integer simplex of that size)")
-    _range("privacy.canaries", p.canaries, 0, 1 << 20)
-    _range("privacy.min-parties", p.min_parties, 2, 10000)
-    _range("privacy.num-sequences-max", p.num_sequences_max, 1, 10**9)
-    _range("privacy.update-clip", p.update_clip, 0.0, 1e6, lo_open=True)
-    _range("privacy.max-weight", p.max_weight, 1, 1 << 20)
-    _range("privacy.update-noise-multiplier", p.update_noise_multiplier, 0.0, 1e6)
-    _range("privacy.dp-sgd-noise-multiplier", p.dp_sgd_noise_multiplier, 0.0, 1e6, lo_open=True)
-    if p.delta > 1.0 / p.num_sequences_max:
-        raise ConfigError(f"config key 'privacy.delta': value {p.delta:g} must be <= 1/privacy.num-sequences-max "
-                          f"= {1.0 / p.num_sequences_max:g} (delta must stay below 1/N for a meaningful guarantee)")
-    if p.secure and p.min_parties > fed.min_parties:
-        raise ConfigError(f"config key 'privacy.min-parties': value {p.min_parties} is above federation.min-parties "
-                          f"= {fed.min_parties}: a run could start with fewer parties than any release may use")
-    return p
+def parse_section(run_config: Mapping[str, Any], cls: type[_S]) -> _S:
+    """Section ``cls`` alone from a flat run config (its keys only, defaults for the absent ones, validated): for
+    a reader that needs it before, or apart from, the whole run config (the ClientApp's ``sim`` section, which
+    locates its node config and so its ledger, even when the rest of the run config is refused)."""
+    return cls(**{s.attr: run_config.get(s.name, s.default) for s in cls.KEYS})
 
 
-def _checked_int(g, key: str, lo: int) -> int:
-    v = g(key, int)
-    _range(key, v, lo)
-    return v
-
-
-def _checked_float(g, key: str, lo: float) -> float:
-    v = g(key, float)
-    _range(key, v, lo, lo_open=True)
-    return v
-
-
-def _parse_rl(g) -> RLConfig:
-    ints = {k: g(k, int) for k in ("rl.steps", "rl.prompts-per-step", "rl.group-size", "rl.max-new-tokens",
-                                   "rl.ppo-epochs", "rl.minibatches")}
-    for k, v in ints.items():
-        _range(k, v, 1, 100000)
-    _range("rl.group-size", ints["rl.group-size"], 2, 1024)
-    rollouts = ints["rl.prompts-per-step"] * ints["rl.group-size"]
-    if ints["rl.minibatches"] > rollouts:
-        raise ConfigError(f"config key 'rl.minibatches': value {ints['rl.minibatches']} exceeds "
-                          f"rl.prompts-per-step x rl.group-size = {rollouts}")
-    fl = {k: g(k, float) for k in ("rl.temperature", "rl.lr", "rl.clip-eps", "rl.kl-coef", "rl.icepop-low",
-                                   "rl.icepop-high")}
-    _range("rl.temperature", fl["rl.temperature"], 0.0, 100.0, lo_open=True)
-    _range("rl.lr", fl["rl.lr"], 0.0, 1.0, lo_open=True)
-    _range("rl.clip-eps", fl["rl.clip-eps"], 0.0, 0.99, lo_open=True)
-    _range("rl.kl-coef", fl["rl.kl-coef"], 0.0, 100.0)
-    _range("rl.icepop-low", fl["rl.icepop-low"], 0.0, 1.0)
-    _range("rl.icepop-high", fl["rl.icepop-high"], 1.0, 1e6)
-    loss, corr, level = g("rl.policy-loss", str), g("rl.correction", str), g("rl.correction-level", str)
-    _choice("rl.policy-loss", loss, POLICY_LOSSES)
-    _choice("rl.correction", corr, tuple(CORRECTIONS))
-    _choice("rl.correction-level", level, ("token", "sequence"))
-    reward = g("rl.reward", str)
-    _choice("rl.reward", reward, REWARDS)
-    engine = g("rl.engine", str)
-    for part in engine.split("+"):
-        if part not in ENGINE_PARTS and not re.fullmatch(r"prune-[1-9]\d*", part):
-            raise ConfigError(f"config key 'rl.engine': value {engine!r}: {part!r} is not one of "
-                              f"{', '.join(ENGINE_PARTS)}, prune-<k> (parts combine with '+', e.g. 'bf16+prune-1')")
-    return RLConfig(steps=ints["rl.steps"], prompts_per_step=ints["rl.prompts-per-step"],
-                    group_size=ints["rl.group-size"], max_new_tokens=ints["rl.max-new-tokens"],
-                    temperature=fl["rl.temperature"], lr=fl["rl.lr"], ppo_epochs=ints["rl.ppo-epochs"],
-                    minibatches=ints["rl.minibatches"], clip_eps=fl["rl.clip-eps"], kl_coef=fl["rl.kl-coef"],
-                    policy_loss=loss, correction=corr, correction_level=level, icepop_low=fl["rl.icepop-low"],
-                    icepop_high=fl["rl.icepop-high"], engine=engine, reward=reward,
-                    simulator=g("rl.simulator", bool),
-                    simulator_recalibrate_every=_checked_int(g, "rl.simulator-recalibrate-every", 1),
-                    simulator_bound=_checked_float(g, "rl.simulator-bound", 0.0),
-                    simulator_lb_coef=_rl_lb_coef(g), routing_replay=_rl_replay(g))
-
-
-def _rl_lb_coef(g) -> float:
-    v = g("rl.simulator-lb-coef", float)
-    _range("rl.simulator-lb-coef", v, 0.0, 100.0)
-    return v
-
-
-def _rl_replay(g) -> bool:
-    replay = g("rl.routing-replay", bool)
-    if replay and g("rl.simulator", bool):
-        raise ConfigError("config key 'rl.routing-replay': value true cannot be combined with rl.simulator = true "
-                          "(two alternative mitigations of the routing gap: replay removes the gap the simulator "
-                          "models; choose one)")
-    return replay
+def _check_across(fed: FederationConfig, p: PrivacyConfig) -> None:
+    """The checks between sections."""
+    if p.secure and p.min_parties > fed.min_available:
+        raise ConfigError(f"config key 'privacy.min-parties': value {p.min_parties} is above "
+                          f"federation.min-available = {fed.min_available}: a run could start with fewer parties "
+                          "than any release may use")
 
 
 def load_override_file(path: str | Path) -> dict[str, Scalar]:

@@ -179,9 +179,9 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     overrides["run.dir"] = str(run_dir)
     overrides["sim.nodes-dir"] = str(nodes)
     overrides.setdefault("run.name", run_id)
-    overrides.setdefault("federation.min-parties", len(parties))
-    if int(overrides["federation.min-parties"]) > len(parties):
-        raise ConfigError(f"config key 'federation.min-parties': value {overrides['federation.min-parties']} "
+    overrides.setdefault("federation.min-available", len(parties))
+    if int(overrides["federation.min-available"]) > len(parties):
+        raise ConfigError(f"config key 'federation.min-available': value {overrides['federation.min-available']} "
                           f"exceeds the number of parties ({len(parties)})")
     parse_run_config(overrides)
     (run_dir / "overrides.toml").write_text(to_toml(overrides))

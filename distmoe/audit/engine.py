@@ -840,20 +840,22 @@ def _scan_files(root: Path, canaries: Sequence[str]) -> list[tuple[str, str]]:
 def _check_canaries(run: _Run) -> Check:
     c = Check("canaries")
     per_party = _node_canaries(run, c)
-    cfg_path = _flat_get(run.config, "data.canaries")
+    cfg_path = _flat_get(run.config, "data.canary-file")
+    if cfg_path is None:
+        cfg_path = _flat_get(run.config, "data.canaries")  # a run recorded before the key was renamed
     if run.canaries_arg is not None:
         source, strings = str(run.canaries_arg), _read_canaries(run.canaries_arg)
     elif isinstance(cfg_path, str) and cfg_path:
         f = _resolve(cfg_path, run.dir)
         if not f.is_file():
-            c.fail(f"data.canaries = {cfg_path}: canary list not found here (pass --canaries FILE)")
+            c.fail(f"data.canary-file = {cfg_path}: canary list not found here (pass --canaries FILE)")
             return c
         source, strings = str(f), _read_canaries(f)
     elif per_party:
         source = "canaries.txt of " + ", ".join(sorted(per_party))
         strings = list(dict.fromkeys(s for v in per_party.values() for s in v))
     else:
-        c.skip("no canary list (no --canaries, data.canaries or party canaries.txt)")
+        c.skip("no canary list (no --canaries, data.canary-file or party canaries.txt)")
         return c
     if not strings:
         c.skip(f"{source}: the canary list is empty")

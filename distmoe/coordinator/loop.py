@@ -2,7 +2,7 @@
 
 ``Coordinator.run`` writes the run record (``run.json``, ``config.toml``, ``metrics.jsonl``), builds the
 model once to know its trainable tensors and router shape, restores a checkpoint when resuming
-(``distmoe.coordinator.resume``), waits for ``federation.min-parties`` parties, starts the privacy
+(``distmoe.coordinator.resume``), waits for ``federation.min-available`` parties, starts the privacy
 plane (``distmoe.coordinator.plane``: signed ledger, allow-list, server guard, secure-aggregation
 setup, the aggregator), then runs every round of ``schedule.phases`` through its phase module
 (``distmoe.coordinator.phases``) and ends every completed round with a checkpoint holding the global
@@ -173,7 +173,7 @@ class Coordinator:
                  f"{self.mspec.num_experts} experts, top-{self.mspec.top_k}")
 
     def _wait_for_parties(self) -> list[int]:
-        need, wait = self.cfg.federation.min_parties, self.cfg.federation.wait_timeout
+        need, wait = self.cfg.federation.min_available, self.cfg.federation.wait_timeout
         deadline = time.monotonic() + wait
         while True:
             nodes = self.transport.node_ids()
@@ -181,7 +181,7 @@ class Coordinator:
                 self.say(f"{len(nodes)} parties connected")
                 return nodes
             if time.monotonic() > deadline:
-                raise RunFailed(f"only {len(nodes)} of federation.min-parties = {need} parties connected within "
+                raise RunFailed(f"only {len(nodes)} of federation.min-available = {need} parties connected within "
                                 f"federation.wait-timeout = {wait} s")
             time.sleep(1.0)
 
@@ -196,11 +196,11 @@ class Coordinator:
         self.record.append("warnings", text)
 
     def nodes(self) -> list[int]:
-        """The connected nodes, at least ``federation.min-parties`` of them (else ``RunFailed``)."""
+        """The connected nodes, at least ``federation.min-available`` of them (else ``RunFailed``)."""
         nodes = self.transport.node_ids()
-        if len(nodes) < self.cfg.federation.min_parties:
-            raise RunFailed(f"{len(nodes)} parties connected, federation.min-parties = "
-                            f"{self.cfg.federation.min_parties}")
+        if len(nodes) < self.cfg.federation.min_available:
+            raise RunFailed(f"{len(nodes)} parties connected, federation.min-available = "
+                            f"{self.cfg.federation.min_available}")
         return nodes
 
     @staticmethod

@@ -41,7 +41,7 @@ def layout_facts(co: Coordinator, n: int) -> dict[str, int]:
         update_length=UpdateLayout.build(co.tspec.shapes, TRAIN_METRIC_KEYS, n, p.update_clip, p.max_weight).length,
         rl_update_length=UpdateLayout.build(co.tspec.shapes, rl_metric_keys(L, cfg.rl.simulator), n, p.update_clip,
                                             p.max_weight).length,
-        stats_length=L * E + p.canaries, eval_length=2 * len(eval_metric_keys(cfg.schedule.tasks)))
+        stats_length=L * E + p.noise_canaries, eval_length=2 * len(eval_metric_keys(cfg.schedule.tasks)))
 
 
 def start(co: Coordinator, nodes: list[int]) -> None:
@@ -77,7 +77,7 @@ def start(co: Coordinator, nodes: list[int]) -> None:
                          shapes={}, bytes=len(blob), sha256=digest, verdict="accepted", peer="all",
                          info={"policy": policy, "mode": p.mode,
                                "privacy": {k: v for k, v in cfg.as_flat().items()
-                                           if k.startswith("privacy.") or k == "data.canaries"},
+                                           if k.startswith("privacy.") or k == "data.canary-file"},
                                "plan": co.plan.as_dict(), "router_spec": co.mspec.router_spec()})
     co.guard = ServerGuard(co.ledger, co.run_id, policy)
     co.transport.attach(co.guard)

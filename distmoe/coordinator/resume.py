@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 # kept); any other difference to the interrupted run's config is refused, naming the keys
 RESUME_MAY_CHANGE = frozenset({"run.resume", "run.dir", "run.name", "federation.wait-timeout",
                                "federation.round-timeout", "federation.setup-timeout", "federation.unmask-timeout",
-                               "federation.min-parties", "federation.on-round-failure", "train.threads",
+                               "federation.min-available", "federation.on-round-failure", "train.threads",
                                "checkpoint.keep", "sim.nodes-dir"})
 REFUSED = "config key 'run.resume'"
 

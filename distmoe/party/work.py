@@ -137,21 +137,6 @@ def run_eval(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> EvalRe
     return EvalReply(party=node.party, metrics={k: float(metrics.get(k, float("nan"))) for k in keys})
 
 
-def grpo_config(cfg: RunConfig, seed: int):
-    """The library's GRPOConfig from the run's ``rl`` section."""
-    from distmoe.rl.grpo import GRPOConfig
-
-    r = cfg.rl
-    return GRPOConfig(steps=r.steps, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
-                      max_new_tokens=r.max_new_tokens, temperature=r.temperature, lr=r.lr,
-                      ppo_epochs=r.ppo_epochs, minibatches=r.minibatches, clip_eps=r.clip_eps, kl_coef=r.kl_coef,
-                      policy_loss=r.policy_loss, level=r.correction_level, mode=r.mode, low=r.icepop_low,
-                      high=r.icepop_high, profile=r.engine, reward=r.reward, grad_clip=cfg.train.grad_clip,
-                      seed=seed, max_prompt_len=cfg.model.max_seq_len, simulator=r.simulator,
-                      simulator_recalibrate_every=r.simulator_recalibrate_every, simulator_bound=r.simulator_bound,
-                      simulator_lb_coef=r.simulator_lb_coef, routing_replay=r.routing_replay)
-
-
 def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdate:
     """Local GRPO on this party's prompts of ``instr.task``; the update travels like an SFT update."""
     from distmoe.rl.grpo import run_grpo
@@ -164,18 +149,19 @@ def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdat
                            metrics={k: float("nan") for k in RL_METRIC_KEYS})
     model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
     prompts = data.train(instr.task)
-    gcfg = grpo_config(cfg, _party_seed(instr.seed, node.party))
-    if gcfg.prompts_per_step > len(prompts):
-        raise PartyError(f"party {node.party}: rl.prompts-per-step = {gcfg.prompts_per_step} exceeds its "
+    r = cfg.rl
+    if r.prompts_per_step > len(prompts):
+        raise PartyError(f"party {node.party}: rl.prompts-per-step = {r.prompts_per_step} exceeds its "
                          f"{len(prompts)} training prompts of task {instr.task!r}")
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
-    res = run_grpo(model, tok, prompts, instr.task, gcfg)
+    res = run_grpo(model, tok, prompts, instr.task, r, seed=_party_seed(instr.seed, node.party),
+                   max_prompt_len=cfg.model.max_seq_len, grad_clip=cfg.train.grad_clip)
     after = trainable_state(model)
     delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
     summary = res.summary()
     metrics = {k: float(summary.get(k, float("nan"))) for k in RL_METRIC_KEYS}
     metrics.update({k: float(v) for k, v in summary.items() if k.startswith("route_disagree_l")})
-    if gcfg.simulator:
+    if r.simulator:
         metrics.update({k: float(summary.get(k, float("nan"))) for k in RL_SIM_METRIC_KEYS})
-    n = gcfg.steps * gcfg.prompts_per_step * gcfg.group_size  # rollouts used: the FedAvg weight
+    n = r.steps * r.prompts_per_step * r.group_size  # rollouts used: the FedAvg weight
     return ModelUpdate(party=node.party, delta=delta, num_examples=n, metrics=metrics, kind="rl")

@@ -117,7 +117,7 @@ def stats_spec(p: PrivacyConfig, noise_multiplier: float, layers: int, experts: 
     if noise_multiplier <= 0:
         raise ValueError("router statistics need a noise multiplier > 0")
     spec = SkellamSpec(layers=layers, experts=experts, noise_multiplier=noise_multiplier, n_parties=n_parties,
-                       num_sequences_max=p.num_sequences_max, scale=p.scale, n_canaries=p.canaries,
+                       num_sequences_max=p.num_sequences_max, scale=p.scale, n_canaries=p.noise_canaries,
                        max_dropouts=n_parties - threshold, rounding="mass-preserving")
     spec.check_fits_ring64()  # every secure sum lives in Z_2^64 (WrapError names the bound otherwise)
     return spec

@@ -19,10 +19,11 @@ minimises, with ``P = prompts_per_step`` prompts, ``G = group_size`` samples eac
 ``|y_i|`` counts every valid response token, masked ones included; ``L`` is minimised on ``minibatches`` slices of
 the ``N`` rollouts, ``ppo_epochs`` times per step.
 
-Owns: ``GRPOConfig`` (validated, every error names its field), ``run_grpo`` (the loop) and ``GRPOResult``
-(per-step metrics and the per-round summary). One step is:
+Owns: ``run_grpo`` (the loop) and ``GRPOResult`` (per-step metrics and the per-round summary). Its config is the
+run's ``rl`` section, ``distmoe.config.RLConfig``, as parsed and validated there (no second config class here).
+One step is:
 
-1. ``engine.sync(policy)`` (the engine is built once with ``cfg.profile``; ``prune-k`` profiles measure expert
+1. ``engine.sync(policy)`` (the engine is built once with ``cfg.engine``; ``prune-k`` profiles measure expert
    usage on calibration batches made from the party's own examples, re-measured at every sync);
 2. sample ``prompts_per_step`` prompts (seeded) and ``group_size`` rollouts each **from the engine**
    (``logp_infer = log pi_infer(theta_old)``), rewards of the engine's samples, group advantages;
@@ -33,7 +34,7 @@ Owns: ``GRPOConfig`` (validated, every error names its field), ``run_grpo`` (the
    rollouts; ``delta_hat`` comes from the same theta_old pass, and unless the simulator is degraded (held-out
    calibration or this batch's R^2 / AUROC below the minimum: fallback, counted) the loss uses
    ``logp_old = logp_infer + delta_hat`` and the weights ``exp(delta_hat)`` masked beyond ``simulator_bound``
-   (per token, or per sequence from the mean ``delta_hat`` at ``level="sequence"``), and adds
+   (per token, or per sequence from the mean ``delta_hat`` at ``correction_level="sequence"``), and adds
    ``simulator_lb_coef x`` the load-balance loss on the simulated routing to every update of that step;
    With ``cfg.routing_replay`` (off by default) the rollouts record the engine's routes and every training-side
    forward of the step (the theta_old recompute, every update, the reference) replays them (``replay.py``);
@@ -49,129 +50,36 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from distmoe.config import TrainConfig
+from distmoe.config import RLConfig, TrainConfig
 from distmoe.data.formats import Example
 from distmoe.data.template import collate, encode_example, encode_prompt
 from distmoe.rl.advantages import group_advantages
 from distmoe.rl.engines import InferenceEngine, parse_profile
-from distmoe.rl.losses import POLICY_LOSSES, get_policy_loss, masked_entropy, mismatch_weights
+from distmoe.rl.losses import get_policy_loss, masked_entropy, mismatch_weights
 from distmoe.rl.replay import ReplayStats, replay_routes
-from distmoe.rl.rewards import compute_rewards, get_reward
+from distmoe.rl.rewards import compute_rewards
 from distmoe.rl.rollout import Rollouts, generate_rollouts, routing_disagreement, train_logprobs
 from distmoe.rl.simulator import InferenceSimulator, capture, compare, simulated_weights
 from distmoe.train.optim import build_optimizer
 
-LEVELS = ("token", "sequence")
-MODES = ("mask", "truncate", "none")
 CALIBRATION_EXAMPLES = 64  # examples (full conversations) used to measure expert usage for prune-k
 
 
-@dataclass(frozen=True)
-class GRPOConfig:
-    steps: int = 10
-    prompts_per_step: int = 8
-    group_size: int = 4
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    lr: float = 1e-4  # the "rest" group; experts / router default to it
-    lr_experts: float | None = None
-    lr_router: float | None = None
-    weight_decay: float = 0.0
-    ppo_epochs: int = 1
-    minibatches: int = 2
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None  # None: symmetric clipping
-    kl_coef: float = 0.0  # k3 KL to the reference model (the initial policy when none is passed)
-    policy_loss: str = "grpo"
-    level: str = "token"  # mismatch correction level: token | sequence
-    mode: str = "mask"  # mask (IcePop) | truncate (TIS) | none (plain GRPO)
-    low: float = 0.5
-    high: float = 5.0
-    profile: str = "exact"
-    reward: str = "task"
-    grad_clip: float = 1.0
-    seed: int = 0
-    std_normalise: bool = True
-    max_prompt_len: int = 256
-    # the optional inference simulator (ICEPOP seed, distmoe.rl.simulator); off keeps the recompute path
-    simulator: bool = False
-    simulator_recalibrate_every: int = 5  # calibrate at step 0 and every N steps on fresh engine rollouts
-    simulator_bound: float = 0.5  # |delta_hat| beyond it: token masked (weight 0)
-    simulator_r2_min: float = 0.1  # degraded (-> fallback to the recompute) when R^2 of signed delta is below
-    simulator_auroc_min: float = 0.5  # ... or AUROC(|delta_hat| for the top-10 % |delta|) is below
-    simulator_hidden: int = 32
-    simulator_fit_steps: int = 300
-    # load-balance loss on the simulated routing z_train + o (lb_loss_simulated), added to the policy loss with
-    # this coefficient on the steps where the simulator is used (not on fallback steps); 0.01 = the SFT default
-    # routing.aux-loss-coef
-    simulator_lb_coef: float = 0.01
-    # routing replay (replay.py): the trainer's forwards use the experts the engine's routers chose while
-    # generating, weighted by the trainer's own router (softmax renormalised over the replayed experts)
-    routing_replay: bool = False
+# The inference simulator's fit settings (InferenceSimulator keywords; not run-config keys, fixed for runs).
+SIMULATOR_FIT: dict[str, float] = {"hidden": 32, "fit_steps": 300, "r2_min": 0.1, "auroc_min": 0.5}
 
-    def __post_init__(self) -> None:
-        def need(ok: bool, name: str, what: str) -> None:
-            if not ok:
-                raise ValueError(f"GRPOConfig.{name}: {what}, got {getattr(self, name)!r}")
 
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "ppo_epochs", "minibatches", "max_prompt_len"):
-            v = getattr(self, name)
-            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, "must be an integer >= 1")
-        need(isinstance(self.group_size, int) and self.group_size >= 2, "group_size",
-             "must be an integer >= 2 (group-relative advantages)")
-        need(self.minibatches <= self.prompts_per_step * self.group_size, "minibatches",
-             f"must be <= prompts_per_step * group_size = {self.prompts_per_step * self.group_size}")
-        for name in ("temperature", "lr", "clip_eps", "grad_clip"):
-            v = getattr(self, name)
-            need(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, name, "must be a finite number > 0")
-        for name in ("lr_experts", "lr_router", "clip_eps_high"):
-            v = getattr(self, name)
-            need(v is None or (isinstance(v, (int, float)) and math.isfinite(v) and v > 0), name,
-                 "must be None or a finite number > 0")
-        for name in ("weight_decay", "kl_coef"):
-            v = getattr(self, name)
-            need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, name, "must be a finite number >= 0")
-        need(self.clip_eps < 1.0, "clip_eps", "must be < 1")
-        need(self.level in LEVELS, "level", f"must be one of {', '.join(LEVELS)}")
-        need(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}")
-        need(isinstance(self.low, (int, float)) and 0.0 <= self.low <= 1.0, "low", "must be in [0, 1]")
-        need(isinstance(self.high, (int, float)) and 1.0 <= self.high < math.inf, "high", "must be finite and >= 1")
-        need(isinstance(self.seed, int), "seed", "must be an integer")
-        need(isinstance(self.simulator, bool), "simulator", "must be a bool")
-        for name in ("simulator_recalibrate_every", "simulator_hidden", "simulator_fit_steps"):
-            v = getattr(self, name)
-            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, "must be an integer >= 1")
-        need(isinstance(self.simulator_bound, (int, float)) and math.isfinite(self.simulator_bound)
-             and self.simulator_bound > 0, "simulator_bound", "must be a finite number > 0")
-        for name in ("simulator_r2_min", "simulator_auroc_min"):
-            v = getattr(self, name)
-            need(isinstance(v, (int, float)) and math.isfinite(v), name, "must be a finite number")
-        need(isinstance(self.simulator_lb_coef, (int, float)) and math.isfinite(self.simulator_lb_coef)
-             and self.simulator_lb_coef >= 0, "simulator_lb_coef", "must be a finite number >= 0")
-        need(isinstance(self.routing_replay, bool), "routing_replay", "must be a bool")
-        need(not (self.routing_replay and self.simulator), "routing_replay",
-             "cannot be combined with simulator=True (two alternative mitigations of the routing gap: replay "
-             "removes the gap the simulator's offset table models; choose one)")
-        if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"GRPOConfig.policy_loss: unknown policy loss {self.policy_loss!r}; valid names: "
-                             f"{', '.join(sorted(POLICY_LOSSES))}")
-        for name, check in (("reward", get_reward), ("profile", parse_profile)):
-            try:
-                check(getattr(self, name))
-            except ValueError as err:
-                raise ValueError(f"GRPOConfig.{name}: {err}") from None
-
-    def train_config(self) -> TrainConfig:
-        """The ``TrainConfig`` that ``build_optimizer`` gets (one AdamW, groups experts / router / rest)."""
-        return TrainConfig(local_steps=self.steps, batch_size=self.prompts_per_step * self.group_size, lr=self.lr,
-                           lr_experts=self.lr if self.lr_experts is None else self.lr_experts,
-                           lr_router=self.lr if self.lr_router is None else self.lr_router,
-                           weight_decay=self.weight_decay, warmup_steps=0, grad_clip=self.grad_clip, threads=0)
+def optimizer_config(cfg: RLConfig, grad_clip: float) -> TrainConfig:
+    """The ``TrainConfig`` that ``build_optimizer`` gets: one AdamW at ``rl.lr`` for every group (experts, router,
+    rest), no weight decay, no warm-up."""
+    return TrainConfig(lr=cfg.lr, lr_experts=cfg.lr, lr_router=cfg.lr, weight_decay=0.0, warmup_steps=0,
+                       grad_clip=grad_clip)
 
 
 @dataclass
@@ -263,7 +171,7 @@ def lb_mask(ro: Rollouts) -> torch.Tensor:
 
 
 def minibatch_loss(model: nn.Module, sub: Rollouts, loss_fn, logp_old: torch.Tensor, adv: torch.Tensor,
-                   weights: torch.Tensor, cfg: GRPOConfig, ref_logp: torch.Tensor | None = None,
+                   weights: torch.Tensor, cfg: RLConfig, ref_logp: torch.Tensor | None = None,
                    sim: InferenceSimulator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one PPO minibatch ``sub`` (``[n, T]`` tensors for its rows), with the graph:
 
@@ -279,7 +187,7 @@ def minibatch_loss(model: nn.Module, sub: Rollouts, loss_fn, logp_old: torch.Ten
     else:
         logp_new = train_logprobs(model, sub, grad=True, replay=cfg.routing_replay)  # [n, T]
     loss, lm = loss_fn(logp_new, logp_old, adv, mask, weights, clip_eps=cfg.clip_eps,
-                       clip_eps_high=cfg.clip_eps_high, ref_logp=ref_logp, kl_coef=cfg.kl_coef)
+                       ref_logp=ref_logp, kl_coef=cfg.kl_coef)
     if want_lb:
         lb = sim.lb_loss(router, lb_mask(sub))  # [] on the simulated routing of this forward
         loss = loss + cfg.simulator_lb_coef * lb
@@ -287,52 +195,56 @@ def minibatch_loss(model: nn.Module, sub: Rollouts, loss_fn, logp_old: torch.Ten
     return loss, lm
 
 
-def _encode(tokenizer, prompts: list[Example], cfg: GRPOConfig):
-    ids = [encode_prompt(tokenizer, ex, cfg.max_prompt_len) for ex in prompts]
+def _encode(tokenizer, prompts: list[Example], max_prompt_len: int):
+    ids = [encode_prompt(tokenizer, ex, max_prompt_len) for ex in prompts]
     texts = [ex.prompt_messages[-1]["content"] if ex.prompt_messages else "" for ex in prompts]
     return ids, texts
 
 
-def build_engine(model: nn.Module, tokenizer, prompts: list[Example], cfg: GRPOConfig) -> InferenceEngine:
-    """The inference engine of ``cfg.profile``; prune profiles get calibration batches from ``prompts``."""
+def build_engine(model: nn.Module, tokenizer, prompts: list[Example], cfg: RLConfig,
+                 max_prompt_len: int = 256) -> InferenceEngine:
+    """The inference engine of ``cfg.engine``; prune profiles get calibration batches from ``prompts``."""
     calibration = None
-    if parse_profile(cfg.profile)["prune"]:
-        max_len = max(cfg.max_prompt_len, int(getattr(model.config, "max_position_embeddings", 0) or 0))
+    if parse_profile(cfg.engine)["prune"]:
+        max_len = max(max_prompt_len, int(getattr(model.config, "max_position_embeddings", 0) or 0))
         encoded = [encode_example(tokenizer, ex, max_len) for ex in prompts[:CALIBRATION_EXAMPLES]]
         calibration = [collate(encoded, tokenizer.pad_token_id)]
-    return InferenceEngine(model, cfg.profile, temperature=cfg.temperature, calibration=calibration)
+    return InferenceEngine(model, cfg.engine, temperature=cfg.temperature, calibration=calibration)
 
 
-def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg: GRPOConfig,
-             reference_model: nn.Module | None = None) -> GRPOResult:
+def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg: RLConfig,
+             reference_model: nn.Module | None = None, *, seed: int = 0, max_prompt_len: int = 256,
+             grad_clip: float = 1.0, simulator_fit: Mapping[str, float] | None = None) -> GRPOResult:
     """``cfg.steps`` GRPO steps on ``model`` (updated in place) with prompts from ``prompts``.
 
-    Rewards use ``cfg.reward`` with the example's answer as the expected answer and its last prompt turn as
-    the prompt text. With ``kl_coef > 0`` the k3 KL is taken to ``reference_model`` (default: a frozen copy of
-    the policy as passed in). Returns the per-step metrics and the counters; see ``GRPOResult.summary``.
+    ``cfg`` is the run's ``rl`` section as parsed; the party passes the rest: ``seed`` (sampling, minibatch
+    order, simulator), ``max_prompt_len`` (``model.max-seq-len``), ``grad_clip`` (``train.grad-clip``);
+    ``simulator_fit`` overrides entries of ``SIMULATOR_FIT``. Rewards use ``cfg.reward`` with the example's answer
+    as the expected answer and its last prompt turn as the prompt text. With ``kl_coef > 0`` the k3 KL is taken to
+    ``reference_model`` (default: a frozen copy of the policy as passed in). Returns the per-step metrics and the
+    counters; see ``GRPOResult.summary``.
     """
     if not prompts:
         raise ValueError("run_grpo: no prompts")
     if cfg.prompts_per_step > len(prompts):
-        raise ValueError(f"GRPOConfig.prompts_per_step: {cfg.prompts_per_step} exceeds the {len(prompts)} prompts")
+        raise ValueError(f"rl.prompts-per-step: {cfg.prompts_per_step} exceeds the {len(prompts)} prompts")
     loss_fn = get_policy_loss(cfg.policy_loss)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt, sched = build_optimizer(model, cfg.train_config())
+    opt, sched = build_optimizer(model, optimizer_config(cfg, grad_clip))
     if cfg.kl_coef > 0 and reference_model is None:
         reference_model = copy.deepcopy(model)
     if reference_model is not None:
         reference_model.eval()
-    prompt_ids, prompt_texts = _encode(tokenizer, prompts, cfg)
+    prompt_ids, prompt_texts = _encode(tokenizer, prompts, max_prompt_len)
     answers = [ex.answer for ex in prompts]
     model.eval()
-    engine = build_engine(model, tokenizer, prompts, cfg)  # synced at construction
-    gen = torch.Generator().manual_seed(cfg.seed)
+    engine = build_engine(model, tokenizer, prompts, cfg, max_prompt_len)  # synced at construction
+    gen = torch.Generator().manual_seed(seed)
     sim = None
     if cfg.simulator:
-        sim = InferenceSimulator.for_model(model, hidden=cfg.simulator_hidden, bound=cfg.simulator_bound,
-                                           seed=cfg.seed, fit_steps=cfg.simulator_fit_steps,
-                                           r2_min=cfg.simulator_r2_min, auroc_min=cfg.simulator_auroc_min)
-        sim_gen = torch.Generator().manual_seed(cfg.seed + 7919)  # calibration prompts; `gen` is untouched
+        sim = InferenceSimulator.for_model(model, bound=cfg.simulator_bound, seed=seed,
+                                           **{**SIMULATOR_FIT, **(simulator_fit or {})})
+        sim_gen = torch.Generator().manual_seed(seed + 7919)  # calibration prompts; `gen` is untouched
     res = GRPOResult()
     t_all = time.perf_counter()
     for step in range(cfg.steps):
@@ -342,12 +254,12 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
             engine.sync(model)
         chosen = torch.randperm(len(prompts), generator=gen)[:cfg.prompts_per_step].tolist()
         ro = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in chosen], cfg.group_size,
-                               cfg.max_new_tokens, cfg.temperature, seed=cfg.seed * 100_003 + step,
+                               cfg.max_new_tokens, cfg.temperature, seed=seed * 100_003 + step,
                                record_routes=cfg.routing_replay)
         rows = [chosen[int(i)] for i in ro.prompt_index]
         rewards = torch.tensor(compute_rewards(cfg.reward, ro.texts, [answers[i] for i in rows], task,
                                                [prompt_texts[i] for i in rows]), dtype=torch.float32)  # [N]
-        adv = group_advantages(rewards, cfg.group_size, std_normalise=cfg.std_normalise)  # [N]
+        adv = group_advantages(rewards, cfg.group_size)  # [N]
         t_rec = time.perf_counter()
         replay_metrics: dict[str, float] = {}
         if sim is None:
@@ -367,7 +279,8 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
             logp_old, logits_old = tf_old.logp, tf_old.logits  # [N, T], [N, T, V]
         t_rec = time.perf_counter() - t_rec
         mask = ro.response_mask  # [N, T]
-        weights, mstats = mismatch_weights(logp_old, ro.logp_infer, mask, cfg.level, cfg.mode, cfg.low, cfg.high)
+        weights, mstats = mismatch_weights(logp_old, ro.logp_infer, mask, cfg.correction_level, cfg.mode,
+                                           cfg.icepop_low, cfg.icepop_high)
         logp_old_used = logp_old
         sim_metrics: dict[str, float] = {}
         delta_hat = None
@@ -377,7 +290,7 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
                 t_cal = time.perf_counter()
                 cal_chosen = torch.randperm(len(prompts), generator=sim_gen)[:cfg.prompts_per_step].tolist()
                 ro_cal = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in cal_chosen], cfg.group_size,
-                                           cfg.max_new_tokens, cfg.temperature, seed=cfg.seed * 100_003 + 50_021 + step)
+                                           cfg.max_new_tokens, cfg.temperature, seed=seed * 100_003 + 50_021 + step)
                 sim.calibrate(model, engine, ro_cal)
                 t_cal = time.perf_counter() - t_cal
             cal_m = sim.last_metrics
@@ -385,10 +298,10 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
             delta_hat = sim.predict(model, ro, captured=tf_old)  # [N, T] detached, theta_old only
             t_pred = time.perf_counter() - t_pred
             del tf_old
-            cmp = compare(delta_hat, logp_old - ro.logp_infer, mask, cfg.simulator_r2_min, cfg.simulator_auroc_min)
+            cmp = compare(delta_hat, logp_old - ro.logp_infer, mask, sim.r2_min, sim.auroc_min)
             fallback = bool(cal_m["degraded"]) or bool(cmp["degraded"])
             sim_logp_old, sim_w, sstats = simulated_weights(ro.logp_infer, delta_hat, mask, cfg.simulator_bound,
-                                                            cfg.level)
+                                                            cfg.correction_level)
             if not fallback:
                 logp_old_used, weights = sim_logp_old, sim_w
             res.sim_fallbacks += int(fallback)
@@ -399,7 +312,8 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
         if cfg.mode == "mask":
             icepop_masked = mask & (weights == 0)  # [N, T]
         else:  # what IcePop would mask at these bounds
-            w_mask, _ = mismatch_weights(logp_old, ro.logp_infer, mask, cfg.level, "mask", cfg.low, cfg.high)
+            w_mask, _ = mismatch_weights(logp_old, ro.logp_infer, mask, cfg.correction_level, "mask",
+                                         cfg.icepop_low, cfg.icepop_high)
             icepop_masked = mask & (w_mask == 0)  # [N, T]
         ent = masked_entropy(logits_old, icepop_masked)
         del logits_old
@@ -432,7 +346,7 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
                         skipped += 1
                         continue
                     loss.backward()
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
                     if not torch.isfinite(grad_norm):  # clipping scaled the grads by NaN: discard them
                         skipped += 1
                         opt.zero_grad(set_to_none=True)

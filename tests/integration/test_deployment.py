@@ -55,7 +55,7 @@ OVERRIDES = {
     "schedule.phases": "stats:arith, sft:arith, eval",
     "schedule.sft-rounds": 1,
     "train.local-steps": 3,
-    "federation.min-parties": N_PARTIES,
+    "federation.min-available": N_PARTIES,
     "federation.wait-timeout": 60.0,
     "federation.round-timeout": 120.0,
     "checkpoint.keep": 10,  # keep round 0 so the final weights can be compared with it

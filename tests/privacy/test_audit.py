@@ -150,7 +150,7 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
     (run / "privacy").mkdir()
     (run / "privacy" / "ledger.json").write_text(json.dumps({"epsilon_budget": epsilon, "delta": DELTA,
                                                              "parties": server}))
-    meta = {"run_id": RUN_ID, "status": "completed", "config": {**privacy, "data.canaries": ""}, "privacy": {},
+    meta = {"run_id": RUN_ID, "status": "completed", "config": {**privacy, "data.canary-file": ""}, "privacy": {},
             "parties": {p: {"node": str(100 + i), "ledger_public_key": led[p].public_key_hex}
                         for i, p in enumerate(PARTIES)}}
     (run / "run.json").write_text(json.dumps(meta))

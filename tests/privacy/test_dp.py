@@ -224,7 +224,7 @@ def test_run_specs_use_mass_preserving_rounding_and_refuse_to_wrap_the_64_bit_ri
     from distmoe.privacy.vectors import StatsLayout
 
     p = parse_run_config({"privacy.scale": 2**20, "privacy.num-sequences-max": 10**9, "privacy.delta": 1e-10,
-                          "federation.min-parties": 2}).privacy
+                          "federation.min-available": 2}).privacy
     spec = stats_spec(p, 1.0, 8, 8, 3, 2)  # 3 x 1e9 x 2^20 fits in 64 bits
     assert spec.rounding == "mass-preserving" and spec.required_bits() <= 64
     with pytest.raises(WrapError, match="> 64"):  # 10^4 parties x 10^9 sequences x 2^20 does not
@@ -241,7 +241,7 @@ def test_default_canaries_detect_one_missing_noise_share_among_six_parties():
     from distmoe.config import parse_run_config
     from distmoe.privacy.plan import threshold_for
 
-    k = parse_run_config({}).privacy.canaries
+    k = parse_run_config({}).privacy.noise_canaries
     t = threshold_for(6, 2)
     spec = SkellamSpec(L, E, noise_multiplier=0.7, n_parties=6, num_sequences_max=400, scale=64, n_canaries=k,
                        max_dropouts=6 - t, rounding="mass-preserving")

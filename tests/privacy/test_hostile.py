@@ -188,7 +188,7 @@ def test_loss_spike_beyond_the_rolling_z_score_is_flagged(tmp_path):
 ])
 def test_bad_party_data_is_refused_at_setup_naming_file_line_and_field(tmp_path, content, needle):
     coord, _, run_dir, dirs, _ = make_run(tmp_path, {"schedule.phases": "sft:arith, eval",
-                                                     "federation.min-parties": 2})
+                                                     "federation.min-available": 2})
     (dirs[2] / "arith.jsonl").write_text(content)
     coord.run()
     errors = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()

@@ -41,7 +41,7 @@ def test_a_run_with_the_harary_graph_goes_through_session_and_coordinator(tmp_pa
             "model.kv-heads": 1, "model.head-dim": 32, "model.experts": 4, "model.top-k": 2,
             "train.local-steps": 2, "train.batch-size": 4, "data.max-eval-examples": 3, "eval.max-new-tokens": 2,
             "eval.batch-size": 8, "federation.wait-timeout": 1.0, "schedule.phases": "sft:arith, stats:arith, eval",
-            "schedule.sft-rounds": 1, "federation.min-parties": 5, "privacy.secagg-graph": "harary"}
+            "schedule.sft-rounds": 1, "federation.min-available": 5, "privacy.secagg-graph": "harary"}
     cfg = parse_run_config(tiny)
     dirs = write_synthetic(tmp_path / "data", parties=5, examples_per_task=16, seed=0)
     nodes = {100 + i: parse_node_config({"data-path": str(d), "party-name": d.name,

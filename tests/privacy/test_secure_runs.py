@@ -39,7 +39,7 @@ def make_run(tmp: Path, overrides: dict | None = None, node_extra: dict | None =
     node files under nodes/ (where the audit finds each party's canaries.txt)."""
     run_dir = tmp / "run"
     dirs = write_synthetic(run_dir / "work" / "data", parties=3, examples_per_task=24, seed=0, canaries=1)
-    cfg = parse_run_config({**TINY, "schedule.phases": SCHEDULE, "federation.min-parties": 3, **(overrides or {})})
+    cfg = parse_run_config({**TINY, "schedule.phases": SCHEDULE, "federation.min-available": 3, **(overrides or {})})
     (run_dir / "nodes").mkdir(parents=True)
     nodes = {}
     for i, (nid, d) in enumerate(zip(IDS, dirs, strict=True)):
@@ -197,7 +197,7 @@ def test_client_bypassing_its_guard_is_rejected_server_side(tmp_path, kind):
 
 # ---------------------------------------------------------------------------------------- noise
 def test_client_that_skips_its_noise_share_fails_noise_presence(tmp_path, monkeypatch):
-    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith", "privacy.canaries": 1024})
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith", "privacy.noise-canaries": 1024})
     from distmoe.privacy import dp
 
     real = dp.client_share
@@ -395,16 +395,6 @@ def test_plaintext_run_fails_the_audit(tmp_path):
     coord.run()
     result = audit_run(run_dir)
     assert result.verdict == "fail" and "no-plaintext" in failed_checks(result)
-
-
-def test_dp_sgd_request_is_refused_with_the_reason(tmp_path):
-    from distmoe.coordinator import RunFailed
-
-    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith", "privacy.dp-sgd": True})
-    with pytest.raises(RunFailed, match="privacy.dp-sgd") as err:
-        coord.run()
-    assert "experts" in str(err.value) and "update-noise-multiplier" in str(err.value)
-    assert not (run_dir / "ledger" / "coordinator.jsonl").exists()  # no party was contacted
 
 
 def test_client_level_dp_on_updates_is_accounted_and_audited(tmp_path):

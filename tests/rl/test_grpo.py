@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from distmoe.rl.grpo import GRPOConfig, run_grpo
+from distmoe.config import ConfigError, RLConfig
+from distmoe.rl.grpo import run_grpo
 from distmoe.rl.losses import POLICY_LOSSES, get_policy_loss, mismatch_weights
 from distmoe.rl.rollout import train_logprobs
 from tests.rl.conftest import train_small_lookup
@@ -29,13 +30,13 @@ def trained():
 
 def _run(trained, reference_model=None, **kw):
     model = copy.deepcopy(trained["model"])
-    cfg = GRPOConfig(**{**BASE, **kw})
+    cfg = RLConfig(**{"engine": "exact", **BASE, **kw})
     return model, run_grpo(model, trained["tok"], trained["prompts"], "lookup", cfg, reference_model)
 
 
 def test_exact_engine_grpo_updates_and_metrics(trained):
     before = {n: p.detach().clone() for n, p in trained["model"].named_parameters()}
-    model, res = _run(trained, steps=3, profile="exact", mode="mask")
+    model, res = _run(trained, steps=3, engine="exact", correction="icepop")
     assert len(res.steps) == 3 and res.updates == 6 and res.skipped_steps == 0
     after = dict(model.named_parameters())
     assert any(not torch.equal(before[n], after[n]) for n in before)  # the policy was updated
@@ -55,9 +56,9 @@ def test_exact_engine_grpo_updates_and_metrics(trained):
 
 
 def test_prune_engine_masks_tokens_and_mode_none_keeps_weights_one(trained):
-    big = {"steps": 1, "profile": "prune-1", "prompts_per_step": 32, "max_new_tokens": 8}  # ~1000 tokens: 1-2 % masked
-    _, masked = _run(trained, mode="mask", **big)
-    _, plain = _run(trained, mode="none", **big)
+    big = {"steps": 1, "engine": "prune-1", "prompts_per_step": 32, "max_new_tokens": 8}  # ~1000 tokens: 1-2 % masked
+    _, masked = _run(trained, correction="icepop", **big)
+    _, plain = _run(trained, correction="none", **big)
     m, p = masked.steps[0], plain.steps[0]
     assert m["masked_frac_low"] + m["masked_frac_high"] > 0.0 and m["seq_masked_frac"] > 0.0
     assert m["logp_diff_mean"] > 1e-3 and max(m["route_disagree_l0"], m["route_disagree_l1"]) > 0.0
@@ -77,7 +78,7 @@ def test_prune_engine_masks_tokens_and_mode_none_keeps_weights_one(trained):
 def test_one_update_moves_towards_high_reward_samples(trained):
     """Deterministic property of the update direction: on the fixed batch, the surrogate loss goes down and the
     advantage-weighted change of the sequence log-probs is positive (high-reward samples gain probability)."""
-    model, res = _run(trained, steps=1, profile="exact", mode="mask", ppo_epochs=1, minibatches=1, lr=1e-4)
+    model, res = _run(trained, steps=1, engine="exact", correction="icepop", ppo_epochs=1, minibatches=1, lr=1e-4)
     b = res.last_batch
     assert res.updates == 1 and (b.advantages != 0).any()
     mask = b.rollouts.response_mask
@@ -96,24 +97,25 @@ def test_kl_to_reference_is_reported(trained):
     assert "kl_ref" in res.steps[-1] and math.isfinite(res.steps[-1]["kl_ref"]) and res.steps[-1]["kl_ref"] >= 0
 
 
-def test_config_validation_names_the_field(trained):
+def test_config_validation_names_the_key(trained):
+    """GRPO takes the run's rl section; constructing it validates it with the run config's own messages."""
     for field, value in (("steps", 0), ("group_size", 1), ("temperature", 0.0), ("lr", -1.0), ("ppo_epochs", 0),
-                         ("minibatches", 0), ("clip_eps", 0.0), ("clip_eps_high", -0.1), ("kl_coef", -1.0),
-                         ("level", "batch"), ("mode", "clip"), ("low", 2.0), ("high", 0.5), ("grad_clip", 0.0),
-                         ("max_new_tokens", 0), ("prompts_per_step", 0)):
-        with pytest.raises(ValueError, match=f"GRPOConfig.{field}"):
-            GRPOConfig(**{field: value})
-    with pytest.raises(ValueError, match="minibatches"):
-        GRPOConfig(prompts_per_step=1, group_size=2, minibatches=3)
-    with pytest.raises(ValueError, match="policy_loss.*valid names: grpo, reinforce"):
-        GRPOConfig(policy_loss="ppo")
-    with pytest.raises(ValueError, match="reward.*valid rewards: exact_match, format, numeric, task"):
-        GRPOConfig(reward="bleu")
-    with pytest.raises(ValueError, match="profile.*valid profiles: exact, bf16, int8-dynamic"):
-        GRPOConfig(profile="fp8")
-    with pytest.raises(ValueError, match="prompts_per_step"):
+                         ("minibatches", 0), ("clip_eps", 0.0), ("kl_coef", -1.0), ("correction_level", "batch"),
+                         ("correction", "clip"), ("icepop_low", 2.0), ("icepop_high", 0.5), ("max_new_tokens", 0),
+                         ("prompts_per_step", 0)):
+        with pytest.raises(ConfigError, match=f"'rl.{field.replace('_', '-')}'"):
+            RLConfig(**{field: value})
+    with pytest.raises(ConfigError, match="rl.minibatches"):
+        RLConfig(prompts_per_step=1, group_size=2, minibatches=3)
+    with pytest.raises(ConfigError, match="rl.policy-loss.*grpo, reinforce"):
+        RLConfig(policy_loss="ppo")
+    with pytest.raises(ConfigError, match="rl.reward.*exact_match, numeric, format, task"):
+        RLConfig(reward="bleu")
+    with pytest.raises(ConfigError, match="rl.engine.*exact, bf16, int8-dynamic"):
+        RLConfig(engine="fp8")
+    with pytest.raises(ValueError, match="prompts-per-step"):
         run_grpo(copy.deepcopy(trained["model"]), trained["tok"], trained["prompts"][:2], "lookup",
-                 GRPOConfig(prompts_per_step=4))
+                 RLConfig(prompts_per_step=4))
 
 
 def test_nan_loss_step_is_skipped_and_counted(trained, monkeypatch):

@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
+from distmoe.config import ConfigError, RLConfig
 from distmoe.model.build import router_modules
-from distmoe.rl.grpo import GRPOConfig, _encode, build_engine, run_grpo
+from distmoe.rl.grpo import _encode, build_engine, run_grpo
 from distmoe.rl.replay import UNRECORDED, replay_routes, replay_weights
 from distmoe.rl.rollout import _record_routes, generate_rollouts, train_logprobs
 from tests.rl.conftest import train_small_lookup
@@ -23,12 +24,12 @@ def env():
     t = train_small_lookup()
     model, tok, examples = t["model"], t["tok"], t["examples"]
     model.eval()
-    ids, _ = _encode(tok, examples[:32], GRPOConfig(max_new_tokens=8))
+    ids, _ = _encode(tok, examples[:32], 256)
     return {"model": model, "tok": tok, "examples": examples, "ids": ids}
 
 
 def _engine(env, profile):
-    return build_engine(env["model"], env["tok"], env["examples"], GRPOConfig(profile=profile))
+    return build_engine(env["model"], env["tok"], env["examples"], RLConfig(engine=profile))
 
 
 def _rollouts(env, engine, n=16, seed=1, record=True):
@@ -133,11 +134,11 @@ def test_exact_engine_replay_changes_nothing(env):
     # one update at theta = theta_old (one minibatch, one epoch): the replayed routes are the trainer's own.
     # (With several minibatches the routes stay frozen at the rollout's theta_old choice while theta moves, as R3
     # intends, so later minibatches may differ on near-tie tokens even with an exact engine.)
-    cfg = {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 6, "lr": 1e-3, "steps": 1, "profile": "exact",
+    cfg = {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 6, "lr": 1e-3, "steps": 1, "engine": "exact",
            "minibatches": 1}
     m_on, m_off = copy.deepcopy(model), copy.deepcopy(model)
-    on = run_grpo(m_on, env["tok"], env["examples"][:32], "lookup", GRPOConfig(**cfg, routing_replay=True))
-    off = run_grpo(m_off, env["tok"], env["examples"][:32], "lookup", GRPOConfig(**cfg))
+    on = run_grpo(m_on, env["tok"], env["examples"][:32], "lookup", RLConfig(**cfg, routing_replay=True))
+    off = run_grpo(m_off, env["tok"], env["examples"][:32], "lookup", RLConfig(**cfg))
     x, y = on.steps[0], off.steps[0]
     assert x["replay"] == 1.0 and x["replay_override_frac"] < 1e-3 and "replay" not in y
     assert x["reward"] == y["reward"]  # the same rollouts
@@ -151,10 +152,10 @@ def test_exact_engine_replay_changes_nothing(env):
 
 def test_grpo_with_replay_on_prune_1_reports_and_removes_the_mismatch(env):
     cfg = {"prompts_per_step": 32, "group_size": 4, "max_new_tokens": 8, "lr": 1e-3, "steps": 1,
-           "profile": "prune-1", "mode": "mask"}
+           "engine": "prune-1", "correction": "icepop"}
     model = copy.deepcopy(env["model"])
-    res = run_grpo(model, env["tok"], env["examples"][:32], "lookup", GRPOConfig(**cfg, routing_replay=True))
-    base = run_grpo(copy.deepcopy(env["model"]), env["tok"], env["examples"][:32], "lookup", GRPOConfig(**cfg))
+    res = run_grpo(model, env["tok"], env["examples"][:32], "lookup", RLConfig(**cfg, routing_replay=True))
+    base = run_grpo(copy.deepcopy(env["model"]), env["tok"], env["examples"][:32], "lookup", RLConfig(**cfg))
     m, b = res.steps[0], base.steps[0]
     assert res.updates == 2 and res.skipped_steps == 0
     assert m["replay"] == 1.0 and 0.0 < m["replay_override_frac"] <= 1.0
@@ -168,9 +169,9 @@ def test_grpo_with_replay_on_prune_1_reports_and_removes_the_mismatch(env):
 
 
 def test_replay_config_validation():
-    with pytest.raises(ValueError, match="GRPOConfig.routing_replay"):
-        GRPOConfig(routing_replay=1)
-    with pytest.raises(ValueError, match="GRPOConfig.routing_replay.*simulator"):
-        GRPOConfig(routing_replay=True, simulator=True)
-    for mode in ("mask", "truncate", "none"):  # compatible with every correction
-        assert GRPOConfig(routing_replay=True, mode=mode).routing_replay
+    with pytest.raises(ConfigError, match="rl.routing-replay"):
+        RLConfig(routing_replay=1)
+    with pytest.raises(ConfigError, match="rl.routing-replay.*rl.simulator"):
+        RLConfig(routing_replay=True, simulator=True)
+    for correction in ("icepop", "tis", "none"):  # compatible with every correction
+        assert RLConfig(routing_replay=True, correction=correction).routing_replay

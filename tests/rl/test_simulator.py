@@ -11,9 +11,10 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+from distmoe.config import ConfigError, RLConfig
 from distmoe.model.build import router_modules
 from distmoe.rl.engines import InferenceEngine
-from distmoe.rl.grpo import GRPOConfig, _encode, build_engine, lb_mask, minibatch_loss, run_grpo
+from distmoe.rl.grpo import _encode, build_engine, lb_mask, minibatch_loss, run_grpo
 from distmoe.rl.losses import grpo_loss, mismatch_weights
 from distmoe.rl.rollout import generate_rollouts, train_logprobs
 from distmoe.rl.simulator import (
@@ -35,8 +36,7 @@ def env():
     t = train_small_lookup()
     model, tok, examples = t["model"], t["tok"], t["examples"]
     model.eval()
-    cfg = GRPOConfig(max_new_tokens=8)
-    ids, _ = _encode(tok, examples[:96], cfg)
+    ids, _ = _encode(tok, examples[:96], 256)
     return {"model": model, "tok": tok, "examples": examples, "ids": ids}
 
 
@@ -101,7 +101,7 @@ def test_exact_delta_with_theta_old_gives_ratio_one_synthetic_and_on_the_model(e
     assert torch.allclose(w, w_ice, atol=1e-6)  # exact delta: IcePop with bounds exp(+-bound)
     # the real model, a pruned engine: exp(logp_new - logp_infer - delta) == 1 when theta == theta_old
     model = env["model"]
-    eng = build_engine(model, env["tok"], env["examples"], GRPOConfig(profile="prune-1"))
+    eng = build_engine(model, env["tok"], env["examples"], RLConfig(engine="prune-1"))
     ro = _rollouts(env, eng, 0, 16, seed=3)
     delta = train_logprobs(model, ro) - ro.logp_infer
     old, _, _ = simulated_weights(ro.logp_infer, delta, ro.response_mask, bound=100.0)
@@ -191,7 +191,7 @@ def test_prune_engines_show_minus_30_and_fallback_fires_on_noise_only(env):
     model = env["model"]
     r2 = {}
     for profile in ("prune-1", "prune-2"):
-        eng = build_engine(model, env["tok"], env["examples"], GRPOConfig(profile=profile))
+        eng = build_engine(model, env["tok"], env["examples"], RLConfig(engine=profile))
         sim = InferenceSimulator.for_model(model)
         sim.calibrate(model, eng, _rollouts(env, eng, 0, 64, seed=1))
         pruned = eng.pruned  # [L, k]
@@ -211,15 +211,16 @@ def test_prune_engines_show_minus_30_and_fallback_fires_on_noise_only(env):
     assert min(r2.values()) > cal["r2"] + 0.3
 
 
-GRPO = {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 6, "lr": 1e-3, "reward": "task", "steps": 2}
+GRPO = {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 6, "lr": 1e-3, "reward": "task", "steps": 2,
+        "engine": "exact"}
 
 
 def test_grpo_simulator_path(env):
     prompts = env["examples"][:32]
     # pruned engine: simulator on, metrics reported, delta_hat cached on the batch
     model = copy.deepcopy(env["model"])
-    res = run_grpo(model, env["tok"], prompts, "lookup", GRPOConfig(**GRPO, profile="prune-1", simulator=True,
-                                                                     simulator_recalibrate_every=1))
+    res = run_grpo(model, env["tok"], prompts, "lookup", RLConfig(**{**GRPO, "engine": "prune-1"}, simulator=True,
+                                                                   simulator_recalibrate_every=1))
     assert len(res.steps) == 2 and res.updates == 4
     for m in res.steps:
         for key in ("sim_r2", "sim_auroc", "sim_fallback", "sim_masked_frac", "sim_cal_r2", "sim_predict_s"):
@@ -234,8 +235,8 @@ def test_grpo_simulator_path(env):
         assert torch.equal(b.weights, w) and torch.equal(b.logp_old_used, old)
     # exact engine: delta is ~1e-6 noise -> always degraded -> the fallback is today's path, bit for bit
     m_on, m_off = copy.deepcopy(env["model"]), copy.deepcopy(env["model"])
-    on = run_grpo(m_on, env["tok"], prompts, "lookup", GRPOConfig(**GRPO, simulator=True))
-    off = run_grpo(m_off, env["tok"], prompts, "lookup", GRPOConfig(**GRPO))
+    on = run_grpo(m_on, env["tok"], prompts, "lookup", RLConfig(**GRPO, simulator=True))
+    off = run_grpo(m_off, env["tok"], prompts, "lookup", RLConfig(**GRPO))
     assert on.sim_fallbacks == 2 and all(m["sim_fallback"] == 1.0 for m in on.steps)
     assert "sim_fallbacks" not in off.summary() and all("sim_r2" not in m for m in off.steps)
     assert off.last_batch.delta_hat is None and off.last_batch.logp_old_used is None
@@ -246,10 +247,9 @@ def test_grpo_simulator_path(env):
 
 
 def test_config_validation():
-    for bad in ({"simulator": 1}, {"simulator_recalibrate_every": 0}, {"simulator_bound": 0.0},
-                {"simulator_r2_min": math.nan}, {"simulator_hidden": 0}):
-        with pytest.raises(ValueError, match=f"GRPOConfig.{next(iter(bad))}"):
-            GRPOConfig(**bad)
+    for bad in ({"simulator": 1}, {"simulator_recalibrate_every": 0}, {"simulator_bound": 0.0}):
+        with pytest.raises(ConfigError, match=f"'rl.{next(iter(bad)).replace('_', '-')}'"):
+            RLConfig(**bad)
 
 
 def test_sequence_level_simulated_weights():
@@ -272,13 +272,14 @@ def test_sequence_level_simulated_weights():
         simulated_weights(logp_infer, d, mask, level="batch")
 
 
-TRUSTED = {"simulator": True, "simulator_r2_min": -1e9, "simulator_auroc_min": -1.0}  # never degraded: no fallback
+TRUSTED = {"r2_min": -1e9, "auroc_min": -1.0}  # run_grpo's simulator_fit: never degraded, no fallback
 
 
 def test_grpo_simulator_sequence_level_uses_sequence_weights(env):
     model = copy.deepcopy(env["model"])
     res = run_grpo(model, env["tok"], env["examples"][:32], "lookup",
-                   GRPOConfig(**{**GRPO, "steps": 1}, profile="prune-1", level="sequence", **TRUSTED))
+                   RLConfig(**{**GRPO, "steps": 1, "engine": "prune-1"}, correction_level="sequence", simulator=True),
+                   simulator_fit=TRUSTED)
     assert res.sim_fallbacks == 0 and res.steps[0]["sim_fallback"] == 0.0
     b = res.last_batch
     v = b.rollouts.response_mask
@@ -290,7 +291,7 @@ def test_grpo_simulator_sequence_level_uses_sequence_weights(env):
 
 def test_simulator_lb_coef_changes_the_gradient(env):
     model = copy.deepcopy(env["model"])
-    eng = build_engine(model, env["tok"], env["examples"], GRPOConfig(profile="prune-1"))
+    eng = build_engine(model, env["tok"], env["examples"], RLConfig(engine="prune-1"))
     sim = InferenceSimulator.for_model(model)
     sim.calibrate(model, eng, _rollouts(env, eng, 0, 32, seed=1))
     ro = _rollouts(env, eng, 32, 40, seed=2)
@@ -301,7 +302,7 @@ def test_simulator_lb_coef_changes_the_gradient(env):
 
     def grads(coef, use_sim=True):
         model.zero_grad(set_to_none=True)
-        cfg = GRPOConfig(simulator=True, simulator_lb_coef=coef)
+        cfg = RLConfig(simulator=True, simulator_lb_coef=coef)
         loss, lm = minibatch_loss(model, ro, grpo_loss, logp_old, adv, w, cfg, None, sim if use_sim else None)
         loss.backward()
         return [p.grad.clone() for p in router_w], lm
@@ -325,14 +326,16 @@ def test_simulator_lb_coef_changes_the_gradient(env):
 
 def test_grpo_simulator_lb_coef_reaches_the_update(env):
     prompts = env["examples"][:32]
-    cfg = {**GRPO, "steps": 1, "profile": "prune-1", **TRUSTED}
+    cfg = {**GRPO, "steps": 1, "engine": "prune-1", "simulator": True}
     m0, m1 = copy.deepcopy(env["model"]), copy.deepcopy(env["model"])
-    r0 = run_grpo(m0, env["tok"], prompts, "lookup", GRPOConfig(**cfg, simulator_lb_coef=0.0))
-    r1 = run_grpo(m1, env["tok"], prompts, "lookup", GRPOConfig(**cfg, simulator_lb_coef=1.0))
+    r0 = run_grpo(m0, env["tok"], prompts, "lookup", RLConfig(**cfg, simulator_lb_coef=0.0),
+                  simulator_fit=TRUSTED)
+    r1 = run_grpo(m1, env["tok"], prompts, "lookup", RLConfig(**cfg, simulator_lb_coef=1.0),
+                  simulator_fit=TRUSTED)
     assert r0.sim_fallbacks == r1.sim_fallbacks == 0
     assert math.isnan(r0.steps[0]["sim_lb_loss"]) and r1.steps[0]["sim_lb_loss"] > 0
     gate = [n for n, _ in m0.named_parameters() if n.endswith("mlp.gate.weight")]
     p0, p1 = dict(m0.named_parameters()), dict(m1.named_parameters())
     assert any(not torch.equal(p0[n], p1[n]) for n in gate)
-    with pytest.raises(ValueError, match="GRPOConfig.simulator_lb_coef"):
-        GRPOConfig(simulator_lb_coef=-0.1)
+    with pytest.raises(ConfigError, match="rl.simulator-lb-coef"):
+        RLConfig(simulator_lb_coef=-0.1)

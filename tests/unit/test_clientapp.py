@@ -169,7 +169,7 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path):
     noisy, canaries = StatsLayout(sspec).decode(res.total)
     rows = noisy.sum(1)  # each row ~ the number of sequences of both parties
     assert np.all(rows > 10) and abs(rows[0] - rows[1]) < 10 * sspec.aggregate_sigma() / sspec.scale
-    assert canaries.shape == (cfg.privacy.canaries,) and np.std(canaries) > 0.3 * sspec.aggregate_sigma()
+    assert canaries.shape == (cfg.privacy.noise_canaries,) and np.std(canaries) > 0.3 * sspec.aggregate_sigma()
     for name in ids.values():
         led = tmp_path / name / "ledger" / f"{name}.jsonl"
         assert verify_ledger(led, (led.with_suffix(".pub")).read_text().strip())

@@ -1,4 +1,5 @@
-"""Unit tests: run-config defaults, validation errors, schedule grammar, overrides, node config."""
+"""Unit tests: the key declaration and what is derived from it (DEFAULTS, the generated pyproject.toml block and
+docs table), validation errors, retired keys, schedule grammar, overrides, node config."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import pytest
 
 from distmoe.config import (
     DEFAULTS,
+    KEYS,
+    RETIRED,
+    SECTIONS,
     ConfigError,
+    RLConfig,
     SimConfig,
     load_override_file,
     parse_kv_pairs,
@@ -42,23 +47,78 @@ def _raises(overrides: dict, *needles: str) -> str:
     return msg
 
 
-# ------------------------------------------------------------------------------------------ defaults
-def test_defaults_equal_pyproject_app_config():
-    with (ROOT / "pyproject.toml").open("rb") as fh:
-        tree = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
-    flat = _flatten(tree)
-    assert sorted(flat) == sorted(DEFAULTS), (
-        f"only in pyproject: {sorted(set(flat) - set(DEFAULTS))}, "
-        f"only in DEFAULTS: {sorted(set(DEFAULTS) - set(flat))}")
-    for k, v in DEFAULTS.items():
-        assert flat[k] == v and type(flat[k]) is type(v), f"{k}: pyproject {flat[k]!r} vs DEFAULTS {v!r}"
+# ------------------------------------------------------------------------------------------ declaration
+def test_every_key_is_declared_completely():
+    assert list(DEFAULTS) == [s.name for s in KEYS] and len(set(DEFAULTS)) == len(KEYS)
+    for spec in KEYS:
+        section, _, name = spec.name.partition(".")
+        assert section in SECTIONS and spec.attr.replace("_", "-") == name, spec.name
+        assert spec.kind in (int, float, str, bool) and type(spec.default) is spec.kind, spec.name
+        assert spec.doc and "\n" not in spec.doc and "|" not in spec.doc, f"{spec.name}: one line of docs"
+        assert spec.check(spec.default) == spec.default, spec.name  # the default is in its own range
+        if spec.choices is not None:
+            assert spec.kind is str and spec.default in spec.choices, spec.name
+        if spec.lo is not None or spec.hi is not None:
+            assert spec.kind in (int, float), spec.name
+    assert not set(RETIRED) & set(DEFAULTS)
 
 
-def test_defaults_parse():
+def test_defaults_parse_and_round_trip():
     cfg = parse_run_config({})
     assert cfg.as_flat() == DEFAULTS
+    assert parse_run_config(dict(DEFAULTS)) == cfg
+    assert parse_run_config(_flatten(tomllib.loads(to_toml(DEFAULTS)))) == cfg
     assert cfg.model.seed == cfg.data.seed == DEFAULTS["run.seed"]
     assert cfg.model.top_k == DEFAULTS["model.top-k"]
+    for name, cls in SECTIONS.items():  # a section constructed from its declared defaults is the parsed one
+        assert cls() == getattr(cfg, name), name
+
+
+def test_generated_files_match_the_declaration():
+    """pyproject.toml [tool.flwr.app.config.*] and the key table of docs/configuration.md are generated."""
+    from distmoe.config_sync import GENERATED, SYNC_COMMAND
+
+    for rel, render in GENERATED.items():
+        text = (ROOT / rel).read_text(encoding="utf-8")
+        assert render(text) == text, f"{rel} is out of date with distmoe/config.py: run `{SYNC_COMMAND}`"
+    with (ROOT / "pyproject.toml").open("rb") as fh:
+        flat = _flatten(tomllib.load(fh)["tool"]["flwr"]["app"]["config"])
+    assert flat == DEFAULTS and all(type(flat[k]) is type(v) for k, v in DEFAULTS.items())
+
+
+def test_sync_rewrites_a_drifted_copy(tmp_path):
+    from distmoe.config_sync import sync
+
+    for rel in ("pyproject.toml", "docs/configuration.md"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text((ROOT / rel).read_text(encoding="utf-8").replace("top-k = 2", "top-k = 3")
+                                    .replace("| `model.top-k` | `2`", "| `model.top-k` | `3`"), encoding="utf-8")
+    assert sync(tmp_path, write=False) == ["pyproject.toml", "docs/configuration.md"]
+    assert sync(tmp_path) == ["pyproject.toml", "docs/configuration.md"]
+    assert sync(tmp_path, write=False) == []
+    assert (tmp_path / "pyproject.toml").read_text() == (ROOT / "pyproject.toml").read_text()
+    (tmp_path / "docs/configuration.md").write_text("# no markers\n")
+    with pytest.raises(ConfigError, match="marker"):
+        sync(tmp_path)
+
+
+def test_a_section_validates_itself():
+    with pytest.raises(ConfigError, match="'rl.group-size': value 1 is out of range"):
+        RLConfig(group_size=1)
+    assert RLConfig(lr=1).lr == 1.0 and isinstance(RLConfig(lr=1).lr, float)
+
+
+@pytest.mark.parametrize("old,needle", [
+    ("federation.min-parties", "federation.min-available"),
+    ("privacy.canaries", "privacy.noise-canaries"),
+    ("data.canaries", "data.canary-file"),
+    ("privacy.dp-sgd", "privacy.update-noise-multiplier"),
+    ("privacy.dp-sgd-noise-multiplier", "privacy.update-noise-multiplier"),
+])
+def test_retired_keys_are_refused_with_the_new_name_or_the_reason(old, needle):
+    msg = _raises({old: 1}, f"'{old}'", needle)
+    if "dp-sgd" in old:
+        assert "opacus cannot compute per-sample gradients" in msg and "expert and router" in msg
 
 
 def test_shipped_config_files_validate():
@@ -101,6 +161,8 @@ def test_wrong_types_name_key_and_value():
     _raises({"model.lora-router": 1}, "model.lora-router", "1")
     _raises({"model.trainable": 3}, "model.trainable", "3")
     _raises({"train.lr": float("nan")}, "train.lr")
+    _raises({"sim.nodes-dir": 3}, "sim.nodes-dir", "3")
+    _raises({"data.canary-file": False}, "data.canary-file", "False")
 
 
 def test_numeric_coercions_that_are_allowed():
@@ -124,7 +186,7 @@ def test_numeric_coercions_that_are_allowed():
     ({"checkpoint.keep": 0}, "checkpoint.keep"),
     ({"run.seed": -1}, "run.seed"),
     # inconsistent combinations: one message naming the key, the value and what is allowed
-    ({"privacy.min-parties": 3, "federation.min-parties": 2}, "privacy.min-parties"),
+    ({"privacy.min-parties": 3, "federation.min-available": 2}, "privacy.min-parties"),
     ({"privacy.delta": 1e-3, "privacy.num-sequences-max": 10000}, "privacy.delta"),
     ({"privacy.scale": 64.5}, "privacy.scale"),
     ({"federation.on-round-failure": "retry"}, "federation.on-round-failure"),

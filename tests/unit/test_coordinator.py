@@ -260,15 +260,15 @@ def test_corrupt_party_data_is_reported(synth_dirs, make_cfg, tmp_path):
 
 
 def test_too_few_parties_fails_quickly(synth_dirs, make_cfg, tmp_path):
-    cfg = make_cfg(**{**RUN, "federation.min-parties": 3, "federation.wait-timeout": 1.0})
+    cfg = make_cfg(**{**RUN, "federation.min-available": 3, "federation.wait-timeout": 1.0})
     run_dir = tmp_path / "run"
     coord, _ = _coordinator(cfg, synth_dirs, run_dir)
     t0 = time.perf_counter()
-    with pytest.raises(RunFailed, match="min-parties"):
+    with pytest.raises(RunFailed, match="min-available"):
         coord.run()
     assert time.perf_counter() - t0 < 10
     rec = json.loads((run_dir / "run.json").read_text())
-    assert rec["status"] == "failed" and "min-parties" in rec["error"]
+    assert rec["status"] == "failed" and "min-available" in rec["error"]
     ends = _events(run_dir, "run_end")
     assert ends and ends[-1]["status"] == "failed"
     assert not _events(run_dir, "train")

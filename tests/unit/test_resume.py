@@ -40,7 +40,7 @@ TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layer
         "model.kv-heads": 1, "model.head-dim": 32, "model.experts": 4, "model.top-k": 2,
         "train.local-steps": 2, "train.batch-size": 4, "data.max-eval-examples": 3, "eval.max-new-tokens": 2,
         "eval.batch-size": 8, "federation.wait-timeout": 1.0, "schedule.sft-rounds": 1,
-        "federation.min-parties": 3}
+        "federation.min-available": 3}
 # new task at round 3 (reference weights and baseline for retention), eval after the crash point
 EXACT = "sft:arith, eval, sft:lookup*2, eval"
 ANCHORED = "sft:arith, stats:arith, sft:arith, eval"
@@ -478,7 +478,7 @@ def test_party_refuses_a_repeated_setup_epoch_and_keeps_its_accountant(anchored,
 def test_a_party_that_restarts_rejoins_without_cleanup(tmp_path):
     """A party down for round 2 (its process died; its state files stay) is left out of that round only
     and is included again from round 3 on, with nothing removed by hand."""
-    cfg, nodes, run_dir, run_id = make_run(tmp_path, "sft:arith*4", **{"federation.min-parties": 2})
+    cfg, nodes, run_dir, run_id = make_run(tmp_path, "sft:arith*4", **{"federation.min-available": 2})
     lines: list[str] = []
     coord, transport = coordinator(cfg, nodes, run_dir, run_id, lines)
 

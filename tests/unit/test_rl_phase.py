@@ -46,17 +46,15 @@ def test_routing_replay_keys_parse_and_exclude_the_simulator():
         assert r.routing_replay and r.correction == corr
     with pytest.raises(ConfigError, match="rl.routing-replay.*rl.simulator"):
         parse_run_config({"rl.routing-replay": True, "rl.simulator": True})
-    from distmoe.party.work import grpo_config
-
-    g = grpo_config(parse_run_config({"rl.routing-replay": True, "rl.simulator-lb-coef": 0.2}), 0)
-    assert g.routing_replay and g.simulator_lb_coef == 0.2
+    r = parse_run_config({"rl.routing-replay": True, "rl.simulator-lb-coef": 0.2}).rl  # what run_grpo receives
+    assert r.routing_replay and r.simulator_lb_coef == 0.2
 
 
 def test_rl_phase_round_trip(synth_dirs, tmp_path: Path):
     cfg = parse_run_config({**TINY, "schedule.phases": "sft:lookup, rl:lookup*2, eval", "schedule.sft-rounds": 1,
                             "train.local-steps": 4, "rl.steps": 2, "rl.prompts-per-step": 4, "rl.group-size": 2,
                             "rl.max-new-tokens": 4, "rl.engine": "bf16", "checkpoint.keep": 10,
-                            "federation.min-parties": 2})
+                            "federation.min-available": 2})
     nodes = {i: NodeConfig(party=d.name, data_path=d, work_dir=tmp_path / "w", model_path="")
              for i, d in enumerate(synth_dirs)}
     run_dir = tmp_path / "run"
@@ -91,7 +89,7 @@ def test_rl_phase_with_the_inference_simulator(synth_dirs, tmp_path: Path):
     cfg = parse_run_config({**TINY, "schedule.phases": "sft:lookup, rl:lookup*1", "schedule.sft-rounds": 1,
                             "train.local-steps": 4, "rl.steps": 2, "rl.prompts-per-step": 4, "rl.group-size": 2,
                             "rl.max-new-tokens": 4, "rl.engine": "prune-1", "rl.simulator": True,
-                            "rl.simulator-recalibrate-every": 1, "federation.min-parties": 2,
+                            "rl.simulator-recalibrate-every": 1, "federation.min-available": 2,
                             "privacy.mode": "plaintext"})
     nodes = {i: NodeConfig(party=d.name, data_path=d, work_dir=tmp_path / "w", model_path="")
              for i, d in enumerate(synth_dirs)}
@@ -107,7 +105,7 @@ def test_rl_phase_with_routing_replay_reports_it_through_the_secure_sum(synth_di
     cfg = parse_run_config({**TINY, "schedule.phases": "sft:lookup, rl:lookup*1", "schedule.sft-rounds": 1,
                             "train.local-steps": 4, "rl.steps": 2, "rl.prompts-per-step": 4, "rl.group-size": 2,
                             "rl.max-new-tokens": 4, "rl.engine": "prune-1", "rl.routing-replay": True,
-                            "federation.min-parties": 2})
+                            "federation.min-available": 2})
     nodes = {i: NodeConfig(party=d.name, data_path=d, work_dir=tmp_path / "w", model_path="")
              for i, d in enumerate(synth_dirs)}
     Coordinator(cfg, tmp_path / "run", LocalTransport(cfg, nodes), "replay", log=lambda s: None).run()
