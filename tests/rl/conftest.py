@@ -6,6 +6,8 @@ Must not: be imported by test modules (they ask for the fixtures by name).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from distmoe.config import parse_run_config
@@ -35,5 +37,12 @@ def _train_small_lookup() -> dict:
 
 @pytest.fixture(scope="session")
 def train_small_lookup():
-    """``train_small_lookup()`` -> a fresh small trained model (each call trains one, so callers may change it)."""
-    return _train_small_lookup
+    """``train_small_lookup()`` -> the small model after its 150 SFT steps (~3-6 s, trained once per session):
+    a deep copy each call, so callers may change it."""
+    trained: list[dict] = []
+
+    def fresh() -> dict:
+        if not trained:
+            trained.append(_train_small_lookup())
+        return copy.deepcopy(trained[0])
+    return fresh
