@@ -1,9 +1,19 @@
-"""Shared fixtures for the unit tests: a tiny model config and small synthetic party data."""
+"""Shared fixtures for every test: the tiny model config (as flat run-config keys and as a RunConfig), the
+settings of a short in-process run, and small synthetic party data; cache directories out of the home directory.
+
+Test folders mirror the package (``tests/<subpackage>/test_<module>.py``); a folder's own ``conftest.py`` holds
+what only its tests share. ``pytest`` alone runs the fast suite; whole runs carry the ``integration`` marker
+(in process) or ``slow`` (Flower engines, real processes) and run with ``-m "slow or integration"``.
+
+Must not: be imported by test modules (they ask for fixtures by name), or hold a test.
+"""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
+from types import MappingProxyType
 
 # Tests keep every cache out of the home directory (matplotlib's font cache, Hugging Face).
 _CACHE = tempfile.mkdtemp(prefix="distmoe-test-cache-")
@@ -20,11 +30,27 @@ torch.set_num_threads(1)
 
 TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,
         "model.kv-heads": 1, "model.head-dim": 32, "model.experts": 4, "model.top-k": 2}
+# a whole in-process run of the tiny model that takes seconds: 3 parties, 2 local steps, 1 round per phase
+TINY_RUN = {**TINY, "train.local-steps": 2, "train.batch-size": 4, "data.max-eval-examples": 3,
+            "eval.max-new-tokens": 2, "eval.batch-size": 8, "federation.wait-timeout": 1.0, "schedule.sft-rounds": 1,
+            "federation.min-available": 3}
 
 
 def tiny_cfg(**overrides):
     """A validated RunConfig for the tiny model; overrides use flat run-config keys."""
     return parse_run_config({**TINY, **overrides})
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Mapping:
+    """The tiny model as flat run-config keys (read-only: merge it, ``{**tiny, ...}``)."""
+    return MappingProxyType(TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_run() -> Mapping:
+    """Flat run-config keys of a short whole run of the tiny model with 3 parties (read-only)."""
+    return MappingProxyType(TINY_RUN)
 
 
 @pytest.fixture

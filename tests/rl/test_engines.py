@@ -18,13 +18,12 @@ from distmoe.rl.rollout import (
     routing_disagreement,
     train_logprobs,
 )
-from tests.rl.conftest import train_small_lookup
 
 ALPHA, BETA = 0.5, 5.0
 
 
 @pytest.fixture(scope="module")
-def trained():
+def trained(train_small_lookup):
     """The small model after 150 SFT steps on synthetic lookup data (~5 s), prompts and calibration."""
     t = train_small_lookup()
     cfg, model, tok, examples, encoded = t["cfg"], t["model"], t["tok"], t["examples"], t["encoded"]

@@ -13,7 +13,6 @@ from distmoe.config import ConfigError, RLConfig
 from distmoe.rl.grpo import run_grpo
 from distmoe.rl.losses import POLICY_LOSSES, get_policy_loss, mismatch_weights
 from distmoe.rl.rollout import train_logprobs
-from tests.rl.conftest import train_small_lookup
 
 BASE = {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 6, "lr": 1e-3, "reward": "task"}
 KEYS = ("reward", "masked_frac_low", "masked_frac_high", "seq_masked_frac", "logp_diff_mean", "logp_diff_max",
@@ -21,7 +20,7 @@ KEYS = ("reward", "masked_frac_low", "masked_frac_high", "seq_masked_frac", "log
 
 
 @pytest.fixture(scope="module")
-def trained():
+def trained(train_small_lookup):
     """The small model after 150 SFT steps on synthetic lookup data (~3-5 s) and 32 prompts (Examples)."""
     t = train_small_lookup()
     model, tok, examples = t["model"], t["tok"], t["examples"]

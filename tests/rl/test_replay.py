@@ -16,11 +16,10 @@ from distmoe.model.build import router_modules
 from distmoe.rl.grpo import _encode, build_engine, run_grpo
 from distmoe.rl.replay import UNRECORDED, replay_routes, replay_weights
 from distmoe.rl.rollout import _record_routes, generate_rollouts, train_logprobs
-from tests.rl.conftest import train_small_lookup
 
 
 @pytest.fixture(scope="module")
-def env():
+def env(train_small_lookup):
     t = train_small_lookup()
     model, tok, examples = t["model"], t["tok"], t["examples"]
     model.eval()

@@ -26,13 +26,12 @@ from distmoe.rl.simulator import (
     r2_score,
     simulated_weights,
 )
-from tests.rl.conftest import train_small_lookup
 
 BIAS_EXPERT, BIAS = 3, 2.0
 
 
 @pytest.fixture(scope="module")
-def env():
+def env(train_small_lookup):
     t = train_small_lookup()
     model, tok, examples = t["model"], t["tok"], t["examples"]
     model.eval()

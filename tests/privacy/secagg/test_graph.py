@@ -7,7 +7,7 @@ correctness conditions met at the chosen degree and not two below), the threshol
 (``check_graph`` and the client refuse a threshold that is not a strict majority of a party's holders
 or exceeds them), exact sums with dropouts at every stage over a sparse graph, restore under another
 graph refused. The config key and a whole run through the party session and the coordinator are in
-``test_secagg_graph_wiring.py``.
+``test_graph_wiring.py``.
 
 Must not: touch the network or ``flwr`` beyond the in-process transport. The graph is hand-written
 because the protocol is (``docs/privacy.md`` §9).

@@ -152,7 +152,7 @@ def test_the_table_lists_every_field_of_every_payload_once():
 
 def test_string_fields_are_what_the_guards_allow():
     """The reply fields that may carry text or bytes, derived from the table: exactly the list the party
-    and server guards kept by hand (``party_side.REPLY_STRINGS``)."""
+    and server guards kept by hand (``party_guard.REPLY_STRINGS``)."""
     assert codec.string_fields("reply") == {"meta": {"payload", "release", "party", "ledger_public_key", "kind",
                                                      "c_pk"},
                                             "keys": {"s_pk", "b_commit"}, "next": {"s_pk", "b_commit"}}

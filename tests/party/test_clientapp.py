@@ -17,9 +17,11 @@ from distmoe.model.trainable import apply_trainable, spec_of, trainable_state
 from distmoe.wire import codec
 from distmoe.wire.schema import EvalReply, ModelUpdate, RouterStats, SftInstruction, StatsInstruction
 
-TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,
-        "model.kv-heads": 1, "model.head-dim": 32, "model.experts": 4, "model.top-k": 2,
-        "privacy.mode": "plaintext"}  # these tests read plain replies; the secure flow is tested below
+
+@pytest.fixture
+def tiny_plain(tiny) -> dict:
+    """The tiny model in plaintext mode: these tests read plain replies; the secure flow is tested below."""
+    return {**tiny, "privacy.mode": "plaintext"}
 
 
 @pytest.fixture(autouse=True)
@@ -53,8 +55,8 @@ def _instruction(payload, node_id: int = 1) -> object:
     return codec.instruction_content(codec.encode(payload), node_id, codec.message_type_of(payload))
 
 
-def test_sft_and_stats_round_trip_through_flower_messages(synth_dirs):
-    run_config = {**TINY, "train.local-steps": 2}
+def test_sft_and_stats_round_trip_through_flower_messages(synth_dirs, tiny_plain):
+    run_config = {**tiny_plain, "train.local-steps": 2}
     weights, spec = _global(run_config)
     ctx = _context(synth_dirs[0], run_config)
     out = sft(_instruction(SftInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash,
@@ -71,22 +73,22 @@ def test_sft_and_stats_round_trip_through_flower_messages(synth_dirs):
     assert np.allclose(st.sums.sum(1), st.sums.sum(1)[0])  # every row sums to the sequence count
 
 
-def test_corrupt_party_file_becomes_an_error_reply_naming_file_and_line(synth_dirs, tmp_path):
+def test_corrupt_party_file_becomes_an_error_reply_naming_file_and_line(synth_dirs, tmp_path, tiny_plain):
     bad = tmp_path / "p0"
     shutil.copytree(synth_dirs[0], bad)
     lines = (bad / "lookup.jsonl").read_text().splitlines()
     lines[4] = '{"instruction": "k1", "output": '
     (bad / "lookup.jsonl").write_text("\n".join(lines) + "\n")
-    weights, spec = _global(TINY)
+    weights, spec = _global(tiny_plain)
     out = sft(_instruction(SftInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash,
-                                          seed=1, anchor=None, anchor_version=0)), _context(bad, TINY))
+                                          seed=1, anchor=None, anchor_version=0)), _context(bad, tiny_plain))
     assert out.has_error()
     assert "lookup.jsonl:5" in out.error.reason and "DataError" in out.error.reason
 
 
-def test_base_model_mismatch_is_refused(synth_dirs):
-    weights, spec = _global(TINY)
-    other = {**TINY, "run.seed": 3, "model.trainable": "router+experts"}
+def test_base_model_mismatch_is_refused(synth_dirs, tiny_plain):
+    weights, spec = _global(tiny_plain)
+    other = {**tiny_plain, "run.seed": 3, "model.trainable": "router+experts"}
     w2, spec2 = _global(other)
     out = evaluate(_instruction(codec.EvalInstruction(round=1, tasks=("lookup",), new_task="lookup", weights=w2,
                                                       base_hash=spec.base_hash, ref_weights=None, anchor=None,
@@ -95,25 +97,25 @@ def test_base_model_mismatch_is_refused(synth_dirs):
     assert spec2.base_hash != spec.base_hash
 
 
-def test_bad_run_config_is_an_error_reply(synth_dirs):
-    weights, spec = _global(TINY)
+def test_bad_run_config_is_an_error_reply(synth_dirs, tiny_plain):
+    weights, spec = _global(tiny_plain)
     out = stats(_instruction(StatsInstruction(round=1, task="", weights=weights, base_hash=spec.base_hash)),
-                _context(synth_dirs[0], {**TINY, "train.batch-size": 0}))
+                _context(synth_dirs[0], {**tiny_plain, "train.batch-size": 0}))
     assert out.has_error() and "train.batch-size" in out.error.reason
 
 
-def test_eval_reply_carries_only_aggregates(synth_dirs):
-    weights, spec = _global(TINY)
-    out = evaluate(_instruction(codec.EvalInstruction(round=1, tasks=("lookup", "arith"), new_task="arith",
-                                                      weights=weights, base_hash=spec.base_hash, ref_weights=weights,
-                                                      anchor=None, anchor_version=0)), _context(synth_dirs[0], TINY))
+def test_eval_reply_carries_only_aggregates(synth_dirs, tiny_plain):
+    weights, spec = _global(tiny_plain)
+    instr = codec.EvalInstruction(round=1, tasks=("lookup", "arith"), new_task="arith", weights=weights,
+                                  base_hash=spec.base_hash, ref_weights=weights, anchor=None, anchor_version=0)
+    out = evaluate(_instruction(instr), _context(synth_dirs[0], tiny_plain))
     rep = codec.decode(out.content, EvalReply)
     assert set(rep.metrics) == {"acc/lookup", "loss/lookup", "n/lookup", "acc/arith", "loss/arith", "n/arith",
                                 "routing_kl", "load_cv", "top1_consistency"}
     assert rep.metrics["top1_consistency"] == 1.0
 
 
-def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path):
+def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path, tiny_plain):
     """Setup, key directory, a router-statistics round and unmask on real Flower Messages, with the
     coordinator's SecAgg server: only masked vectors and shares leave, and the sum decodes."""
     import os
@@ -135,7 +137,7 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path):
         UnmaskResponseMsg,
     )
 
-    run_config = {k: v for k, v in TINY.items() if k != "privacy.mode"}
+    run_config = {k: v for k, v in tiny_plain.items() if k != "privacy.mode"}
     cfg = parse_run_config(run_config)
     z = plan_privacy(cfg.privacy, cfg.schedule).noise_multiplier
     weights, spec = _global(run_config)

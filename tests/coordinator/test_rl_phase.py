@@ -1,4 +1,5 @@
-"""The ``rl`` phase end to end in-process: config, coordinator round, party GRPO, wire, report."""
+"""The ``rl`` phase end to end in-process: coordinator round, party GRPO, wire, report (its config keys:
+tests/config/test_rl_keys.py)."""
 
 from __future__ import annotations
 
@@ -9,49 +10,16 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from distmoe import config as C
-from distmoe.config import ConfigError, NodeConfig, parse_run_config
+from distmoe.config import NodeConfig, parse_run_config
 from distmoe.coordinator import Coordinator
 from distmoe.inprocess import LocalTransport
 from distmoe.report.report import write_report
-from distmoe.rl.losses import POLICY_LOSSES
-from distmoe.rl.rewards import REWARDS
 
-TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,
-        "model.kv-heads": 1, "model.head-dim": 32, "model.experts": 4, "model.top-k": 2}
+pytestmark = pytest.mark.integration  # every test here is a whole in-process run
 
 
-def test_config_lists_match_the_registries():
-    assert set(C.POLICY_LOSSES) == set(POLICY_LOSSES)
-    assert set(C.REWARDS) == set(REWARDS)
-
-
-@pytest.mark.parametrize("key,value,needle", [
-    ("rl.engine", "fp8", "rl.engine"), ("rl.engine", "bf16+prune-x", "prune-<k>"),
-    ("rl.correction", "clip", "icepop"), ("rl.policy-loss", "dpo", "grpo"), ("rl.reward", "bleu", "task"),
-    ("rl.group-size", 1, "rl.group-size"), ("rl.minibatches", 99, "rl.prompts-per-step"),
-    ("rl.icepop-high", 0.5, "rl.icepop-high"), ("schedule.phases", "rl", "needs a task"),
-    ("rl.routing-replay", "yes", "rl.routing-replay"), ("rl.simulator-lb-coef", -0.01, "rl.simulator-lb-coef"),
-])
-def test_rl_config_errors_name_the_key(key, value, needle):
-    with pytest.raises(ConfigError, match=needle.replace("+", r"\+").replace("<", "<")):
-        parse_run_config({key: value})
-
-
-def test_routing_replay_keys_parse_and_exclude_the_simulator():
-    d = parse_run_config({})
-    assert d.rl.routing_replay is False and d.rl.simulator_lb_coef == 0.01
-    for corr in ("none", "tis", "icepop"):  # replay combines with every correction
-        r = parse_run_config({"rl.routing-replay": True, "rl.correction": corr}).rl
-        assert r.routing_replay and r.correction == corr
-    with pytest.raises(ConfigError, match="rl.routing-replay.*rl.simulator"):
-        parse_run_config({"rl.routing-replay": True, "rl.simulator": True})
-    r = parse_run_config({"rl.routing-replay": True, "rl.simulator-lb-coef": 0.2}).rl  # what run_grpo receives
-    assert r.routing_replay and r.simulator_lb_coef == 0.2
-
-
-def test_rl_phase_round_trip(synth_dirs, tmp_path: Path):
-    cfg = parse_run_config({**TINY, "schedule.phases": "sft:lookup, rl:lookup*2, eval", "schedule.sft-rounds": 1,
+def test_rl_phase_round_trip(synth_dirs, tmp_path: Path, tiny):
+    cfg = parse_run_config({**tiny, "schedule.phases": "sft:lookup, rl:lookup*2, eval", "schedule.sft-rounds": 1,
                             "train.local-steps": 4, "rl.steps": 2, "rl.prompts-per-step": 4, "rl.group-size": 2,
                             "rl.max-new-tokens": 4, "rl.engine": "bf16", "checkpoint.keep": 10,
                             "federation.min-available": 2})
@@ -85,8 +53,8 @@ def test_rl_phase_round_trip(synth_dirs, tmp_path: Path):
     assert "RL rounds" in report.read_text() and (run_dir / "report" / "rl.png").exists()
 
 
-def test_rl_phase_with_the_inference_simulator(synth_dirs, tmp_path: Path):
-    cfg = parse_run_config({**TINY, "schedule.phases": "sft:lookup, rl:lookup*1", "schedule.sft-rounds": 1,
+def test_rl_phase_with_the_inference_simulator(synth_dirs, tmp_path: Path, tiny):
+    cfg = parse_run_config({**tiny, "schedule.phases": "sft:lookup, rl:lookup*1", "schedule.sft-rounds": 1,
                             "train.local-steps": 4, "rl.steps": 2, "rl.prompts-per-step": 4, "rl.group-size": 2,
                             "rl.max-new-tokens": 4, "rl.engine": "prune-1", "rl.simulator": True,
                             "rl.simulator-recalibrate-every": 1, "federation.min-available": 2,
@@ -101,8 +69,8 @@ def test_rl_phase_with_the_inference_simulator(synth_dirs, tmp_path: Path):
         assert "sim_r2" in e and "sim_fallback" in e and 0.0 <= e["sim_fallback"] <= 1.0
 
 
-def test_rl_phase_with_routing_replay_reports_it_through_the_secure_sum(synth_dirs, tmp_path: Path):
-    cfg = parse_run_config({**TINY, "schedule.phases": "sft:lookup, rl:lookup*1", "schedule.sft-rounds": 1,
+def test_rl_phase_with_routing_replay_reports_it_through_the_secure_sum(synth_dirs, tmp_path: Path, tiny):
+    cfg = parse_run_config({**tiny, "schedule.phases": "sft:lookup, rl:lookup*1", "schedule.sft-rounds": 1,
                             "train.local-steps": 4, "rl.steps": 2, "rl.prompts-per-step": 4, "rl.group-size": 2,
                             "rl.max-new-tokens": 4, "rl.engine": "prune-1", "rl.routing-replay": True,
                             "federation.min-available": 2})

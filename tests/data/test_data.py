@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -52,11 +51,10 @@ def test_tokenizer_roundtrip_vocab_and_special_ids(tok):
     assert tok.encode("é") == [tok.unk_token_id]
 
 
-def test_tokenizer_is_fast_and_deterministic(tok):
-    t0 = time.perf_counter()
+def test_tokenizer_is_deterministic(tok):
     other = build_default_tokenizer()
-    assert time.perf_counter() - t0 < 0.2
-    assert other.get_vocab() == tok.get_vocab()
+    assert other is not tok and other.get_vocab() == tok.get_vocab()
+    assert other.encode("Compute 7+5 = 12") == tok.encode("Compute 7+5 = 12")
     assert other.chat_template == tok.chat_template
 
 

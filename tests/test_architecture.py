@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("distmoe", "server", "clients")
 RECORD_NAMES = {"ArrayRecord", "MetricRecord", "ConfigRecord", "RecordDict", "Message"}
 CONFIG_ATTRS = {"run_config", "node_config"}

@@ -3,7 +3,7 @@
 Owns: the config key (choices equal to ``secagg.GRAPHS``) and one in-process run (``LocalTransport``: the exact
 party code path) with the Harary graph, checking that the coordinator and every party derived the same sparse
 graph from public facts (the SecAgg run id and the number of invited parties) and its per-neighbourhood threshold.
-The protocol-level graph tests are in ``test_secagg_graph.py``.
+The protocol-level graph tests are in ``test_graph.py``.
 
 Must not: touch the network or start Flower engines.
 """
@@ -28,7 +28,8 @@ def test_config_key():
         parse_run_config({"privacy.secagg-graph": "ring"})
 
 
-def test_a_run_with_the_harary_graph_goes_through_session_and_coordinator(tmp_path: Path, monkeypatch):
+@pytest.mark.integration
+def test_a_run_with_the_harary_graph_goes_through_session_and_coordinator(tmp_path: Path, monkeypatch, tiny_run):
     """5 parties in process with ``privacy.secagg-graph = "harary"``; the degree rule is forced to k = 2 (the
     bound gives the complete graph below 26 parties), so each party masks with 2 of the 4 others."""
     from distmoe.coordinator import Coordinator
@@ -37,12 +38,8 @@ def test_a_run_with_the_harary_graph_goes_through_session_and_coordinator(tmp_pa
     from distmoe.party.session import PartySession
 
     monkeypatch.setattr(G, "harary_degree", lambda n, *a, **kw: 2)
-    tiny = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,
-            "model.kv-heads": 1, "model.head-dim": 32, "model.experts": 4, "model.top-k": 2,
-            "train.local-steps": 2, "train.batch-size": 4, "data.max-eval-examples": 3, "eval.max-new-tokens": 2,
-            "eval.batch-size": 8, "federation.wait-timeout": 1.0, "schedule.phases": "sft:arith, stats:arith, eval",
-            "schedule.sft-rounds": 1, "federation.min-available": 5, "privacy.secagg-graph": "harary"}
-    cfg = parse_run_config(tiny)
+    cfg = parse_run_config({**tiny_run, "schedule.phases": "sft:arith, stats:arith, eval",
+                            "federation.min-available": 5, "privacy.secagg-graph": "harary"})
     dirs = write_synthetic(tmp_path / "data", parties=5, examples_per_task=16, seed=0)
     nodes = {100 + i: parse_node_config({"data-path": str(d), "party-name": d.name,
                                          "work-dir": str(tmp_path / "work" / d.name)}, cfg.sim)

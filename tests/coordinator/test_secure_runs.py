@@ -2,7 +2,7 @@
 
 Three parties run in process (``LocalTransport``: the exact party code path with its outbound guard
 and ledger, the codec records, the server guard), then ``distmoe audit`` judges the run directory.
-The protocol-level matrix (abort cases, uniform masks, tampered shares) is in ``test_secagg.py``.
+The protocol-level matrix (abort cases, uniform masks, tampered shares) is in ``tests/privacy/secagg/test_secagg.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import json
 import math
 import shutil
 import tomllib
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -19,56 +18,19 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from distmoe.audit import audit_run
-from distmoe.config import parse_node_config, parse_run_config
-from distmoe.coordinator import Coordinator, PrivacyStop
+from distmoe.coordinator import PrivacyStop
 from distmoe.data.party import load_party
-from distmoe.data.synth import write_synthetic
-from distmoe.inprocess import LocalTransport
 from distmoe.wire import codec, party_guard
 
-TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,
-        "model.kv-heads": 1, "model.head-dim": 32, "model.experts": 4, "model.top-k": 2,
-        "train.local-steps": 2, "train.batch-size": 4, "data.max-eval-examples": 3, "eval.max-new-tokens": 2,
-        "eval.batch-size": 8, "federation.wait-timeout": 1.0, "schedule.sft-rounds": 1}
-SCHEDULE = "sft:arith, stats:arith, eval"
-IDS = (100, 101, 102)
-
-
-def make_run(tmp: Path, overrides: dict | None = None, node_extra: dict | None = None):
-    """A run directory laid out like ``distmoe simulate``'s: party data and work dirs under work/,
-    node files under nodes/ (where the audit finds each party's canaries.txt)."""
-    run_dir = tmp / "run"
-    dirs = write_synthetic(run_dir / "work" / "data", parties=3, examples_per_task=24, seed=0, canaries=1)
-    cfg = parse_run_config({**TINY, "schedule.phases": SCHEDULE, "federation.min-available": 3, **(overrides or {})})
-    (run_dir / "nodes").mkdir(parents=True)
-    nodes = {}
-    for i, (nid, d) in enumerate(zip(IDS, dirs, strict=True)):
-        nc = {"data-path": str(d), "party-name": d.name, "work-dir": str(run_dir / "work" / d.name),
-              **((node_extra or {}).get(d.name, {}))}
-        (run_dir / "nodes" / f"node-{i}.toml").write_text(
-            "".join(f'{k} = {json.dumps(v)}\n' for k, v in nc.items()))
-        nodes[nid] = parse_node_config(nc, cfg.sim)
-    run_id = f"sec-{uuid.uuid4().hex[:8]}"
-    transport = LocalTransport(cfg, nodes, run_id)
-    lines: list[str] = []
-    coord = Coordinator(cfg, run_dir, transport, run_id, log=lines.append)
-    return coord, transport, run_dir, dirs, lines
+pytestmark = pytest.mark.integration  # every test here judges a whole in-process run
 
 
 def ledger(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x]
 
 
-def releases(run_dir: Path, kind: str) -> list[dict]:
-    return [e for e in ledger(run_dir / "ledger" / "coordinator.jsonl") if e["payload_type"] == f"release:{kind}"]
-
-
-def failed_checks(result) -> set[str]:
-    return {c.name for c in result.checks if c.status == "fail"}
-
-
 @pytest.fixture(scope="module")
-def honest(tmp_path_factory):
+def honest(tmp_path_factory, make_run):
     tmp = tmp_path_factory.mktemp("honest")
     coord, transport, run_dir, dirs, lines = make_run(tmp)
     coord.run()
@@ -76,7 +38,7 @@ def honest(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------ honest run
-def test_honest_run_passes_the_audit(honest):
+def test_honest_run_passes_the_audit(honest, releases):
     run_dir, dirs, lines = honest
     result = audit_run(run_dir)
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
@@ -126,7 +88,8 @@ def _leak(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["text-metric", "hidden-state", "per-sample-grad", "extra-field", "shape-lie"])
-def test_leaky_client_is_blocked_client_side_and_fails_the_audit(tmp_path, monkeypatch, kind):
+def test_leaky_client_is_blocked_client_side_and_fails_the_audit(tmp_path, monkeypatch, kind, make_run, releases,
+                                                                 failed_checks):
     coord, transport, run_dir, _, lines = make_run(tmp_path, {"schedule.phases": "sft:arith, eval"})
     real = codec.encode
     mutate = _leak(kind)
@@ -158,7 +121,7 @@ def test_leaky_client_is_blocked_client_side_and_fails_the_audit(tmp_path, monke
 
 @pytest.mark.parametrize("kind", ["trailing-bytes", "extra-record", "shape-lie", "raw-update", "wrong-dtype",
                                   "oversized"])
-def test_client_bypassing_its_guard_is_rejected_server_side(tmp_path, kind):
+def test_client_bypassing_its_guard_is_rejected_server_side(tmp_path, kind, make_run, releases, failed_checks):
     """What a modified client could send without its guard: the server guard rejects it."""
     coord, transport, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith, eval"})
 
@@ -196,7 +159,7 @@ def test_client_bypassing_its_guard_is_rejected_server_side(tmp_path, kind):
 
 
 # ---------------------------------------------------------------------------------------- noise
-def test_client_that_skips_its_noise_share_fails_noise_presence(tmp_path, monkeypatch):
+def test_client_that_skips_its_noise_share_fails_noise_presence(tmp_path, monkeypatch, make_run, failed_checks):
     coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith", "privacy.noise-canaries": 1024})
     from distmoe.privacy import dp
 
@@ -233,7 +196,7 @@ def test_audit_matches_each_party_canary_scan_to_its_own_list(honest, tmp_path):
 
 
 # --------------------------------------------------------------------------------------- ledgers
-def test_edited_party_ledger_fails_the_audit(honest, tmp_path):
+def test_edited_party_ledger_fails_the_audit(honest, tmp_path, failed_checks):
     run_dir = tmp_path / "run"
     shutil.copytree(honest[0], run_dir)
     path = run_dir / "work" / "party-0" / "ledger" / "party-0.jsonl"
@@ -246,7 +209,7 @@ def test_edited_party_ledger_fails_the_audit(honest, tmp_path):
     assert result.verdict == "fail" and "ledger-integrity" in failed_checks(result)
 
 
-def test_truncated_party_ledger_fails_the_audit(honest, tmp_path):
+def test_truncated_party_ledger_fails_the_audit(honest, tmp_path, failed_checks):
     run_dir = tmp_path / "run"
     shutil.copytree(honest[0], run_dir)
     path = run_dir / "work" / "party-1" / "ledger" / "party-1.jsonl"
@@ -256,7 +219,7 @@ def test_truncated_party_ledger_fails_the_audit(honest, tmp_path):
     assert result.verdict == "fail" and "ledger-integrity" in failed_checks(result)
 
 
-def test_edited_coordinator_release_fails_the_audit(honest, tmp_path):
+def test_edited_coordinator_release_fails_the_audit(honest, tmp_path, failed_checks):
     run_dir = tmp_path / "run"
     shutil.copytree(honest[0], run_dir)
     path = run_dir / "ledger" / "coordinator.jsonl"
@@ -277,7 +240,8 @@ def _train_sequences(d: Path, cfg) -> int:
     (codec.MSG_STATS, ["party-0", "party-1"], ["party-0", "party-1"]),
     (codec.MSG_UNMASK, ["party-0", "party-1", "party-2"], ["party-0", "party-1"]),
 ])
-def test_dropout_at_each_stage_leaves_the_survivors_sum_and_a_passing_audit(tmp_path, stage, included, responders):
+def test_dropout_at_each_stage_leaves_the_survivors_sum_and_a_passing_audit(tmp_path, stage, included, responders,
+                                                                            make_run, releases):
     coord, transport, run_dir, dirs, lines = make_run(tmp_path, {"schedule.phases": "stats:arith"})
     transport.drop = lambda mtype, node: mtype == stage and node == 102
     coord.run()
@@ -302,7 +266,7 @@ def test_dropout_at_each_stage_leaves_the_survivors_sum_and_a_passing_audit(tmp_
         assert "party-2" not in eps or eps["party-2"]["releases"] == 0
 
 
-def test_each_stage_waits_for_its_own_timeout(tmp_path):
+def test_each_stage_waits_for_its_own_timeout(tmp_path, make_run):
     coord, transport, _, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith, eval",
                                                     "federation.setup-timeout": 33.0,
                                                     "federation.round-timeout": 44.0,
@@ -316,7 +280,7 @@ def test_each_stage_waits_for_its_own_timeout(tmp_path):
     (codec.MSG_STATS, ["party-0", "party-1"]),  # trained and masked, the reply too late: not in U2
     (codec.MSG_UNMASK, ["party-0", "party-1", "party-2"]),  # its input is in the sum, its shares came too late
 ])
-def test_straggler_at_a_stage_is_left_out_then_rejoins(tmp_path, stage, in_round_1):
+def test_straggler_at_a_stage_is_left_out_then_rejoins(tmp_path, stage, in_round_1, make_run, releases):
     """A party whose reply misses a stage's timeout (its own state moved on) is left out of that stage;
     the survivors' sum is complete and correct, and the straggler is back in the next round."""
     coord, transport, run_dir, dirs, lines = make_run(tmp_path, {"schedule.phases": "stats:arith, eval, eval"})
@@ -337,7 +301,7 @@ def test_straggler_at_a_stage_is_left_out_then_rejoins(tmp_path, stage, in_round
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
 
 
-def test_too_many_dropouts_release_nothing_and_stop_nothing(tmp_path):
+def test_too_many_dropouts_release_nothing_and_stop_nothing(tmp_path, make_run, releases):
     coord, transport, run_dir, _, lines = make_run(tmp_path, {"schedule.phases": "stats:arith, eval, eval"})
     transport.drop = lambda mtype, node: mtype == codec.MSG_STATS and node in (101, 102)
     coord.run()
@@ -352,7 +316,7 @@ def test_too_many_dropouts_release_nothing_and_stop_nothing(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- budgets
-def test_party_budget_refuses_its_release_before_anything_leaves(tmp_path):
+def test_party_budget_refuses_its_release_before_anything_leaves(tmp_path, make_run, releases):
     coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith"},
                                        node_extra={"party-0": {"epsilon-max": 0.5}})
     coord.run()
@@ -366,7 +330,7 @@ def test_party_budget_refuses_its_release_before_anything_leaves(tmp_path):
     assert audit_run(run_dir).verdict == "pass"
 
 
-def test_server_stops_before_a_release_over_budget(tmp_path, monkeypatch):
+def test_server_stops_before_a_release_over_budget(tmp_path, monkeypatch, make_run, releases):
     coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith, stats:arith"})
     from distmoe.coordinator import secagg as rounds
     from distmoe.privacy.accountant import Accountant
@@ -389,7 +353,7 @@ def test_server_stops_before_a_release_over_budget(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------- plaintext
-def test_plaintext_run_fails_the_audit(tmp_path):
+def test_plaintext_run_fails_the_audit(tmp_path, make_run, failed_checks):
     coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith, stats:arith",
                                                   "privacy.mode": "plaintext"})
     coord.run()
@@ -397,7 +361,7 @@ def test_plaintext_run_fails_the_audit(tmp_path):
     assert result.verdict == "fail" and "no-plaintext" in failed_checks(result)
 
 
-def test_client_level_dp_on_updates_is_accounted_and_audited(tmp_path):
+def test_client_level_dp_on_updates_is_accounted_and_audited(tmp_path, make_run, releases):
     coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith, stats:arith",
                                                   "privacy.update-noise-multiplier": 5.0})
     coord.run()
@@ -412,7 +376,8 @@ def test_client_level_dp_on_updates_is_accounted_and_audited(tmp_path):
     assert all(v["releases"] == 2 for v in result.epsilon.values())  # the update and the statistics
 
 
-def test_dp_update_with_data_dependent_weights_fails_the_audit(tmp_path, monkeypatch):
+def test_dp_update_with_data_dependent_weights_fails_the_audit(tmp_path, monkeypatch, make_run, releases,
+                                                               failed_checks):
     """A build that weights DP updates by dataset size again (the weight sum then leaves exact)."""
     from distmoe.privacy.vectors import UpdateLayout
 
@@ -437,7 +402,7 @@ def _errors_of(run_dir: Path) -> list[dict]:
             if json.loads(x).get("event") == "party_error"]
 
 
-def test_a_refusal_travels_as_guarded_text_anchored_in_the_coordinator_ledger(tmp_path):
+def test_a_refusal_travels_as_guarded_text_anchored_in_the_coordinator_ledger(tmp_path, make_run):
     coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith"},
                                        node_extra={"party-0": {"epsilon-max": 0.5}})
     coord.run()
@@ -467,7 +432,8 @@ def _replace_reply(monkeypatch, transport, node: int, mtype: str, reply):
 
 
 @pytest.mark.parametrize("kind", ["oversized", "unanchored", "forged-head"])
-def test_error_text_that_did_not_pass_a_party_guard_is_not_kept(tmp_path, monkeypatch, kind):
+def test_error_text_that_did_not_pass_a_party_guard_is_not_kept(tmp_path, monkeypatch, kind, make_run, releases,
+                                                                failed_checks):
     """An error reply is the only free text a party sends: oversized or non-ASCII text (with a head) is
     rejected, and text without a ledger head is logged by size and hash only; a canary in it never
     reaches a file on the server side."""
@@ -496,7 +462,8 @@ def test_error_text_that_did_not_pass_a_party_guard_is_not_kept(tmp_path, monkey
 
 
 @pytest.mark.parametrize("code,kept", [(5, True), (1, False)])
-def test_the_superlinks_own_node_unavailable_error_is_kept_a_party_text_is_not(tmp_path, monkeypatch, code, kept):
+def test_the_superlinks_own_node_unavailable_error_is_kept_a_party_text_is_not(tmp_path, monkeypatch, code, kept,
+                                                                               make_run):
     from flwr.server.superlink.linkstate.utils import NODE_UNAVAILABLE_ERROR_REASON
 
     coord, transport, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith"})

@@ -14,7 +14,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_secure_runs import failed_checks, make_run, releases
 
 from distmoe.aggregate import aggregate_problem, divergent_updates, eval_sum_problem, stats_sum_problem
 from distmoe.audit import audit_run
@@ -89,7 +88,9 @@ def _weights_of(coord) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in coord.s.weights.items()}
 
 
-def test_unclipped_update_under_secagg_is_rejected_and_the_model_untouched(tmp_path, monkeypatch):
+@pytest.mark.integration
+def test_unclipped_update_under_secagg_is_rejected_and_the_model_untouched(tmp_path, monkeypatch, make_run, releases,
+                                                                           failed_checks):
     coord, _, run_dir, _, lines = make_run(tmp_path, {"schedule.phases": "sft:arith, eval",
                                                       "privacy.update-clip": 1.0})
     _blow_up(monkeypatch, "party-1", 1e4, clip=False)
@@ -113,7 +114,8 @@ def test_unclipped_update_under_secagg_is_rejected_and_the_model_untouched(tmp_p
     assert "no-blocked" in failed_checks(audit_run(run_dir))
 
 
-def test_rejected_round_stops_the_run_when_configured(tmp_path, monkeypatch):
+@pytest.mark.integration
+def test_rejected_round_stops_the_run_when_configured(tmp_path, monkeypatch, make_run, releases):
     coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith, eval", "privacy.update-clip": 1.0,
                                                   "federation.on-round-failure": "stop"})
     _blow_up(monkeypatch, "party-1", 1e4, clip=False)
@@ -124,7 +126,8 @@ def test_rejected_round_stops_the_run_when_configured(tmp_path, monkeypatch):
     assert releases(run_dir, "eval") == []
 
 
-def test_too_many_dropouts_stop_the_run_when_configured(tmp_path):
+@pytest.mark.integration
+def test_too_many_dropouts_stop_the_run_when_configured(tmp_path, make_run, releases):
     coord, transport, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith, eval",
                                                           "federation.on-round-failure": "stop"})
     from distmoe.wire import codec
@@ -135,7 +138,8 @@ def test_too_many_dropouts_stop_the_run_when_configured(tmp_path):
     assert releases(run_dir, "router-stats") == []
 
 
-def test_plaintext_outlier_update_is_rejected_by_the_norm_ratio(tmp_path, monkeypatch):
+@pytest.mark.integration
+def test_plaintext_outlier_update_is_rejected_by_the_norm_ratio(tmp_path, monkeypatch, make_run, releases):
     coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith", "privacy.mode": "plaintext"})
     _blow_up(monkeypatch, "party-2", 1e3, clip=True)
     coord.run()
@@ -147,7 +151,8 @@ def test_plaintext_outlier_update_is_rejected_by_the_norm_ratio(tmp_path, monkey
     assert any(e["party"] == "party-2" and "max-norm-ratio" in e["reason"] for e in errors)
 
 
-def test_non_finite_aggregate_loss_is_flagged_in_record_and_report(tmp_path, monkeypatch):
+@pytest.mark.integration
+def test_non_finite_aggregate_loss_is_flagged_in_record_and_report(tmp_path, monkeypatch, make_run):
     coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith"})
     real = P.run_sft
 
@@ -168,7 +173,8 @@ def test_non_finite_aggregate_loss_is_flagged_in_record_and_report(tmp_path, mon
     assert "## Anomalies" in md and "non-finite" in md
 
 
-def test_loss_spike_beyond_the_rolling_z_score_is_flagged(tmp_path):
+@pytest.mark.integration
+def test_loss_spike_beyond_the_rolling_z_score_is_flagged(tmp_path, make_run):
     coord, _, run_dir, _, _ = make_run(tmp_path, {"federation.anomaly-z": 4.0})
     run_dir.mkdir(parents=True, exist_ok=True)
     for v in (2.0, 1.9, 1.95, 1.85, 1.9):
@@ -179,6 +185,7 @@ def test_loss_spike_beyond_the_rolling_z_score_is_flagged(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ bad data
+@pytest.mark.integration
 @pytest.mark.parametrize("content,needle", [
     ('{"instruction": "Compute", "input": "1+1", "output": "2"}\n{"instruction": "x", "output": 3}\n',
      "arith.jsonl:2: field 'output': expected a string"),
@@ -186,7 +193,7 @@ def test_loss_spike_beyond_the_rolling_z_score_is_flagged(tmp_path):
     ("not json at all\n", "arith.jsonl:1"),
     ("", "arith.jsonl"),
 ])
-def test_bad_party_data_is_refused_at_setup_naming_file_line_and_field(tmp_path, content, needle):
+def test_bad_party_data_is_refused_at_setup_naming_file_line_and_field(tmp_path, content, needle, make_run, releases):
     coord, _, run_dir, dirs, _ = make_run(tmp_path, {"schedule.phases": "sft:arith, eval",
                                                      "federation.min-available": 2})
     (dirs[2] / "arith.jsonl").write_text(content)
@@ -202,8 +209,9 @@ def test_bad_party_data_is_refused_at_setup_naming_file_line_and_field(tmp_path,
     assert sorted(upd["info"]["included"]) == ["party-0", "party-1"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["nan", "inf", "wrong-shape", "wrong-dtype", "trailing-bytes", "oversized"])
-def test_broken_plaintext_update_is_rejected_logged_and_never_applied(tmp_path, kind):
+def test_broken_plaintext_update_is_rejected_logged_and_never_applied(tmp_path, kind, make_run, releases):
     """Plaintext mode (the baseline): a party that bypasses its guard sends a broken update; the server
     rejects it (guard or update check), logs it, aggregates the others and goes on."""
     from flwr.app import Array

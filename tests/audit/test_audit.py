@@ -1,7 +1,7 @@
 """The privacy audit (``distmoe audit``) on synthetic run directories written with the real signed ledger.
 
 Each failure test breaks one thing in an otherwise honest run and asserts that exactly the check meant to
-catch it fails. Run: ``python -m pytest tests/privacy/test_audit.py -q``.
+catch it fails. Run: ``python -m pytest tests/audit/test_audit.py -q``.
 """
 
 from __future__ import annotations

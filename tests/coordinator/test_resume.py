@@ -29,47 +29,21 @@ from safetensors.torch import load_file
 from distmoe.audit import audit_run
 from distmoe.config import parse_node_config, parse_run_config
 from distmoe.coordinator import Coordinator, RunFailed
-from distmoe.data.synth import write_synthetic
 from distmoe.inprocess import LocalTransport
 from distmoe.ledger import verify_ledger
 from distmoe.party.session import PartySession, SessionError
 from distmoe.privacy.accountant import Accountant
 from distmoe.wire.schema import SetupRequest
 
-TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,
-        "model.kv-heads": 1, "model.head-dim": 32, "model.experts": 4, "model.top-k": 2,
-        "train.local-steps": 2, "train.batch-size": 4, "data.max-eval-examples": 3, "eval.max-new-tokens": 2,
-        "eval.batch-size": 8, "federation.wait-timeout": 1.0, "schedule.sft-rounds": 1,
-        "federation.min-available": 3}
 # new task at round 3 (reference weights and baseline for retention), eval after the crash point
 EXACT = "sft:arith, eval, sft:lookup*2, eval"
 ANCHORED = "sft:arith, stats:arith, sft:arith, eval"
 SHORT = "sft:arith, eval, sft:lookup, eval"
-IDS = (100, 101, 102)
 ROOT = Path(__file__).resolve().parents[2]
 
 
 class Killed(Exception):
     """The coordinator process dies here (raised from inside the transport)."""
-
-
-def make_run(tmp: Path, schedule: str, data_from: Path | None = None, **overrides):
-    """Party data, work dirs and node files laid out like ``distmoe simulate``'s (as in test_secure_runs).
-    ``data_from``: copy that run's party data (the planted canaries are fresh random strings each time)."""
-    run_dir = tmp / "run"
-    if data_from is None:
-        dirs = write_synthetic(run_dir / "work" / "data", parties=3, examples_per_task=24, seed=0, canaries=1)
-    else:
-        shutil.copytree(data_from / "work" / "data", run_dir / "work" / "data")
-        dirs = sorted(p for p in (run_dir / "work" / "data").iterdir() if p.is_dir())
-    cfg = parse_run_config({**TINY, "schedule.phases": schedule, **overrides})
-    (run_dir / "nodes").mkdir(parents=True)
-    nodes = {}
-    for i, (nid, d) in enumerate(zip(IDS, dirs, strict=True)):
-        nc = {"data-path": str(d), "party-name": d.name, "work-dir": str(run_dir / "work" / d.name)}
-        (run_dir / "nodes" / f"node-{i}.toml").write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in nc.items()))
-        nodes[nid] = parse_node_config(nc, cfg.sim)
-    return cfg, nodes, run_dir, f"res-{uuid.uuid4().hex[:8]}"
 
 
 def coordinator(cfg, nodes, run_dir, run_id, lines, *, kill=None):
@@ -129,13 +103,13 @@ def audit_failures(run_dir: Path) -> list[str]:
 
 # ----------------------------------------------------------------------------- exact: kill mid-round
 @pytest.fixture(scope="module")
-def exact(tmp_path_factory):
+def exact(tmp_path_factory, lay_out_run):
     """An uninterrupted run, and the same run killed in round 4 at the unmask stage, then resumed under a
     new transport (Flower) run id, as ``flwr run`` gives a resumed run."""
-    ref_cfg, ref_nodes, ref_dir, ref_id = make_run(tmp_path_factory.mktemp("ref"), EXACT)
+    ref_cfg, ref_nodes, ref_dir, ref_id = lay_out_run(tmp_path_factory.mktemp("ref"), EXACT)
     coordinator(ref_cfg, ref_nodes, ref_dir, ref_id, [])[0].run()
 
-    cfg, nodes, run_dir, run_id = make_run(tmp_path_factory.mktemp("crash"), EXACT, data_from=ref_dir)
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path_factory.mktemp("crash"), EXACT, data_from=ref_dir)
     lines: list[str] = []
     # round 4's unmask: 3 unmask requests each in rounds 1, 3 (sft) and 2 (eval); the 10th is round 4's first
     coord, _ = coordinator(cfg, nodes, run_dir, run_id, lines, kill=at_nth("query.unmask", 10))
@@ -153,6 +127,7 @@ def exact(tmp_path_factory):
             "lines": lines, "lines2": lines2, "coord2": coord2}
 
 
+@pytest.mark.integration
 def test_killed_mid_round_resumes_to_the_uninterrupted_model(exact):
     ref, got = final_weights(exact["ref_dir"]), final_weights(exact["run_dir"])
     assert set(ref) == set(got)
@@ -170,6 +145,7 @@ def test_killed_mid_round_resumes_to_the_uninterrupted_model(exact):
     assert [x.split("|")[1].strip() for x in rounds] == ["round 4/5", "round 5/5"]
 
 
+@pytest.mark.integration
 def test_resumed_run_keeps_retention_state_and_metrics(exact):
     """Round 5's evaluation uses the reference weights and the baseline restored from the checkpoint:
     its metrics equal the uninterrupted run's; the lost round's lines moved to metrics.lost.jsonl."""
@@ -194,6 +170,7 @@ def test_resumed_run_keeps_retention_state_and_metrics(exact):
     assert [e["round"] for e in rows if e.get("event") == "train"] == [1, 3, 4]
 
 
+@pytest.mark.integration
 def test_ledger_chain_continues_and_the_audit_passes(exact):
     run_dir = exact["run_dir"]
     led = coord_ledger(run_dir)
@@ -209,6 +186,7 @@ def test_ledger_chain_continues_and_the_audit_passes(exact):
     assert audit_failures(run_dir) == []
 
 
+@pytest.mark.integration
 def test_accountants_include_the_releases_before_the_crash(exact):
     """Privacy spent stays spent: the server's and each party's accountant hold every DP release of the
     ledger, before and after the restart (the eval releases carry no DP; the updates none without noise)."""
@@ -229,12 +207,12 @@ def test_accountants_include_the_releases_before_the_crash(exact):
 
 # ----------------------------------------------------------------------------- DP: anchor and budget
 @pytest.fixture(scope="module")
-def anchored(tmp_path_factory):
+def anchored(tmp_path_factory, lay_out_run):
     """Stats with distributed DP, killed in round 3 (sft) after the anchor was built; the latest checkpoint
     (round 2) is then truncated, so the resume falls back to round 1 and re-runs the stats round."""
     # z = 3: two router-stats releases fit in the budget (with the derived z one release spends it all:
     # see test_a_release_lost_in_the_crash_stays_charged_at_the_parties)
-    cfg, nodes, run_dir, run_id = make_run(tmp_path_factory.mktemp("anch"), ANCHORED,
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path_factory.mktemp("anch"), ANCHORED,
                                            **{"privacy.noise-multiplier": 3.0})
     coord, _ = coordinator(cfg, nodes, run_dir, run_id, [], kill=at_nth("train.sft", 5))  # round 3, 2nd party
     with pytest.raises(Killed):
@@ -250,6 +228,7 @@ def anchored(tmp_path_factory):
             "coord": coord2}
 
 
+@pytest.mark.integration
 def test_truncated_checkpoint_falls_back_with_a_warning(anchored):
     run_dir, rec = anchored["run_dir"], anchored["record"]
     assert rec["status"] == "completed"
@@ -270,6 +249,7 @@ def test_truncated_checkpoint_falls_back_with_a_warning(anchored):
     assert state["round"] == 4 and state["anchor"]["version"] == 1 and state["trained_tasks"] == ["arith"]
 
 
+@pytest.mark.integration
 def test_fallback_never_rolls_back_privacy(anchored):
     """Both router-stats releases (before the crash, and the re-run after the fallback) are charged, by the
     server, by every party, and by the audit's own recomputation."""
@@ -289,12 +269,13 @@ def test_fallback_never_rolls_back_privacy(anchored):
     assert {p: row["releases"] for p, row in res.epsilon.items()} == {f"party-{i}": 2 for i in range(3)}
 
 
-def test_the_anchor_is_restored_from_the_checkpoint(tmp_path):
+@pytest.mark.integration
+def test_the_anchor_is_restored_from_the_checkpoint(tmp_path, lay_out_run):
     """Killed in the final eval round: the resume restores anchor v1 (probabilities and metadata) from the
     round-3 checkpoint, equal to the saved anchors/round-2 file, and the eval runs against it."""
     from distmoe.routing.anchor import load_anchor
 
-    cfg, nodes, run_dir, run_id = make_run(tmp_path, ANCHORED, **{"privacy.noise-multiplier": 3.0})
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path, ANCHORED, **{"privacy.noise-multiplier": 3.0})
     coord, _ = coordinator(cfg, nodes, run_dir, run_id, [], kill=at_nth("evaluate", 2))
     with pytest.raises(Killed):
         coord.run()
@@ -307,11 +288,12 @@ def test_the_anchor_is_restored_from_the_checkpoint(tmp_path):
     assert [(e["round"], e["anchor_version"]) for e in ev] == [(4, 1)] and ev[0]["routing_kl"] is not None
 
 
-def test_a_release_lost_in_the_crash_stays_charged_at_the_parties(tmp_path):
+@pytest.mark.integration
+def test_a_release_lost_in_the_crash_stays_charged_at_the_parties(tmp_path, lay_out_run):
     """With the derived noise the schedule's one router-stats release spends the whole budget. The model
     falls back past that release (its checkpoint is corrupted); re-running the stats round is then refused
     by every party before anything leaves: the accountants carried over, privacy spent stays spent."""
-    cfg, nodes, run_dir, run_id = make_run(tmp_path, "stats:arith, sft:arith, eval")
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path, "stats:arith, sft:arith, eval")
     coord, _ = coordinator(cfg, nodes, run_dir, run_id, [], kill=at_nth("train.sft", 2))
     with pytest.raises(Killed):
         coord.run()
@@ -328,10 +310,11 @@ def test_a_release_lost_in_the_crash_stays_charged_at_the_parties(tmp_path):
     assert audit_failures(run_dir) == []
 
 
-def test_killed_during_the_secure_aggregation_setup(tmp_path):
+@pytest.mark.integration
+def test_killed_during_the_secure_aggregation_setup(tmp_path, lay_out_run):
     """Killed before the setup finished (no accountant state yet, nothing released): the resume runs the
     whole schedule from round 0 under the same ledger chain, and the audit passes."""
-    cfg, nodes, run_dir, run_id = make_run(tmp_path, "sft:arith, eval")
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path, "sft:arith, eval")
     coord, _ = coordinator(cfg, nodes, run_dir, run_id, [], kill=at_nth("query.directory", 2))
     with pytest.raises(Killed):
         coord.run()
@@ -346,44 +329,43 @@ def test_killed_during_the_secure_aggregation_setup(tmp_path):
 
 # ----------------------------------------------------------------------------- a real kill (SIGKILL)
 KILL_SCRIPT = """
-import json, os, signal, sys
+import json, os, signal, tomllib
 from pathlib import Path
-sys.path.insert(0, {tests!r})
 import torch
 torch.set_num_threads(1)
 import distmoe.checkpoint as ck
-from test_resume import make_run, coordinator
-cfg, nodes, run_dir, run_id = make_run(Path({tmp!r}), {schedule!r})
-Path({tmp!r}, "ids.json").write_text(json.dumps({{"run_id": run_id}}))
+from distmoe.config import parse_node_config, parse_run_config
+from distmoe.coordinator import Coordinator
+from distmoe.inprocess import LocalTransport
+cfg = parse_run_config(json.loads({flat!r}))
+run_dir, run_id = Path({run_dir!r}), {run_id!r}
+nodes = {{nid: parse_node_config(tomllib.loads(f.read_text()), cfg.sim)
+         for nid, f in zip({ids!r}, sorted((run_dir / "nodes").glob("node-*.toml")), strict=True)}}
 real = ck._fsync_tree
 def fsync_then_die(root):
     if root.name.startswith(".tmp-round-{kill_round}-"):
         os.kill(os.getpid(), signal.SIGKILL)  # every file of the checkpoint written, nothing renamed yet
     real(root)
 ck._fsync_tree = fsync_then_die
-coordinator(cfg, nodes, run_dir, run_id, [])[0].run()
+Coordinator(cfg, run_dir, LocalTransport(cfg, nodes, run_id), run_id, log=lambda s: None).run()
 """
 
 
-def test_sigkill_during_a_checkpoint_write_then_resume(tmp_path):
+@pytest.mark.integration
+def test_sigkill_during_a_checkpoint_write_then_resume(tmp_path, lay_out_run):
     """A SIGKILL inside the round-3 checkpoint write (after its files, before the rename): no handler
     runs, so run.json still says running and the ledger has no run-end; the resume removes the half-written
     directory, continues from round 2 and the audit passes."""
-    script = KILL_SCRIPT.format(tests=str(ROOT / "tests" / "unit"), tmp=str(tmp_path), schedule=SHORT,
-                                kill_round=3)
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path, SHORT)
+    script = KILL_SCRIPT.format(flat=json.dumps(cfg.as_flat()), run_dir=str(run_dir), run_id=run_id,
+                                ids=sorted(nodes), kill_round=3)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-2000:]
-    run_dir = tmp_path / "run"
-    run_id = json.loads((tmp_path / "ids.json").read_text())["run_id"]
     assert json.loads((run_dir / "run.json").read_text())["status"] == "running"
     assert list((run_dir / "checkpoints").glob(".tmp-round-3-*")), "the kill left a half-written checkpoint"
     assert coord_ledger(run_dir)[-1]["payload_type"] != "run-end"
-    cfg = parse_run_config({**TINY, "schedule.phases": SHORT})
-    nodes = {nid: parse_node_config({"data-path": str(run_dir / "work" / "data" / f"party-{i}"),
-                                     "party-name": f"party-{i}", "work-dir": str(run_dir / "work" / f"party-{i}")},
-                                    cfg.sim) for i, nid in enumerate(IDS)}
     lines: list[str] = []
     rec = coordinator(resumed_cfg(cfg, run_dir), nodes, run_dir, run_id, lines)[0].run()
     assert rec["status"] == "completed" and rec["resumes"][0]["round"] == 2
@@ -395,9 +377,10 @@ def test_sigkill_during_a_checkpoint_write_then_resume(tmp_path):
 
 
 # ----------------------------------------------------------------------------- refusals
-def test_resume_refuses_a_completed_run_and_a_changed_config(exact):
+@pytest.mark.integration
+def test_resume_refuses_a_completed_run_and_a_changed_config(exact, tiny_run):
     run_dir = exact["run_dir"]
-    cfg = parse_run_config({**TINY, "schedule.phases": EXACT, "run.resume": str(run_dir)})
+    cfg = parse_run_config({**tiny_run, "schedule.phases": EXACT, "run.resume": str(run_dir)})
     with pytest.raises(RunFailed, match="already completed"):
         Coordinator(cfg, run_dir, LocalTransport(cfg, {}, "x"), "x", log=lambda s: None).run()
     rec = json.loads((run_dir / "run.json").read_text())
@@ -417,7 +400,8 @@ def test_resume_refuses_a_completed_run_and_a_changed_config(exact):
         (run_dir / "run.json").write_text(json.dumps(rec))
 
 
-def test_resume_refuses_a_ledger_that_does_not_verify_or_a_foreign_key(exact, tmp_path):
+@pytest.mark.integration
+def test_resume_refuses_a_ledger_that_does_not_verify_or_a_foreign_key(exact, tmp_path, tiny_run):
     """Checked before anything is written: an edited ledger entry, or a coordinator key that is not the one
     that signed the chain, refuses the resume and leaves the run directory as it was."""
     from distmoe.ledger import generate_signing_key
@@ -426,7 +410,7 @@ def test_resume_refuses_a_ledger_that_does_not_verify_or_a_foreign_key(exact, tm
     shutil.copytree(exact["run_dir"], run_dir)
     rec = json.loads((run_dir / "run.json").read_text())
     (run_dir / "run.json").write_text(json.dumps({**rec, "status": "failed"}))
-    cfg = parse_run_config({**TINY, "schedule.phases": EXACT, "run.resume": str(run_dir)})
+    cfg = parse_run_config({**tiny_run, "schedule.phases": EXACT, "run.resume": str(run_dir)})
     lpath = run_dir / "ledger" / "coordinator.jsonl"
     good = lpath.read_text()
     lines = good.splitlines(keepends=True)
@@ -442,18 +426,19 @@ def test_resume_refuses_a_ledger_that_does_not_verify_or_a_foreign_key(exact, tm
     assert not list((run_dir / "checkpoints").glob("corrupt-*")) and lpath.read_text() == good
 
 
-def test_resume_refuses_a_directory_that_is_not_a_run(tmp_path):
-    cfg = parse_run_config({**TINY, "run.resume": str(tmp_path)})
+def test_resume_refuses_a_directory_that_is_not_a_run(tmp_path, tiny_run):
+    cfg = parse_run_config({**tiny_run, "run.resume": str(tmp_path)})
     with pytest.raises(RunFailed, match="run.json does not exist"):
         Coordinator(cfg, tmp_path, LocalTransport(cfg, {}, "x"), "x", log=lambda s: None).run()
 
 
 # ----------------------------------------------------------------------------- parties
-def test_party_refuses_a_repeated_setup_epoch_and_keeps_its_accountant(anchored, tmp_path):
+@pytest.mark.integration
+def test_party_refuses_a_repeated_setup_epoch_and_keeps_its_accountant(anchored, tmp_path, tiny_run):
     """A setup for an epoch this session already agreed to is refused (keys are agreed once per epoch); a
     higher epoch of the same logical run, under a new Flower run id, keeps the accountant."""
     run_dir, run_id = anchored["run_dir"], anchored["run_id"]
-    cfg = parse_run_config({**TINY, "schedule.phases": ANCHORED, "privacy.noise-multiplier": 3.0})
+    cfg = parse_run_config({**tiny_run, "schedule.phases": ANCHORED, "privacy.noise-multiplier": 3.0})
     work = tmp_path / "work" / "party-1"
     shutil.copytree(run_dir / "work" / "party-1", work)  # the fixture's run stays untouched
     node = parse_node_config({"data-path": str(run_dir / "work" / "data" / "party-1"), "party-name": "party-1",
@@ -475,10 +460,11 @@ def test_party_refuses_a_repeated_setup_epoch_and_keeps_its_accountant(anchored,
     assert len(other.accountant.events) == 0
 
 
-def test_a_party_that_restarts_rejoins_without_cleanup(tmp_path):
+@pytest.mark.integration
+def test_a_party_that_restarts_rejoins_without_cleanup(tmp_path, lay_out_run):
     """A party down for round 2 (its process died; its state files stay) is left out of that round only
     and is included again from round 3 on, with nothing removed by hand."""
-    cfg, nodes, run_dir, run_id = make_run(tmp_path, "sft:arith*4", **{"federation.min-available": 2})
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path, "sft:arith*4", **{"federation.min-available": 2})
     lines: list[str] = []
     coord, transport = coordinator(cfg, nodes, run_dir, run_id, lines)
 
@@ -502,7 +488,7 @@ def test_a_party_that_restarts_rejoins_without_cleanup(tmp_path):
 
 # ----------------------------------------------------------------------------- Simulation Engine
 @pytest.mark.slow
-def test_simulate_resume_continues_an_interrupted_simulation(tmp_path):
+def test_simulate_resume_continues_an_interrupted_simulation(tmp_path, tiny_run):
     """``distmoe simulate`` interrupted in round 2 (SIGINT: it stops every Flower/Ray process it started, so
     the ServerApp dies mid-round), then ``distmoe simulate --resume RUN_DIR`` on a fresh local SuperLink
     (a new Flower run id) finishes the schedule; the audit passes on the resumed run."""
@@ -510,7 +496,7 @@ def test_simulate_resume_continues_an_interrupted_simulation(tmp_path):
     from distmoe.simulate import SimOptions, SimulationError, processes_with_token, run
 
     conf = tmp_path / "tiny.toml"
-    conf.write_text(to_toml({**{k: v for k, v in TINY.items() if k != "federation.wait-timeout"},
+    conf.write_text(to_toml({**{k: v for k, v in tiny_run.items() if k != "federation.wait-timeout"},
                              "schedule.phases": "sft:arith*3, eval", "data.synth-examples": 20,
                              "federation.wait-timeout": 60.0}))
     exe = Path(sys.executable).parent / "distmoe"
