@@ -39,6 +39,14 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(dfd)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """Write every byte (a short write is finished, never left torn), then fsync."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)
+
+
 def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int | None = None,
                  replace: bool = True) -> None:
     """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one, never a part.
@@ -54,10 +62,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int | None 
         try:
             if mode is not None:
                 os.fchmod(fd, mode)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
+            _write_all(fd, data)
         finally:
             os.close(fd)
         if replace:
@@ -109,9 +114,6 @@ def append_durable(path: str | os.PathLike[str], data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
+        _write_all(fd, data)
     finally:
         os.close(fd)

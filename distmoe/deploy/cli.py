@@ -42,31 +42,32 @@ def _emit(cmds: list[dc.FlowerCommand], note: str = "") -> int:
     return 0
 
 
-def cmd_deploy_superlink(args) -> int:
+def _one(args, build, note: str) -> int:
+    """Build one command (``CredentialsError`` -> exit 1), run it with ``--exec``, print it and ``note``."""
     try:
-        cmd = dc.superlink_command(args.credentials, host=args.host, port=args.port, database=args.database,
-                                   flwr_home=args.flwr_home,
-                                   runtime_dependency_installation=args.allow_runtime_dependency_installation)
+        cmd = build()
         if args.exec:
             cmd.exec()
     except cr.CredentialsError as exc:
         return _fail(exc)
-    return _emit([cmd], "# next: 'distmoe deploy connection' for the flwr CLI, then 'distmoe deploy register'. "
-                        "Use --host 0.0.0.0 when data owners connect from other machines.")
+    return _emit([cmd], note)
+
+
+def cmd_deploy_superlink(args) -> int:
+    return _one(args, lambda: dc.superlink_command(
+        args.credentials, host=args.host, port=args.port, database=args.database, flwr_home=args.flwr_home,
+        runtime_dependency_installation=args.allow_runtime_dependency_installation),
+        "# next: 'distmoe deploy connection' for the flwr CLI, then 'distmoe deploy register'. "
+        "Use --host 0.0.0.0 when data owners connect from other machines.")
 
 
 def cmd_deploy_supernode(args) -> int:
-    try:
-        cmd = dc.supernode_command(args.credentials, superlink=args.superlink, data_path=args.data_path,
-                                   party_name=args.party_name, host=args.host, port=args.port,
-                                   work_dir=args.work_dir, epsilon_max=args.epsilon_max, model_path=args.model_path,
-                                   flwr_home=args.flwr_home)
-        if args.exec:
-            cmd.exec()
-    except cr.CredentialsError as exc:
-        return _fail(exc)
-    return _emit([cmd], "# the coordinator must have registered this SuperNode's public key "
-                        "(supernode.pub) first; otherwise Flower refuses it (exit code 305)")
+    return _one(args, lambda: dc.supernode_command(
+        args.credentials, superlink=args.superlink, data_path=args.data_path, party_name=args.party_name,
+        host=args.host, port=args.port, work_dir=args.work_dir, epsilon_max=args.epsilon_max,
+        model_path=args.model_path, flwr_home=args.flwr_home),
+        "# the coordinator must have registered this SuperNode's public key (supernode.pub) first; otherwise "
+        "Flower refuses it (exit code 305)")
 
 
 def cmd_deploy_register(args) -> int:

@@ -476,33 +476,28 @@ def _rl_table(run: _Run) -> list[str]:
     return ["## RL rounds (aggregate)", "", note, "", *_table(head, rows), "", "![rl](rl.png)", ""]
 
 
+def _plot_per_task(ax, agg, tasks: list[str], metric: str) -> int:
+    """One line per task of ``<metric>/<task>``; returns how many were drawn."""
+    drawn = 0
+    for i, t in enumerate(tasks):
+        xs, ys = _series(agg, f"{metric}/{t}")
+        if xs:
+            ax.plot(xs, ys, marker=_marker(len(xs)), markersize=4, linewidth=1.5, color=f"C{i % 10}", label=t)
+            drawn += 1
+    return drawn
+
+
 def _plot_tasks(run: _Run, tasks: list[str], path: Path) -> None:
     fig, (ax_acc, ax_ret) = _figure(FIGSIZE_WIDE, 2)
     agg = run.agg_evals()
-    drawn = 0
-    for i, t in enumerate(tasks):
-        xs, ys = _series(agg, f"acc/{t}")
-        if xs:
-            ax_acc.plot(
-                xs, ys, marker=_marker(len(xs)), markersize=4, linewidth=1.5, color=f"C{i % 10}", label=t
-            )
-            drawn += 1
-    if drawn:
+    if _plot_per_task(ax_acc, agg, tasks, "acc"):
         _style(ax_acc, "Accuracy per task (aggregate)", "accuracy", _rounds(agg))
         ax_acc.set_ylim(-0.02, 1.05)
         _legend(ax_acc)
     else:
         ax_acc.set_title("Accuracy per task (aggregate)", fontsize=10)
         _no_data(ax_acc, "no aggregate eval logged")
-    drawn = 0
-    for i, t in enumerate(tasks):
-        xs, ys = _series(agg, f"retention/{t}")
-        if xs:
-            ax_ret.plot(
-                xs, ys, marker=_marker(len(xs)), markersize=4, linewidth=1.5, color=f"C{i % 10}", label=t
-            )
-            drawn += 1
-    if drawn:
+    if _plot_per_task(ax_ret, agg, tasks, "retention"):
         _style(ax_ret, "Retention of earlier tasks", "retention", _rounds(agg))
         ax_ret.axhline(1.0, color="0.6", linestyle=":", linewidth=0.8)
         ax_ret.set_ylim(0, max(1.05, ax_ret.get_ylim()[1]))

@@ -155,14 +155,7 @@ def record_bytes(content: RecordDict) -> int:
     """Total serialized size for byte budgets: array ``.data`` lengths, config/metric values
     (utf-8 / raw length for str / bytes, 8 per number, summed over lists) and all record names
     and keys (utf-8 length), since keys are attacker-chosen text too."""
-    total = 0
-    for name, rec in content.items():
-        total += len(name.encode("utf8"))
-        kind = _kind(rec, name)
-        for key, v in rec.items():
-            total += len(key.encode("utf8"))
-            total += len(v.data) if kind == "array" else _value_bytes(v)
-    return total
+    return _items_bytes(content.items())
 
 
 def _blob(h, b: bytes) -> None:
