@@ -212,6 +212,130 @@ def build_engine(model: nn.Module, tokenizer, prompts: list[Example], cfg: RLCon
     return InferenceEngine(model, cfg.engine, temperature=cfg.temperature, calibration=calibration)
 
 
+@dataclass
+class _Update:
+    """What one step's policy update did: counts and the per-minibatch figures."""
+
+    skipped: int = 0
+    applied: int = 0
+    losses: list[float] = field(default_factory=list)
+    clip_fracs: list[float] = field(default_factory=list)
+    kl_refs: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    lb_losses: list[float] = field(default_factory=list)
+
+
+def _ppo_update(model: nn.Module, opt, sched, params, ro, loss_fn, logp_old: torch.Tensor, adv: torch.Tensor,
+                weights: torch.Tensor, ref_logp: torch.Tensor | None, lb_sim, cfg: RLConfig,
+                gen: torch.Generator, grad_clip: float) -> _Update:
+    """``cfg.ppo_epochs`` passes over ``cfg.minibatches`` shuffled minibatches of the step's rollouts
+    (``logp_old``, ``weights``: ``[N, T]``; ``adv``: ``[N]``); a non-finite loss or gradient norm skips that
+    minibatch's update. The model is left in eval mode with no gradients held."""
+    out = _Update()
+    chunks = max(1, cfg.minibatches)
+    model.train()
+    try:
+        for _epoch in range(cfg.ppo_epochs):
+            order = torch.randperm(ro.num_rollouts, generator=gen)
+            for idx in torch.tensor_split(order, chunks):
+                if idx.numel() == 0:
+                    continue
+                loss, lm = minibatch_loss(model, _subset(ro, idx), loss_fn, logp_old[idx], adv[idx], weights[idx],
+                                          cfg, None if ref_logp is None else ref_logp[idx], lb_sim)
+                opt.zero_grad(set_to_none=True)
+                if not math.isfinite(float(loss.detach())):
+                    out.skipped += 1
+                    continue
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+                if not torch.isfinite(grad_norm):  # clipping scaled the grads by NaN: discard them
+                    out.skipped += 1
+                    opt.zero_grad(set_to_none=True)
+                    continue
+                opt.step()
+                sched.step()
+                out.applied += 1
+                out.losses.append(float(loss.detach()))
+                out.clip_fracs.append(lm.get("ppo/clipfrac", 0.0))
+                out.grad_norms.append(float(grad_norm))
+                if "ppo/kl_ref" in lm:
+                    out.kl_refs.append(lm["ppo/kl_ref"])
+                if "sim_lb_loss" in lm:
+                    out.lb_losses.append(lm["sim_lb_loss"])
+    finally:
+        opt.zero_grad(set_to_none=True)
+        model.eval()
+    return out
+
+
+def _simulate(sim: InferenceSimulator, sim_gen: torch.Generator, step: int, cfg: RLConfig, model: nn.Module, engine,
+              tokenizer, prompt_ids: list, ro, tf_old, logp_old: torch.Tensor, seed: int):
+    """The simulator's view of this step: recalibrate every ``rl.simulator-recalibrate-every`` steps on fresh
+    rollouts, predict the mismatch ``delta_hat`` ``[N, T]`` at theta_old, and its weights. Returns
+    ``(delta_hat, simulated logp_old [N, T], simulated weights [N, T], metrics)``; ``metrics["sim_fallback"]``
+    is 1.0 when the calibration or the prediction is degraded (then the measured weights stay in use)."""
+    mask = ro.response_mask  # [N, T]
+    t_cal = 0.0
+    if step % cfg.simulator_recalibrate_every == 0:
+        t_cal = time.perf_counter()
+        cal_chosen = torch.randperm(len(prompt_ids), generator=sim_gen)[:cfg.prompts_per_step].tolist()
+        ro_cal = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in cal_chosen], cfg.group_size,
+                                   cfg.max_new_tokens, cfg.temperature, seed=seed * 100_003 + 50_021 + step)
+        sim.calibrate(model, engine, ro_cal)
+        t_cal = time.perf_counter() - t_cal
+    cal_m = sim.last_metrics
+    t_pred = time.perf_counter()
+    delta_hat = sim.predict(model, ro, captured=tf_old)  # [N, T] detached, theta_old only
+    t_pred = time.perf_counter() - t_pred
+    cmp = compare(delta_hat, logp_old - ro.logp_infer, mask, sim.r2_min, sim.auroc_min)
+    fallback = bool(cal_m["degraded"]) or bool(cmp["degraded"])
+    sim_logp_old, sim_w, sstats = simulated_weights(ro.logp_infer, delta_hat, mask, cfg.simulator_bound,
+                                                    cfg.correction_level)
+    metrics = {"sim_r2": cmp["r2"], "sim_auroc": cmp["auroc"], "sim_abs_err": cmp["abs_err"],
+               "sim_cal_r2": cal_m["r2"], "sim_cal_auroc": cal_m["auroc"], "sim_fallback": float(fallback),
+               "sim_masked_frac": sstats["sim/masked_frac"], "sim_calibrate_s": t_cal, "sim_predict_s": t_pred}
+    return delta_hat, sim_logp_old, sim_w, metrics
+
+
+def _mean(xs: list[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else math.nan
+
+
+def _step_metrics(rewards: torch.Tensor, mstats: Mapping[str, float], weights: torch.Tensor, mask: torch.Tensor,
+                  upd: _Update, ent: float, t_rec: float, routes: list[float]) -> dict[str, float]:
+    """One step's metrics (``rewards``: ``[N]``; ``weights``, ``mask``: ``[N, T]``); names in ``docs/algorithms.md``."""
+    mean = _mean
+    valid_w = weights[mask]
+    metrics: dict[str, float] = {
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.std(correction=0)),
+        "masked_frac_low": mstats["icepop/masked_frac_low"],
+        "masked_frac_high": mstats["icepop/masked_frac_high"],
+        "masked_frac": mstats["icepop/masked_frac"],
+        "seq_masked_frac": mstats["icepop/seq_with_masked_token_frac"],
+        "logp_diff_mean": mstats["mismatch/logp_abs_diff_mean"],
+        "logp_diff_max": mstats["mismatch/logp_abs_diff_max"],
+        "k3": mstats["mismatch/kl_k3"],
+        "k_mean": mstats["mismatch/k_mean"],
+        "weight_mean": float(valid_w.mean()) if valid_w.numel() else 0.0,
+        "weights_all_one": float(bool(valid_w.numel()) and bool((valid_w == 1).all())),
+        "clip_frac": mean(upd.clip_fracs),
+        "loss": mean(upd.losses),
+        "grad_norm": mean(upd.grad_norms),
+        "masked_entropy": ent,
+        "response_len": float(mask.sum(1).float().mean()),
+        "num_tokens": float(mask.sum()),
+        "updates": float(upd.applied),
+        "skipped_steps": float(upd.skipped),
+        "recompute_s": t_rec,
+    }
+    if upd.kl_refs:
+        metrics["kl_ref"] = mean(upd.kl_refs)
+    for li, d in enumerate(routes):
+        metrics[f"route_disagree_l{li}"] = d
+    return metrics
+
+
 def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg: RLConfig,
              reference_model: nn.Module | None = None, *, seed: int = 0, max_prompt_len: int = 256,
              grad_clip: float = 1.0, simulator_fit: Mapping[str, float] | None = None) -> GRPOResult:
@@ -285,30 +409,13 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
         sim_metrics: dict[str, float] = {}
         delta_hat = None
         if sim is not None:
-            t_cal = 0.0
-            if step % cfg.simulator_recalibrate_every == 0:
-                t_cal = time.perf_counter()
-                cal_chosen = torch.randperm(len(prompts), generator=sim_gen)[:cfg.prompts_per_step].tolist()
-                ro_cal = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in cal_chosen], cfg.group_size,
-                                           cfg.max_new_tokens, cfg.temperature, seed=seed * 100_003 + 50_021 + step)
-                sim.calibrate(model, engine, ro_cal)
-                t_cal = time.perf_counter() - t_cal
-            cal_m = sim.last_metrics
-            t_pred = time.perf_counter()
-            delta_hat = sim.predict(model, ro, captured=tf_old)  # [N, T] detached, theta_old only
-            t_pred = time.perf_counter() - t_pred
+            delta_hat, sim_logp_old, sim_w, sim_metrics = _simulate(sim, sim_gen, step, cfg, model, engine, tokenizer,
+                                                                    prompt_ids,
+                                                                    ro, tf_old, logp_old, seed)
             del tf_old
-            cmp = compare(delta_hat, logp_old - ro.logp_infer, mask, sim.r2_min, sim.auroc_min)
-            fallback = bool(cal_m["degraded"]) or bool(cmp["degraded"])
-            sim_logp_old, sim_w, sstats = simulated_weights(ro.logp_infer, delta_hat, mask, cfg.simulator_bound,
-                                                            cfg.correction_level)
-            if not fallback:
+            if not sim_metrics["sim_fallback"]:
                 logp_old_used, weights = sim_logp_old, sim_w
-            res.sim_fallbacks += int(fallback)
-            sim_metrics = {"sim_r2": cmp["r2"], "sim_auroc": cmp["auroc"], "sim_abs_err": cmp["abs_err"],
-                           "sim_cal_r2": cal_m["r2"], "sim_cal_auroc": cal_m["auroc"],
-                           "sim_fallback": float(fallback), "sim_masked_frac": sstats["sim/masked_frac"],
-                           "sim_calibrate_s": t_cal, "sim_predict_s": t_pred}
+            res.sim_fallbacks += int(sim_metrics["sim_fallback"])
         if cfg.mode == "mask":
             icepop_masked = mask & (weights == 0)  # [N, T]
         else:  # what IcePop would mask at these bounds
@@ -322,84 +429,17 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
             ref_logp = train_logprobs(reference_model, ro, grad=False, replay=cfg.routing_replay)  # [N, T]
         routes = routing_disagreement(model, engine, ro)
 
-        n = ro.num_rollouts
-        chunks = max(1, cfg.minibatches)
-        skipped = applied = 0
-        losses: list[float] = []
-        clip_fracs: list[float] = []
-        kl_refs: list[float] = []
-        grad_norms: list[float] = []
-        lb_losses: list[float] = []
         lb_sim = sim if (sim is not None and not sim_metrics.get("sim_fallback", 1.0)) else None  # trusted steps only
-        model.train()
-        try:
-            for _epoch in range(cfg.ppo_epochs):
-                order = torch.randperm(n, generator=gen)
-                for idx in torch.tensor_split(order, chunks):
-                    if idx.numel() == 0:
-                        continue
-                    sub = _subset(ro, idx)
-                    loss, lm = minibatch_loss(model, sub, loss_fn, logp_old_used[idx], adv[idx], weights[idx], cfg,
-                                              None if ref_logp is None else ref_logp[idx], lb_sim)
-                    opt.zero_grad(set_to_none=True)
-                    if not math.isfinite(float(loss.detach())):
-                        skipped += 1
-                        continue
-                    loss.backward()
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-                    if not torch.isfinite(grad_norm):  # clipping scaled the grads by NaN: discard them
-                        skipped += 1
-                        opt.zero_grad(set_to_none=True)
-                        continue
-                    opt.step()
-                    sched.step()
-                    applied += 1
-                    losses.append(float(loss.detach()))
-                    clip_fracs.append(lm.get("ppo/clipfrac", 0.0))
-                    grad_norms.append(float(grad_norm))
-                    if "ppo/kl_ref" in lm:
-                        kl_refs.append(lm["ppo/kl_ref"])
-                    if "sim_lb_loss" in lm:
-                        lb_losses.append(lm["sim_lb_loss"])
-        finally:
-            opt.zero_grad(set_to_none=True)
-            model.eval()
-        res.skipped_steps += skipped
-        res.updates += applied
-        mean = lambda xs: float(sum(xs) / len(xs)) if xs else math.nan  # noqa: E731
-        valid_w = weights[mask]
-        metrics: dict[str, float] = {
-            "reward": float(rewards.mean()),
-            "reward_std": float(rewards.std(correction=0)),
-            "masked_frac_low": mstats["icepop/masked_frac_low"],
-            "masked_frac_high": mstats["icepop/masked_frac_high"],
-            "masked_frac": mstats["icepop/masked_frac"],
-            "seq_masked_frac": mstats["icepop/seq_with_masked_token_frac"],
-            "logp_diff_mean": mstats["mismatch/logp_abs_diff_mean"],
-            "logp_diff_max": mstats["mismatch/logp_abs_diff_max"],
-            "k3": mstats["mismatch/kl_k3"],
-            "k_mean": mstats["mismatch/k_mean"],
-            "weight_mean": float(valid_w.mean()) if valid_w.numel() else 0.0,
-            "weights_all_one": float(bool(valid_w.numel()) and bool((valid_w == 1).all())),
-            "clip_frac": mean(clip_fracs),
-            "loss": mean(losses),
-            "grad_norm": mean(grad_norms),
-            "masked_entropy": ent,
-            "response_len": float(mask.sum(1).float().mean()),
-            "num_tokens": float(mask.sum()),
-            "updates": float(applied),
-            "skipped_steps": float(skipped),
-            "recompute_s": t_rec,
-        }
-        if kl_refs:
-            metrics["kl_ref"] = mean(kl_refs)
+        upd = _ppo_update(model, opt, sched, params, ro, loss_fn, logp_old_used, adv, weights, ref_logp, lb_sim, cfg,
+                          gen, grad_clip)
+        res.skipped_steps += upd.skipped
+        res.updates += upd.applied
+        metrics = _step_metrics(rewards, mstats, weights, mask, upd, ent, t_rec, routes)
         if sim is not None:
-            metrics["sim_lb_loss"] = mean(lb_losses)  # NaN on fallback steps (no LB term) or with coef 0
+            metrics["sim_lb_loss"] = _mean(upd.lb_losses)  # NaN on fallback steps (no LB term) or with coef 0
         if cfg.routing_replay:
             metrics["replay"] = 1.0
             metrics.update(replay_metrics)
-        for li, d in enumerate(routes):
-            metrics[f"route_disagree_l{li}"] = d
         metrics.update(sim_metrics)
         metrics["time_s"] = time.perf_counter() - t0
         res.steps.append(metrics)
