@@ -427,6 +427,11 @@ KEYS: tuple[KeySpec, ...] = tuple(spec for cls in SECTIONS.values() for spec in 
 DEFAULTS: dict[str, Scalar] = {spec.name: spec.default for spec in KEYS}
 
 _UPDATE_DP = ("use privacy.update-noise-multiplier (client-level DP on model updates) instead")
+RENAMED: dict[str, str] = {  # old key -> its new name (run records written before the rename use the old one)
+    "federation.min-parties": "federation.min-available",
+    "privacy.canaries": "privacy.noise-canaries",
+    "data.canaries": "data.canary-file",
+}
 RETIRED: dict[str, str] = {  # old key -> why it is refused (what to use instead)
     "federation.min-parties": "it was renamed 'federation.min-available' (privacy.min-parties is the other one)",
     "privacy.canaries": "it was renamed 'privacy.noise-canaries' (a count of noise canaries)",

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from distmoe.checkpoint import CheckpointError, load_checkpoint, resumable
-from distmoe.config import DEFAULTS, RunConfig
+from distmoe.config import DEFAULTS, RENAMED, RETIRED, RunConfig
 from distmoe.coordinator.errors import RunFailed
 from distmoe.coordinator.state import StateError, from_checkpoint
 from distmoe.io import sanitize, write_text_atomic
@@ -62,8 +62,10 @@ REFUSED = "config key 'run.resume'"
 def config_differences(before: Mapping[str, object], after: Mapping[str, object]) -> dict[str, tuple]:
     """Keys outside ``RESUME_MAY_CHANGE`` whose values differ: ``{key: (before, after)}``. Values are
     compared as ``run.json`` stores them (JSON, non-finite as null); a key unknown before counts as a
-    difference only if the new value is not its default."""
+    difference only if the new value is not its default. A run recorded before a key was renamed is read
+    under the new name; keys removed since (``RETIRED``) are not compared."""
     out = {}
+    before = {RENAMED.get(k, k): v for k, v in before.items() if k in RENAMED or k not in RETIRED}
     now = json.loads(json.dumps(sanitize(dict(after))))
     for k in sorted(set(before) | set(now)):
         if k in RESUME_MAY_CHANGE:

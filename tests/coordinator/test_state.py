@@ -49,3 +49,16 @@ def test_checkpoint_round_trip_is_exact_and_refuses_another_run():
         from_checkpoint(state, {}, tensors, run_id="r2", where="ckpt")
     with pytest.raises(StateError, match="anchor.safetensors is missing"):
         from_checkpoint(state, {}, {"ref": tensors["ref"]}, run_id="r1", where="ckpt")
+
+
+def test_resume_reads_a_run_recorded_before_the_key_renames():
+    from distmoe.config import DEFAULTS
+    from distmoe.coordinator import config_differences
+
+    old = {("federation.min-parties" if k == "federation.min-available" else
+            "privacy.canaries" if k == "privacy.noise-canaries" else k): v for k, v in DEFAULTS.items()}
+    old["privacy.dp-sgd"] = False
+    assert config_differences(old, dict(DEFAULTS)) == {}
+    old["privacy.canaries"] = 64
+    want = {"privacy.noise-canaries": (64, DEFAULTS["privacy.noise-canaries"])}
+    assert config_differences(old, dict(DEFAULTS)) == want
