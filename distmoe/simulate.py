@@ -99,8 +99,15 @@ def _party_dirs(data: Path) -> list[Path]:
     return dirs
 
 
-def processes_with_token(token: str) -> list[int]:
-    """PIDs of every process whose environment carries this run's token."""
+def _session_of(stat: bytes) -> int:
+    """The session id in a ``/proc/<pid>/stat`` line (fields after the parenthesised command name)."""
+    return int(stat[stat.rindex(b")") + 2:].split()[3])
+
+
+def processes_with_token(token: str, session: int | None = None) -> list[int]:
+    """PIDs of every process whose environment carries this run's token, or that belongs to ``session``
+    (the session ``flwr run`` was started in: Ray's dashboard and runtime-env agents keep it but start
+    with an environment of their own, which their process title may overwrite)."""
     needle = f"{TOKEN_ENV}={token}".encode()
     me = os.getpid()
     pids = []
@@ -109,25 +116,27 @@ def processes_with_token(token: str) -> list[int]:
             continue
         try:
             env = (entry / "environ").read_bytes()
-        except OSError:
+            sid = _session_of((entry / "stat").read_bytes()) if session is not None else None
+        except (OSError, ValueError, IndexError):
             continue
-        if needle in env.split(b"\0"):
+        if needle in env.split(b"\0") or (session is not None and sid == session):
             pids.append(int(entry.name))
     return pids
 
 
-def stop_processes(token: str, grace: float = 5.0) -> list[int]:
-    """SIGTERM, then SIGKILL after ``grace`` seconds, every process of this run. Returns the PIDs."""
-    pids = processes_with_token(token)
+def stop_processes(token: str, grace: float = 5.0, session: int | None = None) -> list[int]:
+    """SIGTERM, then SIGKILL after ``grace`` seconds, every process of this run (``processes_with_token``).
+    Returns the PIDs."""
+    pids = processes_with_token(token, session)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and processes_with_token(token):
+    while time.monotonic() < deadline and processes_with_token(token, session):
         time.sleep(0.2)
-    for pid in processes_with_token(token):
+    for pid in processes_with_token(token, session):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -311,7 +320,7 @@ def run(opts: SimOptions) -> tuple[int, Path]:
                 timer.cancel()
         status = _read_record(run_dir).get("status", "failed")
     finally:
-        stopped = stop_processes(token)
+        stopped = stop_processes(token, session=proc.pid)  # start_new_session: its session id is its pid
         if proc.poll() is None:
             proc.kill()
         if short_ray is not None:
@@ -319,7 +328,7 @@ def run(opts: SimOptions) -> tuple[int, Path]:
     elapsed = time.monotonic() - t0
     (run_dir / "simulate.json").write_text(json.dumps(
         {"token": token, "port": port, "command": cmd, "stopped_pids": stopped, "wall_s": elapsed,
-         "remaining": processes_with_token(token)}, indent=2))
+         "session": proc.pid, "remaining": processes_with_token(token, proc.pid)}, indent=2))
     say(f"  stopped {len(stopped)} Flower/Ray processes; wall time {elapsed:.0f} s; log: {log_path}")
     if status != "completed":
         rec = _read_record(run_dir)
