@@ -133,6 +133,12 @@ class _Section:
 
 
 TRAINABLE_MODES = ("all", "router+experts", "lora")
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE_MODES = ("none", "4bit", "8bit")
+_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:[0-9]+)?)$")
+# node-config keys a data owner may set for its own hardware: node key -> train.<attr>
+HARDWARE_KEYS = {"device": "device", "dtype": "dtype", "gradient-checkpointing": "gradient_checkpointing",
+                 "micro-batch-size": "micro_batch_size", "quantize": "quantize"}
 GRANULARITIES = ("batch", "token")
 PHASE_KINDS = ("sft", "stats", "eval", "rl")
 POLICY_LOSSES = ("grpo", "reinforce")  # distmoe/rl/losses.py registry (a test keeps them equal)
@@ -218,6 +224,25 @@ class TrainConfig(_Section):
     warmup_steps: int = key(5, "linear warm-up at the start of each local round", lo=0)
     grad_clip: float = key(1.0, "gradient-norm clipping (also of the local RL updates)", lo=0.0, lo_open=True)
     threads: int = key(1, "torch threads per party process", lo=1, hi=256)
+    device: str = key("auto", "where a party computes: `auto` (the first CUDA device, else Apple `mps`, else `cpu`), "
+                      "`cpu`, `cuda`, `cuda:N`, `mps`; each data owner may set its own in its node config (`device`)",
+                      allowed="auto, cpu, cuda, cuda:N, mps")
+    dtype: str = key("float32", "the frozen base's dtype at a party; below float32, what trains stays float32 "
+                     "(master weights, optimizer state) and forwards run under autocast (`docs/checkpoints.md`); "
+                     "node config `dtype` overrides", choices=DTYPES)
+    gradient_checkpointing: bool = key(False, "recompute activations in the backward pass (less memory, about a "
+                                       "third more compute); node config `gradient-checkpointing` overrides")
+    micro_batch_size: int = key(0, "sequences per forward/backward; a step accumulates `train.batch-size` / this many "
+                                "micro-batches, so the effective batch does not depend on memory; 0 = the whole batch; "
+                                "node config `micro-batch-size` overrides", lo=0, hi=4096)
+    quantize: str = key("none", "load the frozen base quantised with bitsandbytes (QLoRA; CUDA only, needs "
+                        "`model.trainable = \"lora\"` and the `quant` extra); node config `quantize` overrides",
+                        choices=QUANTIZE_MODES)
+
+    def check(self) -> None:
+        if not _DEVICE_RE.match(self.device):
+            raise ConfigError(f"config key 'train.device': value {self.device!r} is not one of auto, cpu, cuda, "
+                              "cuda:N (N a device index), mps")
 
 
 @section("routing")
@@ -474,6 +499,19 @@ class NodeConfig:
     model_path: str  # "" = use the run config's model.path
     epsilon_max: float | None = None  # this party's own budget cap: can only tighten privacy.epsilon
     ledger_key: Path | None = None  # Ed25519 ledger-signing key file; None = <work-dir>/keys/<party>-ledger.key
+    hardware: tuple[tuple[str, Scalar], ...] = ()  # this owner's own train.<attr> settings (HARDWARE_KEYS)
+
+    def train(self, train: TrainConfig) -> TrainConfig:
+        """The run's ``train`` section with this node's hardware settings applied (validated like the keys)."""
+        if not self.hardware:
+            return train
+        node_key = {attr: k for k, attr in HARDWARE_KEYS.items()}
+        for attr, value in self.hardware:
+            try:
+                train = dataclasses.replace(train, **{attr: value})
+            except ConfigError as exc:
+                raise ConfigError(f"node config key '{node_key[attr]}' (party {self.party!r}): {exc}") from None
+        return train
 
 
 # ---------------------------------------------------------------------------------------------
@@ -649,11 +687,13 @@ def to_toml(flat: Mapping[str, Scalar]) -> str:
 def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeConfig:
     """Resolve this node's own facts.
 
-    Deployment: the SuperNode's ``--node-config`` gives ``data-path`` (required), ``party-name``,
-    ``work-dir``, ``model-path``, ``epsilon-max``, ``ledger-key`` (the party's Ed25519 ledger-signing key;
-    default ``<work-dir>/keys/<party>-ledger.key``). Simulation: Flower only injects ``partition-id``; ``distmoe
-    simulate`` wrote one node file per virtual SuperNode (``<sim.nodes-dir>/node-<id>.toml``) with
-    the same keys, so each virtual node sees exactly one party directory.
+    Deployment: the SuperNode's ``--node-config`` gives ``data-path`` (required), ``party-name``, ``work-dir``,
+    ``model-path``, ``epsilon-max``, ``ledger-key`` (the party's Ed25519 ledger-signing key; default ``<work-
+    dir>/keys/<party>-ledger.key``), and the owner's own hardware settings ``device``, ``dtype``, ``gradient-
+    checkpointing``, ``micro-batch-size``, ``quantize`` (they override ``train.<key>`` at this party only).
+    Simulation: Flower only injects ``partition-id``; ``distmoe simulate`` wrote one node file per virtual
+    SuperNode (``<sim.nodes-dir>/node-<id>.toml``) with the same keys, so each virtual node sees exactly one
+    party directory.
     """
     nc = dict(node_config)
     if "data-path" not in nc:
@@ -689,8 +729,11 @@ def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeCon
     if ledger_key is not None and not ledger_key.is_file():
         raise ConfigError(f"node config key 'ledger-key': {str(ledger_key)!r} is not a file (expected this "
                           "party's Ed25519 ledger-signing key, e.g. ledger.key made by 'distmoe credentials')")
-    return NodeConfig(party=party, data_path=data_path, work_dir=work,
-                      model_path=nc.get("model-path", ""), epsilon_max=eps_max, ledger_key=ledger_key)
+    hardware = tuple((attr, nc[k]) for k, attr in HARDWARE_KEYS.items() if k in nc)
+    node = NodeConfig(party=party, data_path=data_path, work_dir=work, model_path=nc.get("model-path", ""),
+                      epsilon_max=eps_max, ledger_key=ledger_key, hardware=hardware)
+    node.train(TrainConfig())  # the owner's hardware keys are validated here, before anything runs
+    return node
 
 
 def replace(cfg: Any, **changes: Any) -> Any:

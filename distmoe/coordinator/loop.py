@@ -38,6 +38,7 @@ from distmoe.coordinator.state import RoundState, to_checkpoint
 from distmoe.coordinator.transport import Transport
 from distmoe.io import write_text_atomic
 from distmoe.ledger import Ledger
+from distmoe.model.base import base_fingerprint
 from distmoe.model.build import build_model, describe, hash_tensors, param_count
 from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state
 from distmoe.privacy.plan import plan_privacy
@@ -161,7 +162,7 @@ class Coordinator:
         cfg = self.cfg
         model, self.tok = build_model(cfg.model)
         self.model = apply_trainable(model, cfg.model)
-        self.tspec = spec_of(self.model, cfg.model.trainable)
+        self.tspec = spec_of(self.model, cfg.model.trainable, base_fingerprint(cfg.model))
         self.mspec = describe(self.model)
         self.s.weights = trainable_state(self.model)
         n_params = param_count(self.model)

@@ -1,10 +1,10 @@
 """Build the MoE model: the tiny default Qwen3-MoE from config, or any local checkpoint of a
 supported MoE family via ``from_pretrained(path)``; and describe it (``ModelSpec``).
 
-Owns: the tiny default architecture, the list of supported families, deterministic
-initialisation from ``model.seed`` (so the server and every party build bit-identical base weights
-without shipping them), the router/experts module discovery, and the spec that the wire schema and
-the anchor are versioned against.
+Owns: the tiny default architecture, loading on a device and dtype (``device.Runtime``), the list
+of supported families, deterministic initialisation from ``model.seed`` (so the server and every
+party build bit-identical base weights without shipping them), the router/experts module discovery,
+and the spec that the wire schema and the anchor are versioned against.
 
 Must not: read party data, download anything (``local_files_only``), or decide what is trained
 (see ``trainable.py``).
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from distmoe.config import ModelConfig
+from distmoe.model.device import CPU, Runtime
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
@@ -101,11 +102,12 @@ def _seeded_init(model: nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
-def build_model(cfg: ModelConfig, model_path: str = "") -> tuple[nn.Module, object]:
-    """Return ``(model, tokenizer)`` in eval mode, float32, on CPU.
+def build_model(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU) -> tuple[nn.Module, object]:
+    """Return ``(model, tokenizer)`` in eval mode, on ``rt.device`` with its base in ``rt.dtype``.
 
     ``model_path`` (from the node config) overrides ``cfg.path``; both empty means the tiny
-    default with the character tokenizer.
+    default with the character tokenizer. The tiny default is always initialised in float32 on
+    the CPU (bit-identical on every node, whatever its hardware) and then cast and moved.
     """
     path = model_path or cfg.path
     if not path:
@@ -116,13 +118,31 @@ def build_model(cfg: ModelConfig, model_path: str = "") -> tuple[nn.Module, obje
         tok = build_default_tokenizer()
         model = Qwen3MoeForCausalLM(tiny_config(cfg, DEFAULT_VOCAB_SIZE))
         _seeded_init(model, cfg.seed)
+        if rt.dtype != torch.float32 or rt.device.type != "cpu":
+            model = model.to(device=rt.device, dtype=rt.dtype)
     else:
-        model, tok = load_checkpoint(Path(path))
+        model, tok = load_checkpoint(Path(path), rt)
     model.eval()
     return model, tok
 
 
-def load_checkpoint(path: Path) -> tuple[nn.Module, object]:
+def _load_kwargs(rt: Runtime) -> dict:
+    """``from_pretrained`` arguments that load the weights once, memory-mapped, in the target dtype and
+    directly on the device (no float32 copy on the CPU first)."""
+    kw: dict = {"local_files_only": True, "dtype": rt.dtype, "low_cpu_mem_usage": True}
+    if rt.device.type == "cuda":
+        kw["device_map"] = {"": rt.device.index or 0}
+    if rt.quantize != "none":
+        from transformers import BitsAndBytesConfig
+
+        kw["quantization_config"] = (
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=rt.dtype if rt.mixed else torch.bfloat16)
+            if rt.quantize == "4bit" else BitsAndBytesConfig(load_in_8bit=True))
+    return kw
+
+
+def load_checkpoint(path: Path, rt: Runtime = CPU) -> tuple[nn.Module, object]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not path.is_dir():
@@ -137,7 +157,9 @@ def load_checkpoint(path: Path) -> tuple[nn.Module, object]:
     if hf_cfg.model_type not in SUPPORTED_FAMILIES:
         raise ModelError(f"model.path {str(path)!r}: architecture {hf_cfg.model_type!r} is not a "
                          f"supported MoE family ({', '.join(SUPPORTED_FAMILIES)})")
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(rt))
+    if rt.device.type != "cuda" and str(next(model.parameters()).device) != str(rt.device):
+        model = model.to(rt.device)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

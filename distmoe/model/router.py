@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from distmoe.model.build import router_modules
+from distmoe.model.device import autocast_for, device_of
 
 
 @dataclass
@@ -31,9 +32,12 @@ class RouterOutput:
 
 def forward_with_router(model: nn.Module, input_ids: torch.Tensor,
                         attention_mask: torch.Tensor) -> RouterOutput:
-    """One forward pass returning LM logits and per-layer router logits."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True,
-                use_cache=False)
+    """One forward pass returning LM logits and per-layer router logits, on the model's device (the inputs
+    are moved there) and under autocast when its base is stored below float32."""
+    dev = device_of(model)
+    with autocast_for(model):
+        out = model(input_ids=input_ids.to(dev), attention_mask=attention_mask.to(dev), output_router_logits=True,
+                    use_cache=False)
     rl = out.router_logits
     if rl is None or len(rl) == 0:
         raise RuntimeError("the model returned no router logits (is it a Mixture-of-Experts model?)")

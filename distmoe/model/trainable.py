@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from distmoe.config import ModelConfig
-from distmoe.model.build import hash_tensors, router_modules
+from distmoe.model.build import router_modules
 
 GROUPS = ("experts", "router", "rest")
 
@@ -31,7 +31,7 @@ class TrainableSpec:
 
     mode: str
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
-    base_hash: str  # hash of everything that does not travel (must be equal on every node)
+    base_hash: str  # fingerprint of the frozen base (must be equal on every node)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -83,20 +83,21 @@ def trainable_names(model: nn.Module) -> list[str]:
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Detached float32 copies of the trainable tensors, keyed by canonical name."""
+    """Detached float32 CPU copies of the trainable tensors, keyed by canonical name (what travels is
+    float32 and device-free, whatever the party computes on)."""
     params = dict(model.named_parameters())
-    return {n: params[n].detach().to(torch.float32).clone() for n in trainable_names(model)}
+    return {n: params[n].detach().to("cpu", torch.float32).clone() for n in trainable_names(model)}
 
 
 def frozen_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
 
 
-def spec_of(model: nn.Module, mode: str) -> TrainableSpec:
+def spec_of(model: nn.Module, mode: str, base_hash: str = "") -> TrainableSpec:
+    """The travelling tensors of ``model``; ``base_hash`` is the base's fingerprint (``base.base_fingerprint``)."""
     params = dict(model.named_parameters())
     names = trainable_names(model)
-    return TrainableSpec(mode=mode, shapes=tuple((n, tuple(params[n].shape)) for n in names),
-                         base_hash=hash_tensors(frozen_state(model)))
+    return TrainableSpec(mode=mode, shapes=tuple((n, tuple(params[n].shape)) for n in names), base_hash=base_hash)
 
 
 def load_trainable(model: nn.Module, state: dict[str, torch.Tensor], spec: TrainableSpec) -> None:

@@ -1,10 +1,11 @@
 """What a party does for each phase, as plain functions: instruction payload in, reply payload out.
 
-The ClientApp handlers are thin wrappers around these. Each call rebuilds the model from config
-(the tiny default is initialised identically from ``model.seed``; a checkpoint is loaded from the
-node's own path), checks that its frozen base matches the server's (``base_hash``), loads the
-global trainable weights, and reads only this party's own data directory. Nothing is kept in
-process memory between calls (in deployment every message runs in a new process).
+The ClientApp handlers are thin wrappers around these. Each call takes the party's prepared base
+(``model/base.py``: loaded once per process on the party's device and dtype, the tiny default
+initialised identically from ``model.seed``, a checkpoint from the node's own path), checks its
+fingerprint against the server's (``base_hash``), loads the global trainable weights, and reads only
+this party's own data directory. Nothing but that cached base is kept in process memory between
+calls (in deployment every message runs in a new process).
 
 Must not: import ``flwr``, read another party's directory, or return anything but wire payloads.
 """
@@ -19,10 +20,12 @@ import torch
 from distmoe.config import NodeConfig, RunConfig
 from distmoe.data.party import PartyData, load_party
 from distmoe.data.template import collate, encode_example
-from distmoe.model.build import build_model, describe
-from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state
+from distmoe.model.base import base_fingerprint, prepared_model
+from distmoe.model.build import describe
+from distmoe.model.device import Runtime, resolve_runtime
+from distmoe.model.trainable import load_trainable, spec_of, trainable_state
 from distmoe.routing.stats import per_sequence_stats
-from distmoe.train.evaluate import evaluate_party
+from distmoe.train.evaluate import evaluate_party, routing_on, routing_set
 from distmoe.train.sft import train_sft
 from distmoe.wire.schema import (
     RL_METRIC_KEYS,
@@ -47,15 +50,22 @@ def _to_torch(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.array(v, dtype=np.float32, copy=True)) for k, v in weights.items()}
 
 
+def runtime(cfg: RunConfig, node: NodeConfig) -> Runtime:
+    """This party's device and precision: the run's ``train.*`` with the owner's node-config settings."""
+    return resolve_runtime(node.train(cfg.train), cfg.model.trainable)
+
+
 def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarray], base_hash: str):
-    """Build the model, check the frozen base, load the global trainable weights."""
-    model, tok = build_model(cfg.model, node.model_path)
-    model = apply_trainable(model, cfg.model)
-    spec = spec_of(model, cfg.model.trainable)
-    if base_hash and spec.base_hash != base_hash:
+    """The (per-process cached) base on this party's device, checked against the server's fingerprint, with
+    the global trainable weights loaded."""
+    rt = runtime(cfg, node)
+    fingerprint = base_fingerprint(cfg.model, node.model_path)
+    if base_hash and fingerprint != base_hash:
         raise PartyError(f"party {node.party}: the frozen base model differs from the server's "
-                         f"(hash {spec.base_hash[:12]} vs {base_hash[:12]}); every node must use the same "
-                         "model.path / model settings and library versions")
+                         f"(fingerprint {fingerprint[:12]} vs {base_hash[:12]}); every node must use the same "
+                         "checkpoint (model.path / node model-path) and model settings")
+    model, tok = prepared_model(cfg.model, node.model_path, rt)
+    spec = spec_of(model, cfg.model.trainable, fingerprint)
     load_trainable(model, _to_torch(weights), spec)
     return model, tok, spec
 
@@ -87,7 +97,7 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
             raise PartyError(f"anchor shape {tuple(anchor.shape)} does not fit the model "
                              f"({ms.num_moe_layers} MoE layers x {ms.num_experts} experts)")
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
-    res = train_sft(model, encoded, tok.pad_token_id, cfg.train, cfg.routing, ms.num_experts, ms.top_k,
+    res = train_sft(model, encoded, tok.pad_token_id, node.train(cfg.train), cfg.routing, ms.num_experts, ms.top_k,
                     anchor, seed=_party_seed(instr.seed, node.party))
     after = trainable_state(model)
     delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
@@ -124,15 +134,18 @@ def run_stats(cfg: RunConfig, node: NodeConfig, instr: StatsInstruction) -> Rout
 def run_eval(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> EvalReply:
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
+    heldout = {t: (data.heldout(t) if data.has(t) else []) for t in instr.tasks}
+    ref_valid = None
+    if instr.ref_weights is not None:  # the reference's routing first: one model in memory, two weight sets
+        ref, tok, _ = prepare_model(cfg, node, instr.ref_weights, instr.base_hash)
+        fixed = routing_set(heldout)
+        if fixed:
+            _, ref_valid = routing_on(ref, tok, fixed, cfg.model.max_seq_len, cfg.eval.batch_size)
     model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
     ms = describe(model)
-    ref = None
-    if instr.ref_weights is not None:
-        ref, _, _ = prepare_model(cfg, node, instr.ref_weights, instr.base_hash)
-    heldout = {t: (data.heldout(t) if data.has(t) else []) for t in instr.tasks}
     anchor = torch.from_numpy(np.asarray(instr.anchor)) if instr.anchor is not None else None
     metrics = evaluate_party(model, tok, heldout, cfg.model.max_seq_len, cfg.eval, ms.num_experts,
-                             anchor, ref)
+                             anchor, ref_valid)
     keys = eval_metric_keys(instr.tasks)
     return EvalReply(party=node.party, metrics={k: float(metrics.get(k, float("nan"))) for k in keys})
 

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from distmoe.model.build import router_modules
+from distmoe.model.device import autocast_for, device_of
 from distmoe.model.router import topk_experts
 
 BASE_PROFILES = ("exact", "bf16", "int8-dynamic", "int8-weight-only", "prune-k")
@@ -111,7 +112,11 @@ def measure_usage(model: nn.Module, batches: Iterable) -> torch.Tensor:
     try:
         for batch in batches:
             ids, mask = _batch_tensors(batch)
-            out = model(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
+            dev = device_of(model)
+            with autocast_for(model):
+                out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_router_logits=True,
+                            use_cache=False)
+            mask = mask.to(dev)
             valid = mask.reshape(-1).bool()  # [B*S]
             layers = []
             for rl in out.router_logits:  # L x [B*S, E]

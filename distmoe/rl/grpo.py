@@ -382,7 +382,8 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
                                record_routes=cfg.routing_replay)
         rows = [chosen[int(i)] for i in ro.prompt_index]
         rewards = torch.tensor(compute_rewards(cfg.reward, ro.texts, [answers[i] for i in rows], task,
-                                               [prompt_texts[i] for i in rows]), dtype=torch.float32)  # [N]
+                                               [prompt_texts[i] for i in rows]), dtype=torch.float32,
+                               device=ro.sequences.device)  # [N]
         adv = group_advantages(rewards, cfg.group_size)  # [N]
         t_rec = time.perf_counter()
         replay_metrics: dict[str, float] = {}

@@ -20,6 +20,7 @@ from torch import nn
 
 from distmoe.data.template import collate_prompts
 from distmoe.model.build import router_modules
+from distmoe.model.device import autocast_for, device_of
 from distmoe.model.router import topk_experts
 from distmoe.rl.replay import RouteRecorder, replay_routes
 
@@ -84,11 +85,13 @@ def generate_rollouts(engine, tokenizer, prompts: list[list[int]], group_size: i
     model.eval()
     rows = [list(p) for p in prompts for _ in range(group_size)]
     batch = collate_prompts(rows, tokenizer.pad_token_id)
-    ids, mask = batch["input_ids"], batch["attention_mask"]  # [N, P]
+    dev = device_of(model)
+    ids, mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)  # [N, P]
     plen = int(ids.shape[1])
     eos = tokenizer.eos_token_id
     recorder = RouteRecorder(model) if record_routes else None
-    with torch.random.fork_rng(devices=[]), (recorder if recorder is not None else nullcontext()):
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), autocast_for(model), \
+            (recorder if recorder is not None else nullcontext()):
         torch.manual_seed(seed)
         go = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
                             temperature=float(temperature), max_new_tokens=int(max_new_tokens),
@@ -103,7 +106,7 @@ def generate_rollouts(engine, tokenizer, prompts: list[list[int]], group_size: i
     logp = torch.where(rmask, logp, torch.zeros_like(logp))  # padding rows of scores are meaningless
     full_mask = torch.cat([mask, torch.ones_like(response)], 1)  # [N, P+T]
     texts = [tokenizer.decode(r[m].tolist(), skip_special_tokens=True) for r, m in zip(response, rmask, strict=True)]
-    index = torch.arange(len(prompts)).repeat_interleave(group_size)  # [N]
+    index = torch.arange(len(prompts), device=dev).repeat_interleave(group_size)  # [N]
     return Rollouts(sequences=seqs, attention_mask=full_mask, prompt_len=plen, response=response,
                     logp_infer=logp.float(), response_mask=rmask, texts=texts, prompt_index=index,
                     group_size=group_size, temperature=float(temperature), engine_routes=routes)
@@ -125,7 +128,8 @@ def train_logprobs(model: nn.Module, rollouts: Rollouts, temperature: float | No
     if replay and rollouts.engine_routes is None:
         raise ValueError("train_logprobs(replay=True): the rollouts carry no engine routes "
                          "(generate_rollouts(..., record_routes=True))")
-    with torch.set_grad_enabled(grad), replay_routes(model, rollouts.engine_routes if replay else None):
+    with torch.set_grad_enabled(grad), replay_routes(model, rollouts.engine_routes if replay else None), \
+            autocast_for(model):
         out = model(input_ids=rollouts.sequences, attention_mask=rollouts.attention_mask,
                     position_ids=rollouts.position_ids, use_cache=False, output_router_logits=router_logits)
         logits = out.logits[:, plen - 1:-1].float() / temp  # [N, T, V] position P-1+t predicts token t
@@ -153,7 +157,7 @@ def _record_routes(model: nn.Module, rollouts: Rollouts) -> list[torch.Tensor]:
                 got[li] = topk_experts(logits.detach(), top_k)  # [N*(P+T), k]
         handles.append(mod.register_forward_hook(hook))  # registered last: sees pruned routes
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast_for(model):
             model(input_ids=rollouts.sequences, attention_mask=rollouts.attention_mask,
                   position_ids=rollouts.position_ids, use_cache=False)
     finally:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from distmoe.model.device import device_of
 from distmoe.model.router import forward_with_router
 
 
@@ -47,10 +48,10 @@ def per_sequence_stats(model: nn.Module, batches: Iterable[dict[str, torch.Tenso
     try:
         with torch.no_grad():
             for batch in batches:
-                mask = batch["attention_mask"]
+                mask = batch["attention_mask"].to(device_of(model))  # [B, S]
                 out = forward_with_router(model, batch["input_ids"], mask)
                 per_seq = per_sequence_mean_routing(out.router_logits, mask)  # [B, L, E]
-                rows.append(per_seq[mask.sum(1) > 0].double())
+                rows.append(per_seq[mask.sum(1) > 0].double().cpu())
     finally:
         model.train(was_training)
     if not rows:
@@ -70,11 +71,11 @@ def router_stats(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -
     n = 0
     try:
         for batch in batches:
-            mask = batch["attention_mask"]
+            mask = batch["attention_mask"].to(device_of(model))  # [B, S]
             out = forward_with_router(model, batch["input_ids"], mask)
             per_seq = per_sequence_mean_routing(out.router_logits, mask)  # [B, L, E]
             keep = mask.sum(1) > 0  # [B]
-            s = per_seq[keep].sum(0).double()  # [L, E]
+            s = per_seq[keep].sum(0).double().cpu()  # [L, E]
             total = s if total is None else total + s
             n += int(keep.sum())
     finally:

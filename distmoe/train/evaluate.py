@@ -19,6 +19,7 @@ from distmoe.config import EvalConfig
 from distmoe.data.formats import Example
 from distmoe.data.synth import check_answer
 from distmoe.data.template import collate, collate_prompts, encode_example, encode_prompt
+from distmoe.model.device import autocast_for, device_of, to_device
 from distmoe.model.router import forward_with_router
 from distmoe.routing import metrics as rm
 from distmoe.routing.stats import per_sequence_mean_routing
@@ -36,8 +37,9 @@ def answer_loss(model: nn.Module, tok, examples: list[Example], max_len: int, ba
     encoded = [encode_example(tok, ex, max_len) for ex in examples]
     total, count = 0.0, 0
     for chunk in _chunks(encoded, batch_size):
-        batch = collate(chunk, tok.pad_token_id)
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        batch = to_device(collate(chunk, tok.pad_token_id), device_of(model))
+        with autocast_for(model):
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         n = int((batch["labels"][:, 1:] != -100).sum())
         total += float(causal_lm_loss(out.logits, batch["labels"])) * n
         count += n
@@ -51,10 +53,11 @@ def generate_answers(model: nn.Module, tok, examples: list[Example], max_len: in
     answers: list[str] = []
     eos = tok.eos_token_id
     for chunk in _chunks(prompts, cfg.batch_size):
-        batch = collate_prompts(chunk, tok.pad_token_id)
-        out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             max_new_tokens=cfg.max_new_tokens, do_sample=False, eos_token_id=eos,
-                             pad_token_id=tok.pad_token_id, use_cache=True)
+        batch = to_device(collate_prompts(chunk, tok.pad_token_id), device_of(model))
+        with autocast_for(model):
+            out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 max_new_tokens=cfg.max_new_tokens, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=tok.pad_token_id, use_cache=True)
         new = out[:, batch["input_ids"].shape[1]:]  # [B, T]
         answers.extend(tok.batch_decode(new, skip_special_tokens=True))
     return answers
@@ -76,7 +79,7 @@ def routing_on(model: nn.Module, tok, examples: list[Example], max_len: int, bat
     total = None
     valid: list[list[torch.Tensor]] = []
     for chunk in _chunks(encoded, batch_size):
-        batch = collate(chunk, tok.pad_token_id)
+        batch = to_device(collate(chunk, tok.pad_token_id), device_of(model))
         out = forward_with_router(model, batch["input_ids"], batch["attention_mask"])
         s = per_sequence_mean_routing(out.router_logits, batch["attention_mask"]).sum(0)  # [L, E]
         total = s if total is None else total + s
@@ -85,16 +88,23 @@ def routing_on(model: nn.Module, tok, examples: list[Example], max_len: int, bat
     return total, layers
 
 
+def routing_set(heldout: dict[str, list[Example]]) -> list[Example]:
+    """The fixed set the routing metrics are taken on: every held-out example, in task order."""
+    return [ex for examples in heldout.values() for ex in examples]
+
+
 def evaluate_party(model: nn.Module, tok, heldout: dict[str, list[Example]], max_len: int,
                    cfg: EvalConfig, num_experts: int, anchor: torch.Tensor | None,
-                   ref_model: nn.Module | None) -> dict[str, float]:
+                   ref_valid: list[torch.Tensor] | None) -> dict[str, float]:
     """Metrics keyed ``acc/<task>``, ``loss/<task>``, ``n/<task>`` and the routing keys.
 
-    A task the party does not hold gets ``n = 0`` and NaN accuracy/loss.
+    ``ref_valid`` is the reference model's valid-token router logits on ``routing_set(heldout)``
+    (``routing_on``), for top-1 consistency; None leaves it NaN. A task the party does not hold gets
+    ``n = 0`` and NaN accuracy/loss.
     """
     model.eval()
     out: dict[str, float] = {}
-    fixed: list[Example] = []
+    fixed = routing_set(heldout)
     for task, examples in heldout.items():
         if not examples:
             out.update({f"acc/{task}": math.nan, f"loss/{task}": math.nan, f"n/{task}": 0.0})
@@ -102,16 +112,13 @@ def evaluate_party(model: nn.Module, tok, heldout: dict[str, list[Example]], max
         out[f"acc/{task}"] = task_accuracy(model, tok, task, examples, max_len, cfg)
         out[f"loss/{task}"] = answer_loss(model, tok, examples, max_len, cfg.batch_size)
         out[f"n/{task}"] = float(len(examples))
-        fixed.extend(examples)
     out.update({"routing_kl": math.nan, "load_cv": math.nan, "top1_consistency": math.nan})
     if fixed:
         summed, valid = routing_on(model, tok, fixed, max_len, cfg.batch_size)
         out["load_cv"] = rm.load_cv(rm.top1_counts(valid, num_experts))
         if anchor is not None:
             out["routing_kl"] = rm.kl_to_anchor(summed / len(fixed), anchor)
-        if ref_model is not None:
-            ref_model.eval()
-            _, ref_valid = routing_on(ref_model, tok, fixed, max_len, cfg.batch_size)
+        if ref_valid is not None:
             agree, total = rm.top1_agreement(valid, ref_valid)
             out["top1_consistency"] = agree / max(total, 1)
     return out

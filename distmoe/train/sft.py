@@ -19,6 +19,7 @@ from torch import nn
 
 from distmoe.config import RoutingConfig, TrainConfig
 from distmoe.data.template import batch_iterator, collate
+from distmoe.model.device import base_dtype, device_of, to_device
 from distmoe.model.router import forward_with_router
 from distmoe.routing.losses import anchor_kl, aux_load_balance_loss
 from distmoe.train.optim import build_optimizer
@@ -71,42 +72,87 @@ def sft_loss(model: nn.Module, batch: dict[str, torch.Tensor], routing: RoutingC
     return total, parts
 
 
+def _micro_batches(raw: list, size: int, pad_id: int, device: torch.device) -> list[tuple[dict, float]]:
+    """Split one step's sequences into micro-batches, each with its share of the step's supervised tokens."""
+    size = size if 0 < size < len(raw) else len(raw)
+    batches = [to_device(collate(raw[i:i + size], pad_id), device) for i in range(0, len(raw), size)]
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
+    total = sum(counts)
+    return [(b, (c / total) if total else 1.0 / len(batches)) for b, c in zip(batches, counts, strict=True)]
+
+
 def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_id: int,
               train: TrainConfig, routing: RoutingConfig, num_experts: int, top_k: int,
               anchor: torch.Tensor | None, seed: int) -> SFTResult:
-    """Run ``train.local_steps`` optimizer steps on ``encoded`` (input_ids, labels) pairs."""
+    """Run ``train.local_steps`` optimizer steps on ``encoded`` (input_ids, labels) pairs.
+
+    Each step of ``train.batch-size`` sequences runs as micro-batches of ``train.micro-batch-size``
+    with gradient accumulation. Each micro-batch's loss is weighted by its share of the step's
+    supervised tokens, so the task-loss gradient equals the whole batch's exactly; the aux loss and
+    the anchor KL, which are not sums over tokens, are averaged over micro-batches with the same
+    weights (equal to the whole batch's when there is one micro-batch). On a model whose base is
+    stored below float32 the forwards run under autocast (``model/device.py``); float16 adds a
+    gradient scaler.
+    """
     if not encoded:
         raise ValueError("train_sft: no training examples")
     torch.manual_seed(seed)
+    device = device_of(model)
+    if train.gradient_checkpointing != getattr(model, "_distmoe_checkpointing", False):  # a cached model keeps it
+        # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_* (the old names warn)
+        new_api = hasattr(model, "activation_checkpointing_enable")
+        if train.gradient_checkpointing and new_api:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif train.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif new_api:
+            model.activation_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_disable()
+        model._distmoe_checkpointing = train.gradient_checkpointing
     model.train()
     opt, sched = build_optimizer(model, train)
+    scaler = torch.amp.GradScaler(device.type, enabled=base_dtype(model) == torch.float16)
     params = [p for p in model.parameters() if p.requires_grad]
+    if anchor is not None:
+        anchor = anchor.to(device)
     res = SFTResult(steps=0, skipped_steps=0, num_examples=len(encoded))
     t0 = time.perf_counter()
     for raw in batch_iterator(encoded, train.batch_size, train.local_steps, seed):
-        batch = collate(raw, pad_id)
-        loss, parts = sft_loss(model, batch, routing, num_experts, top_k, anchor)
         opt.zero_grad(set_to_none=True)
-        if not math.isfinite(float(loss.detach())):
+        loss_value, parts_sum, finite = 0.0, {}, True
+        for batch, weight in _micro_batches(raw, train.micro_batch_size, pad_id, device):
+            loss, parts = sft_loss(model, batch, routing, num_experts, top_k, anchor)
+            if not math.isfinite(float(loss.detach())):
+                finite = False
+                break
+            scaler.scale(loss * weight).backward()
+            loss_value += float(loss.detach()) * weight
+            for k, v in parts.items():
+                parts_sum[k] = parts_sum.get(k, 0.0) + v * weight
+        if not finite:
             res.skipped_steps += 1
+            opt.zero_grad(set_to_none=True)
             continue
-        loss.backward()
+        scaler.unscale_(opt)
         # the pre-clip total norm is NaN/Inf iff some gradient is; then skip (clipping already
         # scaled those gradients by a non-finite factor, so they are discarded)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
         if not torch.isfinite(grad_norm):
             res.skipped_steps += 1
+            scaler.update()  # float16: lowers the loss scale; otherwise a no-op
             opt.zero_grad(set_to_none=True)
             continue
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         sched.step()
         res.steps += 1
-        res.losses.append(float(loss.detach()))
-        res.task_losses.append(parts["task_loss"])
-        if "aux_loss" in parts:
-            res.aux_losses.append(parts["aux_loss"])
-        if "anchor_kl" in parts:
-            res.anchor_kls.append(parts["anchor_kl"])
+        res.losses.append(loss_value)
+        res.task_losses.append(parts_sum["task_loss"])
+        if "aux_loss" in parts_sum:
+            res.aux_losses.append(parts_sum["aux_loss"])
+        if "anchor_kl" in parts_sum:
+            res.anchor_kls.append(parts_sum["anchor_kl"])
     model.eval()
     res.time_s = time.perf_counter() - t0
     return res

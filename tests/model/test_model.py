@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from distmoe.config import replace
+from distmoe.model.base import base_fingerprint
 from distmoe.model.build import (
     ModelError,
     build_model,
@@ -185,20 +186,11 @@ def test_load_trainable_roundtrip_and_rejections(make_cfg):
         load_trainable(other, {**state, key: inf}, spec)
 
 
-def test_base_hash_depends_on_frozen_weights_only(make_cfg):
-    a, _ = _trainable(make_cfg, "router+experts", seed=0)
-    b, _ = _trainable(make_cfg, "router+experts", seed=0)
-    c, _ = _trainable(make_cfg, "router+experts", seed=1)
-    ha, hb, hc = (spec_of(m, "router+experts").base_hash for m in (a, b, c))
-    assert ha == hb
-    assert ha != hc
-    # changing a trained tensor leaves the base hash unchanged; changing a frozen one changes it
-    with torch.no_grad():
-        a.model.layers[0].mlp.gate.weight.add_(1.0)
-    assert spec_of(a, "router+experts").base_hash == hb
-    with torch.no_grad():
-        a.model.layers[0].self_attn.q_proj.weight.add_(1.0)
-    assert spec_of(a, "router+experts").base_hash != hb
+def test_tiny_fingerprint_depends_on_seed_and_shape_only(make_cfg):
+    a, b = make_cfg().model, make_cfg().model
+    assert base_fingerprint(a) == base_fingerprint(b)
+    assert base_fingerprint(make_cfg(**{"run.seed": 1}).model) != base_fingerprint(a)
+    assert base_fingerprint(make_cfg(**{"model.lora-r": 4}).model) == base_fingerprint(a)  # not the base
 
 
 def test_lora_trainable_adapters(make_cfg):
@@ -225,8 +217,6 @@ def test_lora_trainable_adapters(make_cfg):
     again, _ = _trainable(make_cfg, "lora")
     s1, s2 = trainable_state(model), trainable_state(again)
     assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
-    spec = spec_of(model, "lora")
-    assert spec.base_hash == spec_of(again, "lora").base_hash
 
 
 def test_router_recorder_on_lora_model(make_cfg):

@@ -3,6 +3,7 @@ replies that name what went wrong (file and line, config key), never a hang or a
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from flwr.app import Context, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from clients.app import evaluate, sft, stats
+from distmoe.model.base import base_fingerprint
 from distmoe.model.build import build_model
 from distmoe.model.trainable import apply_trainable, spec_of, trainable_state
 from distmoe.wire import codec
@@ -47,7 +49,7 @@ def _global(cfg_over: dict):
     cfg = parse_run_config(cfg_over)
     model, _ = build_model(cfg.model)
     model = apply_trainable(model, cfg.model)
-    spec = spec_of(model, cfg.model.trainable)
+    spec = spec_of(model, cfg.model.trainable, base_fingerprint(cfg.model))
     return {k: v.numpy() for k, v in trainable_state(model).items()}, spec
 
 
@@ -175,3 +177,32 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path, tiny_
     for name in ids.values():
         led = tmp_path / name / "ledger" / f"{name}.jsonl"
         assert verify_ledger(led, (led.with_suffix(".pub")).read_text().strip())
+
+
+def test_the_cached_base_carries_nothing_from_one_message_to_the_next(synth_dirs, tiny_plain, tmp_path):
+    """Simulation keeps a party's process: the second message reuses the prepared base, and must answer
+    exactly as a fresh process would (the global weights are reloaded, gradients dropped)."""
+    from distmoe.config import SimConfig, parse_node_config, parse_run_config
+    from distmoe.model import base as base_mod
+    from distmoe.party import work
+
+    cfg = parse_run_config({**tiny_plain, "train.local-steps": 2})
+    node = parse_node_config({"data-path": str(synth_dirs[0]), "work-dir": str(tmp_path / "w")}, SimConfig())
+    weights, spec = _global({**tiny_plain, "train.local-steps": 2})
+    instr = SftInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash, seed=1, anchor=None,
+                           anchor_version=0)
+    base_mod.clear_cache()
+    first = work.run_sft(cfg, node, instr)
+    cached = work.prepare_model(cfg, node, weights, spec.base_hash)[0]
+    second = work.run_sft(cfg, node, instr)
+    assert work.prepare_model(cfg, node, weights, spec.base_hash)[0] is cached
+    for k in first.delta:
+        np.testing.assert_array_equal(first.delta[k], second.delta[k])
+    # evaluation against a reference: one model in memory, the reference's routing taken first
+    ev = codec.EvalInstruction(round=2, tasks=("lookup",), new_task="lookup", weights=weights, base_hash=spec.base_hash,
+                               ref_weights=weights, anchor=None, anchor_version=0)
+    assert work.run_eval(cfg, node, ev).metrics["top1_consistency"] == 1.0
+    moved = {k: v + first.delta[k] for k, v in weights.items()}
+    ev2 = dataclasses.replace(ev, weights=moved)
+    assert work.run_eval(cfg, node, ev2).metrics["top1_consistency"] < 1.0
+    base_mod.clear_cache()

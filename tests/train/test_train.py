@@ -14,7 +14,7 @@ from distmoe.data.party import load_party
 from distmoe.data.template import encode_example
 from distmoe.model.build import build_model, describe
 from distmoe.model.trainable import apply_trainable, trainable_state
-from distmoe.train.evaluate import evaluate_party
+from distmoe.train.evaluate import evaluate_party, routing_on, routing_set
 from distmoe.train.optim import build_optimizer
 from distmoe.train.sft import train_sft
 
@@ -176,14 +176,16 @@ def test_evaluate_party_metrics(make_cfg, party):
     assert math.isnan(out["routing_kl"]) and math.isnan(out["top1_consistency"])
     assert math.isfinite(out["load_cv"]) and out["load_cv"] >= 0
     ref = copy.deepcopy(model)
+    _, ref_valid = routing_on(ref, tok, routing_set(heldout), cfg.model.max_seq_len, ecfg.batch_size)
     anchor = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]])
-    out2 = evaluate_party(model, tok, heldout, cfg.model.max_seq_len, ecfg, 4, anchor, ref)
+    out2 = evaluate_party(model, tok, heldout, cfg.model.max_seq_len, ecfg, 4, anchor, ref_valid)
     assert out2["top1_consistency"] == 1.0
     assert math.isfinite(out2["routing_kl"]) and out2["routing_kl"] > 0
     assert out2["loss/arith"] == pytest.approx(out["loss/arith"])
     # a different reference model disagrees somewhere
     other, _ = build_model(make_cfg(**{"run.seed": 3}).model)
-    out3 = evaluate_party(model, tok, heldout, cfg.model.max_seq_len, ecfg, 4, None, other)
+    _, other_valid = routing_on(other, tok, routing_set(heldout), cfg.model.max_seq_len, ecfg.batch_size)
+    out3 = evaluate_party(model, tok, heldout, cfg.model.max_seq_len, ecfg, 4, None, other_valid)
     assert 0.0 <= out3["top1_consistency"] < 1.0
 
 

@@ -1,0 +1,208 @@
+"""Device and precision at a party (``distmoe/model/device.py``, ``base.py``): resolution and refusals, the
+owner's node-config settings, bf16 bases with float32 trainable tensors, the per-process cache, and the
+checkpoint fingerprint.
+
+What crosses the wire stays float32 on the CPU. CUDA itself cannot run here: the CUDA-only paths are
+checked for their refusals; the dtype paths run for real on the CPU (bf16 autocast)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+
+import pytest
+import torch
+
+from distmoe.config import ConfigError, SimConfig, parse_node_config
+from distmoe.model import base as base_mod
+from distmoe.model.base import SIDECAR, base_fingerprint, prepared_model
+from distmoe.model.build import build_model, router_modules
+from distmoe.model.device import DeviceError, resolve_runtime
+from distmoe.model.router import forward_with_router
+from distmoe.model.tokenizer import build_default_tokenizer
+from distmoe.model.trainable import trainable_state
+
+
+def _train(make_cfg, **over):
+    return make_cfg(**{f"train.{k}": v for k, v in over.items()}).train
+
+
+# ------------------------------------------------------------------------------------------ resolution
+def test_auto_and_cpu_resolve_here(make_cfg):
+    rt = resolve_runtime(_train(make_cfg))
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert rt.device.type in (expected, "mps") and rt.dtype == torch.float32 and not rt.mixed
+    rt = resolve_runtime(_train(make_cfg, device="cpu", dtype="bfloat16"))
+    assert rt.device == torch.device("cpu") and rt.dtype == torch.bfloat16 and rt.mixed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:3"])
+def test_cuda_without_cuda_is_refused_naming_the_fix(make_cfg, device):
+    with pytest.raises(DeviceError, match=rf"train.device = '{device}'.*no CUDA device.*node config"):
+        resolve_runtime(_train(make_cfg, device=device))
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"device": "cpu", "quantize": "4bit"}, "bitsandbytes quantisation runs on CUDA only"),
+    ({"device": "cpu", "dtype": "float16"}, "float16.*on the CPU"),
+])
+def test_what_cannot_run_here_is_refused(make_cfg, over, message):
+    with pytest.raises(DeviceError, match=message):
+        resolve_runtime(_train(make_cfg, **over))
+
+
+@pytest.mark.parametrize("value", ["gpu", "cuda:x", "CUDA", "cuda:"])
+def test_device_key_is_validated(make_cfg, value):
+    with pytest.raises(ConfigError, match="train.device"):
+        make_cfg(**{"train.device": value})
+
+
+def test_node_config_sets_the_owners_hardware(tmp_path, make_cfg):
+    (tmp_path / "p0").mkdir()
+    node = parse_node_config({"data-path": str(tmp_path / "p0"), "device": "cpu", "dtype": "bfloat16",
+                              "micro-batch-size": 2, "gradient-checkpointing": True}, SimConfig())
+    train = node.train(make_cfg().train)
+    assert (train.device, train.dtype, train.micro_batch_size, train.gradient_checkpointing) == \
+        ("cpu", "bfloat16", 2, True)
+    assert make_cfg().train.dtype == "float32"  # the run's own section is untouched
+    with pytest.raises(ConfigError, match=r"node config key 'dtype' \(party 'p0'\).*float8"):
+        parse_node_config({"data-path": str(tmp_path / "p0"), "dtype": "float8"}, SimConfig())
+
+
+# ------------------------------------------------------------------------------------------ precision
+def test_bf16_base_with_float32_trainable_tensors_trains_on_cpu(make_cfg, synth_dirs):
+    from distmoe.data.party import load_party
+    from distmoe.data.template import encode_example
+    from distmoe.model.build import describe
+    from distmoe.train.sft import train_sft
+
+    cfg = make_cfg(**{"model.trainable": "lora", "train.dtype": "bfloat16", "train.device": "cpu",
+                      "train.local-steps": 4, "train.batch-size": 4})
+    base_mod.clear_cache()
+    model, tok = prepared_model(cfg.model, "", resolve_runtime(cfg.train, "lora"))
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen if p.is_floating_point())
+    assert trained and all(p.dtype == torch.float32 for p in trained)
+    ids = torch.randint(0, 50, (2, 7))
+    out = forward_with_router(model, ids, torch.ones_like(ids))
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits.float()).all()
+    before = trainable_state(model)
+    data = load_party(synth_dirs[0], cfg.data)
+    encoded = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in data.train("arith")]
+    ms = describe(model)
+    res = train_sft(model, encoded, tok.pad_token_id, cfg.train, cfg.routing, ms.num_experts, ms.top_k, None, 0)
+    assert res.steps == 4 and res.skipped_steps == 0
+    after = trainable_state(model)
+    assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in after.values())  # the wire's form
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    base_mod.clear_cache()
+
+
+def _one_step(make_cfg, synth_dirs, **over):
+    from distmoe.data.party import load_party
+    from distmoe.data.template import encode_example
+    from distmoe.model.build import describe
+    from distmoe.model.trainable import apply_trainable
+    from distmoe.train.sft import train_sft
+
+    cfg = make_cfg(**{"train.local-steps": 1, "train.batch-size": 6, "train.warmup-steps": 0, **over})
+    model, tok = build_model(cfg.model)
+    model = apply_trainable(model, cfg.model)
+    data = load_party(synth_dirs[0], cfg.data)
+    encoded = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in data.train("arith")]
+    ms = describe(model)
+    calls = []
+    router = router_modules(model)[0][1]
+    handle = router.register_forward_hook(lambda *_: calls.append(1))
+    res = train_sft(model, encoded, tok.pad_token_id, cfg.train, cfg.routing, ms.num_experts, ms.top_k, None, 0)
+    handle.remove()
+    res.router_calls = len(calls)
+    return trainable_state(model), res
+
+
+def test_micro_batches_give_the_whole_batch_step(make_cfg, synth_dirs):
+    """Token-weighted accumulation: with the task loss alone, 3 micro-batches of 2 = one batch of 6."""
+    whole, r1 = _one_step(make_cfg, synth_dirs, **{"routing.aux-loss-coef": 0.0})
+    parts, r2 = _one_step(make_cfg, synth_dirs, **{"routing.aux-loss-coef": 0.0, "train.micro-batch-size": 2})
+    assert r1.task_losses[0] == pytest.approx(r2.task_losses[0], rel=1e-5)
+    for k in whole:
+        torch.testing.assert_close(parts[k], whole[k], atol=2e-6, rtol=1e-4)
+    # with the aux loss on the step differs (it is averaged over micro-batches), but only slightly
+    _, r3 = _one_step(make_cfg, synth_dirs, **{"train.micro-batch-size": 2})
+    assert r3.steps == 1 and r3.aux_losses
+
+
+def test_gradient_checkpointing_changes_memory_not_results(make_cfg, synth_dirs):
+    plain, r0 = _one_step(make_cfg, synth_dirs)
+    ckpt, res = _one_step(make_cfg, synth_dirs, **{"train.gradient-checkpointing": True})
+    assert res.steps == 1
+    assert (r0.router_calls, res.router_calls) == (1, 2)  # the layer's forward is recomputed in the backward
+    for k in plain:
+        torch.testing.assert_close(ckpt[k], plain[k], atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ cache
+def test_the_base_is_loaded_once_per_process(make_cfg, tmp_path):
+    cfg = make_cfg(**{"model.trainable": "lora"})
+    model, _ = build_model(cfg.model)
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    build_default_tokenizer().save_pretrained(ckpt)
+    base_mod.clear_cache()
+    first, _ = prepared_model(cfg.model, str(ckpt))
+    p0 = next(p for p in first.parameters() if p.requires_grad)
+    p0.grad = torch.ones_like(p0)
+    again, _ = prepared_model(cfg.model, str(ckpt))
+    assert again is first and all(p.grad is None for p in again.parameters())
+    weights = next(ckpt.glob("*.safetensors"))
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # the checkpoint was replaced
+    assert prepared_model(cfg.model, str(ckpt))[0] is not first
+    other = dataclasses.replace(cfg.model, lora_r=4)
+    assert prepared_model(other, str(ckpt))[0] is not first
+    base_mod.clear_cache()
+
+
+# ------------------------------------------------------------------------------------------ fingerprint
+def test_checkpoint_fingerprint_is_cached_and_follows_the_weights(make_cfg, tmp_path):
+    cfg = make_cfg()
+    model, _ = build_model(cfg.model)
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    build_default_tokenizer().save_pretrained(ckpt)
+    fp = base_fingerprint(cfg.model, str(ckpt))
+    assert (ckpt / SIDECAR).is_file() and base_fingerprint(cfg.model, str(ckpt)) == fp
+    # same size, different bytes (a fine-tuned base with the same shapes): a different fingerprint
+    weights = next(ckpt.glob("*.safetensors"))
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    assert base_fingerprint(cfg.model, str(ckpt)) != fp
+    # the tokenizer is part of the base: a different vocabulary would silently change every token id
+    weights.write_bytes(bytes(raw[:-1]) + bytes([raw[-1] ^ 0xFF]))
+    assert base_fingerprint(cfg.model, str(ckpt)) == fp
+    cfgfile = ckpt / "tokenizer_config.json"
+    cfgfile.write_text(cfgfile.read_text().replace("{", "{ ", 1))
+    assert base_fingerprint(cfg.model, str(ckpt)) != fp
+
+
+def test_fingerprint_of_a_read_only_checkpoint(make_cfg, tmp_path):
+    cfg = make_cfg()
+    model, _ = build_model(cfg.model)
+    ckpt = tmp_path / "ro"
+    model.save_pretrained(ckpt)
+    fp = base_fingerprint(cfg.model, str(ckpt))
+    (ckpt / SIDECAR).unlink()
+    ckpt.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        assert base_fingerprint(cfg.model, str(ckpt)) == fp
+        assert not (ckpt / SIDECAR).exists()
+    finally:
+        ckpt.chmod(stat.S_IRWXU)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no weight files"):
+        base_fingerprint(cfg.model, str(empty))
