@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distmoe.config import HARDWARE_KEYS, ConfigError, NodeConfig, TrainConfig
 from distmoe.deploy.credentials import (
     CredentialsError,
     PartyFiles,
@@ -201,11 +202,14 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
                       work_dir: str | os.PathLike[str] | None = None, epsilon_max: float | None = None,
                       model_path: str | os.PathLike[str] | None = None,
                       flwr_home: str | os.PathLike[str] | None = None,
+                      hardware: Mapping[str, str | int | bool] | None = None,
                       check_paths: bool = True) -> FlowerCommand:
     """``flower-supernode`` with TLS (the federation's CA), its authentication key and distmoe's node config.
 
     ``party_dir`` is the data owner's credentials directory (``OUT/parties/<party>``); the party name
     defaults to the one it was made for. With ``check_paths`` the data directory must exist here.
+    ``hardware`` holds the owner's own compute settings as node-config keys (``device``, ``dtype``,
+    ``micro-batch-size``, ``gradient-checkpointing``, ``quantize``; ``distmoe.config.HARDWARE_KEYS``).
     """
     party: PartyFiles = read_party_dir(party_dir)
     for path, what in ((party.ca_cert, "CA certificate"), (party.supernode_key, "SuperNode private key"),
@@ -231,6 +235,18 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
         if not epsilon_max > 0:
             raise DeployError(f"--epsilon-max: value {epsilon_max} must be > 0")
         nc["epsilon-max"] = float(epsilon_max)
+    for k, v in (hardware or {}).items():
+        if k not in HARDWARE_KEYS:
+            raise DeployError(f"hardware setting {k!r} is not one of {', '.join(HARDWARE_KEYS)}")
+        if v is not None:
+            nc[k] = v
+    try:
+        # validated here exactly as the party will validate them, so a typo fails before anything starts
+        NodeConfig(party=name, data_path=data, work_dir=data, model_path="",
+                   hardware=tuple((HARDWARE_KEYS[k], v) for k, v in nc.items() if k in HARDWARE_KEYS)
+                   ).train(TrainConfig())
+    except ConfigError as exc:
+        raise DeployError(str(exc)) from None
     argv = ["flower-supernode",
             "--root-certificates", _abs(party.ca_cert),
             "--auth-supernode-private-key", _abs(party.supernode_key),

@@ -161,6 +161,12 @@ def prepared_model(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU) ->
     return model, tok
 
 
+def is_cached(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU) -> bool:
+    """Whether ``prepared_model`` would reuse this process's model (for progress lines)."""
+    hit = _PREPARED.get((astuple(cfg), model_path, rt.key))
+    return hit is not None and hit[2] == _source_stamp(cfg, model_path)
+
+
 def keep_trainable_fp32(model: nn.Module) -> None:
     """Trainable tensors in float32 (master weights), whatever the base's dtype (see ``device.py``)."""
     with torch.no_grad():

@@ -12,6 +12,7 @@ Must not: import ``flwr``, read another party's directory, or return anything bu
 
 from __future__ import annotations
 
+import time
 import zlib
 
 import numpy as np
@@ -20,8 +21,8 @@ import torch
 from distmoe.config import NodeConfig, RunConfig
 from distmoe.data.party import PartyData, load_party
 from distmoe.data.template import collate, encode_example
-from distmoe.model.base import base_fingerprint, prepared_model
-from distmoe.model.build import describe
+from distmoe.model.base import base_fingerprint, is_cached, prepared_model
+from distmoe.model.build import describe, param_count
 from distmoe.model.device import Runtime, resolve_runtime
 from distmoe.model.trainable import load_trainable, spec_of, trainable_state
 from distmoe.routing.stats import per_sequence_stats
@@ -64,7 +65,12 @@ def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarra
         raise PartyError(f"party {node.party}: the frozen base model differs from the server's "
                          f"(fingerprint {fingerprint[:12]} vs {base_hash[:12]}); every node must use the same "
                          "checkpoint (model.path / node model-path) and model settings")
+    fresh = not is_cached(cfg.model, node.model_path, rt)
+    t0 = time.perf_counter()
     model, tok = prepared_model(cfg.model, node.model_path, rt)
+    if fresh:  # the SuperNode's log: what this owner's hardware runs
+        print(f"distmoe party {node.party}: base {model.config.model_type} ({param_count(model) / 1e6:.1f}M "
+              f"parameters) on {rt.describe()}, loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     spec = spec_of(model, cfg.model.trainable, fingerprint)
     load_trainable(model, _to_torch(weights), spec)
     return model, tok, spec

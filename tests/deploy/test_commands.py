@@ -75,6 +75,24 @@ def test_supernode_node_config_survives_flower_and_distmoe_parsing(creds, tmp_pa
     assert node.ledger_key == party.ledger_key.resolve() and node.work_dir == (tmp_path / "work").resolve()
 
 
+def test_supernode_hardware_settings_reach_the_party(creds, tmp_path):
+    from flwr.common.config import parse_config_args
+    from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode
+
+    data = tmp_path / "party-0"
+    data.mkdir()
+    party = creds.parties[0]
+    cmd = dc.supernode_command(party.dir, superlink="127.0.0.1:9092", data_path=data,
+                               hardware={"device": "cuda:1", "dtype": "bfloat16", "micro-batch-size": 2,
+                                         "gradient-checkpointing": True, "quantize": None})
+    nc = parse_config_args([_parse_args_run_supernode().parse_args(list(cmd.argv[1:])).node_config])
+    train = parse_node_config(nc, _sim()).train(parse_run_config({}).train)
+    assert (train.device, train.dtype, train.micro_batch_size, train.gradient_checkpointing) == \
+        ("cuda:1", "bfloat16", 2, True)
+    with pytest.raises(dc.DeployError, match="node config key 'device'.*'gpu'"):
+        dc.supernode_command(party.dir, superlink="127.0.0.1:9092", data_path=data, hardware={"device": "gpu"})
+
+
 def test_supernode_command_errors(creds, tmp_path):
     party = creds.parties[0].dir
     with pytest.raises(dc.DeployError, match="--data-path: .* is not a directory"):
