@@ -197,6 +197,10 @@ class InferenceEngine:
 
     def sync(self, policy_model: nn.Module) -> InferenceEngine:
         """Re-copy the policy's current weights and re-apply the profile (the policy is untouched)."""
+        if self.spec["int8_dynamic"] and device_of(policy_model).type != "cpu":
+            raise ValueError(f"inference profile {self.profile!r}: int8-dynamic (torch.ao dynamic quantisation) runs "
+                             f"on the CPU only, the policy is on {device_of(policy_model)}; use int8-weight-only or "
+                             "bf16 on an accelerator")
         model = copy.deepcopy(policy_model)
         model.eval()
         for p in model.parameters():
