@@ -202,7 +202,7 @@ def compare(delta_hat: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor, r2
     a = math.nan
     if n >= 2:
         n_top = max(1, int(math.ceil(top_frac * n)))
-        labels = torch.zeros(n, dtype=torch.bool)
+        labels = torch.zeros(n, dtype=torch.bool, device=y.device)
         labels[torch.argsort(y.abs(), descending=True, stable=True)[:n_top]] = True
         a = auroc(p.abs(), labels)
     ok = (not math.isnan(r2)) and (not math.isnan(a)) and r2 >= r2_min and a >= auroc_min
@@ -248,7 +248,15 @@ class InferenceSimulator:
     def for_model(cls, model: nn.Module, **kw) -> InferenceSimulator:
         cfg = model.config
         num_experts = int(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
-        return cls(len(router_modules(model)), num_experts, int(cfg.num_experts_per_tok), **kw)
+        sim = cls(len(router_modules(model)), num_experts, int(cfg.num_experts_per_tok), **kw)
+        return sim.to(next(model.parameters()).device)
+
+    def to(self, device: torch.device) -> InferenceSimulator:
+        """Keep the table, the feature statistics and the MLP on the policy's device."""
+        self.offset, self.feat_mean, self.feat_std = (t.to(device) for t in (self.offset, self.feat_mean,
+                                                                               self.feat_std))
+        self.mlp = self.mlp.to(device)
+        return self
 
     @property
     def degraded(self) -> bool:
@@ -275,7 +283,7 @@ class InferenceSimulator:
         ent = -(logq.exp() * logq).sum(-1)  # [N, T]
         maxlp = logq.max(-1).values  # [N, T]
         t = tf.logp.shape[1]
-        pos = (torch.arange(t, dtype=torch.float32) / max(t - 1, 1)).expand_as(tf.logp)  # [N, T]
+        pos = (torch.arange(t, dtype=torch.float32, device=tf.logp.device) / max(t - 1, 1)).expand_as(tf.logp)  # [N, T]
         per_tok = torch.stack([ent, tf.logp, maxlp, pos], -1)  # [N, T, 4]
         return torch.cat([margin.permute(1, 2, 0), flip.permute(1, 2, 0), per_tok], -1)  # [N, T, F]
 
@@ -309,8 +317,8 @@ class InferenceSimulator:
         for ro in batches:
             n = ro.num_rollouts
             n_held = int(round(self.heldout_frac * n)) if n > 1 else 0
-            fit_rows.append(torch.arange(n) < n - n_held)  # [N] bool
-            held_rows.append(torch.arange(n) >= n - n_held)
+            fit_rows.append(torch.arange(n, device=ro.response_mask.device) < n - n_held)  # [N] bool
+            held_rows.append(torch.arange(n, device=ro.response_mask.device) >= n - n_held)
         # offset table: valid response tokens of the fit rows
         diffs = []
         for tf, zi, ro, rows in zip(tfs, infer, batches, fit_rows, strict=True):
@@ -355,6 +363,7 @@ class InferenceSimulator:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed + self.calibrations)
             mlp = nn.Sequential(nn.Linear(self.num_features, self.hidden), nn.ReLU(), nn.Linear(self.hidden, 1))
+        mlp = mlp.to(x.device)
         xn = self._standardise(x)
         opt = torch.optim.Adam(mlp.parameters(), lr=self.lr)
         huber = nn.HuberLoss(delta=1.0)
