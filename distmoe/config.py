@@ -174,8 +174,9 @@ class RunSection(_Section):
 
 @section("model")
 class ModelConfig(_Section):
-    path: str = key("", "local Hugging Face checkpoint (`qwen3_moe`, `qwen2_moe`, `mixtral`, `olmoe`); `\"\"` = the "
-                    "tiny default Qwen3-MoE. A checkpoint of another architecture is refused with a message naming it",
+    path: str = key("", "local Hugging Face checkpoint of a supported MoE family (`docs/checkpoints.md`); `\"\"` = "
+                    "the tiny default Qwen3-MoE. A checkpoint of another architecture is refused with a message "
+                    "naming it and why",
                     allowed="directory")
     trainable: str = key("all", "what is trained and sent; only these tensors travel", choices=TRAINABLE_MODES)
     hidden_size: int = key(256, "tiny default: hidden size", lo=1)

@@ -2,7 +2,8 @@
 
 Owns: how an ``Example`` becomes ``(input_ids, labels)`` (the tokenizer's own chat template; every
 prompt token -- up to and including the generation prompt before the final assistant turn -- is
-labelled -100, the answer and the closing end/eos token are supervised), left truncation that keeps
+labelled -100, the answer and the closing end/eos token are supervised), system turns folded into the
+first user turn for templates that reject the system role, left truncation that keeps
 the answer, right-padded training batches, left-padded generation prompts, and the deterministic
 batch order.
 
@@ -54,13 +55,45 @@ def _as_ids(out: Any) -> list[int]:
     return [int(i) for i in out]
 
 
+def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The conversation without system turns: their text (joined by blank lines) is put before the first
+    user turn's content, separated by a blank line (a leading user turn holds it alone if there is none)."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    rest = [dict(m) for m in messages if m["role"] != "system"]
+    if not system:
+        return rest
+    text = "\n\n".join(system)
+    for m in rest:
+        if m["role"] == "user":
+            m["content"] = f"{text}\n\n{m['content']}"
+            return rest
+    return [{"role": "user", "content": text}, *rest]
+
+
 def chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    """Token ids of ``messages`` rendered by the tokenizer's chat template."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise DataError(f"tokenizer {type(tokenizer).__name__} has no chat_template; distmoe needs one "
-                        "to encode instruction data")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                        tokenize=True, **_template_kwargs(tokenizer))
+    """Token ids of ``messages`` rendered by the tokenizer's chat template.
+
+    A template that rejects the system role (raises while rendering one, as Gemma's and Mistral's do) gets
+    the conversation with the system text folded into the first user turn (``fold_system``) instead; the
+    prompt and the full conversation are folded alike, so prompt masking is unchanged."""
+    from jinja2.exceptions import TemplateError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"tokenizer {type(tokenizer).__name__} has no chat_template; distmoe encodes instruction "
+                        "data with the checkpoint's chat template (add chat_template.jinja to the checkpoint; "
+                        "docs/checkpoints.md)")
+    kwargs = dict(add_generation_prompt=add_generation_prompt, tokenize=True, **_template_kwargs(tokenizer))
+    try:
+        out = tokenizer.apply_chat_template(messages, **kwargs)
+    except TemplateError as exc:
+        if not any(m["role"] == "system" for m in messages):
+            raise DataError(f"the chat template of {type(tokenizer).__name__} refused the conversation: "
+                            f"{exc}") from None
+        try:
+            out = tokenizer.apply_chat_template(fold_system(messages), **kwargs)
+        except TemplateError as exc2:
+            raise DataError(f"the chat template of {type(tokenizer).__name__} refused the conversation ({exc}), "
+                            f"and also with the system text folded into the first user turn ({exc2})") from None
     return _as_ids(out)
 
 

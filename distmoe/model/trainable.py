@@ -64,8 +64,9 @@ def apply_trainable(model: nn.Module, cfg: ModelConfig) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
         targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-        if cfg.lora_router:
-            targets.append("mlp.gate.weight")
+        if cfg.lora_router:  # "mlp.gate.weight" in most families, "mlp.router.weight" in GPT-OSS
+            targets += sorted({f"{name.rsplit('.', 2)[-2]}.{name.rsplit('.', 1)[-1]}.weight"
+                               for name, _ in router_modules(model)})
         lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                           target_parameters=targets, init_lora_weights=True)

@@ -34,7 +34,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from distmoe.model.build import router_modules
+from distmoe.model.build import num_experts as experts_of
+from distmoe.model.build import router_modules, topk_weighting
 from distmoe.model.device import autocast_for, device_of
 from distmoe.model.router import topk_experts
 
@@ -137,7 +138,7 @@ def least_used(usage: torch.Tensor, k: int) -> torch.Tensor:
     return order[:, :k]
 
 
-def _make_prune_hook(dropped: torch.Tensor, top_k: int, norm_topk_prob: bool):
+def _make_prune_hook(dropped: torch.Tensor, top_k: int, norm_topk_prob: bool, scale: float = 1.0):
     """Forward hook for a ``(logits, scores, indices)`` router: re-route with ``dropped`` logits at -inf."""
     def hook(_mod, _inp, out):
         if not (isinstance(out, tuple) and len(out) == 3):
@@ -148,6 +149,7 @@ def _make_prune_hook(dropped: torch.Tensor, top_k: int, norm_topk_prob: bool):
         top_v, top_i = torch.topk(probs, top_k, dim=-1)  # [tokens, k]
         if norm_topk_prob:
             top_v = top_v / top_v.sum(dim=-1, keepdim=True)
+        top_v = top_v * scale if scale != 1.0 else top_v
         return masked, top_v.to(logits.dtype), top_i
     return hook
 
@@ -228,7 +230,7 @@ class InferenceEngine:
             usage = torch.as_tensor(self.fixed_usage).float()
         else:
             usage = measure_usage(policy_model, self.calibration)
-        num_experts = int(getattr(model.config, "num_experts", None) or model.config.num_local_experts)
+        num_experts = experts_of(model)
         top_k = int(model.config.num_experts_per_tok)
         if usage.shape != (len(routers), num_experts):
             raise ValueError(f"usage table has shape {tuple(usage.shape)}, expected "
@@ -237,9 +239,9 @@ class InferenceEngine:
             raise ValueError(f"prune-{k} leaves {num_experts - k} experts, fewer than top_k={top_k}")
         self.usage = usage
         self.pruned = least_used(usage, k)  # [L, k]
+        norm, scale = topk_weighting(model)  # the family's own weighting of its top-k
         for li, (_, mod) in enumerate(routers):
-            norm = bool(getattr(mod, "norm_topk_prob", getattr(model.config, "norm_topk_prob", False)))
-            mod.register_forward_hook(_make_prune_hook(self.pruned[li], top_k, norm))
+            mod.register_forward_hook(_make_prune_hook(self.pruned[li], top_k, norm, scale))
 
     def __repr__(self) -> str:
         return f"InferenceEngine(profile={self.profile!r}, temperature={self.temperature})"

@@ -25,7 +25,9 @@ Exact semantics of a replayed router (Qwen3-MoE ``TopKRouter``, which returns
   choice: ``p = softmax(z)`` over all ``E`` experts (float32), ``s = p[I]``, and, when the router has
   ``norm_topk_prob`` (the default tiny model does), ``s = s / sum(s)``, i.e. the softmax of ``z``
   restricted to the replayed experts: ``s_j = exp(z_{I_j}) / sum_m exp(z_{I_m})``. Without
-  ``norm_topk_prob`` the un-normalised ``p[I]`` is used, exactly as HF does for its own top-k.
+  ``norm_topk_prob`` the un-normalised ``p[I]`` is used, exactly as HF does for its own top-k. Other
+  supported families differ only in whether they renormalise and by a constant scale
+  (``distmoe.model.build.topk_weighting``: Mixtral and GPT-OSS always renormalise, DeepSeek-V2 scales).
 * The gradient therefore flows to the router through ``s`` (and to the replayed experts), but never
   through the choice of experts: routing mismatch is removed at its source, while the router still
   learns how to weight the experts it was given.
@@ -46,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from distmoe.model.build import router_modules
+from distmoe.model.build import router_modules, topk_weighting
 from distmoe.model.router import RouterHooks, topk_experts
 
 UNRECORDED = -1
@@ -99,14 +101,18 @@ class RouteRecorder(RouterHooks):
         return out
 
 
-def replay_weights(router_logits: torch.Tensor, indices: torch.Tensor, norm_topk_prob: bool) -> torch.Tensor:
+def replay_weights(router_logits: torch.Tensor, indices: torch.Tensor, norm_topk_prob: bool,
+                   scale: float = 1.0) -> torch.Tensor:
     """Train-side weights ``[rows, k]`` of the replayed experts ``indices`` ``[rows, k]`` from the trainer's
     router logits ``[rows, E]``: ``softmax(z)[I]`` (float32), renormalised over the ``k`` replayed experts
-    when ``norm_topk_prob`` (as the HF Qwen3-MoE router does for its own top-k). Differentiable in ``z``."""
+    when ``norm_topk_prob`` (as the HF Qwen3-MoE router does for its own top-k), times ``scale`` (the
+    family's ``routed_scaling_factor``; ``distmoe.model.build.topk_weighting``). Differentiable in ``z``."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)  # [rows, E]
     w = probs.gather(-1, indices)  # [rows, k]
     if norm_topk_prob:
         w = w / w.sum(dim=-1, keepdim=True)  # [rows, k]
+    if scale != 1.0:
+        w = w * scale
     return w.to(router_logits.dtype)
 
 
@@ -137,10 +143,10 @@ def replay_routes(model: nn.Module, routes: torch.Tensor | None) -> Iterator[Rep
         raise ValueError(f"replay_routes: routes record {routes.shape[-1]} experts per token, the model uses {top_k}")
     flat = routes.reshape(routes.shape[0], -1, top_k)  # [L, N*S, k]
     handles = []
+    norm, scale = topk_weighting(model)
     for li, (_, mod) in enumerate(routers):
-        norm = bool(getattr(mod, "norm_topk_prob", getattr(model.config, "norm_topk_prob", False)))
 
-        def hook(_mod, _inp, out, li=li, norm=norm):
+        def hook(_mod, _inp, out, li=li):
             if not (isinstance(out, tuple) and len(out) == 3):
                 raise TypeError("routing replay needs a router returning (logits, scores, indices) (Qwen3-MoE style)")
             logits, scores, own = out  # [rows, E], [rows, k], [rows, k]
@@ -150,7 +156,7 @@ def replay_routes(model: nn.Module, routes: torch.Tensor | None) -> Iterator[Rep
                                  f"{rec.shape[0]} (N*S of another batch?)")
             replayed = (rec >= 0).all(-1)  # [rows] bool
             idx = torch.where(replayed[:, None], rec, own)  # [rows, k]
-            w = replay_weights(logits, idx, norm)  # [rows, k]
+            w = replay_weights(logits, idx, norm, scale)  # [rows, k]
             w = torch.where(replayed[:, None], w, scores)  # [rows, k] unrecorded rows: the router's own weights
             stats.replayed[li] = replayed
             stats.overridden[li] = replayed & (torch.sort(idx, -1).values != torch.sort(own, -1).values).any(-1)

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from distmoe.model.build import num_experts as experts_of
 from distmoe.model.build import router_modules
 from distmoe.rl.rollout import Rollouts, train_logprobs
 
@@ -246,9 +247,7 @@ class InferenceSimulator:
 
     @classmethod
     def for_model(cls, model: nn.Module, **kw) -> InferenceSimulator:
-        cfg = model.config
-        num_experts = int(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
-        sim = cls(len(router_modules(model)), num_experts, int(cfg.num_experts_per_tok), **kw)
+        sim = cls(len(router_modules(model)), experts_of(model), int(model.config.num_experts_per_tok), **kw)
         return sim.to(next(model.parameters()).device)
 
     def to(self, device: torch.device) -> InferenceSimulator:
