@@ -206,3 +206,30 @@ def test_fingerprint_of_a_read_only_checkpoint(make_cfg, tmp_path):
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="no weight files"):
         base_fingerprint(cfg.model, str(empty))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "deepseek_v2"])
+def test_a_real_family_checkpoint_trains_with_a_bf16_base(family, make_cfg, tmp_path):
+    """A checkpoint loaded directly in bfloat16 (no float32 copy): the frozen base stays bf16, the adapters
+    train in float32 under autocast, and what would travel is float32 on the CPU."""
+    from distmoe.model.build import describe
+    from distmoe.model.fabricate import write_checkpoint
+    from distmoe.train.sft import train_sft
+
+    ckpt = write_checkpoint(family, tmp_path / family)
+    cfg = make_cfg(**{"model.path": str(ckpt), "model.trainable": "lora", "train.dtype": "bfloat16",
+                      "train.device": "cpu", "train.local-steps": 2, "train.batch-size": 2})
+    base_mod.clear_cache()
+    model, tok = prepared_model(cfg.model, "", resolve_runtime(cfg.train, "lora"))
+    frozen = {n: p.dtype for n, p in model.named_parameters() if not p.requires_grad}
+    # a family may keep its router in float32 (transformers' _keep_in_fp32_modules: DeepSeek's gate)
+    assert all(d == torch.bfloat16 or ".mlp.gate." in n for n, d in frozen.items()), frozen
+    ms = describe(model)
+    encoded = [(ids, ids) for ids in ([5, 6, 7, 8, 9], [9, 8, 7, 6], [4, 4, 5, 6, 7, 8])]
+    before = trainable_state(model)
+    res = train_sft(model, encoded, tok.pad_token_id, cfg.train, cfg.routing, ms.num_experts, ms.top_k,
+                    torch.full((ms.num_moe_layers, ms.num_experts), 1.0 / ms.num_experts), 0)
+    assert res.steps == 2 and res.skipped_steps == 0 and res.anchor_kls
+    after = trainable_state(model)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    base_mod.clear_cache()
