@@ -122,8 +122,9 @@ def build_model(cfg: ModelConfig, model_path: str = "") -> tuple[nn.Module, obje
     return model, tok
 
 
-def load_checkpoint(path: Path) -> tuple[nn.Module, object]:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def read_hf_config(path: Path):
+    """The checkpoint's ``config.json`` (no weights read), checked: a directory, a supported MoE family."""
+    from transformers import AutoConfig
 
     if not path.is_dir():
         raise ModelError(f"model.path {str(path)!r}: not a directory (expected a local Hugging Face "
@@ -137,6 +138,13 @@ def load_checkpoint(path: Path) -> tuple[nn.Module, object]:
     if hf_cfg.model_type not in SUPPORTED_FAMILIES:
         raise ModelError(f"model.path {str(path)!r}: architecture {hf_cfg.model_type!r} is not a "
                          f"supported MoE family ({', '.join(SUPPORTED_FAMILIES)})")
+    return hf_cfg
+
+
+def load_checkpoint(path: Path) -> tuple[nn.Module, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    read_hf_config(path)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tok.pad_token_id is None:
