@@ -68,7 +68,9 @@ def sft_model(seed: int, args) -> Path:
 
 
 def rl_run(arm: str, seed: int, engine: str, model_dir: Path, args) -> Path:
-    ov = (f"run.seed={seed} model.path='{model_dir}' schedule.phases='eval, rl:lookup*{args.rl_rounds}, eval' "
+    # model.trainable = all, as in the SFT run (with model.path set the default would be lora adapters)
+    ov = (f"run.seed={seed} model.path='{model_dir}' model.trainable='all' "
+          f"schedule.phases='eval, rl:lookup*{args.rl_rounds}, eval' "
           f"rl.engine='{engine}' rl.steps={args.rl_steps} rl.lr={args.rl_lr} {ARMS[arm]}")
     return _simulate(f"rl-{engine}-{arm}-s{seed}", ov, args)
 

@@ -1,9 +1,11 @@
 """Atomic checkpoints of the global model with a SHA-256 hash manifest.
 
 Layout: ``checkpoints/round-<n>/`` holding ``trainable.safetensors`` (exactly the tensors that
-travel), ``model/`` (a Hugging Face directory with config, weights and tokenizer, loadable with
-``model.path``), and ``manifest.json`` (round, sha256 of every file, hash of the trainable
-weights). A checkpoint is written into a hidden temporary directory, every file fsynced, then
+travel), the model in the form its trainable mode calls for (written by the caller's ``write_model``:
+``adapter/`` in ``lora`` mode, peft's ``adapter_model.safetensors`` + ``adapter_config.json`` with the base
+fingerprint in the manifest; ``model/`` otherwise, a Hugging Face directory with config, weights and
+tokenizer, loadable with ``model.path``), and ``manifest.json`` (round, sha256 of every file, hash of the
+trainable weights). A checkpoint is written into a hidden temporary directory, every file fsynced, then
 renamed into place, and ``checkpoints/LATEST`` is replaced atomically: a crash never leaves a
 half-written checkpoint under a real name. ``verify_checkpoint`` recomputes the hashes.
 
@@ -26,11 +28,11 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from distmoe.io import fsync_dir, write_text_atomic
 
@@ -54,25 +56,13 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(fh.fileno())
 
 
-def _export_model(model: nn.Module, tokenizer, out: Path) -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # no per-shard progress bars in the run log
-    export = model
-    if hasattr(model, "merge_and_unload"):  # peft: export merged weights so model.path can load it
-        import copy
-
-        export = copy.deepcopy(model).merge_and_unload()
-    export.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-
-
-def save_checkpoint(root: Path, round_num: int, model: nn.Module, tokenizer,
-                    trainable: dict[str, torch.Tensor], trainable_hash: str, meta: dict | None = None,
+def save_checkpoint(root: Path, round_num: int, trainable: dict[str, torch.Tensor], trainable_hash: str, *,
+                    write_model: Callable[[Path], object] | None = None, meta: dict | None = None,
                     keep: int = 2, state: dict | None = None,
                     tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
-    """Write ``round-<round_num>`` atomically; ``state`` (JSON) and ``tensors`` (name -> tensors, each
-    written as ``<name>.safetensors``) travel inside it, covered by the manifest."""
+    """Write ``round-<round_num>`` atomically; ``write_model(dir)`` writes the model's files into the checkpoint
+    directory (a subdirectory: ``adapter/`` or ``model/``), ``state`` (JSON) and ``tensors`` (name -> tensors,
+    each written as ``<name>.safetensors``) travel inside it; all of it is covered by the manifest."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"round-{round_num}"
     tmp = root / f".tmp-round-{round_num}-{os.getpid()}"
@@ -86,7 +76,8 @@ def save_checkpoint(root: Path, round_num: int, model: nn.Module, tokenizer,
             save_file({k: v.contiguous() for k, v in group.items()}, str(tmp / f"{name}.safetensors"))
         if state is not None:
             (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True, allow_nan=False))
-        _export_model(model, tokenizer, tmp / "model")
+        if write_model is not None:
+            write_model(tmp)
         files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"round": round_num, "time": time.time(), "trainable_hash": trainable_hash,
                     "files": files, **(meta or {})}

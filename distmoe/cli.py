@@ -1,4 +1,4 @@
-"""The ``distmoe`` command: ``simulate | report | audit | credentials | deploy | data | config``.
+"""The ``distmoe`` command: ``simulate | report | audit | export | credentials | deploy | data | config``.
 
 Every user error (a config key, a data file and line, a missing directory) is printed as one
 ``error: ...`` line and exits with status 2; a failed run exits with 1.
@@ -63,6 +63,18 @@ def cmd_audit(args) -> int:
     from distmoe.audit import cli_audit
 
     return cli_audit(args.run_dir, party_ledgers=args.party_ledger, canaries=args.canaries, as_json=args.json)
+
+
+def cmd_export(args) -> int:
+    from distmoe.export import ExportError, export_run
+
+    try:
+        out = export_run(args.run_dir, round_num=args.round, out=args.out, model_path=args.model_path or "")
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
 
 
 def cmd_data_synth(args) -> int:
@@ -182,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--canaries", metavar="FILE", help="canary strings, one per line (default: the run's)")
     a.add_argument("--json", action="store_true", help="print the audit JSON instead of the summary")
     a.set_defaults(fn=cmd_audit)
+
+    e = sub.add_parser("export", help="write a run's checkpoint as a standalone Hugging Face model (adapters merged)")
+    e.add_argument("run_dir")
+    e.add_argument("--round", type=int, metavar="N", help="the checkpoint of round N (default: the latest)")
+    e.add_argument("--out", metavar="DIR", help="output directory (default: RUN_DIR/export/round-<n>)")
+    e.add_argument("--model-path", metavar="BASE",
+                   help="the base checkpoint the adapters are merged into (default: model.path of the run's config)")
+    e.set_defaults(fn=cmd_export)
 
     d = sub.add_parser("data", help="party data tools")
     dsub = d.add_subparsers(dest="data_cmd", required=True)

@@ -132,7 +132,7 @@ class _Section:
         """Checks across the keys of this section (none by default)."""
 
 
-TRAINABLE_MODES = ("all", "router+experts", "lora")
+TRAINABLE_MODES = ("all", "router+experts", "lora")  # what the rest of the code sees (`auto` is resolved)
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE_MODES = ("none", "4bit", "8bit")
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:[0-9]+)?)$")
@@ -178,7 +178,9 @@ class ModelConfig(_Section):
                     "the tiny default Qwen3-MoE. A checkpoint of another architecture is refused with a message "
                     "naming it and why",
                     allowed="directory")
-    trainable: str = key("all", "what is trained and sent; only these tensors travel", choices=TRAINABLE_MODES)
+    trainable: str = key("auto", "what is trained and sent; only these tensors travel; `auto` = `lora` when "
+                         "`model.path` is set (the server then holds the adapters only), else `all`",
+                         choices=("auto", *TRAINABLE_MODES))
     hidden_size: int = key(256, "tiny default: hidden size", lo=1)
     layers: int = key(4, "tiny default: decoder layers, all MoE", lo=1)
     experts: int = key(8, "tiny default: experts per layer", lo=2, hi=256)
@@ -195,6 +197,8 @@ class ModelConfig(_Section):
     seed: int = 0  # not a key: = run.seed, so the tiny default model is initialised identically everywhere
 
     def check(self) -> None:
+        if self.trainable == "auto":  # resolved once, here: the rest of the code sees a concrete mode
+            object.__setattr__(self, "trainable", "lora" if self.path else "all")
         _range("model.top-k", self.top_k, 1, self.experts)
         if self.heads % self.kv_heads:
             raise ConfigError(f"config key 'model.kv-heads': value {self.kv_heads} must divide "
@@ -597,6 +601,7 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
         derived = {"seed": parts["run"].seed} if name in ("model", "data") else {}
         parts[name] = cls(**{s.attr: flat[s.name] for s in cls.KEYS}, **derived)
     _check_across(parts["federation"], parts["privacy"])
+    flat["model.trainable"] = parts["model"].trainable  # `auto` resolved: the run record names the mode used
     return RunConfig(**parts, raw=tuple(sorted(flat.items())))
 
 

@@ -29,7 +29,7 @@ LAYERS = (
     {"rl"},
     {"wire"},  # schema, codec, inspection, the two guards, error codes
     {"party", "coordinator", "audit"},
-    {"inprocess", "simulate", "config_sync"},
+    {"inprocess", "simulate", "config_sync", "export"},
     {"cli"},
 )
 MAX_LINES = 400

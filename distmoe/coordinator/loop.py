@@ -1,7 +1,8 @@
 """The coordinator's round loop, independent of Flower: read it top to bottom.
 
 ``Coordinator.run`` writes the run record (``run.json``, ``config.toml``, ``metrics.jsonl``), builds the
-model once to know its trainable tensors and router shape, restores a checkpoint when resuming
+server's model once (``distmoe.model.adapters.server_model``: its trainable tensors and router shape; in
+``lora`` mode only the adapters, never the base), restores a checkpoint when resuming
 (``distmoe.coordinator.resume``), waits for ``federation.min-available`` parties, starts the privacy
 plane (``distmoe.coordinator.plane``: signed ledger, allow-list, server guard, secure-aggregation
 setup, the aggregator), then runs every round of ``schedule.phases`` through its phase module
@@ -38,9 +39,8 @@ from distmoe.coordinator.state import RoundState, to_checkpoint
 from distmoe.coordinator.transport import Transport
 from distmoe.io import write_text_atomic
 from distmoe.ledger import Ledger
-from distmoe.model.base import base_fingerprint
-from distmoe.model.build import build_model, describe, hash_tensors, param_count
-from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state
+from distmoe.model.adapters import ServerModel, server_model
+from distmoe.model.build import hash_tensors
 from distmoe.privacy.plan import plan_privacy
 from distmoe.report.metrics_log import MetricsLog
 from distmoe.wire.server_guard import ServerGuard
@@ -73,8 +73,7 @@ class Coordinator:
         self.s = RoundState()
         self.plan = plan_privacy(cfg.privacy, cfg.schedule)
         # set once the model is built (run) and the privacy plane started (plane.start)
-        self.model: torch.nn.Module | None = None
-        self.tok = None
+        self.model: ServerModel | None = None  # what trains (lora: the adapters only, no base)
         self.tspec = None  # distmoe.model.trainable.TrainableSpec
         self.mspec = None  # distmoe.model.build.ModelSpec
         self.ledger: Ledger | None = None
@@ -160,18 +159,18 @@ class Coordinator:
 
     def _build_model(self) -> None:
         cfg = self.cfg
-        model, self.tok = build_model(cfg.model)
-        self.model = apply_trainable(model, cfg.model)
-        self.tspec = spec_of(self.model, cfg.model.trainable, base_fingerprint(cfg.model))
-        self.mspec = describe(self.model)
-        self.s.weights = trainable_state(self.model)
-        n_params = param_count(self.model)
+        self.model = server_model(cfg.model)
+        self.tspec, self.mspec = self.model.tspec, self.model.mspec
+        self.s.weights = dict(self.model.weights)
+        n_params = self.model.n_params
         self.record.update(model={"family": self.mspec.family, "parameters": n_params,
                                   "trainable": cfg.model.trainable, "trainable_numel": self.tspec.numel,
+                                  "server_holds": "base and trainable" if self.model.holds_base else "adapters",
                                   "router_spec": self.mspec.router_spec()})
         self.say(f"model {self.mspec.family}: {n_params / 1e6:.2f}M parameters, {self.tspec.numel / 1e6:.2f}M "
                  f"trainable ({cfg.model.trainable}); {len(self.mspec.moe_layers)} MoE layers x "
-                 f"{self.mspec.num_experts} experts, top-{self.mspec.top_k}")
+                 f"{self.mspec.num_experts} experts, top-{self.mspec.top_k}"
+                 + ("" if self.model.holds_base else "; the server holds the adapters only"))
 
     def _wait_for_parties(self) -> list[int]:
         need, wait = self.cfg.federation.min_available, self.cfg.federation.wait_timeout
@@ -242,13 +241,11 @@ class Coordinator:
 
     def checkpoint(self) -> None:
         """The model and the coordinator state at the end of round ``s.round`` (the resume point)."""
-        s = self.s
-        load_trainable(self.model, s.weights, self.tspec)
+        s, model = self.s, self.model
         state, tensors = to_checkpoint(s, self.cfg.schedule.phases, run_id=self.run_id, session=self.session_id,
                                        epoch=self.epoch)
-        save_checkpoint(self.run_dir / "checkpoints", s.round, self.model, self.tok, s.weights,
-                        hash_tensors(s.weights),
-                        meta={"run_id": self.run_id, "anchor_version": s.anchor_versions,
-                              "trainable": self.cfg.model.trainable},
+        save_checkpoint(self.run_dir / "checkpoints", s.round, s.weights, hash_tensors(s.weights),
+                        write_model=lambda d: model.save(d, s.weights),
+                        meta={"run_id": self.run_id, "anchor_version": s.anchor_versions, **model.manifest_meta()},
                         keep=self.cfg.checkpoint.keep, state=state, tensors=tensors)
         self.ckpt_round = s.round

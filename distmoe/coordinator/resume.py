@@ -45,7 +45,7 @@ from distmoe.ledger import (
     verify_ledger,
 )
 from distmoe.model.build import hash_tensors
-from distmoe.model.trainable import TrainableError, load_trainable
+from distmoe.model.trainable import TrainableError, check_trainable
 
 if TYPE_CHECKING:
     from distmoe.coordinator.loop import Coordinator
@@ -162,13 +162,16 @@ def restore(co: Coordinator) -> bool:
     weights = {k: v.to(torch.float32) for k, v in weights.items()}
     try:
         s = from_checkpoint(state, weights, extra, run_id=co.run_id, where=str(path))
-        load_trainable(co.model, weights, co.tspec)
+        check_trainable(weights, co.tspec)
     except StateError as exc:
         raise RunFailed(str(exc)) from None
     except TrainableError as exc:
         raise RunFailed(f"{path}: the checkpoint does not fit this model: {exc}") from None
     if hash_tensors(weights) != manifest.get("trainable_hash"):
         raise RunFailed(f"{path}: trainable weights do not match the manifest's trainable_hash")
+    if manifest.get("base_fingerprint", co.model.base_fingerprint) != co.model.base_fingerprint:
+        raise RunFailed(f"{path}: the adapters were trained on another base model (fingerprint "
+                        f"{manifest['base_fingerprint'][:12]}, model.path now {co.model.base_fingerprint[:12]})")
     co.s = s
     co.ckpt_round = s.round
     co.resumed_from = {"checkpoint": str(path.relative_to(co.run_dir)), "round": s.round,

@@ -35,7 +35,7 @@ from torch import nn
 
 from distmoe.config import ModelConfig
 from distmoe.io import write_text_atomic
-from distmoe.model.build import build_model, hash_tensors, tiny_config
+from distmoe.model.build import ModelError, build_model, hash_tensors, tiny_config
 from distmoe.model.device import CPU, Runtime
 from distmoe.model.trainable import apply_trainable
 
@@ -117,9 +117,11 @@ def base_fingerprint(cfg: ModelConfig, model_path: str = "") -> str:
             _FINGERPRINTS[key] = h.hexdigest()
         return _FINGERPRINTS[key]
     root = Path(path)
+    if not root.is_dir():
+        raise ModelError(f"model.path {str(root)!r}: not a directory (expected a local Hugging Face checkpoint)")
     meta, weights = checkpoint_files(root)
     if not weights:
-        raise FileNotFoundError(f"model.path {str(root)!r}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+        raise ModelError(f"model.path {str(root)!r}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
     h = hashlib.sha256(b"distmoe-checkpoint-v1")
     for p in meta:
         h.update(p.name.encode() + b"\0" + _file_sha256(p).encode())

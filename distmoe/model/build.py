@@ -266,8 +266,9 @@ def _load_kwargs(rt: Runtime) -> dict:
     return kw
 
 
-def load_checkpoint(path: Path, rt: Runtime = CPU) -> tuple[nn.Module, object]:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def read_hf_config(path: Path):
+    """The checkpoint's ``config.json`` (no weights read), checked: a directory, a supported MoE family."""
+    from transformers import AutoConfig
 
     if not path.is_dir():
         raise ModelError(f"model.path {str(path)!r}: not a directory (expected a local Hugging Face "
@@ -282,6 +283,13 @@ def load_checkpoint(path: Path, rt: Runtime = CPU) -> tuple[nn.Module, object]:
         check_family(hf_cfg)
     except ModelError as exc:
         raise ModelError(f"model.path {str(path)!r}: {exc}") from None
+    return hf_cfg
+
+
+def load_checkpoint(path: Path, rt: Runtime = CPU) -> tuple[nn.Module, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    read_hf_config(path)
     model = AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(rt))
     if rt.device.type != "cuda" and str(next(model.parameters()).device) != str(rt.device):
         model = model.to(rt.device)

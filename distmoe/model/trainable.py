@@ -48,6 +48,21 @@ class TrainableSpec:
         return n
 
 
+def lora_config(cfg: ModelConfig, model: nn.Module):
+    """The one ``peft.LoraConfig`` of ``lora`` mode, shared by the parties (``apply_trainable``), the server
+    (``distmoe.model.adapters``) and the adapter checkpoints: attention projections as modules, the fused
+    experts (and, with ``model.lora-router``, the router weight) as ``target_parameters``."""
+    from peft import LoraConfig
+
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    if cfg.lora_router:  # "mlp.gate.weight" in most families, "mlp.router.weight" in GPT-OSS
+        targets += sorted({f"{name.rsplit('.', 2)[-2]}.{name.rsplit('.', 1)[-1]}.weight"
+                           for name, _ in router_modules(model)})
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                      target_parameters=targets, init_lora_weights=True)
+
+
 def apply_trainable(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     """Freeze/wrap ``model`` per ``cfg.trainable``; returns the (possibly peft-wrapped) model."""
     if cfg.trainable == "all":
@@ -61,20 +76,13 @@ def apply_trainable(model: nn.Module, cfg: ModelConfig) -> nn.Module:
             p.requires_grad_(mod in router_names or ".experts" in name)
         return model
     if cfg.trainable == "lora":
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-        if cfg.lora_router:  # "mlp.gate.weight" in most families, "mlp.router.weight" in GPT-OSS
-            targets += sorted({f"{name.rsplit('.', 2)[-2]}.{name.rsplit('.', 1)[-1]}.weight"
-                               for name, _ in router_modules(model)})
-        lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                          target_parameters=targets, init_lora_weights=True)
         # peft's default B=0 init makes the adapter a no-op; seed A deterministically so every
-        # node starts from the same adapter.
+        # node starts from the same adapter (the server's own initial adapters are what is sent).
         with torch.random.fork_rng():
             torch.manual_seed(cfg.seed + 1)
-            pm = get_peft_model(model, lcfg)
+            pm = get_peft_model(model, lora_config(cfg, model))
         return pm
     raise TrainableError(f"unknown model.trainable {cfg.trainable!r}")
 
@@ -101,23 +109,29 @@ def spec_of(model: nn.Module, mode: str, base_hash: str = "") -> TrainableSpec:
     return TrainableSpec(mode=mode, shapes=tuple((n, tuple(params[n].shape)) for n in names), base_hash=base_hash)
 
 
-def load_trainable(model: nn.Module, state: dict[str, torch.Tensor], spec: TrainableSpec) -> None:
-    """Copy ``state`` into the trainable parameters; exact keys, shapes and finite values."""
+def check_trainable(state: dict[str, torch.Tensor], spec: TrainableSpec) -> None:
+    """``state`` has exactly the keys and shapes of ``spec``, all finite; else ``TrainableError``."""
     expected = dict(spec.shapes)
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     if missing or extra:
         raise TrainableError(f"trainable tensors do not match the model: missing {missing[:5]}, "
                              f"unexpected {extra[:5]}")
+    for name, shape in expected.items():
+        t = torch.as_tensor(state[name])
+        if tuple(t.shape) != shape:
+            raise TrainableError(f"tensor {name!r}: shape {tuple(t.shape)} != expected {shape}")
+        if not torch.isfinite(t).all():
+            raise TrainableError(f"tensor {name!r}: contains NaN or Inf")
+
+
+def load_trainable(model: nn.Module, state: dict[str, torch.Tensor], spec: TrainableSpec) -> None:
+    """Copy ``state`` into the trainable parameters; exact keys, shapes and finite values."""
+    check_trainable(state, spec)
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, shape in expected.items():
-            t = torch.as_tensor(state[name])
-            if tuple(t.shape) != shape:
-                raise TrainableError(f"tensor {name!r}: shape {tuple(t.shape)} != expected {shape}")
-            if not torch.isfinite(t).all():
-                raise TrainableError(f"tensor {name!r}: contains NaN or Inf")
-            params[name].copy_(t.to(params[name].dtype))
+        for name in spec.keys:
+            params[name].copy_(torch.as_tensor(state[name]).to(params[name].dtype))
 
 
 def param_group(name: str, router_prefixes: tuple[str, ...]) -> str:

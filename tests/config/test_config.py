@@ -14,6 +14,7 @@ from distmoe.config import (
     RETIRED,
     SECTIONS,
     ConfigError,
+    ModelConfig,
     RLConfig,
     SimConfig,
     load_override_file,
@@ -65,13 +66,26 @@ def test_every_key_is_declared_completely():
 
 def test_defaults_parse_and_round_trip():
     cfg = parse_run_config({})
-    assert cfg.as_flat() == DEFAULTS
+    assert cfg.as_flat() == {**DEFAULTS, "model.trainable": "all"}  # `auto` resolved (the run record names it)
     assert parse_run_config(dict(DEFAULTS)) == cfg
     assert parse_run_config(_flatten(tomllib.loads(to_toml(DEFAULTS)))) == cfg
     assert cfg.model.seed == cfg.data.seed == DEFAULTS["run.seed"]
     assert cfg.model.top_k == DEFAULTS["model.top-k"]
     for name, cls in SECTIONS.items():  # a section constructed from its declared defaults is the parsed one
         assert cls() == getattr(cfg, name), name
+
+
+def test_trainable_auto_is_lora_with_a_checkpoint_and_all_otherwise():
+    """Resolved once, at parsing: the rest of the code (and the run record) sees a concrete mode; a run
+    recorded before `auto` existed (with `all` written out) compares equal on resume."""
+    assert DEFAULTS["model.trainable"] == "auto"
+    assert parse_run_config({}).model.trainable == "all"
+    cfg = parse_run_config({"model.path": "/some/checkpoint"})
+    assert cfg.model.trainable == "lora" and cfg.as_flat()["model.trainable"] == "lora"
+    assert parse_run_config(cfg.as_flat()) == cfg
+    assert parse_run_config({"model.path": "/x", "model.trainable": "all"}).model.trainable == "all"
+    assert parse_run_config({"model.trainable": "router+experts"}).model.trainable == "router+experts"
+    assert ModelConfig().trainable == "all" and ModelConfig(path="/x").trainable == "lora"
 
 
 def test_generated_files_match_the_declaration():

@@ -23,7 +23,7 @@ from distmoe.config import load_override_file, parse_node_config, parse_run_conf
 from distmoe.coordinator import Coordinator, RunFailed
 from distmoe.inprocess import LocalTransport
 from distmoe.model.build import build_model, hash_tensors
-from distmoe.model.trainable import apply_trainable, trainable_state
+from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state
 from distmoe.report.metrics_log import read_metrics
 
 SCHEDULE = "sft:arith*2, eval, stats:arith, sft:strings, eval"
@@ -328,5 +328,26 @@ def test_run_with_partial_trainable_modes(synth_dirs, make_cfg, tmp_path, mode):
     init = {k: v.numpy() for k, v in trainable_state(model0).items()}
     assert sorted(init) == sorted(final)
     assert any(not np.array_equal(init[k], final[k]) for k in init)
-    loaded, _ = build_model(cfg.model, model_path=str(ck / "model"))  # merged export loads
-    assert loaded.config.model_type == "qwen3_moe"
+    manifest = verify_checkpoint(ck)
+    if mode != "lora":
+        loaded, _ = build_model(cfg.model, model_path=str(ck / "model"))  # the full model loads
+        assert loaded.config.model_type == "qwen3_moe" and "base_fingerprint" not in manifest
+        return
+    # lora: the server held the adapters only; the checkpoint is peft's format beside the base fingerprint
+    from transformers import AutoModelForCausalLM
+
+    from distmoe.export import export_run
+
+    assert {p.device.type for p in coord.model.module.parameters()} == {"meta"}
+    assert json.loads((run_dir / "run.json").read_text())["model"]["server_holds"] == "adapters"
+    assert not (ck / "model").exists() and manifest["layout"] == "adapter"
+    assert manifest["base_fingerprint"] == coord.tspec.base_hash
+    assert sorted(p.name for p in (ck / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    out = export_run(run_dir)  # merged into the tiny base: a standalone checkpoint with the adapted logits
+    assert out == run_dir / "export" / ck.name
+    party = apply_trainable(build_model(cfg.model)[0], cfg.model)
+    load_trainable(party, {k: torch.from_numpy(v) for k, v in final.items()}, spec_of(party, "lora"))
+    ids = torch.randint(6, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(input_ids=ids).logits,
+                                   party.eval()(input_ids=ids).logits, rtol=1e-4, atol=1e-5)

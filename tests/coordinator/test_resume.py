@@ -327,6 +327,39 @@ def test_killed_during_the_secure_aggregation_setup(tmp_path, lay_out_run):
     assert audit_failures(run_dir) == []
 
 
+@pytest.mark.integration
+def test_a_lora_run_resumes_from_its_adapter_checkpoint(tmp_path, lay_out_run):
+    """``lora``: the server holds only the adapters and checkpoints them in peft's format; killed in the final
+    eval round, the resume restores the adapters of round 3 (the final eval leaves them as they are) and
+    refuses a checkpoint whose base fingerprint is not the base of the resumed run."""
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path, SHORT, **{"model.trainable": "lora"})
+    coord, _ = coordinator(cfg, nodes, run_dir, run_id, [], kill=at_nth("evaluate", 4))
+    with pytest.raises(Killed):
+        coord.run()
+    ck3 = run_dir / "checkpoints" / "round-3"
+    manifest = json.loads((ck3 / "manifest.json").read_text())
+    assert manifest["layout"] == "adapter" and "adapter/adapter_model.safetensors" in manifest["files"]
+    assert not (ck3 / "model").exists()
+    saved = load_file(str(ck3 / "trainable.safetensors"))
+    lines: list[str] = []
+    coord2, _ = coordinator(resumed_cfg(cfg, run_dir), nodes, run_dir, run_id, lines)
+    rec = coord2.run()
+    assert rec["status"] == "completed" and rec["resumes"][0]["round"] == 3
+    assert {p.device.type for p in coord2.model.module.parameters()} == {"meta"}
+    got = final_weights(run_dir)
+    assert set(got) == set(saved) and all(torch.equal(got[k], saved[k]) for k in saved)
+    assert [x.split("|")[1].strip() for x in lines if x.startswith("distmoe | round ")] == ["round 4/4"]
+    assert audit_failures(run_dir) == []
+    # a checkpoint of adapters trained on another base is refused (the manifest's fingerprint, as written)
+    ck4 = run_dir / "checkpoints" / "round-4"
+    m4 = json.loads((ck4 / "manifest.json").read_text())
+    (ck4 / "manifest.json").write_text(json.dumps({**m4, "base_fingerprint": "0" * 64}))
+    rec_dir = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps({**rec_dir, "status": "failed"}))
+    with pytest.raises(RunFailed, match="another base model"):
+        coordinator(resumed_cfg(cfg, run_dir), nodes, run_dir, run_id, [])[0].run()
+
+
 # ----------------------------------------------------------------------------- a real kill (SIGKILL)
 KILL_SCRIPT = """
 import json, os, signal, tomllib

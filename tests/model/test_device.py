@@ -17,7 +17,7 @@ import torch
 from distmoe.config import ConfigError, SimConfig, parse_node_config
 from distmoe.model import base as base_mod
 from distmoe.model.base import SIDECAR, base_fingerprint, prepared_model
-from distmoe.model.build import build_model, router_modules
+from distmoe.model.build import ModelError, build_model, router_modules
 from distmoe.model.device import DeviceError, resolve_runtime
 from distmoe.model.router import forward_with_router
 from distmoe.model.tokenizer import build_default_tokenizer
@@ -204,7 +204,7 @@ def test_fingerprint_of_a_read_only_checkpoint(make_cfg, tmp_path):
         ckpt.chmod(stat.S_IRWXU)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(FileNotFoundError, match="no weight files"):
+    with pytest.raises(ModelError, match="no weight files"):
         base_fingerprint(cfg.model, str(empty))
 
 
