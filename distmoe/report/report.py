@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -515,7 +515,7 @@ def _plot_tasks(run: _Run, tasks: list[str], path: Path) -> None:
 def _parse_time(v: Any) -> datetime | None:
     if _num(v) is not None:
         try:
-            return datetime.fromtimestamp(float(v)).astimezone()
+            return datetime.fromtimestamp(float(v), tz=UTC)  # UTC: the same text on every machine
         except (OverflowError, OSError, ValueError):
             return None
     if isinstance(v, str) and v:

@@ -189,3 +189,22 @@ def test_write_json_atomic_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
     write_json_atomic(path, {"status": "completed"})
     assert json.loads(path.read_text()) == {"status": "completed"}
     assert os.listdir(tmp_path) == ["run.json"]
+
+
+def test_report_text_does_not_depend_on_the_machines_time_zone(tmp_path: Path, monkeypatch) -> None:
+    """The audit re-renders report.md and compares: an auditor in another time zone must get the same text."""
+    import time
+
+    from distmoe.report.report import render_markdown
+
+    run_dir = _make_run(tmp_path)
+    run = json.loads((run_dir / "run.json").read_text())
+    write_json_atomic(run_dir / "run.json", {**run, "started": 1735725600.0, "finished": 1735725805.0})  # as written
+    texts = []
+    for tz in ("UTC", "Asia/Tokyo", "America/Los_Angeles"):
+        monkeypatch.setenv("TZ", tz)
+        time.tzset()
+        texts.append(render_markdown(run_dir))
+    monkeypatch.delenv("TZ")
+    time.tzset()
+    assert texts[0] == texts[1] == texts[2]
