@@ -14,8 +14,6 @@ Must not: do any of the party's work itself, or send text that did not pass the 
 
 from __future__ import annotations
 
-import traceback
-
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
@@ -24,7 +22,7 @@ from distmoe.party.service import PartyService, load_canaries
 from distmoe.party.session import open_ledger
 from distmoe.wire import codec
 from distmoe.wire.errors import ErrorCode, Refused
-from distmoe.wire.party_guard import guarded_error, phase_of, serve
+from distmoe.wire.party_guard import failure_log, guarded_error, phase_of, serve
 
 app = ClientApp()
 
@@ -52,7 +50,7 @@ def _handle(msg: Message, context: Context) -> Message:
             text = "configuration error at the party (details in its own log)"
         return codec.error_reply(msg, int(ErrorCode.CONFIG), text)
     except Exception as exc:  # outside the guard (a bug): no ledger entry, so no text leaves
-        print(f"distmoe client: {mtype} failed outside the party guard:\n{traceback.format_exc()}", flush=True)
+        print(failure_log("client", mtype, exc) + " (outside the party guard)", flush=True)
         return codec.error_reply(msg, int(ErrorCode.INTERNAL), f"{type(exc).__name__} at the party (details in its own "
                                                           "log)")
 

@@ -138,6 +138,16 @@ class OutboundGuard:
         return payload, {"strings": len(self.canaries), "hits": 0}
 
 
+def failure_log(party: str, mtype: str, exc: BaseException) -> str:
+    """What a party prints about a failed instruction: the exception's type and its frames (file, line,
+    function), never its message or any value: a message can quote training text (a template error, a
+    tokenizer error), and the party's stdout ends up in a log others may read (``flower.log`` in a
+    simulation). The message itself stays out of every log; ``distmoe.wire.at_rest`` checks this."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = "\n".join(f"  {f.filename}:{f.lineno} in {f.name}" for f in frames[-12:])
+    return f"distmoe party {party}: {mtype} failed: {type(exc).__name__} (message withheld)\n{where}"
+
+
 def phase_of(mtype: str) -> str:
     pt = BY_MESSAGE_TYPE.get(mtype)
     return pt.phase if pt is not None else "unknown"
@@ -190,7 +200,7 @@ def serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> RecordD
     except WireError as exc:
         refuse(f"the reply could not be encoded: {exc}")
     except Exception as exc:  # data, config, model errors and bugs: an error reply, never a hang
-        print(f"distmoe party {party.name}: {mtype} failed:\n{traceback.format_exc()}", flush=True)
+        print(failure_log(party.name, mtype, exc), flush=True)
         refuse(f"{type(exc).__name__}: {exc}")
     try:
         _, scan = OutboundGuard(party.canaries).check(out, exp)
