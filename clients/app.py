@@ -4,10 +4,11 @@ Every message goes to ``distmoe.wire.party_guard.serve`` with the party service
 (``distmoe.party.service.PartyService``): the instruction is logged in the party's ledger, the party's
 own work or secure-aggregation stage runs, and the reply passes the outbound guard; this module only
 wraps exactly that record dict into the reply message. A refusal or failure becomes an error reply
-(``distmoe.wire.errors.ErrorCode``) whose reason names what went wrong (bad data file and line, config
-key, model mismatch, a blocked reply, the privacy budget), so the server logs it and the round goes on
-without this party. Nothing is kept in process memory between messages (per-run state lives in the
-party's work directory).
+carrying a fixed reason code of the closed table (``distmoe.wire.errors.REASONS``: data, config, model,
+budget, blocked, ...) and nothing else; what went wrong in detail (bad data file and line, config key,
+a count of the party's examples) goes to the party's own log (``<work-dir>/party.log``), so the server
+logs the code and the round goes on without this party. Nothing is kept in process memory between
+messages (per-run state lives in the party's work directory).
 
 Must not: do any of the party's work itself, or send text that did not pass the party guard.
 """
@@ -21,7 +22,7 @@ from distmoe.config import ConfigError, SimConfig, parse_node_config, parse_run_
 from distmoe.party.service import PartyService, load_canaries
 from distmoe.party.session import open_ledger
 from distmoe.wire import codec
-from distmoe.wire.errors import ErrorCode, Refused
+from distmoe.wire.errors import ErrorCode, Refused, reason_text
 from distmoe.wire.party_guard import failure_log, guarded_error, phase_of, serve
 
 app = ClientApp()
@@ -35,24 +36,22 @@ def _handle(msg: Message, context: Context) -> Message:
         cfg = parse_run_config(context.run_config)
         party = PartyService(cfg, node, msg.metadata.dst_node_id, str(context.run_id))
         return codec.reply_content(serve(mtype, msg.content, party, str(context.run_id)), msg)
-    except Refused as exc:  # the text was logged, canary-scanned and carries the ledger head: send it as is
-        print(f"distmoe client: {mtype}: {exc}", flush=True)
+    except Refused as exc:  # the code's fixed text with the ledger head (the detail went to the party log)
         return codec.error_reply(msg, int(exc.code), str(exc))
     except ConfigError as exc:  # before serve: a run config this party rejects, or a bad node config
-        print(f"distmoe client: {mtype}: {exc}", flush=True)
-        if node is None:  # no node config, so no ledger: nothing but the kind of error leaves
-            return codec.error_reply(msg, int(ErrorCode.CONFIG), "node configuration error at the party (details in "
-                                                            "its own log)")
+        if node is None:  # no node config, so no ledger or party log: only the code's text leaves (unanchored)
+            print(f"distmoe client: {mtype}: node configuration error: {exc}", flush=True)
+            return codec.error_reply(msg, int(ErrorCode.CONFIG), reason_text(ErrorCode.CONFIG))
         try:
             text = guarded_error(open_ledger(node), load_canaries(node), str(context.run_id), None, phase_of(mtype),
-                                 f"ConfigError: {exc}")
-        except Exception:
-            text = "configuration error at the party (details in its own log)"
+                                 ErrorCode.CONFIG, f"ConfigError: {exc}")
+        except Exception as exc2:  # no party log: stdout gets no exception message (it may quote data)
+            print(failure_log("client", mtype, exc2) + " (configuration error, could not log it)", flush=True)
+            text = reason_text(ErrorCode.CONFIG)
         return codec.error_reply(msg, int(ErrorCode.CONFIG), text)
-    except Exception as exc:  # outside the guard (a bug): no ledger entry, so no text leaves
+    except Exception as exc:  # outside the guard (a bug): no ledger entry, so only the code's text leaves (unanchored)
         print(failure_log("client", mtype, exc) + " (outside the party guard)", flush=True)
-        return codec.error_reply(msg, int(ErrorCode.INTERNAL), f"{type(exc).__name__} at the party (details in its own "
-                                                          "log)")
+        return codec.error_reply(msg, int(ErrorCode.INTERNAL), reason_text(ErrorCode.INTERNAL))
 
 
 @app.train("sft")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from distmoe.config import NodeConfig, RunConfig
 from distmoe.party.service import PartyService
 from distmoe.wire import codec
-from distmoe.wire.errors import ErrorCode, Refused
+from distmoe.wire.errors import ErrorCode, Refused, reason_text
 from distmoe.wire.party_guard import serve
 from distmoe.wire.server_guard import GuardedTransport
 
@@ -58,9 +58,8 @@ class LocalTransport(GuardedTransport):
             except Refused as exc:
                 got[node] = codec.ErrorReply(str(exc), int(exc.code))
                 continue
-            except Exception as exc:  # as the ClientApp does: an error reply without text, the round goes on
-                got[node] = codec.ErrorReply(f"{type(exc).__name__} at the party (details in its own log)",
-                                             int(ErrorCode.INTERNAL))
+            except Exception:  # as the ClientApp does: an error reply without text, the round goes on
+                got[node] = codec.ErrorReply(reason_text(ErrorCode.INTERNAL), int(ErrorCode.INTERNAL))
                 continue
             if self.late is not None and self.late(mtype, node):
                 got[node] = f"no reply within {timeout:.0f} s (straggler at {mtype}: its reply came too late)"

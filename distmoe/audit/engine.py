@@ -5,7 +5,8 @@ Owns: loading a run directory (``run.json``, ``ledger/coordinator.jsonl`` + ``.p
 of ``docs/privacy.md`` §6 as applied to this project's ledger conventions, and their result (:class:`AuditResult`).
 Check names, in order:
 ``ledger-integrity, cross-check, allow-list, no-blocked, no-plaintext, epsilon, noise-presence, row-sums,
-min-parties, canaries``. Each is ``pass``, ``fail`` or ``skipped`` with human-readable details; the verdict
+min-parties, canaries, server-files`` (the last: the schemas of every server-side file,
+:mod:`distmoe.audit.schemas`). Each is ``pass``, ``fail`` or ``skipped`` with human-readable details; the verdict
 fails if any check fails. Rendering and writing the report is :mod:`distmoe.audit.report`.
 
 Independence: epsilon is recomputed from the coordinator's release entries (``z_eff`` from the survivors'
@@ -37,6 +38,7 @@ from typing import Any
 
 from scipy import stats as _st
 
+from distmoe.audit.schemas import check_server_files
 from distmoe.ledger import canonical_json, verify_against_anchor, verify_ledger
 from distmoe.privacy.accountant import MECHANISMS, PrivacyEvent, epsilon_from_events
 from distmoe.privacy.dp import canary_chi2_test, int_sensitivity
@@ -45,7 +47,7 @@ from distmoe.privacy.update_noise import sequence_noise_multiplier
 __all__ = ["AuditInputError", "AuditResult", "Check", "CHECKS", "audit_run"]
 
 CHECKS = ("ledger-integrity", "cross-check", "allow-list", "no-blocked", "no-plaintext", "epsilon",
-          "noise-presence", "row-sums", "min-parties", "canaries")
+          "noise-presence", "row-sums", "min-parties", "canaries", "server-files")
 COORDINATOR = "coordinator"
 # Family-wise false-alarm levels (Bonferroni over a run's router-stats releases). The noise is fresh OS
 # randomness, so an honest run fails with about this probability: small enough not to cry wolf across
@@ -915,6 +917,18 @@ def _check_canaries(run: _Run) -> Check:
     return c
 
 
+def _check_server_files(run: _Run) -> Check:
+    c = Check("server-files")
+    findings, notes = check_server_files(run.dir, run.meta, _info(run.start).get("mode"))
+    for f in findings:
+        c.fail(f)
+    for n in notes[:20]:
+        c.note(n)
+    if c.status == "pass":
+        c.note("metrics.jsonl, run.json, the report and every other server-side file fit their schemas")
+    return c
+
+
 # ------------------------------------------------------------------------------------------------- entry
 def audit_run(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str | os.PathLike[str]] | None = None,
               canaries: str | os.PathLike[str] | None = None) -> AuditResult:
@@ -929,7 +943,7 @@ def audit_run(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str | os.
     eps_check, table = _check_epsilon(run)
     checks = [_check_integrity(run), _check_cross(run), _check_allow_list(run), _check_blocked(run),
               _check_plaintext(run), eps_check, _check_noise(run, figs), _check_row_sums(run, figs),
-              _check_min_parties(run), _check_canaries(run)]
+              _check_min_parties(run), _check_canaries(run), _check_server_files(run)]
     assert tuple(c.name for c in checks) == CHECKS
     releases = []
     for r in run.releases:

@@ -43,6 +43,7 @@ from distmoe.model.adapters import ServerModel, server_model
 from distmoe.model.build import hash_tensors
 from distmoe.privacy.plan import plan_privacy
 from distmoe.report.metrics_log import MetricsLog
+from distmoe.wire.errors import ALL_REASONS, reason_name
 from distmoe.wire.server_guard import ServerGuard
 
 PLAINTEXT_WARNING = ("privacy.mode = plaintext: model updates, router statistics and metrics travel to the "
@@ -213,11 +214,17 @@ class Coordinator:
                 "task": phase.task, **extra}
 
     def report_errors(self, phase: str, errors: dict[int, str]) -> None:
+        """Print and record why each party was left out. ``metrics.jsonl`` gets the reason's name and fixed
+        text from the closed table (``distmoe.wire.errors.ALL_REASONS``) only; the coordinator's own detail
+        of a server-side reason (a timeout, what its guard rejected) is printed, never recorded."""
         for node, reason in errors.items():
             who = self.guard.peer(node) if self.guard is not None else f"node {node}"
-            self.say(f"round {self.s.round}: party {who} left out of {phase}: {reason}")
+            name = reason_name(reason)
+            text = ALL_REASONS[name]
+            own = "" if str(reason) == text else f" ({reason})"
+            self.say(f"round {self.s.round}: party {who} left out of {phase}: [{name}] {text.split(': ', 1)[1]}{own}")
             self.metrics.append({"event": "party_error", "round": self.s.round, "phase_label": phase,
-                                 "node": str(node), "party": who, "reason": reason[:500]})
+                                 "node": str(node), "party": who, "code": name, "reason": text})
 
     def round_failed(self, message: str) -> str:
         """A round that released nothing: go on (``federation.on-round-failure = skip``) or stop the run."""

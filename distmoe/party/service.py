@@ -7,7 +7,8 @@ RL, router statistics, evaluation) or secure-aggregation stage (``distmoe.party.
 directory, masked input, unmask), the assembly of a secure phase's reply (the public layout of the
 vector, the DP charge before anything is computed, the masked input), the party's identity on the wire
 (name, ledger, canary strings from ``<data-path>/canaries.txt``), and turning the party's own errors
-(``SessionError``, ``PartyError``, invalid data) into ``Refused`` with a reason fit to leave.
+(``SessionError``, ``PartyError``, ``DataError``, ``ConfigError``) into ``Refused`` with the fixed reason
+code of the closed table (``distmoe.wire.errors.REASONS``); their text is detail for the party's own log.
 
 Must not: import ``flwr``, encode or send anything itself (the guard does), draw DP noise (``distmoe.privacy``
 does), or read another party's directory.
@@ -18,13 +19,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from distmoe.config import NodeConfig, RunConfig
+from distmoe.config import ConfigError, NodeConfig, RunConfig
+from distmoe.data.formats import DataError
 from distmoe.party import work as P
 from distmoe.party.session import PartySession, SessionError, open_ledger
 from distmoe.privacy.plan import stats_event
 from distmoe.privacy.update_noise import add_update_noise, update_dp_facts, update_event
 from distmoe.privacy.vectors import StatsLayout
-from distmoe.wire.errors import Refused
+from distmoe.wire.errors import ErrorCode, Refused
 from distmoe.wire.schema import (
     TRAIN_METRIC_KEYS,
     DirectoryRequest,
@@ -67,13 +69,18 @@ class PartyService:
         self.canaries = load_canaries(node)
 
     def answer(self, mtype: str, instr: object) -> tuple[object, dict | None]:
-        """-> (reply payload, DP facts for the ledger or None); ``Refused`` with the reason otherwise."""
+        """-> (reply payload, DP facts for the ledger or None); ``Refused`` with the reason code otherwise
+        (its text is the detail for the party's own log, ``party_guard.guarded_error``)."""
         try:
             return self._answer(mtype, instr)
         except SessionError as exc:
-            raise Refused(str(exc)) from None
+            raise Refused(str(exc), exc.code) from None
         except P.PartyError as exc:
-            raise Refused(f"PartyError: {exc}") from None
+            raise Refused(f"PartyError: {exc}", exc.code) from None
+        except DataError as exc:  # a data file, a template or an answer that does not fit max-seq-len
+            raise Refused(f"DataError: {exc}", ErrorCode.DATA) from None
+        except ConfigError as exc:
+            raise Refused(f"ConfigError: {exc}", ErrorCode.CONFIG) from None
 
     def _answer(self, mtype: str, instr: object) -> tuple[object, dict | None]:
         cfg, node = self.cfg, self.node
@@ -93,15 +100,12 @@ class PartyService:
         return self._secure_phase(instr, sess)
 
     def _check_data(self) -> None:
-        """Validate every task file of this party (``DataError`` names file, line and field); the data
-        directory is shown as ``<data-path>`` so the reply does not carry the party's local path."""
-        from distmoe.data.formats import DataError
-
+        """Validate every task file of this party (``DataError`` names file, line and field: detail for the
+        party's own log; only the code ``data`` leaves)."""
         try:
             P.load_data(self.cfg, self.node)
         except DataError as exc:
-            text = str(exc).replace(str(self.node.data_path), "<data-path>")
-            raise Refused(f"party {self.name}: invalid data, not joining this run: {text}") from None
+            raise Refused(f"party {self.name}: invalid data, not joining this run: {exc}", ErrorCode.DATA) from None
 
     def _secure_phase(self, si: SecureInstruction, sess: PartySession) -> tuple[MaskedReply, dict | None]:
         cfg, node = self.cfg, self.node
@@ -125,7 +129,8 @@ class PartyService:
         length = st.length or sess.params.length
         if vec.shape != (length,):
             raise Refused(f"round {instr.round}: the server declared a {length}-element vector, this party's layout "
-                          f"for {si.release} has {vec.shape[0]}: refused (mismatched model or config?)")
+                          f"for {si.release} has {vec.shape[0]}: refused (mismatched model or config?)",
+                          ErrorCode.MODEL)
         return MaskedReply(si.release, sess.masked(st, vec), None), dp
 
     def _update_vector(self, instr: SftInstruction | RlInstruction, sess: PartySession):

@@ -45,10 +45,16 @@ from distmoe.privacy.accountant import Accountant, BudgetExceeded, PrivacyEvent
 from distmoe.privacy.dp import SkellamSpec
 from distmoe.privacy.plan import plan_privacy, stats_spec
 from distmoe.privacy.vectors import EvalLayout, UpdateLayout
+from distmoe.wire.errors import ErrorCode
 
 
 class SessionError(RuntimeError):
-    """The party refuses a protocol step (its message names why); nothing of its data left."""
+    """The party refuses a protocol step. Its message (why) is detail for the party's own log; only
+    ``code`` leaves (``SECAGG``, or ``BUDGET`` for a release over the party's privacy budget)."""
+
+    def __init__(self, detail: str, code: int = ErrorCode.SECAGG):
+        super().__init__(detail)
+        self.code = ErrorCode(code)
 
 
 def _safe(run_id: str) -> str:
@@ -271,7 +277,8 @@ class PartySession:
         try:
             eps = self.accountant.spend(event)
         except BudgetExceeded as exc:
-            raise SessionError(f"party {self.node.party}: {exc}; release refused before anything was sent") from None
+            raise SessionError(f"party {self.node.party}: {exc}; release refused before anything was sent",
+                               ErrorCode.BUDGET) from None
         return eps
 
     def masked(self, start, vec) -> sa.MaskedInput:

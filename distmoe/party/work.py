@@ -28,6 +28,7 @@ from distmoe.model.trainable import load_trainable, spec_of, trainable_state
 from distmoe.routing.stats import per_sequence_stats
 from distmoe.train.evaluate import evaluate_party, routing_on, routing_set
 from distmoe.train.sft import train_sft
+from distmoe.wire.errors import ErrorCode
 from distmoe.wire.schema import (
     RL_METRIC_KEYS,
     RL_SIM_METRIC_KEYS,
@@ -44,7 +45,12 @@ from distmoe.wire.schema import (
 
 
 class PartyError(RuntimeError):
-    """The party cannot carry out an instruction (its message is sent back as the error reason)."""
+    """The party cannot carry out an instruction. Its message is detail for the party's own log; only
+    ``code`` (``distmoe.wire.errors.ErrorCode``: ``DATA`` unless said otherwise) leaves."""
+
+    def __init__(self, detail: str, code: int = ErrorCode.DATA):
+        super().__init__(detail)
+        self.code = ErrorCode(code)
 
 
 def _to_torch(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -64,7 +70,7 @@ def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarra
     if base_hash and fingerprint != base_hash:
         raise PartyError(f"party {node.party}: the frozen base model differs from the server's "
                          f"(fingerprint {fingerprint[:12]} vs {base_hash[:12]}); every node must use the same "
-                         "checkpoint (model.path / node model-path) and model settings")
+                         "checkpoint (model.path / node model-path) and model settings", ErrorCode.MODEL)
     fresh = not is_cached(cfg.model, node.model_path, rt)
     t0 = time.perf_counter()
     model, tok = prepared_model(cfg.model, node.model_path, rt)
@@ -101,7 +107,7 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
         anchor = torch.from_numpy(np.asarray(instr.anchor, dtype=np.float32))
         if tuple(anchor.shape) != (ms.num_moe_layers, ms.num_experts):
             raise PartyError(f"anchor shape {tuple(anchor.shape)} does not fit the model "
-                             f"({ms.num_moe_layers} MoE layers x {ms.num_experts} experts)")
+                             f"({ms.num_moe_layers} MoE layers x {ms.num_experts} experts)", ErrorCode.MODEL)
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
     res = train_sft(model, encoded, tok.pad_token_id, node.train(cfg.train), cfg.routing, ms.num_experts, ms.top_k,
                     anchor, seed=_party_seed(instr.seed, node.party))

@@ -30,7 +30,7 @@ from typing import Any
 from distmoe.io import sanitize, write_text_atomic
 from distmoe.report.metrics_log import read_metrics
 
-__all__ = ["write_report", "summarise", "HEALTHY_LOAD_CV"]
+__all__ = ["write_report", "render_markdown", "summarise", "HEALTHY_LOAD_CV"]
 
 log = logging.getLogger(__name__)
 
@@ -752,24 +752,7 @@ def _config(run: _Run) -> list[str]:
     return ["## Config", "", *_table(("key", "value"), rows), ""]
 
 
-def write_report(run_dir: str | os.PathLike[str]) -> Path:
-    """Write ``run_dir/report/report.md`` and its three PNG plots; return the Markdown path.
-
-    Raises FileNotFoundError when ``run_dir/metrics.jsonl`` is missing and ValueError when a line in its
-    middle is corrupt; anything else missing or partial is shown as "–" or an empty panel.
-    """
-    run = _load(Path(run_dir))
-    out_dir = run.run_dir / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tasks = run.tasks()
-    rows, derived = _train_rows(run)
-
-    _plot_loss(run, rows, out_dir / "loss.png")
-    _plot_routing(run, out_dir / "routing.png")
-    _plot_tasks(run, tasks, out_dir / "tasks.png")
-    if run.rl:
-        _plot_rl(run, out_dir / "rl.png")
-
+def _markdown(run: _Run, tasks: list[str], rows: list[dict[str, Any]], derived: bool) -> str:
     md = [
         *_header(run),
         *_warnings(run),
@@ -791,6 +774,34 @@ def write_report(run_dir: str | os.PathLike[str]) -> Path:
         "",
         *_config(run),
     ]
+    return "\n".join(md).rstrip("\n") + "\n"
+
+
+def render_markdown(run_dir: str | os.PathLike[str]) -> str:
+    """The text of ``report.md`` for ``run_dir``, without writing anything (the audit compares it with the
+    file on disk: a report holds nothing but what its run's records render)."""
+    run = _load(Path(run_dir))
+    rows, derived = _train_rows(run)
+    return _markdown(run, run.tasks(), rows, derived)
+
+
+def write_report(run_dir: str | os.PathLike[str]) -> Path:
+    """Write ``run_dir/report/report.md`` and its three PNG plots; return the Markdown path.
+
+    Raises FileNotFoundError when ``run_dir/metrics.jsonl`` is missing and ValueError when a line in its
+    middle is corrupt; anything else missing or partial is shown as "–" or an empty panel.
+    """
+    run = _load(Path(run_dir))
+    out_dir = run.run_dir / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tasks = run.tasks()
+    rows, derived = _train_rows(run)
+
+    _plot_loss(run, rows, out_dir / "loss.png")
+    _plot_routing(run, out_dir / "routing.png")
+    _plot_tasks(run, tasks, out_dir / "tasks.png")
+    if run.rl:
+        _plot_rl(run, out_dir / "rl.png")
     path = out_dir / "report.md"
-    write_text_atomic(path, "\n".join(md).rstrip("\n") + "\n")
+    write_text_atomic(path, _markdown(run, tasks, rows, derived))
     return path

@@ -8,9 +8,10 @@ private (:func:`make_private`), and the pre-run / end-of-run check (:func:`priva
   has no group or other permission bits (a world-readable party directory is named with its mode);
 - **allow-list**: the run's allow-list (``server_guard.build_policy``) takes free text in one field only,
   ``error.reason`` (bounded), and every other entry has a byte budget and only the ``metrics.*`` pattern;
-- **logging**: the party's failure log line (``party_guard.failure_log``, what a party prints about a
-  failed instruction) does not carry an exception's message or values: it is driven with a secret string
-  in the message and in a local variable, and the check fails if the secret shows.
+- **logging**: what a party prints to stdout about an error (``party_guard.log_detail``: the code and where
+  the detail is; ``party_guard.failure_log``: type and frames for a failure with no party log) carries no
+  detail or exception message: both are driven with a secret string, the check fails if it shows on
+  stdout, or if the detail's own log (``<work-dir>/party.log``) is created readable by others.
 
 Within one machine account the modes protect each party's files from other users, not from another party
 run under the same account (a simulation's parties share it): per-party accounts are the deployment's.
@@ -20,13 +21,18 @@ Must not: read file contents (only modes), import ``flwr``, or change a mode it 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import secrets
 import stat
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
-from distmoe.wire.party_guard import failure_log
+from distmoe.wire.errors import ErrorCode
+from distmoe.wire.party_guard import failure_log, log_detail
 
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
@@ -97,18 +103,27 @@ def check_allow_list(policy: Mapping) -> list[str]:
 
 
 def check_logging() -> list[str]:
-    """Drive the party's failure log with a secret in an exception's message and in a local value."""
+    """Drive the party's stdout paths with a secret in an error's detail and an exception's message."""
     secret = "DISTMOE-PREFLIGHT-" + secrets.token_hex(8)
+    problems = []
 
     def fail(example: str) -> None:
         raise ValueError(f"template error in answer {example!r}")
 
-    try:
-        fail(secret)
-    except ValueError as exc:
-        line = failure_log("preflight", "sft", exc)
-    return [] if secret not in line else ["logging: the party's failure log prints exception messages (training "
-                                          "text can reach flower.log)"]
+    out = io.StringIO()
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(out):
+        try:
+            fail(secret)
+        except ValueError as exc:
+            print(failure_log("preflight", "sft", exc))
+            log = log_detail(SimpleNamespace(path=Path(tmp) / "ledger" / "p.jsonl"), ErrorCode.INTERNAL, "preflight",
+                             f"ValueError: {exc}")
+            if stat.S_IMODE(log.stat().st_mode) & 0o077:
+                problems.append(f"logging: the party's own log is created readable by others ({log.name})")
+    if secret in out.getvalue():
+        problems.append("logging: a party prints error details or exception messages to stdout (training text can "
+                        "reach flower.log)")
+    return problems
 
 
 def privacy_preflight(party_dirs: Mapping[str, Iterable[Path]], policy: Mapping | None = None, *,

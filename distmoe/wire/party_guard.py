@@ -9,9 +9,11 @@ checks it against what this message type may answer (payload type, exact records
 masked-vector length the round declared, the update shapes of the instruction, only allow-listed
 string fields: ``codec.string_fields``), scans every byte of it for this party's canary strings,
 writes the "out" ledger entry, and attaches the new ledger head to the reply. A nonconforming reply is
-replaced by an error naming the problem: it is logged as rejected and nothing of it leaves
-(fail-closed). Error texts are guarded too (``guarded_error``): printable ASCII, bounded, scanned (a
-reason that contains a canary is withheld), logged and anchored with the ledger head.
+replaced by an error: it is logged as rejected and nothing of it leaves (fail-closed). Errors leave as
+fixed reason codes only (``guarded_error``): the reply carries the code's text from the closed table
+``distmoe.wire.errors.REASONS`` and the ledger head, nothing else; the detail (which may name data files,
+lines, counts or token lengths of the party's data) goes to the party's own log, ``<work-dir>/party.log``
+(``party_log``), and never leaves.
 
 The guard is the last step of ``serve`` rather than a Flower mod, so that the in-process transport
 runs the identical code path without Flower messages (``docs/architecture.md``, The wire rule).
@@ -23,9 +25,11 @@ that did not pass the guard.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -34,7 +38,7 @@ from flwr.app import RecordDict
 from distmoe.ledger import Ledger
 from distmoe.wire import codec, inspect
 from distmoe.wire.codec import WireError
-from distmoe.wire.errors import Blocked, Refused
+from distmoe.wire.errors import REASONS, Blocked, ErrorCode, Refused, reason_text
 from distmoe.wire.schema import (
     BY_MESSAGE_TYPE,
     DirectoryRequest,
@@ -138,33 +142,57 @@ class OutboundGuard:
         return payload, {"strings": len(self.canaries), "hits": 0}
 
 
-def failure_log(party: str, mtype: str, exc: BaseException) -> str:
-    """What a party prints about a failed instruction: the exception's type and its frames (file, line,
-    function), never its message or any value: a message can quote training text (a template error, a
-    tokenizer error), and the party's stdout ends up in a log others may read (``flower.log`` in a
-    simulation). The message itself stays out of every log; ``distmoe.wire.at_rest`` checks this."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = "\n".join(f"  {f.filename}:{f.lineno} in {f.name}" for f in frames[-12:])
-    return f"distmoe party {party}: {mtype} failed: {type(exc).__name__} (message withheld)\n{where}"
-
-
 def phase_of(mtype: str) -> str:
     pt = BY_MESSAGE_TYPE.get(mtype)
     return pt.phase if pt is not None else "unknown"
 
 
-def guarded_error(ledger: Ledger, canaries: list[bytes], run: str, rnd: int | None, phase: str, reason: str) -> str:
-    """The error text as it may leave (printable ASCII, bounded, canary-free), logged as sent, with this
-    party's new ledger head appended (``codec.with_error_head``). Also for errors raised before ``serve``
-    could run (a run config the party rejects: ``phase_of`` names the phase)."""
-    text = codec.error_text(reason)
-    if canary_hits([reason.encode("utf-8"), text.encode("ascii")], canaries):
-        text = "error (reason withheld: it contained a canary string of this party's data)"
+def party_log(ledger: Ledger) -> Path:
+    """The party's own error log, ``<work-dir>/party.log`` (next to ``<work-dir>/ledger/``): private to it."""
+    return Path(ledger.path).parent.parent / "party.log"
+
+
+def log_detail(ledger: Ledger, code: int, where: str, detail: str) -> Path:
+    """Append one error's full detail to the party's own log (created 0600); the SuperNode's stdout gets
+    only the code and where the detail is (in a simulation stdout can end up in the run's ``flower.log``)."""
+    path = party_log(ledger)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    name = REASONS[ErrorCode(code)][0]
+    line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {where}: [{name}] {detail.rstrip()}\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line.encode("utf-8", "backslashreplace"))
+    finally:
+        os.close(fd)
+    print(f"distmoe party: {where}: error [{name}]; the detail is in {path.name} of the party's work directory",
+          flush=True)
+    return path
+
+
+def failure_log(party: str, mtype: str, exc: BaseException) -> str:
+    """A stdout line about a failure that has no party log to go to: the exception's type and its frames
+    (file, line, function), never its message or any value (a message can quote training text, and stdout
+    can end up in a log others read, ``flower.log`` in a simulation; ``distmoe.wire.at_rest`` checks it)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = "\n".join(f"  {f.filename}:{f.lineno} in {f.name}" for f in frames[-12:])
+    return f"distmoe party {party}: {mtype} failed: {type(exc).__name__} (message withheld)\n{where}"
+
+
+def guarded_error(ledger: Ledger, canaries: list[bytes], run: str, rnd: int | None, phase: str, code: int,
+                  detail: str) -> str:
+    """The error as it may leave: the fixed text of ``code`` from the closed table (``reason_text``), logged
+    as sent, with this party's new ledger head appended (``codec.with_error_head``). ``detail`` goes to the
+    party's own log only (``log_detail``). Also for errors raised before ``serve`` could run (a run config
+    the party rejects: ``phase_of`` names the phase)."""
+    code = ErrorCode(code)
+    log_detail(ledger, code, f"run {run} round {rnd} {phase}", detail)
+    text = reason_text(code)
+    hits = canary_hits([text.encode("ascii")], canaries)  # a fixed text: 0, unless a canary is a table word
     blob = text.encode("ascii")
     entry = ledger.append(run=run, round=rnd, phase=phase, direction="out", payload_type="error",
                           keys=["error.reason"], shapes={}, bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
                           verdict="accepted", peer="coordinator",
-                          info={"canary_scan": {"strings": len(canaries), "hits": 0}})
+                          info={"canary_scan": {"strings": len(canaries), "hits": hits}, "code": int(code)})
     return codec.with_error_head(text, entry["seq"], entry["hash"])
 
 
@@ -178,7 +206,8 @@ def _log(ledger: Ledger, content: RecordDict, direction: str, verdict: str, run:
 
 def serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> RecordDict:
     """Answer one instruction. Returns the guarded reply content; raises ``Refused`` (or ``Blocked``)
-    with the reason to send back as an error reply (already logged and canary-checked)."""
+    whose text is what to send back as the error reply: the code's fixed text and the ledger head (already
+    logged; the detail is in the party's own log)."""
     run, phase, ledger = str(run_id), phase_of(mtype), party.ledger
     try:
         instr, exp, rnd = read_instruction(mtype, content, party.secure)
@@ -187,26 +216,25 @@ def serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> RecordD
         instr, verdict, rnd = None, f"rejected: {exc}", None
     _log(ledger, content, "in", verdict, run, rnd, phase)
 
-    def refuse(reason: str, cls=Refused):
-        raise cls(guarded_error(ledger, party.canaries, run, rnd, phase, reason))
+    def refuse(code: int, detail: str, cls=Refused):
+        raise cls(guarded_error(ledger, party.canaries, run, rnd, phase, code, f"{mtype}: {detail}"), code)
 
     if instr is None:
-        refuse(f"party {party.name}: instruction {mtype} does not conform: {verdict[10:500]}")
+        refuse(ErrorCode.REFUSED, f"party {party.name}: instruction {mtype} does not conform: {verdict[10:500]}")
     try:
         reply, dp = party.answer(mtype, instr)
         out = codec.encode(reply)
     except Refused as exc:
-        refuse(str(exc))
+        refuse(exc.code, str(exc))
     except WireError as exc:
-        refuse(f"the reply could not be encoded: {exc}")
-    except Exception as exc:  # data, config, model errors and bugs: an error reply, never a hang
-        print(failure_log(party.name, mtype, exc), flush=True)
-        refuse(f"{type(exc).__name__}: {exc}")
+        refuse(ErrorCode.INTERNAL, f"the reply could not be encoded: {exc}")
+    except Exception as exc:  # model errors and bugs: an error reply, never a hang (data errors: ``party.answer``)
+        refuse(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     try:
         _, scan = OutboundGuard(party.canaries).check(out, exp)
     except Blocked as exc:
         _log(ledger, out, "out", f"rejected: {exc}", run, rnd, phase)
-        refuse(f"party {party.name}: blocked by the outbound guard, nothing left: {exc}", Blocked)
+        refuse(ErrorCode.BLOCKED, f"party {party.name}: blocked by the outbound guard, nothing left: {exc}", Blocked)
     entry = _log(ledger, out, "out", "accepted", run, rnd, phase, dp=dp,
                  info={"canary_scan": scan, "time": time.time()})
     return codec.with_ledger_head(out, entry["seq"], entry["hash"])

@@ -34,7 +34,12 @@ _PARTY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 class WireError(ValueError):
-    """A record does not conform to the payload schema."""
+    """A record does not conform to the payload schema. ``reason``: the name of the closed reason table
+    (``distmoe.wire.errors.ALL_REASONS``) the server guard files it under (``rejected`` unless said)."""
+
+    def __init__(self, *args, reason: str = "rejected"):
+        super().__init__(*args)
+        self.reason = reason
 
 
 def _arrays(d: dict[str, np.ndarray]) -> ArrayRecord:

@@ -31,7 +31,7 @@ from distmoe.ledger import Ledger, canonical_json
 from distmoe.privacy import secagg as sa
 from distmoe.wire import codec, inspect
 from distmoe.wire.codec import WireError
-from distmoe.wire.errors import FLOWER_LINK_CODES
+from distmoe.wire.errors import FLOWER_LINK_CODES, REASON_TEXTS, Reason, code_of
 from distmoe.wire.party_guard import REPLY_STRINGS
 from distmoe.wire.schema import (
     DirectoryRequest,
@@ -194,9 +194,10 @@ class ServerGuard:
                 phase: str, length: int | None = None) -> object:
         """The checked payload, or raise ``WireError`` with the reason (logged either way)."""
         if isinstance(reply, codec.ErrorReply):
-            raise WireError(self._error(node, reply, rnd, phase))
+            name, text = self._error(node, reply, rnd, phase)
+            raise WireError(text, reason=name)
         if isinstance(reply, str):  # no reply at all (the transport's note)
-            raise WireError(reply)
+            raise WireError(reply, reason="no-reply")
         d = inspect.describe(reply, exclude=(codec.LEDGER_RECORD,))
         ptype = codec.payload_tag(reply)
         head = None
@@ -236,20 +237,21 @@ class ServerGuard:
             self.names[node] = payload.party
         return payload
 
-    def _error(self, node: int, reply: codec.ErrorReply, rnd: int | None, phase: str) -> str:
-        """Check and log an error reply; returns the text the coordinator may log and print.
+    def _error(self, node: int, reply: codec.ErrorReply, rnd: int | None, phase: str) -> tuple[str, str]:
+        """Check and log an error reply; returns ``(reason name, text the coordinator may log and print)``.
 
-        A party's guard sends printable ASCII of at most ``ERROR_TEXT_MAX`` characters with its ledger head
-        appended. Anything oversized (> ``ERROR_MAX_BYTES``) or not printable is rejected and its text is
-        not kept; an error without a head (Flower's own, e.g. a ClientApp process that died, or one raised
-        outside the party guard) is logged but its text is withheld: it never passed a canary scan."""
+        A party's guard sends exactly one text of the closed reason table (``errors.REASONS``), the one of
+        the reply's code, with its ledger head appended. Anything else (oversized, another text, a code
+        that does not match) is rejected and its text is not kept; an error without a head (Flower's own,
+        e.g. a ClientApp process that died, or one raised outside the party guard) is logged but its text
+        is withheld unless the SuperLink itself wrote it (``_flower_link_error``)."""
         raw = reply.reason.encode("utf-8", "surrogatepass")
         text, head = codec.split_error(reply.reason)
         problem = None
         if len(raw) > codec.ERROR_MAX_BYTES:
             problem = f"error reply of {len(raw)} bytes exceeds {codec.ERROR_MAX_BYTES}"
-        elif head is not None and (len(text) > codec.ERROR_TEXT_MAX or codec.error_text(text) != text):
-            problem = "error text is not printable ASCII within the declared length"
+        elif head is not None and (text not in REASON_TEXTS or code_of(text) != reply.code):
+            problem = f"error text is not the closed reason table's entry for code {reply.code}"
         blob = text.encode("utf-8", "surrogatepass")
         peer = self.peer(node)
         extra = {"anchor": {"node": peer, "seq": head[0], "hash": head[1]}} if head and problem is None else {}
@@ -259,14 +261,15 @@ class ServerGuard:
                            keys=["error.reason"], shapes={}, bytes=len(raw), sha256=hashlib.sha256(blob).hexdigest(),
                            verdict="accepted" if problem is None else f"rejected: {problem}", peer=peer, **extra)
         if problem is not None:
-            return f"node {node}: error reply rejected by the server guard ({problem}); its text is not kept"
+            return "withheld", f"node {node}: error reply rejected by the server guard ({problem}); text not kept"
         if head is None:
             flower = _flower_link_error(reply)
             if flower is not None:  # written by the SuperLink itself (e.g. a dead node), not by the party
-                return f"node {node}: {flower}"
-            return (f"node {node} replied with an error (code {reply.code}) that did not pass its party guard; "
-                    f"{len(raw)} bytes of text withheld (see the party's own log)")
-        return f"node {node} replied with an error: {text}"
+                return "unavailable", f"node {node}: {flower}"
+            return "withheld", (f"node {node} replied with an error (code {reply.code}) that did not pass its party "
+                                f"guard; {len(raw)} bytes of text withheld (see the party's own log)")
+        name = text.split(":", 1)[0]
+        return name, text
 
     @staticmethod
     def _semantic(payload: object, node: int, rnd: int | None, length: int | None) -> str | None:
@@ -345,5 +348,5 @@ class GuardedTransport(abc.ABC):
                 replies[node] = self.guard.inbound(node, reply, expected, rnd, phase,
                                                    (lengths or {}).get(node))
             except WireError as exc:
-                errors[node] = str(exc)
+                errors[node] = Reason(exc.reason, str(exc))
         return replies, errors

@@ -371,7 +371,7 @@ def test_canary_in_server_file_fails_but_not_under_work(tmp_path, capsys):
     assert main(["audit", str(run)]) == 1
     out = capsys.readouterr().out
     result = audit_run(run)
-    assert _failed(result) == ["canaries"]
+    assert _failed(result) == ["canaries", "server-files"]  # a file the server never writes, with a canary
     (finding,) = result.check("canaries").findings
     assert finding.startswith("checkpoints/notes.json") and hashlib.sha256(secret.encode()).hexdigest()[:12] in finding
     report = (run / "audit" / "audit.md").read_text() + (run / "audit" / "audit.json").read_text() + out
@@ -384,7 +384,8 @@ def test_canaries_from_explicit_file(tmp_path):
     extra.write_text("\nSERVER-SIDE-CANARY-XYZ\n\n")
     (run / "metrics.jsonl").write_text('{"text": "SERVER-SIDE-CANARY-XYZ"}\n')
     result = audit_run(run, canaries=extra)
-    assert _failed(result) == ["canaries"] and result.check("canaries").findings[0].startswith("metrics.jsonl")
+    assert _failed(result) == ["canaries", "server-files"]  # an unknown row, with a canary
+    assert result.check("canaries").findings[0].startswith("metrics.jsonl")
 
 
 def test_missing_canary_scan_fails(tmp_path):
@@ -410,6 +411,49 @@ def test_unusable_input_exits_2(tmp_path, capsys, damage):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ")
     assert not (run / "audit").exists()
+
+
+# ----------------------------------------------------- server-side files (issue 11, item 7: what the server wrote)
+def _append(path, row):
+    with path.open("a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def _server_files(result):
+    return result.check("server-files").findings
+
+
+@pytest.mark.parametrize("row,needle", [
+    ({"event": "train", "round": 1, "party": "party-1", "loss": 1.2}, "metrics.jsonl:2: key 'party'"),
+    ({"party": "p0", "loss": 1.2}, "metrics.jsonl:2: key 'event'"),
+    ({"event": "stats", "round": 1, "instruction": "What is 2+2?", "output": "4"},
+     "metrics.jsonl:2: key 'instruction'"),
+    ({"event": "eval", "round": 1, "party": "all", "acc/patient-4711": 1.0}, "metrics.jsonl:2: key 'acc/patient-4711'"),
+    ({"event": "party_error", "round": 1, "phase_label": "setup", "node": "101", "party": "party-1", "code": "data",
+      "reason": "data: arith.jsonl:5 has 4 prompts"}, "metrics.jsonl:2: key 'reason'"),
+    ({"event": "run_end", "status": "completed: the answer was 42"}, "metrics.jsonl:2: key 'status'"),
+])
+def test_a_forged_metrics_row_fails_server_files(tmp_path, capsys, row, needle):
+    run, _ = make_run(tmp_path)
+    assert audit_run(run).passed
+    _append(run / "metrics.jsonl", row)
+    assert main(["audit", str(run)]) == 1
+    result = audit_run(run)
+    assert _failed(result) == ["server-files"]
+    assert any(f.startswith(needle) for f in _server_files(result)), _server_files(result)
+    assert "server-files" in capsys.readouterr().out
+
+
+def test_run_json_and_stray_files_are_schema_checked(tmp_path):
+    run, _ = make_run(tmp_path)
+    meta = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**meta, "parties": {**meta["parties"], "party-1": {
+        **meta["parties"]["party-1"], "num_examples": 412}}, "samples": ["What is 2+2? 4"]}))
+    (run / "examples.jsonl").write_text('{"instruction": "What is 2+2?", "output": "4"}\n')
+    found = _server_files(audit_run(run))
+    assert any(f.startswith("run.json: key 'parties.party-1'") for f in found), found
+    assert any(f.startswith("run.json: key 'samples'") for f in found), found
+    assert any(f.startswith("examples.jsonl: not a file the server writes") for f in found), found
 
 
 # ------------------------------------------------------------------------------------ accounting (issue 11.9)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import uuid
 
@@ -25,6 +26,7 @@ from distmoe.inprocess import LocalTransport
 from distmoe.model.build import build_model, hash_tensors
 from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state
 from distmoe.report.metrics_log import read_metrics
+from distmoe.wire.errors import ALL_REASONS, ErrorCode, reason_text
 
 SCHEDULE = "sft:arith*2, eval, stats:arith, sft:strings, eval"
 RUN = {"schedule.phases": SCHEDULE, "schedule.sft-rounds": 1, "train.local-steps": 3, "train.batch-size": 4,
@@ -235,7 +237,8 @@ def test_dropout_round_completes_with_other_party(synth_dirs, make_cfg, tmp_path
     coord.run()
     assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
     errors = _events(run_dir, "party_error")
-    assert len(errors) == 1 and errors[0]["node"] == "101" and "down" in errors[0]["reason"]
+    assert len(errors) == 1 and errors[0]["node"] == "101" and errors[0]["code"] == "no-reply"
+    assert errors[0]["reason"] == ALL_REASONS["no-reply"]
     train = _events(run_dir, "train")
     assert sorted(e["party"] for e in train) == ["all", "party-0"]
     agg = next(e for e in train if e["party"] == "all")
@@ -244,7 +247,8 @@ def test_dropout_round_completes_with_other_party(synth_dirs, make_cfg, tmp_path
 
 
 @pytest.mark.integration
-def test_corrupt_party_data_is_reported(synth_dirs, make_cfg, tmp_path):
+def test_corrupt_party_data_reaches_the_server_as_a_code_only(synth_dirs, make_cfg, tmp_path):
+    """A data-file error names file and line at the party (its own log); the server learns the code."""
     cfg = make_cfg(**{**RUN, "schedule.phases": "sft:arith*1", "privacy.mode": "plaintext"})
     bad = tmp_path / "party-bad"
     shutil.copytree(synth_dirs[1], bad)
@@ -253,14 +257,18 @@ def test_corrupt_party_data_is_reported(synth_dirs, make_cfg, tmp_path):
     with arith.open("a") as fh:
         fh.write('{"instruction": "Compute", "input": "1+1", "output": \n')
     run_dir = tmp_path / "run"
-    coord, _ = _coordinator(cfg, [synth_dirs[0], bad], run_dir)
+    lines: list[str] = []
+    coord, _ = _coordinator(cfg, [synth_dirs[0], bad], run_dir, lines)
     coord.run()
     assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
     errors = _events(run_dir, "party_error")
     assert len(errors) == 1
-    reason = errors[0]["reason"]
-    assert str(arith) in reason and f":{n_lines + 1}" in reason, reason
-    assert "JSON" in reason
+    assert errors[0]["code"] == "data" and errors[0]["reason"] == reason_text(ErrorCode.DATA)
+    assert not re.search(r"\d", errors[0]["reason"]) and "arith" not in errors[0]["reason"]
+    said = [x for x in lines if "left out of" in x]
+    assert said and "[data]" in said[0] and "see the party's log" in said[0] and "arith.jsonl" not in said[0]
+    (log,) = [f.read_text() for f in tmp_path.glob(".*-work/party.log")]  # the party's own log
+    assert f"arith.jsonl:{n_lines + 1}" in log and "JSON" in log, log
     assert sorted(e["party"] for e in _events(run_dir, "train")) == ["all", "party-0"]
 
 

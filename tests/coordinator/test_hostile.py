@@ -21,6 +21,7 @@ from distmoe.coordinator import RunFailed
 from distmoe.party import service as party_service
 from distmoe.party import work as P
 from distmoe.privacy.vectors import UpdateLayout, from_ring64, to_ring64
+from distmoe.wire.errors import ErrorCode, reason_text
 from distmoe.wire.schema import ModelUpdate, SftInstruction
 
 
@@ -148,7 +149,8 @@ def test_plaintext_outlier_update_is_rejected_by_the_norm_ratio(tmp_path, monkey
     assert "party-2" in upd["info"]["rejected"] and "round median" in upd["info"]["rejected"]["party-2"]
     errors = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
               if json.loads(x).get("event") == "party_error"]
-    assert any(e["party"] == "party-2" and "max-norm-ratio" in e["reason"] for e in errors)
+    assert any(e["party"] == "party-2" and e["code"] == "screened" and "max-norm-ratio" in e["reason"]
+               for e in errors)
 
 
 @pytest.mark.integration
@@ -201,8 +203,9 @@ def test_bad_party_data_is_refused_at_setup_naming_file_line_and_field(tmp_path,
     errors = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
               if json.loads(x).get("event") == "party_error"]
     (err,) = [e for e in errors if e["node"] == "102"]  # no party name yet: it never joined
-    assert err["phase_label"] == "setup" and "invalid data" in err["reason"] and needle in err["reason"]
-    assert str(dirs[2]) not in err["reason"]  # the party's local path stays local
+    assert err["phase_label"] == "setup" and err["code"] == "data" and err["reason"] == reason_text(ErrorCode.DATA)
+    log = (run_dir / "work" / "party-2" / "party.log").read_text()  # file, line and field stay at the party
+    assert "invalid data" in log and needle in log, log
     p2 = [json.loads(x) for x in (run_dir / "work" / "party-2" / "ledger" / "party-2.jsonl").read_text().splitlines()]
     assert not any(e["payload_type"].startswith("masked-input") for e in p2)  # never trained, never sent
     (upd,) = releases(run_dir, "model-update")

@@ -21,6 +21,7 @@ from distmoe.audit import audit_run
 from distmoe.coordinator import PrivacyStop
 from distmoe.data.party import load_party
 from distmoe.wire import codec, party_guard
+from distmoe.wire.errors import ALL_REASONS
 
 pytestmark = pytest.mark.integration  # every test here judges a whole in-process run
 
@@ -44,7 +45,7 @@ def test_honest_run_passes_the_audit(honest, releases):
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
     assert {c.name for c in result.checks if c.status == "pass"} == {
         "ledger-integrity", "cross-check", "allow-list", "no-blocked", "no-plaintext", "epsilon", "noise-presence",
-        "row-sums", "min-parties", "canaries"}
+        "row-sums", "min-parties", "canaries", "server-files"}
     (stats,) = releases(run_dir, "router-stats")
     assert sorted(stats["info"]["included"]) == ["party-0", "party-1", "party-2"]
     assert stats["dp"]["n_active"] == 3 and stats["dp"]["z_eff"] > stats["dp"]["noise_multiplier"]
@@ -67,6 +68,35 @@ def test_coordinator_sees_masked_vectors_only(honest):
     for e in inbound:
         assert e["verdict"] == "accepted" and e["anchor"]["node"] == e["peer"]
         assert not any(k.startswith(("arrays.", "stats.", "metrics.")) for k in e["keys"]), e["keys"]
+
+
+# ------------------------------------------ what the server wrote (issue 11, item 7): schema-checked files
+@pytest.mark.parametrize("edit", ["honest", "per-party-row", "training-example", "report-text"])
+def test_server_files_of_a_real_run_are_schema_checked(honest, tmp_path, edit, failed_checks):
+    from distmoe.report.report import write_report
+
+    src, dirs, _ = honest
+    run_dir = tmp_path / "run"
+    shutil.copytree(src, run_dir)
+    write_report(run_dir)
+    if edit == "per-party-row":
+        with (run_dir / "metrics.jsonl").open("a") as fh:
+            fh.write(json.dumps({"event": "train", "round": 1, "party": "party-1", "loss": 1.2}) + "\n")
+    elif edit == "training-example":  # one raw line of a party's data, as a metrics row
+        with (run_dir / "metrics.jsonl").open("a") as fh:
+            fh.write((dirs[1] / "arith.jsonl").read_text().splitlines()[0] + "\n")
+    elif edit == "report-text":
+        md = run_dir / "report" / "report.md"
+        md.write_text(md.read_text() + "\nparty-1 trained on: What is 17+25? 42\n")
+    result = audit_run(run_dir)
+    if edit == "honest":
+        assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
+        return
+    assert failed_checks(result) == {"server-files"}
+    (check,) = [c for c in result.checks if c.name == "server-files"]
+    where = {"per-party-row": "metrics.jsonl:", "training-example": "metrics.jsonl:",
+             "report-text": "report/report.md:"}[edit]
+    assert check.findings and check.findings[0].startswith(where), check.findings
 
 
 # --------------------------------------------------------------------------------- leaky clients
@@ -108,7 +138,8 @@ def test_leaky_client_is_blocked_client_side_and_fails_the_audit(tmp_path, monke
     assert len(blocked) == 1 and blocked[0]["payload_type"] == "masked-input:model-update"
     errors = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
               if json.loads(x).get("event") == "party_error"]
-    assert any("blocked by the outbound guard" in e["reason"] for e in errors)
+    assert any(e["code"] == "blocked" and e["reason"] == ALL_REASONS["blocked"] for e in errors)
+    assert "blocked by the outbound guard" in (run_dir / "work" / "party-1" / "party.log").read_text()
     (upd,) = releases(run_dir, "model-update")
     assert sorted(upd["info"]["included"]) == ["party-0", "party-2"]  # the round went on without it
     # nothing of it arrived: the coordinator logged an error reply, not a payload
@@ -324,7 +355,9 @@ def test_party_budget_refuses_its_release_before_anything_leaves(tmp_path, make_
     assert sorted(rel["info"]["included"]) == ["party-1", "party-2"]
     errors = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
               if json.loads(x).get("event") == "party_error"]
-    assert any("privacy budget" in e["reason"] and "0.5" in e["reason"] for e in errors)
+    assert [e["reason"] for e in errors] == [ALL_REASONS["budget"]]  # the code, not the party's figures
+    log = (run_dir / "work" / "party-0" / "party.log").read_text()
+    assert "[budget]" in log and "0.5" in log, log
     p0 = ledger(run_dir / "work" / "party-0" / "ledger" / "party-0.jsonl")
     assert not any(e["payload_type"].startswith("masked-input") for e in p0)
     assert audit_run(run_dir).verdict == "pass"
@@ -412,7 +445,7 @@ def test_a_refusal_travels_as_guarded_text_anchored_in_the_coordinator_ledger(tm
     sent = ledger(run_dir / "work" / "party-0" / "ledger" / "party-0.jsonl")[err["anchor"]["seq"]]
     assert sent["payload_type"] == "error" and sent["sha256"] == err["sha256"] and sent["hash"] == err["anchor"]["hash"]
     (reason,) = [e["reason"] for e in _errors_of(run_dir)]
-    assert "privacy budget" in reason and "ledger-head" not in reason
+    assert reason == ALL_REASONS["budget"] and "ledger-head" not in reason
     result = audit_run(run_dir)
     assert result.verdict == "pass"
     (cross,) = [c for c in result.checks if c.name == "cross-check"]
@@ -431,7 +464,7 @@ def _replace_reply(monkeypatch, transport, node: int, mtype: str, reply):
     monkeypatch.setattr(transport, "_send", send)
 
 
-@pytest.mark.parametrize("kind", ["oversized", "unanchored", "forged-head"])
+@pytest.mark.parametrize("kind", ["oversized", "unanchored", "forged-head", "free-text"])
 def test_error_text_that_did_not_pass_a_party_guard_is_not_kept(tmp_path, monkeypatch, kind, make_run, releases,
                                                                 failed_checks):
     """An error reply is the only free text a party sends: oversized or non-ASCII text (with a head) is
@@ -441,7 +474,8 @@ def test_error_text_that_did_not_pass_a_party_guard_is_not_kept(tmp_path, monkey
     canary = (dirs[1] / "canaries.txt").read_text().split()[0]
     head = " [ledger-head 3 " + "ab" * 32 + "]"
     text = {"oversized": "x" * 3000 + canary + head, "unanchored": f"ValueError: bad row {canary}",
-            "forged-head": f"bad row \u00e9 {canary}{head}"}[kind]
+            "forged-head": f"bad row \u00e9 {canary}{head}",
+            "free-text": f"rl.prompts-per-step = 8 exceeds its 4 training prompts {canary}{head}"}[kind]
     _replace_reply(monkeypatch, transport, 101, codec.MSG_STATS, codec.ErrorReply(text, 1))
     coord.run()
     (rel,) = releases(run_dir, "router-stats")
@@ -454,7 +488,7 @@ def test_error_text_that_did_not_pass_a_party_guard_is_not_kept(tmp_path, monkey
     else:
         assert err["verdict"].startswith("rejected")
     (reason,) = [e["reason"] for e in _errors_of(run_dir)]
-    assert canary not in reason and ("withheld" in reason or "not kept" in reason)
+    assert canary not in reason and reason == ALL_REASONS["withheld"]
     result = audit_run(run_dir)
     (can,) = [c for c in result.checks if c.name == "canaries"]
     assert can.status == "pass", can.findings  # no server-side file holds the canary
@@ -469,6 +503,6 @@ def test_the_superlinks_own_node_unavailable_error_is_kept_a_party_text_is_not(t
     coord, transport, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith"})
     _replace_reply(monkeypatch, transport, 101, codec.MSG_STATS, codec.ErrorReply(NODE_UNAVAILABLE_ERROR_REASON, code))
     coord.run()
-    (reason,) = [e["reason"] for e in _errors_of(run_dir)]
-    assert ("Node Unavailable" in reason) == kept and ("withheld" in reason) != kept
+    (err,) = _errors_of(run_dir)
+    assert err["code"] == ("unavailable" if kept else "withheld") and err["reason"] == ALL_REASONS[err["code"]]
     assert audit_run(run_dir).verdict == "pass"

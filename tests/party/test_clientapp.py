@@ -1,9 +1,11 @@
 """The ClientApp handlers on real Flower ``Message`` s: decode, run, encode; failures become error
-replies that name what went wrong (file and line, config key), never a hang or a crash."""
+replies, never a hang or a crash. An error reply carries a fixed code of the closed table only; what went
+wrong in detail (file and line, config key, a count of the party's examples) is in the party's own log."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 from pathlib import Path
 
@@ -12,12 +14,14 @@ import pytest
 from flwr.app import Context, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from clients.app import evaluate, sft, stats
+from clients.app import evaluate, rl, sft, stats
 from distmoe.model.base import base_fingerprint
 from distmoe.model.build import build_model
 from distmoe.model.trainable import apply_trainable, spec_of, trainable_state
+from distmoe.party import service
 from distmoe.wire import codec
-from distmoe.wire.schema import EvalReply, ModelUpdate, RouterStats, SftInstruction, StatsInstruction
+from distmoe.wire.errors import REASON_TEXTS, ErrorCode, reason_text
+from distmoe.wire.schema import EvalReply, ModelUpdate, RlInstruction, RouterStats, SftInstruction, StatsInstruction
 
 
 @pytest.fixture
@@ -57,6 +61,16 @@ def _instruction(payload, node_id: int = 1) -> object:
     return codec.instruction_content(codec.encode(payload), node_id, codec.message_type_of(payload))
 
 
+def _code_only(out, code: ErrorCode, work: Path) -> str:
+    """Assert the error reply is exactly ``code``'s table text (plus the ledger head); return the party log."""
+    assert out.has_error() and out.error.code == int(code)
+    text, head = codec.split_error(out.error.reason)
+    assert head is not None  # anchored in the party's ledger
+    assert text == reason_text(code) and text in REASON_TEXTS, out.error.reason
+    assert not re.search(r"\d", text)  # no count, line number or length of the party's data
+    return (work / "party.log").read_text()
+
+
 def test_sft_and_stats_round_trip_through_flower_messages(synth_dirs, tiny_plain):
     run_config = {**tiny_plain, "train.local-steps": 2}
     weights, spec = _global(run_config)
@@ -75,7 +89,8 @@ def test_sft_and_stats_round_trip_through_flower_messages(synth_dirs, tiny_plain
     assert np.allclose(st.sums.sum(1), st.sums.sum(1)[0])  # every row sums to the sequence count
 
 
-def test_corrupt_party_file_becomes_an_error_reply_naming_file_and_line(synth_dirs, tmp_path, tiny_plain):
+def test_corrupt_party_file_reaches_the_server_as_a_code_the_line_stays_in_the_party_log(synth_dirs, tmp_path,
+                                                                                           tiny_plain):
     bad = tmp_path / "p0"
     shutil.copytree(synth_dirs[0], bad)
     lines = (bad / "lookup.jsonl").read_text().splitlines()
@@ -83,27 +98,72 @@ def test_corrupt_party_file_becomes_an_error_reply_naming_file_and_line(synth_di
     (bad / "lookup.jsonl").write_text("\n".join(lines) + "\n")
     weights, spec = _global(tiny_plain)
     out = sft(_instruction(SftInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash,
-                                          seed=1, anchor=None, anchor_version=0)), _context(bad, tiny_plain))
-    assert out.has_error()
-    assert "lookup.jsonl:5" in out.error.reason and "DataError" in out.error.reason
+                                          seed=1, anchor=None, anchor_version=0)),
+              _context(bad, tiny_plain, tmp_path / "work"))
+    log = _code_only(out, ErrorCode.DATA, tmp_path / "work")
+    assert "lookup.jsonl:5" not in out.error.reason and "lookup.jsonl:5" in log and "DataError" in log
 
 
-def test_base_model_mismatch_is_refused(synth_dirs, tiny_plain):
+def test_base_model_mismatch_is_refused(synth_dirs, tiny_plain, tmp_path):
     weights, spec = _global(tiny_plain)
     other = {**tiny_plain, "run.seed": 3, "model.trainable": "router+experts"}
     w2, spec2 = _global(other)
     out = evaluate(_instruction(codec.EvalInstruction(round=1, tasks=("lookup",), new_task="lookup", weights=w2,
                                                       base_hash=spec.base_hash, ref_weights=None, anchor=None,
-                                                      anchor_version=0)), _context(synth_dirs[0], other))
-    assert out.has_error() and "frozen base model differs" in out.error.reason
+                                                      anchor_version=0)),
+                   _context(synth_dirs[0], other, tmp_path))
+    assert "frozen base model differs" in _code_only(out, ErrorCode.MODEL, tmp_path)
     assert spec2.base_hash != spec.base_hash
 
 
-def test_bad_run_config_is_an_error_reply(synth_dirs, tiny_plain):
+def test_bad_run_config_is_an_error_reply(synth_dirs, tiny_plain, tmp_path):
     weights, spec = _global(tiny_plain)
     out = stats(_instruction(StatsInstruction(round=1, task="", weights=weights, base_hash=spec.base_hash)),
-                _context(synth_dirs[0], {**tiny_plain, "train.batch-size": 0}))
-    assert out.has_error() and "train.batch-size" in out.error.reason
+                _context(synth_dirs[0], {**tiny_plain, "train.batch-size": 0}, tmp_path))
+    assert "train.batch-size" in _code_only(out, ErrorCode.CONFIG, tmp_path)
+
+
+# ------------------------------------------- attacks: data-derived text in an error reply (issue 11, item 6)
+def test_rl_prompt_count_does_not_leave_the_party(synth_dirs, tiny_plain, tmp_path):
+    """``rl.prompts-per-step = N exceeds its K training prompts`` told the server the party's prompt count."""
+    run_config = {**tiny_plain, "rl.prompts-per-step": 9999}
+    weights, spec = _global(run_config)
+    out = rl(_instruction(RlInstruction(round=1, task="arith", weights=weights, base_hash=spec.base_hash, seed=1)),
+             _context(synth_dirs[0], run_config, tmp_path))
+    log = _code_only(out, ErrorCode.DATA, tmp_path)
+    assert "exceeds its" not in out.error.reason and "9999" not in out.error.reason
+    assert re.search(r"rl.prompts-per-step = 9999 exceeds its \d+ training prompts of task 'arith'", log), log
+
+
+def test_answer_token_length_does_not_leave_the_party(synth_dirs, tiny_plain, tmp_path):
+    """A template error quoted the token length of one of the party's answers."""
+    data = tmp_path / "p0"
+    shutil.copytree(synth_dirs[0], data)
+    lines = (data / "lookup.jsonl").read_text().splitlines()
+    lines[2] = '{"instruction": "k2", "output": "' + " ".join(["secret answer"] * 80) + '"}'
+    (data / "lookup.jsonl").write_text("\n".join(lines) + "\n")
+    weights, spec = _global(tiny_plain)
+    out = sft(_instruction(SftInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash,
+                                          seed=1, anchor=None, anchor_version=0)),
+              _context(data, tiny_plain, tmp_path / "work"))
+    log = _code_only(out, ErrorCode.DATA, tmp_path / "work")
+    assert "tokens" not in out.error.reason and "secret" not in out.error.reason
+    assert re.search(r"the answer needs \d+ tokens", log), log
+
+
+def test_any_exception_message_does_not_leave_the_party(synth_dirs, tiny_plain, tmp_path, monkeypatch):
+    """The generic path sent ``f"{type(exc).__name__}: {exc}"``: whatever a library put in the message."""
+    def boom(cfg, node, instr):
+        raise ValueError("row 17: 'patient 4711 has condition X' is not a valid label")
+
+    monkeypatch.setitem(service._PLAIN, StatsInstruction, boom)
+    weights, spec = _global(tiny_plain)
+    out = stats(_instruction(StatsInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash)),
+                _context(synth_dirs[0], tiny_plain, tmp_path))
+    log = _code_only(out, ErrorCode.INTERNAL, tmp_path)
+    assert "4711" not in out.error.reason and "ValueError" not in out.error.reason
+    assert "patient 4711" in log and "Traceback" in log
+    assert (tmp_path / "party.log").stat().st_mode & 0o077 == 0  # the party's log is private to it
 
 
 def test_eval_reply_carries_only_aggregates(synth_dirs, tiny_plain):

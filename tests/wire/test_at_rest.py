@@ -82,12 +82,12 @@ def test_failure_log_never_prints_the_exception_message():
     except ValueError as exc:
         line = failure_log("p0", "sft", exc)
     assert secret not in line and "ValueError (message withheld)" in line and "in tokenize" in line
-    assert check_logging() == []
-    # no traceback printer with messages left on the party's paths
+    assert check_logging() == []  # log_detail prints only the code; its party.log is created 0600
+    # no traceback printer with messages left on the ClientApp's stdout paths (the guard's go to party.log)
     from clients import app
 
-    for mod in (party_guard, app):
-        assert "format_exc" not in inspect.getsource(mod) and "print_exc" not in inspect.getsource(mod)
+    assert "format_exc" not in inspect.getsource(app) and "print_exc" not in inspect.getsource(app)
+    assert "print(" not in inspect.getsource(party_guard.serve)
 
 
 def test_allow_list_check():

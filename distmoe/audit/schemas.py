@@ -1,0 +1,345 @@
+"""The audit's ``server-files`` check: every file the server side of a run writes holds only what it may.
+
+Owns: the schemas of the run directory's server-side files and the check against them
+(``check_server_files(run_dir, meta, mode) -> (findings, notes)``; ``distmoe.audit.engine`` turns them
+into the ``server-files`` check). What is checked:
+
+- ``metrics.jsonl`` (and ``metrics.lost.jsonl``): every line a JSON object of a known ``event`` type with
+  only that type's keys, each of its kind (a number, a count, a flag, a task or phase label of the run's
+  own schedule, a closed-set string); aggregate rows only (``party`` is ``all``; per-party rows exist only
+  in a plaintext-mode run, which ``no-plaintext`` fails anyway); a ``party_error`` row's ``reason`` is
+  exactly the closed table's text of its ``code`` (``distmoe.wire.errors.ALL_REASONS``);
+- ``run.json``: only the coordinator's record keys; ``config`` only known config keys with scalar values;
+  ``parties`` only ``{node, ledger_public_key}``; the nested records with label keys and no long text;
+- ``report/``: only the report's own files; ``report.md`` must be exactly what ``distmoe report`` renders
+  from the (checked) ``metrics.jsonl`` and ``run.json`` (``distmoe.report.report.render_markdown``), so no
+  added line survives; each PNG is a well-formed PNG with no text chunk but Matplotlib's ``Software``;
+- any other file outside ``work/`` (the parties' side), ``ledger/``, ``audit/`` and ``keys/`` must be one
+  the server writes (``config.toml``, ``nodes/*.toml``, ``privacy/``, ``anchors/``, ``checkpoints/LATEST``
+  and ``checkpoints/round-<n>/``, ``flower.log`` of a simulation); anything else fails. The contents of
+  checkpoints, anchors and the privacy ledger are not schema-checked here (the ``canaries`` check scans them).
+
+Findings name the file, the line (for JSON lines) and the offending key.
+
+Free text that remains (bounded, printable, and shown as notes): the coordinator's own warnings, anomaly
+details and the error of a failed run (written from the configuration and aggregate figures only; the
+``canaries`` check scans them as every other file).
+
+Must not: import ``flwr`` or ``torch``, read party data, models or checkpoints, or write anything.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from distmoe.wire.errors import ALL_REASONS
+from distmoe.wire.schema import EVAL_ROUTING_KEYS, RL_METRIC_KEYS, RL_SIM_METRIC_KEYS, TRAIN_METRIC_KEYS
+
+CHECK = "server-files"
+LABEL = re.compile(r"[A-Za-z0-9_.:/*+-]{1,64}\Z")  # a task, phase, run id or node: no spaces, no sentence
+TEXT_MAX = 500  # the coordinator's own sentences (warnings, anomaly details, a failed run's error)
+SHORT_MAX = 80  # a string leaf of a nested run.json record
+MAX_FINDINGS = 50
+REPORT_FILES = re.compile(r"(report\.md|loss\.png|routing\.png|tasks\.png|rl\.png)\Z")
+SERVER_FILES = re.compile(r"(metrics\.jsonl|metrics\.lost\.jsonl|run\.json|config\.toml|flower\.log|"
+                          r"nodes/[A-Za-z0-9_.-]+\.toml|privacy/ledger\.json|privacy/secagg-server\.state|"
+                          r"anchors/round-\d+\.(json|npz)|checkpoints/LATEST|checkpoints/round-\d+/.+)\Z")
+SKIPPED_DIRS = ("work", "ledger", "audit", "keys", "report")
+PNG_SIG = b"\x89PNG\r\n\x1a\n"
+PNG_CHUNKS = {b"IHDR", b"PLTE", b"IDAT", b"IEND", b"pHYs", b"tEXt"}
+
+Kind = Callable[[Any, "_Ctx"], bool]
+
+
+class _Ctx:
+    def __init__(self, schedule: list[str], parties: set[str], mode: str):
+        self.labels = set(schedule) | {"setup", "eval"}
+        self.tasks = {t for lab in schedule for t in re.split(r"[:*]", lab)[1:2] if t}
+        self.parties = parties
+        self.mode = mode
+
+
+def _num(v: Any, _c: _Ctx) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _int(v: Any, _c: _Ctx) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _flag(v: Any, _c: _Ctx) -> bool:
+    return isinstance(v, bool)
+
+
+def _label(v: Any, _c: _Ctx) -> bool:
+    return isinstance(v, str) and bool(LABEL.match(v))
+
+
+def _task(v: Any, c: _Ctx) -> bool:
+    return isinstance(v, str) and (v in c.tasks or v == "")
+
+
+def _phase(v: Any, c: _Ctx) -> bool:
+    """A phase label of the schedule (or setup/eval), optionally followed by the stage ``unmask``."""
+    if not isinstance(v, str):
+        return False
+    head, _, tail = v.partition(" ")
+    return head in c.labels | {"sft", "rl", "stats"} and tail in ("", "unmask")
+
+
+def _text(v: Any, _c: _Ctx) -> bool:
+    return v is None or (isinstance(v, str) and len(v) <= TEXT_MAX and v.isascii() and v.isprintable())
+
+
+def _one_of(*allowed: str) -> Kind:
+    return lambda v, _c: v in allowed
+
+
+def _list_of(kind: Kind) -> Kind:
+    return lambda v, c: isinstance(v, list) and all(kind(x, c) for x in v)
+
+
+def _agg_party(v: Any, c: _Ctx) -> bool:
+    return v == "all" or (c.mode == "plaintext" and v in c.parties)
+
+
+def _any_party(v: Any, c: _Ctx) -> bool:
+    return isinstance(v, str) and (v in c.parties or bool(re.fullmatch(r"node-\d{1,20}", v)))
+
+
+COMMON = {"event": _label, "time": _num}
+ROUND = {"round": _int, "anchor_version": _int}
+UPDATE = {**ROUND, "phase": _int, "phase_label": _phase, "task": _task, "party": _agg_party, "num_examples": _num,
+          "parties": _int, "skipped": _flag,
+          **{k: _num for k in (*TRAIN_METRIC_KEYS, *RL_METRIC_KEYS, *RL_SIM_METRIC_KEYS)}}
+EVENTS: dict[str, dict[str, Kind]] = {
+    "run_start": {"run_id": _label, "schedule": _list_of(_phase), "warnings": _list_of(_text)},
+    "run_resume": {"run_id": _label, "session": _label, "epoch": _int, "from_round": _int, "checkpoint": _label,
+                   "lost_metric_lines": _int, "warnings": _list_of(_text)},
+    "train": UPDATE,
+    "rl": UPDATE,
+    "stats": {**ROUND, "party": _agg_party, "task": _task, "num_sequences": _num, "parties": _int},
+    "eval": {**ROUND, "phase_label": _phase, "party": _agg_party, "new_task": _task, "new_task_loss": _num,
+             **{k: _num for k in EVAL_ROUTING_KEYS}},
+    "party_error": {"round": _int, "phase_label": _phase, "node": _label, "party": _any_party,
+                    "code": _one_of(*ALL_REASONS), "reason": _one_of(*ALL_REASONS.values())},
+    "anomaly": {"round": _int, "kind": _one_of("train", "rl", "stats", "eval"), "party": _one_of("all"),
+                "detail": _text},
+    "run_end": {"status": _one_of("completed", "failed", "stopped", "interrupted"), "rounds": _int,
+                "error": _text},
+}
+PATTERN_KEYS = {  # event -> (key pattern, kind) for keys named after a task or an MoE layer
+    "train": [(re.compile(r"route_disagree_l\d{1,4}\Z"), _num)],
+    "rl": [(re.compile(r"route_disagree_l\d{1,4}\Z"), _num)],
+    "eval": [(re.compile(r"(acc|loss|n|retention)/(?P<task>.+)\Z"), _num)],
+}
+TEXT_KEYS = {("run_start", "warnings"), ("run_resume", "warnings"), ("anomaly", "detail"), ("run_end", "error")}
+
+
+def _key_kind(event: str, key: str, ctx: _Ctx) -> Kind | None:
+    kind = COMMON.get(key) or EVENTS[event].get(key)
+    if kind is not None:
+        return kind
+    for pat, k in PATTERN_KEYS.get(event, []):
+        m = pat.match(key)
+        if m and ("task" not in m.groupdict() or m.group("task") in ctx.tasks):
+            return k
+    return None
+
+
+def _check_row(row: Any, where: str, ctx: _Ctx, out: list[str], notes: list[str]) -> None:
+    if not isinstance(row, dict):
+        out.append(f"{where}: not a JSON object")
+        return
+    event = row.get("event")
+    if event not in EVENTS:
+        out.append(f"{where}: key 'event': unknown event type {str(event)[:40]!r}")
+        return
+    for key, v in row.items():
+        kind = _key_kind(event, key, ctx)
+        if kind is None:
+            out.append(f"{where}: key {key[:60]!r}: not a key of a {event!r} row")
+        elif not kind(v, ctx):
+            what = "a per-party row" if key == "party" and isinstance(v, str) and v in ctx.parties else "its kind"
+            out.append(f"{where}: key {key!r}: value does not fit {what} ({type(v).__name__})"
+                       if what == "its kind" else f"{where}: key 'party': {what} ({v!r}); only aggregates may be "
+                                                  "written")
+        elif (event, key) in TEXT_KEYS and v:
+            notes.append(f"{where}: coordinator text in {key!r} ({len(str(v))} characters)")
+    if event == "party_error" and row.get("code") in ALL_REASONS and row.get("reason") != ALL_REASONS[row["code"]]:
+        out.append(f"{where}: key 'reason': not the closed table's text of code {row['code']!r}")
+
+
+def _check_metrics(path: Path, ctx: _Ctx, out: list[str], notes: list[str]) -> None:
+    raw = path.read_bytes().split(b"\n")
+    for i, line in enumerate(raw, 1):
+        if not line.strip():
+            continue
+        where = f"{path.name}:{i}"
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if i == len(raw) or (i == len(raw) - 1 and raw[-1] == b""):
+                notes.append(f"{where}: a torn trailing line (a crash mid-write) is ignored")
+                continue
+            out.append(f"{where}: not JSON")
+            continue
+        _check_row(row, where, ctx, out, notes)
+
+
+RUN_KEYS: dict[str, Kind] = {
+    "run_id": _label, "name": lambda v, c: v in ("", None) or _label(v, c), "status": _one_of(
+        "running", "completed", "failed", "stopped", "interrupted"), "started": _num, "finished": _num,
+    "error": _text, "schedule": _list_of(_phase), "warnings": _list_of(_text),
+    "anomalies": lambda v, c: isinstance(v, list) and all(
+        isinstance(a, dict) and set(a) <= {"round", "detail"} and _text(a.get("detail"), c) for a in v),
+}
+NESTED_KEYS = ("config", "privacy", "parties", "model", "resumes")
+
+
+def _short(v: Any) -> bool:
+    if isinstance(v, str):
+        return len(v) <= SHORT_MAX and v.isascii() and v.isprintable()
+    return v is None or isinstance(v, (bool, int, float))
+
+
+def _nested(v: Any, where: str, out: list[str], depth: int = 0) -> None:
+    """A nested record of run.json: label keys, and leaves that are numbers, flags or short strings."""
+    if depth > 6:
+        out.append(f"{where}: nested too deep")
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            if not LABEL.match(str(k)):
+                out.append(f"{where}: key {str(k)[:60]!r}: not a label")
+            else:
+                _nested(x, f"{where}.{k}", out, depth + 1)
+    elif isinstance(v, list):
+        for i, x in enumerate(v[:10_000]):
+            _nested(x, f"{where}[{i}]", out, depth + 1)
+    elif not _short(v):
+        out.append(f"{where}: a string of {len(str(v))} characters (free text) where a value belongs")
+
+
+def _config_keys() -> set[str]:
+    from distmoe.config import parse_run_config
+
+    return set(parse_run_config({}).as_flat())
+
+
+def _check_run_json(path: Path, meta: Mapping[str, Any], ctx: _Ctx, out: list[str], notes: list[str]) -> None:
+    for key, v in meta.items():
+        where = f"{path.name}: key {key!r}"
+        if key in RUN_KEYS:
+            if not RUN_KEYS[key](v, ctx):
+                out.append(f"{where}: value does not fit its kind")
+            elif key in ("error", "warnings", "anomalies") and v:
+                notes.append(f"{path.name}: coordinator text in {key!r}")
+        elif key == "config":
+            known = _config_keys()
+            for k, x in (v if isinstance(v, dict) else {}).items():
+                if k not in known:
+                    out.append(f"{path.name}: key 'config.{k[:60]}': not a configuration key")
+                elif not _short(x) and not (isinstance(x, str) and len(x) <= TEXT_MAX and x.isprintable()):
+                    out.append(f"{path.name}: key 'config.{k}': not a configuration value")
+            if not isinstance(v, dict):
+                out.append(f"{where}: not an object")
+        elif key == "parties":
+            for p, rec in (v if isinstance(v, dict) else {}).items():
+                allowed = {"node", "ledger_public_key"}
+                if not LABEL.match(str(p)) or not isinstance(rec, dict) or not set(rec) <= allowed:
+                    out.append(f"{path.name}: key 'parties.{str(p)[:60]}': only node and ledger_public_key may be "
+                               "recorded per party")
+                elif not all(_label(x, ctx) for x in rec.values()):
+                    out.append(f"{path.name}: key 'parties.{p}': a value that is not a label")
+            if not isinstance(v, dict):
+                out.append(f"{where}: not an object")
+        elif key in NESTED_KEYS:
+            _nested(v, f"{path.name}: key {key!r}", out)
+        else:
+            out.append(f"{where}: not a key of the run record")
+
+
+def _check_png(path: Path, rel: str, out: list[str]) -> None:
+    data = path.read_bytes()
+    if not data.startswith(PNG_SIG):
+        out.append(f"{rel}: not a PNG")
+        return
+    pos = len(PNG_SIG)
+    while pos + 8 <= len(data):
+        (n,), ctype = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + n]
+        if ctype not in PNG_CHUNKS:
+            out.append(f"{rel}: chunk {ctype!r} at byte {pos}: not a chunk the report writes")
+        elif ctype == b"tEXt" and not (body.lower().startswith(b"software\x00matplotlib") and len(body) <= 100):
+            out.append(f"{rel}: text chunk at byte {pos}: only Matplotlib's Software tag may be written")
+        pos += 12 + n
+        if ctype == b"IEND":
+            break
+    if pos != len(data):
+        out.append(f"{rel}: {len(data) - pos} bytes after the PNG's end (or a truncated chunk)")
+
+
+def _check_report(run_dir: Path, out: list[str]) -> None:
+    rdir = run_dir / "report"
+    if not rdir.is_dir():
+        return
+    for f in sorted(rdir.rglob("*")):
+        rel = f.relative_to(run_dir).as_posix()
+        if f.is_dir():
+            continue
+        if f.is_symlink() or f.parent != rdir or not REPORT_FILES.match(f.name):
+            out.append(f"{rel}: not a file the report writes")
+        elif f.suffix == ".png":
+            _check_png(f, rel, out)
+    md = rdir / "report.md"
+    if md.is_file():
+        from distmoe.report.report import render_markdown
+
+        try:
+            want = render_markdown(run_dir).splitlines()
+        except (OSError, ValueError) as exc:
+            out.append(f"report/report.md: cannot be re-rendered from the run's records ({exc})")
+            return
+        got = md.read_text(encoding="utf-8", errors="replace").splitlines()
+        for i, (a, b) in enumerate(zip(got, want, strict=False), 1):
+            if a != b:
+                out.append(f"report/report.md:{i}: differs from what the run's records render (an added or edited "
+                           "line)")
+                break
+        else:
+            if len(got) != len(want):
+                out.append(f"report/report.md:{min(len(got), len(want)) + 1}: {abs(len(got) - len(want))} lines "
+                           f"{'more' if len(got) > len(want) else 'fewer'} than the run's records render")
+
+
+def _other_files(run_dir: Path, out: list[str]) -> None:
+    for f in sorted(run_dir.rglob("*")):
+        rel = f.relative_to(run_dir)
+        if rel.parts[0] in SKIPPED_DIRS or f.is_dir():
+            continue
+        if f.is_symlink() or not SERVER_FILES.match(rel.as_posix()):
+            out.append(f"{rel.as_posix()}: not a file the server writes")
+
+
+def check_server_files(run_dir: Path, meta: Mapping[str, Any], mode: str | None) -> tuple[list[str], list[str]]:
+    """``(findings, notes)`` of the server-side files of ``run_dir`` (module docstring); ``meta`` is the
+    parsed ``run.json``, ``mode`` the run's privacy mode from its signed run-start entry."""
+    out: list[str] = []
+    notes: list[str] = []
+    schedule = [s for s in meta.get("schedule") or [] if isinstance(s, str)]
+    parties = set(meta.get("parties") or {}) if isinstance(meta.get("parties"), dict) else set()
+    ctx = _Ctx(schedule, parties, mode or "")
+    for name in ("metrics.jsonl", "metrics.lost.jsonl"):
+        if (run_dir / name).is_file():
+            _check_metrics(run_dir / name, ctx, out, notes)
+    _check_run_json(run_dir / "run.json", meta, ctx, out, notes)
+    _check_report(run_dir, out)
+    _other_files(run_dir, out)
+    if len(out) > MAX_FINDINGS:
+        out = [*out[:MAX_FINDINGS], f"... and {len(out) - MAX_FINDINGS} more"]
+    return out, notes
