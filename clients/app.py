@@ -15,8 +15,6 @@ Must not: do any of the party's work itself, or send text that did not pass the 
 
 from __future__ import annotations
 
-import traceback
-
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
@@ -25,7 +23,7 @@ from distmoe.party.service import PartyService, load_canaries
 from distmoe.party.session import open_ledger
 from distmoe.wire import codec
 from distmoe.wire.errors import ErrorCode, Refused, reason_text
-from distmoe.wire.party_guard import guarded_error, phase_of, serve
+from distmoe.wire.party_guard import failure_log, guarded_error, phase_of, serve
 
 app = ClientApp()
 
@@ -47,13 +45,12 @@ def _handle(msg: Message, context: Context) -> Message:
         try:
             text = guarded_error(open_ledger(node), load_canaries(node), str(context.run_id), None, phase_of(mtype),
                                  ErrorCode.CONFIG, f"ConfigError: {exc}")
-        except Exception:
-            print(f"distmoe client: {mtype}: configuration error (could not log it):\n{traceback.format_exc()}",
-                  flush=True)
+        except Exception as exc2:  # no party log: stdout gets no exception message (it may quote data)
+            print(failure_log("client", mtype, exc2) + " (configuration error, could not log it)", flush=True)
             text = reason_text(ErrorCode.CONFIG)
         return codec.error_reply(msg, int(ErrorCode.CONFIG), text)
-    except Exception:  # outside the guard (a bug): no ledger entry, so only the code's text leaves (unanchored)
-        print(f"distmoe client: {mtype} failed outside the party guard:\n{traceback.format_exc()}", flush=True)
+    except Exception as exc:  # outside the guard (a bug): no ledger entry, so only the code's text leaves (unanchored)
+        print(failure_log("client", mtype, exc) + " (outside the party guard)", flush=True)
         return codec.error_reply(msg, int(ErrorCode.INTERNAL), reason_text(ErrorCode.INTERNAL))
 
 

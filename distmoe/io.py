@@ -2,10 +2,11 @@
 
 Owns: ``write_atomic`` (temp file in the same directory, ``fsync``, then ``os.replace``, or ``os.link``
 when an existing file must not be replaced; the file mode is set on the temp file, so a private key
-is never readable by others, not even for a moment), its text/JSON forms ``write_text_atomic`` and
-``write_json_atomic``, ``fsync_dir`` (makes a rename durable), ``append_durable`` (one whole line in one
-``O_APPEND`` write, then ``fsync``), and ``sanitize`` (the JSON-safe copy used by every JSON file a run
-writes: non-finite floats become ``null``).
+is never readable by others, not even for a moment; without ``mode`` a file keeps ``mkstemp``'s 0600),
+its text/JSON forms ``write_text_atomic`` and ``write_json_atomic``, ``fsync_dir`` (makes a rename
+durable), ``append_durable`` (one whole line in one ``O_APPEND`` write, then ``fsync``; a new file is
+0600), and ``sanitize`` (the JSON-safe copy used by every JSON file a run writes: non-finite floats
+become ``null``).
 
 Must not: import anything of distmoe (this is the base layer), or interpret what it writes.
 Why hand-written: the standard library has ``os.replace`` and ``tempfile`` but no atomic, durable
@@ -112,7 +113,7 @@ def append_durable(path: str | os.PathLike[str], data: bytes) -> None:
     """Append ``data`` (one whole record) with a single ``O_APPEND`` write, finished if short, then fsync."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # private: a party's log or ledger
     try:
         _write_all(fd, data)
     finally:

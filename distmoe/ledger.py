@@ -413,7 +413,7 @@ class Ledger:
         entry = {**body, "hash": h, "sig": self._key.sign(SIG_DOMAIN + h.encode("ascii")).hex()}
         line = (canonical_json(entry) + "\n").encode("ascii")
         created = not self.path.exists()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # private (wire.at_rest)
         try:
             if fcntl is not None:
                 fcntl.flock(fd, fcntl.LOCK_EX)

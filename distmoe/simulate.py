@@ -39,6 +39,7 @@ from pathlib import Path
 from distmoe.config import ConfigError, load_override_file, parse_run_config, to_toml
 from distmoe.data.formats import DataError
 from distmoe.data.party import load_party
+from distmoe.wire.at_rest import PRIVATE_DIR, PRIVATE_UMASK, PreflightError, make_private, privacy_preflight
 
 TOKEN_ENV = "DISTMOE_RUN_TOKEN"
 AF_UNIX_MAX = 100  # Ray's socket paths must fit in sun_path (108 bytes) with its own suffixes
@@ -175,10 +176,18 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
                             "(letters, digits, '-', '_'): it becomes the party's name")
         load_party(p, cfg.data)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if parties is None:
-        n = opts.parties if opts.parties is not None else 3
-        # party-side files live under work/ (the audit checks that nothing outside it holds party data)
-        parties = write_synthetic(run_dir / "work" / "data", n, cfg.data.synth_examples, cfg.run.seed, canaries=1)
+    old_umask = os.umask(PRIVATE_UMASK)  # party files and directories are private from their creation
+    try:
+        (run_dir / "work").mkdir(mode=PRIVATE_DIR, exist_ok=True)
+        if parties is None:
+            n = opts.parties if opts.parties is not None else 3
+            # party-side files live under work/ (the audit checks that nothing outside it holds party data)
+            parties = write_synthetic(run_dir / "work" / "data", n, cfg.data.synth_examples, cfg.run.seed, canaries=1)
+            make_private(run_dir / "work")  # whatever the writers' own modes were
+        for p in parties:
+            (run_dir / "work" / p.name).mkdir(mode=PRIVATE_DIR, exist_ok=True)
+    finally:
+        os.umask(old_umask)
     nodes = run_dir / "nodes"
     nodes.mkdir(exist_ok=True)
     for i, p in enumerate(parties):
@@ -235,6 +244,19 @@ def prepare_resume(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     return run_dir, parties, overrides
 
 
+def party_dirs(run_dir: Path, parties: list[Path]) -> dict[str, list[Path]]:
+    """Each party's private directories: its data (copy) and its work directory."""
+    return {p.name: [p, run_dir / "work" / p.name] for p in parties}
+
+
+def privacy_check(run_dir: Path, parties: list[Path], when: str) -> None:
+    """The pre-run / end-of-run privacy check (``distmoe.wire.at_rest``) as a :class:`SimulationError`."""
+    try:
+        privacy_preflight(party_dirs(run_dir, parties), when=when)
+    except PreflightError as exc:
+        raise SimulationError(str(exc)) from None
+
+
 def _env(run_dir: Path, port: int, token: str, threads: int) -> tuple[dict, Path | None]:
     env = dict(os.environ)
     for k in [k for k in env if k.startswith(("FLWR_", "RAY_"))]:
@@ -275,6 +297,7 @@ def _read_record(run_dir: Path) -> dict:
 def run(opts: SimOptions) -> tuple[int, Path]:
     """Run one simulation; returns (exit status, run directory)."""
     run_dir, parties, overrides = prepare_resume(opts) if opts.resume is not None else prepare(opts)
+    privacy_check(run_dir, parties, "before the run")  # before anything trains: modes, the logging path
     cfg = parse_run_config(overrides)
     overrides_file = run_dir / ("overrides.resume.toml" if opts.resume is not None else "overrides.toml")
     port = opts.port or free_port()
@@ -298,7 +321,7 @@ def run(opts: SimOptions) -> tuple[int, Path]:
                 log.write(f"---- distmoe simulate --resume {run_dir} at {time.strftime('%Y-%m-%d %H:%M:%S')} ----\n")
             proc = subprocess.Popen(cmd, env=env, cwd=str(run_dir), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                    start_new_session=True)
+                                    start_new_session=True, umask=PRIVATE_UMASK)
             timer = threading.Timer(opts.timeout, lambda: proc.kill())
             timer.start()
             try:
@@ -330,6 +353,11 @@ def run(opts: SimOptions) -> tuple[int, Path]:
         {"token": token, "port": port, "command": cmd, "stopped_pids": stopped, "wall_s": elapsed,
          "session": proc.pid, "remaining": processes_with_token(token, proc.pid)}, indent=2))
     say(f"  stopped {len(stopped)} Flower/Ray processes; wall time {elapsed:.0f} s; log: {log_path}")
+    try:  # the same checks at the end: nothing the run wrote opened a party's files to others
+        privacy_check(run_dir, parties, "at the end of the run")
+    except SimulationError as exc:
+        say(f"distmoe simulate: {exc}")
+        return 1, run_dir
     if status != "completed":
         rec = _read_record(run_dir)
         reason = rec.get("error") or ("timed out after --timeout " f"{opts.timeout:.0f} s" if timed_out

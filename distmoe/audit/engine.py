@@ -11,8 +11,10 @@ fails if any check fails. Rendering and writing the report is :mod:`distmoe.audi
 
 Independence: epsilon is recomputed from the coordinator's release entries (``z_eff`` from the survivors'
 count and the declared ``z``, checked against what the ledger claims), not read from the server's
-accountant, whose figure is only shown next to it. Statistical thresholds: noise presence fails at
-``p < 1e-4 / R`` (one-sided, R = router-stats releases), row-sum dispersion at upper-tail ``p < 1e-6 / R``.
+accountant, whose figure is only shown next to it. The unit is one sequence: an update release is charged at
+``z_eff / 2`` (sensitivity two clips), a router-statistics release by the Skellam bound at integer orders.
+Statistical thresholds: noise presence fails at ``p < 1e-4 / R`` (one-sided, R = router-stats releases),
+row-sum dispersion at upper-tail ``p < 1e-6 / R``.
 
 Must not: import ``flwr``, read models, checkpoints, anchors or party data (the only file read from a
 party's data directory is its canary list ``canaries.txt``), print a canary string (only a SHA-256
@@ -40,6 +42,7 @@ from distmoe.audit.schemas import check_server_files
 from distmoe.ledger import canonical_json, verify_against_anchor, verify_ledger
 from distmoe.privacy.accountant import MECHANISMS, PrivacyEvent, epsilon_from_events
 from distmoe.privacy.dp import canary_chi2_test, int_sensitivity
+from distmoe.privacy.update_noise import sequence_noise_multiplier
 
 __all__ = ["AuditInputError", "AuditResult", "Check", "CHECKS", "audit_run"]
 
@@ -553,10 +556,34 @@ def _z_eff(rel: Mapping[str, Any], c: Check | None) -> float | None:
     return ze
 
 
+Ev = tuple[float, float, int, str, float, float]  # (z, q, steps, mechanism, d2, d1)
+
+
 @functools.lru_cache(maxsize=256)
-def _eps(events: tuple[tuple[float, float, int, str], ...], delta: float) -> tuple[float, float]:
-    """``(eps_prv, eps_rdp)`` of ``(z, q, steps, mechanism)`` events (cached: parties often share a history)."""
-    return epsilon_from_events([PrivacyEvent(z, q, k, m) for z, q, k, m in events], delta)
+def _eps(events: tuple[Ev, ...], delta: float) -> tuple[float, float]:
+    """``(eps_prv, eps_rdp)`` of ``(z, q, steps, mechanism, d2, d1)`` events (cached: parties often share a
+    history); Skellam by its integer-order RDP bound (``distmoe.privacy.accountant``)."""
+    return epsilon_from_events([PrivacyEvent(z, q, k, m, d2=d2, d1=d1) for z, q, k, m, d2, d1 in events], delta)
+
+
+def _release_event(rel: Mapping[str, Any], ze: float, mech: str, c: Check) -> Ev:
+    """The per-sequence ledger event of a DP release, recomputed: a Gaussian (update) release at ``z_eff / 2``
+    (one sequence moves a clipped update by 2 clips; a ledger figure that says otherwise fails ``c``), a
+    Skellam release with the sensitivities of its recorded shape (the worst case if they cannot be computed)."""
+    dp, w = rel["dp"], _where(COORDINATOR, rel)
+    if mech == "gaussian":
+        zs = sequence_noise_multiplier(ze)
+        if "z_sequence" in dp and not _close(dp.get("z_sequence"), zs):
+            c.fail(f"{w}: dp.z_sequence = {dp.get('z_sequence')!r}, recomputed {zs:.6g} (z_eff / 2: one sequence "
+                   "moves a clipped update by 2 clips)")
+        return zs, 1.0, 1, mech, 0.0, 0.0
+    info = _info(rel)
+    try:
+        d2, d1 = int_sensitivity(int(info["layers"]), int(info["experts"]), float(dp["scale"]),
+                                 str(dp.get("rounding", "per-sequence")))
+    except (KeyError, TypeError, ValueError):
+        d2 = d1 = 0.0  # PrivacyEvent's worst case; noise-presence names the missing shape
+    return ze, 1.0, 1, mech, d2, d1
 
 
 def _primary(prv: float, rdp: float) -> float:
@@ -592,7 +619,7 @@ def _check_epsilon(run: _Run) -> tuple[Check, dict[str, dict[str, Any]]]:
             c.note(f"delta {delta:g} <= 1/num-sequences-max = {1.0 / nmax:g}")
     else:
         c.fail(f"privacy.num-sequences-max not recorded or invalid ({nmax!r}): delta <= 1/N cannot be checked")
-    events: dict[str, list[tuple[float, float, int, str]]] = {}
+    events: dict[str, list[Ev]] = {}
     for r in run.releases:
         dp = r.get("dp")
         if dp is None:
@@ -606,8 +633,9 @@ def _check_epsilon(run: _Run) -> tuple[Check, dict[str, dict[str, Any]]]:
             continue
         if r.get("payload_type") in ("release:model-update", "release:rl-update"):
             _check_update_dp(r, c)
+        ev = _release_event(r, ze, mech, c)
         for p in _included(r):
-            events.setdefault(p, []).append((ze, 1.0, 1, mech))
+            events.setdefault(p, []).append(ev)
     server = run.server_privacy.get("parties", {}) if isinstance(run.server_privacy, dict) else {}
     table: dict[str, dict[str, Any]] = {}
     for p in run.all_parties():
@@ -620,7 +648,8 @@ def _check_epsilon(run: _Run) -> tuple[Check, dict[str, dict[str, Any]]]:
         if isinstance(st, dict) and isinstance(st.get("events"), list):
             try:  # the server's accountant replayed from its own event list (informational)
                 evs_s = [PrivacyEvent.from_dict(x) for x in st["events"]]
-                sev = tuple(sorted((e.noise_multiplier, e.sample_rate, e.steps, e.mechanism) for e in evs_s))
+                sev = tuple(sorted((e.noise_multiplier, e.sample_rate, e.steps, e.mechanism, e.d2, e.d1)
+                                   for e in evs_s))
                 row["server_epsilon"] = _primary(*_eps(sev, float(st.get("delta", delta))))
                 row["server_events"] = len(evs_s)
             except (KeyError, TypeError, ValueError):

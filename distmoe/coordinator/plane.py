@@ -26,6 +26,7 @@ from distmoe.ledger import Ledger, canonical_json, generate_signing_key, public_
 from distmoe.privacy.plan import stats_spec, threshold_for
 from distmoe.privacy.ring import WrapError
 from distmoe.privacy.vectors import UpdateLayout
+from distmoe.wire.at_rest import check_allow_list
 from distmoe.wire.schema import TRAIN_METRIC_KEYS, eval_metric_keys, rl_metric_keys
 from distmoe.wire.server_guard import ServerGuard, build_policy, policy_digest
 
@@ -68,6 +69,9 @@ def start(co: Coordinator, nodes: list[int]) -> None:
                             "privacy.num-sequences-max or privacy.scale") from None
     policy = build_policy(secure=p.secure, n_parties=n, trainable=dict(co.tspec.shapes), layers=L, experts=E,
                           tasks=cfg.schedule.tasks, **facts)
+    problems = check_allow_list(policy)  # the pre-run privacy check of the allow-list (distmoe.wire.at_rest)
+    if problems:
+        raise RunFailed("privacy check before the run failed: " + "; ".join(problems))
     digest = policy_digest(policy)
     if continuing:
         resume.append_resume_entry(co, digest, policy, run_start, entries, n)

@@ -13,16 +13,15 @@ Must not: see any party's individual reply (only ``SecureRounds``' sums), or imp
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from distmoe.aggregate import aggregate_problem, eval_sum_problem, stats_sum_problem
 from distmoe.coordinator.aggregator import Aggregator, EvalSum, Skip, StatsSum, UpdateSum
 from distmoe.coordinator.secagg import SecureRounds, SecureSum
 from distmoe.privacy.accountant import PrivacyEvent
-from distmoe.privacy.plan import stats_spec
+from distmoe.privacy.plan import stats_event, stats_spec
 from distmoe.privacy.ring import from_ring64
+from distmoe.privacy.update_noise import update_dp_facts, update_event
 from distmoe.privacy.vectors import EvalLayout, StatsLayout, UpdateLayout
 from distmoe.wire.schema import eval_metric_keys
 
@@ -48,8 +47,8 @@ class SecureAggregator(Aggregator):
         z_u = sec.plan.update_noise_multiplier
         layout = UpdateLayout.build(co.tspec.shapes, metric_keys, n, p.update_clip, p.max_weight, private=z_u > 0)
 
-        def event_at(n_active: int) -> PrivacyEvent:  # the sum over n_active >= t survivors: z_u * sqrt(n_active/t)
-            return PrivacyEvent(z_u * math.sqrt(n_active / t), 1.0, 1, "gaussian", f"{release} round {co.s.round}")
+        def event_at(n_active: int) -> PrivacyEvent:  # n_active >= t survivors, per sequence (z_u/2 at t)
+            return update_event(z_u, n_active, t, f"{release} round {co.s.round}")
 
         res = sec.round(co.s.round, kind, instr, release, layout.length, event_at if z_u > 0 else None)
         if res is None:
@@ -58,10 +57,7 @@ class SecureAggregator(Aggregator):
         problem = aggregate_problem(layout, avg, weight, len(res.included), z_u, t)
         dp = None
         if z_u > 0:
-            dp = {"mechanism": "gaussian", "unit": "party", "neighbours": "add/remove", "noise_multiplier": z_u,
-                  "n_parties": n, "n_active": res.n_active, "max_dropouts": n - t,
-                  "z_eff": z_u * math.sqrt(res.n_active / t), "clip": p.update_clip, "weights": "uniform",
-                  "sensitivity": layout.sensitivity, "metrics": "withheld"}
+            dp = update_dp_facts(layout, z_u, n, t, res.n_active)
         self._log(res, kind, release, dp, problem, weight_sum=weight, frac_bits=layout.frac_bits)
         if problem is not None:
             return Skip(f"aggregate rejected ({problem}): model unchanged")
@@ -77,8 +73,7 @@ class SecureAggregator(Aggregator):
         layout = StatsLayout(spec)
 
         def event_at(n_active: int) -> PrivacyEvent:
-            return PrivacyEvent(spec.effective_noise_multiplier(n_active), 1.0, 1, "skellam",
-                                f"router-stats round {rnd}")
+            return stats_event(spec, n_active, f"router-stats round {rnd}")
 
         res = sec.round(rnd, "stats", instr, "router-stats", layout.length, event_at)
         if res is None:

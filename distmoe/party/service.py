@@ -23,8 +23,8 @@ from distmoe.config import ConfigError, NodeConfig, RunConfig
 from distmoe.data.formats import DataError
 from distmoe.party import work as P
 from distmoe.party.session import PartySession, SessionError, open_ledger
-from distmoe.privacy.accountant import PrivacyEvent
-from distmoe.privacy.update_noise import add_update_noise, update_dp_facts
+from distmoe.privacy.plan import stats_event
+from distmoe.privacy.update_noise import add_update_noise, update_dp_facts, update_event
 from distmoe.privacy.vectors import StatsLayout
 from distmoe.wire.errors import ErrorCode, Refused
 from distmoe.wire.schema import (
@@ -117,8 +117,8 @@ class PartyService:
             per_seq = P.router_stats_per_sequence(cfg, node, instr, cfg.privacy.num_sequences_max)  # [N, L, E]
             spec = sess.stats_spec(per_seq.shape[1], per_seq.shape[2])
             t = sess.params.threshold
-            z_worst = spec.effective_noise_multiplier(t)  # the fewest survivors a completed round can have
-            eps = sess.charge(PrivacyEvent(z_worst, 1.0, 1, "skellam", f"router-stats round {instr.round}"))
+            # charged at the fewest survivors a completed round can have (t): z_eff(t) = z
+            eps = sess.charge(stats_event(spec, t, f"router-stats round {instr.round}"))
             vec = StatsLayout(spec).encode(per_seq)  # [D] uint64, Skellam share included
             dp = {**spec.dp_params(n_active=t), "epsilon": eps, "budget": sess.accountant.epsilon_budget}
         elif isinstance(instr, (SftInstruction, RlInstruction)):
@@ -153,7 +153,8 @@ class PartyService:
             return vec, None
         if not layout.private:
             raise Refused("update noise requested on a non-private layout (weights and metrics would leave exact)")
-        eps = sess.charge(PrivacyEvent(z_u, 1.0, 1, "gaussian", f"model-update round {instr.round}"))
+        t = sess.params.threshold  # per sequence: z_u / 2 (one sequence moves the clipped delta by 2 clips)
+        eps = sess.charge(update_event(z_u, t, t, f"model-update round {instr.round}"))
         vec = add_update_noise(vec, layout, z_u, sess.params.threshold)
         dp = {**update_dp_facts(layout, z_u, sess.n_parties, sess.params.threshold), "epsilon": eps,
               "budget": sess.accountant.epsilon_budget}

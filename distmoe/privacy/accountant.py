@@ -7,39 +7,47 @@ budget check (:meth:`Accountant.would_exceed`, :meth:`Accountant.spend` raising 
 the audit can replay it with :func:`epsilon_from_events`), the inversion ``target epsilon -> z``
 (:func:`noise_multiplier_for`) and a Skellam RDP bound (:func:`skellam_epsilon`) to check the approximation.
 
-Events. A router-statistic release on all local data is ``PrivacyEvent(z_eff, sample_rate=1.0, steps=1)``
-(``z_eff`` from ``SkellamSpec.effective_noise_multiplier(n_active)``: survivors only); DP-SGD is
-``PrivacyEvent(z, sample_rate=B/N, steps=k)`` with Poisson sampling of local sequences. The unit is one
-sequence (add/remove); client-level DP events are also example-level events with the same (eps, delta).
+Events. A router-statistic release on all local data is ``PrivacyEvent(z_eff, 1.0, 1, "skellam", d2=D2, d1=D1)``
+(``z_eff`` from ``SkellamSpec.effective_noise_multiplier(n_active)``: survivors only; ``D2, D1`` its integer
+sensitivities, ``distmoe.privacy.plan.stats_event``); a subsampled Gaussian is ``PrivacyEvent(z, sample_rate=B/N,
+steps=k)``. The unit is one sequence (add/remove). A client-level DP model update (noise std ``z_u * clip``,
+party-level sensitivity ``clip``) moves by up to ``2 * clip`` when one sequence changes, so it enters this ledger
+as a Gaussian event at ``z_u / 2`` (``distmoe.privacy.update_noise.update_event``), never at ``z_u``.
 
 Papers: PRV, Gopi, Lee, Wutschitz, "Numerical Composition of Differential Privacy", NeurIPS 2021,
 https://arxiv.org/abs/2106.02848; RDP, Mironov, "Renyi Differential Privacy", CSF 2017,
 https://arxiv.org/abs/1702.07476; the Skellam bound, Agarwal, Kairouz, Liu, "The Skellam Mechanism for
 Differentially Private Federated Learning", NeurIPS 2021, https://arxiv.org/abs/2110.04995. For a history of
 events ``(z_i, q_i, steps_i)`` (merged per ``(z, q)``) at a fixed ``delta``, with RDP orders ``alpha`` in ``ALPHAS``
-(``[A]``, 1.1 ... 1024)::
+(``[A]``, 1.1 ... 1024; only the integer ones, ``[A_int]``, when a Skellam event is in the history)::
 
-    rdp(alpha)  = sum_i steps_i * rdp_subsampled_gaussian(q_i, z_i, alpha)   [A]   (= steps * alpha / (2 z^2) at q = 1)
+    rdp(alpha)  = sum_i steps_i * rdp_i(alpha)                               [A]
+    rdp_i       = rdp_subsampled_gaussian(q_i, z_i, alpha)   (= alpha / (2 z^2) at q = 1)          gaussian
+                = alpha/(2 z^2) + min(((2 alpha - 1) D2^2 + 6 D1)/(4 mu^2), 3 D1/(2 mu)),  mu = (z D2)^2   skellam
     eps_rdp     = min_alpha rdp(alpha) - (log delta + log alpha) / (alpha - 1) + log((alpha - 1) / alpha)     []
                   (opacus' RDP -> (eps, delta) conversion, Balle et al. 2020)
     eps_prv     = PRV composition of the privacy-loss distributions, within eps_error = 0.01   []
+                  (a Skellam event enters PRV as its Gaussian approximation: informational only)
     eps         = max(eps_prv, eps_rdp)   (the default primary)                                 []
 
 Which epsilon. ``epsilon()`` returns ``(eps_prv, eps_rdp)``. PRV (Gopi et al. 2021, opacus ``PRVAccountant``,
-``eps_error=0.01``) is a numerical upper bound within ~0.01 of the exact value; RDP (opacus ``RDPAccountant``
-with orders up to 1024; opacus' default orders stop at 63 and over-estimate small-noise-count cases) is a
+``eps_error=0.01``) is a numerical upper bound within ~0.01 of the exact value; RDP (opacus' ``compute_rdp`` and
+conversion, orders up to 1024; opacus' default orders stop at 63 and over-estimate small-noise-count cases) is a
 looser analytical upper bound (~7% above, ``docs/privacy.md`` §10). The budget is enforced on the **primary**
-epsilon, by default ``"max"`` = max(PRV, RDP): both are valid upper bounds, so the maximum can only be safe,
+epsilon, by default ``"max"`` = max(PRV, RDP): both are valid upper bounds for a Gaussian history (with a
+Skellam event only RDP is, and the maximum is still >= it), so the maximum can only be safe,
 and a numerical failure of one accountant cannot under-report; the cost is ~7% of budget. ``"prv"`` (tighter)
 and ``"rdp"`` are selectable. If PRV fails to compute, it is reported as NaN and the primary falls back to RDP.
 
-Skellam via its Gaussian approximation. The distributed Skellam release (``distmoe.privacy.dp``) is accounted
-as a Gaussian with ``z = sigma_int / D2_int`` in integer units. Skellam(mu) has RDP
-``alpha D2^2/(2mu) + min(((2alpha-1) D2^2 + 6 D1)/(4 mu^2), 3 D1/(2 mu))`` (Agarwal et al. 2021); the excess
-over the Gaussian term vanishes like ``1/mu`` once the variance is large (``sigma_int >> 1``, ``mu >> D1``),
-where the discretisation error is negligible: for the router statistic at ``s >= 32`` the two epsilons agree
-to about 0.1% (see :func:`skellam_epsilon`, tested). For small variances (``sigma_int`` of a few units) account
-with :func:`skellam_epsilon` instead.
+Skellam by its own RDP bound, at integer orders. The distributed Skellam release (``distmoe.privacy.dp``) is
+accounted with the bound of Agarwal et al. 2021 (Theorem 3.5, ``rdp_i`` above), which holds for **integer**
+orders ``alpha >= 2`` only: a history with a Skellam event is composed and converted over the integer orders of
+``alphas`` (``INT_ALPHAS`` if there are none), Gaussian events included (their RDP holds at every order). At
+fractional orders the default run's single release read 7.999 where the integer-order bound is 8.064 (above a
+budget of 8). A Skellam event without ``d2``/``d1`` (a state written before they were recorded) is charged at
+``d2 = d1 = MIN_SCALE`` (32): scale 32, one layer, mass-preserving rounding, the worst case of every
+``stats_spec`` (both excess terms decrease in the scale and the number of layers). PRV cannot take the Skellam
+law, so with ``primary = "prv"`` a history with a Skellam event uses ``max`` instead.
 
 Must not: import ``flwr``, add noise, or keep numeric state that is not re-derivable from the events.
 
@@ -57,21 +65,26 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from opacus.accountants import PRVAccountant, RDPAccountant
-from opacus.accountants.analysis.rdp import get_privacy_spent
+from opacus.accountants import PRVAccountant
+from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
 __all__ = [
     "ALPHAS",
+    "INT_ALPHAS",
     "Accountant",
     "BudgetExceeded",
     "PrivacyEvent",
     "epsilon_from_events",
     "noise_multiplier_for",
+    "rdp_orders",
     "skellam_epsilon",
+    "skellam_rdp",
 ]
 
 ALPHAS: list[float] = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + [128, 256, 512, 1024]
-MECHANISMS = ("gaussian", "skellam")  # skellam: accounted by its Gaussian approximation (module docstring)
+INT_ALPHAS: list[int] = list(range(2, 129)) + [256, 512, 1024]  # the Skellam bound holds at integer orders only
+MECHANISMS = ("gaussian", "skellam")  # skellam: its own RDP bound at integer orders (module docstring)
+SKELLAM_WORST_SENS = 32.0  # d2 = d1 of a legacy Skellam event: dp.MIN_SCALE, one layer, mass-preserving
 PRIMARIES = ("max", "prv", "rdp")
 EPS_ERROR = 0.01
 STATE_VERSION = 1
@@ -95,10 +108,19 @@ class PrivacyEvent:
     steps: int = 1
     mechanism: str = "gaussian"
     label: str = ""
+    d2: float = 0.0  # skellam only: L2 / L1 sensitivity in integer units (0: the worst case, SKELLAM_WORST_SENS)
+    d1: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mechanism not in MECHANISMS:
             raise ValueError(f"mechanism must be one of {MECHANISMS}, got {self.mechanism!r}")
+        for name, v in (("d2", self.d2), ("d1", self.d1)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.mechanism == "gaussian" and (self.d2 or self.d1):
+            raise ValueError("d2/d1 are Skellam sensitivities; a Gaussian event is calibrated by its z alone")
+        if self.mechanism == "skellam" and self.sample_rate != 1.0:
+            raise ValueError("a Skellam event is a release on all local data (sample_rate 1): no subsampled bound")
         z, q = self.noise_multiplier, self.sample_rate
         if isinstance(z, bool) or not isinstance(z, (int, float)) or not (math.isfinite(z) and z > 0):
             raise ValueError(f"noise_multiplier must be a finite number > 0, got {z!r}")
@@ -107,30 +129,71 @@ class PrivacyEvent:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {self.steps!r}")
 
+    def sensitivities(self) -> tuple[float, float]:
+        """``(d2, d1)`` of a Skellam event, the worst case when not recorded."""
+        return self.d2 or SKELLAM_WORST_SENS, self.d1 or SKELLAM_WORST_SENS
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if self.mechanism == "gaussian":
+            del d["d2"], d["d1"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PrivacyEvent:
-        unknown = set(d) - {"noise_multiplier", "sample_rate", "steps", "mechanism", "label"}
+        unknown = set(d) - {"noise_multiplier", "sample_rate", "steps", "mechanism", "label", "d2", "d1"}
         if unknown:
             raise ValueError(f"unknown privacy event fields {sorted(unknown)}")
         return cls(noise_multiplier=float(d["noise_multiplier"]), sample_rate=float(d.get("sample_rate", 1.0)),
                    steps=int(d.get("steps", 1)), mechanism=str(d.get("mechanism", "gaussian")),
-                   label=str(d.get("label", "")))
+                   label=str(d.get("label", "")), d2=float(d.get("d2", 0.0)), d1=float(d.get("d1", 0.0)))
+
+    def key(self) -> tuple[float, float, str, float, float]:
+        """What composition depends on besides ``steps``."""
+        return (float(self.noise_multiplier), float(self.sample_rate), self.mechanism, *(
+            self.sensitivities() if self.mechanism == "skellam" else (0.0, 0.0)))
 
 
 def _as_event(e: PrivacyEvent | Mapping[str, Any]) -> PrivacyEvent:
     return e if isinstance(e, PrivacyEvent) else PrivacyEvent.from_dict(e)
 
 
-def _history(events: Iterable[PrivacyEvent | Mapping[str, Any]]) -> list[tuple[float, float, int]]:
-    """opacus history, identical (z, q) merged (composition is commutative; PRV is faster and tighter)."""
-    steps: dict[tuple[float, float], int] = {}
+Merged = list[tuple[tuple[float, float, str, float, float], int]]
+
+
+def _merge(events: Iterable[PrivacyEvent | Mapping[str, Any]]) -> Merged:
+    """Identical events merged, ``[(key, steps)]`` (composition is commutative; PRV is faster and tighter)."""
+    steps: dict[tuple[float, float, str, float, float], int] = {}
     for e in map(_as_event, events):
-        key = (float(e.noise_multiplier), float(e.sample_rate))
-        steps[key] = steps.get(key, 0) + e.steps
+        steps[e.key()] = steps.get(e.key(), 0) + e.steps
+    return sorted(steps.items())
+
+
+def _history(merged: Merged) -> list[tuple[float, float, int]]:
+    """opacus PRV history ``(z, q, steps)``: a Skellam event as its Gaussian approximation."""
+    steps: dict[tuple[float, float], int] = {}
+    for (z, q, *_), k in merged:
+        steps[(z, q)] = steps.get((z, q), 0) + k
     return [(z, q, k) for (z, q), k in sorted(steps.items())]
+
+
+def rdp_orders(skellam: bool, alphas: Sequence[float] = ALPHAS) -> list[float]:
+    """The RDP orders a history may be converted at: all of ``alphas``, or with a Skellam event only the
+    integer ones >= 2 (``INT_ALPHAS`` if ``alphas`` has none)."""
+    if not skellam:
+        return [float(a) for a in alphas]
+    ints = sorted({int(a) for a in alphas if float(a) == int(a) and a >= 2})
+    return [float(a) for a in (ints or INT_ALPHAS)]
+
+
+def skellam_rdp(z: float, d2: float, d1: float, orders: Sequence[float]) -> np.ndarray:
+    """RDP ``[A]`` of one Skellam release with std ``z * d2`` (integer units) at integer ``orders``
+    (Agarwal, Kairouz, Liu 2021, Theorem 3.5); fractional orders are refused (the bound does not hold)."""
+    a = np.asarray(orders, dtype=np.float64)  # [A]
+    if (a != np.floor(a)).any() or (a < 2).any():
+        raise ValueError("the Skellam RDP bound holds at integer orders >= 2 only")
+    mu = (z * d2) ** 2
+    return a * d2**2 / (2 * mu) + np.minimum(((2 * a - 1) * d2**2 + 6 * d1) / (4 * mu**2), 3 * d1 / (2 * mu))
 
 
 def _check_delta(delta: float) -> None:
@@ -138,12 +201,15 @@ def _check_delta(delta: float) -> None:
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
 
 
-def _eps_rdp(hist: list[tuple[float, float, int]], delta: float, alphas: Sequence[float]) -> float:
-    acc = RDPAccountant()
-    acc.history = list(hist)
+def _eps_rdp(merged: Merged, delta: float, alphas: Sequence[float]) -> float:
+    orders = rdp_orders(any(k[2] == "skellam" for k, _ in merged), alphas)
+    rdp = np.zeros(len(orders))  # [A]
+    for (z, q, mech, d2, d1), steps in merged:
+        rdp += steps * (skellam_rdp(z, d2, d1, orders) if mech == "skellam"
+                        else np.asarray(compute_rdp(q=q, noise_multiplier=z, steps=1, orders=orders)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "optimal order is the largest alpha": still a valid upper bound
-        return float(acc.get_epsilon(delta=delta, alphas=list(alphas)))
+        return float(get_privacy_spent(orders=orders, rdp=list(rdp), delta=delta)[0])
 
 
 def _eps_prv(hist: list[tuple[float, float, int]], delta: float, eps_error: float) -> float:
@@ -160,19 +226,24 @@ def _eps_prv(hist: list[tuple[float, float, int]], delta: float, eps_error: floa
 
 def epsilon_from_events(events: Iterable[PrivacyEvent | Mapping[str, Any]], delta: float, *,
                         eps_error: float = EPS_ERROR, alphas: Sequence[float] = ALPHAS) -> tuple[float, float]:
-    """``(eps_prv, eps_rdp)`` of the composition of ``events`` (dicts or events) at ``delta``; (0, 0) if none."""
+    """``(eps_prv, eps_rdp)`` of the composition of ``events`` (dicts or events) at ``delta``; (0, 0) if none.
+    ``eps_rdp`` is backed for every mechanism; ``eps_prv`` takes a Skellam event as its Gaussian approximation."""
     _check_delta(delta)
-    hist = _history(events)
-    if not hist:
+    merged = _merge(events)
+    if not merged:
         return 0.0, 0.0
-    return _eps_prv(hist, delta, eps_error), _eps_rdp(hist, delta, alphas)
+    return _eps_prv(_history(merged), delta, eps_error), _eps_rdp(merged, delta, alphas)
 
 
-def _primary(eps: tuple[float, float], primary: str) -> float:
+def _primary(eps: tuple[float, float], primary: str, skellam: bool = False) -> float:
     prv, rdp = eps
     if primary == "rdp" or math.isnan(prv):
         return rdp
-    return prv if primary == "prv" else max(prv, rdp)
+    return prv if primary == "prv" and not skellam else max(prv, rdp)
+
+
+def _has_skellam(events: Iterable[PrivacyEvent]) -> bool:
+    return any(e.mechanism == "skellam" for e in events)
 
 
 class Accountant:
@@ -207,11 +278,12 @@ class Accountant:
         return self._eps(self._events)
 
     def primary_epsilon(self) -> float:
-        return _primary(self.epsilon(), self.primary)
+        return _primary(self.epsilon(), self.primary, _has_skellam(self._events))
 
     def epsilon_after(self, event: PrivacyEvent | Mapping[str, Any]) -> float:
         """Primary epsilon if ``event`` were composed (a dry run; state unchanged)."""
-        return _primary(self._eps([*self._events, _as_event(event)]), self.primary)
+        evs = [*self._events, _as_event(event)]
+        return _primary(self._eps(evs), self.primary, _has_skellam(evs))
 
     def would_exceed(self, event: PrivacyEvent | Mapping[str, Any]) -> bool:
         return self.epsilon_after(event) > self.epsilon_budget
@@ -253,9 +325,11 @@ class Accountant:
 
 def noise_multiplier_for(target_eps: float, delta: float, releases: int, *, sample_rate: float = 1.0,
                          primary: str = "max", rtol: float = 1e-3, eps_error: float = EPS_ERROR,
-                         alphas: Sequence[float] = ALPHAS) -> float:
-    """Smallest ``z`` (to relative ``rtol``) whose ``releases`` compositions at ``sample_rate`` give
-    primary epsilon <= ``target_eps``: geometric bisection on z, epsilon being decreasing in z."""
+                         alphas: Sequence[float] = ALPHAS, mechanism: str = "gaussian", d2: float = 0.0,
+                         d1: float = 0.0, others: Sequence[PrivacyEvent] = ()) -> float:
+    """Smallest ``z`` (to relative ``rtol``) whose ``releases`` compositions at ``sample_rate`` (a ``mechanism``
+    event, Skellam with sensitivities ``d2``/``d1``), composed with the fixed events ``others``, give primary
+    epsilon <= ``target_eps``: geometric bisection on z, epsilon being decreasing in z."""
     _check_delta(delta)
     if not target_eps > 0 or releases < 1:
         raise ValueError("need target_eps > 0 and releases >= 1")
@@ -263,8 +337,12 @@ def noise_multiplier_for(target_eps: float, delta: float, releases: int, *, samp
         raise ValueError(f"primary must be one of {PRIMARIES}, got {primary!r}")
 
     def eps(z: float) -> float:
-        ev = PrivacyEvent(z, sample_rate, releases)
-        return _primary(epsilon_from_events([ev], delta, eps_error=eps_error, alphas=alphas), primary)
+        evs = [PrivacyEvent(z, sample_rate, releases, mechanism, d2=d2, d1=d1), *others]
+        return _primary(epsilon_from_events(evs, delta, eps_error=eps_error, alphas=alphas), primary,
+                        _has_skellam(evs))
+
+    if others and eps(1e7) > target_eps:
+        raise ValueError(f"the fixed releases alone spend epsilon above {target_eps}")
 
     # Gaussian start: eps ~ sqrt(2 R ln(1/delta)) / z, bracket around it.
     z0 = math.sqrt(2.0 * releases * math.log(1.0 / delta)) / target_eps * max(sample_rate, 1e-3)
@@ -284,12 +362,12 @@ def noise_multiplier_for(target_eps: float, delta: float, releases: int, *, samp
 def skellam_epsilon(mu: float, delta2: float, delta1: float, releases: int, delta: float,
                     alphas: Sequence[float] = ALPHAS) -> float:
     """Epsilon of ``releases`` Skellam releases of aggregate variance ``mu`` (integer units) via its RDP bound
-    ``alpha D2^2/(2mu) + min(((2alpha-1) D2^2 + 6 D1)/(4 mu^2), 3 D1/(2 mu))`` (Agarwal, Kairouz, Liu 2021)."""
+    ``alpha D2^2/(2mu) + min(((2alpha-1) D2^2 + 6 D1)/(4 mu^2), 3 D1/(2 mu))`` (Agarwal, Kairouz, Liu 2021),
+    converted over the integer orders of ``alphas`` only (:func:`rdp_orders`): the bound holds at no other."""
     _check_delta(delta)
-    a = np.asarray(alphas, dtype=np.float64)
-    rdp = a * delta2**2 / (2 * mu) + np.minimum(((2 * a - 1) * delta2**2 + 6 * delta1) / (4 * mu**2),
-                                                 3 * delta1 / (2 * mu))
+    orders = rdp_orders(True, alphas)
+    rdp = skellam_rdp(math.sqrt(mu) / delta2, delta2, delta1, orders) * releases  # [A]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        eps, _ = get_privacy_spent(orders=list(a), rdp=list(rdp * releases), delta=delta)
+        eps, _ = get_privacy_spent(orders=orders, rdp=list(rdp), delta=delta)
     return float(eps)

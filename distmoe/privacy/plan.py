@@ -4,8 +4,14 @@ Owns: counting the DP releases in a schedule (one router-statistics release per 
 update release per ``sft``/``rl`` round when ``privacy.update-noise-multiplier > 0``), deriving the
 router-statistics noise multiplier from the budget when ``privacy.noise-multiplier = 0`` (the smallest
 ``z`` whose composition with the planned update releases stays within ``privacy.epsilon`` at
-``privacy.delta``), the secure-aggregation threshold for ``n`` parties, and the Skellam calibration for
-``n`` parties and threshold ``t``.
+``privacy.delta``), the secure-aggregation threshold for ``n`` parties, the Skellam calibration for
+``n`` parties and threshold ``t``, and the ledger event of a router-statistics release (:func:`stats_event`).
+
+Same events as the parties charge. The plan's router-statistics events are Skellam events accounted by
+their own RDP bound at integer orders (``distmoe.privacy.accountant``) with the sensitivities of one layer
+at ``privacy.scale`` (the plan does not know the model; one layer is the worst case of the bound's excess
+term, so a party's actual charge is at most the planned one), and its update events are charged at the
+sequence level, ``z_u / 2`` (``distmoe.privacy.update_noise``).
 
 Dropouts: every share is over-provisioned for the worst survivor set the protocol allows (``t``
 parties: ``max_dropouts = n - t``), so ``z_eff >= z`` for any round that completes, and a party can
@@ -23,8 +29,9 @@ from functools import lru_cache
 
 from distmoe.config import ConfigError, PrivacyConfig, ScheduleConfig
 from distmoe.privacy.accountant import PrivacyEvent, epsilon_from_events, noise_multiplier_for
-from distmoe.privacy.dp import SkellamSpec
+from distmoe.privacy.dp import SkellamSpec, int_sensitivity
 from distmoe.privacy.secagg.graph import graph_threshold
+from distmoe.privacy.update_noise import sequence_noise_multiplier
 
 
 @dataclass(frozen=True)
@@ -34,10 +41,11 @@ class PrivacyPlan:
     delta: float
     noise_multiplier: float  # router statistics (0 when the schedule has no stats round)
     derived: bool  # noise_multiplier derived from the budget
-    update_noise_multiplier: float  # 0 = no DP on updates
+    update_noise_multiplier: float  # 0 = no DP on updates (party level: noise std over the clip)
     stats_releases: int
     update_releases: int
-    planned_epsilon: float  # epsilon of all planned releases at these multipliers (max of PRV, RDP)
+    planned_epsilon: float  # epsilon of all planned releases, unit one sequence (max of PRV, integer-order RDP)
+    scale: float = 64.0  # privacy.scale: the Skellam events' sensitivities (one layer, see the module docstring)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -45,10 +53,25 @@ class PrivacyPlan:
     def events(self) -> list[PrivacyEvent]:
         ev = []
         if self.stats_releases and self.noise_multiplier > 0:
-            ev.append(PrivacyEvent(self.noise_multiplier, 1.0, self.stats_releases, "skellam", "router-stats"))
+            ev.append(_stats_events(self.noise_multiplier, self.stats_releases, self.scale))
         if self.update_releases and self.update_noise_multiplier > 0:
-            ev.append(PrivacyEvent(self.update_noise_multiplier, 1.0, self.update_releases, "gaussian", "model-update"))
+            ev.append(_update_events(self.update_noise_multiplier, self.update_releases))
         return ev
+
+
+def _stats_events(z: float, releases: int, scale: float) -> PrivacyEvent:
+    d2, d1 = int_sensitivity(1, 1, scale, "mass-preserving")
+    return PrivacyEvent(z, 1.0, releases, "skellam", "router-stats", d2=d2, d1=d1)
+
+
+def _update_events(z_u: float, releases: int) -> PrivacyEvent:
+    return PrivacyEvent(sequence_noise_multiplier(z_u), 1.0, releases, "gaussian", "model-update")
+
+
+def stats_event(spec: SkellamSpec, n_active: int, label: str) -> PrivacyEvent:
+    """The ledger event of one router-statistics release summed over ``n_active`` survivors."""
+    return PrivacyEvent(spec.effective_noise_multiplier(n_active), 1.0, 1, "skellam", label, d2=spec.delta2_int,
+                        d1=spec.delta1_int)
 
 
 def count_releases(p: PrivacyConfig, schedule: ScheduleConfig) -> tuple[int, int]:
@@ -68,32 +91,26 @@ def _eps(events: list[PrivacyEvent], delta: float) -> float:
 @lru_cache(maxsize=32)
 def _plan(p: PrivacyConfig, schedule: ScheduleConfig) -> PrivacyPlan:
     n_stats, n_upd = count_releases(p, schedule)
-    upd = [PrivacyEvent(p.update_noise_multiplier, 1.0, n_upd, "gaussian")] if n_upd else []
+    upd = [_update_events(p.update_noise_multiplier, n_upd)] if n_upd else []
     z = p.noise_multiplier
     derived = False
     if n_stats and z == 0:
         derived = True
         if upd and _eps(upd, p.delta) >= p.epsilon:
             raise ConfigError(f"config key 'privacy.update-noise-multiplier': value {p.update_noise_multiplier:g} "
-                              f"alone spends epsilon {_eps(upd, p.delta):.3f} over {n_upd} update releases, "
-                              f"at or above privacy.epsilon = {p.epsilon:g}: nothing is left for router statistics")
-        if not upd:
-            z = noise_multiplier_for(p.epsilon, p.delta, n_stats)
-        else:  # geometric bisection of the stats z with the update events composed in
-            lo, hi = 0.05, 1e5
-            while hi / lo > 1.001:
-                mid = math.sqrt(lo * hi)
-                if _eps([PrivacyEvent(mid, 1.0, n_stats), *upd], p.delta) > p.epsilon:
-                    lo = mid
-                else:
-                    hi = mid
-            z = hi
+                              f"alone spends epsilon {_eps(upd, p.delta):.3f} over {n_upd} update releases (one "
+                              f"sequence moves a clipped update by 2 clips: z_u/2 = "
+                              f"{sequence_noise_multiplier(p.update_noise_multiplier):g} per sequence), at or above "
+                              f"privacy.epsilon = {p.epsilon:g}: nothing is left for router statistics")
+        d2, d1 = int_sensitivity(1, 1, p.scale, "mass-preserving")
+        z = noise_multiplier_for(p.epsilon, p.delta, n_stats, mechanism="skellam", d2=d2, d1=d1, others=upd)
     plan = PrivacyPlan(p.mode, p.epsilon, p.delta, z if n_stats else 0.0, derived, p.update_noise_multiplier,
-                       n_stats, n_upd, 0.0)
+                       n_stats, n_upd, 0.0, float(p.scale))
     eps = _eps(plan.events(), p.delta)
     if eps > p.epsilon * (1 + 1e-9):
         raise ConfigError(f"config key 'privacy.noise-multiplier': the planned releases ({n_stats} router-statistics"
-                          f" at z = {z:g}, {n_upd} updates at z = {p.update_noise_multiplier:g}) spend epsilon "
+                          f" at z = {z:g}, {n_upd} updates at z_u = {p.update_noise_multiplier:g}, z_u/2 per "
+                          f"sequence) spend epsilon "
                           f"{eps:.3f} > privacy.epsilon = {p.epsilon:g}; raise the noise or the budget, or set "
                           "privacy.noise-multiplier = 0 to derive it")
     return PrivacyPlan(**{**plan.as_dict(), "planned_epsilon": eps})

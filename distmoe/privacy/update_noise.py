@@ -10,7 +10,10 @@ the noised block depends on data) and adds
 
 in fixed-point units (``f = layout.frac_bits``; ``t`` = the SecAgg threshold). The sum over ``n_active >= t``
 survivors then carries standard deviation ``>= z_u * C``, the add/remove-one-party L2 sensitivity of the
-sum; the accountant charges a Gaussian event at ``z_u`` (``z_u * sqrt(n_active / t)`` on the server side).
+sum. The ledgers' unit is one sequence, and one sequence moves a party's clipped delta by up to ``2 * C``
+(its delta with and without the sequence are two vectors of norm <= C): at that sensitivity the release is
+the Gaussian mechanism at ``z_u / 2`` (``SEQUENCE_FACTOR``), which is what :func:`update_event` charges
+(``z_u * sqrt(n_active / t) / 2`` for ``n_active`` survivors; the party charges ``n_active = t``).
 The share is rounded to the fixed-point grid (step ``2^-f``, some 10^-12 of the noise std): a rounded
 Gaussian, accounted as the Gaussian mechanism. Exact Skellam is not used here because numpy's Poisson
 sampler stops at rate ~1e19, below these variances in fixed-point units.
@@ -25,9 +28,22 @@ import math
 
 import numpy as np
 
+from distmoe.privacy.accountant import PrivacyEvent
 from distmoe.privacy.dp import crypto_rng
 from distmoe.privacy.ring import from_ring64, to_ring64
 from distmoe.privacy.vectors import UpdateLayout
+
+SEQUENCE_FACTOR = 2.0  # one sequence's L2 sensitivity on a clipped update, in units of the clip
+
+
+def sequence_noise_multiplier(z_party: float) -> float:
+    """The noise multiplier at the sequence level of a release calibrated to ``z_party`` at sensitivity clip."""
+    return z_party / SEQUENCE_FACTOR
+
+
+def update_event(z_u: float, n_active: int, threshold: int, label: str) -> PrivacyEvent:
+    """The per-sequence ledger's event of one noised update release summed over ``n_active`` survivors."""
+    return PrivacyEvent(sequence_noise_multiplier(z_u * math.sqrt(n_active / threshold)), 1.0, 1, "gaussian", label)
 
 
 class UpdateNoiseError(ValueError):
@@ -46,8 +62,13 @@ def add_update_noise(vec: np.ndarray, layout: UpdateLayout, z_u: float, threshol
     return to_ring64(signed)
 
 
-def update_dp_facts(layout: UpdateLayout, z_u: float, n_parties: int, threshold: int) -> dict:
-    """The ledger's ``dp`` facts of one party's noised update release."""
+def update_dp_facts(layout: UpdateLayout, z_u: float, n_parties: int, threshold: int,
+                    n_active: int | None = None) -> dict:
+    """The ledgers' ``dp`` facts of a noised update release over ``n_active`` survivors (a party: ``threshold``).
+    ``z_eff`` is the party-level multiplier (noise std over ``clip``), ``z_sequence`` what the ledger charges."""
+    n = threshold if n_active is None else n_active
+    z_eff = z_u * math.sqrt(n / threshold)
     return {"mechanism": "gaussian", "unit": "party", "neighbours": "add/remove", "noise_multiplier": z_u,
-            "n_parties": n_parties, "n_active": threshold, "max_dropouts": n_parties - threshold, "z_eff": z_u,
-            "clip": layout.clip, "weights": "uniform", "sensitivity": layout.sensitivity, "metrics": "withheld"}
+            "n_parties": n_parties, "n_active": n, "max_dropouts": n_parties - threshold, "z_eff": z_eff,
+            "clip": layout.clip, "weights": "uniform", "sensitivity": layout.sensitivity, "metrics": "withheld",
+            "sequence_sensitivity": SEQUENCE_FACTOR * layout.clip, "z_sequence": sequence_noise_multiplier(z_eff)}

@@ -169,6 +169,15 @@ def log_detail(ledger: Ledger, code: int, where: str, detail: str) -> Path:
     return path
 
 
+def failure_log(party: str, mtype: str, exc: BaseException) -> str:
+    """A stdout line about a failure that has no party log to go to: the exception's type and its frames
+    (file, line, function), never its message or any value (a message can quote training text, and stdout
+    can end up in a log others read, ``flower.log`` in a simulation; ``distmoe.wire.at_rest`` checks it)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = "\n".join(f"  {f.filename}:{f.lineno} in {f.name}" for f in frames[-12:])
+    return f"distmoe party {party}: {mtype} failed: {type(exc).__name__} (message withheld)\n{where}"
+
+
 def guarded_error(ledger: Ledger, canaries: list[bytes], run: str, rnd: int | None, phase: str, code: int,
                   detail: str) -> str:
     """The error as it may leave: the fixed text of ``code`` from the closed table (``reason_text``), logged

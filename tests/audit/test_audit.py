@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,8 +26,10 @@ from distmoe.ledger import (
     generate_signing_key,
     public_key_hex,
 )
-from distmoe.privacy.accountant import Accountant, PrivacyEvent
+from distmoe.privacy.accountant import Accountant, PrivacyEvent, epsilon_from_events
 from distmoe.privacy.dp import SkellamSpec
+from distmoe.privacy.plan import stats_event
+from distmoe.privacy.update_noise import update_dp_facts, update_event
 
 PARTIES = ("party-0", "party-1", "party-2")
 L, E, K = 4, 8, 256
@@ -51,12 +54,14 @@ def _spec() -> SkellamSpec:
 
 
 def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.0, responders=None, blocked=(),
-             extra_key=None, row_bias=0.0, z_eff_factor=1.0, scan=True, sha_mismatch=None, policy=None, seed=0):
+             extra_key=None, row_bias=0.0, z_eff_factor=1.0, scan=True, sha_mismatch=None, policy=None, seed=0,
+             update_z=0.0, forge=None):
     """Write an honest run (setup key exchange + 2 router-stats rounds) under ``root/run``; knobs break it.
 
     ``responders``: {round: parties that reply}; ``blocked``: {(round, party)} replies the client guard
     blocked; ``extra_key``: (round, party) whose reply carries a key outside the policy;
-    ``sha_mismatch``: (round, party) whose reply the coordinator logs with another digest.
+    ``sha_mismatch``: (round, party) whose reply the coordinator logs with another digest; ``update_z``:
+    add a round-3 DP model-update release at that z_u (all parties); ``forge``: dp fields it claims instead.
     """
     run = root / "run"
     rng = np.random.default_rng(seed)
@@ -138,7 +143,17 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
                            "layers": L, "experts": E, "canary": {"k": K, "values": values},
                            "row_sums": np.rint(rows).astype(int).tolist()})
         for p in included:
-            events[p].append(PrivacyEvent(spec.effective_noise_multiplier(n), 1.0, 1, "skellam"))
+            events[p].append(stats_event(spec, n, f"router-stats round {rnd}"))
+    if update_z:  # what distmoe.coordinator.secure records for a DP update over all parties (t = n - d_max)
+        t = len(PARTIES) - spec.max_dropouts
+        dp = {**update_dp_facts(SimpleNamespace(clip=1.0, sensitivity=1.0), update_z, len(PARTIES), t,
+                                len(PARTIES)), **(forge or {})}
+        coord.append(**common, round=3, phase="sft", direction="in", peer="all", payload_type="release:model-update",
+                     keys=[], shapes={"sum": [64]}, **describe_payload(b"update/3"), dp=dp, verdict="accepted",
+                     info={"mode": mode, "release": "model-update", "included": list(PARTIES), "dropped": [],
+                           "responders": list(PARTIES), "weight_sum": float(len(PARTIES))})
+        for p in PARTIES:
+            events[p].append(update_event(update_z, len(PARTIES), t, "model-update round 3"))
     coord.append(**common, round=None, phase="run-end", direction="out", payload_type="run-end", keys=[], shapes={},
                  **describe_payload(b"done"), verdict="accepted", info={"status": "completed"})
 
@@ -439,3 +454,30 @@ def test_run_json_and_stray_files_are_schema_checked(tmp_path):
     assert any(f.startswith("run.json: key 'parties.party-1'") for f in found), found
     assert any(f.startswith("run.json: key 'samples'") for f in found), found
     assert any(f.startswith("examples.jsonl: not a file the server writes") for f in found), found
+
+
+# ------------------------------------------------------------------------------------ accounting (issue 11.9)
+def test_update_release_is_charged_at_half_its_noise_multiplier(tmp_path):
+    """One sequence moves a clipped update by 2 clips: the audit charges z_eff / 2 per sequence, as the
+    parties and the coordinator do, not the party-level z_eff (the gap that reported 8 for RDP 11.65)."""
+    spec = _spec()
+    run, _ = make_run(tmp_path, update_z=4.0, epsilon=50.0)
+    result = audit_run(run)
+    assert _failed(result) == [], result.to_dict()
+    ze = 4.0 * math.sqrt(3 / 2)  # all three of t = 2 present
+    stats = [stats_event(spec, 3, "")] * 2
+    want = epsilon_from_events([*stats, PrivacyEvent(ze / 2)], DELTA)
+    party_level = epsilon_from_events([*stats, PrivacyEvent(ze)], DELTA)
+    for row in result.epsilon.values():
+        assert row["releases"] == 3
+        assert (row["eps_prv"], row["eps_rdp"]) == pytest.approx(want)
+        assert row["epsilon"] > max(party_level) + 0.5
+        assert row["server_epsilon"] == pytest.approx(row["epsilon"])
+
+
+def test_forged_sequence_level_claim_fails_epsilon(tmp_path):
+    """A ledger that records the update at the party-level multiplier per sequence is caught."""
+    run, _ = make_run(tmp_path, update_z=4.0, epsilon=50.0, forge={"z_sequence": 4.0 * math.sqrt(3 / 2)})
+    result = audit_run(run)
+    assert _failed(result) == ["epsilon"]
+    assert any("z_sequence" in f for f in result.check("epsilon").findings)

@@ -54,11 +54,12 @@ def test_reference_doc_figures():
         assert rdp == pytest.approx(rdp_ref, abs=0.005) and prv == pytest.approx(prv_ref, abs=0.005)
     # z = 50, one release: orders up to 1024 give ~0.080, opacus' default orders (<= 63) would give 0.153
     assert epsilon_from_events([PrivacyEvent(50.0)], 1e-6)[1] == pytest.approx(0.080, abs=0.002)
-    # docs/privacy.md §10, combined history: DP-SGD (z=1, q=256/10k, 50 * 39 steps) + router stats (z=10, 50 rounds)
+    # docs/privacy.md §10, combined history: DP-SGD (z=1, q=256/10k, 50 * 39 steps) + router stats (z=10, 50 rounds);
+    # with a Skellam event RDP is composed at integer orders only (9.810 at fractional orders was not backed)
     events = [PrivacyEvent(1.0, 256 / 10_000, 50 * (10_000 // 256), label="dp-sgd"),
               PrivacyEvent(10.0, 1.0, 50, mechanism="skellam", label="router-stats")]
     prv, rdp = epsilon_from_events(events, 1e-6)
-    assert rdp == pytest.approx(9.810, abs=0.01) and prv == pytest.approx(9.129, abs=0.01)
+    assert rdp == pytest.approx(9.929, abs=0.01) and prv == pytest.approx(9.129, abs=0.01)
 
 
 def test_refusal_happens_before_composition():
@@ -162,3 +163,66 @@ def test_skellam_is_accounted_accurately_by_its_gaussian_approximation():
     # with a tiny variance (sigma_int of a few units) the approximation breaks down: use skellam_epsilon
     small = skellam_epsilon(4.0, 1.0, 1.0, 1, 1e-6)
     assert small > 1.1 * epsilon_from_events([PrivacyEvent(2.0)], 1e-6)[1]
+
+
+# ----------------------------------------------------------------- integer orders and dp-accounting (issue 11.9)
+def test_skellam_rdp_only_at_integer_orders():
+    from distmoe.privacy.accountant import ALPHAS, rdp_orders, skellam_rdp
+
+    assert any(a != int(a) for a in ALPHAS)
+    orders = rdp_orders(True, ALPHAS)
+    assert orders and all(a == int(a) and a >= 2 for a in orders)
+    with pytest.raises(ValueError, match="integer"):
+        skellam_rdp(1.0, 64.0, 64.0, [1.5, 2.0])
+    # a Skellam event in a history puts every event on integer orders: the Gaussian's part can only grow
+    g = PrivacyEvent(2.0, steps=10)
+    sk = PrivacyEvent(50.0, 1.0, 1, "skellam", d2=128.0, d1=256.0)
+    assert epsilon_from_events([g, sk], 1e-6)[1] > epsilon_from_events([g, PrivacyEvent(50.0)], 1e-6)[1]
+    # a legacy Skellam event (no sensitivities) is charged at the worst case, never below a recorded one
+    assert (epsilon_from_events([PrivacyEvent(0.7, 1.0, 1, "skellam")], 1e-6)[1]
+            >= epsilon_from_events([PrivacyEvent(0.7, 1.0, 1, "skellam", d2=128.0, d1=256.0)], 1e-6)[1])
+    assert PrivacyEvent.from_dict(sk.to_dict()) == sk and "d2" not in g.to_dict()
+
+
+@pytest.mark.parametrize("z,releases", [(2.0, 10), (0.69, 1), (10.0, 50), (1.0, 5)])
+def test_gaussian_matches_dp_accounting(z, releases):
+    """distmoe's RDP epsilon of the Gaussian equals Google's dp-accounting RdpAccountant at the same orders
+    (fractional and integer); its PRV is within eps_error of dp-accounting's PLD accountant."""
+    import dp_accounting
+    from dp_accounting import pld, rdp
+
+    from distmoe.privacy.accountant import ALPHAS, INT_ALPHAS
+
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), releases)
+    for orders in (ALPHAS, INT_ALPHAS):
+        ref = rdp.RdpAccountant(orders=list(orders)).compose(event).get_epsilon(1e-6)
+        mine = epsilon_from_events([PrivacyEvent(z, steps=releases)], 1e-6, alphas=orders)[1]
+        assert mine == pytest.approx(ref, rel=1e-6)
+    ref_pld = pld.PLDAccountant().compose(event).get_epsilon(1e-6)
+    prv = epsilon_from_events([PrivacyEvent(z, steps=releases)], 1e-6)[0]
+    assert ref_pld - 0.02 <= prv <= ref_pld + 0.02
+
+
+@pytest.mark.parametrize("z,releases,layers,scale", [(0.6950, 1, 4, 64), (10.0, 50, 24, 32), (2.0, 5, 1, 32)])
+def test_skellam_is_at_least_the_dp_accounting_gaussian_at_integer_orders(z, releases, layers, scale):
+    """At the same variance the Skellam epsilon is >= the Gaussian's (dp-accounting, integer orders), and
+    distmoe's epsilon of the Skellam history is the one of its integer-order RDP bound."""
+    import dp_accounting
+    from dp_accounting import rdp
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
+    from distmoe.privacy.accountant import INT_ALPHAS, skellam_rdp
+
+    d2, d1 = scale * math.sqrt(layers), scale * layers
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), releases)
+    gauss = rdp.RdpAccountant(orders=list(INT_ALPHAS)).compose(event).get_epsilon(1e-6)
+    sk = PrivacyEvent(z, 1.0, releases, "skellam", d2=d2, d1=d1)
+    mine = epsilon_from_events([sk], 1e-6)[1]
+    assert mine >= gauss
+    assert mine == pytest.approx(skellam_epsilon((z * d2) ** 2, d2, d1, releases, 1e-6))
+    eps, order = get_privacy_spent(orders=list(map(float, INT_ALPHAS)),
+                                   rdp=list(releases * skellam_rdp(z, d2, d1, INT_ALPHAS)), delta=1e-6)
+    assert mine == pytest.approx(float(eps)) and float(order) == int(order)
+    # the Skellam-plus-Gaussian history is at least dp-accounting's all-Gaussian composition at integer orders
+    both = rdp.RdpAccountant(orders=list(INT_ALPHAS)).compose(event).compose(dp_accounting.GaussianDpEvent(3.0))
+    assert epsilon_from_events([sk, PrivacyEvent(3.0)], 1e-6)[1] >= both.get_epsilon(1e-6)

@@ -1,0 +1,61 @@
+"""The privacy plan charges what the parties charge: updates per sequence at z_u / 2, router statistics by the
+Skellam bound at integer orders, so the planned epsilon is a backed bound <= privacy.epsilon (issue 11, item 9)."""
+
+from __future__ import annotations
+
+import pytest
+
+from distmoe.config import ConfigError, parse_run_config
+from distmoe.privacy.accountant import Accountant, BudgetExceeded, PrivacyEvent, epsilon_from_events, skellam_epsilon
+from distmoe.privacy.plan import plan_privacy, stats_event, stats_spec, threshold_for
+from distmoe.privacy.update_noise import SEQUENCE_FACTOR, update_dp_facts, update_event
+from distmoe.privacy.vectors import UpdateLayout
+
+DEFAULT_Z_BEFORE = 0.6894149190029418  # the default plan's derived z before integer orders (7.999 "<= 8")
+
+
+def test_update_noise_4_is_charged_as_the_gaussian_at_2_per_sequence():
+    ev = update_event(4.0, 2, 2, "model-update round 1")  # the party's charge (t survivors)
+    assert ev.noise_multiplier == 2.0 and SEQUENCE_FACTOR == 2.0
+    assert epsilon_from_events([ev], 1e-6) == pytest.approx(epsilon_from_events([PrivacyEvent(2.0)], 1e-6))
+    # three of t = 2 present: party-level z_eff = 4 sqrt(3/2), per sequence half of it
+    assert update_event(4.0, 3, 2, "").noise_multiplier == pytest.approx(4.0 * 1.5**0.5 / 2)
+    lay = UpdateLayout.build({"w": (3,)}, (), 3, 1.0, 1, private=True)
+    facts = update_dp_facts(lay, 4.0, 3, 2)
+    assert facts["z_eff"] == 4.0 and facts["z_sequence"] == 2.0 and facts["sequence_sensitivity"] == 2 * lay.clip
+
+
+def test_update_noise_4_no_longer_fits_the_default_budget():
+    """Before: 10 update releases at z_u = 4 were planned at z = 4 per sequence, epsilon 7.998 <= 8, while the
+    sequence-level composition (z = 2 and the router statistics) was 11.65. Now the plan refuses it."""
+    cfg = parse_run_config({"privacy.update-noise-multiplier": 4.0})
+    with pytest.raises(ConfigError, match="z_u/2 = 2 per sequence") as ei:
+        plan_privacy(cfg.privacy, cfg.schedule)
+    assert "8.847" in str(ei.value)  # RDP of the Gaussian at z = 2 over the 10 update releases
+    roomy = parse_run_config({"privacy.update-noise-multiplier": 4.0, "privacy.epsilon": 16.0})
+    plan = plan_privacy(roomy.privacy, roomy.schedule)
+    upd = [e for e in plan.events() if e.label == "model-update"]
+    assert upd == [PrivacyEvent(2.0, 1.0, 10, "gaussian", "model-update")]
+    assert plan.planned_epsilon <= 16.0
+    assert plan.planned_epsilon == pytest.approx(max(epsilon_from_events(plan.events(), plan.delta)))
+    assert plan.planned_epsilon > max(epsilon_from_events([PrivacyEvent(2.0, 1.0, 10)], plan.delta))
+
+
+def test_default_plan_is_backed_by_the_integer_order_skellam_bound():
+    """Before: z = 0.6894 read epsilon 7.999 at fractional orders; the Skellam bound at integer orders is 8.064."""
+    cfg = parse_run_config({})
+    p = cfg.privacy
+    n = 3
+    t = threshold_for(n, p.min_parties, p.secagg_graph)
+    old = stats_spec(p, DEFAULT_Z_BEFORE, 4, 8, n, t)  # the default tiny model: L = 4, E = 8
+    assert skellam_epsilon(old.sigma_int**2, old.delta2_int, old.delta1_int, 1, p.delta) == pytest.approx(8.064,
+                                                                                                         abs=1e-3)
+    with pytest.raises(BudgetExceeded):  # the party's accountant now refuses the old plan's release
+        Accountant(p.delta, p.epsilon).spend(stats_event(old, t, "router-stats round 1"))
+    plan = plan_privacy(p, cfg.schedule)
+    assert plan.noise_multiplier > DEFAULT_Z_BEFORE and plan.planned_epsilon <= p.epsilon
+    for layers, experts in ((4, 8), (1, 2), (48, 128)):  # whatever the model, the party's charge fits the plan
+        spec = stats_spec(p, plan.noise_multiplier, layers, experts, n, t)
+        acc = Accountant(p.delta, p.epsilon)
+        assert acc.spend(stats_event(spec, t, "router-stats round 1")) <= plan.planned_epsilon + 1e-9
+        assert skellam_epsilon(spec.sigma_int**2, spec.delta2_int, spec.delta1_int, 1, p.delta) <= p.epsilon
