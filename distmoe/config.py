@@ -505,6 +505,7 @@ class NodeConfig:
     epsilon_max: float | None = None  # this party's own budget cap: can only tighten privacy.epsilon
     ledger_key: Path | None = None  # Ed25519 ledger-signing key file; None = <work-dir>/keys/<party>-ledger.key
     hardware: tuple[tuple[str, Scalar], ...] = ()  # this owner's own train.<attr> settings (HARDWARE_KEYS)
+    base_cache: Path | None = None  # where the loaded base is kept memory-mappable; None = off
 
     def train(self, train: TrainConfig) -> TrainConfig:
         """The run's ``train`` section with this node's hardware settings applied (validated like the keys)."""
@@ -696,10 +697,11 @@ def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeCon
     Deployment: the SuperNode's ``--node-config`` gives ``data-path`` (required), ``party-name``, ``work-dir``,
     ``model-path``, ``epsilon-max``, ``ledger-key`` (the party's Ed25519 ledger-signing key; default ``<work-
     dir>/keys/<party>-ledger.key``), and the owner's own hardware settings ``device``, ``dtype``, ``gradient-
-    checkpointing``, ``micro-batch-size``, ``quantize`` (they override ``train.<key>`` at this party only).
-    Simulation: Flower only injects ``partition-id``; ``distmoe simulate`` wrote one node file per virtual
-    SuperNode (``<sim.nodes-dir>/node-<id>.toml``) with the same keys, so each virtual node sees exactly one
-    party directory.
+    checkpointing``, ``micro-batch-size``, ``quantize`` (they override ``train.<key>`` at this party only), and
+    ``base-cache`` (where a checkpoint's loaded base is kept memory-mappable for the next messages; default
+    ``<work-dir>/base-cache``, ``"off"`` to disable). Simulation: Flower only injects ``partition-id``;
+    ``distmoe simulate`` wrote one node file per virtual SuperNode (``<sim.nodes-dir>/node-<id>.toml``) with the
+    same keys, so each virtual node sees exactly one party directory.
     """
     nc = dict(node_config)
     if "data-path" not in nc:
@@ -715,7 +717,7 @@ def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeCon
         else:
             raise ConfigError("node config: 'data-path' is missing: start the SuperNode with "
                               "--node-config 'data-path=\"/path/to/party-dir\"' (or use distmoe simulate)")
-    for key in ("data-path", "party-name", "work-dir", "model-path", "ledger-key"):
+    for key in ("data-path", "party-name", "work-dir", "model-path", "ledger-key", "base-cache"):
         if key in nc and not isinstance(nc[key], str):
             raise ConfigError(f"node config key '{key}': value {nc[key]!r} must be a string")
     eps_max = nc.get("epsilon-max")
@@ -736,8 +738,10 @@ def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeCon
         raise ConfigError(f"node config key 'ledger-key': {str(ledger_key)!r} is not a file (expected this "
                           "party's Ed25519 ledger-signing key, e.g. ledger.key made by 'distmoe credentials')")
     hardware = tuple((attr, nc[k]) for k, attr in HARDWARE_KEYS.items() if k in nc)
+    cache = nc.get("base-cache", "")
+    base_cache = None if cache == "off" else Path(cache).expanduser() if cache else work / "base-cache"
     node = NodeConfig(party=party, data_path=data_path, work_dir=work, model_path=nc.get("model-path", ""),
-                      epsilon_max=eps_max, ledger_key=ledger_key, hardware=hardware)
+                      epsilon_max=eps_max, ledger_key=ledger_key, hardware=hardware, base_cache=base_cache)
     node.train(TrainConfig())  # the owner's hardware keys are validated here, before anything runs
     return node
 

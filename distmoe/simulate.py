@@ -193,7 +193,9 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     for i, p in enumerate(parties):
         name = p.name
         (nodes / f"node-{i}.toml").write_text(
-            f'data-path = "{p.resolve()}"\nparty-name = "{name}"\nwork-dir = "{run_dir / "work" / name}"\n')
+            f'data-path = "{p.resolve()}"\nparty-name = "{name}"\nwork-dir = "{run_dir / "work" / name}"\n'
+            # the Simulation Engine keeps each party's process, and its loaded base, across messages: no mapped copy
+            'base-cache = "off"\n')
     overrides["run.dir"] = str(run_dir)
     overrides["sim.nodes-dir"] = str(nodes)
     overrides.setdefault("run.name", run_id)

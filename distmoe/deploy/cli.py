@@ -67,7 +67,8 @@ def cmd_deploy_supernode(args) -> int:
         host=args.host, port=args.port, work_dir=args.work_dir, epsilon_max=args.epsilon_max,
         model_path=args.model_path, flwr_home=args.flwr_home,
         hardware={"device": args.device, "dtype": args.dtype, "micro-batch-size": args.micro_batch_size,
-                  "gradient-checkpointing": args.gradient_checkpointing, "quantize": args.quantize}),
+                  "gradient-checkpointing": args.gradient_checkpointing, "quantize": args.quantize},
+        base_cache=args.base_cache),
         "# the coordinator must have registered this SuperNode's public key (supernode.pub) first; otherwise "
         "Flower refuses it (exit code 305)")
 
@@ -151,6 +152,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--work-dir", metavar="DIR", help="node config work-dir (default: DATA/../.<party>-work)")
     n.add_argument("--epsilon-max", type=float, help="node config epsilon-max: this party's own budget cap")
     n.add_argument("--model-path", metavar="DIR", help="node config model-path: a local checkpoint")
+    n.add_argument("--base-cache", metavar="DIR|off",
+                   help="node config base-cache: where the loaded base is kept memory-mapped between messages "
+                        "(default WORK/base-cache; one copy of the base in its dtype; 'off' to disable)")
     n.add_argument("--device", help="node config device: auto, cpu, cuda, cuda:N, mps (this owner's hardware)")
     n.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="node config dtype of the frozen base")
     n.add_argument("--micro-batch-size", type=int, metavar="N", help="node config micro-batch-size (0 = whole batch)")

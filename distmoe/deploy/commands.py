@@ -203,6 +203,7 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
                       model_path: str | os.PathLike[str] | None = None,
                       flwr_home: str | os.PathLike[str] | None = None,
                       hardware: Mapping[str, str | int | bool] | None = None,
+                      base_cache: str | os.PathLike[str] | None = None,
                       check_paths: bool = True) -> FlowerCommand:
     """``flower-supernode`` with TLS (the federation's CA), its authentication key and distmoe's node config.
 
@@ -231,6 +232,8 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
         nc["work-dir"] = _abs(work_dir)
     if model_path:
         nc["model-path"] = _abs(model_path)
+    if base_cache:
+        nc["base-cache"] = "off" if str(base_cache) == "off" else _abs(base_cache)
     if epsilon_max is not None:
         if not epsilon_max > 0:
             raise DeployError(f"--epsilon-max: value {epsilon_max} must be > 0")

@@ -139,9 +139,12 @@ def _source_stamp(cfg: ModelConfig, model_path: str) -> tuple:
     return tuple((p.name, *_stamp(p)) for p in meta + weights)
 
 
-def prepared_model(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU) -> tuple[nn.Module, object]:
+def prepared_model(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU,
+                   cache_dir: Path | None = None) -> tuple[nn.Module, object]:
     """``(model, tokenizer)``: the base on ``rt``, prepared per ``model.trainable``; cached per process.
 
+    ``cache_dir`` (a party's ``base-cache``): where the loaded base is kept as one memory-mappable file so
+    that the next process maps it instead of loading the checkpoint again (see ``mapped_base``).
     The returned model's trainable tensors hold whatever the last caller left in them: load the
     global weights (``load_trainable``) before using it.
     """
@@ -155,12 +158,91 @@ def prepared_model(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU) ->
         model.eval()
         return model, tok
     _PREPARED.clear()  # one base per process: a different one replaces it (memory stays one model)
-    model, tok = build_model(cfg, model_path, rt)
+    path = model_path or cfg.path
+    mapped = None
+    if path and cache_dir is not None and rt.quantize == "none":
+        mapped = mapped_base(Path(path), cache_dir, base_fingerprint(cfg, model_path), rt)
+    if mapped is not None:
+        model, tok = mapped
+    else:
+        model, tok = build_model(cfg, model_path, rt)
+        if path and cache_dir is not None and rt.quantize == "none":
+            write_mapped_base(model, cache_dir, base_fingerprint(cfg, model_path), rt)
     model = apply_trainable(model, cfg)
     keep_trainable_fp32(model)
     model.eval()
     _PREPARED[key] = (model, tok, stamp)
     return model, tok
+
+
+# ---------------------------------------------------------------------------------------------- the mapped base
+def _mapped_file(cache_dir: Path, fingerprint: str, rt: Runtime) -> Path:
+    import transformers
+
+    dtype = str(rt.dtype).removeprefix("torch.")
+    return cache_dir / f"base-{fingerprint[:20]}-{dtype}-tf{transformers.__version__}.pt"
+
+
+def write_mapped_base(model: nn.Module, cache_dir: Path, fingerprint: str, rt: Runtime) -> Path:
+    """Keep the freshly loaded base (its state and every buffer, in its dtype, in the in-memory layout, e.g.
+    fused experts) as one file for ``torch.load(mmap=True)``; other bases' files in ``cache_dir`` are removed
+    (one base per party). Written to a temporary name and renamed: a reader sees all of it or nothing."""
+    target = _mapped_file(cache_dir, fingerprint, rt)
+    cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    buffers = {k: v.detach().to("cpu") for k, v in model.named_buffers()}
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as fh:
+        torch.save({"fingerprint": fingerprint, "state": state, "buffers": buffers}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, target)
+    for old in cache_dir.glob("base-*.pt"):
+        if old != target:
+            old.unlink(missing_ok=True)
+    size = target.stat().st_size / 2**30
+    print(f"distmoe: kept the prepared base ({size:.2f} GB) in {target} so that the next messages map it instead "
+          "of loading the checkpoint (node config base-cache = \"off\" to disable)", flush=True)
+    return target
+
+
+def mapped_base(path: Path, cache_dir: Path, fingerprint: str, rt: Runtime) -> tuple[nn.Module, object] | None:
+    """The base mapped from its cache file (no copy: the tensors are the page cache's pages, shared by every
+    process of this owner; on an accelerator they are copied there once), or None when there is none yet.
+
+    The architecture is built on the ``meta`` device from ``config.json`` and the mapped tensors are assigned
+    to it; a file that does not fit the architecture is ignored (and rebuilt by the caller)."""
+    file = _mapped_file(cache_dir, fingerprint, rt)
+    if not file.is_file():
+        return None
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from distmoe.model.build import finish_loaded, read_hf_config
+
+    try:
+        saved = torch.load(file, mmap=True, weights_only=True)
+        if saved.get("fingerprint") != fingerprint:
+            return None
+        hf_cfg = read_hf_config(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=rt.dtype)
+        model.load_state_dict(saved["state"], assign=True, strict=True)
+        for name, buf in saved["buffers"].items():
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = buf
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            return None
+        model.tie_weights()
+    except (RuntimeError, KeyError, ValueError, OSError, AttributeError):
+        return None  # a stale or foreign file: load the checkpoint and rewrite it
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:
+        pass  # no generation_config.json: the model config's defaults, as from_pretrained would use
+    if rt.device.type != "cpu":
+        model = model.to(rt.device)
+    model.eval()
+    return model, finish_loaded(model, path)
 
 
 def is_cached(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU) -> bool:

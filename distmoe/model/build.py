@@ -287,17 +287,24 @@ def read_hf_config(path: Path):
 
 
 def load_checkpoint(path: Path, rt: Runtime = CPU) -> tuple[nn.Module, object]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     read_hf_config(path)
     model = AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(rt))
     if rt.device.type != "cuda" and str(next(model.parameters()).device) != str(rt.device):
         model = model.to(rt.device)
+    return model, finish_loaded(model, path)
+
+
+def finish_loaded(model: nn.Module, path: Path):
+    """What every checkpoint load ends with: the checked tokenizer, and the model's own aux loss off."""
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     prepare_tokenizer(tok, str(path))
     if getattr(model.config, "router_aux_loss_coef", None):
         model.router_aux_loss_coef = 0.0  # the aux loss is computed by distmoe with its own coefficient
-    return model, tok
+    return tok
 
 
 def prepare_tokenizer(tok, where: str) -> None:

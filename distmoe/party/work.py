@@ -73,7 +73,7 @@ def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarra
                          "checkpoint (model.path / node model-path) and model settings", ErrorCode.MODEL)
     fresh = not is_cached(cfg.model, node.model_path, rt)
     t0 = time.perf_counter()
-    model, tok = prepared_model(cfg.model, node.model_path, rt)
+    model, tok = prepared_model(cfg.model, node.model_path, rt, node.base_cache)
     if fresh:  # the SuperNode's log: what this owner's hardware runs
         print(f"distmoe party {node.party}: base {model.config.model_type} ({param_count(model) / 1e6:.1f}M "
               f"parameters) on {rt.describe()}, loaded in {time.perf_counter() - t0:.1f} s", flush=True)

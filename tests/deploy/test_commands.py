@@ -89,6 +89,11 @@ def test_supernode_hardware_settings_reach_the_party(creds, tmp_path):
     train = parse_node_config(nc, _sim()).train(parse_run_config({}).train)
     assert (train.device, train.dtype, train.micro_batch_size, train.gradient_checkpointing) == \
         ("cuda:1", "bfloat16", 2, True)
+    assert parse_node_config(nc, _sim()).base_cache == data.parent / ".party-0-work" / "base-cache"  # the default
+    for given, expected in (("off", None), (tmp_path / "bc", tmp_path / "bc")):
+        cmd = dc.supernode_command(party.dir, superlink="127.0.0.1:9092", data_path=data, base_cache=given)
+        nc = parse_config_args([_parse_args_run_supernode().parse_args(list(cmd.argv[1:])).node_config])
+        assert parse_node_config(nc, _sim()).base_cache == expected
     with pytest.raises(dc.DeployError, match="node config key 'device'.*'gpu'"):
         dc.supernode_command(party.dir, superlink="127.0.0.1:9092", data_path=data, hardware={"device": "gpu"})
 

@@ -233,3 +233,59 @@ def test_a_real_family_checkpoint_trains_with_a_bf16_base(family, make_cfg, tmp_
     after = trainable_state(model)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     base_mod.clear_cache()
+
+
+def test_a_message_maps_the_base_kept_by_the_first_one(make_cfg, tmp_path):
+    """Deployment: every message is a new process. The first keeps the loaded base (fused layout, its dtype) as
+    one file; the next maps it (no load, no copy) and computes exactly what a fresh load computes."""
+    import subprocess
+    import sys
+
+    from distmoe.model.base import mapped_base, write_mapped_base
+    from distmoe.model.fabricate import write_checkpoint
+
+    ckpt = write_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    cache = tmp_path / "cache"
+    cfg = make_cfg(**{"model.path": str(ckpt), "model.trainable": "lora", "train.dtype": "bfloat16",
+                      "train.device": "cpu"})
+    rt = resolve_runtime(cfg.train, "lora")
+    fp = base_fingerprint(cfg.model)
+    assert mapped_base(ckpt, cache, fp, rt) is None  # nothing kept yet
+    base_mod.clear_cache()
+    first, tok = prepared_model(cfg.model, "", rt, cache)
+    files = list(cache.glob("base-*.pt"))
+    assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    mapped, tok2 = mapped_base(ckpt, cache, fp, rt)
+    assert tok2.chat_template == tok.chat_template
+    assert all(p.dtype == torch.bfloat16 for p in mapped.parameters())
+    ids = torch.randint(3, 200, (2, 9))
+    with torch.no_grad():
+        ref = forward_with_router(build_model(cfg.model, "", rt)[0], ids, torch.ones_like(ids))
+        got = forward_with_router(mapped, ids, torch.ones_like(ids))
+    torch.testing.assert_close(got.logits, ref.logits, rtol=0, atol=0)
+    # a file of another base (a different fingerprint) is not used
+    assert mapped_base(ckpt, cache, "0" * 64, rt) is None
+    write_mapped_base(mapped, cache, "f" * 64, rt)  # one base per party: the other file goes
+    assert [f.name[:25] for f in cache.glob("base-*.pt")] == ["base-ffffffffffffffffffff"]
+    # and in a fresh process (as a deployed message): mapped, not loaded from the checkpoint
+    write_mapped_base(mapped, cache, fp, rt)  # (a new file replaces the old by rename: live mappings stay valid)
+    code = ("import sys, torch; from distmoe.config import parse_run_config; "
+            "from distmoe.model.base import prepared_model; from distmoe.model.device import resolve_runtime; "
+            "from transformers import AutoModelForCausalLM as A; "
+            "A.from_pretrained = classmethod(lambda *a, **k: sys.exit('loaded the checkpoint')); "
+            f"c = parse_run_config({{'model.path': {str(ckpt)!r}, 'model.trainable': 'lora', "
+            "'train.dtype': 'bfloat16', 'train.device': 'cpu'}); "
+            "from pathlib import Path; "
+            f"m, _ = prepared_model(c.model, '', resolve_runtime(c.train, 'lora'), Path({str(cache)!r})); "
+            "print('MAPPED', sum(p.numel() for p in m.parameters()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "MAPPED" in out.stdout, out.stderr[-2000:]
+    # a truncated file is ignored and rewritten by the next load (no mapping of it is used after this)
+    del mapped, got
+    files = list(cache.glob("base-*.pt"))
+    files[0].write_bytes(files[0].read_bytes()[:1000])
+    assert mapped_base(ckpt, cache, fp, rt) is None
+    base_mod.clear_cache()
+    prepared_model(cfg.model, "", rt, cache)
+    assert mapped_base(ckpt, cache, fp, rt) is not None
+    base_mod.clear_cache()
