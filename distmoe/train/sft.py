@@ -47,10 +47,13 @@ class SFTResult:
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[B, S, V] logits, [B, S] labels (-100 = ignore) -> mean next-token CE over supervised tokens."""
-    shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()  # [B*(S-1), V]
-    shift_labels = labels[:, 1:].reshape(-1)  # [B*(S-1)]
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
+    """[B, S, V] logits, [B, S] labels (-100 = ignore) -> mean next-token CE over supervised tokens.
+
+    The labels are shifted (position t is scored against label t+1, the last position against -100), not the
+    logits: slicing ``logits[:, :-1]`` would copy the ``[B, S, V]`` logits and their gradient every step."""
+    next_labels = F.pad(labels[:, 1:], (0, 1), value=-100)  # [B, S]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), next_labels.reshape(-1),  # [B*S, V]
+                           ignore_index=-100)
 
 
 def sft_loss(model: nn.Module, batch: dict[str, torch.Tensor], routing: RoutingConfig,

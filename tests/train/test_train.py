@@ -218,3 +218,20 @@ def test_generation_and_loss_do_not_depend_on_batching(make_cfg, party):
     counts = [sum(1 for x in encode_example(tok, e, max_len)[1][1:] if x != -100) for e in exs]
     expected = sum(v * n for v, n in zip(losses, counts, strict=True)) / sum(counts)
     assert answer_loss(model, tok, exs, max_len, 8) == pytest.approx(expected, rel=1e-4)
+
+
+def test_causal_lm_loss_scores_each_position_on_the_next_label():
+    # reference: slice the logits (what causal_lm_loss did before it shifted the labels instead)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 11, generator=g, requires_grad=True)  # [B, S, V]
+    labels = torch.randint(0, 11, (3, 7), generator=g)  # [B, S]
+    labels[:, :2] = -100
+    labels[1, 4:] = -100
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1),
+                                            ignore_index=-100)
+    got = sft_mod.causal_lm_loss(logits, labels)
+    assert torch.allclose(got, ref, rtol=1e-6, atol=0)
+    (g_ref,) = torch.autograd.grad(ref, logits)
+    (g_got,) = torch.autograd.grad(got, logits)
+    assert torch.allclose(g_got, g_ref, rtol=1e-6, atol=1e-9)
+    assert torch.all(g_got[:, -1] == 0)  # the last position has no next token
