@@ -194,6 +194,9 @@ class ModelConfig(_Section):
     lora_r: int = key(8, "`lora` mode: adapter rank", lo=1)
     lora_alpha: int = key(16, "`lora` mode: adapter scale", lo=1)
     lora_router: bool = key(True, "`lora` mode: adapt the router weight too")
+    lora_experts: bool = key(True, "`lora` mode: adapt the fused expert weights (peft `target_parameters`); peft "
+                             "materialises each adapted expert tensor in full on every forward, so at tens of billions "
+                             "of parameters turn this off (attention and router adapters only; `docs/checkpoints.md`)")
     seed: int = 0  # not a key: = run.seed, so the tiny default model is initialised identically everywhere
 
     def check(self) -> None:

@@ -54,7 +54,7 @@ def lora_config(cfg: ModelConfig, model: nn.Module):
     experts (and, with ``model.lora-router``, the router weight) as ``target_parameters``."""
     from peft import LoraConfig
 
-    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if cfg.lora_experts else []
     if cfg.lora_router:  # "mlp.gate.weight" in most families, "mlp.router.weight" in GPT-OSS
         targets += sorted({f"{name.rsplit('.', 2)[-2]}.{name.rsplit('.', 1)[-1]}.weight"
                            for name, _ in router_modules(model)})

@@ -237,3 +237,15 @@ def test_server_memory_stays_flat_as_the_base_grows(tmp_path):
     print(f"server RSS growth {growth / 2**20:.1f} MiB for a {n_params / 1e6:.0f}M-parameter base "
           f"({weight_bytes / 2**20:.0f} MiB of weights); adapters {got['trainable'] * 4 / 2**20:.1f} MiB")
     assert growth < 0.15 * weight_bytes, (growth, weight_bytes)
+
+
+def test_lora_without_expert_adapters_for_large_bases(make_cfg):
+    """model.lora-experts = false: attention and router adapters only; the server and the parties agree."""
+    cfg = make_cfg(**{"model.trainable": "lora", "model.lora-experts": False}).model
+    sm = server_model(cfg)
+    party = spec_of(apply_trainable(build_model(cfg)[0], cfg), "lora")
+    assert sm.tspec.shapes == party.shapes
+    assert not any("experts" in k for k in sm.tspec.keys) and any("mlp.gate" in k for k in sm.tspec.keys)
+    assert any("q_proj" in k for k in sm.tspec.keys)
+    full = server_model(make_cfg(**{"model.trainable": "lora"}).model)
+    assert sm.tspec.numel < full.tspec.numel
