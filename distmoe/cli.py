@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from distmoe.config import (
     to_toml,
 )
 from distmoe.data.formats import DataError
+from distmoe.wire.at_rest import PRIVATE_UMASK, make_private
 
 
 def _overrides(args) -> dict:
@@ -81,9 +83,14 @@ def cmd_data_synth(args) -> int:
     from distmoe.data.synth import write_synthetic
 
     cfg = parse_run_config({})
-    dirs = write_synthetic(Path(args.out), args.parties, args.examples or cfg.data.synth_examples,
-                           args.seed, overwrite=args.force, canaries=args.canaries)
+    old = os.umask(PRIVATE_UMASK)  # each party's data is private to its owner (simulate refuses it otherwise)
+    try:
+        dirs = write_synthetic(Path(args.out), args.parties, args.examples or cfg.data.synth_examples,
+                               args.seed, overwrite=args.force, canaries=args.canaries)
+    finally:
+        os.umask(old)
     for d in dirs:
+        make_private(d)
         print(d)
     return 0
 

@@ -40,6 +40,10 @@ def test_data_synth_then_validate(capsys, tmp_path: Path):
     assert main(["data", "validate", str(tmp_path / "d")]) == 0
     out = capsys.readouterr().out
     assert "party-0: ok" in out and "party-1: ok" in out and "lookup:" in out
+    # private to its owner, as the pre-run privacy check of `distmoe simulate --data` requires
+    from distmoe.wire.at_rest import exposed
+
+    assert exposed(tmp_path / "d" / "party-0") == [] and exposed(tmp_path / "d" / "party-1") == []
 
 
 def test_data_validate_reports_file_line_field(capsys, tmp_path: Path):
