@@ -131,8 +131,12 @@ def save_checkpoint(family: str, fields: dict, path: Path) -> dict:
     vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(cfg.vocab_size - len(specials))])}
     tk = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                            unk_token="<unk>").save_pretrained(path)
+    from distmoe.model.fabricate import CHATML_TEMPLATE
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                  unk_token="<unk>")
+    tok.chat_template = CHATML_TEMPLATE  # a party refuses a tokenizer without one (docs/checkpoints.md)
+    tok.save_pretrained(path)
     return {"parameters": n, "config": shape_summary(cfg)}
 
 
