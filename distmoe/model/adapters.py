@@ -8,8 +8,9 @@ the routers, the parameter count, and a way to write the global weights into a c
   checkpoint, or ``tiny_config``), wrapped with the same ``peft`` ``LoraConfig`` the parties use
   (``distmoe.model.trainable.lora_config``); names and shapes of the adapters are read from that skeleton,
   and their initial values are drawn here, deterministically from ``model.seed`` (``lora_A`` as peft's
-  kaiming-uniform init, ``lora_B`` zeros: the adapter starts as a no-op). No weight file of the base is
-  ever read, so the server's memory does not grow with the base. A checkpoint is written in peft's own
+  kaiming-uniform init, ``lora_B`` zeros: the adapter starts as a no-op). No tensor of the base is ever
+  loaded (its weight files are only hashed, streamed, once for the fingerprint), so the server's memory
+  does not grow with the base. A checkpoint is written in peft's own
   format (``adapter/adapter_model.safetensors`` + ``adapter/adapter_config.json``, loadable with
   ``PeftModel.from_pretrained(base, dir)``), identified against its base by the base fingerprint.
 - ``all`` / ``router+experts``: all or most of the model trains, so the server builds it (as the parties
