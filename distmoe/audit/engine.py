@@ -5,8 +5,9 @@ Owns: loading a run directory (``run.json``, ``ledger/coordinator.jsonl`` + ``.p
 of ``docs/privacy.md`` §6 as applied to this project's ledger conventions, and their result (:class:`AuditResult`).
 Check names, in order:
 ``ledger-integrity, cross-check, allow-list, no-blocked, no-plaintext, epsilon, noise-presence, row-sums,
-min-parties, canaries, server-files`` (the last: the schemas of every server-side file,
-:mod:`distmoe.audit.schemas`). Each is ``pass``, ``fail`` or ``skipped`` with human-readable details; the verdict
+min-parties, canaries, server-files, mask-uniformity`` (``server-files``: the schemas of every server-side file,
+:mod:`distmoe.audit.schemas`; ``mask-uniformity``: the uniformity statistic of every masked input a party
+sent, :mod:`distmoe.audit.masks`). Each is ``pass``, ``fail`` or ``skipped`` with human-readable details; the verdict
 fails if any check fails. Rendering and writing the report is :mod:`distmoe.audit.report`.
 
 Independence: epsilon is recomputed from the coordinator's release entries (``z_eff`` from the survivors'
@@ -38,6 +39,7 @@ from typing import Any
 
 from scipy import stats as _st
 
+from distmoe.audit.masks import check_masks
 from distmoe.audit.schemas import check_server_files
 from distmoe.ledger import canonical_json, verify_against_anchor, verify_ledger
 from distmoe.privacy.accountant import MECHANISMS, PrivacyEvent, epsilon_from_events
@@ -47,7 +49,7 @@ from distmoe.privacy.update_noise import sequence_noise_multiplier
 __all__ = ["AuditInputError", "AuditResult", "Check", "CHECKS", "audit_run"]
 
 CHECKS = ("ledger-integrity", "cross-check", "allow-list", "no-blocked", "no-plaintext", "epsilon",
-          "noise-presence", "row-sums", "min-parties", "canaries", "server-files")
+          "noise-presence", "row-sums", "min-parties", "canaries", "server-files", "mask-uniformity")
 COORDINATOR = "coordinator"
 # Family-wise false-alarm levels (Bonferroni over a run's router-stats releases). The noise is fresh OS
 # randomness, so an honest run fails with about this probability: small enough not to cry wolf across
@@ -929,6 +931,16 @@ def _check_server_files(run: _Run) -> Check:
     return c
 
 
+def _check_masks(run: _Run) -> Check:
+    c = Check("mask-uniformity")
+    findings, notes = check_masks({name: lf.entries for name, lf in run.parties.items()})
+    for f in findings:
+        c.fail(f)
+    for n in notes:
+        c.note(n)
+    return c
+
+
 # ------------------------------------------------------------------------------------------------- entry
 def audit_run(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str | os.PathLike[str]] | None = None,
               canaries: str | os.PathLike[str] | None = None) -> AuditResult:
@@ -943,7 +955,8 @@ def audit_run(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str | os.
     eps_check, table = _check_epsilon(run)
     checks = [_check_integrity(run), _check_cross(run), _check_allow_list(run), _check_blocked(run),
               _check_plaintext(run), eps_check, _check_noise(run, figs), _check_row_sums(run, figs),
-              _check_min_parties(run), _check_canaries(run), _check_server_files(run)]
+              _check_min_parties(run), _check_canaries(run), _check_server_files(run),
+              _check_masks(run)]
     assert tuple(c.name for c in checks) == CHECKS
     releases = []
     for r in run.releases:

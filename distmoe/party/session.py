@@ -9,7 +9,9 @@ accountant, per *logical* run: see "Resume" below), the party's ledger signing k
 makes before anything of its data is released: the noise it uses is the larger of its own plan and the
 server's (a server can only tighten it), its budget is ``min(privacy.epsilon, node epsilon-max)``, a
 release that would exceed the budget is refused before the masked input is computed, and an unmask
-request naming fewer than ``privacy.min-parties`` survivors is refused.
+request naming fewer than ``privacy.min-parties`` survivors is refused. The PRG passes its known-answer test
+at setup and before every masked input, and a masked input whose uniformity statistic fails is refused
+(``distmoe.privacy.secagg.selftest``): a zero or broken PRG would send the input in the clear.
 
 Persistence order (a SuperNode runs every message in a new process): the accountant is saved, then
 the SecAgg state, and only then is the reply returned to be sent. A crash in between can only
@@ -44,6 +46,7 @@ from distmoe.privacy import secagg as sa
 from distmoe.privacy.accountant import Accountant, BudgetExceeded, PrivacyEvent
 from distmoe.privacy.dp import SkellamSpec
 from distmoe.privacy.plan import plan_privacy, stats_spec
+from distmoe.privacy.secagg.selftest import mask_check_failure, mask_statistic, prg_known_answer
 from distmoe.privacy.vectors import EvalLayout, UpdateLayout
 from distmoe.wire.errors import ErrorCode
 
@@ -194,6 +197,8 @@ class PartySession:
                                    f"run {logical}, epoch {epoch}; this session agreed to epoch {self.facts.epoch} "
                                    f"of {self.facts.logical_run or self.run_id}): refused, keys are agreed once per "
                                    "run and epoch")
+        if (why := prg_known_answer()) is not None:  # before any key or masked input leaves
+            raise SessionError(f"party {self.node.party}: {why}; its masks would not hide its inputs: refused")
         p = self.cfg.privacy
         own = plan_privacy(p, self.cfg.schedule)
         z = max(own.noise_multiplier, float(req.noise_multiplier))
@@ -286,10 +291,14 @@ class PartySession:
             raise SessionError(f"party {self.node.party}: no SecAgg state for run {self.run_id}")
         if start.recipient != self._need().node_id:
             raise SessionError(f"party {self.node.party}: a round start addressed to node {start.recipient}")
+        if (why := prg_known_answer()) is not None:
+            raise SessionError(f"party {self.node.party}: {why}; its masks would not hide its inputs: refused")
         try:
             m = self.client.masked_input(start, vec)
         finally:
             self.save()
+        if (why := mask_check_failure(mask_statistic(m.y))) is not None:  # the round stays MASKED: never re-sent
+            raise SessionError(f"party {self.node.party}: round {start.round}: {why}: refused, nothing was sent")
         return m
 
     def unmask(self, request) -> sa.UnmaskResponse:

@@ -6,7 +6,8 @@ its reply may be (``read_instruction``), logs it in the party's ledger, asks the
 service for the answer (``party.answer``: ``distmoe.party.service``), encodes the reply with the codec,
 and passes it through ``OutboundGuard``. The guard decodes the reply again with the strict codec,
 checks it against what this message type may answer (payload type, exact records and keys, the
-masked-vector length the round declared, the update shapes of the instruction, only allow-listed
+masked-vector length the round declared and its uniformity statistic (``mask_check``, recorded in the
+"out" entry: ``distmoe.privacy.secagg.selftest``), the update shapes of the instruction, only allow-listed
 string fields: ``codec.string_fields``), scans every byte of it for this party's canary strings,
 writes the "out" ledger entry, and attaches the new ledger head to the reply. A nonconforming reply is
 replaced by an error: it is logged as rejected and nothing of it leaves (fail-closed). Errors leave as
@@ -36,6 +37,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from distmoe.ledger import Ledger
+from distmoe.privacy.secagg.selftest import mask_check_failure, mask_statistic
 from distmoe.wire import codec, inspect
 from distmoe.wire.codec import WireError
 from distmoe.wire.errors import REASONS, Blocked, ErrorCode, Refused, reason_text
@@ -106,6 +108,7 @@ class OutboundGuard:
 
     def __init__(self, canaries: list[bytes]):
         self.canaries = canaries
+        self.mask_check: dict | None = None  # the uniformity statistic of the last masked input checked
 
     def check(self, content: RecordDict, exp: Expectation) -> tuple[object, dict]:
         try:
@@ -123,6 +126,9 @@ class OutboundGuard:
                 if payload.masked.round != exp.round:
                     raise Blocked(f"masked input for round {payload.masked.round}, the instruction is "
                                   f"round {exp.round}")
+                self.mask_check = mask_statistic(y)  # recorded in the "out" entry; the audit re-checks it
+                if (why := mask_check_failure(self.mask_check)) is not None:
+                    raise Blocked(why)
             elif exp.length is not None:
                 raise Blocked("late share keys only, but this party was given a round start")
         elif isinstance(payload, ModelUpdate) and exp.shapes is not None:
@@ -231,12 +237,15 @@ def serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> RecordD
     except Exception as exc:  # model errors and bugs: an error reply, never a hang (data errors: ``party.answer``)
         refuse(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     try:
-        _, scan = OutboundGuard(party.canaries).check(out, exp)
+        guard = OutboundGuard(party.canaries)
+        _, scan = guard.check(out, exp)
     except Blocked as exc:
         _log(ledger, out, "out", f"rejected: {exc}", run, rnd, phase)
         refuse(ErrorCode.BLOCKED, f"party {party.name}: blocked by the outbound guard, nothing left: {exc}", Blocked)
-    entry = _log(ledger, out, "out", "accepted", run, rnd, phase, dp=dp,
-                 info={"canary_scan": scan, "time": time.time()})
+    info = {"canary_scan": scan, "time": time.time()}
+    if guard.mask_check is not None:
+        info["mask_check"] = guard.mask_check
+    entry = _log(ledger, out, "out", "accepted", run, rnd, phase, dp=dp, info=info)
     return codec.with_ledger_head(out, entry["seq"], entry["hash"])
 
 

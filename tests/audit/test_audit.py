@@ -29,6 +29,8 @@ from distmoe.ledger import (
 from distmoe.privacy.accountant import Accountant, PrivacyEvent, epsilon_from_events
 from distmoe.privacy.dp import SkellamSpec
 from distmoe.privacy.plan import stats_event
+from distmoe.privacy.secagg.primitives import prg
+from distmoe.privacy.secagg.selftest import mask_statistic
 from distmoe.privacy.update_noise import update_dp_facts, update_event
 
 PARTIES = ("party-0", "party-1", "party-2")
@@ -55,16 +57,19 @@ def _spec() -> SkellamSpec:
 
 def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.0, responders=None, blocked=(),
              extra_key=None, row_bias=0.0, z_eff_factor=1.0, scan=True, sha_mismatch=None, policy=None, seed=0,
-             update_z=0.0, forge=None):
+             update_z=0.0, forge=None, mask_check=None):
     """Write an honest run (setup key exchange + 2 router-stats rounds) under ``root/run``; knobs break it.
 
     ``responders``: {round: parties that reply}; ``blocked``: {(round, party)} replies the client guard
     blocked; ``extra_key``: (round, party) whose reply carries a key outside the policy;
     ``sha_mismatch``: (round, party) whose reply the coordinator logs with another digest; ``update_z``:
-    add a round-3 DP model-update release at that z_u (all parties); ``forge``: dp fields it claims instead.
+    add a round-3 DP model-update release at that z_u (all parties); ``forge``: dp fields it claims instead;
+    ``mask_check``: {(round, party): facts} recorded as that masked input's uniformity statistic (default: the
+    statistic of a real ChaCha20 mask vector; ``None`` as a value records none).
     """
     run = root / "run"
     rng = np.random.default_rng(seed)
+    mask_rng = np.random.default_rng([seed, 1])  # mask keys: apart from rng, so the other draws stay as they were
     spec = _spec()
     common = {"run": RUN_ID}
 
@@ -102,6 +107,11 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
             keys = [*keys, "stats.raw"]
         rejected = (rnd, p) in blocked
         out_info = {"canary_scan": {"strings": N_CANARY_STRINGS, "hits": 0}} if scan else {}
+        if ptype.startswith("masked-input:"):
+            honest = mask_statistic(prg(bytes(mask_rng.integers(0, 256, 32, dtype=np.uint8)), VEC[1], 64))
+            facts = (mask_check or {}).get((rnd, p), honest)
+            if facts is not None:
+                out_info["mask_check"] = facts
         pe = led[p].append(**common, round=rnd, phase=phase, direction="out", peer="coordinator", payload_type=ptype,
                            keys=keys, shapes=shapes, **d, dp=dp, info=out_info,
                            verdict="rejected: byte budget exceeded" if rejected else "accepted")
@@ -393,6 +403,31 @@ def test_missing_canary_scan_fails(tmp_path):
     result = audit_run(run)
     assert _failed(result) == ["canaries"]
     assert all("no canary scan" in f for f in result.check("canaries").findings)
+
+
+# ------------------------------------------------------------------------------------- masks (issue 11.5)
+def test_zero_mask_input_fails_the_audit(tmp_path, capsys):
+    """A party ledger recording the statistic of a masked input sent with zero masks (y = x, fixed-point
+    plaintext): the audit recomputes the verdict from the counts and exits 1 naming ``mask-uniformity``
+    (``no-plaintext`` passes: it reads mode labels only)."""
+    from distmoe.privacy.ring import encode_fixed
+    plain = mask_statistic(encode_fixed(np.random.default_rng(3).normal(size=VEC[1]), 2.0**40))  # y = x
+    forged = {**plain, "log2_p": 0.0}  # a p-value claim that disagrees with the counts does not help
+    run, _ = make_run(tmp_path, mask_check={(2, "party-1"): forged})
+    result = audit_run(run)
+    assert _failed(result) == ["mask-uniformity"]
+    (finding,) = result.check("mask-uniformity").findings
+    assert "party-1" in finding and "round 2" in finding and "not uniform" in finding
+    assert result.check("no-plaintext").status == "pass"
+    assert main(["audit", str(run)]) == 1
+    assert "mask-uniformity" in capsys.readouterr().out
+
+
+def test_masked_input_without_statistic_fails(tmp_path):
+    run, _ = make_run(tmp_path, mask_check={(1, "party-0"): None})
+    result = audit_run(run)
+    assert _failed(result) == ["mask-uniformity"]
+    assert "no mask statistic recorded" in result.check("mask-uniformity").findings[0]
 
 
 # ------------------------------------------------------------------------------------------- bad input

@@ -1,0 +1,96 @@
+"""Checks that a party's masks are masks: a known-answer test of the PRG and a uniformity statistic of
+every masked input it sends.
+
+Owns: ``prg_known_answer()`` (expands fixed keys with ``primitives.prg`` and ``primitives.derive_key`` and
+compares the bytes with outputs pinned here, computed once from the real ChaCha20 implementation: a PRG
+that was patched, stubbed or broken returns ``False``) and the mask statistic of a masked input
+(``mask_statistic(y)`` -> the facts a party records in its ledger ``out`` entry, ``mask_check_failure(facts)``
+-> why they fail, or ``None``; the audit recomputes the verdict from the recorded counts).
+
+The statistic (the "sign run"): a fixed-point plaintext word in Z_2^64 (``distmoe.privacy.ring.encode_fixed``
+of a bounded value) is sign-extended, so its leading bits all equal its sign bit; a uniform word's run of
+bits equal to the top bit is geometric. For each ``[n]`` uint64 word let ``g`` be the number of bits after
+the top bit that equal it (0..63); for uniform words ``g`` is Geometric(1/2) on {0, 1, ...} (capped at 63,
+which only makes it smaller), so ``S = sum g`` is at most NegativeBinomial(n, 1/2) in distribution. The
+input fails when ``P(NB(n, 1/2) >= S) < ALPHA = 2^-40`` (about 9.1e-13): a genuinely masked vector fails
+with probability below ``ALPHA`` whatever its length. A plaintext-like vector (zero masks) has ``g >= 20``
+on nearly every word (values below 2^43 in magnitude) and fails from two such words on (``p ~ 2^-37`` for
+two words at g = 20 is the weakest case; three words give ``p < 2^-50``).
+
+What it does not catch: a PRG that is deterministic but uniform-looking (a keyed stream whose key the
+server knows) passes both checks; only the code the party runs can rule that out (``docs/privacy.md``).
+
+Must not: import ``flwr``, do I/O, or look at anything but the vector it is given.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import stats as _st
+
+from distmoe.privacy.secagg import primitives as P
+
+ALPHA_LOG2 = -40  # the per-vector false-alarm level of the statistic: 2^-40
+TEST = "sign-run"
+LOG2_P_FLOOR = -1e6  # p-values below 2^-1e6 are recorded as that (JSON has no -inf)
+# Known answers, computed once from the real implementation (cryptography's ChaCha20, HKDF-SHA256).
+KAT_KEY = bytes(range(32))
+KAT_PRG64 = "39fd2b7dd9c5196a8dbd0377b8dc4a498a35d86fbcde6accb2cc7d4cd8ea2492"  # prg(KAT_KEY, 4, 64)
+KAT_PRG20 = "39fd0b00d9c509008dbd0300b8dc0a00"  # prg(KAT_KEY, 4, 20): uint32 words masked to 20 bits
+KAT_DERIVED = "21d18c3e382206fa897b2a6624c389b639b2a36f63e9c54fe7642c91b5734611"  # derive_key(KAT_KEY, b"distmoe-kat")
+_POWERS = np.array([1 << k for k in range(64)], dtype=np.uint64)  # [64] 2^0 .. 2^63
+
+
+def _kat_values() -> tuple[str, str, str]:
+    return (P.prg(KAT_KEY, 4, 64).astype("<u8").tobytes().hex(), P.prg(KAT_KEY, 4, 20).astype("<u4").tobytes().hex(),
+            P.derive_key(KAT_KEY, b"distmoe-kat").hex())
+
+
+def prg_known_answer() -> str | None:
+    """``None`` when the PRG and the key derivation give the pinned outputs, else why not (for the log)."""
+    try:
+        got = _kat_values()
+    except Exception as exc:  # a broken PRG may raise anything
+        return f"the PRG known-answer test raised {type(exc).__name__}"
+    want = (KAT_PRG64, KAT_PRG20, KAT_DERIVED)
+    bad = [name for name, g, w in zip(("prg-64", "prg-20", "derive-key"), got, want, strict=True) if g != w]
+    return f"the PRG known-answer test failed ({', '.join(bad)})" if bad else None
+
+
+def sign_run(y: np.ndarray) -> int:
+    """``S``: over the ``[n]`` uint64 words of ``y``, the bits after the top bit that equal it, summed."""
+    u = np.asarray(y).astype(np.uint64, copy=False).ravel()  # [n]
+    neg = (u >> np.uint64(63)).astype(bool)  # [n]
+    v = np.where(neg, ~u, u)  # [n], top bit 0: its leading zeros are the run of bits equal to the sign bit
+    bit_length = np.searchsorted(_POWERS, v, side="right")  # [n] exact: integer comparisons only
+    return int(np.sum(63 - bit_length))
+
+
+def log2_p(words: int, s: int) -> float:
+    """``log2 P(NB(words, 1/2) >= s)``: the statistic's p-value (0 for an empty vector)."""
+    if words <= 0 or s <= 0:
+        return 0.0
+    return max(float(_st.nbinom.logsf(s - 1, words, 0.5)) / math.log(2), LOG2_P_FLOOR)
+
+
+def mask_statistic(y: np.ndarray) -> dict:
+    """The facts a party records for one masked input ``y`` (``[n]`` uint64)."""
+    n = int(np.asarray(y).size)
+    s = sign_run(y)
+    return {"test": TEST, "words": n, "sign_run": s, "log2_p": round(log2_p(n, s), 3), "alpha_log2": ALPHA_LOG2}
+
+
+def mask_check_failure(facts: object) -> str | None:
+    """Why recorded facts fail (recomputed from ``words`` and ``sign_run``), or ``None`` when they pass."""
+    if not isinstance(facts, dict) or facts.get("test") != TEST:
+        return "no mask statistic recorded"
+    n, s = facts.get("words"), facts.get("sign_run")
+    if not (isinstance(n, int) and isinstance(s, int) and n >= 0 and 0 <= s <= 63 * n):
+        return f"mask statistic malformed (words {n!r}, sign_run {s!r})"
+    lp = log2_p(n, s)
+    if lp < ALPHA_LOG2:
+        return (f"masked input of {n} words has sign run {s} (expected about {n} for uniform words): "
+                f"p = 2^{lp:.1f} < 2^{ALPHA_LOG2}; its masks are not uniform (zero or broken PRG)")
+    return None
