@@ -48,7 +48,9 @@ MAX_FINDINGS = 50
 REPORT_FILES = re.compile(r"(report\.md|loss\.png|routing\.png|tasks\.png|rl\.png)\Z")
 SERVER_FILES = re.compile(r"(metrics\.jsonl|metrics\.lost\.jsonl|run\.json|config\.toml|flower\.log|"
                           r"nodes/[A-Za-z0-9_.-]+\.toml|privacy/ledger\.json|privacy/secagg-server\.state|"
-                          r"anchors/round-\d+\.(json|npz)|checkpoints/LATEST|checkpoints/round-\d+/.+)\Z")
+                          r"anchors/round-\d+\.(json|npz)|checkpoints/LATEST|checkpoints/round-\d+/.+|"
+                          # a checkpoint that failed verification on resume, moved aside for inspection
+                          r"checkpoints/corrupt-round-\d+-\d+/.+)\Z")
 SKIPPED_DIRS = ("work", "ledger", "audit", "keys", "report")
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 PNG_CHUNKS = {b"IHDR", b"PLTE", b"IDAT", b"IEND", b"pHYs", b"tEXt"}
@@ -58,7 +60,8 @@ Kind = Callable[[Any, "_Ctx"], bool]
 
 class _Ctx:
     def __init__(self, schedule: list[str], parties: set[str], mode: str):
-        self.labels = set(schedule) | {"setup", "eval"}
+        # run.json's schedule names repeated phases "sft:lookup*3"; rows carry the phase's label "sft:lookup"
+        self.labels = {re.sub(r"\*\d+\Z", "", lab) for lab in schedule} | {"setup", "eval"}
         self.tasks = {t for lab in schedule for t in re.split(r"[:*]", lab)[1:2] if t}
         self.parties = parties
         self.mode = mode
@@ -89,6 +92,7 @@ def _phase(v: Any, c: _Ctx) -> bool:
     if not isinstance(v, str):
         return False
     head, _, tail = v.partition(" ")
+    head = re.sub(r"\*\d+\Z", "", head)  # the schedule's own entries carry their round count: "sft:lookup*3"
     return head in c.labels | {"sft", "rl", "stats"} and tail in ("", "unmask")
 
 
