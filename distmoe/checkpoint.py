@@ -23,7 +23,6 @@ Must not: decide when to checkpoint (the ServerApp does) or read party data.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -34,19 +33,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from distmoe.io import fsync_dir, write_text_atomic
+from distmoe.io import file_sha256, fsync_dir, write_text_atomic
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated or does not match its manifest."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_tree(root: Path) -> None:
@@ -78,7 +69,7 @@ def save_checkpoint(root: Path, round_num: int, trainable: dict[str, torch.Tenso
             (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True, allow_nan=False))
         if write_model is not None:
             write_model(tmp)
-        files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"round": round_num, "time": time.time(), "trainable_hash": trainable_hash,
                     "files": files, **(meta or {})}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
@@ -123,7 +114,7 @@ def verify_checkpoint(path: Path) -> dict:
         f = path / rel
         if not f.exists():
             raise CheckpointError(f"{path}: file {rel} is missing")
-        if _sha256(f) != digest:
+        if file_sha256(f) != digest:
             raise CheckpointError(f"{path}: file {rel} does not match its hash (corrupted or truncated)")
     return manifest
 

@@ -15,6 +15,7 @@ replace-or-refuse write; the maintained packages for it (``atomicwrites``) are a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -38,6 +39,15 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         pass
     finally:
         os.close(dfd)
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of a file's bytes, read in 4 MiB chunks (memory stays flat whatever the file's size)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from distmoe.config import ModelConfig
-from distmoe.io import write_text_atomic
+from distmoe.io import file_sha256, write_text_atomic
 from distmoe.model.build import ModelError, build_model, hash_tensors, tiny_config
 from distmoe.model.device import CPU, Runtime
 from distmoe.model.trainable import apply_trainable
@@ -50,14 +50,6 @@ _FINGERPRINTS: dict[tuple, str] = {}
 
 
 # ---------------------------------------------------------------------------------------------- fingerprint
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _stamp(path: Path) -> tuple[int, int]:
     st = path.stat()
     return st.st_size, st.st_mtime_ns
@@ -90,7 +82,7 @@ def _weight_hashes(root: Path, weights: list[Path]) -> dict[str, str]:
         elif memo is not None:
             out[p.name] = memo
         else:
-            out[p.name] = _file_sha256(p)
+            out[p.name] = file_sha256(p)
             _FINGERPRINTS[(str(p), size, mtime)] = out[p.name]
             cached[p.name] = {"size": size, "mtime_ns": mtime, "sha256": out[p.name]}
             changed = True
@@ -124,7 +116,7 @@ def base_fingerprint(cfg: ModelConfig, model_path: str = "") -> str:
         raise ModelError(f"model.path {str(root)!r}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
     h = hashlib.sha256(b"distmoe-checkpoint-v1")
     for p in meta:
-        h.update(p.name.encode() + b"\0" + _file_sha256(p).encode())
+        h.update(p.name.encode() + b"\0" + file_sha256(p).encode())
     for name, digest in _weight_hashes(root, weights).items():
         h.update(name.encode() + b"\0" + str((root / name).stat().st_size).encode() + b"\0" + digest.encode())
     return h.hexdigest()

@@ -89,17 +89,22 @@ def test_sft_and_stats_round_trip_through_flower_messages(synth_dirs, tiny_plain
     assert np.allclose(st.sums.sum(1), st.sums.sum(1)[0])  # every row sums to the sequence count
 
 
+def _sft_on_edited_data(src, tmp_path, run_config, index: int, line: str):
+    """An SFT instruction answered by a party whose ``lookup.jsonl`` has line ``index`` replaced by ``line``."""
+    data = tmp_path / "p0"
+    shutil.copytree(src, data)
+    lines = (data / "lookup.jsonl").read_text().splitlines()
+    lines[index] = line
+    (data / "lookup.jsonl").write_text("\n".join(lines) + "\n")
+    weights, spec = _global(run_config)
+    return sft(_instruction(SftInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash,
+                                           seed=1, anchor=None, anchor_version=0)),
+               _context(data, run_config, tmp_path / "work"))
+
+
 def test_corrupt_party_file_reaches_the_server_as_a_code_the_line_stays_in_the_party_log(synth_dirs, tmp_path,
                                                                                            tiny_plain):
-    bad = tmp_path / "p0"
-    shutil.copytree(synth_dirs[0], bad)
-    lines = (bad / "lookup.jsonl").read_text().splitlines()
-    lines[4] = '{"instruction": "k1", "output": '
-    (bad / "lookup.jsonl").write_text("\n".join(lines) + "\n")
-    weights, spec = _global(tiny_plain)
-    out = sft(_instruction(SftInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash,
-                                          seed=1, anchor=None, anchor_version=0)),
-              _context(bad, tiny_plain, tmp_path / "work"))
+    out = _sft_on_edited_data(synth_dirs[0], tmp_path, tiny_plain, 4, '{"instruction": "k1", "output": ')
     log = _code_only(out, ErrorCode.DATA, tmp_path / "work")
     assert "lookup.jsonl:5" not in out.error.reason and "lookup.jsonl:5" in log and "DataError" in log
 
@@ -137,15 +142,8 @@ def test_rl_prompt_count_does_not_leave_the_party(synth_dirs, tiny_plain, tmp_pa
 
 def test_answer_token_length_does_not_leave_the_party(synth_dirs, tiny_plain, tmp_path):
     """A template error quoted the token length of one of the party's answers."""
-    data = tmp_path / "p0"
-    shutil.copytree(synth_dirs[0], data)
-    lines = (data / "lookup.jsonl").read_text().splitlines()
-    lines[2] = '{"instruction": "k2", "output": "' + " ".join(["secret answer"] * 80) + '"}'
-    (data / "lookup.jsonl").write_text("\n".join(lines) + "\n")
-    weights, spec = _global(tiny_plain)
-    out = sft(_instruction(SftInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash,
-                                          seed=1, anchor=None, anchor_version=0)),
-              _context(data, tiny_plain, tmp_path / "work"))
+    out = _sft_on_edited_data(synth_dirs[0], tmp_path, tiny_plain, 2,
+                              '{"instruction": "k2", "output": "' + " ".join(["secret answer"] * 80) + '"}')
     log = _code_only(out, ErrorCode.DATA, tmp_path / "work")
     assert "tokens" not in out.error.reason and "secret" not in out.error.reason
     assert re.search(r"the answer needs \d+ tokens", log), log
