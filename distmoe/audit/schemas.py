@@ -52,6 +52,8 @@ SERVER_FILES = re.compile(r"(metrics\.jsonl|metrics\.lost\.jsonl|run\.json|confi
                           # a checkpoint that failed verification on resume, moved aside for inspection
                           r"checkpoints/corrupt-round-\d+-\d+/.+)\Z")
 SKIPPED_DIRS = ("work", "ledger", "audit", "keys", "report")
+SIMULATION_DIRS = ("flwr", "home", "tmp", "ray")  # distmoe simulate's FLWR_HOME, HOME, TMPDIR, Ray state
+SIMULATION_FILES = ("simulate.json", "overrides.toml", "overrides.resume.toml")  # its record and run config
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 PNG_CHUNKS = {b"IHDR", b"PLTE", b"IDAT", b"IEND", b"pHYs", b"tEXt"}
 
@@ -322,9 +324,15 @@ def _check_report(run_dir: Path, out: list[str]) -> None:
 
 
 def _other_files(run_dir: Path, out: list[str]) -> None:
+    # `distmoe simulate` keeps Flower's and Ray's state inside the run directory (FLWR_HOME with the installed
+    # app bundle, HOME, TMPDIR, Ray's session) and its own simulate.json. They are the simulation's, not the
+    # coordinator's: skipped here only when the run is a simulation; the canary scan still reads them.
+    simulated = (run_dir / "simulate.json").is_file()
     for f in sorted(run_dir.rglob("*")):
         rel = f.relative_to(run_dir)
         if rel.parts[0] in SKIPPED_DIRS or f.is_dir():
+            continue
+        if simulated and (rel.parts[0] in SIMULATION_DIRS or rel.as_posix() in SIMULATION_FILES):
             continue
         if f.is_symlink() or not SERVER_FILES.match(rel.as_posix()):
             out.append(f"{rel.as_posix()}: not a file the server writes")

@@ -516,3 +516,20 @@ def test_forged_sequence_level_claim_fails_epsilon(tmp_path):
     result = audit_run(run)
     assert _failed(result) == ["epsilon"]
     assert any("z_sequence" in f for f in result.check("epsilon").findings)
+
+
+def test_simulation_state_is_the_simulations_only_in_a_simulated_run(tmp_path):
+    """`distmoe simulate` keeps Flower's state (the installed app bundle) in the run directory; outside a
+    simulation a file there is not one the server writes."""
+    from distmoe.audit.schemas import _other_files
+
+    (tmp_path / "flwr" / "apps" / "x").mkdir(parents=True)
+    (tmp_path / "flwr" / "apps" / "x" / "app.py").write_text("print(1)\n")
+    (tmp_path / "metrics.jsonl").write_text("")
+    out: list[str] = []
+    _other_files(tmp_path, out)
+    assert out == ["flwr/apps/x/app.py: not a file the server writes"]
+    (tmp_path / "simulate.json").write_text("{}")
+    out = []
+    _other_files(tmp_path, out)
+    assert out == []
