@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from distmoe.config import CORRECTIONS
 from distmoe.wire.errors import ALL_REASONS
 from distmoe.wire.schema import EVAL_ROUTING_KEYS, RL_METRIC_KEYS, RL_SIM_METRIC_KEYS, TRAIN_METRIC_KEYS
 
@@ -128,7 +129,7 @@ EVENTS: dict[str, dict[str, Kind]] = {
     "run_resume": {"run_id": _label, "session": _label, "epoch": _int, "from_round": _int, "checkpoint": _label,
                    "lost_metric_lines": _int, "warnings": _list_of(_text)},
     "train": UPDATE,
-    "rl": UPDATE,
+    "rl": {**UPDATE, "engine": _label, "correction": _one_of(*CORRECTIONS)},  # the run's rl.engine profile
     "stats": {**ROUND, "party": _agg_party, "task": _task, "num_sequences": _num, "parties": _int},
     "eval": {**ROUND, "phase_label": _phase, "party": _agg_party, "new_task": _task, "new_task_loss": _num,
              **{k: _num for k in EVAL_ROUTING_KEYS}},
