@@ -151,15 +151,15 @@ def prepared_model(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU,
         return model, tok
     _PREPARED.clear()  # one base per process: a different one replaces it (memory stays one model)
     path = model_path or cfg.path
-    mapped = None
-    if path and cache_dir is not None and rt.quantize == "none":
-        mapped = mapped_base(Path(path), cache_dir, base_fingerprint(cfg, model_path), rt)
+    keep = bool(path) and cache_dir is not None and rt.quantize == "none"
+    fingerprint = base_fingerprint(cfg, model_path) if keep else ""
+    mapped = mapped_base(Path(path), cache_dir, fingerprint, rt) if keep else None
     if mapped is not None:
         model, tok = mapped
     else:
         model, tok = build_model(cfg, model_path, rt)
-        if path and cache_dir is not None and rt.quantize == "none":
-            write_mapped_base(model, cache_dir, base_fingerprint(cfg, model_path), rt)
+        if keep:
+            write_mapped_base(model, cache_dir, fingerprint, rt)
     model = apply_trainable(model, cfg)
     keep_trainable_fp32(model)
     model.eval()

@@ -12,7 +12,8 @@ pure bf16 weights with a bf16 optimizer: updates of size lr·g are below bf16's 
 weights near 1 and vanish (the Kahan-summation/fp32-master-weights argument of Micikevicius et al.
 2018, "Mixed Precision Training").
 
-Owns: ``Runtime`` and ``resolve_runtime``, ``autocast``, moving a batch to the device, and the
+Owns: ``Runtime`` and ``resolve_runtime``, ``autocast_for`` (the forward's autocast, from the model's own
+dtypes), moving a batch to the device, and the
 refusals for what cannot run here (CUDA asked for but absent, quantisation off CUDA or without
 ``bitsandbytes``).
 
@@ -42,8 +43,6 @@ class Runtime:
     device: torch.device
     dtype: torch.dtype  # the frozen base's dtype (and the autocast dtype when not float32)
     quantize: str = "none"  # none | 4bit | 8bit (bitsandbytes, CUDA only)
-    gradient_checkpointing: bool = False
-    micro_batch_size: int = 0  # 0 = the whole batch in one forward
 
     @property
     def mixed(self) -> bool:
@@ -108,20 +107,7 @@ def resolve_runtime(train: TrainConfig, trainable: str = "lora") -> Runtime:
     if dtype == torch.float16 and device.type == "cpu":
         raise DeviceError("train.dtype = \"float16\" on the CPU: CPU float16 matmuls are slow and imprecise; use "
                           "\"bfloat16\" (or \"float32\") on the CPU")
-    return Runtime(device=device, dtype=dtype, quantize=train.quantize,
-                   gradient_checkpointing=train.gradient_checkpointing, micro_batch_size=train.micro_batch_size)
-
-
-def autocast(rt: Runtime):
-    """The forward context: ``torch.autocast`` in the runtime's dtype, or nothing at float32."""
-    if not rt.mixed:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=rt.device.type, dtype=rt.dtype)
-
-
-def grad_scaler(rt: Runtime) -> torch.amp.GradScaler:
-    """A loss scaler for float16 (enabled only there; a no-op object otherwise)."""
-    return torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    return Runtime(device=device, dtype=dtype, quantize=train.quantize)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -132,12 +118,6 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 def device_of(model: torch.nn.Module) -> torch.device:
     """The device of a model's first parameter (all of a party's model is on one device)."""
     return next(model.parameters()).device
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued kernels (for honest timings on accelerators)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def base_dtype(model: torch.nn.Module) -> torch.dtype:
