@@ -5,9 +5,11 @@ Owns: loading a run directory (``run.json``, ``ledger/coordinator.jsonl`` + ``.p
 of ``docs/privacy.md`` §6 as applied to this project's ledger conventions, and their result (:class:`AuditResult`).
 Check names, in order:
 ``ledger-integrity, cross-check, allow-list, no-blocked, no-plaintext, epsilon, noise-presence, row-sums,
-min-parties, canaries, server-files, mask-uniformity`` (``server-files``: the schemas of every server-side file,
-:mod:`distmoe.audit.schemas`; ``mask-uniformity``: the uniformity statistic of every masked input a party
-sent, :mod:`distmoe.audit.masks`). Each is ``pass``, ``fail`` or ``skipped`` with human-readable details; the verdict
+row-noise, canary-positions, min-parties, canaries, server-files, mask-uniformity`` (``server-files``: the schemas
+of every server-side file, :mod:`distmoe.audit.schemas`; ``mask-uniformity``: the uniformity statistic of every
+masked input a party sent, :mod:`distmoe.audit.masks`; ``row-noise``: the noise in the router statistic's own
+rows, ``canary-positions``: canaries where the round's public material puts them, :mod:`distmoe.audit.noise`).
+Each is ``pass``, ``fail`` or ``skipped`` with human-readable details; the verdict
 fails if any check fails. Rendering and writing the report is :mod:`distmoe.audit.report`.
 
 Independence: epsilon is recomputed from the coordinator's release entries (``z_eff`` from the survivors'
@@ -15,7 +17,8 @@ count and the declared ``z``, checked against what the ledger claims), not read 
 accountant, whose figure is only shown next to it. The unit is one sequence: an update release is charged at
 ``z_eff / 2`` (sensitivity two clips), a router-statistics release by the Skellam bound at integer orders.
 Statistical thresholds: noise presence fails at ``p < 1e-4 / R`` (one-sided, R = router-stats releases),
-row-sum dispersion at upper-tail ``p < 1e-6 / R``.
+row-sum dispersion at upper-tail ``p < 1e-6 / R``, row noise (lower tail, pooled and per release) at a
+family-wise ``1e-6``.
 
 Must not: import ``flwr``, read models, checkpoints, anchors or party data (the only file read from a
 party's data directory is its canary list ``canaries.txt``), print a canary string (only a SHA-256
@@ -40,6 +43,7 @@ from typing import Any
 from scipy import stats as _st
 
 from distmoe.audit.masks import check_masks
+from distmoe.audit.noise import POSITIONS, ROW_NOISE, check_canary_positions, check_row_noise
 from distmoe.audit.schemas import check_server_files
 from distmoe.ledger import canonical_json, verify_against_anchor, verify_ledger
 from distmoe.privacy.accountant import MECHANISMS, PrivacyEvent, epsilon_from_events
@@ -49,7 +53,8 @@ from distmoe.privacy.update_noise import sequence_noise_multiplier
 __all__ = ["AuditInputError", "AuditResult", "Check", "CHECKS", "audit_run"]
 
 CHECKS = ("ledger-integrity", "cross-check", "allow-list", "no-blocked", "no-plaintext", "epsilon",
-          "noise-presence", "row-sums", "min-parties", "canaries", "server-files", "mask-uniformity")
+          "noise-presence", "row-sums", ROW_NOISE, POSITIONS, "min-parties", "canaries", "server-files",
+          "mask-uniformity")
 COORDINATOR = "coordinator"
 # Family-wise false-alarm levels (Bonferroni over a run's router-stats releases). The noise is fresh OS
 # randomness, so an honest run fails with about this probability: small enough not to cry wolf across
@@ -788,6 +793,42 @@ def _check_row_sums(run: _Run, figs: dict[int, dict[str, Any]]) -> Check:
     return c
 
 
+def _check_row_noise(run: _Run, figs: dict[int, dict[str, Any]]) -> Check:
+    c = Check(ROW_NOISE)
+    rels = []
+    for r in run.stats_releases:
+        got = _sigma(r, Check("scratch")) if isinstance(r.get("dp"), dict) else None
+        rs = _info(r).get("row_sums")
+        if got is None or not isinstance(rs, list) or len(rs) != got[1]:
+            continue  # noise-presence / row-sums report a release without usable parameters or row sums
+        if str(r["dp"].get("rounding", "per-sequence")) != "mass-preserving":
+            c.note(f"{_where(COORDINATOR, r)}: rounding {r['dp'].get('rounding')!r}: rows also carry rounding error "
+                   "(the test stays valid, with less power)")
+        rels.append((_where(COORDINATOR, r), r["seq"], rs, math.sqrt(got[2]) * got[0]))
+    findings, notes, per = check_row_noise(rels)
+    for seq, f in per.items():
+        figs.setdefault(seq, {}).update(f)
+    for m in notes:
+        c.note(m)
+    for m in findings:
+        c.fail(m)
+    if not rels and c.status != "fail":
+        c.skip("no router-stats release with row sums to test")
+    return c
+
+
+def _check_canary_positions(run: _Run) -> Check:
+    c = Check(POSITIONS)
+    findings, notes = check_canary_positions(run.stats_releases, {n: lf.entries for n, lf in run.parties.items()})
+    for m in notes:
+        c.note(m)
+    for m in findings:
+        c.fail(m)
+    if not run.stats_releases:
+        c.skip("no router-stats releases")
+    return c
+
+
 def _check_min_parties(run: _Run) -> Check:
     c = Check("min-parties")
     m = run.setting("min-parties", c)
@@ -955,6 +996,7 @@ def audit_run(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str | os.
     eps_check, table = _check_epsilon(run)
     checks = [_check_integrity(run), _check_cross(run), _check_allow_list(run), _check_blocked(run),
               _check_plaintext(run), eps_check, _check_noise(run, figs), _check_row_sums(run, figs),
+              _check_row_noise(run, figs), _check_canary_positions(run),
               _check_min_parties(run), _check_canaries(run), _check_server_files(run),
               _check_masks(run)]
     assert tuple(c.name for c in checks) == CHECKS

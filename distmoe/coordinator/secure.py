@@ -5,7 +5,11 @@ Owns: for each phase, the public layout of the vector the parties mask (``distmo
 (``PrivacyEvent``: client-level Gaussian on updates when ``privacy.update-noise-multiplier`` > 0,
 distributed Skellam on router statistics), the bound checks on the decoded sum
 (``distmoe.aggregate``: a sum that no honest set of parties can produce is rejected, logged and not
-applied), and the release entry in the ledger with its survivors, DP parameters and canaries. The round
+applied), and the release entry in the ledger with its survivors, DP parameters and canaries: their values, the
+seed of their positions with the public material it hashes (``dp.canary_seed`` over the round's U1 mask keys)
+and a digest of the positions, for the audit to recompute. A router-statistics sum whose row sums disagree
+less than the recorded noise implies (``dp.row_noise_test``, per release) is flagged (``info.row_noise``, a
+warning); the audit tests it pooled over the run. The round
 itself (setup, masked input, the privacy gate, unmasking) is ``distmoe.coordinator.secagg.SecureRounds``.
 
 Must not: see any party's individual reply (only ``SecureRounds``' sums), or import ``flwr``.
@@ -13,17 +17,29 @@ Must not: see any party's individual reply (only ``SecureRounds``' sums), or imp
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from distmoe.aggregate import aggregate_problem, eval_sum_problem, stats_sum_problem
 from distmoe.coordinator.aggregator import Aggregator, EvalSum, Skip, StatsSum, UpdateSum
 from distmoe.coordinator.secagg import SecureRounds, SecureSum
 from distmoe.privacy.accountant import PrivacyEvent
+from distmoe.privacy.dp import canary_seed, positions_digest, row_noise_test
 from distmoe.privacy.plan import stats_event, stats_spec
-from distmoe.privacy.ring import from_ring64
 from distmoe.privacy.update_noise import update_dp_facts, update_event
 from distmoe.privacy.vectors import EvalLayout, StatsLayout, UpdateLayout
 from distmoe.wire.schema import eval_metric_keys
+
+ROW_NOISE_ALPHA = 1e-6  # the per-release warning level of the row-sum noise test (the audit pools releases)
+
+
+def _round_keys(sec: SecureRounds, rnd: int) -> tuple[bytes, tuple[tuple[int, bytes], ...]]:
+    """The SecAgg run id and round ``rnd``'s U1 as ``(node id, s_pk)`` sorted by id: the public material every
+    party's ``RoundStart`` listed (read from the server's round state, which keeps it until round ``rnd + 2``)."""
+    srv = sec.server
+    rs = srv._rounds[rnd]  # noqa: SLF001 - read-only access to public keys; SecAggServer has no accessor for them
+    return srv.params.run_id, tuple(sorted(rs.s_pk.items()))
 
 
 class SecureAggregator(Aggregator):
@@ -78,14 +94,28 @@ class SecureAggregator(Aggregator):
         res = sec.round(rnd, "stats", instr, "router-stats", layout.length, event_at)
         if res is None:
             return Skip("no secure sum this round: anchor unchanged")
+        run_key, u1 = _round_keys(sec, rnd)
+        seed = canary_seed(run_key, rnd, u1)
+        layout = StatsLayout(spec, seed)
         noisy, canaries = layout.decode(res.total)  # [L, E] sequence units, [K] integer units
-        ints = from_ring64(res.total)[:spec.dim].reshape(shape)
+        ints = layout.decode_ints(res.total)[:spec.dim].reshape(shape)  # [L, E]
         dp = spec.dp_params(res.n_active)
-        problem = stats_sum_problem(ints, spec.scale, res.n_active, p.num_sequences_max,
-                                    spec.aggregate_sigma(res.n_active))
-        self._log(res, "stats", "router-stats", dp, problem, layers=shape[0], experts=shape[1],
-                  canary={"k": int(spec.n_canaries), "values": [int(v) for v in canaries]},
-                  row_sums=[int(v) for v in ints.sum(1)])
+        sigma = spec.aggregate_sigma(res.n_active)
+        problem = stats_sum_problem(ints, spec.scale, res.n_active, p.num_sequences_max, sigma)
+        rows = [int(v) for v in ints.sum(1)]  # [L]
+        canary = {"k": int(spec.n_canaries), "values": [int(v) for v in canaries], "seed": seed.hex(),
+                  "secagg_run": run_key.hex(), "u1": [[int(c), k.hex()] for c, k in u1],
+                  "positions_sha256": positions_digest(layout.canary_positions)}
+        extra = {}
+        if shape[0] > 1:
+            rt = row_noise_test([(rows, math.sqrt(shape[1]) * sigma)], ROW_NOISE_ALPHA)
+            extra["row_noise"] = {"stat": rt.statistic, "dof": rt.dof, "p_low": rt.p_low, "flag": not rt.passed}
+            if not rt.passed:
+                self.co.say(f"round {rnd}: WARNING: the router-statistics rows disagree less than the recorded noise "
+                            f"implies (variance ratio {rt.ratio:.3g}, p = {rt.p_low:.3g}): a party's noise share may "
+                            "be missing from the statistic (the audit's row-noise check decides)")
+        self._log(res, "stats", "router-stats", dp, problem, layers=shape[0], experts=shape[1], canary=canary,
+                  row_sums=rows, **extra)
         if problem is not None:  # the privacy cost is spent (the sum was unmasked), the anchor stays
             return Skip(f"aggregate rejected ({problem}): anchor unchanged")
         worst = max((max(v["prv"], v["rdp"]) for v in sec.epsilon().values()), default=0.0)

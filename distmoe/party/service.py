@@ -23,6 +23,7 @@ from distmoe.config import ConfigError, NodeConfig, RunConfig
 from distmoe.data.formats import DataError
 from distmoe.party import work as P
 from distmoe.party.session import PartySession, SessionError, open_ledger
+from distmoe.privacy.dp import canary_seed
 from distmoe.privacy.plan import stats_event
 from distmoe.privacy.update_noise import add_update_noise, update_dp_facts, update_event
 from distmoe.privacy.vectors import StatsLayout
@@ -119,8 +120,11 @@ class PartyService:
             t = sess.params.threshold
             # charged at the fewest survivors a completed round can have (t): z_eff(t) = z
             eps = sess.charge(stats_event(spec, t, f"router-stats round {instr.round}"))
-            vec = StatsLayout(spec).encode(per_seq)  # [D] uint64, Skellam share included
-            dp = {**spec.dp_params(n_active=t), "epsilon": eps, "budget": sess.accountant.epsilon_budget}
+            # canaries at positions drawn from this round's U1 mask keys (no single party or the server picks them)
+            seed = canary_seed(sess.params.run_id, st.round, st.participants)
+            vec = StatsLayout(spec, seed).encode(per_seq)  # [D] uint64, Skellam share included
+            dp = {**spec.dp_params(n_active=t), "epsilon": eps, "budget": sess.accountant.epsilon_budget,
+                  "canary_seed": seed.hex()}
         elif isinstance(instr, (SftInstruction, RlInstruction)):
             vec, dp = self._update_vector(instr, sess)
         else:

@@ -11,7 +11,7 @@ Encoding: ``distmoe.privacy.ring`` (fixed point in two's complement mod 2^64, ``
 with ``frac_bits`` the largest (at most 40) that leaves one bit of margin below the ring's 63 magnitude
 bits for the sum over all parties of the largest declared values (``ring.check_fits_ring64`` confirms it
 whenever ``frac_bits`` is computed). Router statistics are integers already (``distmoe.privacy.dp``:
-per-sequence rounding at scale s, a Skellam noise share, K noise canaries).
+per-sequence rounding at scale s, a Skellam noise share, K noise canaries at positions drawn per release).
 
 Why weights and metrics go inside the sum: a plaintext ``num_examples`` or per-party loss would reveal
 dataset size and data-dependent numbers to the server. Each update is multiplied by its weight
@@ -180,11 +180,17 @@ class UpdateLayout:
 # ------------------------------------------------------------------------------------------ router stats
 @dataclass(frozen=True)
 class StatsLayout:
-    """``[L*E]`` per-sequence-rounded integer statistic + Skellam share | ``[K]`` noise canaries. Built only if
-    the sum cannot wrap in Z_2^64 (``SkellamSpec.check_fits_ring64``: all parties at ``num-sequences-max``
-    plus the noise tail)."""
+    """``[L*E + K]``: the per-sequence-rounded integer statistic plus its Skellam share on ``L*E`` coordinates
+    and ``K`` noise canaries (known zero plus noise) on the others. Built only if the sum cannot wrap in
+    Z_2^64 (``SkellamSpec.check_fits_ring64``: all parties at ``num-sequences-max`` plus the noise tail).
+
+    ``canary_seed`` (``dp.canary_seed`` of the round's SecAgg material): the canaries sit at
+    ``dp.canary_positions(seed, L*E + K, K)`` and the statistic fills the other coordinates in order; without a
+    seed (tests, tools) they are the last ``K``. What the positions buy and what they cannot: ``docs/privacy.md``
+    §4.2 (a party builds its own vector, so a modified party knows them; the row-sum test covers that)."""
 
     spec: dp.SkellamSpec
+    canary_seed: bytes | None = None
 
     def __post_init__(self) -> None:
         self.spec.check_fits_ring64()  # the data bound plus the noise tail must fit the signed ring
@@ -192,6 +198,18 @@ class StatsLayout:
     @property
     def length(self) -> int:
         return self.spec.payload_len
+
+    @property
+    def canary_positions(self) -> np.ndarray:
+        """``[K]`` sorted positions of the canaries in the flat vector."""
+        if self.canary_seed is None:
+            return np.arange(self.spec.dim, self.length, dtype=np.int64)
+        return dp.canary_positions(self.canary_seed, self.length, self.spec.n_canaries)
+
+    def _data_positions(self, canaries: np.ndarray) -> np.ndarray:
+        mask = np.ones(self.length, bool)  # [length]
+        mask[canaries] = False
+        return np.flatnonzero(mask)  # [L*E] in order
 
     def encode(self, per_seq: np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
         """``per_seq``: ``[N, L, E]`` per-sequence mean router distributions -> ``[length]`` uint64."""
@@ -201,17 +219,26 @@ class StatsLayout:
                               f"{self.spec.experts}]")
         ints = (dp.encode_per_sequence(a, self.spec.scale, rounding=self.spec.rounding) if len(a)
                 else np.zeros(a.shape[1:], np.int64))
-        share = dp.client_share(ints, self.spec, len(a), rng)  # [length] int64, noised
-        return to_ring64(share)
+        share = dp.client_share(ints, self.spec, len(a), rng)  # [L*E + K] int64, noised, canaries last
+        can = self.canary_positions
+        out = np.empty_like(share)
+        out[self._data_positions(can)] = share[:self.spec.dim]
+        out[can] = share[self.spec.dim:]
+        return to_ring64(out)
 
     def decode(self, total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """From the sum: (noisy ``[L, E]`` sum in sequence units, ``[K]`` canary coordinates, integer units)."""
+        ints = self.decode_ints(total)
+        noisy = ints[:self.spec.dim].reshape(self.spec.layers, self.spec.experts).astype(np.float64) / self.spec.scale
+        return noisy, ints[self.spec.dim:].copy()
+
+    def decode_ints(self, total: np.ndarray) -> np.ndarray:
+        """The sum as ``[L*E + K]`` int64 in share order: the ``L*E`` statistic (row-major) then the ``K`` canaries."""
         ints = from_ring64(total)
         if ints.shape != (self.length,):
             raise LayoutError(f"sum has shape {ints.shape}, layout length {self.length}")
-        d = self.spec.dim
-        noisy = ints[:d].reshape(self.spec.layers, self.spec.experts).astype(np.float64) / self.spec.scale
-        return noisy, ints[d:].copy()
+        can = self.canary_positions
+        return np.concatenate([ints[self._data_positions(can)], ints[can]])
 
 
 # ----------------------------------------------------------------------------------------------- eval

@@ -27,7 +27,7 @@ from distmoe.ledger import (
     public_key_hex,
 )
 from distmoe.privacy.accountant import Accountant, PrivacyEvent, epsilon_from_events
-from distmoe.privacy.dp import SkellamSpec
+from distmoe.privacy.dp import SkellamSpec, canary_positions, canary_seed, positions_digest
 from distmoe.privacy.plan import stats_event
 from distmoe.privacy.secagg.primitives import prg
 from distmoe.privacy.secagg.selftest import mask_statistic
@@ -57,7 +57,7 @@ def _spec() -> SkellamSpec:
 
 def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.0, responders=None, blocked=(),
              extra_key=None, row_bias=0.0, z_eff_factor=1.0, scan=True, sha_mismatch=None, policy=None, seed=0,
-             update_z=0.0, forge=None, mask_check=None):
+             update_z=0.0, forge=None, mask_check=None, row_noise=1.0, tail_canaries=False, party_seed=None):
     """Write an honest run (setup key exchange + 2 router-stats rounds) under ``root/run``; knobs break it.
 
     ``responders``: {round: parties that reply}; ``blocked``: {(round, party)} replies the client guard
@@ -65,11 +65,16 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
     ``sha_mismatch``: (round, party) whose reply the coordinator logs with another digest; ``update_z``:
     add a round-3 DP model-update release at that z_u (all parties); ``forge``: dp fields it claims instead;
     ``mask_check``: {(round, party): facts} recorded as that masked input's uniformity statistic (default: the
-    statistic of a real ChaCha20 mask vector; ``None`` as a value records none).
+    statistic of a real ChaCha20 mask vector; ``None`` as a value records none); ``row_noise``: the share of the
+    claimed noise std in the row sums (0: every row exactly N*s); ``tail_canaries``: the coordinator records the
+    canaries as the last K coordinates instead of the seed's positions; ``party_seed``: {(round, party): hex}
+    canary seed that party records instead of the round's.
     """
     run = root / "run"
     rng = np.random.default_rng(seed)
     mask_rng = np.random.default_rng([seed, 1])  # mask keys: apart from rng, so the other draws stay as they were
+    key_rng = np.random.default_rng([seed, 2])  # SecAgg round mask keys (U1), also apart
+    secagg_run = b"secagg-" + RUN_ID.encode()
     spec = _spec()
     common = {"run": RUN_ID}
 
@@ -134,23 +139,29 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
         included = []
         for p in PARTIES:
             send(rnd, "stats", p, "stats-instruction", ["plan.round", "weights.global"])
+        u1 = [(100 + i, bytes(key_rng.integers(0, 256, 32, dtype=np.uint8))) for i in range(len(PARTIES))]
+        cseed = canary_seed(secagg_run, rnd, u1)
         for p in (responders or {}).get(rnd, PARTIES):
+            own = (party_seed or {}).get((rnd, p), cseed.hex())
             if reply(rnd, "stats", p, "masked-input:router-stats", ["masked.vector", "meta.num-examples"],
-                     {"masked.vector": VEC}, dp=spec.dp_params()):
+                     {"masked.vector": VEC}, dp={**spec.dp_params(), "canary_seed": own}):
                 included.append(p)
         n = len(included)
         dp = spec.dp_params(n)
         dp["z_eff"] *= z_eff_factor
         sigma = spec.aggregate_sigma(n)
         values = np.rint(rng.normal(0.0, sigma * canary_noise, K)).astype(int).tolist()
-        rows = n * N_SEQ * SCALE + rng.normal(0.0, math.sqrt(E) * sigma, L)
+        rows = n * N_SEQ * SCALE + row_noise * rng.normal(0.0, math.sqrt(E) * sigma, L)
+        pos = np.arange(L * E, L * E + K) if tail_canaries else canary_positions(cseed, L * E + K, K)
+        canary = {"k": K, "values": values, "seed": cseed.hex(), "secagg_run": secagg_run.hex(),
+                  "u1": [[c, k.hex()] for c, k in u1], "positions_sha256": positions_digest(pos)}
         rows[0] += row_bias * math.sqrt(E) * sigma
         coord.append(**common, round=rnd, phase="stats", direction="in", peer="all",
                      payload_type="release:router-stats", keys=[], shapes={"sum": [L * E + K]},
                      **describe_payload(f"sum/{rnd}".encode()), dp=dp, verdict="accepted",
                      info={"mode": mode, "release": "router-stats", "included": included,
                            "dropped": [p for p in PARTIES if p not in included], "responders": included,
-                           "layers": L, "experts": E, "canary": {"k": K, "values": values},
+                           "layers": L, "experts": E, "canary": canary,
                            "row_sums": np.rint(rows).astype(int).tolist()})
         for p in included:
             events[p].append(stats_event(spec, n, f"router-stats round {rnd}"))
@@ -345,6 +356,61 @@ def test_inconsistent_row_sums_fail(tmp_path):
     run, _ = make_run(tmp_path, row_bias=12.0)
     result = audit_run(run)
     assert _failed(result) == ["row-sums"]
+
+
+# ------------------------------------------------------------------------- row noise, canary positions (11.4)
+def test_canary_only_noise_fails_row_noise(tmp_path, capsys):
+    """Every party put its noise share on the canaries only: the canaries look right (noise-presence passes) and
+    every row sum is exactly N*s. The row-noise test (the defence) fails both releases and the pool; without it
+    this run passes."""
+    run, _ = make_run(tmp_path, row_noise=0.0)
+    result = audit_run(run)
+    assert _failed(result) == ["row-noise"]
+    findings = result.check("row-noise").findings
+    assert sum("exactly equal" in f for f in findings) == 2 and any("pooled over 2 releases" in f for f in findings)
+    assert main(["audit", str(run)]) == 1
+    assert "row-noise" in capsys.readouterr().out
+
+
+def test_honest_row_dispersion_passes_and_is_reported(tmp_path):
+    result = audit_run(make_run(tmp_path)[0])
+    assert result.check("row-noise").status == "pass"
+    assert any("pooled over 2 releases" in d for d in result.check("row-noise").details)
+    assert all(r["row_noise_p"] > 1e-3 for r in result.releases)
+
+
+def test_canaries_off_the_recomputed_positions_fail(tmp_path):
+    """The coordinator read its canaries from the old fixed tail, not where the round's seed puts them."""
+    run, _ = make_run(tmp_path, tail_canaries=True)
+    result = audit_run(run)
+    assert _failed(result) == ["canary-positions"]
+    assert all("not at the positions recomputed" in f for f in result.check("canary-positions").findings)
+
+
+def test_party_built_with_another_canary_seed_fails(tmp_path):
+    """A party's own signed entry records a seed that is not the round's (a split U1 view, or a party that
+    chose its own layout)."""
+    run, _ = make_run(tmp_path, party_seed={(2, "party-1"): "ab" * 32})
+    result = audit_run(run)
+    assert _failed(result) == ["canary-positions"]
+    (finding,) = result.check("canary-positions").findings
+    assert "party-1" in finding and "round 2" in finding
+    assert audit_run(run, party_ledgers=[_ledger_path(run, "party-0")]).check("canary-positions").status == "pass"
+
+
+def test_recorded_seed_that_is_not_the_hash_of_the_round_material_fails(tmp_path):
+    run, _ = make_run(tmp_path)
+    path = run / "ledger" / "coordinator.jsonl"
+
+    def forge(entries):  # a chosen seed in the release entry (ledger-integrity fails too: it is not re-signed)
+        for e in entries:
+            if e["payload_type"] == "release:router-stats":
+                e["info"]["canary"]["seed"] = "00" * 32
+        return entries
+    _rewrite(path, forge)
+    result = audit_run(run)
+    assert "canary-positions" in _failed(result)
+    assert any("not the hash of the recorded round material" in f for f in result.check("canary-positions").findings)
 
 
 def test_budget_too_small_fails_epsilon(tmp_path):
