@@ -14,8 +14,8 @@ lower tail with a lattice correction for integer row sums. It fails when
 - one release alone has ``p < ALPHA / (2 R)`` (e.g. all its row sums exactly equal: ``T = 0``),
 
 so an honest run fails with probability at most ``ALPHA = 1e-6`` (Bonferroni; the noise is fresh OS randomness).
-Power: ``docs/privacy.md`` §6 (all parties canary-only: certain at every run size the schedule produces with
->= 4 layers; one of n parties: ``dp.row_noise_power``).
+Power: ``docs/privacy.md`` §4.2 (all parties canary-only, ``T = 0``: fails whenever ``P[chi2_D <= c^2] < ALPHA / 2``,
+e.g. any release of >= 4 layers at the default scale and z >= 0.5; one of n parties: ``dp.row_noise_power``).
 
 ``canary-positions`` recomputes each release's seed from the recorded public material (SecAgg run id, round,
 U1 mask keys: ``dp.canary_seed``), the positions from the seed (``dp.canary_positions``) and compares their
@@ -24,7 +24,7 @@ own signed entry for that masked input (a party that built its vector with other
 that showed parties different U1 lists, shows here). Seeds must differ between releases.
 
 What they cannot see: a party that knows these tests and puts noise of the right variance on the canaries and
-along each row's sum only (2 of its ``E`` degrees of freedom per row) passes both; code pinning (``docs/privacy.md``
+along each row's sum only (1 of the ``E`` directions per row) passes both; code pinning (``docs/privacy.md``
 §8) is what stops a modified party.
 
 Must not: import ``flwr``, read anything but the ledger entries and figures it is given, or write anything.

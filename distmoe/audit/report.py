@@ -68,11 +68,12 @@ def render_markdown(result: AuditResult) -> str:
         out.append("No epsilon could be computed (see the epsilon check).")
     if result.releases:
         out += ["", "## Releases", "", "| seq | round | type | included | DP | z_eff | sigma_hat/sigma | noise p | "
-                "row-sum p |", "|---|---|---|---|---|---|---|---|---|"]
+                "row-sum p | row-noise ratio | row-noise p |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result.releases:
             out.append(f"| {r['seq']} | {_fmt(r['round'])} | {r['type']} | {len(r['included'])} | "
                        f"{'yes' if r['dp'] else 'no'} | {_fmt(r['z_eff'])} | {_fmt(r.get('sigma_ratio'), '.3f')} | "
-                       f"{_fmt(r.get('noise_p'), '.3g')} | {_fmt(r.get('row_sum_p'), '.3g')} |")
+                       f"{_fmt(r.get('noise_p'), '.3g')} | {_fmt(r.get('row_sum_p'), '.3g')} | "
+                       f"{_fmt(r.get('row_noise_ratio'), '.3f')} | {_fmt(r.get('row_noise_p'), '.3g')} |")
     out += ["", "## Details"]
     for c in result.checks:
         out += ["", f"### {c.name}: {c.status}", ""]

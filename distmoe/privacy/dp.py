@@ -44,6 +44,7 @@ parties, ``t = n - d_max`` (mass-preserving rounding)::
     c      = sum_x round_s(m_x)                                   [L, E]   integers, every row sums to N_seq * s
     D2     = s * sqrt(L),  D1 = s * L                             []
     share  = concat(flatten(c), zeros(K)) + Sk(sigma_int^2 / t)    [L*E + K]   Sk(v) = Poisson(v/2) - Poisson(v/2)
+    vector = share, canaries moved to canary_positions(seed)      [L*E + K]   (``StatsLayout``)
     sum    = sum over n_active survivors of share                 [L*E + K]   noise variance n_active * sigma_int^2 / t
     z_eff  = z * sqrt(n_active / t)                               []
 
