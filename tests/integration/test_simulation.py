@@ -80,7 +80,8 @@ def test_simulate_three_parties_two_rounds(tmp_path: Path, monkeypatch):
 
     result = audit_run(run_dir)
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
-    for name in ("ledger-integrity", "cross-check", "allow-list", "epsilon", "noise-presence", "canaries"):
+    for name in ("ledger-integrity", "cross-check", "allow-list", "epsilon", "noise-presence", "row-noise",
+                 "canary-positions", "canaries"):
         assert result.check(name).status == "pass", (name, result.check(name).details)
     assert len(list((run_dir / "work").glob("*/ledger/*.jsonl"))) == 3
 

@@ -185,6 +185,7 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path, tiny_
     from distmoe.ledger import verify_ledger
     from distmoe.privacy import secagg as sa
     from distmoe.privacy.plan import plan_privacy, stats_spec
+    from distmoe.privacy.dp import canary_seed
     from distmoe.privacy.vectors import StatsLayout
     from distmoe.wire.schema import (
         DirectoryRequest,
@@ -228,7 +229,8 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path, tiny_
     req = server.receive_masked(1, [m.masked for m in masked.values()])
     resp = ask(unmask, UnmaskRequestMsg(req), UnmaskResponseMsg)
     res = server.finish(1, [r.response for r in resp.values()])
-    noisy, canaries = StatsLayout(sspec).decode(res.total)
+    seed = canary_seed(params.run_id, 1, next(iter(starts.values())).participants)  # the round's canary positions
+    noisy, canaries = StatsLayout(sspec, seed).decode(res.total)
     rows = noisy.sum(1)  # each row ~ the number of sequences of both parties
     assert np.all(rows > 10) and abs(rows[0] - rows[1]) < 10 * sspec.aggregate_sigma() / sspec.scale
     assert canaries.shape == (cfg.privacy.noise_canaries,) and np.std(canaries) > 0.3 * sspec.aggregate_sigma()
