@@ -64,7 +64,7 @@ def test_coordinator_sees_masked_vectors_only(honest):
     inbound = [e for e in entries if e["direction"] == "in" and not e["payload_type"].startswith("release")]
     assert {e["payload_type"] for e in inbound} == {
         "key-advert", "share-keys", "masked-input:model-update", "masked-input:router-stats", "masked-input:eval",
-        "unmask-response"}
+        "consistency-response", "unmask-response"}
     for e in inbound:
         assert e["verdict"] == "accepted" and e["anchor"]["node"] == e["peer"]
         assert not any(k.startswith(("arrays.", "stats.", "metrics.")) for k in e["keys"]), e["keys"]
@@ -269,6 +269,7 @@ def _train_sequences(d: Path, cfg) -> int:
     (codec.MSG_SETUP, ["party-0", "party-1"], ["party-0", "party-1"]),
     (codec.MSG_DIRECTORY, ["party-0", "party-1"], ["party-0", "party-1"]),
     (codec.MSG_STATS, ["party-0", "party-1"], ["party-0", "party-1"]),
+    (codec.MSG_CONSISTENCY, ["party-0", "party-1", "party-2"], ["party-0", "party-1"]),  # did not sign: not asked
     (codec.MSG_UNMASK, ["party-0", "party-1", "party-2"], ["party-0", "party-1"]),
 ])
 def test_dropout_at_each_stage_leaves_the_survivors_sum_and_a_passing_audit(tmp_path, stage, included, responders,
@@ -304,7 +305,7 @@ def test_each_stage_waits_for_its_own_timeout(tmp_path, make_run):
                                                     "federation.unmask-timeout": 55.0})
     coord.run()
     assert transport.timeouts == {codec.MSG_SETUP: 33.0, codec.MSG_DIRECTORY: 33.0, codec.MSG_STATS: 44.0,
-                                  codec.MSG_EVAL: 44.0, codec.MSG_UNMASK: 55.0}
+                                  codec.MSG_EVAL: 44.0, codec.MSG_CONSISTENCY: 55.0, codec.MSG_UNMASK: 55.0}
 
 
 @pytest.mark.parametrize("stage,in_round_1", [

@@ -332,13 +332,15 @@ class SecAggClient:
         return MaskedInput(self.cid, start.round, y, nxt, counts)
 
     def _count_shares(self, st: _Round, contributed: bool) -> tuple[CountShare, ...]:
-        """Shares of c_u in {0, 1} on a random polynomial of degree t - 1, one per member of U1 (all of U1,
-        not only the peer-graph holders: the count must be interpolable from any t survivors)."""
+        """Shares of c_u in {0, 1} on a random polynomial of degree t - 1, one per party of the pinned
+        directory (all of them, not only the peer-graph holders or this round's U1 as the server announced
+        it: the count must be interpolable from any t survivors, whatever U1 the server tells whom)."""
         p, r = self.params, st.round
-        xs = [shamir.holder_x(v) for v in st.u1]
+        roster = sorted(self._roster)
+        xs = [shamir.holder_x(v) for v in roster]
         sh = shamir.split_int(int(contributed), xs, p.threshold, self._rng)
         out = []
-        for v in st.u1:
+        for v in roster:
             if v == self.cid:
                 continue
             key = P.count_key(p.run_id, r, self.cid, v, self._c_sk, self._roster[v])
@@ -533,6 +535,17 @@ class SecAggClient:
             raise ConsistencyFailure(f"round {r}, consistency: the contributor count is not in [0, {len(u2)}]")
         return count
 
+    def _consistency_gate(self, st: _Round, req: UnmaskRequest, min_contributors: int) -> None:
+        """The consistency check before any share leaves (the defence the split-view tests exercise)."""
+        r, alive = st.round, tuple(sorted(req.alive))
+        if alive != st.u2:
+            raise ConsistencyFailure(f"round {r}, consistency: the unmask request's survivor set differs from the "
+                                     f"one this client signed ({len(alive)} vs {len(st.u2)} parties): a split view")
+        count = self.contributors(req, st.u2)
+        if count < min_contributors:
+            raise TooFewContributors(f"round {r}, unmask: {count} of the {len(st.u2)} survivors contributed data, "
+                                     f"below privacy.min-parties = {min_contributors}: nothing is unmasked")
+
     def _unmask(self, st: _Round, req: UnmaskRequest, min_contributors: int) -> UnmaskResponse:
         r, t = st.round, self.params.threshold
         self._check_ids(req.alive, r, "alive list")
@@ -555,13 +568,7 @@ class SecAggClient:
         if len(my_alive) < t:
             raise TooFewSurvivors(f"round {r}, unmask: {len(my_alive)} survivors among this client's holders, "
                                   f"below threshold t = {t}")
-        if tuple(sorted(alive)) != st.u2:
-            raise ConsistencyFailure(f"round {r}, consistency: the unmask request's survivor set differs from the "
-                                     f"one this client signed ({len(alive)} vs {len(st.u2)} parties): a split view")
-        count = self.contributors(req, st.u2)
-        if count < min_contributors:
-            raise TooFewContributors(f"round {r}, unmask: {count} of the {len(st.u2)} survivors contributed data, "
-                                     f"below privacy.min-parties = {min_contributors}: nothing is unmasked")
+        self._consistency_gate(st, req, min_contributors)
         enc = shamir.encode_share
         return UnmaskResponse(self.cid, r, tuple((v, enc(st.held[v][0])) for v in my_alive),
                               tuple((v, enc(st.held[v][1])) for v in my_dead))

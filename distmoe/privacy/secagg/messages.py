@@ -167,13 +167,13 @@ class CountShare:
 @dataclass(frozen=True, eq=False)
 class MaskedInput:
     """Stage 2, client -> server: y_u = x_u + PRG(b_u) + sum_{v>u} PRG(s_uv) - sum_{v<u} PRG(s_uv), and a
-    share of the contributor bit c_u for every other participant of U1."""
+    share of the contributor bit c_u for every other party of the run (the pinned key directory)."""
 
     sender: int
     round: int
     y: np.ndarray  # [length] uint32 (bits <= 32) or uint64, values < 2^bits; read-only
     next_keys: ShareKeys | None = None  # stage 1 of round + 1, piggybacked
-    count_shares: tuple[CountShare, ...] = ()  # one per other member of U1, sorted by recipient
+    count_shares: tuple[CountShare, ...] = ()  # one per other party of the run's directory, sorted by recipient
 
     def __post_init__(self):
         _check_id("sender", self.sender)

@@ -307,8 +307,8 @@ class SecAggServer:
                 why = "piggybacked share keys of another client or round"
             elif any(e.sender != m.sender or e.round != r for e in m.count_shares):
                 why = "a count share with a wrong sender or round"
-            elif sorted(e.recipient for e in m.count_shares) != sorted(set(rs.u1) - {m.sender}):
-                why = "count shares not addressed to exactly the other participants"
+            elif sorted(e.recipient for e in m.count_shares) != sorted(set(self._keys) - {m.sender}):
+                why = "count shares not addressed to exactly the other parties of the run"
             if why:
                 self._reject(r, m.sender, why)
                 continue
