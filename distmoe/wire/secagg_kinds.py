@@ -1,7 +1,8 @@
 """The field kinds of the secure-aggregation protocol messages (``privacy.mode = "secagg"``): key
 directory (with the signing keys), roster, share keys, round start, masked input (with the
 contributor-bit shares), late keys, consistency request and response, unmask request (with the
-signatures) and response, each written into Flower records and read back strictly. Part of the codec (``distmoe.wire.codec``).
+signatures) and response, each written into Flower records and read back strictly. Part of the codec
+(``distmoe.wire.codec``).
 
 Owns: ``SECAGG_KINDS`` and the encrypted envelopes (peer ids ``[n]`` uint64, nonces ``[n, 12]`` and
 ciphertexts ``[n, 148]`` uint8 for the mask shares, ``[n, 82]`` for the contributor-bit shares).
@@ -210,7 +211,8 @@ def _one(rows: list[bytes], tag: str) -> list[bytes]:
 
 def _put_unmask_request(out: Out, at: str, r) -> None:
     out.config("meta")["round"] = int(r.round)
-    out.recs[at] = _arrays({"alive": _u64(r.alive), "dead": _u64(r.dead), "signers": _u64(v for v, _, _ in r.signatures),
+    out.recs[at] = _arrays({"alive": _u64(r.alive), "dead": _u64(r.dead),
+                            "signers": _u64(v for v, _, _ in r.signatures),
                             "share_sums": _u8([s for _, s, _ in r.signatures], sa.shamir.SHARE_BYTES),
                             "sigs": _u8([g for _, _, g in r.signatures], sa.primitives.SIG_BYTES)})
 

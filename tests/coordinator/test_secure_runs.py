@@ -310,6 +310,7 @@ def test_each_stage_waits_for_its_own_timeout(tmp_path, make_run):
 
 @pytest.mark.parametrize("stage,in_round_1", [
     (codec.MSG_STATS, ["party-0", "party-1"]),  # trained and masked, the reply too late: not in U2
+    (codec.MSG_CONSISTENCY, ["party-0", "party-1", "party-2"]),  # its input is in the sum, it did not sign in time
     (codec.MSG_UNMASK, ["party-0", "party-1", "party-2"]),  # its input is in the sum, its shares came too late
 ])
 def test_straggler_at_a_stage_is_left_out_then_rejoins(tmp_path, stage, in_round_1, make_run, releases):
@@ -507,3 +508,30 @@ def test_the_superlinks_own_node_unavailable_error_is_kept_a_party_text_is_not(t
     (err,) = _errors_of(run_dir)
     assert err["code"] == ("unavailable" if kept else "withheld") and err["reason"] == ALL_REASONS[err["code"]]
     assert audit_run(run_dir).verdict == "pass"
+
+
+def test_single_holder_task_is_refused_before_anything_is_unmasked(tmp_path, make_run, releases):
+    """Issue 11 item 2(a), the single-holder task: only party-0 holds task 'arith', the others send a
+    zero vector with weight 0, so the "sum over 3 parties" would be party-0's own update. Defence: the
+    contributor count of the consistency check (each party's bit, Shamir-shared; only the sum is
+    learned): 1 < privacy.min-parties = 2, so the coordinator refuses the release before any unmask
+    request, records the refusal, and every party would refuse to unmask too."""
+    coord, transport, run_dir, dirs, lines = make_run(tmp_path, {"schedule.phases": "sft:arith"})
+    for d in dirs[1:]:
+        (d / "arith.jsonl").unlink()
+    w0 = {k: v.clone() for k, v in coord.s.weights.items()} if getattr(coord.s, "weights", None) else None
+    coord.run()
+    assert releases(run_dir, "model-update") == []
+    assert transport.sent.get(codec.MSG_CONSISTENCY) == 3 and codec.MSG_UNMASK not in transport.sent
+    refused = json.loads((run_dir / "privacy" / "ledger.json").read_text())["refused"]
+    assert refused == [{"round": 1, "release": "model-update", "reason": "too-few-contributors", "contributors": 1,
+                        "survivors": 3, "min_parties": 2}]
+    assert any("1 of the 3 survivors contributed data" in x for x in lines)
+    for d in dirs:  # no party sent an unmask response
+        entries = ledger(run_dir / "work" / d.name / "ledger" / f"{d.name}.jsonl")
+        assert not any(e["payload_type"] == "unmask-response" for e in entries)
+        assert any(e["payload_type"] == "consistency-response" and e["direction"] == "out" for e in entries)
+    if w0 is not None:
+        assert all(np.array_equal(w0[k].numpy(), coord.s.weights[k].numpy()) for k in w0)  # model unchanged
+    result = audit_run(run_dir)  # a refused round is an honest run: the audit passes
+    assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]

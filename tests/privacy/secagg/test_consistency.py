@@ -58,13 +58,16 @@ def inputs(n: int, seed: int = 1) -> dict[int, np.ndarray]:
 def honest_checks(fed: LocalFederation, r: int, xs, contributed=None):
     """Round ``r`` up to the consistency stage: (consistency requests, signed responses by sender)."""
     starts = fed.server.begin_round(r)
-    masked = [fed.clients[i].masked_input(s, xs[i], contributed=True if contributed is None else contributed[i])
-              for i, s in starts.items()]
+    masked = [
+        fed.clients[i].masked_input(s, xs[i], contributed=True if contributed is None else contributed[i])
+        for i, s in starts.items()
+    ]
     checks = fed.server.receive_masked(r, masked)
     return checks, {i: fed.clients[i].consistency(q) for i, q in checks.items()}
 
 
 # ---- the split-view attack --------------------------------------------------------------------
+
 
 def split_view_attack(fed: LocalFederation, xs, *, target: int = 1, attach: str = "matching"):
     """A malicious server that wants the target's input y_v - PRG(b_v) - sum_p PRG(s_vp).
@@ -83,8 +86,11 @@ def split_view_attack(fed: LocalFederation, xs, *, target: int = 1, attach: str 
     others = [c for c in ids if c != target]
     starts = fed.server.begin_round(1)
     st = starts[target]
-    told = dataclasses.replace(st, participants=tuple(pv for pv in st.participants if pv[0] in {target, *peers}),
-                               shares=tuple(e for e in st.shares if e.sender in peers))
+    told = dataclasses.replace(
+        st,
+        participants=tuple(pv for pv in st.participants if pv[0] in {target, *peers}),
+        shares=tuple(e for e in st.shares if e.sender in peers),
+    )
     masked = {c: fed.clients[c].masked_input(told if c == target else starts[c], xs[c]) for c in ids}
     dead: dict[int, set[int]] = {c: set() for c in others}
     for p in peers:  # each p "dropped" for t clients; a client may call at most n - t peers dropped
@@ -100,17 +106,29 @@ def split_view_attack(fed: LocalFederation, xs, *, target: int = 1, attach: str 
         signed[c] = fed.clients[c].consistency(ConsistencyRequest(1, c, tuple(sorted(alive[c])), shares))
     responses = {}
     for c in ids:
-        sigs = tuple((s.sender, s.share_sum, s.signature) for s in signed.values()
-                     if attach == "all" or alive[s.sender] == alive[c])
+        sigs = tuple(
+            (s.sender, s.share_sum, s.signature)
+            for s in signed.values()
+            if attach == "all" or alive[s.sender] == alive[c]
+        )
         req = UnmaskRequest(1, tuple(sorted(alive[c])), tuple(sorted(u1[c] - alive[c])), sigs)
         try:
             responses[c] = fed.clients[c].unmask(req)
         except SecAggAbort as exc:
             aborts[c] = exc
-    b_pts = {shamir.holder_x(c): shamir.decode_share(dict(r.b_shares)[target])
-             for c, r in responses.items() if target in dict(r.b_shares)}
-    s_pts = {p: {shamir.holder_x(c): shamir.decode_share(dict(r.s_shares)[p])
-                 for c, r in responses.items() if p in dict(r.s_shares)} for p in peers}
+    b_pts = {
+        shamir.holder_x(c): shamir.decode_share(dict(r.b_shares)[target])
+        for c, r in responses.items()
+        if target in dict(r.b_shares)
+    }
+    s_pts = {
+        p: {
+            shamir.holder_x(c): shamir.decode_share(dict(r.s_shares)[p])
+            for c, r in responses.items()
+            if p in dict(r.s_shares)
+        }
+        for p in peers
+    }
     if len(b_pts) < t or any(len(v) < t for v in s_pts.values()):
         return None, aborts, responses
     s_pk = dict(st.participants)
@@ -148,6 +166,7 @@ def test_split_view_attack_recovers_nothing(n, attach):
 
 
 # ---- signatures in the unmask request -------------------------------------------------------------
+
 
 @pytest.fixture
 def checked():
@@ -196,8 +215,12 @@ def test_share_sum_altered_under_a_valid_signature_is_refused(checked):
 def test_missing_signatures_below_the_required_number_are_refused(checked):
     """Defence: at least max(t, n//2 + 1) valid signatures over the set."""
     fed, req = checked
-    _refused(fed, dataclasses.replace(req, signatures=req.signatures[:2]), ConsistencyFailure,
-             "2 valid signatures over the survivor set, 3 needed")
+    _refused(
+        fed,
+        dataclasses.replace(req, signatures=req.signatures[:2]),
+        ConsistencyFailure,
+        "2 valid signatures over the survivor set, 3 needed",
+    )
 
 
 def test_no_signatures_at_all_are_refused(checked):
@@ -231,8 +254,12 @@ def test_signature_from_outside_the_survivor_set_is_refused():
     signed = [fed.clients[i].consistency(q) for i, q in checks.items()]
     req = fed.server.receive_consistency(1, signed)
     fake = P.sign(fed.clients[5]._sig_sk, P.consistency_message(RUN, 1, 5, req.alive, bytes(66)))
-    _refused(fed, dataclasses.replace(req, signatures=req.signatures + ((5, bytes(66), fake),)), ConsistencyFailure,
-             "client 5, not a survivor")
+    _refused(
+        fed,
+        dataclasses.replace(req, signatures=req.signatures + ((5, bytes(66), fake),)),
+        ConsistencyFailure,
+        "client 5, not a survivor",
+    )
 
 
 def test_survivor_set_other_than_the_signed_one_is_refused(checked):
@@ -248,8 +275,11 @@ def test_share_sums_off_one_polynomial_are_refused():
     _, signed = honest_checks(fed, 1, inputs(5))
     bad = (shamir.decode_share(signed[4].share_sum) + 1) % shamir.PRIME
     enc = shamir.encode_share(bad)
-    signed[4] = dataclasses.replace(signed[4], share_sum=enc, signature=P.sign(
-        fed.clients[4]._sig_sk, P.consistency_message(RUN, 1, 4, (1, 2, 3, 4, 5), enc)))
+    signed[4] = dataclasses.replace(
+        signed[4],
+        share_sum=enc,
+        signature=P.sign(fed.clients[4]._sig_sk, P.consistency_message(RUN, 1, 4, (1, 2, 3, 4, 5), enc)),
+    )
     with pytest.raises(ConsistencyFailure, match="one contributor count"):
         fed.server.receive_consistency(1, signed.values())
     honest = fed_of(5, seed=3)
@@ -263,8 +293,10 @@ def test_share_sums_off_one_polynomial_are_refused():
 
 # ---- the contributor count (issue 11 item 2a: a release needs min-parties contributors) ------------
 
-@pytest.mark.parametrize("pattern,count", [((1, 0, 0, 0, 0), 1), ((1, 1, 0, 1, 0), 3), ((0, 0, 0, 0, 0), 0),
-                                           ((1, 1, 1, 1, 1), 5)])
+
+@pytest.mark.parametrize(
+    "pattern,count", [((1, 0, 0, 0, 0), 1), ((1, 1, 0, 1, 0), 3), ((0, 0, 0, 0, 0), 0), ((1, 1, 1, 1, 1), 5)]
+)
 def test_contributor_count_is_the_sum_of_the_bits(pattern, count):
     fed = fed_of(5)
     _, signed = honest_checks(fed, 1, inputs(5), contributed={i + 1: bool(b) for i, b in enumerate(pattern)})
@@ -296,10 +328,16 @@ def test_single_holder_release_is_refused_by_every_party_even_if_the_server_asks
 
 # ---- the stage itself -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("drops", [{"drop_before_masked": {2}}, {"drop_before_consistency": {2}},
-                                   {"drop_before_unmask": {2}},
-                                   {"drop_before_masked": {7}, "drop_before_consistency": {2},
-                                    "drop_before_unmask": {5}}])
+
+@pytest.mark.parametrize(
+    "drops",
+    [
+        {"drop_before_masked": {2}},
+        {"drop_before_consistency": {2}},
+        {"drop_before_unmask": {2}},
+        {"drop_before_masked": {7}, "drop_before_consistency": {2}, "drop_before_unmask": {5}},
+    ],
+)
 def test_dropouts_at_every_stage_still_give_the_survivors_sum(drops):
     fed = fed_of(7)  # t = 4
     xs = inputs(7)
@@ -335,16 +373,28 @@ def test_consistency_is_answered_once_and_in_order():
         fed.clients[3].consistency(dataclasses.replace(checks[3], survivors=(2, 3)))
 
 
-@pytest.mark.parametrize("edit,exc,match", [
-    (lambda q: dataclasses.replace(q, survivors=(1, 3, 4)), ProtocolViolation, "omits client 2"),
-    (lambda q: dataclasses.replace(q, survivors=(2, 3)), Exception, "below"),
-    (lambda q: dataclasses.replace(q, count_shares=q.count_shares[1:]), ProtocolViolation, "no count share"),
-    (lambda q: dataclasses.replace(q, count_shares=q.count_shares[:1] * 2 + q.count_shares[1:]), ProtocolViolation,
-     "two count shares"),
-    (lambda q: dataclasses.replace(q, count_shares=(dataclasses.replace(
-        q.count_shares[0], ciphertext=_flip(q.count_shares[0].ciphertext)),) + q.count_shares[1:]), SecAggAbort,
-     "failed authentication"),
-])
+@pytest.mark.parametrize(
+    "edit,exc,match",
+    [
+        (lambda q: dataclasses.replace(q, survivors=(1, 3, 4)), ProtocolViolation, "omits client 2"),
+        (lambda q: dataclasses.replace(q, survivors=(2, 3)), Exception, "below"),
+        (lambda q: dataclasses.replace(q, count_shares=q.count_shares[1:]), ProtocolViolation, "no count share"),
+        (
+            lambda q: dataclasses.replace(q, count_shares=q.count_shares[:1] * 2 + q.count_shares[1:]),
+            ProtocolViolation,
+            "two count shares",
+        ),
+        (
+            lambda q: dataclasses.replace(
+                q,
+                count_shares=(dataclasses.replace(q.count_shares[0], ciphertext=_flip(q.count_shares[0].ciphertext)),)
+                + q.count_shares[1:],
+            ),
+            SecAggAbort,
+            "failed authentication",
+        ),
+    ],
+)
 def test_consistency_request_checks(edit, exc, match):
     fed = fed_of(4)
     starts = fed.server.begin_round(1)
@@ -356,6 +406,7 @@ def test_consistency_request_checks(edit, exc, match):
 
 
 # ---- the signing-key directory --------------------------------------------------------------------
+
 
 def _setup(n: int = 4):
     params = SecAggParams(run_id=RUN, threshold=3, bits=64, length=L)
@@ -385,12 +436,19 @@ def test_directory_substituting_a_signing_key_is_caught_by_the_victim_and_by_fin
     assert fed.clients[1].fingerprint != fed.clients[2].fingerprint
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda d: KeyDirectory(d.run_id, d.keys, d.sig_keys[:-1]), "exactly the clients"),
-    (lambda d: KeyDirectory(d.run_id, d.keys, d.sig_keys[:1] * 2 + d.sig_keys[2:]), "appears twice"),
-    (lambda d: KeyDirectory(d.run_id, d.keys, tuple((v, d.sig_keys[0][1]) if v == 4 else (v, k)
-                                                   for v, k in d.sig_keys)), "same signing key"),
-])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda d: KeyDirectory(d.run_id, d.keys, d.sig_keys[:-1]), "exactly the clients"),
+        (lambda d: KeyDirectory(d.run_id, d.keys, d.sig_keys[:1] * 2 + d.sig_keys[2:]), "appears twice"),
+        (
+            lambda d: KeyDirectory(
+                d.run_id, d.keys, tuple((v, d.sig_keys[0][1]) if v == 4 else (v, k) for v, k in d.sig_keys)
+            ),
+            "same signing key",
+        ),
+    ],
+)
 def test_directory_with_missing_repeated_or_shared_signing_keys_is_refused(edit, match):
     fed, d = _setup()
     with pytest.raises(ProtocolViolation, match=match):
