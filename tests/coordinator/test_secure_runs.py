@@ -535,3 +535,29 @@ def test_single_holder_task_is_refused_before_anything_is_unmasked(tmp_path, mak
         assert all(np.array_equal(w0[k].numpy(), coord.s.weights[k].numpy()) for k in w0)  # model unchanged
     result = audit_run(run_dir)  # a refused round is an honest run: the audit passes
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
+
+
+def test_single_holder_task_is_refused_by_the_parties_when_the_coordinator_skips_its_check(tmp_path, monkeypatch,
+                                                                                          make_run, releases):
+    """The same single-holder task with a coordinator that skips its own contributor-count check and asks
+    for the shares anyway. Defence: every party interpolates the count from the signed share-sums itself
+    and refuses (``TooFewContributors``) before revealing a share; the refusal reaches the server as the
+    fixed code ``secagg`` (1008) only, and nothing is released."""
+    from distmoe.privacy.secagg import SecAggServer
+
+    skip = SecAggServer.receive_consistency
+    monkeypatch.setattr(SecAggServer, "receive_consistency", lambda self, r, msgs, **kw: skip(self, r, msgs))
+    coord, transport, run_dir, dirs, lines = make_run(tmp_path, {"schedule.phases": "sft:arith"})
+    for d in dirs[1:]:
+        (d / "arith.jsonl").unlink()
+    coord.run()
+    assert transport.sent.get(codec.MSG_UNMASK) == 3
+    assert releases(run_dir, "model-update") == []
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    errs = [r for r in rows if r.get("event") == "party_error" and r["phase_label"].endswith("unmask")]
+    assert len(errs) == 3 and {r["code"] for r in errs} == {"secagg"}
+    assert {r["reason"] for r in errs} == {ALL_REASONS["secagg"]}
+    for d in dirs:
+        entries = ledger(run_dir / "work" / d.name / "ledger" / f"{d.name}.jsonl")
+        assert not any(e["payload_type"] == "unmask-response" for e in entries)
+        assert "contributed data, below privacy.min-parties = 2" in (run_dir / "work" / d.name / "party.log").read_text()
