@@ -533,6 +533,11 @@ def test_single_holder_task_is_refused_before_anything_is_unmasked(tmp_path, mak
         assert any(e["payload_type"] == "consistency-response" and e["direction"] == "out" for e in entries)
     if w0 is not None:
         assert all(np.array_equal(w0[k].numpy(), coord.s.weights[k].numpy()) for k in w0)  # model unchanged
+    prints = set()  # each party pinned the same key directory: one fingerprint to compare out of band
+    for d in dirs:
+        (facts,) = (run_dir / "work" / d.name / "privacy").glob(f"{d.name}-{transport.run_id}.json")
+        prints.add(json.loads(facts.read_text())["facts"]["directory_sha256"])
+    assert len(prints) == 1 and len(next(iter(prints))) == 64
     result = audit_run(run_dir)  # a refused round is an honest run: the audit passes
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
 
