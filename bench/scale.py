@@ -247,8 +247,10 @@ def protocol_cell(n: int, length: int, graph: str, drops: int, seed: int) -> dic
     starts = sv("begin round", server.begin_round, 1, length)
     masked = [cl("masked input", clients[i].masked_input, starts[i], xs[i], share_next=False)
               for i in server.roster if i not in dropped]
-    request = sv("receive masked", server.receive_masked, 1, masked)
-    responses = [cl("unmask", clients[i].unmask, request) for i in request.alive]
+    checks = sv("receive masked", server.receive_masked, 1, masked)
+    signed = [cl("consistency", clients[i].consistency, q) for i, q in checks.items()]
+    request = sv("receive consistency", server.receive_consistency, 1, signed)
+    responses = [cl("unmask", clients[i].unmask, request) for i, _, _ in request.signatures]
     res = sv("finish", server.finish, 1, responses)
     expect = np.zeros(length, np.uint64)
     for i in ids:
@@ -393,8 +395,8 @@ def main() -> None:
                       f"{m('start_wire_s'):.2f} | {ms(codec.MSG_SETUP)} | {ms(codec.MSG_DIRECTORY)} | "
                       f"{ms(codec.MSG_SFT)} | {ms(codec.MSG_STATS)} | {ms(codec.MSG_EVAL)} | {ms(codec.MSG_UNMASK)} |")
     if proto:
-        c_stages = ("advertise", "share keys", "masked input", "unmask")
-        s_stages = ("register", "add share keys", "begin round", "receive masked", "finish")
+        c_stages = ("advertise", "share keys", "masked input", "consistency", "unmask")
+        s_stages = ("register", "add share keys", "begin round", "receive masked", "receive consistency", "finish")
         for length in lengths.values():
             print(f"\n### Protocol only, one round over a {length}-element vector in Z_2^64 "
                   f"(medians of {args.proto_repeats}; ms)\n")

@@ -84,6 +84,11 @@ def directory(msg: Message, context: Context) -> Message:
     return _handle(msg, context)
 
 
+@app.query("consistency")
+def consistency(msg: Message, context: Context) -> Message:
+    return _handle(msg, context)
+
+
 @app.query("unmask")
 def unmask(msg: Message, context: Context) -> Message:
     return _handle(msg, context)

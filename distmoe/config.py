@@ -364,8 +364,8 @@ class FederationConfig(_Section):
                                "rejoin at the next", lo=1.0, hi=_DAY)
     setup_timeout: float = key(300.0, "seconds for each of the two secure-aggregation setup exchanges (a deployed "
                                "ClientApp's first start, imports included, can take tens of seconds)", lo=1.0, hi=_DAY)
-    unmask_timeout: float = key(120.0, "seconds for the unmask exchange of a secure round (no training in it)",
-                                lo=1.0, hi=_DAY)
+    unmask_timeout: float = key(120.0, "seconds for each of the consistency-check and unmask exchanges of a secure "
+                                "round (no training in them)", lo=1.0, hi=_DAY)
     on_round_failure: str = key("skip", "a round that releases nothing (fewer than the threshold survived, or the "
                                 "server rejected the sum): `skip` leaves the model/anchor unchanged and goes on; "
                                 "`stop` ends the run with a message naming the round", choices=ROUND_FAILURE_POLICIES)

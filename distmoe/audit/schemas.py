@@ -91,12 +91,12 @@ def _task(v: Any, c: _Ctx) -> bool:
 
 
 def _phase(v: Any, c: _Ctx) -> bool:
-    """A phase label of the schedule (or setup/eval), optionally followed by the stage ``unmask``."""
+    """A phase label of the schedule (or setup/eval), optionally followed by the stage ``consistency`` or ``unmask``."""
     if not isinstance(v, str):
         return False
     head, _, tail = v.partition(" ")
     head = re.sub(r"\*\d+\Z", "", head)  # the schedule's own entries carry their round count: "sft:lookup*3"
-    return head in c.labels | {"sft", "rl", "stats"} and tail in ("", "unmask")
+    return head in c.labels | {"sft", "rl", "stats"} and tail in ("", "consistency", "unmask")
 
 
 def _text(v: Any, _c: _Ctx) -> bool:

@@ -8,10 +8,15 @@ roster (the parties that completed setup) and names, the server's per-party acco
 1. ``begin_round``: RoundStart for every party that shared keys (U1); the others get the instruction
    without one and answer with share keys for the next round (they rejoin there);
 2. exchange 1: phase instruction down, masked input (+ next round's share keys) up;
-3. gate: at least ``privacy.min-parties`` masked inputs, and for a DP release no included party's
-   budget exceeded at the survivors' ``z_eff`` (else the run stops before unmasking: the sum stays
-   masked, nothing is released);
-4. exchange 2: unmask request to the survivors (U2), shares up, ``finish`` -> the sum of U2's inputs.
+3. gate: at least ``privacy.min-parties`` masked inputs;
+4. exchange 2, the consistency check (Bonawitz et al. CCS 2017 §4): the survivor set U2 and the
+   contributor-bit shares down to each survivor, a signed share of the contributor count up; the round
+   is refused (recorded in ``ledger.json`` under ``refused``, nothing unmasked) when fewer than
+   ``privacy.min-parties`` survivors contributed data, or too few signed;
+5. gate: for a DP release no included party's budget exceeded at the survivors' ``z_eff`` (else the run
+   stops before unmasking: the sum stays masked, nothing is released);
+6. exchange 3: unmask request with the signatures to the signers, shares up, ``finish`` -> the sum of
+   U2's inputs. Every party checks the signatures and the count itself before it reveals a share.
 
 A round that cannot complete (below the threshold at any stage, a corrupt share) releases nothing
 and the model or anchor stays unchanged; the next round starts from whoever shared keys for it.
@@ -44,6 +49,8 @@ from distmoe.privacy import secagg as sa
 from distmoe.privacy.accountant import Accountant, BudgetExceeded, PrivacyEvent
 from distmoe.privacy.plan import PrivacyPlan, threshold_for
 from distmoe.wire.schema import (
+    ConsistencyRequestMsg,
+    ConsistencyResponseMsg,
     DirectoryRequest,
     KeyAdvertReply,
     MaskedReply,
@@ -62,6 +69,7 @@ class SecureSum:
     dropped: tuple[str, ...]
     responders: tuple[str, ...]
     n_active: int
+    contributors: int = 0  # survivors whose input held any of their data (securely counted)
 
 
 class SecureRounds:
@@ -74,6 +82,7 @@ class SecureRounds:
         self.roster: tuple[int, ...] = ()
         self.threshold = 0
         self.accountants: dict[str, Accountant] = {}
+        self.refused: list[dict] = []  # rounds refused by the contributor count (ledger.json "refused")
 
     @property
     def names(self) -> dict[int, str]:
@@ -111,7 +120,7 @@ class SecureRounds:
         replies, errors = self.transport.exchange({n: req for n in nodes}, KeyAdvertReply, timeout, rnd=0,
                                                   phase="setup")
         self.report_errors("setup", errors)
-        adverts = [sa.KeyAdvert(n, r.c_pk) for n, r in replies.items()]
+        adverts = [sa.KeyAdvert(n, r.c_pk, r.sig_pk) for n, r in replies.items()]
         try:
             directory = self.server.register(adverts)
         except sa.SecAggAbort as exc:
@@ -139,6 +148,7 @@ class SecureRounds:
             "threshold": self.threshold, "roster": [self.name(n) for n in self.roster],
             "parties": {k: a.state_dict() for k, a in sorted(self.accountants.items())},
             "epsilon": {k: {"prv": a.epsilon()[0], "rdp": a.epsilon()[1]} for k, a in sorted(self.accountants.items())},
+            "refused": self.refused,
         })
 
     # ------------------------------------------------------------------ one round
@@ -162,17 +172,20 @@ class SecureRounds:
             self._save()
             return None
         try:
-            request = self.server.receive_masked(rnd, masked)
+            checks = self.server.receive_masked(rnd, masked)
         except sa.SecAggAbort as exc:
             self._save()
             self.say(f"round {rnd}: nothing released: {exc}")
             return None
-        n_active = len(request.alive)
-        included = tuple(self.name(n) for n in request.alive)
-        if n_active < self.cfg.privacy.min_parties:
+        n_active, mp = len(checks), self.cfg.privacy.min_parties
+        included = tuple(self.name(n) for n in sorted(checks))
+        if n_active < mp:
             self._save()
-            self.say(f"round {rnd}: only {n_active} masked inputs, below privacy.min-parties = "
-                     f"{self.cfg.privacy.min_parties}: not unmasked, nothing released")
+            self.say(f"round {rnd}: only {n_active} masked inputs, below privacy.min-parties = {mp}: not unmasked, "
+                     "nothing released")
+            return None
+        request = self._consistency(rnd, phase, release, checks)
+        if request is None:
             return None
         if dp_event is not None:
             ev = dp_event(n_active)
@@ -184,7 +197,8 @@ class SecureRounds:
                                       f"budget privacy.epsilon = {acc.epsilon_budget:g} (now "
                                       f"{acc.primary_epsilon():.3f}, after {acc.epsilon_after(ev):.3f}); the sum "
                                       "was not unmasked and the run stops here")
-        replies, errors = self.transport.exchange({n: UnmaskRequestMsg(request) for n in request.alive},
+        signers = [v for v, _, _ in request.signatures]
+        replies, errors = self.transport.exchange({n: UnmaskRequestMsg(request) for n in signers},
                                                   UnmaskResponseMsg, self.cfg.federation.unmask_timeout, rnd=rnd,
                                                   phase=phase)
         self.report_errors(f"{phase} unmask", errors)
@@ -203,7 +217,30 @@ class SecureRounds:
                     raise PrivacyStop(str(exc)) from None
         self._save()
         return SecureSum(res.total, included, tuple(self.name(n) for n in res.dropped),
-                         tuple(self.name(n) for n in res.responders), n_active)
+                         tuple(self.name(n) for n in res.responders), n_active, res.contributors)
+
+    def _consistency(self, rnd: int, phase: str, release: str, checks: dict) -> sa.UnmaskRequest | None:
+        """Exchange 2: each survivor signs U2 with its share of the contributor count. None (nothing is
+        unmasked) when too few signed, or fewer than ``privacy.min-parties`` survivors contributed data:
+        that refusal is recorded in ``ledger.json`` (``refused``) with the count, never with who."""
+        mp = self.cfg.privacy.min_parties
+        replies, errors = self.transport.exchange({n: ConsistencyRequestMsg(q) for n, q in checks.items()},
+                                                  ConsistencyResponseMsg, self.cfg.federation.unmask_timeout,
+                                                  rnd=rnd, phase=phase)
+        self.report_errors(f"{phase} consistency", errors)
+        try:
+            return self.server.receive_consistency(rnd, [r.response for r in replies.values()], min_contributors=mp)
+        except sa.TooFewContributors:
+            k = self.server.contributors(rnd)
+            self.refused.append({"round": rnd, "release": release, "reason": "too-few-contributors",
+                                 "contributors": k, "survivors": len(checks), "min_parties": mp})
+            self._save()
+            self.say(f"round {rnd}: {release} refused: {k} of the {len(checks)} survivors contributed data, below "
+                     f"privacy.min-parties = {mp}; not unmasked, nothing released")
+        except sa.SecAggAbort as exc:
+            self._save()
+            self.say(f"round {rnd}: consistency check failed, nothing released: {exc}")
+        return None
 
     def epsilon(self) -> dict[str, dict[str, float]]:
         return {k: {"prv": a.epsilon()[0], "rdp": a.epsilon()[1]} for k, a in sorted(self.accountants.items())}

@@ -4,7 +4,7 @@ through the outbound guard (``distmoe.wire.party_guard.serve``).
 
 Owns: the dispatch of each decoded instruction to the party's own work (``distmoe.party.work``: SFT,
 RL, router statistics, evaluation) or secure-aggregation stage (``distmoe.party.session``: setup,
-directory, masked input, unmask), the assembly of a secure phase's reply (the public layout of the
+directory, masked input, consistency check, unmask), the assembly of a secure phase's reply (the public layout of the
 vector, the DP charge before anything is computed, the masked input), the party's identity on the wire
 (name, ledger, canary strings from ``<data-path>/canaries.txt``), and turning the party's own errors
 (``SessionError``, ``PartyError``, ``DataError``, ``ConfigError``) into ``Refused`` with the fixed reason
@@ -30,6 +30,8 @@ from distmoe.privacy.vectors import StatsLayout
 from distmoe.wire.errors import ErrorCode, Refused
 from distmoe.wire.schema import (
     TRAIN_METRIC_KEYS,
+    ConsistencyRequestMsg,
+    ConsistencyResponseMsg,
     DirectoryRequest,
     EvalInstruction,
     KeyAdvertReply,
@@ -93,9 +95,11 @@ class PartyService:
         if isinstance(instr, SetupRequest):
             self._check_data()  # a party with broken data says so at its first contact, before any training
             advert = sess.setup(instr, self.node_id)
-            return KeyAdvertReply(node.party, advert.c_pk, self.ledger.public_key_hex), None
+            return KeyAdvertReply(node.party, advert.c_pk, self.ledger.public_key_hex, advert.sig_pk), None
         if isinstance(instr, DirectoryRequest):
             return ShareKeysReply(sess.directory(instr)), None
+        if isinstance(instr, ConsistencyRequestMsg):
+            return ConsistencyResponseMsg(sess.consistency(instr.request)), None
         if isinstance(instr, UnmaskRequestMsg):
             return UnmaskResponseMsg(sess.unmask(instr.request)), None
         return self._secure_phase(instr, sess)
@@ -116,6 +120,7 @@ class PartyService:
         dp = None
         if isinstance(instr, StatsInstruction):
             per_seq = P.router_stats_per_sequence(cfg, node, instr, cfg.privacy.num_sequences_max)  # [N, L, E]
+            contributed = per_seq.shape[0] > 0
             spec = sess.stats_spec(per_seq.shape[1], per_seq.shape[2])
             t = sess.params.threshold
             # charged at the fewest survivors a completed round can have (t): z_eff(t) = z
@@ -126,19 +131,21 @@ class PartyService:
             dp = {**spec.dp_params(n_active=t), "epsilon": eps, "budget": sess.accountant.epsilon_budget,
                   "canary_seed": seed.hex()}
         elif isinstance(instr, (SftInstruction, RlInstruction)):
-            vec, dp = self._update_vector(instr, sess)
+            vec, dp, contributed = self._update_vector(instr, sess)
         else:
             rep = P.run_eval(cfg, node, instr)
             vec = sess.eval_layout(eval_metric_keys(instr.tasks)).encode(rep.metrics)
+            contributed = any(rep.metrics.get(f"n/{t}", 0) > 0 for t in instr.tasks)  # evaluated any sequence
         length = st.length or sess.params.length
         if vec.shape != (length,):
             raise Refused(f"round {instr.round}: the server declared a {length}-element vector, this party's layout "
                           f"for {si.release} has {vec.shape[0]}: refused (mismatched model or config?)",
                           ErrorCode.MODEL)
-        return MaskedReply(si.release, sess.masked(st, vec), None), dp
+        return MaskedReply(si.release, sess.masked(st, vec, contributed=contributed), None), dp
 
     def _update_vector(self, instr: SftInstruction | RlInstruction, sess: PartySession):
-        """Train locally; the update as this round's ``[D]`` vector (noised under client-level DP)."""
+        """Train locally; (the update as this round's ``[D]`` vector (noised under client-level DP), the DP
+        facts, whether any of this party's examples went into it)."""
         cfg, node = self.cfg, self.node
         upd = (P.run_sft if isinstance(instr, SftInstruction) else P.run_rl)(cfg, node, instr)
         if isinstance(instr, SftInstruction):
@@ -152,9 +159,10 @@ class PartyService:
         metrics = {k: upd.metrics.get(k, math.nan) for k in keys}
         layout = sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()}, keys)
         vec, _ = layout.encode(upd.delta, upd.num_examples, metrics)
+        contributed = upd.num_examples > 0
         z_u = sess.facts.update_noise_multiplier
         if z_u <= 0:
-            return vec, None
+            return vec, None, contributed
         if not layout.private:
             raise Refused("update noise requested on a non-private layout (weights and metrics would leave exact)")
         t = sess.params.threshold  # per sequence: z_u / 2 (one sequence moves the clipped delta by 2 clips)
@@ -162,7 +170,7 @@ class PartyService:
         vec = add_update_noise(vec, layout, z_u, sess.params.threshold)
         dp = {**update_dp_facts(layout, z_u, sess.n_parties, sess.params.threshold), "epsilon": eps,
               "budget": sess.accountant.epsilon_budget}
-        return vec, dp
+        return vec, dp, contributed
 
     def _moe_layers(self) -> int:
         from distmoe.model.build import build_model, describe

@@ -9,7 +9,12 @@ accountant, per *logical* run: see "Resume" below), the party's ledger signing k
 makes before anything of its data is released: the noise it uses is the larger of its own plan and the
 server's (a server can only tighten it), its budget is ``min(privacy.epsilon, node epsilon-max)``, a
 release that would exceed the budget is refused before the masked input is computed, and an unmask
-request naming fewer than ``privacy.min-parties`` survivors is refused. The PRG passes its known-answer test
+request naming fewer than ``privacy.min-parties`` survivors, or whose signed consistency check
+(``SecAggClient.consistency``/``unmask``: the same survivor set signed by enough parties) gives fewer than
+``privacy.min-parties`` parties that contributed data, is refused before any share is revealed. The
+fingerprint of the key directory this party pinned (``directory_sha256`` in the facts file) is what its
+owner compares with the other owners out of band: the coordinator relays every key, so a coordinator
+that substitutes keys at setup is caught only that way. The PRG passes its known-answer test
 at setup and before every masked input, and a masked input whose uniformity statistic fails is refused
 (``distmoe.privacy.secagg.selftest``): a zero or broken PRG would send the input in the clear.
 
@@ -102,6 +107,7 @@ class _Facts:
     logical_run: str = ""  # "" in files from before resume support: the Flower run id
     epoch: int = 0
     n_invited: int = 0  # parties the server invited: fixes the SecAgg peer graph's degree (privacy.secagg-graph)
+    directory_sha256: str = ""  # fingerprint of the pinned key directory (compare out of band)
 
 
 class PartySession:
@@ -247,8 +253,13 @@ class PartySession:
 
     def directory(self, req) -> sa.ShareKeys:
         f = self._need()
-        self.client.receive_directory(req.directory)
+        try:
+            self.client.receive_directory(req.directory)
+        except sa.SecAggAbort as exc:
+            self.save()
+            raise SessionError(f"party {self.node.party}: key directory refused: {exc}") from None
         f.roster = [cid for cid, _ in req.directory.keys]
+        f.directory_sha256 = self.client.fingerprint or ""
         f.names = {str(i): n for i, n in req.names}
         keys = self.client.share_keys(req.first_round)
         self.save()
@@ -286,7 +297,9 @@ class PartySession:
                                ErrorCode.BUDGET) from None
         return eps
 
-    def masked(self, start, vec) -> sa.MaskedInput:
+    def masked(self, start, vec, *, contributed: bool) -> sa.MaskedInput:
+        """``contributed``: whether ``vec`` holds any of this party's data (its contributor bit, securely
+        counted in the consistency check; the release needs ``privacy.min-parties`` contributors)."""
         if self.client is None:
             raise SessionError(f"party {self.node.party}: no SecAgg state for run {self.run_id}")
         if start.recipient != self._need().node_id:
@@ -294,19 +307,36 @@ class PartySession:
         if (why := prg_known_answer()) is not None:
             raise SessionError(f"party {self.node.party}: {why}; its masks would not hide its inputs: refused")
         try:
-            m = self.client.masked_input(start, vec)
+            m = self.client.masked_input(start, vec, contributed=contributed)
+        except sa.SecAggAbort as exc:
+            raise SessionError(f"party {self.node.party}: round {start.round}: {exc}") from None
         finally:
             self.save()
         if (why := mask_check_failure(mask_statistic(m.y))) is not None:  # the round stays MASKED: never re-sent
             raise SessionError(f"party {self.node.party}: round {start.round}: {why}: refused, nothing was sent")
         return m
 
+    def consistency(self, request) -> sa.ConsistencyResponse:
+        """Sign the survivor set of this round (once) with this party's share of the contributor count."""
+        if self.client is None:
+            raise SessionError(f"party {self.node.party}: no SecAgg state for run {self.run_id}")
+        try:
+            return self.client.consistency(request)
+        except sa.SecAggAbort as exc:
+            raise SessionError(f"party {self.node.party}: round {request.round}: {exc}") from None
+        finally:
+            self.save()
+
     def unmask(self, request) -> sa.UnmaskResponse:
         mp = self.cfg.privacy.min_parties
         if len(request.alive) < mp:
             raise SessionError(f"party {self.node.party}: unmask request for round {request.round} names "
                                f"{len(request.alive)} surviving parties, below privacy.min-parties = {mp}: refused")
+        if self.client is None:
+            raise SessionError(f"party {self.node.party}: no SecAgg state for run {self.run_id}")
         try:
-            return self.client.unmask(request)
+            return self.client.unmask(request, min_contributors=mp)
+        except sa.SecAggAbort as exc:
+            raise SessionError(f"party {self.node.party}: round {request.round}: {exc}: nothing revealed") from None
         finally:
             self.save()

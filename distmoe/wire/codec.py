@@ -26,6 +26,7 @@ from distmoe.wire.schema import (  # noqa: F401  (MSG_* are part of the codec's 
     BY_CLASS,
     BY_TAG,
     EVAL_ROUTING_KEYS,
+    MSG_CONSISTENCY,
     MSG_DIRECTORY,
     MSG_EVAL,
     MSG_RL,

@@ -43,6 +43,7 @@ from distmoe.wire.codec import WireError
 from distmoe.wire.errors import REASONS, Blocked, ErrorCode, Refused, reason_text
 from distmoe.wire.schema import (
     BY_MESSAGE_TYPE,
+    ConsistencyRequestMsg,
     DirectoryRequest,
     EvalInstruction,
     EvalReply,
@@ -256,7 +257,7 @@ def read_instruction(mtype: str, content: RecordDict, secure: bool) -> tuple[obj
         raise Refused(f"unknown message type {mtype!r}")
     if not pt.release:  # a secure-aggregation protocol stage
         req = codec.decode(content, pt.cls)
-        rnd = req.request.round if isinstance(req, UnmaskRequestMsg) else (
+        rnd = req.request.round if isinstance(req, (UnmaskRequestMsg, ConsistencyRequestMsg)) else (
             req.first_round if isinstance(req, DirectoryRequest) else 0)
         return req, Expectation(pt.reply), rnd
     instr_t, release = pt.cls, pt.release

@@ -135,6 +135,7 @@ class KeyAdvertReply:
     party: str
     c_pk: bytes  # X25519 share-encryption key of this run
     ledger_public_key: str  # hex Ed25519 key that signs this party's ledger
+    sig_pk: bytes  # Ed25519 key that signs this party's consistency-check answers (SecAgg, this run)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,16 @@ class MaskedReply:
 
 
 @dataclass(frozen=True)
+class ConsistencyRequestMsg:
+    request: object  # secagg.ConsistencyRequest
+
+
+@dataclass(frozen=True)
+class ConsistencyResponseMsg:
+    response: object  # secagg.ConsistencyResponse
+
+
+@dataclass(frozen=True)
 class UnmaskRequestMsg:
     request: object  # secagg.UnmaskRequest
 
@@ -183,6 +194,7 @@ MSG_RL = "train.rl"
 MSG_EVAL = "evaluate"
 MSG_SETUP = "query.setup"
 MSG_DIRECTORY = "query.directory"
+MSG_CONSISTENCY = "query.consistency"
 MSG_UNMASK = "query.unmask"
 
 
@@ -265,7 +277,7 @@ PAYLOADS: tuple[PayloadType, ...] = (
                       "update_noise_multiplier:float", "logical_run:logical-run", "epoch:epoch"),
                 ("meta",), MSG_SETUP, KeyAdvertReply, "", "setup"),
     PayloadType(KeyAdvertReply, "key-advert", "reply",
-                _meta("party:party", "c_pk:key32", "ledger_public_key:hex64"), ("meta",)),
+                _meta("party:party", "c_pk:key32", "ledger_public_key:hex64", "sig_pk:key32"), ("meta",)),
     PayloadType(DirectoryRequest, "key-directory", "instruction",
                 (Field("directory", "dir", "key-directory"),) + _meta("first_round:int", "names:roster"),
                 ("meta", "dir"), MSG_DIRECTORY, ShareKeysReply, "", "setup"),
@@ -278,7 +290,12 @@ PAYLOADS: tuple[PayloadType, ...] = (
     PayloadType(MaskedReply, "masked-input", "reply",
                 (Field("release", "meta.release", "release"), Field("masked", "masked", "masked-input"),
                  Field("late_keys", "next", "late-keys")),
-                ("meta", "masked", "masked_y", "next", "next_shares")),
+                ("meta", "masked", "masked_y", "masked_count", "next", "next_shares")),
+    PayloadType(ConsistencyRequestMsg, "consistency-request", "instruction",
+                (Field("request", "check", "consistency-request"),), ("meta", "check", "check_shares"),
+                MSG_CONSISTENCY, ConsistencyResponseMsg, "", "unmask"),
+    PayloadType(ConsistencyResponseMsg, "consistency-response", "reply",
+                (Field("response", "signed", "consistency-response"),), ("meta", "signed")),
     PayloadType(UnmaskRequestMsg, "unmask-request", "instruction", (Field("request", "lists", "unmask-request"),),
                 ("meta", "lists"), MSG_UNMASK, UnmaskResponseMsg, "", "unmask"),
     PayloadType(UnmaskResponseMsg, "unmask-response", "reply", (Field("response", "shares", "unmask-response"),),

@@ -1,9 +1,11 @@
 """The field kinds of the secure-aggregation protocol messages (``privacy.mode = "secagg"``): key
-directory, roster, share keys, round start, masked input, late keys, unmask request and response, each
-written into Flower records and read back strictly. Part of the codec (``distmoe.wire.codec``).
+directory (with the signing keys), roster, share keys, round start, masked input (with the
+contributor-bit shares), late keys, consistency request and response, unmask request (with the
+signatures) and response, each written into Flower records and read back strictly. Part of the codec
+(``distmoe.wire.codec``).
 
-Owns: ``SECAGG_KINDS`` and the encrypted-share envelopes (peer ids ``[n]`` uint64, nonces ``[n, 12]`` and
-ciphertexts ``[n, 148]`` uint8).
+Owns: ``SECAGG_KINDS`` and the encrypted envelopes (peer ids ``[n]`` uint64, nonces ``[n, 12]`` and
+ciphertexts ``[n, 148]`` uint8 for the mask shares, ``[n, 82]`` for the contributor-bit shares).
 
 Must not: do any cryptography (``distmoe.privacy.secagg`` does), or be used outside ``distmoe.wire``.
 """
@@ -41,19 +43,23 @@ def _ids(a: np.ndarray, what: str) -> tuple[int, ...]:
     return tuple(int(v) for v in a)
 
 
-def _envelopes(shares, peer_of) -> ArrayRecord:
-    """EncryptedShares -> arrays: peer ids [n], nonces [n, 12], ciphertexts [n, 148]."""
+_CT = sa.messages.SHARE_CIPHERTEXT_BYTES
+_COUNT_CT = sa.messages.COUNT_CIPHERTEXT_BYTES
+
+
+def _envelopes(shares, peer_of, width: int = _CT) -> ArrayRecord:
+    """EncryptedShares / CountShare -> arrays: peer ids [n], nonces [n, 12], ciphertexts [n, width]."""
     return _arrays({"ids": _u64(peer_of(e) for e in shares), "nonces": _u8([e.nonce for e in shares], 12),
-                    "cts": _u8([e.ciphertext for e in shares], sa.messages.SHARE_CIPHERTEXT_BYTES)})
+                    "cts": _u8([e.ciphertext for e in shares], width)})
 
 
-def _read_envelopes(rec: ArrayRecord, what: str, make) -> tuple:
+def _read_envelopes(rec: ArrayRecord, what: str, make, width: int = _CT) -> tuple:
     arrays = _read_arrays(rec, what)
     if set(arrays) != set(_SA_ENVELOPES):
         raise WireError(f"{what}: arrays {sorted(arrays)} != {sorted(_SA_ENVELOPES)}")
     ids = _ids(arrays["ids"], what)
     nonces = _rows(arrays["nonces"], 12, what)
-    cts = _rows(arrays["cts"], sa.messages.SHARE_CIPHERTEXT_BYTES, what)
+    cts = _rows(arrays["cts"], width, what)
     if not len(ids) == len(nonces) == len(cts):
         raise WireError(f"{what}: {len(ids)} ids, {len(nonces)} nonces, {len(cts)} ciphertexts")
     return tuple(make(i, n, c) for i, n, c in zip(ids, nonces, cts, strict=True))
@@ -81,16 +87,20 @@ def _share_key_strings(at: str) -> dict[str, set[str]]:
 
 def _put_directory(out: Out, at: str, d) -> None:
     out.config("meta")["secagg_run"] = d.run_id
-    out.recs[at] = _arrays({"ids": _u64(cid for cid, _ in d.keys), "keys": _u8([k for _, k in d.keys], 32)})
+    if [v for v, _ in d.sig_keys] != [v for v, _ in d.keys]:
+        raise WireError(f"{out.tag}: signing keys and share keys name different parties")
+    out.recs[at] = _arrays({"ids": _u64(cid for cid, _ in d.keys), "keys": _u8([k for _, k in d.keys], 32),
+                            "sig_keys": _u8([k for _, k in d.sig_keys], 32)})
 
 
 def _take_directory(inp: In, at: str, got: dict):
     run = bytes(inp.value("meta.secagg_run"))
-    arrays = inp.arrays(at, {"ids", "keys"})
+    arrays = inp.arrays(at, {"ids", "keys", "sig_keys"})
     ids, keys = _ids(arrays["ids"], inp.tag), _rows(arrays["keys"], 32, inp.tag)
-    if len(ids) != len(keys):
-        raise WireError(f"{inp.tag}: {len(ids)} ids, {len(keys)} keys")
-    return sa.KeyDirectory(run, tuple(zip(ids, keys, strict=True)))
+    sig = _rows(arrays["sig_keys"], 32, inp.tag)
+    if not len(ids) == len(keys) == len(sig):
+        raise WireError(f"{inp.tag}: {len(ids)} ids, {len(keys)} keys, {len(sig)} signing keys")
+    return sa.KeyDirectory(run, tuple(zip(ids, keys, strict=True)), tuple(zip(ids, sig, strict=True)))
 
 
 def _put_roster(out: Out, at: str, names) -> None:
@@ -137,6 +147,7 @@ def _put_masked(out: Out, at: str, m) -> None:
         raise WireError(f"{out.tag}: y must be uint64 (Z_2^64)")
     out.recs[at] = ConfigRecord({"round": int(m.round), "sender": int(m.sender)})
     out.recs[f"{at}_y"] = _arrays({"y": m.y})
+    out.recs[f"{at}_count"] = _envelopes(m.count_shares, lambda e: e.recipient, _COUNT_CT)
     if m.next_keys is not None:
         _put_share_keys(out, "next", m.next_keys)
 
@@ -149,7 +160,9 @@ def _take_masked(inp: In, at: str, got: dict):
     if y.dtype != np.uint64 or y.ndim != 1:
         raise WireError(f"{inp.tag}: y must be uint64 [length], got {y.dtype} {y.shape}")
     nxt = _take_share_keys(inp, "next") if inp.has("next") else None
-    return sa.MaskedInput(sender, rnd, y, nxt)
+    counts = _read_envelopes(inp.record(f"{at}_count"), f"{inp.tag}: {at}_count",
+                             lambda i, n, c: sa.CountShare(sender, i, rnd, n, c), _COUNT_CT)
+    return sa.MaskedInput(sender, rnd, y, nxt, counts)
 
 
 def _put_late_keys(out: Out, at: str, keys) -> None:
@@ -163,14 +176,56 @@ def _take_late_keys(inp: In, at: str, got: dict):
     return _take_share_keys(inp, at) if got["masked"] is None else None
 
 
+def _put_consistency_request(out: Out, at: str, q) -> None:
+    out.config("meta").update(round=int(q.round), recipient=int(q.recipient))
+    out.recs[at] = _arrays({"survivors": _u64(q.survivors)})
+    out.recs[f"{at}_shares"] = _envelopes(q.count_shares, lambda e: e.sender, _COUNT_CT)
+
+
+def _take_consistency_request(inp: In, at: str, got: dict):
+    rnd, rcpt = int(inp.value("meta.round")), int(inp.value("meta.recipient"))
+    survivors = _ids(inp.arrays(at, {"survivors"})["survivors"], inp.tag)
+    shares = _read_envelopes(inp.record(f"{at}_shares"), f"{inp.tag}: {at}_shares",
+                             lambda i, n, c: sa.CountShare(i, rcpt, rnd, n, c), _COUNT_CT)
+    return sa.ConsistencyRequest(rnd, rcpt, survivors, shares)
+
+
+def _put_consistency_response(out: Out, at: str, r) -> None:
+    out.config("meta").update(round=int(r.round), sender=int(r.sender))
+    out.recs[at] = _arrays({"share_sum": _u8([r.share_sum], sa.shamir.SHARE_BYTES),
+                            "signature": _u8([r.signature], sa.primitives.SIG_BYTES)})
+
+
+def _take_consistency_response(inp: In, at: str, got: dict):
+    a = inp.arrays(at, {"share_sum", "signature"})
+    (share_sum,) = _one(_rows(a["share_sum"], sa.shamir.SHARE_BYTES, inp.tag), inp.tag)
+    (sig,) = _one(_rows(a["signature"], sa.primitives.SIG_BYTES, inp.tag), inp.tag)
+    return sa.ConsistencyResponse(int(inp.value("meta.sender")), int(inp.value("meta.round")), share_sum, sig)
+
+
+def _one(rows: list[bytes], tag: str) -> list[bytes]:
+    if len(rows) != 1:
+        raise WireError(f"{tag}: expected exactly one row, got {len(rows)}")
+    return rows
+
+
 def _put_unmask_request(out: Out, at: str, r) -> None:
     out.config("meta")["round"] = int(r.round)
-    out.recs[at] = _arrays({"alive": _u64(r.alive), "dead": _u64(r.dead)})
+    out.recs[at] = _arrays({"alive": _u64(r.alive), "dead": _u64(r.dead),
+                            "signers": _u64(v for v, _, _ in r.signatures),
+                            "share_sums": _u8([s for _, s, _ in r.signatures], sa.shamir.SHARE_BYTES),
+                            "sigs": _u8([g for _, _, g in r.signatures], sa.primitives.SIG_BYTES)})
 
 
 def _take_unmask_request(inp: In, at: str, got: dict):
-    a = inp.arrays(at, {"alive", "dead"})
-    return sa.UnmaskRequest(int(inp.value("meta.round")), _ids(a["alive"], inp.tag), _ids(a["dead"], inp.tag))
+    a = inp.arrays(at, {"alive", "dead", "signers", "share_sums", "sigs"})
+    signers = _ids(a["signers"], inp.tag)
+    sums = _rows(a["share_sums"], sa.shamir.SHARE_BYTES, inp.tag)
+    sigs = _rows(a["sigs"], sa.primitives.SIG_BYTES, inp.tag)
+    if not len(signers) == len(sums) == len(sigs):
+        raise WireError(f"{inp.tag}: {len(signers)} signers, {len(sums)} share-sums, {len(sigs)} signatures")
+    return sa.UnmaskRequest(int(inp.value("meta.round")), _ids(a["alive"], inp.tag), _ids(a["dead"], inp.tag),
+                            tuple(zip(signers, sums, sigs, strict=True)))
 
 
 def _put_unmask_response(out: Out, at: str, r) -> None:
@@ -199,6 +254,8 @@ SECAGG_KINDS: dict[str, Kind] = {
     "round-start": Kind(_put_start, _take_start),
     "masked-input": Kind(_put_masked, _take_masked, lambda at: _share_key_strings("next")),
     "late-keys": Kind(_put_late_keys, _take_late_keys, _share_key_strings),
+    "consistency-request": Kind(_put_consistency_request, _take_consistency_request),
+    "consistency-response": Kind(_put_consistency_response, _take_consistency_response),
     "unmask-request": Kind(_put_unmask_request, _take_unmask_request),
     "unmask-response": Kind(_put_unmask_response, _take_unmask_response),
 }

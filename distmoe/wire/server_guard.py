@@ -34,6 +34,8 @@ from distmoe.wire.codec import WireError
 from distmoe.wire.errors import FLOWER_LINK_CODES, REASON_TEXTS, Reason, code_of
 from distmoe.wire.party_guard import REPLY_STRINGS
 from distmoe.wire.schema import (
+    ConsistencyRequestMsg,
+    ConsistencyResponseMsg,
     DirectoryRequest,
     EvalInstruction,
     EvalReply,
@@ -106,21 +108,29 @@ def build_policy(*, secure: bool, n_parties: int, trainable: Mapping[str, tuple[
     if secure:
         keys = _proto_keys(n)
         policy["setup-request"] = _entry([codec.encode(SetupRequest(bytes(16), 2, 1, n, 1.0, 0.0))], set(), n)
-        directory = sa.KeyDirectory(bytes(16), tuple((i, bytes([i + 1]) * 32) for i in range(n)))
+        directory = sa.KeyDirectory(bytes(16), tuple((i, bytes([i + 1]) * 32) for i in range(n)),
+                                    tuple((i, bytes([i + 1]) * 32) for i in range(n)))
         policy["key-directory"] = _entry([codec.encode(DirectoryRequest(directory, 1,
                                                                         tuple((i, f"p{i}") for i in range(n))))],
                                          set(), n)
-        policy["key-advert"] = _entry([codec.encode(KeyAdvertReply("p0", bytes(32), "0" * 64))], set(), n)
+        policy["key-advert"] = _entry([codec.encode(KeyAdvertReply("p0", bytes(32), "0" * 64, bytes(32)))], set(), n)
+        counts = tuple(sa.CountShare(i + 1, 0, 1, bytes(12), bytes(sa.messages.COUNT_CIPHERTEXT_BYTES))
+                       for i in range(n - 1))
+        sig = (bytes(sa.shamir.SHARE_BYTES), bytes(sa.primitives.SIG_BYTES))
+        policy["consistency-request"] = _entry([codec.encode(ConsistencyRequestMsg(
+            sa.ConsistencyRequest(1, 0, tuple(range(n)), counts)))], set(), n)
+        policy["consistency-response"] = _entry([codec.encode(ConsistencyResponseMsg(
+            sa.ConsistencyResponse(0, 1, *sig)))], set(), n)
         policy["share-keys"] = _entry([codec.encode(ShareKeysReply(keys))], set(), n)
-        policy["unmask-request"] = _entry([codec.encode(UnmaskRequestMsg(sa.UnmaskRequest(1, tuple(range(n)), ())))],
-                                          set(), n)
+        policy["unmask-request"] = _entry([codec.encode(UnmaskRequestMsg(sa.UnmaskRequest(
+            1, tuple(range(n)), (), tuple((i, *sig) for i in range(n)))))], set(), n)
         share = bytes(sa.shamir.SHARE_BYTES)
         policy["unmask-response"] = _entry([codec.encode(UnmaskResponseMsg(sa.UnmaskResponse(
             0, 1, tuple((i, share) for i in range(n)), ())))], set(), n)
         for release, length in (("model-update", update_length), ("rl-update", rl_update_length),
                                 ("router-stats", stats_length), ("eval", eval_length)):
-            masked = [codec.encode(MaskedReply(release, sa.MaskedInput(0, 1, np.zeros(length, np.uint64), keys),
-                                               None))]
+            masked = [codec.encode(MaskedReply(release, sa.MaskedInput(0, 1, np.zeros(length, np.uint64), keys,
+                                                                       counts), None))]
             # eval vectors follow the tasks evaluated so far: bounded by bytes, not a fixed shape
             policy[f"masked-input:{release}"] = _entry(masked, {"masked_y.y"} if release != "eval" else set(), n)
             policy[f"late-keys:{release}"] = _entry([codec.encode(MaskedReply(release, None, keys))], set(), n)
@@ -287,6 +297,8 @@ class ServerGuard:
                 return f"share keys claim sender {keys.sender}, they came from node {node}"
         if isinstance(payload, ShareKeysReply) and payload.keys.sender != node:
             return f"share keys claim sender {payload.keys.sender}, they came from node {node}"
+        if isinstance(payload, ConsistencyResponseMsg) and payload.response.sender != node:
+            return f"consistency response claims sender {payload.response.sender}, it came from node {node}"
         if isinstance(payload, UnmaskResponseMsg) and payload.response.sender != node:
             return f"unmask response claims sender {payload.response.sender}, it came from node {node}"
         return None

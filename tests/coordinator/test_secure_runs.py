@@ -64,7 +64,7 @@ def test_coordinator_sees_masked_vectors_only(honest):
     inbound = [e for e in entries if e["direction"] == "in" and not e["payload_type"].startswith("release")]
     assert {e["payload_type"] for e in inbound} == {
         "key-advert", "share-keys", "masked-input:model-update", "masked-input:router-stats", "masked-input:eval",
-        "unmask-response"}
+        "consistency-response", "unmask-response"}
     for e in inbound:
         assert e["verdict"] == "accepted" and e["anchor"]["node"] == e["peer"]
         assert not any(k.startswith(("arrays.", "stats.", "metrics.")) for k in e["keys"]), e["keys"]
@@ -269,6 +269,7 @@ def _train_sequences(d: Path, cfg) -> int:
     (codec.MSG_SETUP, ["party-0", "party-1"], ["party-0", "party-1"]),
     (codec.MSG_DIRECTORY, ["party-0", "party-1"], ["party-0", "party-1"]),
     (codec.MSG_STATS, ["party-0", "party-1"], ["party-0", "party-1"]),
+    (codec.MSG_CONSISTENCY, ["party-0", "party-1", "party-2"], ["party-0", "party-1"]),  # did not sign: not asked
     (codec.MSG_UNMASK, ["party-0", "party-1", "party-2"], ["party-0", "party-1"]),
 ])
 def test_dropout_at_each_stage_leaves_the_survivors_sum_and_a_passing_audit(tmp_path, stage, included, responders,
@@ -304,11 +305,12 @@ def test_each_stage_waits_for_its_own_timeout(tmp_path, make_run):
                                                     "federation.unmask-timeout": 55.0})
     coord.run()
     assert transport.timeouts == {codec.MSG_SETUP: 33.0, codec.MSG_DIRECTORY: 33.0, codec.MSG_STATS: 44.0,
-                                  codec.MSG_EVAL: 44.0, codec.MSG_UNMASK: 55.0}
+                                  codec.MSG_EVAL: 44.0, codec.MSG_CONSISTENCY: 55.0, codec.MSG_UNMASK: 55.0}
 
 
 @pytest.mark.parametrize("stage,in_round_1", [
     (codec.MSG_STATS, ["party-0", "party-1"]),  # trained and masked, the reply too late: not in U2
+    (codec.MSG_CONSISTENCY, ["party-0", "party-1", "party-2"]),  # its input is in the sum, it did not sign in time
     (codec.MSG_UNMASK, ["party-0", "party-1", "party-2"]),  # its input is in the sum, its shares came too late
 ])
 def test_straggler_at_a_stage_is_left_out_then_rejoins(tmp_path, stage, in_round_1, make_run, releases):
@@ -506,3 +508,62 @@ def test_the_superlinks_own_node_unavailable_error_is_kept_a_party_text_is_not(t
     (err,) = _errors_of(run_dir)
     assert err["code"] == ("unavailable" if kept else "withheld") and err["reason"] == ALL_REASONS[err["code"]]
     assert audit_run(run_dir).verdict == "pass"
+
+
+def test_single_holder_task_is_refused_before_anything_is_unmasked(tmp_path, make_run, releases):
+    """Issue 11 item 2(a), the single-holder task: only party-0 holds task 'arith', the others send a
+    zero vector with weight 0, so the "sum over 3 parties" would be party-0's own update. Defence: the
+    contributor count of the consistency check (each party's bit, Shamir-shared; only the sum is
+    learned): 1 < privacy.min-parties = 2, so the coordinator refuses the release before any unmask
+    request, records the refusal, and every party would refuse to unmask too."""
+    coord, transport, run_dir, dirs, lines = make_run(tmp_path, {"schedule.phases": "sft:arith"})
+    for d in dirs[1:]:
+        (d / "arith.jsonl").unlink()
+    w0 = {k: v.clone() for k, v in coord.s.weights.items()} if getattr(coord.s, "weights", None) else None
+    coord.run()
+    assert releases(run_dir, "model-update") == []
+    assert transport.sent.get(codec.MSG_CONSISTENCY) == 3 and codec.MSG_UNMASK not in transport.sent
+    refused = json.loads((run_dir / "privacy" / "ledger.json").read_text())["refused"]
+    assert refused == [{"round": 1, "release": "model-update", "reason": "too-few-contributors", "contributors": 1,
+                        "survivors": 3, "min_parties": 2}]
+    assert any("1 of the 3 survivors contributed data" in x for x in lines)
+    for d in dirs:  # no party sent an unmask response
+        entries = ledger(run_dir / "work" / d.name / "ledger" / f"{d.name}.jsonl")
+        assert not any(e["payload_type"] == "unmask-response" for e in entries)
+        assert any(e["payload_type"] == "consistency-response" and e["direction"] == "out" for e in entries)
+    if w0 is not None:
+        assert all(np.array_equal(w0[k].numpy(), coord.s.weights[k].numpy()) for k in w0)  # model unchanged
+    prints = set()  # each party pinned the same key directory: one fingerprint to compare out of band
+    for d in dirs:
+        (facts,) = (run_dir / "work" / d.name / "privacy").glob(f"{d.name}-{transport.run_id}.json")
+        prints.add(json.loads(facts.read_text())["facts"]["directory_sha256"])
+    assert len(prints) == 1 and len(next(iter(prints))) == 64
+    result = audit_run(run_dir)  # a refused round is an honest run: the audit passes
+    assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
+
+
+def test_single_holder_task_is_refused_by_the_parties_when_the_coordinator_skips_its_check(tmp_path, monkeypatch,
+                                                                                          make_run, releases):
+    """The same single-holder task with a coordinator that skips its own contributor-count check and asks
+    for the shares anyway. Defence: every party interpolates the count from the signed share-sums itself
+    and refuses (``TooFewContributors``) before revealing a share; the refusal reaches the server as the
+    fixed code ``secagg`` (1008) only, and nothing is released."""
+    from distmoe.privacy.secagg import SecAggServer
+
+    skip = SecAggServer.receive_consistency
+    monkeypatch.setattr(SecAggServer, "receive_consistency", lambda self, r, msgs, **kw: skip(self, r, msgs))
+    coord, transport, run_dir, dirs, lines = make_run(tmp_path, {"schedule.phases": "sft:arith"})
+    for d in dirs[1:]:
+        (d / "arith.jsonl").unlink()
+    coord.run()
+    assert transport.sent.get(codec.MSG_UNMASK) == 3
+    assert releases(run_dir, "model-update") == []
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    errs = [r for r in rows if r.get("event") == "party_error" and r["phase_label"].endswith("unmask")]
+    assert len(errs) == 3 and {r["code"] for r in errs} == {"secagg"}
+    assert {r["reason"] for r in errs} == {ALL_REASONS["secagg"]}
+    for d in dirs:
+        entries = ledger(run_dir / "work" / d.name / "ledger" / f"{d.name}.jsonl")
+        assert not any(e["payload_type"] == "unmask-response" for e in entries)
+        log = (run_dir / "work" / d.name / "party.log").read_text()
+        assert "contributed data, below privacy.min-parties = 2" in log

@@ -180,7 +180,7 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path, tiny_
     coordinator's SecAgg server: only masked vectors and shares leave, and the sum decodes."""
     import os
 
-    from clients.app import directory, setup, unmask
+    from clients.app import consistency, directory, setup, unmask
     from distmoe.config import parse_run_config
     from distmoe.ledger import verify_ledger
     from distmoe.privacy import secagg as sa
@@ -188,6 +188,8 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path, tiny_
     from distmoe.privacy.plan import plan_privacy, stats_spec
     from distmoe.privacy.vectors import StatsLayout
     from distmoe.wire.schema import (
+        ConsistencyRequestMsg,
+        ConsistencyResponseMsg,
         DirectoryRequest,
         KeyAdvertReply,
         MaskedReply,
@@ -217,7 +219,7 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path, tiny_
         return out
 
     adverts = ask(setup, SetupRequest(params.run_id, 2, 4096, 2, z, 0.0), KeyAdvertReply)
-    d = server.register([sa.KeyAdvert(n, a.c_pk) for n, a in adverts.items()])
+    d = server.register([sa.KeyAdvert(n, a.c_pk, a.sig_pk) for n, a in adverts.items()])
     keys = ask(directory, DirectoryRequest(d, 1, tuple(ids.items())), ShareKeysReply)
     server.add_share_keys([k.keys for k in keys.values()])
     sspec = stats_spec(cfg.privacy, z, 2, 4, 2, 2)
@@ -226,7 +228,10 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path, tiny_
     masked = ask(stats, lambda n: SecureInstruction(instr, starts[n], "router-stats"), MaskedReply)
     assert all(m.masked.y.dtype == np.uint64 and m.masked.y.shape == (StatsLayout(sspec).length,)
                for m in masked.values())
-    req = server.receive_masked(1, [m.masked for m in masked.values()])
+    checks = server.receive_masked(1, [m.masked for m in masked.values()])
+    signed = ask(consistency, lambda n: ConsistencyRequestMsg(checks[n]), ConsistencyResponseMsg)
+    req = server.receive_consistency(1, [s.response for s in signed.values()], min_contributors=2)
+    assert server.contributors(1) == 2  # both parties had statistics to send
     resp = ask(unmask, UnmaskRequestMsg(req), UnmaskResponseMsg)
     res = server.finish(1, [r.response for r in resp.values()])
     seed = canary_seed(params.run_id, 1, next(iter(starts.values())).participants)  # the round's canary positions

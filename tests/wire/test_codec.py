@@ -70,11 +70,14 @@ def _assert_same(a, b):
 
 
 def _secure_payloads() -> list:
-    """Real protocol messages of a 3-party run (setup, a round start, a masked input, unmask)."""
+    """Real protocol messages of a 3-party run (setup, a round start, a masked input, the consistency
+    check, unmask)."""
     import os
 
     from distmoe.privacy import secagg as sa
     from distmoe.wire.schema import (
+        ConsistencyRequestMsg,
+        ConsistencyResponseMsg,
         DirectoryRequest,
         KeyAdvertReply,
         MaskedReply,
@@ -94,12 +97,15 @@ def _secure_payloads() -> list:
     keys = [c.share_keys(1) for c in fed.clients.values()]
     fed.server.add_share_keys(keys)
     starts = fed.server.begin_round(1, 6)
-    masked = fed.clients[5].masked_input(starts[5], np.arange(6, dtype=np.uint64))
-    req = sa.UnmaskRequest(1, (5, 6), (7,))
+    masked = {i: fed.clients[i].masked_input(starts[i], np.arange(6, dtype=np.uint64)) for i in (5, 6, 7)}
+    checks = fed.server.receive_masked(1, masked.values())
+    signed = fed.clients[5].consistency(checks[5])
+    masked = masked[5]
+    req = sa.UnmaskRequest(1, (5, 6), (7,), ((5, signed.share_sum, signed.signature),))
     resp = sa.UnmaskResponse(5, 1, ((5, bytes(66)), (6, bytes(range(66)))), ((7, bytes([1]) * 66),))
     return [
         SetupRequest(params.run_id, 2, 10, 3, 1.5, 0.0, "20261201-141100-ab12", 2),
-        KeyAdvertReply("party-0", adverts[0].c_pk, "ab" * 32),
+        KeyAdvertReply("party-0", adverts[0].c_pk, "ab" * 32, adverts[0].sig_pk),
         DirectoryRequest(directory, 1, ((5, "a"), (6, "b"), (7, "c"))),
         ShareKeysReply(keys[0]),
         SecureInstruction(StatsInstruction(round=1, task="", weights=W, base_hash="ef"), starts[5], "router-stats"),
@@ -108,6 +114,8 @@ def _secure_payloads() -> list:
         MaskedReply("eval", None, keys[1]),
         UnmaskRequestMsg(req),
         UnmaskResponseMsg(resp),
+        ConsistencyRequestMsg(checks[5]),
+        ConsistencyResponseMsg(signed),
     ]
 
 
@@ -116,7 +124,7 @@ def test_every_payload_type_is_covered():
         set(PAYLOAD_TAGS)
 
 
-@pytest.mark.parametrize("i", range(10))
+@pytest.mark.parametrize("i", range(12))
 def test_secure_payload_roundtrip(i):
     from distmoe.wire.schema import MaskedReply, SecureInstruction
 
@@ -127,6 +135,7 @@ def test_secure_payload_roundtrip(i):
         if payload.masked is not None:
             assert np.array_equal(back.masked.y, payload.masked.y) and back.masked.y.dtype == np.uint64
             assert back.masked.next_keys == payload.masked.next_keys and back.masked.sender == payload.masked.sender
+            assert back.masked.count_shares == payload.masked.count_shares and len(back.masked.count_shares) == 2
     elif isinstance(payload, SecureInstruction):
         assert back.start == payload.start and back.release == payload.release
         _assert_same(payload.instruction, back.instruction)

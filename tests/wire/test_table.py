@@ -18,6 +18,8 @@ from distmoe.wire.schema import (
     PAYLOADS,
     RL_METRIC_KEYS,
     TRAIN_METRIC_KEYS,
+    ConsistencyRequestMsg,
+    ConsistencyResponseMsg,
     DirectoryRequest,
     EvalInstruction,
     EvalReply,
@@ -48,6 +50,8 @@ env = lambda snd, rcp, r: sa.EncryptedShares(snd, rcp, r, B(12, snd), B(CT, rcp)
 keys = sa.ShareKeys(5, 1, B(32, 1), B(32, 2), (env(5, 6, 1), env(5, 7, 1)))
 keys0 = sa.ShareKeys(6, 2, B(32, 3), B(32, 4), ())
 start = sa.RoundStart(1, 5, ((5, B(32, 5)), (6, B(32, 6))), (env(6, 5, 1),), 6)
+CCT = sa.messages.COUNT_CIPHERTEXT_BYTES
+cnt = lambda snd, rcp, r: sa.CountShare(snd, rcp, r, B(12, rcp), B(CCT, snd))
 PAYLOADS_FIXED = [
     SftInstruction(3, "arith", W, "ab" * 32, 17, ANCHOR, 2),
     SftInstruction(1, "strings", W, "cd", 0, None, 0),
@@ -61,26 +65,32 @@ PAYLOADS_FIXED = [
     ModelUpdate("party-1", W, 8, {**{k: 0.5 for k in RL_METRIC_KEYS}, "route_disagree_l0": 0.1}, "rl"),
     SetupRequest(B(16), 2, 10, 3, 1.5, 0.0, "20261201-141100-ab12", 2),
     SetupRequest(B(16, 9), 3, 100, 4, 2, 1, "", 0),
-    KeyAdvertReply("party-0", B(32, 7), "ab" * 32),
-    DirectoryRequest(sa.KeyDirectory(B(16), ((5, B(32, 1)), (6, B(32, 2)), (7, B(32, 3)))), 1,
+    KeyAdvertReply("party-0", B(32, 7), "ab" * 32, B(32, 8)),
+    DirectoryRequest(sa.KeyDirectory(B(16), ((5, B(32, 1)), (6, B(32, 2)), (7, B(32, 3))),
+                                     ((5, B(32, 11)), (6, B(32, 12)), (7, B(32, 13)))), 1,
                      ((7, "c"), (5, "a"), (6, "b"))),
     ShareKeysReply(keys),
     ShareKeysReply(keys0),
     SecureInstruction(StatsInstruction(1, "", W, "ef"), start, "router-stats"),
     SecureInstruction(SftInstruction(1, "arith", W, "h", 0, ANCHOR, 1), None, "model-update"),
     SecureInstruction(EvalInstruction(5, tasks, "strings", W, "01", W, None, 0), start, "eval"),
-    MaskedReply("router-stats", sa.MaskedInput(5, 1, np.arange(6, dtype=np.uint64), keys), None),
+    MaskedReply("router-stats", sa.MaskedInput(5, 1, np.arange(6, dtype=np.uint64), keys,
+                                               (cnt(5, 6, 1), cnt(5, 7, 1))), None),
     MaskedReply("model-update", sa.MaskedInput(5, 1, np.arange(3, dtype=np.uint64), None), None),
     MaskedReply("eval", None, keys0),
-    UnmaskRequestMsg(sa.UnmaskRequest(1, (5, 6), (7,))),
+    UnmaskRequestMsg(sa.UnmaskRequest(1, (5, 6), (7,), ((5, B(66, 3), B(64, 4)), (6, B(66, 5), B(64, 6))))),
     UnmaskRequestMsg(sa.UnmaskRequest(2, (5,), ())),
     UnmaskResponseMsg(sa.UnmaskResponse(5, 1, ((5, B(66)), (6, B(66, 1))), ((7, B(66, 2)),))),
+    ConsistencyRequestMsg(sa.ConsistencyRequest(1, 5, (5, 6, 7), (cnt(6, 5, 1), cnt(7, 5, 1)))),
+    ConsistencyResponseMsg(sa.ConsistencyResponse(5, 1, B(66, 9), B(64, 10))),
 ]
 
 
 
 # sha256 of the structural dump (records in order, keys in order, value types, array bytes) of each payload
 # above, taken from the codec before it was driven by the table: the bytes on the wire must not change
+# (re-pinned for the consistency check: the key advert and directory carry the signing keys, the masked input
+# its contributor-bit shares, the unmask request the signatures; the two consistency messages are new)
 PINNED = [
     "67a6aa23852a6c92ac3babac4e3e08dc79e1d17d0d80796de163bff21fb2776a",
     "96cb2db607f4ed78444b4abfced6e30cbac0ec1a8c9ecee48492e75548b66df2",
@@ -94,19 +104,21 @@ PINNED = [
     "25c7c7f2792d31c8e3078d4c17c2c34261b02475f3c39ec0cddc58e3ae5117db",
     "8902a0e4bcf99c029f8eab5a3f131483eedc56db0d28ec13c811dc6505b9e33f",
     "54342bfca4a365962bce71b9166f2b0ee1710748516994b86ac250490b2c40db",
-    "11daf2887c64ae71e5af23788d086b5d51a016ad931e4f9e749cd2fbb6c5be4b",
-    "231b1494a1e980f3ea9d18322329366525d391f2fae14b7039ed9c48506d4154",
+    "c15da0d5768b120af810dec0303c65f6293325c655a64990417ab61fa8dd86cd",
+    "a597944c055819b0bbccc31b68e51fb56609a02562e910dddbeae3af32fe1ce3",
     "1fda911fef739a41dd00a68385dd863846d87758d462767f48b8494a7b4a601d",
     "a75d93ac19ea6889d99ce518de0896c8d50233ffae4ac940bd314cec6b061c67",
     "917ef0c2476494b6a54f52bb5a00cdc92f66dc02fad8f22230eb1460981cf6e5",
     "7ffccc8af5150efc00aa2780a03fec4714e9a21d359129ee440deacbcccd203f",
     "01e07a62343f28a6f783579d1c148f73ad97ae950c252bfba1922fd2090f66c6",
-    "13f7e3ea6a481f834dd04928839d0c9a8fb34ced9b376d93e84152c81952c37b",
-    "7e1b3f4e1695630204329b3d57689d8915c4799682bbb1d05d2b448f166e1bd6",
+    "a0affa7bcbbb3d793dea8d3f3985b765aa56f1126c2c5cc7448419ba9f1d8485",
+    "3d5c1cc96d59d310a3bc753e61abd16e6f3984cc2e40ccfd3c8090d8538f4d2e",
     "9207289cc1c2225aa71a7f7e1c56d4cb4b5195391f4df1d745cdda413e3f77fa",
-    "502165a0778ecde7a8e60cc4817bf0921192fc7754ed853e70fe771daec2e004",
-    "87fa348d3cd419cbe5e67fb08541dbe55691cc2495cc47a585ad606da77558c8",
+    "5877984ae1296e80d8813d6f88895e84081ccb59d9e2a682ebf64bb0fd10a7ff",
+    "650edf066c17f69d1ff3f7a6e052d29153578a01e374ec33f8b2dccc728f5aaf",
     "0071e3d7d4ebe8ab04ea97d229248896aa6c6534308cf3dc744baf5a25e705c0",
+    "9b49ec346af43f0091ee30f5ac8384eda761910abed1930dcd31ec856bf9e8bc",
+    "098ed2744becf74459c58b290e6b8fe533cfb75ae96052ea4c8974027329e50b",
 ]
 
 
@@ -154,7 +166,7 @@ def test_string_fields_are_what_the_guards_allow():
     """The reply fields that may carry text or bytes, derived from the table: exactly the list the party
     and server guards kept by hand (``party_guard.REPLY_STRINGS``)."""
     assert codec.string_fields("reply") == {"meta": {"payload", "release", "party", "ledger_public_key", "kind",
-                                                     "c_pk"},
+                                                     "c_pk", "sig_pk"},
                                             "keys": {"s_pk", "b_commit"}, "next": {"s_pk", "b_commit"}}
     assert codec.string_fields("instruction")["meta"] >= {"payload", "task", "tasks", "names", "secagg_run"}
 

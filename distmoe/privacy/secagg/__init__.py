@@ -34,10 +34,14 @@ Schedule (the caller's exchanges; each reaches every online client at once):
   setup A   client: KeyAdvert(c_pk)                 server: register -> KeyDirectory
   setup B   directory down; client: ShareKeys(r0)   server: add_share_keys
   round r   1. RoundStart (+ the training request) down; client trains and sends
-               MaskedInput(y_r, next_keys=ShareKeys(r+1));   server: receive_masked -> UnmaskRequest
-            2. UnmaskRequest down; client: UnmaskResponse;    server: finish -> AggregateResult
+               MaskedInput(y_r, next_keys=ShareKeys(r+1), count shares of c_u)
+                                                             server: receive_masked -> ConsistencyRequest each
+            2. ConsistencyRequest(U2, count shares) down; client: ConsistencyResponse (signed U2, share of
+               sum c);                                       server: receive_consistency -> UnmaskRequest
+            3. UnmaskRequest (+ the signatures) down; client checks them, UnmaskResponse;
+                                                             server: finish -> AggregateResult
 
-So a round is always two exchanges, with or without dropouts: the share-keys stage of round r+1 rides
+So a round is always three exchanges, with or without dropouts: the share-keys stage of round r+1 rides
 on the masked input of round r (``docs/architecture.md`` §2; shares for the first round go in
 setup B). A client that missed the previous round's masked input is outside U1 of round r; it answers
 exchange 1 with ``share_keys(r + 1)`` only and rejoins at r+1. Dropouts are recovered in exchange 2:
@@ -60,9 +64,16 @@ https://eprint.iacr.org/2020/704 (``graph.peer_graph``: a Harary graph over a pu
 the run id, degree from ``graph.harary_degree``, threshold per neighbourhood). With its default bounds
 it equals the complete graph up to 25 parties (``bench/scale.py``, ``docs/results.md``).
 
-Not covered yet (semi-honest server plus client-side checks): key authentication (signatures on
-c_pk/s_pk from the node identity), the consistency-check round of the paper, bit-packing of y below
-32 bits.
+Consistency check (Bonawitz et al. CCS 2017 §4, ConsistencyCheck; ``SecAggClient.consistency``): each
+party signs the survivor set U2 it was told with a per-run Ed25519 key pinned in the key directory, and
+reveals shares only for the set it signed and with ``required_signatures`` (max(t, n//2 + 1)) valid
+signatures over it. The signatures carry each signer's share of the contributor count sum_{u in U2} c_u
+(c_u = 1 iff u's input holds any of its data, Shamir-shared pairwise-encrypted with the masked input);
+party and server refuse to unmask below ``privacy.min-parties`` contributors without learning who.
+
+Not covered yet: authentication of c_pk/sig_pk by a key the coordinator did not relay (a coordinator
+that substitutes keys at setup is caught only if owners compare ``SecAggClient.fingerprint`` out of
+band), bit-packing of y below 32 bits.
 
 Example, 3 of 4 clients survive, t = 3:
 
@@ -70,6 +81,7 @@ Example, 3 of 4 clients survive, t = 3:
     fed = LocalFederation(params, [1, 2, 3, 4]); fed.setup()
     ring.check_fits_ring64(3 * (64 * max_abs + 0.5))   # three summands of |x| <= max_abs at scale 64
     res = fed.round(1, {i: ring.encode_fixed(x[i], 64) for i in (1, 2, 3, 4)}, drop_before_masked={4})
+    # (three exchanges: masked input, consistency check, unmask)
     ring.decode_fixed(res.total, 64)    # == x[1] + x[2] + x[3] to 3/128
 """
 
@@ -78,6 +90,7 @@ from distmoe.privacy.secagg.errors import (
     AlreadyDead,
     BelowThreshold,
     BothSharesRequested,
+    ConsistencyFailure,
     DuplicateClient,
     InconsistentLists,
     InsecureThreshold,
@@ -92,6 +105,7 @@ from distmoe.privacy.secagg.errors import (
     StateError,
     StateMismatch,
     TamperedShare,
+    TooFewContributors,
     TooFewSurvivors,
     UnknownClient,
 )
@@ -109,6 +123,9 @@ from distmoe.privacy.secagg.graph import (
 from distmoe.privacy.secagg.local import LocalFederation
 from distmoe.privacy.secagg.messages import (
     AggregateResult,
+    ConsistencyRequest,
+    ConsistencyResponse,
+    CountShare,
     EncryptedShares,
     KeyAdvert,
     KeyDirectory,
@@ -123,12 +140,13 @@ from distmoe.privacy.secagg.messages import (
 from distmoe.privacy.secagg.server import SecAggServer
 
 __all__ = [
-    "GRAPHS", "AggregateResult", "AlreadyDead", "BelowThreshold", "BothSharesRequested", "DuplicateClient",
+    "GRAPHS", "AggregateResult", "AlreadyDead", "BelowThreshold", "BothSharesRequested", "ConsistencyFailure",
+    "ConsistencyRequest", "ConsistencyResponse", "CountShare", "DuplicateClient",
     "EncryptedShares", "InconsistentLists", "InsecureThreshold", "KeyAdvert", "KeyDirectory", "KeySubstitution",
     "ListedAsDead", "LocalFederation", "MaskedInput", "PeerGraph", "Phase", "ProtocolViolation",
     "ReconstructionFailed", "RepeatedRequest", "RepeatedUnmask", "RoundStart", "SecAggAbort", "SecAggClient",
     "SecAggParams", "SecAggServer", "ShareKeys", "StateCorrupt", "StateError", "StateMismatch",
-    "TamperedShare", "TooFewSurvivors", "UnknownClient",
+    "TamperedShare", "TooFewContributors", "TooFewSurvivors", "UnknownClient",
     "UnmaskRequest", "UnmaskResponse", "check_graph", "complete_graph", "graph_degree", "graph_threshold",
     "harary_degree", "harary_graph", "payload_bytes", "peer_graph",
 ]

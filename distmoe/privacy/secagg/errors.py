@@ -67,6 +67,18 @@ class KeySubstitution(ProtocolViolation):
     """The directory relayed by the server does not hold this client's own key, or repeats a key."""
 
 
+class ConsistencyFailure(ProtocolViolation):
+    """The consistency check failed (Bonawitz et al. CCS 2017 §4): the survivor set in the unmask request
+    is not the one this client signed, a signature is missing, forged, repeated or over another set, fewer
+    than the required number of survivors signed, or the signed share-sums do not lie on one polynomial.
+    A server showing different survivor sets to different clients (a split view) ends here."""
+
+
+class TooFewContributors(SecAggAbort):
+    """The securely summed contributor count of the round is below ``privacy.min-parties``: the release
+    would be the data of fewer parties than the run promises; nothing is unmasked."""
+
+
 class TamperedShare(SecAggAbort):
     """An encrypted share failed authentication (AEAD tag), so it was altered or misaddressed."""
 

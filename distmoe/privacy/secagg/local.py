@@ -1,6 +1,7 @@
 """An in-process driver of the protocol: one server and n clients passing the message dataclasses.
 
-Owns: the reference schedule (two setup exchanges once per run, then two exchanges per round) with
+Owns: the reference schedule (two setup exchanges once per run, then three exchanges per round:
+masked input, consistency check, unmask) with
 dropouts injected at any stage, and per-client byte counts. Tests, benchmarks and the later Flower
 wiring use it as the executable description of who sends what when.
 
@@ -61,11 +62,14 @@ class LocalFederation:
         self.exchanges += 1
 
     def round(self, r: int, inputs: Mapping[int, np.ndarray], *, drop_before_masked: Collection[int] = (),
-              drop_before_unmask: Collection[int] = (), offline: Collection[int] = (),
-              length: int | None = None) -> AggregateResult:
-        """Exchange 1: RoundStart (+ the training request) down, masked input + next share keys up;
-        an online client outside U1 answers with next share keys only and rejoins at r + 1.
-        Exchange 2: unmask request down, shares up."""
+              drop_before_consistency: Collection[int] = (), drop_before_unmask: Collection[int] = (),
+              offline: Collection[int] = (), length: int | None = None,
+              contributed: Mapping[int, bool] | None = None, min_contributors: int = 0) -> AggregateResult:
+        """Exchange 1: RoundStart (+ the training request) down, masked input + contributor-bit shares +
+        next share keys up; an online client outside U1 answers with next share keys only and rejoins at
+        r + 1. Exchange 2 (consistency check): U2 and count shares down, signed share-sum up. Exchange 3:
+        unmask request with the signatures down, shares up. ``contributed``: each client's contributor
+        bit (default: all contributed); ``min_contributors``: what the server and every client require."""
         self.up, self.down = {}, {}
         starts = self.server.begin_round(r, length)
         masked, late_keys = [], []
@@ -75,20 +79,36 @@ class LocalFederation:
             c = self.clients[i]
             if i in starts:
                 self._count(i, down=starts[i])
-                masked.append(c.masked_input(starts[i], inputs[i]))
+                masked.append(c.masked_input(starts[i], inputs[i],
+                                             contributed=True if contributed is None else contributed[i]))
                 self._count(i, up=masked[-1])
             else:
                 late_keys.append(c.share_keys(r + 1))
                 self._count(i, up=late_keys[-1])
         self.exchanges += 1
         self.server.add_share_keys(late_keys)
-        request = self.server.receive_masked(r, masked)
+        checks = self.server.receive_masked(r, masked)
+        signed = []
+        for i, req in checks.items():
+            if i in offline or i in drop_before_consistency:
+                continue
+            self._count(i, down=req)
+            signed.append(self.clients[i].consistency(req))
+            self._count(i, up=signed[-1])
+        self.exchanges += 1
+        request = self.server.receive_consistency(r, signed, min_contributors=min_contributors)
         responses = []
-        for i in request.alive:
+        for i, _, _ in request.signatures:
             if i in offline or i in drop_before_unmask:
                 continue
             self._count(i, down=request)
-            responses.append(self.clients[i].unmask(request))
+            responses.append(self.clients[i].unmask(request, min_contributors=min_contributors))
             self._count(i, up=responses[-1])
         self.exchanges += 1
         return self.server.finish(r, responses)
+
+    def check(self, r: int, checks: Mapping[int, object], *, skip: Collection[int] = ()):
+        """The consistency exchange by hand (tests): every client in ``checks`` but ``skip`` signs; returns
+        the server's unmask request."""
+        signed = [self.clients[i].consistency(req) for i, req in checks.items() if i not in skip]
+        return self.server.receive_consistency(r, signed)

@@ -11,7 +11,9 @@ only exist inside the legacy workflow and carry metrics and ``num_examples`` in 
 
 Exchanges (see ``distmoe.privacy.secagg`` for the full schedule): setup ``KeyAdvert`` ->
 ``KeyDirectory``; share keys ``ShareKeys`` (standalone or inside ``MaskedInput.next_keys``); masked
-input ``RoundStart`` -> ``MaskedInput``; unmask ``UnmaskRequest`` -> ``UnmaskResponse``.
+input ``RoundStart`` -> ``MaskedInput`` (with the contributor-bit shares ``CountShare``); consistency
+``ConsistencyRequest`` -> ``ConsistencyResponse``; unmask ``UnmaskRequest`` (with the signatures) ->
+``UnmaskResponse``.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distmoe.privacy.secagg.primitives import KEY_BYTES, MAX_ID, NONCE_BYTES
+from distmoe.privacy.secagg.primitives import KEY_BYTES, MAX_ID, NONCE_BYTES, SIG_BYTES
 from distmoe.privacy.secagg.shamir import SHARE_BYTES
 
 SHARE_PLAINTEXT_BYTES = 2 * SHARE_BYTES  # b-share || s-share
 SHARE_CIPHERTEXT_BYTES = SHARE_PLAINTEXT_BYTES + 16  # + Poly1305 tag
+COUNT_CIPHERTEXT_BYTES = SHARE_BYTES + 16  # one share of the contributor bit + Poly1305 tag
 
 
 def _check_id(name: str, v: int) -> None:
@@ -60,27 +63,32 @@ class SecAggParams:
 
 @dataclass(frozen=True)
 class KeyAdvert:
-    """Setup, client -> server, once per run: the long-term key for encrypting shares."""
+    """Setup, client -> server, once per run: the long-term key for encrypting shares and the key that
+    signs this client's consistency-check answers."""
 
     sender: int
     c_pk: bytes  # X25519 public key, 32 bytes
+    sig_pk: bytes  # Ed25519 public key, 32 bytes
 
     def __post_init__(self):
         _check_id("sender", self.sender)
         _check_bytes("c_pk", self.c_pk, KEY_BYTES)
+        _check_bytes("sig_pk", self.sig_pk, KEY_BYTES)
 
 
 @dataclass(frozen=True)
 class KeyDirectory:
-    """Setup, server -> all clients: the roster of the run and its share-encryption keys."""
+    """Setup, server -> all clients: the roster of the run, its share-encryption keys and its signing
+    keys (each client pins the directory it accepted for the whole run)."""
 
     run_id: bytes
     keys: tuple[tuple[int, bytes], ...]  # (client id, c_pk), sorted by id
+    sig_keys: tuple[tuple[int, bytes], ...]  # (client id, Ed25519 sig_pk), same ids in the same order
 
     def __post_init__(self):
-        for cid, pk in self.keys:
+        for cid, pk in (*self.keys, *self.sig_keys):
             _check_id("client id", cid)
-            _check_bytes("c_pk", pk, KEY_BYTES)
+            _check_bytes("key", pk, KEY_BYTES)
 
 
 @dataclass(frozen=True)
@@ -136,14 +144,36 @@ class RoundStart:
             raise ValueError(f"length must be an int >= 0, got {self.length!r}")
 
 
+@dataclass(frozen=True)
+class CountShare:
+    """A Shamir share of ``sender``'s contributor bit c in {0, 1} of round ``round`` for ``recipient``,
+    AEAD-sealed under the pairwise c-key with purpose "count" (associated data: run, round, sender,
+    recipient). Travels with the masked input; the server relays it in the consistency request."""
+
+    sender: int
+    recipient: int
+    round: int
+    nonce: bytes  # 12 bytes
+    ciphertext: bytes  # COUNT_CIPHERTEXT_BYTES
+
+    def __post_init__(self):
+        _check_id("sender", self.sender)
+        _check_id("recipient", self.recipient)
+        _check_id("round", self.round)
+        _check_bytes("nonce", self.nonce, NONCE_BYTES)
+        _check_bytes("ciphertext", self.ciphertext, COUNT_CIPHERTEXT_BYTES)
+
+
 @dataclass(frozen=True, eq=False)
 class MaskedInput:
-    """Stage 2, client -> server: y_u = x_u + PRG(b_u) + sum_{v>u} PRG(s_uv) - sum_{v<u} PRG(s_uv)."""
+    """Stage 2, client -> server: y_u = x_u + PRG(b_u) + sum_{v>u} PRG(s_uv) - sum_{v<u} PRG(s_uv), and a
+    share of the contributor bit c_u for every other party of the run (the pinned key directory)."""
 
     sender: int
     round: int
     y: np.ndarray  # [length] uint32 (bits <= 32) or uint64, values < 2^bits; read-only
     next_keys: ShareKeys | None = None  # stage 1 of round + 1, piggybacked
+    count_shares: tuple[CountShare, ...] = ()  # one per other party of the run's directory, sorted by recipient
 
     def __post_init__(self):
         _check_id("sender", self.sender)
@@ -157,13 +187,50 @@ class MaskedInput:
 
 
 @dataclass(frozen=True)
+class ConsistencyRequest:
+    """Consistency stage, server -> each member of U2: the survivor set U2 and the contributor-bit shares
+    addressed to ``recipient`` from the other members of U2 (Bonawitz et al. CCS 2017 §4,
+    ConsistencyCheck, extended with the securely summed contributor count)."""
+
+    round: int
+    recipient: int
+    survivors: tuple[int, ...]  # U2, sorted
+    count_shares: tuple[CountShare, ...]  # from each other member of U2, addressed to recipient
+
+
+@dataclass(frozen=True)
+class ConsistencyResponse:
+    """Consistency stage, client -> server: its share of sum_{u in U2} c_u and its Ed25519 signature over
+    (run, round, itself, U2, that share-sum) (``primitives.consistency_message``)."""
+
+    sender: int
+    round: int
+    share_sum: bytes  # 66-byte field element
+    signature: bytes  # 64 bytes
+
+    def __post_init__(self):
+        _check_id("sender", self.sender)
+        _check_id("round", self.round)
+        _check_bytes("share_sum", self.share_sum, SHARE_BYTES)
+        _check_bytes("signature", self.signature, SIG_BYTES)
+
+
+@dataclass(frozen=True)
 class UnmaskRequest:
     """Stage 3, server -> survivors: b-shares wanted for ``alive`` (U2), s-shares for ``dead``
-    (U1 minus U2). Each client checks both lists against the U1 it saw and its own peer set."""
+    (U1 minus U2). Each client checks both lists against the U1 it saw and its own peer set, and checks
+    ``signatures`` (the consistency check) before revealing anything."""
 
     round: int
     alive: tuple[int, ...]
     dead: tuple[int, ...]
+    signatures: tuple[tuple[int, bytes, bytes], ...] = ()  # (signer, 66-byte share-sum, 64-byte signature)
+
+    def __post_init__(self):
+        for signer, share_sum, sig in self.signatures:
+            _check_id("signer", signer)
+            _check_bytes("share_sum", share_sum, SHARE_BYTES)
+            _check_bytes("signature", sig, SIG_BYTES)
 
 
 @dataclass(frozen=True)
@@ -190,6 +257,7 @@ class AggregateResult:
     included: tuple[int, ...]  # U2: whose inputs are in ``total``
     dropped: tuple[int, ...]  # U1 minus U2: shared keys, sent no masked input
     responders: tuple[int, ...]  # U3: answered the unmask request
+    contributors: int = 0  # sum_{u in U2} c_u, from the consistency stage
 
 
 def payload_bytes(msg: object) -> int:

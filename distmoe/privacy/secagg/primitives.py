@@ -18,8 +18,9 @@ import os
 from collections.abc import Callable
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
@@ -30,6 +31,7 @@ from distmoe.privacy.secagg.errors import ProtocolViolation
 PROTOCOL = b"distmoe-secagg/v1"
 KEY_BYTES = 32
 NONCE_BYTES = 12
+SIG_BYTES = 64  # Ed25519 signature
 MAX_ID = 2**64 - 1
 
 RandomBytes = Callable[[int], bytes]  # n -> n bytes; os.urandom unless a test injects a seeded one
@@ -75,6 +77,30 @@ def agree(sk: bytes, pk: bytes) -> bytes:
 def derive_key(secret: bytes, info: bytes) -> bytes:
     """HKDF-SHA256, 32 bytes, no salt (the input is a fresh DH secret or a uniform seed)."""
     return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(secret)
+
+
+# ---- Ed25519 (the consistency check's signatures) ------------------------------------------------
+
+def new_signing_key(rng: RandomBytes) -> tuple[bytes, bytes]:
+    """(Ed25519 private seed 32 bytes, public key 32 bytes): a party's SecAgg signing key of one run."""
+    sk = Ed25519PrivateKey.from_private_bytes(rng(KEY_BYTES))
+    return sk.private_bytes_raw(), sk.public_key().public_bytes_raw()
+
+
+def signing_public(sk: bytes) -> bytes:
+    return Ed25519PrivateKey.from_private_bytes(sk).public_key().public_bytes_raw()
+
+
+def sign(sk: bytes, message: bytes) -> bytes:
+    return Ed25519PrivateKey.from_private_bytes(sk).sign(message)
+
+
+def verify(pk: bytes, signature: bytes, message: bytes) -> bool:
+    try:
+        Ed25519PublicKey.from_public_bytes(pk).verify(signature, message)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
 
 
 # ---- PRG ------------------------------------------------------------------------------------------
@@ -155,3 +181,29 @@ def pair_mask_key(run_id: bytes, round_: int, u: int, v: int, s_sk: bytes, s_pk_
 
 def b_commit_ctx(run_id: bytes, round_: int, owner: int) -> bytes:
     return context("b-commit", run_id, round_, owner)
+
+
+def count_key(run_id: bytes, round_: int, sender: int, recipient: int, c_sk: bytes, c_pk_peer: bytes) -> bytes:
+    """AEAD key for the contributor-bit share ``sender -> recipient`` of one round (purpose "count")."""
+    return derive_key(agree(c_sk, c_pk_peer), context("count-key", run_id, round_, sender, recipient))
+
+
+def count_ad(run_id: bytes, round_: int, sender: int, recipient: int) -> bytes:
+    return context("count-ad", run_id, round_, sender, recipient)
+
+
+def consistency_message(run_id: bytes, round_: int, signer: int, survivors: tuple[int, ...], share_sum: bytes) -> bytes:
+    """What a survivor signs in the consistency check (Bonawitz et al. CCS 2017 §4, ConsistencyCheck):
+    (domain, run, round, signer, the sorted survivor set U2 it was told, its share of sum_{u in U2} c_u)."""
+    return context("consistency", run_id, round_, signer, extra=(b"".join(_u64(v) for v in sorted(survivors)),
+                                                                 share_sum))
+
+
+def directory_fingerprint(run_id: bytes, keys: tuple[tuple[int, bytes], ...], sig_keys: tuple[tuple[int, bytes], ...]
+                          ) -> str:
+    """SHA-256 (hex) of the canonical key directory: run, then (id, c_pk, sig_pk) sorted by id. Owners
+    compare it out of band: a coordinator that gave two parties different keys gives them different
+    fingerprints."""
+    sig = dict(sig_keys)
+    body = b"".join(_u64(v) + pk + sig.get(v, b"") for v, pk in sorted(keys))
+    return hashlib.sha256(context("directory", run_id, 0, extra=(body,))).hexdigest()

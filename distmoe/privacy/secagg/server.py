@@ -1,7 +1,9 @@
 """The server side of the secure aggregation.
 
 Owns: the run's key directory, the share keys collected for upcoming rounds, the survivor sets of each
-round (U1 shared keys, U2 sent a masked input, U3 answered the unmask request), Shamir reconstruction
+round (U1 shared keys, U2 sent a masked input, U2' signed U2 in the consistency check, U3 answered the
+unmask request), the relay of the contributor-bit shares and the check of the signed contributor count
+(the same check every client makes before it unmasks), Shamir reconstruction
 of the survivors' self-mask seeds and the dropped parties' mask keys, and the exact sum of the U2
 inputs mod 2^bits. Malformed or duplicate client messages are rejected (that client counts as dropped
 at that stage, the reason is kept in ``rejected``); only a shortfall below the threshold, or a
@@ -28,6 +30,7 @@ from distmoe.privacy.secagg import shamir
 from distmoe.privacy.secagg import state as S
 from distmoe.privacy.secagg.errors import (
     BelowThreshold,
+    ConsistencyFailure,
     KeySubstitution,
     ProtocolViolation,
     ReconstructionFailed,
@@ -35,10 +38,14 @@ from distmoe.privacy.secagg.errors import (
     StateCorrupt,
     StateError,
     StateMismatch,
+    TooFewContributors,
 )
 from distmoe.privacy.secagg.graph import PeerGraph, check_graph, complete_graph, holders_of
 from distmoe.privacy.secagg.messages import (
     AggregateResult,
+    ConsistencyRequest,
+    ConsistencyResponse,
+    CountShare,
     EncryptedShares,
     KeyAdvert,
     KeyDirectory,
@@ -57,10 +64,13 @@ class _ServerRound:
     u1: tuple[int, ...]
     s_pk: dict[int, bytes]
     commits: dict[int, bytes]
-    stage: str = "masked"  # masked -> unmask -> done
+    stage: str = "masked"  # masked -> consistency -> unmask -> done
     u2: tuple[int, ...] = ()
     acc: np.ndarray | None = None  # [length] running sum of the masked inputs
     length: int = 0  # this round's vector length
+    inbox: dict[int, list[CountShare]] | None = None  # recipient -> count shares from U2 (consistency stage)
+    signatures: tuple[tuple[int, bytes, bytes], ...] = ()  # (signer, share-sum, signature), unmask stage
+    contributors: int = -1  # sum_{u in U2} c_u, once the signatures are checked
 
 
 class SecAggServer:
@@ -68,6 +78,7 @@ class SecAggServer:
         self.params = params
         self._graph = peers
         self._keys: dict[int, bytes] | None = None
+        self._sig_keys: dict[int, bytes] = {}
         self._holders: dict[int, frozenset[int]] = {}
         self._pending: dict[int, dict[int, ShareKeys]] = {}  # round -> sender -> share keys
         self._rounds: dict[int, _ServerRound] = {}
@@ -97,12 +108,18 @@ class SecAggServer:
             rounds.append({"round": rs.round, "u1": list(rs.u1), "stage": rs.stage, "u2": list(rs.u2),
                            "length": rs.length,
                            "s_pk": [[v, S.b64(k)] for v, k in sorted(rs.s_pk.items())],
-                           "commits": [[v, S.b64(k)] for v, k in sorted(rs.commits.items())], "acc": acc})
+                           "commits": [[v, S.b64(k)] for v, k in sorted(rs.commits.items())], "acc": acc,
+                           "inbox": None if rs.inbox is None else [
+                               [e.sender, e.recipient, S.b64(e.nonce), S.b64(e.ciphertext)]
+                               for u in sorted(rs.inbox) for e in rs.inbox[u]],
+                           "signatures": [[v, S.b64(a), S.b64(b)] for v, a, b in rs.signatures],
+                           "contributors": rs.contributors})
         pending = [[r, [[v, _share_keys_json(m)] for v, m in sorted(by.items())]]
                    for r, by in sorted(self._pending.items())]
         body = {
             "kind": "server", "params": S.params_json(self.params),
             "keys": None if self._keys is None else [[v, S.b64(k)] for v, k in sorted(self._keys.items())],
+            "sig_keys": [[v, S.b64(k)] for v, k in sorted(self._sig_keys.items())],
             "graph": S.holders_digest({u: tuple(sorted(h)) for u, h in self._holders.items()}),
             "pending": pending, "rounds": rounds, "last_begun": self._last_begun,
             "rejected": [[r, c, why] for (r, c), why in self.rejected.items()],
@@ -129,6 +146,9 @@ class SecAggServer:
             srv._keys = {S.as_int(v): S.unb64(k, P.KEY_BYTES) for v, k in body["keys"]}
             roster = tuple(sorted(srv._keys))
             srv._holders = {u: frozenset(holders_of(peers, u, roster)) for u in roster}
+            srv._sig_keys = {S.as_int(v): S.unb64(k, P.KEY_BYTES) for v, k in body["sig_keys"]}
+            if srv._sig_keys.keys() != srv._keys.keys():
+                raise StateCorrupt("server state: signing keys do not match the roster")
         if S.holders_digest({u: tuple(sorted(h)) for u, h in srv._holders.items()}) != body["graph"]:
             raise StateMismatch("server state was saved under another peer graph")
         for r, by in body["pending"]:
@@ -142,14 +162,22 @@ class SecAggServer:
             if d["acc"] is not None:
                 raw = S.unb64(d["acc"], length * dt.itemsize)
                 acc = np.frombuffer(raw, dtype=dt.newbyteorder("<")).astype(dt)
-            if d["stage"] not in ("masked", "unmask", "done"):
+            if d["stage"] not in ("masked", "consistency", "unmask", "done"):
                 raise ValueError("unknown round stage")
             rs = _ServerRound(S.as_int(d["round"]), S.ints(d["u1"]),
                               {S.as_int(v): S.unb64(k, P.KEY_BYTES) for v, k in d["s_pk"]},
                               {S.as_int(v): S.unb64(k, 32) for v, k in d["commits"]}, d["stage"], S.ints(d["u2"]), acc,
                               length)
-            if (rs.stage == "unmask") != (acc is not None):
+            if (rs.stage in ("consistency", "unmask")) != (acc is not None):
                 raise StateCorrupt("server state: a running sum at the wrong stage")
+            if d["inbox"] is not None:
+                rs.inbox = {u: [] for u in rs.u2}
+                for snd, rcp, nonce, ct in d["inbox"]:
+                    rs.inbox[S.as_int(rcp)].append(CountShare(S.as_int(snd), S.as_int(rcp), rs.round, S.unb64(nonce),
+                                                              S.unb64(ct)))
+            rs.signatures = tuple((S.as_int(v), S.unb64(a, shamir.SHARE_BYTES), S.unb64(b, P.SIG_BYTES))
+                                  for v, a, b in d["signatures"])
+            rs.contributors = S.as_int(d["contributors"], -1)
             srv._rounds[rs.round] = rs
         srv._last_begun = None if body["last_begun"] is None else S.as_int(body["last_begun"])
         for r, c, why in body["rejected"]:
@@ -166,21 +194,27 @@ class SecAggServer:
         if self._keys is not None:
             raise RepeatedRequest("setup: keys were already registered for this run")
         keys: dict[int, bytes] = {}
+        sig_keys: dict[int, bytes] = {}
         for a in adverts:
             if a.sender in keys:
                 self._reject(-1, a.sender, "second key advert")
                 continue
-            keys[a.sender] = a.c_pk
-        if len(set(keys.values())) != len(keys):
+            keys[a.sender], sig_keys[a.sender] = a.c_pk, a.sig_pk
+        if len(set(keys.values())) != len(keys) or len(set(sig_keys.values())) != len(sig_keys):
             raise KeySubstitution("setup: two clients advertised the same key")
         t = self.params.threshold
         if len(keys) < t:
             raise BelowThreshold(f"setup: {len(keys)} clients advertised keys, below threshold t = {t}")
         roster = tuple(sorted(keys))
         check_graph(self._graph, roster, t)
-        self._keys = keys
+        self._keys, self._sig_keys = keys, sig_keys
         self._holders = {u: frozenset(holders_of(self._graph, u, roster)) for u in roster}
-        return KeyDirectory(self.params.run_id, tuple((u, keys[u]) for u in roster))
+        return KeyDirectory(self.params.run_id, tuple((u, keys[u]) for u in roster),
+                            tuple((u, sig_keys[u]) for u in roster))
+
+    def required_signatures(self) -> int:
+        """As ``SecAggClient.required_signatures``: max(t, n // 2 + 1) over the run's roster."""
+        return max(self.params.threshold, len(self._keys or ()) // 2 + 1)
 
     # ---- stage 1: share keys ------------------------------------------------------------------
     def add_share_keys(self, msgs: Iterable[ShareKeys]) -> None:
@@ -248,9 +282,9 @@ class SecAggServer:
                 for u in order}
 
     # ---- stage 2: masked input ----------------------------------------------------------------
-    def receive_masked(self, r: int, msgs: Iterable[MaskedInput]) -> UnmaskRequest:
-        """Sum the masked inputs (U2), store piggybacked share keys, return the unmask request that
-        goes to every member of U2."""
+    def receive_masked(self, r: int, msgs: Iterable[MaskedInput]) -> dict[int, ConsistencyRequest]:
+        """Sum the masked inputs (U2), store piggybacked share keys, return the consistency request of
+        every member of U2 (U2 and the count shares addressed to it by the other members of U2)."""
         rs = self._stage(r, "masked")
         p = self.params
         dt = P.word_dtype(p.bits)
@@ -258,6 +292,7 @@ class SecAggServer:
         acc = np.zeros(n, dtype=dt)  # [length]
         got: list[int] = []
         nxt: list[ShareKeys] = []
+        counts: list[CountShare] = []
         for m in msgs:
             why = None
             if m.round != r or m.sender not in rs.u1:
@@ -270,11 +305,16 @@ class SecAggServer:
                 why = f"masked input outside Z_2^{p.bits}"
             elif m.next_keys is not None and (m.next_keys.sender != m.sender or m.next_keys.round != r + 1):
                 why = "piggybacked share keys of another client or round"
+            elif any(e.sender != m.sender or e.round != r for e in m.count_shares):
+                why = "a count share with a wrong sender or round"
+            elif sorted(e.recipient for e in m.count_shares) != sorted(set(self._keys) - {m.sender}):
+                why = "count shares not addressed to exactly the other parties of the run"
             if why:
                 self._reject(r, m.sender, why)
                 continue
             acc += m.y
             got.append(m.sender)
+            counts.extend(m.count_shares)
             if m.next_keys is not None:
                 nxt.append(m.next_keys)
         self.add_share_keys(nxt)
@@ -282,10 +322,69 @@ class SecAggServer:
         if len(got) < t:
             rs.stage = "done"
             raise BelowThreshold(f"round {r}, masked input: {len(got)} masked inputs, below threshold t = {t}")
-        rs.u2, rs.acc, rs.stage = tuple(sorted(got)), acc, "unmask"
-        return UnmaskRequest(r, alive=rs.u2, dead=tuple(sorted(set(rs.u1) - set(rs.u2))))
+        rs.u2, rs.acc, rs.stage = tuple(sorted(got)), acc, "consistency"
+        rs.inbox = {u: [] for u in rs.u2}
+        for e in counts:
+            if e.recipient in rs.inbox:
+                rs.inbox[e.recipient].append(e)
+        return {u: ConsistencyRequest(r, u, rs.u2, tuple(sorted(rs.inbox[u], key=lambda e: e.sender)))
+                for u in rs.u2}
 
-    # ---- stage 3: unmask ----------------------------------------------------------------------
+    # ---- stage 3: consistency check (Bonawitz et al. CCS 2017 §4) -----------------------------
+    def receive_consistency(self, r: int, msgs: Iterable[ConsistencyResponse], *,
+                            min_contributors: int = 0) -> UnmaskRequest:
+        """Keep the valid signatures over U2 (a bad one counts as a dropout at this stage), interpolate the
+        contributor count sum_{u in U2} c_u from the signed share-sums, and return the unmask request (it
+        goes to the signers, ``request.signatures``). Raises ``BelowThreshold`` with too few signatures and
+        ``TooFewContributors`` below ``min_contributors``: the round ends, nothing is asked for."""
+        rs = self._stage(r, "consistency")
+        p, t = self.params, self.params.threshold
+        sigs: dict[int, tuple[int, bytes, bytes]] = {}
+        for m in msgs:
+            why = None
+            if m.round != r or m.sender not in rs.u2:
+                why = "consistency response from a non-survivor"
+            elif m.sender in sigs:
+                why = "second consistency response"
+            elif not P.verify(self._sig_keys[m.sender], m.signature,
+                              P.consistency_message(p.run_id, r, m.sender, rs.u2, m.share_sum)):
+                why = "a signature that does not verify over the survivor set"
+            else:
+                try:
+                    shamir.decode_share(m.share_sum)
+                except ValueError:
+                    why = "a share-sum outside the field"
+            if why:
+                self._reject(r, m.sender, why)
+                continue
+            sigs[m.sender] = (m.sender, m.share_sum, m.signature)
+        rs.inbox = None
+        need = self.required_signatures()
+        if len(sigs) < need:
+            rs.stage, rs.acc = "done", None
+            raise BelowThreshold(f"round {r}, consistency: {len(sigs)} signatures over the survivor set, {need} needed")
+        rs.signatures = tuple(sigs[v] for v in sorted(sigs))
+        pts = sorted((shamir.holder_x(v), shamir.decode_share(s)) for v, s, _ in rs.signatures)
+        base = pts[:t]
+        if any(shamir.interpolate(base, x) != y for x, y in pts[t:]) or (
+                count := shamir.interpolate(base, 0)) > len(rs.u2):
+            rs.stage, rs.acc = "done", None
+            raise ConsistencyFailure(f"round {r}, consistency: the signed share-sums do not give one contributor count "
+                                     "(a corrupt share-sum)")
+        rs.contributors = count
+        if count < min_contributors:
+            rs.stage, rs.acc = "done", None
+            raise TooFewContributors(f"round {r}: {count} of the {len(rs.u2)} survivors contributed data, below "
+                                     f"privacy.min-parties = {min_contributors}: the sum is not unmasked")
+        rs.stage = "unmask"
+        return UnmaskRequest(r, alive=rs.u2, dead=tuple(sorted(set(rs.u1) - set(rs.u2))), signatures=rs.signatures)
+
+    def contributors(self, r: int) -> int:
+        """sum_{u in U2} c_u of round ``r`` once its signatures were checked (-1 before)."""
+        rs = self._rounds.get(r)
+        return -1 if rs is None else rs.contributors
+
+    # ---- stage 4: unmask ----------------------------------------------------------------------
     def finish(self, r: int, responses: Iterable[UnmaskResponse]) -> AggregateResult:
         """Reconstruct b of every U2 member and s_sk of every dropped participant, remove the masks."""
         rs = self._stage(r, "unmask")
@@ -293,10 +392,11 @@ class SecAggServer:
         alive, dead = frozenset(rs.u2), frozenset(rs.u1) - frozenset(rs.u2)
         b_pts: dict[int, dict[int, int]] = {v: {} for v in alive}  # owner -> {x: share}
         s_pts: dict[int, dict[int, int]] = {v: {} for v in dead}
+        signers = {v for v, _, _ in rs.signatures}
         responders: list[int] = []
         for m in responses:
-            if m.round != r or m.sender not in alive:
-                self._reject(r, m.sender, "unmask response from a non-survivor")
+            if m.round != r or m.sender not in alive or m.sender not in signers:
+                self._reject(r, m.sender, "unmask response from a non-survivor (or a survivor that did not sign)")
                 continue
             if m.sender in responders:
                 self._reject(r, m.sender, "second unmask response")
@@ -340,7 +440,7 @@ class SecAggServer:
                     total += m
         if p.bits not in (32, 64):
             total &= total.dtype.type(P.ring_mask(p.bits))
-        return AggregateResult(r, total, rs.u2, tuple(sorted(dead)), tuple(sorted(responders)))
+        return AggregateResult(r, total, rs.u2, tuple(sorted(dead)), tuple(sorted(responders)), rs.contributors)
 
     def _reconstruct(self, r: int, owner: int, pts: dict[int, int], what: str) -> bytes:
         t = self.params.threshold

@@ -38,11 +38,19 @@ def split(secret: bytes, xs: Sequence[int], t: int, rng: RandomBytes) -> dict[in
     """Shares ``{x: f(x)}`` of a random degree-(t-1) polynomial with ``f(0) = secret``."""
     if len(secret) != SECRET_BYTES:
         raise ValueError(f"secret must be {SECRET_BYTES} bytes")
+    return split_int(int.from_bytes(secret, "big"), xs, t, rng)
+
+
+def split_int(secret: int, xs: Sequence[int], t: int, rng: RandomBytes) -> dict[int, int]:
+    """Shares of a field element (the contributor bit of the consistency check: shares are linear, so
+    summing each holder's shares of several secrets gives its share of their sum)."""
+    if not 0 <= secret < PRIME:
+        raise ValueError("secret outside the field")
     if not 1 <= t <= len(xs):
         raise ValueError(f"threshold {t} must be in [1, {len(xs)}]")
     if len(set(xs)) != len(xs) or any(not 0 < x < PRIME for x in xs):
         raise ValueError("x-coordinates must be distinct and in (0, PRIME)")
-    coeffs = [int.from_bytes(secret, "big")] + [random_element(rng) for _ in range(t - 1)]
+    coeffs = [secret] + [random_element(rng) for _ in range(t - 1)]
     out = {}
     for x in xs:
         acc = 0

@@ -30,7 +30,7 @@ from distmoe.privacy.secagg.errors import StateCorrupt, StateMismatch
 from distmoe.privacy.secagg.messages import SecAggParams
 
 MAGIC = b"DMSASTv\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the consistency check (signing keys, contributor-count shares, signed survivor sets)
 KIND_CLIENT = 1
 KIND_SERVER = 2
 _KIND_NAMES = {KIND_CLIENT: "client", KIND_SERVER: "server"}

@@ -128,11 +128,13 @@ def test_client_refuses_a_threshold_that_is_not_a_majority_of_its_holders():
     peers = G.harary_graph(run_id, 4)  # 5 holders: t must be 3
     params = sa.SecAggParams(run_id=run_id, threshold=2, bits=32, length=L)
     clients = {i: sa.SecAggClient(params, i, peers=peers) for i in range(1, n + 1)}
-    directory = sa.KeyDirectory(run_id, tuple(sorted((i, c.advertise().c_pk) for i, c in clients.items())))
+    ads = {i: c.advertise() for i, c in clients.items()}
+    directory = sa.KeyDirectory(run_id, tuple((i, a.c_pk) for i, a in sorted(ads.items())),
+                                tuple((i, a.sig_pk) for i, a in sorted(ads.items())))
     with pytest.raises(sa.InsecureThreshold):
         clients[1].receive_directory(directory)
     with pytest.raises(sa.InsecureThreshold):  # the server refuses it at registration too
-        sa.SecAggServer(params, peers=peers).register([sa.KeyAdvert(i, pk) for i, pk in directory.keys])
+        sa.SecAggServer(params, peers=peers).register(list(ads.values()))
 
 
 # ---- sums over a sparse graph -------------------------------------------------------------------

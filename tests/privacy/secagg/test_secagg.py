@@ -77,10 +77,11 @@ def expected(xs: dict[int, np.ndarray], ids, bits: int) -> np.ndarray:
 
 
 def masked_stage(fed: LocalFederation, r: int, xs, skip=()):
-    """Exchange 1 by hand: returns (starts, masked inputs by sender, unmask request)."""
+    """Exchanges 1 (masked input) and 2 (consistency check) by hand: returns (starts, masked inputs by
+    sender, unmask request)."""
     starts = fed.server.begin_round(r)
     masked = {i: fed.clients[i].masked_input(s, xs[i]) for i, s in starts.items() if i not in skip}
-    return starts, masked, fed.server.receive_masked(r, masked.values())
+    return starts, masked, fed.check(r, fed.server.receive_masked(r, masked.values()))
 
 
 # ---- exact sums -------------------------------------------------------------------------------
@@ -93,7 +94,7 @@ def test_exact_sum_without_dropouts(n, t):
         res = fed.round(r, xs)
         assert res.included == tuple(range(1, n + 1)) and res.dropped == ()
         np.testing.assert_array_equal(res.total, expected(xs, range(1, n + 1), 32))
-    assert fed.exchanges == 2 + 2 * 2  # setup twice, then two exchanges per round
+    assert fed.exchanges == 2 + 3 * 2  # setup twice, then three exchanges per round
 
 
 @pytest.mark.parametrize("bits", [1, 12, 33, 64])
@@ -158,7 +159,7 @@ def test_mixed_dropouts_over_rounds_and_rejoin():
     res = fed.round(3, xs, offline={2})  # 2 was in U1 via piggyback: dropped after share keys
     assert res.included == (1, 3, 4, 5, 6, 7) and res.dropped == (2,)
     np.testing.assert_array_equal(res.total, expected(xs, (1, 3, 4, 5, 6, 7), 32))
-    assert fed.exchanges == 2 + 3 * 2  # dropouts never add an exchange
+    assert fed.exchanges == 2 + 3 * 3  # dropouts never add an exchange
 
 
 def test_sparse_peer_graph_is_a_parameter():
@@ -184,7 +185,7 @@ def test_server_rejects_malformed_masked_input_as_dropout():
     masked = [fed.clients[i].masked_input(starts[i], xs[i]) for i in (1, 2, 3)]
     bad = fed.clients[4].masked_input(starts[4], xs[4])
     bad = dataclasses.replace(bad, y=bad.y[:-1])
-    req = fed.server.receive_masked(1, [*masked, bad])
+    req = fed.check(1, fed.server.receive_masked(1, [*masked, bad]))
     assert req.alive == (1, 2, 3) and req.dead == (4,) and "shape" in fed.server.rejected[(1, 4)]
     res = fed.server.finish(1, [fed.clients[i].unmask(req) for i in req.alive])
     np.testing.assert_array_equal(res.total, expected(xs, (1, 2, 3), 32))
@@ -324,7 +325,7 @@ def test_abort_when_directory_substitutes_own_key():
     ads = [c.advertise() for c in fed.clients.values()]
     d = fed.server.register(ads)
     forged = KeyDirectory(d.run_id, tuple((i, P.new_keypair(random.Random(i).randbytes)[1]) if i == 2 else (i, k)
-                                          for i, k in d.keys))
+                                          for i, k in d.keys), d.sig_keys)
     with pytest.raises(KeySubstitution):
         fed.clients[2].receive_directory(forged)
 
@@ -462,7 +463,7 @@ def test_replayed_round_start_is_refused():
     xs = rand_inputs(4, 32)
     starts = fed.server.begin_round(1)
     ms = [fed.clients[i].masked_input(starts[i], xs[i]) for i in starts]
-    req = fed.server.receive_masked(1, ms)
+    req = fed.check(1, fed.server.receive_masked(1, ms))
     fed.server.finish(1, [fed.clients[i].unmask(req) for i in req.alive])
     with pytest.raises(RepeatedRequest):
         fed.clients[1].masked_input(starts[1], xs[1])

@@ -91,7 +91,7 @@ class PersistedFederation:
             keys.append(self.call(i, "share_keys", first_round))
         self.serve("add_share_keys", keys)
 
-    def round(self, r, xs, *, drop_before_masked=(), drop_before_unmask=(), offline=()):
+    def round(self, r, xs, *, drop_before_masked=(), drop_before_consistency=(), drop_before_unmask=(), offline=()):
         starts = self.serve("begin_round", r)
         masked, late = [], []
         for i in self.roster():
@@ -102,8 +102,11 @@ class PersistedFederation:
             else:
                 late.append(self.call(i, "share_keys", r + 1))
         self.serve("add_share_keys", late)
-        request = self.serve("receive_masked", r, masked)
-        responses = [self.call(i, "unmask", request) for i in request.alive
+        checks = self.serve("receive_masked", r, masked)
+        signed = [self.call(i, "consistency", q) for i, q in checks.items()
+                  if i not in offline and i not in drop_before_consistency]
+        request = self.serve("receive_consistency", r, signed)
+        responses = [self.call(i, "unmask", request) for i, _, _ in request.signatures
                      if i not in offline and i not in drop_before_unmask]
         return self.serve("finish", r, responses), request
 
@@ -112,7 +115,7 @@ SCHEDULE = [  # round -> dropouts; client 3 drops after sharing keys for 2, miss
     (1, {}),
     (2, {"drop_before_masked": {3}}),
     (3, {"drop_before_unmask": {5}}),
-    (4, {}),
+    (4, {"drop_before_consistency": {8}}),
     (5, {"drop_before_masked": {7}, "drop_before_unmask": {2}}),
 ]
 
@@ -163,7 +166,8 @@ def test_blob_is_canonical_json_without_code_and_sizes_are_small(both_runs):
     assert body["kind"] == "client" and body["cid"] == 1 and blob.startswith(S.MAGIC)
     assert b"\x80\x04" not in blob[:2]  # not a pickle
     assert max(v for k, v in per.sizes.items() if k.startswith("client")) < 6_000
-    assert max(v for k, v in per.sizes.items() if k.startswith("server")) < 40_000
+    # the server blob peaks after receive_masked: it then also holds the n(n-1) count shares in transit
+    assert max(v for k, v in per.sizes.items() if k.startswith("server")) < 60_000
 
 
 def test_closed_rounds_keep_no_secrets(both_runs):
@@ -198,8 +202,9 @@ def test_restored_client_refuses_both_shares_and_a_second_masked_input():
     masked = [per.call(i, "masked_input", starts[i], xs[i]) for i in sorted(starts)]
     with pytest.raises(RepeatedRequest):  # a replayed round start must not yield a second masked input
         per.call(1, "masked_input", starts[1], xs[1])
-    request = per.serve("receive_masked", 1, masked)
-    bad = UnmaskRequest(1, alive=request.alive, dead=(2,))
+    checks = per.serve("receive_masked", 1, masked)
+    request = per.serve("receive_consistency", 1, [per.call(i, "consistency", q) for i, q in checks.items()])
+    bad = UnmaskRequest(1, alive=request.alive, dead=(2,), signatures=request.signatures)
     with pytest.raises(BothSharesRequested):
         per.call(1, "unmask", bad)
     with pytest.raises(ProtocolViolation, match="aborted"):  # the abort was saved: the round stays closed
@@ -217,7 +222,10 @@ def test_server_restored_mid_round_gives_the_right_sum():
     xs = inputs(7)
     starts = fed.server.begin_round(1)
     masked = [fed.clients[i].masked_input(starts[i], xs[i]) for i in sorted(starts) if i != 4]
-    request = fed.server.receive_masked(1, masked)
+    checks = fed.server.receive_masked(1, masked)
+    blob = fed.server.to_state()
+    fed.server = SecAggServer.from_state(PARAMS, blob)  # restarted before the consistency stage
+    request = fed.check(1, checks)
     blob = fed.server.to_state()
     fed.server = None  # the ServerApp restarts
     srv = SecAggServer.from_state(PARAMS, blob)
