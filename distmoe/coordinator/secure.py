@@ -38,8 +38,7 @@ def _round_keys(sec: SecureRounds, rnd: int) -> tuple[bytes, tuple[tuple[int, by
     """The SecAgg run id and round ``rnd``'s U1 as ``(node id, s_pk)`` sorted by id: the public material every
     party's ``RoundStart`` listed (read from the server's round state, which keeps it until round ``rnd + 2``)."""
     srv = sec.server
-    rs = srv._rounds[rnd]  # noqa: SLF001 - read-only access to public keys; SecAggServer has no accessor for them
-    return srv.params.run_id, tuple(sorted(rs.s_pk.items()))
+    return srv.params.run_id, srv.round_keys(rnd)
 
 
 class SecureAggregator(Aggregator):

@@ -89,6 +89,13 @@ class SecAggServer:
     def roster(self) -> tuple[int, ...]:
         return tuple(sorted(self._keys or ()))
 
+    def round_keys(self, round_: int) -> tuple[tuple[int, bytes], ...]:
+        """Round ``round_``'s U1 as ``(node id, s_pk)`` sorted by id: the public material every party's
+        ``RoundStart`` listed (kept until the round's state is dropped)."""
+        if round_ not in self._rounds:
+            raise StateError(f"no state for round {round_}")
+        return tuple(sorted(self._rounds[round_].s_pk.items()))
+
     def has_share_keys(self, round_: int) -> frozenset[int]:
         """Clients whose share keys for ``round_`` are held (they will be in U1)."""
         return frozenset(self._pending.get(round_, ()))
