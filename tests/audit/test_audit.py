@@ -96,10 +96,11 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
 
     def send(rnd, phase, p, ptype, keys):
         d = describe_payload(f"{ptype}/{rnd}/{p}".encode())
-        coord.append(**common, round=rnd, phase=phase, direction="out", peer=p, payload_type=ptype, keys=keys,
-                     shapes={}, **d, verdict="accepted")
+        ce = coord.append(**common, round=rnd, phase=phase, direction="out", peer=p, payload_type=ptype, keys=keys,
+                          shapes={}, **d, verdict="accepted")
         led[p].append(**common, round=rnd, phase=phase, direction="in", peer="coordinator", payload_type=ptype,
-                      keys=keys, shapes={}, **d, verdict="accepted")
+                      keys=keys, shapes={}, **d, verdict="accepted",  # the coordinator head the instruction carried
+                      anchor={"node": "coordinator", "seq": ce["seq"], "hash": ce["hash"]})
 
     def reply(rnd, phase, p, ptype, keys, shapes, dp=None, info=None):
         d = describe_payload(f"{ptype}/{rnd}/{p}/reply".encode())
