@@ -249,7 +249,7 @@ def serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> RecordD
         guard = OutboundGuard(party.canaries)
         _, scan = guard.check(out, exp)
     except Blocked as exc:
-        _log(ledger, out, "out", f"rejected: {exc}", run, rnd, phase)
+        _log(ledger, out, "out", f"rejected: {exc}", run, rnd, phase, dp=dp)  # the charge was made: it counts
         refuse(ErrorCode.BLOCKED, f"party {party.name}: blocked by the outbound guard, nothing left: {exc}", Blocked)
     info = {"canary_scan": scan, "time": time.time()}
     if guard.mask_check is not None:
