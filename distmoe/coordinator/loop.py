@@ -99,7 +99,7 @@ class Coordinator:
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
             self.record.update(status=status, finished=time.time(), error=f"{type(exc).__name__}: {exc}")
             self.metrics.append({"event": "run_end", "status": status, "error": str(exc)})
-            self.say(f"run FAILED: {type(exc).__name__}: {exc}")
+            self.say(f"run {status.upper()}: {type(exc).__name__}: {exc}")
             if not isinstance(exc, (RunFailed, PrivacyStop)):
                 self.log(traceback.format_exc())
             raise
