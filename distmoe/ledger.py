@@ -7,7 +7,9 @@ and of a ledger against a head anchored elsewhere (truncation), and the node's E
 
 Entry fields: ``time, run, round, phase, direction ("out"/"in"), payload_type, keys, shapes, bytes,
 sha256`` (of the serialized payload), ``dp`` (dict or null), ``verdict`` (``"accepted"`` or
-``"rejected: <reason>"``), optionally ``anchor`` (``{"node", "seq", "hash"}``: another node's head),
+``"rejected: <reason>"``), optionally ``anchor`` (``{"node", "seq", "hash"}``: another node's head; on
+the coordinator's "in" entries the sending party's, on a party's "in" entries the coordinator's head that
+the instruction carried, so each side pins the other's chain),
 then ``seq`` (0, 1, ...), ``prev`` (hash of the previous entry; 64 zeros for the first), ``hash``
 (SHA-256 hex of the canonical JSON of the entry without ``hash``/``sig``) and ``sig`` (hex Ed25519
 signature of ``SIG_DOMAIN + hash``). Optional ``peer`` (the other node's name) and ``info`` (a dict

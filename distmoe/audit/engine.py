@@ -5,16 +5,19 @@ Owns: loading a run directory (``run.json``, ``ledger/coordinator.jsonl`` + ``.p
 of ``docs/privacy.md`` §6 as applied to this project's ledger conventions, and their result (:class:`AuditResult`).
 Check names, in order:
 ``ledger-integrity, cross-check, allow-list, no-blocked, no-plaintext, epsilon, noise-presence, row-sums,
-row-noise, canary-positions, min-parties, canaries, server-files, mask-uniformity`` (``server-files``: the schemas
-of every server-side file, :mod:`distmoe.audit.schemas`; ``mask-uniformity``: the uniformity statistic of every
-masked input a party sent, :mod:`distmoe.audit.masks`; ``row-noise``: the noise in the router statistic's own
-rows, ``canary-positions``: canaries where the round's public material puts them, :mod:`distmoe.audit.noise`).
-Each is ``pass``, ``fail`` or ``skipped`` with human-readable details; the verdict
-fails if any check fails. Rendering and writing the report is :mod:`distmoe.audit.report`.
+row-noise, canary-positions, min-parties, canaries, server-files, mask-uniformity, run-end, coordinator-heads,
+release-coverage`` (``server-files``: the schemas of every server-side file, :mod:`distmoe.audit.schemas`;
+``mask-uniformity``: the uniformity statistic of every masked input a party sent, :mod:`distmoe.audit.masks`;
+``row-noise``: the noise in the router statistic's own rows, ``canary-positions``: canaries where the round's
+public material puts them, :mod:`distmoe.audit.noise`; the last three, that the coordinator ledger is whole,
+closed and covers every release the parties' ledgers witness, and the parties' own signed charges folded into
+``epsilon``: :mod:`distmoe.audit.ledgers`). Each is ``pass``, ``fail`` or ``skipped`` with human-readable
+details; the verdict fails if any check fails. Rendering and writing the report is :mod:`distmoe.audit.report`.
 
 Independence: epsilon is recomputed from the coordinator's release entries (``z_eff`` from the survivors'
 count and the declared ``z``, checked against what the ledger claims), not read from the server's
-accountant, whose figure is only shown next to it. The unit is one sequence: an update release is charged at
+accountant, whose figure is only shown next to it; a party's own signed cumulative charge, when larger,
+is its epsilon. The unit is one sequence: an update release is charged at
 ``z_eff / 2`` (sensitivity two clips), a router-statistics release by the Skellam bound at integer orders.
 Statistical thresholds: noise presence fails at ``p < 1e-4 / R`` (one-sided, R = router-stats releases),
 row-sum dispersion at upper-tail ``p < 1e-6 / R``, row noise (lower tail, pooled and per release) at a
@@ -42,6 +45,7 @@ from typing import Any
 
 from scipy import stats as _st
 
+from distmoe.audit import ledgers
 from distmoe.audit.masks import check_masks
 from distmoe.audit.noise import POSITIONS, ROW_NOISE, check_canary_positions, check_row_noise
 from distmoe.audit.schemas import check_server_files
@@ -54,7 +58,7 @@ __all__ = ["AuditInputError", "AuditResult", "Check", "CHECKS", "audit_run"]
 
 CHECKS = ("ledger-integrity", "cross-check", "allow-list", "no-blocked", "no-plaintext", "epsilon",
           "noise-presence", "row-sums", ROW_NOISE, POSITIONS, "min-parties", "canaries", "server-files",
-          "mask-uniformity")
+          "mask-uniformity", *ledgers.CHECKS)
 COORDINATOR = "coordinator"
 # Family-wise false-alarm levels (Bonferroni over a run's router-stats releases). The noise is fresh OS
 # randomness, so an honest run fails with about this probability: small enough not to cry wolf across
@@ -982,6 +986,17 @@ def _check_masks(run: _Run) -> Check:
     return c
 
 
+def _from(c: Check, found: tuple[list[str], list[str]], skip: str | None = None) -> Check:
+    """Fill ``c`` from a ``(findings, notes)`` pair of a check module (``skip``: nothing to check)."""
+    for f in found[0]:
+        c.fail(f)
+    for n in found[1]:
+        c.note(n)
+    if skip is not None:
+        c.skip(skip)
+    return c
+
+
 # ------------------------------------------------------------------------------------------------- entry
 def audit_run(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str | os.PathLike[str]] | None = None,
               canaries: str | os.PathLike[str] | None = None) -> AuditResult:
@@ -994,11 +1009,19 @@ def audit_run(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str | os.
     run = _Run(Path(run_dir), party_ledgers, canaries)
     figs: dict[int, dict[str, Any]] = {}
     eps_check, table = _check_epsilon(run)
+    parties = {name: lf.entries for name, lf in run.parties.items()}
+    budget = run.settings.get("privacy.epsilon")
+    _from(eps_check, ledgers.fold_party_charges(table, ledgers.party_charges(parties), budget if isinstance(
+        budget, (int, float)) else math.inf))  # epsilon: the larger of the coordinator's and the party's own
     checks = [_check_integrity(run), _check_cross(run), _check_allow_list(run), _check_blocked(run),
               _check_plaintext(run), eps_check, _check_noise(run, figs), _check_row_sums(run, figs),
               _check_row_noise(run, figs), _check_canary_positions(run),
               _check_min_parties(run), _check_canaries(run), _check_server_files(run),
-              _check_masks(run)]
+              _check_masks(run), _from(Check("run-end"), ledgers.check_run_end(run.coord.entries)),
+              _from(Check("coordinator-heads"), ledgers.check_heads(run.coord.entries, parties),
+                    None if parties else "no party ledgers: heads cannot be checked (a ledger re-signed with the "
+                    "coordinator's key is undetectable without them)"),
+              _from(Check("release-coverage"), ledgers.check_coverage(run.coord.entries, parties))]
     assert tuple(c.name for c in checks) == CHECKS
     releases = []
     for r in run.releases:
@@ -1006,6 +1029,6 @@ def audit_run(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str | os.
                          "type": r.get("payload_type"), "mode": _info(r).get("mode"),
                          "included": _included(r), "dropped": _info(r).get("dropped", []),
                          "dp": r.get("dp") is not None, "z_eff": _z_eff(r, None), **figs.get(r.get("seq"), {})})
-    ledgers = {lf.name: str(lf.path) for lf in run.ledgers}
-    return AuditResult(run.dir, str(run.meta.get("run_id") or run.dir.name), checks, ledgers, run.settings, table,
+    paths = {lf.name: str(lf.path) for lf in run.ledgers}
+    return AuditResult(run.dir, str(run.meta.get("run_id") or run.dir.name), checks, paths, run.settings, table,
                        releases)

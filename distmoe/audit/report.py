@@ -56,14 +56,15 @@ def render_markdown(result: AuditResult) -> str:
         out.append(f"| {c.name} | {c.status.upper() if c.status == 'fail' else c.status} | {_cell(first)} |")
     out += ["", "## Epsilon per party", ""]
     if result.epsilon:
-        out += ["| party | DP releases | eps (PRV) | eps (RDP) | eps = max | budget | delta | server eps | status |",
-                "|---|---|---|---|---|---|---|---|---|"]
+        out += ["| party | DP releases | eps (PRV) | eps (RDP) | party's signed eps | eps = max | budget | delta | "
+                "server eps | status |", "|---|---|---|---|---|---|---|---|---|---|"]
         for p, r in result.epsilon.items():
             out.append(f"| {p} | {r['releases']} | {_fmt(r['eps_prv'])} | {_fmt(r['eps_rdp'])} | "
-                       f"{_fmt(r['epsilon'])} | {_fmt(r['budget'], 'g')} | {_fmt(r['delta'], 'g')} | "
-                       f"{_fmt(r['server_epsilon'])} | {r['status']} |")
-        out += ["", "eps is recomputed from the coordinator's release entries (z_eff from the survivors); "
-                "the server's own figure is shown for comparison only."]
+                       f"{_fmt(r.get('party_epsilon'))} | {_fmt(r['epsilon'])} | {_fmt(r['budget'], 'g')} | "
+                       f"{_fmt(r['delta'], 'g')} | {_fmt(r['server_epsilon'])} | {r['status']} |")
+        out += ["", "eps is recomputed from the coordinator's release entries (z_eff from the survivors), and is "
+                "at least the party's own signed charges (from its ledger, when given); the server's own figure "
+                "is shown for comparison only."]
     else:
         out.append("No epsilon could be computed (see the epsilon check).")
     if result.releases:

@@ -95,11 +95,11 @@ class Coordinator:
                 self.checkpoint()
             self.start_plane(self._wait_for_parties())
             self._run_schedule()
-        except BaseException as exc:
-            status = "failed"
-            self.record.update(status="failed", finished=time.time(), error=f"{type(exc).__name__}: {exc}")
-            self.metrics.append({"event": "run_end", "status": "failed", "error": str(exc)})
-            self.say(f"run FAILED: {type(exc).__name__}: {exc}")
+        except BaseException as exc:  # Ctrl-C closes the ledger as "interrupted" (the audit judges what it holds)
+            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            self.record.update(status=status, finished=time.time(), error=f"{type(exc).__name__}: {exc}")
+            self.metrics.append({"event": "run_end", "status": status, "error": str(exc)})
+            self.say(f"run {status.upper()}: {type(exc).__name__}: {exc}")
             if not isinstance(exc, (RunFailed, PrivacyStop)):
                 self.log(traceback.format_exc())
             raise

@@ -103,7 +103,8 @@ def start(co: Coordinator, nodes: list[int]) -> None:
 
 
 def close(co: Coordinator, status: str) -> None:
-    """The ``run-end`` entry with the epsilon spent per party; never masks the run's own error."""
+    """The ``run-end`` entry (``status``: completed, failed, interrupted) with the epsilon spent per party; never
+    masks the run's own error. The audit requires it as the ledger's last entry (``distmoe.audit.ledgers``)."""
     if co.ledger is None:
         return
     try:

@@ -2,7 +2,9 @@
 
 Owns: ``serve(message_type, content, party, run_id)``, the one path of every instruction at a party
 (the ClientApp's and the in-process transport's): it decodes the instruction strictly and derives what
-its reply may be (``read_instruction``), logs it in the party's ledger, asks the Flower-free party
+its reply may be (``read_instruction``), logs it in the party's ledger with the coordinator's ledger head
+the instruction carries (``anchor`` of the "in" entry; an instruction without one is refused: the
+audit checks these heads against the coordinator's ledger, ``distmoe.audit.ledgers``), asks the Flower-free party
 service for the answer (``party.answer``: ``distmoe.party.service``), encodes the reply with the codec,
 and passes it through ``OutboundGuard``. The guard decodes the reply again with the strict codec,
 checks it against what this message type may answer (payload type, exact records and keys, the
@@ -58,6 +60,7 @@ from distmoe.wire.schema import (
 )
 
 REPLY_STRINGS = codec.string_fields("reply")  # {record: keys} that may hold text or bytes in a reply
+COORDINATOR = "coordinator"  # the node name under which a party records the coordinator's ledger heads
 
 
 def _all_bytes(content: RecordDict) -> list[bytes]:
@@ -204,8 +207,8 @@ def guarded_error(ledger: Ledger, canaries: list[bytes], run: str, rnd: int | No
 
 
 def _log(ledger: Ledger, content: RecordDict, direction: str, verdict: str, run: str, rnd: int | None, phase: str,
-         **extra) -> dict:
-    d = inspect.describe(content)
+         exclude: tuple[str, ...] = (), **extra) -> dict:
+    d = inspect.describe(content, exclude=exclude)
     return ledger.append(run=run, round=rnd, phase=phase, direction=direction, payload_type=codec.payload_tag(content),
                          keys=d["keys"], shapes=d["shapes"], bytes=d["bytes"], sha256=d["sha256"],
                          verdict=verdict[:500], peer="coordinator", **extra)
@@ -216,12 +219,18 @@ def serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> RecordD
     whose text is what to send back as the error reply: the code's fixed text and the ledger head (already
     logged; the detail is in the party's own log)."""
     run, phase, ledger = str(run_id), phase_of(mtype), party.ledger
+    instr, rnd, head, extra = None, None, None, {}
     try:
+        head = codec.ledger_head(content)  # the coordinator's ledger head as of this instruction
         instr, exp, rnd = read_instruction(mtype, content, party.secure)
         verdict = "accepted"
+        if head is None:  # fail-closed: an instruction the coordinator did not log is not acted on
+            instr, verdict = None, "rejected: no coordinator ledger head (the coordinator did not log it)"
     except (WireError, inspect.InspectError, Refused) as exc:
-        instr, verdict, rnd = None, f"rejected: {exc}", None
-    _log(ledger, content, "in", verdict, run, rnd, phase)
+        instr, verdict = None, f"rejected: {exc}"
+    if head is not None:  # recorded in this party's signed ledger: the audit finds it in the coordinator's
+        extra["anchor"] = {"node": COORDINATOR, "seq": int(head[0]), "hash": head[1]}
+    _log(ledger, content, "in", verdict, run, rnd, phase, exclude=(codec.LEDGER_RECORD,), **extra)
 
     def refuse(code: int, detail: str, cls=Refused):
         raise cls(guarded_error(ledger, party.canaries, run, rnd, phase, code, f"{mtype}: {detail}"), code)
@@ -241,7 +250,7 @@ def serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> RecordD
         guard = OutboundGuard(party.canaries)
         _, scan = guard.check(out, exp)
     except Blocked as exc:
-        _log(ledger, out, "out", f"rejected: {exc}", run, rnd, phase)
+        _log(ledger, out, "out", f"rejected: {exc}", run, rnd, phase, dp=dp)  # the charge was made: it counts
         refuse(ErrorCode.BLOCKED, f"party {party.name}: blocked by the outbound guard, nothing left: {exc}", Blocked)
     info = {"canary_scan": scan, "time": time.time()}
     if guard.mask_check is not None:

@@ -6,7 +6,9 @@ Owns:
   layouts with the real codec (so it is exactly what the codec can produce, not a hand-kept list):
   per payload type the allowed and required ``<record>.<key>`` names, the shapes of fixed-shape arrays,
   and a byte budget. It is hashed into the first entry of the coordinator's ledger.
-- ``ServerGuard``: every outbound instruction is encoded and logged; every inbound reply is checked
+- ``ServerGuard``: every outbound instruction is encoded, logged, and carries the coordinator's ledger
+  head after that entry (``codec.LEDGER_RECORD``: the party records it, so a cut or rewritten
+  coordinator ledger no longer holds the heads the parties saw); every inbound reply is checked
   before anything reads it (payload type on the allow-list, keys, required keys, fixed shapes, byte
   budget, no text or bytes outside the protocol's fields, every array header parsed so trailing bytes
   are rejected, finite values, the masked-vector length the round declared) and logged with the
@@ -193,12 +195,14 @@ class ServerGuard:
         d = inspect.describe(content)
         ptype = codec.payload_tag(content)
         problem = check_against_policy(self.policy, ptype, d)
-        self.ledger.append(run=self.run_id, round=rnd, phase=phase, direction="out", payload_type=ptype,
-                           keys=d["keys"], shapes=d["shapes"], bytes=d["bytes"], sha256=d["sha256"],
-                           verdict="accepted" if problem is None else f"rejected: {problem}", peer=self.peer(node))
+        entry = self.ledger.append(run=self.run_id, round=rnd, phase=phase, direction="out", payload_type=ptype,
+                                   keys=d["keys"], shapes=d["shapes"], bytes=d["bytes"], sha256=d["sha256"],
+                                   verdict="accepted" if problem is None else f"rejected: {problem}",
+                                   peer=self.peer(node))
         if problem:
             raise WireError(f"outbound broadcast refused by the guard: {problem}")
-        return codec.message_type_of(payload), content
+        # the coordinator's ledger head as of this instruction: the party records it (distmoe.audit.ledgers)
+        return codec.message_type_of(payload), codec.with_ledger_head(content, entry["seq"], entry["hash"])
 
     def inbound(self, node: int, reply: RecordDict | codec.ErrorReply | str, expected: type, rnd: int | None,
                 phase: str, length: int | None = None) -> object:

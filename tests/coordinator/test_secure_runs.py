@@ -45,7 +45,8 @@ def test_honest_run_passes_the_audit(honest, releases):
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
     assert {c.name for c in result.checks if c.status == "pass"} == {
         "ledger-integrity", "cross-check", "allow-list", "no-blocked", "no-plaintext", "epsilon", "noise-presence",
-        "row-sums", "row-noise", "canary-positions", "min-parties", "canaries", "server-files", "mask-uniformity"}
+        "row-sums", "row-noise", "canary-positions", "min-parties", "canaries", "server-files", "mask-uniformity",
+        "run-end", "coordinator-heads", "release-coverage"}
     (stats,) = releases(run_dir, "router-stats")
     assert sorted(stats["info"]["included"]) == ["party-0", "party-1", "party-2"]
     assert stats["dp"]["n_active"] == 3 and stats["dp"]["z_eff"] > stats["dp"]["noise_multiplier"]

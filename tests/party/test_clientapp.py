@@ -58,7 +58,9 @@ def _global(cfg_over: dict):
 
 
 def _instruction(payload, node_id: int = 1) -> object:
-    return codec.instruction_content(codec.encode(payload), node_id, codec.message_type_of(payload))
+    """A Flower message as the coordinator sends it: the payload with the coordinator's ledger head."""
+    content = codec.with_ledger_head(codec.encode(payload), 5, "ab" * 32)
+    return codec.instruction_content(content, node_id, codec.message_type_of(payload))
 
 
 def _code_only(out, code: ErrorCode, work: Path) -> str:
