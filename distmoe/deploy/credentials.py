@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -378,7 +379,7 @@ def read_owner_public(path: str | os.PathLike[str]) -> OwnerPublic:
         if len(ledger) != 32:
             raise ValueError("the ledger public key is not 32 bytes")
         Ed25519PublicKey.from_public_bytes(ledger)
-    except (ValueError, TypeError, UnicodeError) as exc:
+    except (ValueError, TypeError, UnicodeError, UnsupportedAlgorithm) as exc:
         raise CredentialsError(f"--owner-keys: {path}: {exc}") from None
     return OwnerPublic(name, str(sn).strip().encode("ascii") + b"\n", ledger.hex())
 
