@@ -24,6 +24,7 @@ from pathlib import Path
 from distmoe.deploy import pin as code_pin
 
 REFUSAL = "distmoe code pin: the app bundle's party code is not the version this data owner pinned"
+PASSED = "distmoe code pin: the app bundle's party code matches the pin"  # + the digest, on stderr (the owner's log)
 
 
 class PinRefused(RuntimeError):
@@ -56,6 +57,7 @@ def checked_installer(pin_file: Path, install):
         problems = code_pin.check_dir(app_dir, pin)
         if problems:
             _refuse(pin_file, problems, f"installed {app_dir}")
+        print(f"{PASSED} {pin['digest']}", file=sys.stderr, flush=True)
         return app_dir
 
     return install_checked

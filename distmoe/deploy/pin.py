@@ -8,7 +8,7 @@ coordinator chooses. Flower 1.42's app verification (``flower-supernode --truste
 help on a self-hosted SuperLink: only FABs fetched from Flower Hub carry verification records; a bundle
 submitted with ``flwr run <dir>`` has none and a SuperNode with trusted entities refuses *every* run
 ("App verification is not supported by the connected SuperLink"; flwr ``supernode/start_client_internal.py``
-344-352, ``superlink/servicer/control/control_handlers.py`` 636 and 689-690). So the owner pins the
+344-352, ``superlink/servicer/control/control_handlers.py`` 636 and 689-691). So the owner pins the
 party-side code instead: the sha256 of every file of the ``distmoe`` and ``clients`` packages of a copy it
 reviewed (its own install, a checkout or a wheel). A bundle passes only when
 

@@ -249,6 +249,7 @@ def test_modified_party_code_is_refused_by_the_pinned_supernode(procs, tmp_path)
     # the pinned code ran: distmoe's party guard answered (this bare query is refused by the protocol check,
     # with the party ledger's head: the party's ledger was written)
     assert REFUSAL not in line and "[ledger-head " in line, line + procs.diag()
+    assert "distmoe code pin: the app bundle's party code matches the pin" in procs.logs["supernode"].read_text()
 
 
 def test_without_the_pin_the_modified_code_runs(procs, tmp_path):
