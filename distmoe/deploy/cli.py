@@ -176,7 +176,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     n = dsub.add_parser("supernode", help="a data owner's flower-supernode (TLS, auth key, node config)")
     n.add_argument("--credentials", required=True, metavar="PARTY_DIR",
-                   help="the data owner's directory as received (OUT/parties/<party>)")
+                   help="the data owner's own directory (made by 'distmoe deploy owner-keys', with the "
+                        "coordinator's ca.crt in it)")
     n.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the coordinator's SuperLink address")
     n.add_argument("--data-path", required=True, metavar="DIR", help="this party's data (<task>.jsonl files)")
     n.add_argument("--party-name", help="must match the credentials (default: theirs)")

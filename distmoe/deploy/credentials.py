@@ -163,8 +163,8 @@ def read_party_dir(party_dir: str | os.PathLike[str]) -> PartyFiles:
     try:
         name = json.loads(info.read_text())["party"]
     except FileNotFoundError:
-        raise CredentialsError(f"{info} not found: pass the data owner's directory (OUT/parties/<party>) made by "
-                               "'distmoe credentials'") from None
+        raise CredentialsError(f"{info} not found: pass the data owner's directory made by 'distmoe deploy "
+                               "owner-keys' (or OUT/parties/<party> of 'distmoe credentials --parties')") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CredentialsError(f"{info} is unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(name, str) or not PARTY_RE.match(name):
