@@ -197,3 +197,43 @@ def test_pin_sources_that_are_not_distmoe_are_refused(tmp_path):
         cp.source_files(tmp_path)
     with pytest.raises(cp.CodePinError, match="neither a wheel nor a directory"):
         cp.source_files(tmp_path / "missing")
+
+
+def test_an_owner_install_that_differs_from_the_pin_is_refused(tmp_path, pin):
+    """The code that runs is the owner's install (the launcher imported it first): an install changed after
+    pinning, or a pin of another release, refuses every bundle, even one that matches the pin."""
+    files = dict(pin["files"])
+    files["distmoe/party/session.py"] = "00" * 32  # the pin says one thing, the install holds another
+    pin_file, other = cp.write_pin(tmp_path / "p", files)
+    assert pinned.install_problems(other) == [
+        "distmoe/party/session.py: the installed file differs from the pinned version"
+    ]
+    install = pinned.checked_installer(pin_file, lambda fab, *a, **k: pytest.fail("installed"))
+    with pytest.raises(pinned.PinRefused):
+        install(_fab(_repo_files()))
+    assert "refused (this data owner's install)" in (tmp_path / "p" / cp.REFUSAL_LOG).read_text()
+    assert pinned.install_problems(pin) == []
+
+
+def test_party_modules_resolve_to_the_owners_install_once_the_launcher_imported_it(tmp_path):
+    """Python semantics the launcher relies on: after ``distmoe`` is imported from the owner's install, a bundle
+    directory put first on ``sys.path`` (as Flower does) does not supply ``distmoe`` submodules."""
+    bundle = tmp_path / "bundle"
+    (bundle / "distmoe" / "party").mkdir(parents=True)
+    (bundle / "distmoe" / "__init__.py").write_text("")
+    (bundle / "distmoe" / "party" / "__init__.py").write_text("")
+    (bundle / "distmoe" / "party" / "session.py").write_text("raise SystemExit('bundle code ran')\n")
+    code = (
+        "import sys, clients.pinned; "
+        f"sys.path.insert(0, {str(bundle)!r}); import distmoe.party.session as s; print(s.__file__)"
+    )
+    res = subprocess.run(
+        [sys.executable, "-P", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=str(tmp_path),
+    )
+    assert res.returncode == 0, res.stderr
+    assert all(p.startswith(str(REPO)) for p in res.stdout.split()), res.stdout
