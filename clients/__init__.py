@@ -1,1 +1,1 @@
-"""The distmoe ClientApp (thin: decode, call the library, encode)."""
+"""The distmoe ClientApp (thin: decode, call the library, encode) and the data owner's pinned launcher of it."""

@@ -1,4 +1,5 @@
-"""The ``distmoe credentials`` and ``distmoe deploy superlink|supernode|register|connection`` subcommands.
+"""The ``distmoe credentials`` and ``distmoe deploy superlink|supernode|register|connection|owner-keys|pin``
+subcommands.
 
 Owns: their argument parsers and the print-or-exec behaviour. By default each ``deploy`` command
 prints the Flower command line(s) on stdout (copy-pasteable, one per line) and notes on stderr;
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from distmoe.deploy import commands as dc
 from distmoe.deploy import credentials as cr
+from distmoe.deploy import pin as cp
 
 
 def _fail(exc: Exception) -> int:
@@ -26,11 +28,37 @@ def _fail(exc: Exception) -> int:
 
 def cmd_credentials(args) -> int:
     try:
-        names = cr.party_names(args.parties, args.num_parties)
-        creds = cr.create(Path(args.out), names, args.san, days=args.days, force=args.force)
+        if args.owner_keys:
+            public = [cr.read_owner_public(f) for v in args.owner_keys for f in v.split(",") if f.strip()]
+            creds = cr.create(Path(args.out), (), args.san, days=args.days, force=args.force, owner_public=public)
+        else:
+            names = cr.party_names(args.parties, args.num_parties)
+            creds = cr.create(Path(args.out), names, args.san, days=args.days, force=args.force)
     except cr.CredentialsError as exc:
         return _fail(exc)
     print(cr.summary(creds))
+    return 0
+
+
+def cmd_deploy_owner_keys(args) -> int:
+    try:
+        party, public = cr.create_owner_keys(Path(args.out), args.party, force=args.force)
+    except cr.CredentialsError as exc:
+        return _fail(exc)
+    print(public.read_text(), end="")
+    print(f"# kept here (mode 0600): {party.supernode_key}, {party.ledger_key}\n"
+          f"# send only {public} to the coordinator (compare the fingerprint with it out of band);\n"
+          f"# put the ca.crt it sends back at {party.ca_cert}", file=sys.stderr)
+    return 0
+
+
+def cmd_deploy_pin(args) -> int:
+    try:
+        files = cp.source_files(args.source)
+        pin_file, pin = cp.write_pin(Path(args.out), files, force=args.force)
+    except cp.CodePinError as exc:
+        return _fail(exc)
+    print(cp.summary(pin_file, pin, [args.source or f"the install of {sys.executable}"]))
     return 0
 
 
@@ -68,9 +96,11 @@ def cmd_deploy_supernode(args) -> int:
         model_path=args.model_path, flwr_home=args.flwr_home,
         hardware={"device": args.device, "dtype": args.dtype, "micro-batch-size": args.micro_batch_size,
                   "gradient-checkpointing": args.gradient_checkpointing, "quantize": args.quantize},
-        base_cache=args.base_cache),
+        base_cache=args.base_cache, code_pin=args.code_pin),
         "# the coordinator must have registered this SuperNode's public key (supernode.pub) first; otherwise "
-        "Flower refuses it (exit code 305)")
+        "Flower refuses it (exit code 305)" + ("" if args.code_pin else
+        "\n# warning: no --code-pin: this SuperNode runs whatever party code the coordinator's app bundle "
+        "holds (docs/privacy.md §1); pin your reviewed version with 'distmoe deploy pin'"))
 
 
 def cmd_deploy_register(args) -> int:
@@ -114,6 +144,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g = c.add_mutually_exclusive_group(required=True)
     g.add_argument("--parties", metavar="A,B,...", help="data owner names, comma separated")
     g.add_argument("--num-parties", type=int, metavar="N", help="N data owners named party-0 .. party-N-1")
+    g.add_argument("--owner-keys", action="append", metavar="FILE",
+                   help="a data owner's <party>.public.json from 'distmoe deploy owner-keys' (repeatable or comma "
+                        "separated): only public keys, the owners keep their private keys. --parties and "
+                        "--num-parties instead make every owner's private keys here (development only)")
     c.add_argument("--san", action="append", metavar="NAME",
                    help="subject alternative name of the SuperLink certificate: DNS name or IP (repeatable; "
                         f"default: {', '.join(cr.DEFAULT_SANS)})")
@@ -142,7 +176,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     n = dsub.add_parser("supernode", help="a data owner's flower-supernode (TLS, auth key, node config)")
     n.add_argument("--credentials", required=True, metavar="PARTY_DIR",
-                   help="the data owner's directory as received (OUT/parties/<party>)")
+                   help="the data owner's own directory (made by 'distmoe deploy owner-keys', with the "
+                        "coordinator's ca.crt in it)")
     n.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the coordinator's SuperLink address")
     n.add_argument("--data-path", required=True, metavar="DIR", help="this party's data (<task>.jsonl files)")
     n.add_argument("--party-name", help="must match the credentials (default: theirs)")
@@ -162,8 +197,24 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="node config gradient-checkpointing")
     n.add_argument("--quantize", choices=("none", "4bit", "8bit"),
                    help="node config quantize: a bitsandbytes-quantised base (CUDA, lora, the quant extra)")
+    n.add_argument("--code-pin", metavar="DIR", help="directory made by 'distmoe deploy pin': the SuperNode then "
+                                                     "refuses any app bundle whose party code differs from the pin")
     common(n, "the SuperNode")
     n.set_defaults(fn=cmd_deploy_supernode)
+
+    o = dsub.add_parser("owner-keys", help="data owner: make this owner's SuperNode and ledger keys here; only "
+                                           "<party>.public.json goes to the coordinator")
+    o.add_argument("--party", required=True, help="this data owner's name (as agreed with the coordinator)")
+    o.add_argument("--out", required=True, metavar="DIR", help="this owner's credentials directory (mode 0700)")
+    o.add_argument("--force", action="store_true", help="replace existing keys (send the new public file)")
+    o.set_defaults(fn=cmd_deploy_owner_keys)
+
+    q = dsub.add_parser("pin", help="data owner: pin the party-side code (distmoe, clients) this SuperNode may run")
+    q.add_argument("--out", required=True, metavar="DIR", help="where code-pin.json and bin/flwr-clientapp go")
+    q.add_argument("--source", metavar="WHEEL|DIR", help="the reviewed code: a wheel or a directory holding "
+                                                          "distmoe/ and clients/ (default: this Python's install)")
+    q.add_argument("--force", action="store_true", help="replace an existing pin")
+    q.set_defaults(fn=cmd_deploy_pin)
 
     r = dsub.add_parser("register", help="flwr supernode register: one data owner's public key at a time")
     r.add_argument("--credentials", required=True, metavar="DIR", help="directory made by 'distmoe credentials'")

@@ -3,7 +3,8 @@
 Owns: the exact command line of the coordinator's ``flower-superlink`` (TLS, SuperNode
 authentication, a state database, Flower's state directory ``FLWR_HOME``), of a data owner's
 ``flower-supernode`` (CA certificate, authentication key, the node config distmoe reads:
-``data-path``, ``party-name``, ``ledger-key``, optional ``work-dir``, ``epsilon-max``, ``model-path``),
+``data-path``, ``party-name``, ``ledger-key``, optional ``work-dir``, ``epsilon-max``, ``model-path``, and
+with ``--code-pin`` the owner's pinned ClientApp launcher first on its ``PATH``),
 of the registration of each data owner's public key (``flwr supernode register``), and the
 ``$FLWR_HOME/config.toml`` connection the ``flwr`` CLI uses. Each is a :class:`FlowerCommand`
 (argv + environment) that is printed for copy-paste or executed as is.
@@ -34,6 +35,7 @@ from distmoe.deploy.credentials import (
     read_credentials,
     read_party_dir,
 )
+from distmoe.deploy.pin import CodePinError, pin_dir_of
 
 DEFAULT_SUPERLINK_PORT = 8000  # flower-superlink's default (--port)
 DEFAULT_SUPERNODE_PORT = 9094  # flower-supernode's local Runtime API (--port); one per SuperNode on a host
@@ -204,6 +206,7 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
                       flwr_home: str | os.PathLike[str] | None = None,
                       hardware: Mapping[str, str | int | bool] | None = None,
                       base_cache: str | os.PathLike[str] | None = None,
+                      code_pin: str | os.PathLike[str] | None = None,
                       check_paths: bool = True) -> FlowerCommand:
     """``flower-supernode`` with TLS (the federation's CA), its authentication key and distmoe's node config.
 
@@ -211,11 +214,17 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
     defaults to the one it was made for. With ``check_paths`` the data directory must exist here.
     ``hardware`` holds the owner's own compute settings as node-config keys (``device``, ``dtype``,
     ``micro-batch-size``, ``gradient-checkpointing``, ``quantize``; ``distmoe.config.HARDWARE_KEYS``).
+    ``code_pin`` is a directory made by ``distmoe deploy pin`` (:mod:`distmoe.deploy.pin`): its ``bin/`` goes
+    first on the SuperNode's ``PATH``, so every ClientApp process is the owner's pinned launcher, which
+    refuses an app bundle whose party code differs from the pin.
     """
     party: PartyFiles = read_party_dir(party_dir)
-    for path, what in ((party.ca_cert, "CA certificate"), (party.supernode_key, "SuperNode private key"),
-                       (party.ledger_key, "ledger signing key")):
-        _need_file(path, what)
+    if not party.ca_cert.is_file():
+        raise DeployError(f"{party.ca_cert}: CA certificate not found; put the coordinator's ca.crt (its "
+                          f"OUT/parties/{party.name}/ca.crt from 'distmoe credentials') there")
+    for path, what in ((party.supernode_key, "SuperNode private key"), (party.ledger_key, "ledger signing key")):
+        if not path.is_file():
+            raise DeployError(f"{path}: {what} not found (made by 'distmoe deploy owner-keys')")
     _check_address(superlink, "--superlink")
     if not 0 < port < 65536:
         raise DeployError(f"--port: value {port} is not a TCP port")
@@ -250,13 +259,21 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
                    ).train(TrainConfig())
     except ConfigError as exc:
         raise DeployError(str(exc)) from None
+    env = flwr_env(flwr_home)
+    if code_pin is not None:
+        try:
+            _pin_file, bindir = pin_dir_of(code_pin)
+        except CodePinError as exc:
+            raise DeployError(f"--code-pin: {exc}") from None
+        # the launcher first; then this Python's bin/ (flower-superexec), then the rest of the PATH
+        env["PATH"] = os.pathsep.join([str(bindir), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     argv = ["flower-supernode",
             "--root-certificates", _abs(party.ca_cert),
             "--auth-supernode-private-key", _abs(party.supernode_key),
             "--superlink", superlink,
             "--host", host, "--port", str(port),
             "--node-config", node_config_string(nc)]
-    return FlowerCommand(tuple(argv), flwr_env(flwr_home))
+    return FlowerCommand(tuple(argv), env)
 
 
 # --------------------------------------------------------------------------------------------- checks

@@ -1,5 +1,13 @@
 """Federation credentials for a deployment: a CA, the SuperLink's TLS certificate, and per data owner the
-SuperNode authentication key pair and the Ed25519 ledger-signing key (``distmoe credentials``).
+SuperNode authentication key pair and the Ed25519 ledger-signing key.
+
+Who makes what (``docs/deploy.md``): each data owner makes its own keys on its own machine
+(:func:`create_owner_keys`, ``distmoe deploy owner-keys``) and sends only ``<party>.public.json`` (the two
+public keys); the coordinator makes the CA and the SuperLink certificate from those public files
+(:func:`create` with ``owner_public``, ``distmoe credentials --owner-keys``) and sends each owner back only
+``ca.crt``. No private key of a data owner is ever on the coordinator's machine. :func:`create` with party
+names instead (``--parties``/``--num-parties``) makes every key on one machine: a development shortcut for
+tests and closed set-ups, where the coordinator could sign in any party's name.
 
 Owns: the credentials directory layout (one place, :func:`layout`), the key and certificate formats, and
 the file rules: private files are written with mode 0600 and directories with 0700, independent of
@@ -16,6 +24,8 @@ Layout under ``OUT``::
         supernode.key, supernode.pub         EC P-384 in OpenSSH format (--auth-supernode-private-key)
         ledger.key, ledger.pub               Ed25519 PKCS#8 PEM (node config ledger-key), raw hex public key
         party.json                           the party name and the file names above
+        (with owner-made keys only ca.crt: the keys are in the owner's own directory, same file names,
+        made by create_owner_keys, plus <party>.public.json, the one file the owner sends)
     manifest.json                            fingerprints of every public key and certificate
 
 Formats are the ones Flower 1.42 reads: ``flower-supernode`` loads its key with
@@ -25,7 +35,7 @@ Python ``ssl``) takes a PEM certificate and a PEM private key; clients verify it
 so the server certificate carries the SuperLink's addresses as subject alternative names.
 
 This is a development CA. In production the certificate of the SuperLink should come from a real CA
-(:data:`PRODUCTION_NOTE`), and each data owner can make its own key pair and send only the public key.
+(:data:`PRODUCTION_NOTE`).
 
 Must not: import ``flwr`` (the library stays importable without it), or touch files outside ``OUT``.
 """
@@ -44,9 +54,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from distmoe.io import write_atomic
@@ -61,9 +72,15 @@ _DNS_RE = re.compile(r"^(\*\.)?([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[
 PRODUCTION_NOTE = (
     "note: this is a development CA made on this machine. In production, have the SuperLink's certificate "
     "issued by a real CA (or your organisation's CA) for the public name/IP the data owners connect to, "
-    "keep ca/ca.key offline, and prefer that each data owner creates its own SuperNode key pair "
-    "(ssh-keygen -t ecdsa -b 384 -N '' -f supernode.key) and sends only supernode.key.pub."
+    "and keep ca/ca.key offline."
 )
+DEV_KEYS_NOTE = (
+    "warning: --parties/--num-parties made every data owner's private keys (SuperNode and ledger-signing) on "
+    "this machine: whoever holds this directory can sign ledger entries in any party's name. In a deployment "
+    "each data owner runs 'distmoe deploy owner-keys' and the coordinator runs 'distmoe credentials "
+    "--owner-keys <party>.public.json ...' (docs/deploy.md)."
+)
+OWNER_PUBLIC_FORMAT = "distmoe-owner-keys/1"
 
 
 class CredentialsError(ValueError):
@@ -146,8 +163,8 @@ def read_party_dir(party_dir: str | os.PathLike[str]) -> PartyFiles:
     try:
         name = json.loads(info.read_text())["party"]
     except FileNotFoundError:
-        raise CredentialsError(f"{info} not found: pass the data owner's directory (OUT/parties/<party>) made by "
-                               "'distmoe credentials'") from None
+        raise CredentialsError(f"{info} not found: pass the data owner's directory made by 'distmoe deploy "
+                               "owner-keys' (or OUT/parties/<party> of 'distmoe credentials --parties')") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CredentialsError(f"{info} is unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(name, str) or not PARTY_RE.match(name):
@@ -296,15 +313,99 @@ def make_ledger_key() -> tuple[bytes, str]:
     return _pem_key(key), pub
 
 
+# --------------------------------------------------------------------------------------------- data owner
+@dataclass(frozen=True)
+class OwnerPublic:
+    """What a data owner sends the coordinator (``<party>.public.json``): its name and two public keys."""
+
+    party: str
+    supernode_pub: bytes  # OpenSSH line of the EC P-384 SuperNode authentication key
+    ledger_pub: str  # raw Ed25519 public key, hex
+
+
+def owner_public_path(owner_dir: Path, party: str) -> Path:
+    return owner_dir / f"{party}.public.json"
+
+
+def create_owner_keys(out: str | os.PathLike[str], party: str, *, force: bool = False) -> tuple[PartyFiles, Path]:
+    """A data owner's own keys, made on its machine: ``OUT/supernode.key`` and ``OUT/ledger.key`` (0600),
+    their public halves, ``party.json`` (the directory ``distmoe deploy supernode --credentials`` reads once
+    the coordinator's ``ca.crt`` is put beside them) and ``OUT/<party>.public.json``, the only file to send.
+    Returns (the owner's files, the public file)."""
+    (name,) = party_names([party])
+    out = Path(out).expanduser()
+    p = party_files(out, name)
+    public = owner_public_path(out, name)
+    targets = [p.supernode_key, p.supernode_pub, p.ledger_key, p.ledger_pub, p.info, public]
+    if not force:
+        for t in targets:
+            if t.exists() or t.is_symlink():
+                raise CredentialsError(f"{t} already exists; refusing to overwrite it (use --force to make new "
+                                       "keys; the coordinator then needs the new public file)")
+    _mkdir_private(out)
+    priv, pub = make_supernode_keypair(name)
+    lkey, lpub = make_ledger_key()
+    _write(p.supernode_key, priv, private=True, force=force)
+    _write(p.supernode_pub, pub, private=False, force=force)
+    _write(p.ledger_key, lkey, private=True, force=force)
+    _write(p.ledger_pub, (lpub + "\n").encode("ascii"), private=False, force=force)
+    _write(p.info, _party_json(p), private=False, force=force)
+    doc = {"format": OWNER_PUBLIC_FORMAT, "party": name, "supernode-pub": pub.decode("ascii").strip(),
+           "supernode-key-fingerprint": openssh_fingerprint(pub), "ledger-public-key": lpub}
+    _write(public, (json.dumps(doc, indent=2) + "\n").encode("ascii"), private=False, force=force)
+    return p, public
+
+
+def read_owner_public(path: str | os.PathLike[str]) -> OwnerPublic:
+    """A data owner's ``<party>.public.json``, its keys checked (EC P-384 OpenSSH key, 32-byte Ed25519 key)."""
+    path = Path(path).expanduser()
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("format") != OWNER_PUBLIC_FORMAT:
+            raise ValueError(f"format is {doc.get('format')!r}, expected {OWNER_PUBLIC_FORMAT!r}")
+        name, sn, lp = doc["party"], doc["supernode-pub"], doc["ledger-public-key"]
+    except FileNotFoundError:
+        raise CredentialsError(f"--owner-keys: {path} not found") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CredentialsError(f"--owner-keys: {path} is not a data owner's public key file "
+                               f"({type(exc).__name__}: {exc})") from None
+    if not isinstance(name, str) or not PARTY_RE.match(name):
+        raise CredentialsError(f"--owner-keys: {path}: party name {name!r} is invalid")
+    try:
+        key = serialization.load_ssh_public_key(str(sn).encode("ascii"))
+        if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, CURVE):
+            raise ValueError("not an EC P-384 key")
+        ledger = bytes.fromhex(str(lp))
+        if len(ledger) != 32:
+            raise ValueError("the ledger public key is not 32 bytes")
+        Ed25519PublicKey.from_public_bytes(ledger)
+    except (ValueError, TypeError, UnicodeError, UnsupportedAlgorithm) as exc:
+        raise CredentialsError(f"--owner-keys: {path}: {exc}") from None
+    return OwnerPublic(name, str(sn).strip().encode("ascii") + b"\n", ledger.hex())
+
+
+def _party_json(p: PartyFiles) -> bytes:
+    info = {"party": p.name, "ca-cert": p.ca_cert.name, "supernode-key": p.supernode_key.name,
+            "supernode-pub": p.supernode_pub.name, "ledger-key": p.ledger_key.name, "ledger-pub": p.ledger_pub.name}
+    return (json.dumps(info, indent=2) + "\n").encode("ascii")
+
+
 # --------------------------------------------------------------------------------------------- create
-def create(out: str | os.PathLike[str], parties: Sequence[str], sans: Iterable[str] | None = None, *,
-           days: int = DEFAULT_DAYS, force: bool = False) -> Credentials:
-    """Make every credential of a federation under ``out`` (see the module docstring for the layout).
+def create(out: str | os.PathLike[str], parties: Sequence[str] = (), sans: Iterable[str] | None = None, *,
+           days: int = DEFAULT_DAYS, force: bool = False,
+           owner_public: Sequence[OwnerPublic] | None = None) -> Credentials:
+    """Make a federation's credentials under ``out`` (see the module docstring for the layout).
+
+    With ``owner_public`` (the data owners' ``<party>.public.json``, :func:`read_owner_public`) only public
+    keys are used: no private key of a data owner is made here, and ``parties/<party>/`` gets ``ca.crt``
+    only. Otherwise (development) every key of the named ``parties`` is made here.
 
     Without ``force``, an existing file at any of the paths is an error naming it, raised before
     anything is written. With ``force`` every file is replaced (new keys: re-register the SuperNodes).
     """
-    names = party_names(list(parties))
+    if owner_public is not None and parties:
+        raise CredentialsError("give either party names (development keys) or the owners' public key files")
+    names = party_names([o.party for o in owner_public] if owner_public is not None else list(parties))
     general_names = parse_sans(sans)
     if days < 1:
         raise CredentialsError(f"--days: value {days} must be >= 1")
@@ -314,8 +415,9 @@ def create(out: str | os.PathLike[str], parties: Sequence[str], sans: Iterable[s
         raise CredentialsError(f"{root} exists and is not a directory")
     targets = [creds.ca_key, creds.ca_cert, creds.superlink_ca, creds.server_cert, creds.server_key, creds.manifest]
     for p in creds.parties:
-        targets += [creds.registered_pub(p.name), p.ca_cert, p.supernode_key, p.supernode_pub, p.ledger_key,
-                    p.ledger_pub, p.info]
+        targets += [creds.registered_pub(p.name), p.ca_cert]
+        if owner_public is None:
+            targets += [p.supernode_key, p.supernode_pub, p.ledger_key, p.ledger_pub, p.info]
     if not force:
         for t in targets:
             if t.exists() or t.is_symlink():
@@ -336,21 +438,22 @@ def create(out: str | os.PathLike[str], parties: Sequence[str], sans: Iterable[s
     _write(creds.server_cert, srv_cert.public_bytes(serialization.Encoding.PEM), private=False, force=force)
 
     manifest_parties = []
-    for p in creds.parties:
-        priv, pub = make_supernode_keypair(p.name)
-        lkey, lpub = make_ledger_key()
+    for i, p in enumerate(creds.parties):
         _write(p.ca_cert, ca_pem, private=False, force=force)
-        _write(p.supernode_key, priv, private=True, force=force)
-        _write(p.supernode_pub, pub, private=False, force=force)
+        if owner_public is not None:
+            pub, lpub = owner_public[i].supernode_pub, owner_public[i].ledger_pub
+        else:
+            priv, pub = make_supernode_keypair(p.name)
+            lkey, lpub = make_ledger_key()
+            _write(p.supernode_key, priv, private=True, force=force)
+            _write(p.supernode_pub, pub, private=False, force=force)
+            _write(p.ledger_key, lkey, private=True, force=force)
+            _write(p.ledger_pub, (lpub + "\n").encode("ascii"), private=False, force=force)
+            _write(p.info, _party_json(p), private=False, force=force)
         _write(creds.registered_pub(p.name), pub, private=False, force=force)
-        _write(p.ledger_key, lkey, private=True, force=force)
-        _write(p.ledger_pub, (lpub + "\n").encode("ascii"), private=False, force=force)
-        info = {"party": p.name, "ca-cert": p.ca_cert.name, "supernode-key": p.supernode_key.name,
-                "supernode-pub": p.supernode_pub.name, "ledger-key": p.ledger_key.name,
-                "ledger-pub": p.ledger_pub.name}
-        _write(p.info, (json.dumps(info, indent=2) + "\n").encode("ascii"), private=False, force=force)
         manifest_parties.append({"name": p.name, "supernode-key-fingerprint": openssh_fingerprint(pub),
-                                 "ledger-public-key": lpub})
+                                 "ledger-public-key": lpub,
+                                 "keys-made-by": "owner" if owner_public is not None else "this machine"})
 
     manifest = {
         "format": "distmoe-credentials/1",
@@ -372,7 +475,13 @@ def summary(creds: Credentials) -> str:
              f"  CA (keep offline):         {creds.ca_key}  {creds.ca_cert}",
              f"  coordinator (SuperLink):   {creds.superlink_dir}/  (ca.crt, server.pem, server.key)",
              f"  public keys to register:   {creds.registered_dir}/<party>.pub"]
+    owner_made = not any(p.supernode_key.exists() for p in creds.parties)
     for p in creds.parties:
-        lines.append(f"  data owner {p.name}: send {p.dir}/ (ca.crt, supernode.key, ledger.key, party.json)")
+        if owner_made:
+            lines.append(f"  data owner {p.name}: send {p.ca_cert} (it has its own keys)")
+        else:
+            lines.append(f"  data owner {p.name}: send {p.dir}/ (ca.crt, supernode.key, ledger.key, party.json)")
     lines.append(PRODUCTION_NOTE)
+    if not owner_made:
+        lines.append(DEV_KEYS_NOTE)
     return "\n".join(lines)

@@ -157,6 +157,33 @@ def test_cli_prints_commands(creds, tmp_path, capsys):
     assert "manifest.json not found" in capsys.readouterr().err
 
 
+def test_supernode_code_pin_puts_the_launcher_first_on_path(creds, tmp_path, capsys):
+    """``--code-pin``: the owner's launcher is what Flower's SuperExec finds as ``flwr-clientapp``."""
+    import os
+    import shutil
+    import sys
+
+    from distmoe.deploy import pin as cp
+
+    (tmp_path / "d").mkdir()
+    party = creds.parties[0].dir
+    with pytest.raises(dc.DeployError, match="--code-pin: .*code-pin.json not found"):
+        dc.supernode_command(party, superlink="127.0.0.1:9092", data_path=tmp_path / "d", code_pin=tmp_path / "no")
+    cp.write_pin(tmp_path / "pin", cp.source_files(Path(__file__).resolve().parents[2]))
+    cmd = dc.supernode_command(party, superlink="127.0.0.1:9092", data_path=tmp_path / "d", code_pin=tmp_path / "pin")
+    path = cmd.env["PATH"].split(os.pathsep)
+    assert path[0] == str((tmp_path / "pin" / "bin").resolve()) and path[1] == str(Path(sys.executable).parent)
+    assert shutil.which("flwr-clientapp", path=cmd.env["PATH"]) == str(tmp_path / "pin" / "bin" / "flwr-clientapp")
+    assert shutil.which("flower-superexec", path=cmd.env["PATH"])  # the SuperNode still finds Flower's SuperExec
+    base = ["deploy", "supernode", "--credentials", str(party), "--superlink", "10.0.0.1:9092", "--data-path",
+            str(tmp_path / "d")]
+    assert main([*base, "--code-pin", str(tmp_path / "pin")]) == 0
+    out, err = capsys.readouterr()
+    assert f"PATH={(tmp_path / 'pin' / 'bin').resolve()}" in out and "warning" not in err
+    assert main(base) == 0
+    assert "warning: no --code-pin" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------- ledger-key
 def test_node_config_ledger_key_is_the_key_the_party_signs_with(creds, tmp_path):
     from distmoe.party.session import open_ledger

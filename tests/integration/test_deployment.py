@@ -1,20 +1,25 @@
 """The same app on Flower's Deployment Engine with TLS and SuperNode authentication: a real SuperLink and
-three SuperNodes on loopback, credentials made by ``distmoe credentials``, every Flower process started
-through ``distmoe deploy ... --exec`` (which replaces itself with Flower's process, so the PID is Flower's).
+three SuperNodes on loopback, keys made by each data owner (``distmoe deploy owner-keys``), the CA made by
+``distmoe credentials`` from their public keys only, each SuperNode running only the party code its owner
+pinned (``distmoe deploy pin``), every Flower process started through ``distmoe deploy ... --exec`` (which
+replaces itself with Flower's process, so the PID is Flower's).
 
 Each process runs with Flower's state (``FLWR_HOME``), ``HOME`` and ``TMPDIR`` inside ``tmp_path``
 and carries a per-test token in its environment, so everything it started (SuperExecs, ServerApp
 and ClientApp processes included) is found and stopped by PID at the end, whatever happened.
 Commands (flwr 1.42, as ``distmoe deploy`` prints them):
 
-    distmoe credentials --out <tmp>/creds --parties party-0,party-1,party-2
+    distmoe deploy owner-keys --party party-i --out <tmp>/owners/party-i     (at each data owner)
+    distmoe credentials --out <tmp>/creds --owner-keys <tmp>/owners/party-0/party-0.public.json,...
+    cp C/parties/party-i/ca.crt <tmp>/owners/party-i/                          (the CA certificate goes back)
+    distmoe deploy pin --out <tmp>/pin --source <repo>                         (each owner pins the party code)
     flower-superlink --ssl-ca-certfile C/superlink/ca.crt --ssl-certfile C/superlink/server.pem \
         --ssl-keyfile C/superlink/server.key --enable-supernode-auth --host 127.0.0.1 --port P \
         --database <tmp>/state.db --disable-runtime-dependency-installation
     [superlink.deploy] address = "127.0.0.1:P", root-certificates = "C/superlink/ca.crt"   (flwr CLI)
     flwr supernode register C/superlink/supernodes/party-i.pub deploy --name party-i
-    flower-supernode --root-certificates C/parties/party-i/ca.crt \
-        --auth-supernode-private-key C/parties/party-i/supernode.key --superlink 127.0.0.1:P \
+    PATH=<tmp>/pin/bin:$PATH flower-supernode --root-certificates <tmp>/owners/party-i/ca.crt \
+        --auth-supernode-private-key <tmp>/owners/party-i/supernode.key --superlink 127.0.0.1:P \
         --host 127.0.0.1 --port Q_i --node-config 'data-path="..." party-name="party-i" ledger-key="..."'
     flwr supernode list deploy --format json       # until 3 nodes are "online"
     flwr run <repo> deploy --stream --run-config <tmp>/overrides.toml
@@ -32,6 +37,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -185,8 +191,17 @@ def _federation(dep: Deployment, tmp_path: Path, parties: list[str], register: l
     Returns (credentials dir, SuperLink port, CLI FLWR_HOME, {party: node id from the registration}).
     """
     creds = tmp_path / "creds"
-    res = dep.distmoe(["credentials", "--out", str(creds), "--parties", ",".join(parties)], tmp_path / "flwr-cli")
+    owners, cli = tmp_path / "owners", tmp_path / "flwr-cli"
+    for p in parties:  # each data owner makes its own keys; only <party>.public.json goes to the coordinator
+        dep.distmoe(["deploy", "owner-keys", "--party", p, "--out", str(owners / p)], cli)
+    res = dep.distmoe(["credentials", "--out", str(creds), "--owner-keys",
+                       ",".join(str(owners / p / f"{p}.public.json") for p in parties)], cli)
     assert "real CA" in res.stdout, res.stdout  # the production note
+    assert not any(f.name.endswith(".key") for f in (creds / "parties").rglob("*")), "an owner key at the coordinator"
+    for p in parties:  # the coordinator sends back its CA certificate only
+        shutil.copy(creds / "parties" / p / "ca.crt", tmp_path / "owners" / p / "ca.crt")
+    # every data owner pins the party code it reviewed (here: this checkout) and runs only that
+    dep.distmoe(["deploy", "pin", "--out", str(tmp_path / "pin"), "--source", str(REPO)], tmp_path / "flwr-cli")
     port = dep.port()
     dep.start("superlink", [*DISTMOE, "deploy", "superlink", "--credentials", str(creds), "--port", str(port),
                             "--database", str(tmp_path / "state.db"), "--flwr-home", str(tmp_path / "flwr-superlink"),
@@ -217,7 +232,8 @@ def _federation(dep: Deployment, tmp_path: Path, parties: list[str], register: l
 
 def _start_supernode(dep: Deployment, tmp_path: Path, creds: Path, party: str, port: int, data: Path):
     return dep.start(f"supernode-{party}", [
-        *DISTMOE, "deploy", "supernode", "--credentials", str(creds / "parties" / party),
+        *DISTMOE, "deploy", "supernode", "--credentials", str(tmp_path / "owners" / party),
+        "--code-pin", str(tmp_path / "pin"),
         "--superlink", f"127.0.0.1:{port}", "--data-path", str(data), "--port", str(dep.port()),
         "--flwr-home", str(tmp_path / f"flwr-node-{party}"), "--exec"], tmp_path / f"flwr-node-{party}")
 
@@ -305,18 +321,19 @@ def test_tls_node_auth_deployment_end_to_end(deployment: Deployment, tmp_path: P
     for name in names:
         log = dep.logs[f"supernode-{name}"].read_text(errors="replace")
         assert f"SuperNode ID: {ids[name]}" in log, f"supernode-{name} is not node {ids[name]}" + msg
-        for needle in ("Start `flwr-clientapp` process", "Sending: train.stats message",
+        for needle in ("Start `flwr-clientapp` process", "distmoe code pin: the app bundle's party code matches",
+                       "Sending: train.stats message",
                        "Sending: train.sft message", "Sending: evaluate message"):
             assert needle in log, f"supernode-{name}.log lacks {needle!r}" + msg
         assert "distmoe client:" not in log, f"supernode-{name} reported a ClientApp failure" + msg
         assert "Sending: query.unmask message" in log, f"supernode-{name} never unmasked" + msg
 
-    # each data owner signed its ledger with the key from 'distmoe credentials' (node config ledger-key)
+    # each data owner signed its ledger with the key it made itself (node config ledger-key)
     ledgers = sorted(tmp_path.glob("data/.party-*-work/ledger/*.jsonl"))
     assert len(ledgers) == N_PARTIES, ledgers
     for led in ledgers:
         party = led.stem
-        made = (creds / "parties" / party / "ledger.pub").read_text().strip()
+        made = (tmp_path / "owners" / party / "ledger.pub").read_text().strip()
         assert led.with_suffix(".pub").read_text().strip() == made, f"{led} not signed with {party}'s ledger.key"
         assert not (led.parent.parent / "keys" / f"{party}-ledger.key").exists(), "a fallback key was generated"
 
