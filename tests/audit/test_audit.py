@@ -28,6 +28,7 @@ from distmoe.ledger import (
 )
 from distmoe.privacy.accountant import Accountant, PrivacyEvent, epsilon_from_events
 from distmoe.privacy.dp import SkellamSpec
+from distmoe.privacy.metric_noise import EvalSpec
 from distmoe.privacy.plan import stats_event
 from distmoe.privacy.secagg.primitives import prg
 from distmoe.privacy.secagg.selftest import mask_statistic
@@ -57,7 +58,7 @@ def _spec() -> SkellamSpec:
 
 def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.0, responders=None, blocked=(),
              extra_key=None, row_bias=0.0, z_eff_factor=1.0, scan=True, sha_mismatch=None, policy=None, seed=0,
-             update_z=0.0, forge=None, mask_check=None):
+             update_z=0.0, forge=None, mask_check=None, eval_z=0.0, eval_forge=None):
     """Write an honest run (setup key exchange + 2 router-stats rounds) under ``root/run``; knobs break it.
 
     ``responders``: {round: parties that reply}; ``blocked``: {(round, party)} replies the client guard
@@ -65,7 +66,8 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
     ``sha_mismatch``: (round, party) whose reply the coordinator logs with another digest; ``update_z``:
     add a round-3 DP model-update release at that z_u (all parties); ``forge``: dp fields it claims instead;
     ``mask_check``: {(round, party): facts} recorded as that masked input's uniformity statistic (default: the
-    statistic of a real ChaCha20 mask vector; ``None`` as a value records none).
+    statistic of a real ChaCha20 mask vector; ``None`` as a value records none); ``eval_z``: add a round-4
+    evaluation release at that z_m (all parties), with ``eval_forge`` dp fields instead (``False``: dp null).
     """
     run = root / "run"
     rng = np.random.default_rng(seed)
@@ -164,6 +166,15 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
                            "responders": list(PARTIES), "weight_sum": float(len(PARTIES))})
         for p in PARTIES:
             events[p].append(update_event(update_z, len(PARTIES), t, "model-update round 3"))
+    if eval_z:  # what distmoe.coordinator.secure records for an evaluation release over all parties
+        es = EvalSpec(("arith",), eval_z, len(PARTIES), spec.max_dropouts, 48, 16.0)
+        dp = None if eval_forge is False else {**es.dp_params(len(PARTIES)), **(eval_forge or {})}
+        coord.append(**common, round=4, phase="eval", direction="in", peer="all", payload_type="release:eval",
+                     keys=[], shapes={"sum": [3]}, **describe_payload(b"eval/4"), dp=dp, verdict="accepted",
+                     info={"mode": mode, "release": "eval", "included": list(PARTIES), "dropped": [],
+                           "responders": list(PARTIES), "tasks": ["arith"], "applied": True})
+        for p in PARTIES:
+            events[p].append(es.event(len(PARTIES), "eval round 4"))
     coord.append(**common, round=None, phase="run-end", direction="out", payload_type="run-end", keys=[], shapes={},
                  **describe_payload(b"done"), verdict="accepted", info={"status": "completed"})
 
@@ -533,3 +544,27 @@ def test_simulation_state_is_the_simulations_only_in_a_simulated_run(tmp_path):
     out = []
     _other_files(tmp_path, out)
     assert out == []
+
+
+def test_eval_release_is_charged_in_the_audit_epsilon(tmp_path):
+    """Issue 11 (2b): evaluation figures carry Skellam noise and the audit charges each release (the
+    sensitivities of one held-out sequence), recomputed independently of the ledger's own figures."""
+    run, _ = make_run(tmp_path, eval_z=3.0)
+    result = audit_run(run)
+    assert _failed(result) == [], result.to_dict()
+    es = EvalSpec(("arith",), 3.0, len(PARTIES), 1, 48, 16.0)
+    want = epsilon_from_events([stats_event(_spec(), 3, "")] * 2 + [es.event(3, "")], DELTA)
+    for row in result.epsilon.values():
+        assert row["releases"] == 3 and (row["eps_prv"], row["eps_rdp"]) == pytest.approx(want)
+        assert row["server_epsilon"] == pytest.approx(row["epsilon"])
+
+
+@pytest.mark.parametrize("forge, needle", [(False, "without DP noise"), ({"delta2_int": 1.0}, "delta2_int"),
+                                           ({"z_eff": 30.0}, "z_eff")])
+def test_eval_release_without_noise_or_with_a_forged_calibration_fails_epsilon(tmp_path, forge, needle):
+    """An evaluation release in secagg mode with no DP facts (exact counts and losses a straggle would
+    difference out) or with a calibration that understates the charge fails the epsilon check."""
+    run, _ = make_run(tmp_path, eval_z=3.0, eval_forge=forge)
+    result = audit_run(run)
+    assert _failed(result) == ["epsilon"]
+    assert any(needle in f for f in result.check("epsilon").findings), result.check("epsilon").findings
