@@ -154,7 +154,9 @@ class Coordinator:
         if p.secure:
             self.say(f"privacy: secure aggregation on every reply; router statistics with distributed DP at "
                      f"z = {self.plan.noise_multiplier:.3f}{' (derived)' if self.plan.derived else ''} over "
-                     f"{self.plan.stats_releases} release(s): planned epsilon {self.plan.planned_epsilon:.3f} <= "
+                     f"{self.plan.stats_releases} release(s), evaluations at z_m = "
+                     f"{self.plan.metric_noise_multiplier:g} over {self.plan.eval_releases}: planned epsilon "
+                     f"{self.plan.planned_epsilon:.3f} <= "
                      f"{p.epsilon:g} at delta {p.delta:g} per party")
         self.metrics.append({"event": "run_start", "run_id": self.run_id, "schedule": schedule, "warnings": warn})
 

@@ -158,7 +158,8 @@ def test_plaintext_outlier_update_is_rejected_by_the_norm_ratio(tmp_path, monkey
 
 @pytest.mark.integration
 def test_non_finite_aggregate_loss_is_flagged_in_record_and_report(tmp_path, monkeypatch, make_run):
-    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith"})
+    """Plaintext baseline: under secure aggregation no training loss reaches the server (issue 11)."""
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith", "privacy.mode": "plaintext"})
     real = P.run_sft
 
     def nan_loss(cfg, node, instr):
