@@ -376,7 +376,8 @@ class FederationConfig(_Section):
                                 off=0.0)
     anomaly_z: float = key(4.0, "an aggregate training loss (or RL K3 / mean abs Δlogp) beyond this many rolling "
                            "standard deviations above its last 8 rounds, or non-finite, is flagged in `run.json` "
-                           "(`anomalies`), `metrics.jsonl` and the report; 0 turns the spike test off",
+                           "(`anomalies`), `metrics.jsonl` and the report (plaintext mode: under secure "
+                           "aggregation no training metric reaches the server); 0 turns the spike test off",
                            lo=0.0, hi=1000.0)
 
 

@@ -237,9 +237,8 @@ class Coordinator:
     def flag_anomalies(self, event: str, agg: Mapping[str, float]) -> list[str]:
         """Anomalies of an aggregate (``distmoe.coordinator.record``), recorded in ``run.json``
         (``anomalies``) and ``metrics.jsonl`` (``event: anomaly``); the report lists them."""
-        p = self.cfg.privacy
-        if p.secure and p.update_noise_multiplier > 0:
-            return []  # metrics withheld under client-level DP: nothing to judge
+        if self.cfg.privacy.secure:
+            return []  # no training metric leaves a party under secure aggregation: nothing to judge
         found = flag_anomalies(self.s.anomaly_history, event, agg, self.cfg.federation.anomaly_z)
         for text in found:
             self.say(f"round {self.s.round}: ANOMALY: {text}")

@@ -167,6 +167,7 @@ def test_non_finite_aggregate_loss_is_flagged_in_record_and_report(tmp_path, mon
         return ModelUpdate(upd.party, upd.delta, upd.num_examples, {**upd.metrics, "loss": math.nan})
 
     monkeypatch.setattr(P, "run_sft", nan_loss)
+    monkeypatch.setitem(party_service._PLAIN, SftInstruction, nan_loss)  # the plaintext path's reference
     coord.run()
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["status"] == "completed"
@@ -181,8 +182,11 @@ def test_non_finite_aggregate_loss_is_flagged_in_record_and_report(tmp_path, mon
 
 @pytest.mark.integration
 def test_loss_spike_beyond_the_rolling_z_score_is_flagged(tmp_path, make_run):
-    coord, _, run_dir, _, _ = make_run(tmp_path, {"federation.anomaly-z": 4.0})
+    """Plaintext baseline (under secure aggregation no training loss reaches the server, so nothing is judged)."""
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"federation.anomaly-z": 4.0, "privacy.mode": "plaintext"})
     run_dir.mkdir(parents=True, exist_ok=True)
+    secure, _, _, _, _ = make_run(tmp_path / "secure", {"federation.anomaly-z": 4.0})
+    assert secure.flag_anomalies("train", {"loss": math.nan}) == []
     for v in (2.0, 1.9, 1.95, 1.85, 1.9):
         assert coord.flag_anomalies("train", {"loss": v, "loss_last": v}) == []
     found = coord.flag_anomalies("train", {"loss": 6.0, "loss_last": 1.8})

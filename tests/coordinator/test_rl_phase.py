@@ -42,6 +42,11 @@ def test_rl_phase_round_trip(synth_dirs, tmp_path: Path, tiny, mode):
                .splitlines()]
         assert [x["round"] for x in own if x["kind"] == "RlInstruction"] == [2, 3]
         assert all(0.0 <= x["reward"] <= 1.0 for x in own if x["kind"] == "RlInstruction")
+        # what the server wrote of the RL rounds (engine, correction, contributors) fits the audit's file schemas
+        from distmoe.audit.schemas import check_server_files
+
+        findings, _ = check_server_files(run_dir, json.loads((run_dir / "run.json").read_text()), cfg.privacy.mode)
+        assert findings == []
         return
     for e in agg:
         assert e["engine"] == "bf16" and e["correction"] == "icepop"
@@ -62,11 +67,6 @@ def test_rl_phase_round_trip(synth_dirs, tmp_path: Path, tiny, mode):
     assert (ck / "round-2").is_dir() and (ck / "LATEST").read_text().strip() == "round-4"  # every round ends saved
     report = write_report(run_dir)
     assert "RL rounds" in report.read_text() and (run_dir / "report" / "rl.png").exists()
-    # what the server wrote of the RL rounds (engine, correction, RL metrics) fits the audit's file schemas
-    from distmoe.audit.schemas import check_server_files
-
-    findings, _ = check_server_files(run_dir, json.loads((run_dir / "run.json").read_text()), cfg.privacy.mode)
-    assert findings == []
 
 
 def test_rl_phase_with_the_inference_simulator(synth_dirs, tmp_path: Path, tiny):
