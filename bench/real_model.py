@@ -262,8 +262,8 @@ def round_bytes(model, mspec, tspec, cfg) -> dict:
     delta = {k: (rng.standard_normal(v.shape) * 1e-3).astype(np.float32) for k, v in weights.items()}
     metrics = {k: 0.0 for k in TRAIN_METRIC_KEYS}
     p = cfg.privacy
-    layout = UpdateLayout.build(tspec.shapes, TRAIN_METRIC_KEYS, 3, p.update_clip, p.max_weight)
-    y, _ = layout.encode(delta, 16, metrics)  # [length] uint64
+    layout = UpdateLayout.build(tspec.shapes, 3, p.update_clip)
+    y, _ = layout.encode(delta, 16)  # [length] uint64
     up = record_bytes(codec.encode(MaskedReply(release="model-update", masked=sa.MaskedInput(1, 1, y),
                                                late_keys=None)))
     plain_up = record_bytes(codec.encode(ModelUpdate(party="p0", delta=delta, num_examples=16, metrics=metrics)))

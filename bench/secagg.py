@@ -56,7 +56,6 @@ from distmoe.model.trainable import apply_trainable, spec_of
 from distmoe.privacy import secagg as sa
 from distmoe.privacy.vectors import UpdateLayout
 from distmoe.report.metrics_log import read_metrics
-from distmoe.wire.schema import TRAIN_METRIC_KEYS
 
 SCHEDULE = "sft:lookup, stats:lookup, eval"
 KINDS = ("sft", "stats", "eval")
@@ -277,8 +276,7 @@ def main() -> None:
             model = apply_trainable(build_model(cfg.model)[0], cfg.model)
             shapes = spec_of(model, cfg.model.trainable).shapes
             for n in parties:
-                length = UpdateLayout.build(shapes, TRAIN_METRIC_KEYS, n, cfg.privacy.update_clip,
-                                            cfg.privacy.max_weight).length
+                length = UpdateLayout.build(shapes, n, cfg.privacy.update_clip).length
                 proto[n] = (length, protocol_cost(n, length))
                 print(f"  protocol only, {n:2d} parties: done", flush=True)
     finally:

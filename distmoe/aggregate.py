@@ -3,7 +3,7 @@
 Owns: ``weighted_average`` (plaintext FedAvg), ``divergent_updates`` (plaintext mode: updates whose L2
 norm is more than ``max_norm_ratio`` times the round's median are rejected, the usual norm-ratio screen
 for broken or hostile clients) and ``aggregate_problem`` (secure mode: the server sees only the decoded
-sum, so it checks what every honest sum must satisfy: the total weight is at most ``n * max-weight``, and
+sum, so it checks what every honest sum must satisfy: the total weight is at most ``n`` (uniform weights), and
 the average of updates each clipped to ``update-clip`` has norm at most ``update-clip``, plus the noise
 when client-level DP is on; a party that bypasses its guard and sends an unclipped or random vector
 breaks one of them). Under secure aggregation one party's norm cannot be seen; its bound is the clip its
@@ -114,18 +114,4 @@ def stats_sum_problem(int_sum: np.ndarray, scale: float, n_included: int, num_se
     if spread > limit:
         return (f"router-statistics rows differ by {spread:.6g} > {limit:.6g} (each row should be N*s plus noise): "
                 "a party's input is not on the declared simplex")
-    return None
-
-
-def eval_sum_problem(metrics: dict[str, float], n_included: int, num_sequences_max: int,
-                     bound: float = 1e6) -> str | None:
-    """Why decoded evaluation aggregates cannot come from honest parties (counts above ``n * N_max`` or
-    negative, means beyond the layout's metric bound), or None."""
-    for k, v in metrics.items():
-        if not math.isfinite(v):
-            continue  # no finite value for that key (e.g. a task nobody evaluated)
-        if k.startswith("n/") and not -0.5 <= v <= n_included * num_sequences_max + 0.5:
-            return f"evaluation count {k} = {v:.6g} outside [0, {n_included} x {num_sequences_max}]"
-        if abs(v) > bound * (1 + 1e-9):
-            return f"evaluation metric {k} = {v:.6g} beyond the layout bound {bound:g}"
     return None

@@ -126,6 +126,9 @@ def _privacy_lines(cfg) -> list[str]:
     if plan.update_releases:
         out.append(f"# privacy: client-level DP on {plan.update_releases} update release(s) at z = "
                    f"{plan.update_noise_multiplier:g}")
+    if plan.eval_releases:
+        out.append(f"# privacy: evaluation figures with distributed DP on {plan.eval_releases} release(s) at z_m = "
+                   f"{plan.metric_noise_multiplier:g}; uniform FedAvg weights, training metrics stay at the parties")
     return out
 
 

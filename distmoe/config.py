@@ -371,11 +371,13 @@ class FederationConfig(_Section):
                                 "`stop` ends the run with a message naming the round", choices=ROUND_FAILURE_POLICIES)
     max_norm_ratio: float = key(10.0, "plaintext mode: an update whose L2 norm is above this many times the round's "
                                 "median (3+ updates) is rejected and logged. Under secure aggregation the server "
-                                "checks the decoded sum instead (total weight ≤ n·max-weight, average norm ≤ "
-                                "`privacy.update-clip`, plus noise)", lo=1.0, hi=1e6, lo_open=True, off=0.0)
+                                "checks the decoded sum instead (total weight ≤ n, one per contributing party, "
+                                "average norm ≤ `privacy.update-clip`, plus noise)", lo=1.0, hi=1e6, lo_open=True,
+                                off=0.0)
     anomaly_z: float = key(4.0, "an aggregate training loss (or RL K3 / mean abs Δlogp) beyond this many rolling "
                            "standard deviations above its last 8 rounds, or non-finite, is flagged in `run.json` "
-                           "(`anomalies`), `metrics.jsonl` and the report; 0 turns the spike test off",
+                           "(`anomalies`), `metrics.jsonl` and the report (plaintext mode: under secure "
+                           "aggregation no training metric reaches the server); 0 turns the spike test off",
                            lo=0.0, hi=1000.0)
 
 
@@ -418,12 +420,19 @@ class PrivacyConfig(_Section):
                                  lo=1, hi=10**9)
     update_clip: float = key(10.0, "L2 bound a model update is clipped to before masking (fixes the fixed-point "
                              "range)", lo=0.0, hi=1e6, lo_open=True)
-    max_weight: int = key(1024, "cap on a party's FedAvg weight `w = min(examples, max-weight)` (the server learns "
-                          "only `sum w`)", lo=1, hi=1 << 20)
     update_noise_multiplier: float = key(0.0, "> 0: client-level DP on model updates (distributed Skellam): noise "
                                          "`z_u * update-clip` in the sum, uniform weights and training metrics "
                                          "withheld (they stay in each party's log), accounted per party",
                                          lo=0.0, hi=1e6)
+    metric_noise_multiplier: float = key(3.0, "z_m of the distributed Skellam noise on every evaluation release "
+                                         "under secure aggregation (per-example correct answers, clipped losses "
+                                         "and counts per task, one held-out sequence = sensitivity sqrt(3) examples)"
+                                         "; each eval round is one release in the per-sequence ledger. At 3 the "
+                                         "default run's two eval rounds spend epsilon 2.28 on their own",
+                                         lo=0.0, hi=1e6, lo_open=True)
+    metric_loss_bound: float = key(16.0, "B: each held-out example's mean answer-token loss is clipped to [0, B] "
+                                   "nats before it enters the noised evaluation sum (the released loss is a mean of "
+                                   "clipped losses; its noise scales with B)", lo=0.0, hi=1e4, lo_open=True)
 
     @property
     def secure(self) -> bool:
@@ -466,6 +475,9 @@ RENAMED: dict[str, str] = {  # old key -> its new name (run records written befo
     "data.canaries": "data.canary-file",
 }
 RETIRED: dict[str, str] = {  # old key -> why it is refused (what to use instead)
+    "privacy.max-weight": "FedAvg weights are uniform under secure aggregation (weight 1 per contributing party, "
+                          "docs/privacy.md §3): an example-count weight would let a straggle difference one party's "
+                          "count out of two sums",
     "federation.min-parties": "it was renamed 'federation.min-available' (privacy.min-parties is the other one)",
     "privacy.canaries": "it was renamed 'privacy.noise-canaries' (a count of noise canaries)",
     "data.canaries": "it was renamed 'data.canary-file' (a file of canary strings)",

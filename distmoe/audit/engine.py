@@ -52,6 +52,7 @@ from distmoe.audit.schemas import check_server_files
 from distmoe.ledger import canonical_json, verify_against_anchor, verify_ledger
 from distmoe.privacy.accountant import MECHANISMS, PrivacyEvent, epsilon_from_events
 from distmoe.privacy.dp import canary_chi2_test, int_sensitivity
+from distmoe.privacy.metric_noise import eval_sensitivity
 from distmoe.privacy.update_noise import sequence_noise_multiplier
 
 __all__ = ["AuditInputError", "AuditResult", "Check", "CHECKS", "audit_run"]
@@ -580,7 +581,9 @@ def _eps(events: tuple[Ev, ...], delta: float) -> tuple[float, float]:
 def _release_event(rel: Mapping[str, Any], ze: float, mech: str, c: Check) -> Ev:
     """The per-sequence ledger event of a DP release, recomputed: a Gaussian (update) release at ``z_eff / 2``
     (one sequence moves a clipped update by 2 clips; a ledger figure that says otherwise fails ``c``), a
-    Skellam release with the sensitivities of its recorded shape (the worst case if they cannot be computed)."""
+    Skellam evaluation release at the sensitivities of one held-out sequence (``metric_noise``), a Skellam
+    router-statistics release with the sensitivities of its recorded shape (the worst case if they cannot be
+    computed)."""
     dp, w = rel["dp"], _where(COORDINATOR, rel)
     if mech == "gaussian":
         zs = sequence_noise_multiplier(ze)
@@ -588,6 +591,17 @@ def _release_event(rel: Mapping[str, Any], ze: float, mech: str, c: Check) -> Ev
             c.fail(f"{w}: dp.z_sequence = {dp.get('z_sequence')!r}, recomputed {zs:.6g} (z_eff / 2: one sequence "
                    "moves a clipped update by 2 clips)")
         return zs, 1.0, 1, mech, 0.0, 0.0
+    if rel.get("payload_type") == "release:eval":  # one held-out sequence: three coordinates of <= s
+        try:
+            d2, d1 = eval_sensitivity(float(dp["scale"]))
+        except (KeyError, TypeError, ValueError):
+            c.fail(f"{w}: evaluation release without its integer scale (dp.scale)")
+            d2 = d1 = 0.0
+        for k, v in (("delta2_int", d2), ("delta1_int", d1)):
+            if d2 and not _close(dp.get(k), v):
+                c.fail(f"{w}: dp.{k} = {dp.get(k)!r}, recomputed {v:.6g} (one held-out sequence, scale "
+                       f"{dp.get('scale')!r})")
+        return ze, 1.0, 1, mech, d2, d1
     info = _info(rel)
     try:
         d2, d1 = int_sensitivity(int(info["layers"]), int(info["experts"]), float(dp["scale"]),
@@ -634,6 +648,9 @@ def _check_epsilon(run: _Run) -> tuple[Check, dict[str, dict[str, Any]]]:
     for r in run.releases:
         dp = r.get("dp")
         if dp is None:
+            if r.get("payload_type") == "release:eval" and _info(r).get("mode") == "secagg":
+                c.fail(f"{_where(COORDINATOR, r)}: evaluation figures released without DP noise (dp is null): a "
+                       "straggle would difference one party's counts and losses out of two such sums")
             continue
         ze = _z_eff(r, c)
         mech = dp.get("mechanism") if isinstance(dp, dict) else None

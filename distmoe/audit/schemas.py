@@ -122,7 +122,7 @@ def _any_party(v: Any, c: _Ctx) -> bool:
 COMMON = {"event": _label, "time": _num}
 ROUND = {"round": _int, "anchor_version": _int}
 UPDATE = {**ROUND, "phase": _int, "phase_label": _phase, "task": _task, "party": _agg_party, "num_examples": _num,
-          "parties": _int, "skipped": _flag,
+          "contributors": _int, "parties": _int, "skipped": _flag,
           **{k: _num for k in (*TRAIN_METRIC_KEYS, *RL_METRIC_KEYS, *RL_SIM_METRIC_KEYS)}}
 EVENTS: dict[str, dict[str, Kind]] = {
     "run_start": {"run_id": _label, "schedule": _list_of(_phase), "warnings": _list_of(_text)},

@@ -41,8 +41,8 @@ class Skip:
 @dataclass
 class UpdateSum:
     delta: dict[str, np.ndarray]  # name -> [*shape] float32: the weighted mean update to add
-    metrics: dict[str, float]  # aggregate training metrics (NaN where withheld)
-    num_examples: int  # the summed weight (examples, capped per party under secagg)
+    metrics: dict[str, float]  # aggregate training metrics (none under secagg: they stay at the parties)
+    num_examples: int  # the summed weight: examples in plaintext, contributing parties under secagg
     parties: int  # parties included in the sum
     nodes: int  # parties asked
 
@@ -69,8 +69,7 @@ class Aggregator(abc.ABC):
         self.co = co
 
     @abc.abstractmethod
-    def updates(self, instr: object, kind: str, release: str, metric_keys: tuple[str, ...],
-                event: dict) -> UpdateSum | Skip:
+    def updates(self, instr: object, kind: str, release: str, event: dict) -> UpdateSum | Skip:
         """Send a training instruction (``kind`` = sft or rl) to every party; the aggregated update.
         ``event``: the fields of this round's ``metrics.jsonl`` lines."""
 
@@ -145,7 +144,7 @@ class PlaintextAggregator(Aggregator):
                                   info={"mode": "plaintext", "release": release, "included": sorted(included),
                                         "dropped": [], "responders": [], **info})
 
-    def updates(self, instr, kind, release, metric_keys, event):
+    def updates(self, instr, kind, release, event):
         co = self.co
         replies, errors, n_nodes = self._ask(instr, ModelUpdate, kind)
         shapes = dict(co.tspec.shapes)

@@ -154,7 +154,9 @@ class Coordinator:
         if p.secure:
             self.say(f"privacy: secure aggregation on every reply; router statistics with distributed DP at "
                      f"z = {self.plan.noise_multiplier:.3f}{' (derived)' if self.plan.derived else ''} over "
-                     f"{self.plan.stats_releases} release(s): planned epsilon {self.plan.planned_epsilon:.3f} <= "
+                     f"{self.plan.stats_releases} release(s), evaluations at z_m = "
+                     f"{self.plan.metric_noise_multiplier:g} over {self.plan.eval_releases}: planned epsilon "
+                     f"{self.plan.planned_epsilon:.3f} <= "
                      f"{p.epsilon:g} at delta {p.delta:g} per party")
         self.metrics.append({"event": "run_start", "run_id": self.run_id, "schedule": schedule, "warnings": warn})
 
@@ -235,9 +237,8 @@ class Coordinator:
     def flag_anomalies(self, event: str, agg: Mapping[str, float]) -> list[str]:
         """Anomalies of an aggregate (``distmoe.coordinator.record``), recorded in ``run.json``
         (``anomalies``) and ``metrics.jsonl`` (``event: anomaly``); the report lists them."""
-        p = self.cfg.privacy
-        if p.secure and p.update_noise_multiplier > 0:
-            return []  # metrics withheld under client-level DP: nothing to judge
+        if self.cfg.privacy.secure:
+            return []  # no training metric leaves a party under secure aggregation: nothing to judge
         found = flag_anomalies(self.s.anomaly_history, event, agg, self.cfg.federation.anomaly_z)
         for text in found:
             self.say(f"round {self.s.round}: ANOMALY: {text}")

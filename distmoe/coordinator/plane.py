@@ -23,11 +23,11 @@ from distmoe.coordinator.secagg import SecureRounds
 from distmoe.coordinator.secure import SecureAggregator
 from distmoe.io import write_text_atomic
 from distmoe.ledger import Ledger, canonical_json, generate_signing_key, public_key_hex
+from distmoe.privacy.metric_noise import EvalSpec
 from distmoe.privacy.plan import stats_spec, threshold_for
 from distmoe.privacy.ring import WrapError
 from distmoe.privacy.vectors import UpdateLayout
 from distmoe.wire.at_rest import check_allow_list
-from distmoe.wire.schema import TRAIN_METRIC_KEYS, eval_metric_keys, rl_metric_keys
 from distmoe.wire.server_guard import ServerGuard, build_policy, policy_digest
 
 if TYPE_CHECKING:
@@ -39,10 +39,9 @@ def layout_facts(co: Coordinator, n: int) -> dict[str, int]:
     cfg, p = co.cfg, co.cfg.privacy
     L, E = co.mspec.num_moe_layers, co.mspec.num_experts
     return dict(
-        update_length=UpdateLayout.build(co.tspec.shapes, TRAIN_METRIC_KEYS, n, p.update_clip, p.max_weight).length,
-        rl_update_length=UpdateLayout.build(co.tspec.shapes, rl_metric_keys(L, cfg.rl.simulator), n, p.update_clip,
-                                            p.max_weight).length,
-        stats_length=L * E + p.noise_canaries, eval_length=2 * len(eval_metric_keys(cfg.schedule.tasks)))
+        update_length=UpdateLayout.build(co.tspec.shapes, n, p.update_clip).length,
+        rl_update_length=UpdateLayout.build(co.tspec.shapes, n, p.update_clip).length,  # the same layout
+        stats_length=L * E + p.noise_canaries, eval_length=EvalSpec.length_for(cfg.schedule.tasks))
 
 
 def start(co: Coordinator, nodes: list[int]) -> None:

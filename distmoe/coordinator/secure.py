@@ -1,9 +1,11 @@
 """The secure form of the ``Aggregator``: every reply of every phase is one secure sum.
 
 Owns: for each phase, the public layout of the vector the parties mask (``distmoe.privacy.vectors``:
-``UpdateLayout``, ``StatsLayout``, ``EvalLayout``), the DP event of a release at the survivors' count
-(``PrivacyEvent``: client-level Gaussian on updates when ``privacy.update-noise-multiplier`` > 0,
-distributed Skellam on router statistics), the bound checks on the decoded sum
+``UpdateLayout``, ``StatsLayout``; ``distmoe.privacy.metric_noise.EvalSpec``), the DP event of a release at
+the survivors' count (``PrivacyEvent``: client-level Gaussian on updates when
+``privacy.update-noise-multiplier`` > 0, distributed Skellam on router statistics and on every evaluation
+release). Update releases carry no training metrics (uniform weights: the weight sum is the number of
+contributing parties); evaluation releases no routing metrics. The bound checks on the decoded sum
 (``distmoe.aggregate``: a sum that no honest set of parties can produce is rejected, logged and not
 applied), and the release entry in the ledger with its survivors, DP parameters and canaries: their values, the
 seed of their positions with the public material it hashes (``dp.canary_seed`` over the round's U1 mask keys)
@@ -21,15 +23,15 @@ import math
 
 import numpy as np
 
-from distmoe.aggregate import aggregate_problem, eval_sum_problem, stats_sum_problem
+from distmoe.aggregate import aggregate_problem, stats_sum_problem
 from distmoe.coordinator.aggregator import Aggregator, EvalSum, Skip, StatsSum, UpdateSum
 from distmoe.coordinator.secagg import SecureRounds, SecureSum
 from distmoe.privacy.accountant import PrivacyEvent
 from distmoe.privacy.dp import canary_seed, positions_digest, row_noise_test
-from distmoe.privacy.plan import stats_event, stats_spec
+from distmoe.privacy.plan import eval_spec, stats_event, stats_spec
+from distmoe.privacy.ring import from_ring64
 from distmoe.privacy.update_noise import update_dp_facts, update_event
-from distmoe.privacy.vectors import EvalLayout, StatsLayout, UpdateLayout
-from distmoe.wire.schema import eval_metric_keys
+from distmoe.privacy.vectors import StatsLayout, UpdateLayout
 
 ROW_NOISE_ALPHA = 1e-6  # the per-release warning level of the row-sum noise test (the audit pools releases)
 
@@ -56,11 +58,11 @@ class SecureAggregator(Aggregator):
             what = {"router-stats": "router statistics", "eval": "evaluation numbers"}.get(release, release)
             self.co.say(f"round {self.co.s.round}: the secure sum of {what} is rejected: {problem}")
 
-    def updates(self, instr, kind, release, metric_keys, event):
+    def updates(self, instr, kind, release, event):
         co, p, sec = self.co, self.co.cfg.privacy, self.rounds
         n, t = len(sec.roster), sec.threshold
         z_u = sec.plan.update_noise_multiplier
-        layout = UpdateLayout.build(co.tspec.shapes, metric_keys, n, p.update_clip, p.max_weight, private=z_u > 0)
+        layout = UpdateLayout.build(co.tspec.shapes, n, p.update_clip, private=z_u > 0)
 
         def event_at(n_active: int) -> PrivacyEvent:  # n_active >= t survivors, per sequence (z_u/2 at t)
             return update_event(z_u, n_active, t, f"{release} round {co.s.round}")
@@ -68,7 +70,7 @@ class SecureAggregator(Aggregator):
         res = sec.round(co.s.round, kind, instr, release, layout.length, event_at if z_u > 0 else None)
         if res is None:
             return Skip("no secure sum this round: model unchanged")
-        avg, weight, agg = layout.decode(res.total)
+        avg, weight = layout.decode(res.total)
         problem = aggregate_problem(layout, avg, weight, len(res.included), z_u, t)
         dp = None
         if z_u > 0:
@@ -79,7 +81,7 @@ class SecureAggregator(Aggregator):
         if avg is None:
             return Skip(f"{len(res.included)} parties, total weight 0 (no data for task {instr.task!r}): model "
                         "unchanged", failed=False)
-        return UpdateSum(avg, agg, int(round(weight)), len(res.included), n)
+        return UpdateSum(avg, {}, int(round(weight)), len(res.included), n)  # metrics: not released
 
     def router_stats(self, instr, shape, label):
         p, sec, rnd = self.co.cfg.privacy, self.rounds, self.co.s.round
@@ -122,14 +124,18 @@ class SecureAggregator(Aggregator):
                         f"DP z_eff {dp['z_eff']:.2f}, epsilon spent <= {worst:.3f} of {p.epsilon:g}")
 
     def evaluation(self, instr, tasks):
-        co, sec = self.co, self.rounds
-        layout = EvalLayout(eval_metric_keys(tasks), len(sec.roster), co.cfg.privacy.num_sequences_max)
-        res = sec.round(co.s.round, "eval", instr, "eval", layout.length)
+        co, sec, rnd = self.co, self.rounds, self.co.s.round
+        n, t = len(sec.roster), sec.threshold
+        spec = eval_spec(co.cfg.privacy, co.cfg.data.max_eval_examples, tuple(tasks), n, t)
+
+        def event_at(n_active: int) -> PrivacyEvent:
+            return spec.event(n_active, f"eval round {rnd}")
+
+        res = sec.round(rnd, "eval", instr, "eval", spec.length, event_at)
         if res is None:
             return Skip("no secure sum this round: no evaluation")
-        agg = layout.decode(res.total)
-        problem = eval_sum_problem(agg, len(res.included), co.cfg.privacy.num_sequences_max)
-        self._log(res, "eval", "eval", None, problem)
+        problem = spec.problem(res.total, len(res.included))
+        self._log(res, "eval", "eval", spec.dp_params(res.n_active), problem, tasks=list(tasks))
         if problem is not None:
             return Skip(f"aggregate rejected ({problem}): no evaluation")
-        return EvalSum({"all": agg}, len(res.included), len(sec.roster))
+        return EvalSum({"all": spec.decode(res.total)}, len(res.included), len(sec.roster))

@@ -16,11 +16,12 @@ does), or read another party's directory.
 
 from __future__ import annotations
 
-import math
+import json
 from pathlib import Path
 
 from distmoe.config import ConfigError, NodeConfig, RunConfig
 from distmoe.data.formats import DataError
+from distmoe.io import append_durable
 from distmoe.party import work as P
 from distmoe.party.session import PartySession, SessionError, open_ledger
 from distmoe.privacy.dp import canary_seed
@@ -29,7 +30,6 @@ from distmoe.privacy.update_noise import add_update_noise, update_dp_facts, upda
 from distmoe.privacy.vectors import StatsLayout
 from distmoe.wire.errors import ErrorCode, Refused
 from distmoe.wire.schema import (
-    TRAIN_METRIC_KEYS,
     ConsistencyRequestMsg,
     ConsistencyResponseMsg,
     DirectoryRequest,
@@ -44,8 +44,6 @@ from distmoe.wire.schema import (
     StatsInstruction,
     UnmaskRequestMsg,
     UnmaskResponseMsg,
-    eval_metric_keys,
-    rl_metric_keys,
 )
 
 _PLAIN = {SftInstruction: P.run_sft, RlInstruction: P.run_rl, StatsInstruction: P.run_stats,
@@ -132,10 +130,14 @@ class PartyService:
                   "canary_seed": seed.hex()}
         elif isinstance(instr, (SftInstruction, RlInstruction)):
             vec, dp, contributed = self._update_vector(instr, sess)
-        else:
-            rep = P.run_eval(cfg, node, instr)
-            vec = sess.eval_layout(eval_metric_keys(instr.tasks)).encode(rep.metrics)
-            contributed = any(rep.metrics.get(f"n/{t}", 0) > 0 for t in instr.tasks)  # evaluated any sequence
+        else:  # per-example sums of each task + a Skellam share, charged at t survivors before anything is sent
+            spec = sess.eval_spec(instr.tasks)
+            sums = spec.sums(P.eval_scores(cfg, node, instr))  # [3T] int64
+            t = sess.params.threshold
+            eps = sess.charge(spec.event(t, f"eval round {instr.round}"))
+            vec = spec.share(sums)  # [3T] uint64
+            dp = {**spec.dp_params(t), "epsilon": eps, "budget": sess.accountant.epsilon_budget}
+            contributed = bool(sums[2::3].sum() > 0)  # evaluated any held-out sequence (count slots, before noise)
         length = st.length or sess.params.length
         if vec.shape != (length,):
             raise Refused(f"round {instr.round}: the server declared a {length}-element vector, this party's layout "
@@ -144,27 +146,19 @@ class PartyService:
         return MaskedReply(si.release, sess.masked(st, vec, contributed=contributed), None), dp
 
     def _update_vector(self, instr: SftInstruction | RlInstruction, sess: PartySession):
-        """Train locally; (the update as this round's ``[D]`` vector (noised under client-level DP), the DP
-        facts, whether any of this party's examples went into it)."""
+        """Train locally; the update as this round's ``[D]`` vector (noised under client-level DP). Its training
+        metrics stay in this party's own log (``UpdateLayout``: uniform weights, no metrics)."""
         cfg, node = self.cfg, self.node
         upd = (P.run_sft if isinstance(instr, SftInstruction) else P.run_rl)(cfg, node, instr)
-        if isinstance(instr, SftInstruction):
-            keys = TRAIN_METRIC_KEYS
-        else:
-            n_layers = sum(1 for k in upd.metrics if k.startswith("route_disagree_l")) or self._moe_layers()
-            keys = rl_metric_keys(n_layers, cfg.rl.simulator)
-        extra = sorted(set(upd.metrics) - set(keys))
-        if extra:
-            raise Refused(f"update metrics outside the declared layout: {extra[:3]}")
-        metrics = {k: upd.metrics.get(k, math.nan) for k in keys}
-        layout = sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()}, keys)
-        vec, _ = layout.encode(upd.delta, upd.num_examples, metrics)
-        contributed = upd.num_examples > 0
+        layout = sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()})
+        vec, facts = layout.encode(upd.delta, upd.num_examples)
+        self._log_metrics(instr, upd.metrics, facts)
+        contributed = upd.num_examples > 0  # any of this party's examples went into the update
         z_u = sess.facts.update_noise_multiplier
         if z_u <= 0:
             return vec, None, contributed
         if not layout.private:
-            raise Refused("update noise requested on a non-private layout (weights and metrics would leave exact)")
+            raise Refused("update noise requested on a non-private layout (weights would leave exact)")
         t = sess.params.threshold  # per sequence: z_u / 2 (one sequence moves the clipped delta by 2 clips)
         eps = sess.charge(update_event(z_u, t, t, f"model-update round {instr.round}"))
         vec = add_update_noise(vec, layout, z_u, sess.params.threshold)
@@ -172,8 +166,10 @@ class PartyService:
               "budget": sess.accountant.epsilon_budget}
         return vec, dp, contributed
 
-    def _moe_layers(self) -> int:
-        from distmoe.model.build import build_model, describe
-
-        model, _ = build_model(self.cfg.model, self.node.model_path)
-        return describe(model).num_moe_layers
+    def _log_metrics(self, instr, metrics: dict, facts: dict) -> None:
+        """The round's training metrics, for this party's operator only: ``<work-dir>/metrics/<party>.jsonl``
+        (0600; never sent: the server's update sum carries no metrics)."""
+        line = {"round": instr.round, "kind": type(instr).__name__, "task": instr.task,
+                **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, **facts}
+        append_durable(self.node.work_dir / "metrics" / f"{self.name}.jsonl",
+                       (json.dumps(line, allow_nan=True) + "\n").encode())

@@ -50,9 +50,10 @@ from distmoe.ledger import Ledger, generate_signing_key, load_signing_key, publi
 from distmoe.privacy import secagg as sa
 from distmoe.privacy.accountant import Accountant, BudgetExceeded, PrivacyEvent
 from distmoe.privacy.dp import SkellamSpec
-from distmoe.privacy.plan import plan_privacy, stats_spec
+from distmoe.privacy.metric_noise import EvalSpec
+from distmoe.privacy.plan import eval_spec, plan_privacy, stats_spec
 from distmoe.privacy.secagg.selftest import mask_check_failure, mask_statistic, prg_known_answer
-from distmoe.privacy.vectors import EvalLayout, UpdateLayout
+from distmoe.privacy.vectors import UpdateLayout
 from distmoe.wire.errors import ErrorCode
 
 
@@ -274,13 +275,15 @@ class PartySession:
         f = self._need()
         return stats_spec(self.cfg.privacy, f.noise_multiplier, layers, experts, self.n_parties, f.threshold)
 
-    def update_layout(self, shapes, metric_keys) -> UpdateLayout:
-        p = self.cfg.privacy
-        return UpdateLayout.build(shapes, metric_keys, self.n_parties, p.update_clip, p.max_weight,
+    def update_layout(self, shapes) -> UpdateLayout:
+        return UpdateLayout.build(shapes, self.n_parties, self.cfg.privacy.update_clip,
                                   private=self._need().update_noise_multiplier > 0)
 
-    def eval_layout(self, keys) -> EvalLayout:
-        return EvalLayout(tuple(keys), self.n_parties, self.cfg.privacy.num_sequences_max)
+    def eval_spec(self, tasks) -> EvalSpec:
+        """The evaluation release's calibration: this party's own ``privacy.metric-noise-multiplier`` and
+        ``data.max-eval-examples`` (the layout length, 3 per task, does not depend on them)."""
+        return eval_spec(self.cfg.privacy, self.cfg.data.max_eval_examples, tuple(tasks), self.n_parties,
+                         self._need().threshold)
 
     # ------------------------------------------------------------------ rounds
     def late_keys(self, round_: int) -> sa.ShareKeys:

@@ -26,7 +26,7 @@ from distmoe.model.build import describe, param_count
 from distmoe.model.device import Runtime, resolve_runtime
 from distmoe.model.trainable import load_trainable, spec_of, trainable_state
 from distmoe.routing.stats import per_sequence_stats
-from distmoe.train.evaluate import evaluate_party, routing_on, routing_set
+from distmoe.train.evaluate import evaluate_party, example_scores, routing_on, routing_set
 from distmoe.train.sft import train_sft
 from distmoe.wire.errors import ErrorCode
 from distmoe.wire.schema import (
@@ -160,6 +160,21 @@ def run_eval(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> EvalRe
                              anchor, ref_valid)
     keys = eval_metric_keys(instr.tasks)
     return EvalReply(party=node.party, metrics={k: float(metrics.get(k, float("nan"))) for k in keys})
+
+
+def eval_scores(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> dict[str, list[tuple[bool, float]]]:
+    """Secure mode: ``(answered correctly, mean answer loss)`` per held-out example of each task (at most
+    ``data.max-eval-examples``, ``load_party``'s cap), for the noised per-example sum
+    (``distmoe.privacy.metric_noise``). No routing metrics: they are not released under secure aggregation."""
+    torch.set_num_threads(cfg.train.threads)
+    data = load_data(cfg, node)
+    heldout = {t: (data.heldout(t) if data.has(t) else []) for t in instr.tasks}
+    if not any(heldout.values()):
+        return {t: [] for t in instr.tasks}
+    model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash)
+    model.eval()
+    return {t: (example_scores(model, tok, t, ex, cfg.model.max_seq_len, cfg.eval) if ex else [])
+            for t, ex in heldout.items()}
 
 
 def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdate:

@@ -1,8 +1,8 @@
 """What a party puts into a secure sum: the declared flat layout of every reply kind, as integers in Z_2^64.
 
-Owns: the layouts (``UpdateLayout`` for model updates, ``StatsLayout`` for router statistics,
-``EvalLayout`` for evaluation numbers), each derived only from public facts (the trainable-parameter
-spec, the metric keys, the task list, the number of parties, the privacy config), the encoding of one
+Owns: the layouts (``UpdateLayout`` for model updates, ``StatsLayout`` for router statistics; evaluation
+figures are ``distmoe.privacy.metric_noise.EvalSpec``), each derived only from public facts (the
+trainable-parameter spec, the number of parties, the privacy config), the encoding of one
 party's values into its input vector and the decoding of the *sum* of all inputs back into aggregates.
 Every layout has an exact ``length``: the client guard and the server check a masked vector against
 it, so nothing else fits into a reply.
@@ -13,26 +13,26 @@ bits for the sum over all parties of the largest declared values (``ring.check_f
 whenever ``frac_bits`` is computed). Router statistics are integers already (``distmoe.privacy.dp``:
 per-sequence rounding at scale s, a Skellam noise share, K noise canaries at positions drawn per release).
 
-Why weights and metrics go inside the sum: a plaintext ``num_examples`` or per-party loss would reveal
-dataset size and data-dependent numbers to the server. Each update is multiplied by its weight
-``w = min(examples, privacy.max-weight)`` and the weight is summed alongside, so the server learns only
-``sum w*delta`` and ``sum w``; each metric is summed as ``w*m`` with ``w*[m finite]`` beside it.
-
-With client-level DP on updates (``private=True``, i.e. ``privacy.update-noise-multiplier > 0``) the whole
-release must be covered by the noise, so it carries nothing else that depends on data: every weight is 1
-(``sum w`` is the number of included parties, which the server knows anyway: the standard DP-FedAvg
-estimator with uniform weights), and every metric slot is encoded as "no value" (0 and 0). The L2
-sensitivity of the sum is then ``clip`` (add/remove one party), and the noise covers every coordinate that
-varies. Training metrics stay in each party's own log.
+Uniform weights, no metrics (issue 11, straggle differencing). Two releases whose survivor sets differ by
+one party difference to that party's own figures, so nothing data-dependent but the (clipped, under
+``private`` also noised) delta block may go into an update: each party's weight is 1 if it trained on data
+for the task and 0 otherwise (``sum w`` is then the number of contributing parties, which the protocol's
+contributor count reveals anyway: it is never the example count), and training metrics (losses, rewards,
+step counts) are not encoded at all; they stay in each party's own log. The aggregate is the unweighted
+mean of the contributors' clipped deltas, as in DP-FedAvg (McMahan et al., ICLR 2018) with uniform weights:
+a party with 10x the data no longer pulls 10x harder. With client-level DP on updates (``private=True``,
+``privacy.update-noise-multiplier > 0``) every included party has weight 1, data or not (a zero delta plus
+its noise share), so ``sum w`` is the included count and the L2 sensitivity of the sum is ``clip``.
+Evaluation figures are a Skellam-noised per-example sum (``distmoe.privacy.metric_noise.EvalSpec``).
 
 Must not: import ``flwr`` or ``torch``, add noise other than through ``dp``, or accept a value outside
-its declared bound (it clips updates to ``update_clip`` in L2 and metrics to ``METRIC_BOUND``, and says so).
+its declared bound (it clips updates to ``update_clip`` in L2 and says so).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,13 +40,11 @@ import numpy as np
 from distmoe.privacy import dp, ring
 from distmoe.privacy.ring import from_ring64, to_ring64
 
-__all__ = ["BITS", "METRIC_BOUND", "SUM_KEYS", "EvalLayout", "LayoutError", "StatsLayout", "UpdateLayout",
-           "from_ring64", "to_ring64"]
+__all__ = ["BITS", "LayoutError", "StatsLayout", "UpdateLayout", "from_ring64", "to_ring64"]
 
 BITS = ring.RING_BITS  # every secure sum of this project lives in Z_2^64
-SUM_KEYS = ("steps", "skipped_steps")  # update metrics summed over parties, not averaged
-METRIC_BOUND = 1e6  # |metric| is clipped to this before encoding (losses, rewards, counts are far below)
 _MAX_FRAC_BITS = 40
+_NOISE_HEADROOM = 2.0**24  # room for update noise: 10 std of z_u * clip * sqrt(2) at z_u up to 1e6 (the key's bound)
 
 
 class LayoutError(ValueError):
@@ -65,48 +63,27 @@ def _frac_bits(n_parties: int, bound: float) -> int:
     return f
 
 
-def _weighted_metrics(keys: Sequence[str], values: Mapping[str, float], weights: Mapping[str, float] | float
-                      ) -> tuple[np.ndarray, np.ndarray]:
-    """``[k]`` w*m (non-finite m -> 0) and ``[k]`` w*[m finite], metrics clipped to +-METRIC_BOUND."""
-    if set(values) != set(keys):
-        raise LayoutError(f"metric keys {sorted(values)} != declared {sorted(keys)}")
-    wv, wn = np.zeros(len(keys)), np.zeros(len(keys))
-    for i, k in enumerate(keys):
-        v = float(values[k])
-        w = float(weights if isinstance(weights, (int, float)) else weights[k])
-        if math.isfinite(v):
-            wv[i] = w * min(max(v, -METRIC_BOUND), METRIC_BOUND)
-            wn[i] = w
-    return wv, wn
-
-
-def _metric_means(keys: Sequence[str], wv: np.ndarray, wn: np.ndarray) -> dict[str, float]:
-    return {k: (float(wv[i] / wn[i]) if wn[i] > 1e-9 else math.nan) for i, k in enumerate(keys)}
-
-
 # ------------------------------------------------------------------------------------------- updates
 @dataclass(frozen=True)
 class UpdateLayout:
-    """``[sum_k numel_k]`` w*delta (trainable tensors in sorted key order) | ``[1]`` w | ``[M]`` w*metric |
-    ``[M]`` w*[metric finite]. Bounds: ||delta||_2 <= clip, w <= max_weight, |metric| <= METRIC_BOUND."""
+    """``[sum_k numel_k]`` w*delta (trainable tensors in sorted key order) | ``[1]`` w. Bounds: ||delta||_2 <=
+    clip, w in {0, 1} (module docstring: uniform weights, no metrics)."""
 
     shapes: tuple[tuple[str, tuple[int, ...]], ...]  # sorted trainable (name, shape)
-    metric_keys: tuple[str, ...]
     n_parties: int
     clip: float
-    max_weight: int
-    private: bool = False  # client-level DP on: uniform weights, no metrics (see the module docstring)
+    private: bool = False  # client-level DP on: every included party has weight 1, data or not
 
     @classmethod
-    def build(cls, shapes: Mapping[str, tuple[int, ...]], metric_keys: Sequence[str], n_parties: int, clip: float,
-              max_weight: int, private: bool = False) -> UpdateLayout:
-        return cls(tuple(sorted((k, tuple(int(d) for d in v)) for k, v in dict(shapes).items())), tuple(metric_keys),
-                   int(n_parties), float(clip), int(max_weight), bool(private))
+    def build(cls, shapes: Mapping[str, tuple[int, ...]], n_parties: int, clip: float,
+              private: bool = False) -> UpdateLayout:
+        return cls(tuple(sorted((k, tuple(int(d) for d in v)) for k, v in dict(shapes).items())), int(n_parties),
+                   float(clip), bool(private))
 
     @property
     def weight_bound(self) -> int:
-        """The largest weight a party can put in: 1 when private, else ``max_weight``."""
-        return 1 if self.private else self.max_weight
+        """The largest weight a party can put in: 1 (uniform weights)."""
+        return 1
 
     @property
     def sensitivity(self) -> float:
@@ -119,17 +96,17 @@ class UpdateLayout:
 
     @property
     def length(self) -> int:
-        return self.numel + 1 + 2 * len(self.metric_keys)
+        return self.numel + 1
 
     @property
     def frac_bits(self) -> int:
-        return _frac_bits(self.n_parties, self.max_weight * max(self.clip, METRIC_BOUND))
+        return _frac_bits(self.n_parties, max(self.clip, 1.0) * _NOISE_HEADROOM)
 
     def weight_of(self, num_examples: int) -> int:
-        return 1 if self.private else int(min(max(num_examples, 0), self.max_weight))
+        """1 for a party that trained on data (or any party when private), else 0: never the example count."""
+        return 1 if self.private or num_examples > 0 else 0
 
-    def encode(self, delta: Mapping[str, np.ndarray], num_examples: int, metrics: Mapping[str, float]
-               ) -> tuple[np.ndarray, dict[str, float]]:
+    def encode(self, delta: Mapping[str, np.ndarray], num_examples: int) -> tuple[np.ndarray, dict[str, float]]:
         """One party's input ``[length]`` uint64 and facts for its own log (norm before clipping, clipped?)."""
         want = dict(self.shapes)
         if set(delta) != set(want):
@@ -147,34 +124,26 @@ class UpdateLayout:
         norm = float(np.linalg.norm(flat))
         factor = min(1.0, self.clip / norm) if norm > 0 else 1.0
         w = self.weight_of(num_examples)
-        if self.private:  # nothing data-dependent outside the noised block
-            metrics = {k: math.nan for k in self.metric_keys}
-        wv, wn = _weighted_metrics(self.metric_keys, metrics,
-                                   {k: (1.0 if k in SUM_KEYS else float(w)) for k in self.metric_keys})
-        vec = np.concatenate([flat * (factor * w), [float(w)], wv, wn])  # [length]
+        vec = np.concatenate([flat * (factor * w), [float(w)]])  # [length]
         facts = {"norm": norm, "clipped": float(factor < 1.0), "weight": float(w)}
         return ring.encode_fixed(vec, 2.0**self.frac_bits), facts
 
-    def decode(self, total: np.ndarray) -> tuple[dict[str, np.ndarray] | None, float, dict[str, float]]:
-        """From the sum: (weighted-average delta per tensor, or None if the total weight is 0; total weight;
-        weighted-mean metrics)."""
+    def decode(self, total: np.ndarray) -> tuple[dict[str, np.ndarray] | None, float]:
+        """From the sum: (mean delta over the contributing parties per tensor, or None if the total weight is 0;
+        total weight = the number of contributing parties)."""
         v = ring.decode_fixed(total, 2.0**self.frac_bits)
         if v.shape != (self.length,):
             raise LayoutError(f"sum has shape {v.shape}, layout length {self.length}")
-        n, m = self.numel, len(self.metric_keys)
+        n = self.numel
         w = float(v[n])
-        metrics = _metric_means(self.metric_keys, v[n + 1:n + 1 + m], v[n + 1 + m:])
-        for i, k in enumerate(self.metric_keys):
-            if k in SUM_KEYS and not self.private:
-                metrics[k] = float(round(v[n + 1 + i]))
         if w < 0.5:
-            return None, w, metrics
+            return None, w
         out, off = {}, 0
         for k, shape in self.shapes:
             size = math.prod(shape)
             out[k] = (v[off:off + size] / w).reshape(shape).astype(np.float32)
             off += size
-        return out, w, metrics
+        return out, w
 
 
 # ------------------------------------------------------------------------------------------ router stats
@@ -239,46 +208,3 @@ class StatsLayout:
             raise LayoutError(f"sum has shape {ints.shape}, layout length {self.length}")
         can = self.canary_positions
         return np.concatenate([ints[self._data_positions(can)], ints[can]])
-
-
-# ----------------------------------------------------------------------------------------------- eval
-@dataclass(frozen=True)
-class EvalLayout:
-    """``[M]`` w*metric | ``[M]`` w*[finite]: ``acc|loss/<task>`` weighted by ``n/<task>``; ``n/<task>``
-    summed as is; routing metrics weighted by the party's evaluated sequences."""
-
-    keys: tuple[str, ...]
-    n_parties: int
-    num_sequences_max: int
-
-    @property
-    def length(self) -> int:
-        return 2 * len(self.keys)
-
-    @property
-    def frac_bits(self) -> int:
-        return _frac_bits(self.n_parties, self.num_sequences_max * METRIC_BOUND)
-
-    def _weights(self, metrics: Mapping[str, float]) -> dict[str, float]:
-        def n(key: str) -> float:
-            v = float(metrics.get(key, 0.0))
-            return min(max(v, 0.0), float(self.num_sequences_max)) if math.isfinite(v) else 0.0
-        total = sum(n(k) for k in self.keys if k.startswith("n/"))
-        out = {}
-        for k in self.keys:
-            head, _, task = k.partition("/")
-            out[k] = 1.0 if head == "n" else (n(f"n/{task}") if task else total)
-        return out
-
-    def encode(self, metrics: Mapping[str, float]) -> np.ndarray:
-        wv, wn = _weighted_metrics(self.keys, metrics, self._weights(metrics))
-        return ring.encode_fixed(np.concatenate([wv, wn]), 2.0**self.frac_bits)
-
-    def decode(self, total: np.ndarray) -> dict[str, float]:
-        v = ring.decode_fixed(total, 2.0**self.frac_bits)
-        m = len(self.keys)
-        out = _metric_means(self.keys, v[:m], v[m:])
-        for i, k in enumerate(self.keys):  # counts are sums, not means
-            if k.startswith("n/"):
-                out[k] = float(round(v[i]))
-        return out

@@ -708,7 +708,7 @@ def _train_table(rows: list[dict[str, Any]], derived: bool) -> list[str]:
             _num(r.get("aux_loss")),
             _num(r.get("anchor_kl")),
             _count(r.get("skipped_steps")),
-            _count(r.get("num_examples")),
+            _count(r.get("num_examples", r.get("contributors"))),
         )
         for r in rows
     ]
@@ -722,10 +722,15 @@ def _train_table(rows: list[dict[str, Any]], derived: bool) -> list[str]:
             "aux loss",
             "anchor KL",
             "skipped steps",
-            "examples",
+            "examples (parties†)",
         ),
         body,
     )
+    if any("contributors" in r for r in rows):
+        out += ["", "† secure aggregation: FedAvg weights are uniform, so the column counts the contributing parties "
+                "(never examples); training losses stay in each party's `<work-dir>/metrics/<party>.jsonl`, and "
+                "the evaluation figures carry distributed DP noise (`privacy.metric-noise-multiplier`, "
+                "docs/privacy.md §4.5)."]
     if derived:
         out += ["", "\\* no aggregate event logged for this round; weighted mean of the party events."]
     return out + [""]

@@ -3,7 +3,9 @@ verifier) and answer loss on held-out data, plus routing metrics on a fixed set 
 held-out examples of every evaluated task): routing KL to the anchor, expert-load CV and top-1
 consistency against a reference model.
 
-Returns aggregate numbers only (means and counts), never per-example values.
+Returns aggregate numbers (means and counts) for the plaintext baseline, and per-example scores
+(:func:`example_scores`: answered correctly, mean answer loss) for the party's own noised sum under secure
+aggregation (``distmoe.privacy.metric_noise``); neither leaves the party as such.
 
 Must not: read data files (the caller passes examples) or touch the wire.
 """
@@ -44,6 +46,33 @@ def answer_loss(model: nn.Module, tok, examples: list[Example], max_len: int, ba
         total += float(causal_lm_loss(out.logits, batch["labels"])) * n
         count += n
     return total / max(count, 1)
+
+
+@torch.no_grad()
+def example_losses(model: nn.Module, tok, examples: list[Example], max_len: int, batch_size: int) -> list[float]:
+    """Each example's mean CE over its own answer tokens (NaN for an example without any)."""
+    encoded = [encode_example(tok, ex, max_len) for ex in examples]
+    out: list[float] = []
+    for chunk in _chunks(encoded, batch_size):
+        batch = to_device(collate(chunk, tok.pad_token_id), device_of(model))
+        with autocast_for(model):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           use_cache=False).logits  # [B, S, V]
+        labels = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)  # [B, S] next-token labels
+        ce = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100,
+                                               reduction="none")  # [B, S], 0 where ignored
+        n = (labels != -100).sum(1)  # [B]
+        out.extend(float(c) / int(k) if int(k) else math.nan for c, k in zip(ce.sum(1), n, strict=True))
+    return out
+
+
+def example_scores(model: nn.Module, tok, task: str, examples: list[Example], max_len: int, cfg: EvalConfig
+                   ) -> list[tuple[bool, float]]:
+    """``(answered correctly, mean answer loss)`` per example, in order."""
+    preds = generate_answers(model, tok, examples, max_len, cfg)
+    ok = [check_answer(task, ex.prompt_messages[-1]["content"], p, ex.answer)
+          for ex, p in zip(examples, preds, strict=True)]
+    return list(zip(ok, example_losses(model, tok, examples, max_len, cfg.batch_size), strict=True))
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ from distmoe.ledger import (
 )
 from distmoe.privacy.accountant import Accountant, PrivacyEvent, epsilon_from_events
 from distmoe.privacy.dp import SkellamSpec, canary_positions, canary_seed, positions_digest
+from distmoe.privacy.metric_noise import EvalSpec
 from distmoe.privacy.plan import stats_event
 from distmoe.privacy.secagg.primitives import prg
 from distmoe.privacy.secagg.selftest import mask_statistic
@@ -57,7 +58,8 @@ def _spec() -> SkellamSpec:
 
 def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.0, responders=None, blocked=(),
              extra_key=None, row_bias=0.0, z_eff_factor=1.0, scan=True, sha_mismatch=None, policy=None, seed=0,
-             update_z=0.0, forge=None, mask_check=None, row_noise=1.0, tail_canaries=False, party_seed=None):
+             update_z=0.0, forge=None, mask_check=None, row_noise=1.0, tail_canaries=False, party_seed=None,
+             eval_z=0.0, eval_forge=None):
     """Write an honest run (setup key exchange + 2 router-stats rounds) under ``root/run``; knobs break it.
 
     ``responders``: {round: parties that reply}; ``blocked``: {(round, party)} replies the client guard
@@ -68,7 +70,8 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
     statistic of a real ChaCha20 mask vector; ``None`` as a value records none); ``row_noise``: the share of the
     claimed noise std in the row sums (0: every row exactly N*s); ``tail_canaries``: the coordinator records the
     canaries as the last K coordinates instead of the seed's positions; ``party_seed``: {(round, party): hex}
-    canary seed that party records instead of the round's.
+    canary seed that party records instead of the round's; ``eval_z``: add a round-4
+    evaluation release at that z_m (all parties), with ``eval_forge`` dp fields instead (``False``: dp null).
     """
     run = root / "run"
     rng = np.random.default_rng(seed)
@@ -176,6 +179,15 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
                            "responders": list(PARTIES), "weight_sum": float(len(PARTIES))})
         for p in PARTIES:
             events[p].append(update_event(update_z, len(PARTIES), t, "model-update round 3"))
+    if eval_z:  # what distmoe.coordinator.secure records for an evaluation release over all parties
+        es = EvalSpec(("arith",), eval_z, len(PARTIES), spec.max_dropouts, 48, 16.0)
+        dp = None if eval_forge is False else {**es.dp_params(len(PARTIES)), **(eval_forge or {})}
+        coord.append(**common, round=4, phase="eval", direction="in", peer="all", payload_type="release:eval",
+                     keys=[], shapes={"sum": [3]}, **describe_payload(b"eval/4"), dp=dp, verdict="accepted",
+                     info={"mode": mode, "release": "eval", "included": list(PARTIES), "dropped": [],
+                           "responders": list(PARTIES), "tasks": ["arith"], "applied": True})
+        for p in PARTIES:
+            events[p].append(es.event(len(PARTIES), "eval round 4"))
     coord.append(**common, round=None, phase="run-end", direction="out", payload_type="run-end", keys=[], shapes={},
                  **describe_payload(b"done"), verdict="accepted", info={"status": "completed"})
 
@@ -649,3 +661,27 @@ def test_cut_or_rewritten_coordinator_ledger_fails(tmp_path, capsys, attack, nam
     assert all(n in out for n in names)
     if attack.endswith("resigned"):
         assert result.check("ledger-integrity").status == "pass"  # the forgery verifies
+
+
+def test_eval_release_is_charged_in_the_audit_epsilon(tmp_path):
+    """Issue 11 (2b): evaluation figures carry Skellam noise and the audit charges each release (the
+    sensitivities of one held-out sequence), recomputed independently of the ledger's own figures."""
+    run, _ = make_run(tmp_path, eval_z=3.0)
+    result = audit_run(run)
+    assert _failed(result) == [], result.to_dict()
+    es = EvalSpec(("arith",), 3.0, len(PARTIES), 1, 48, 16.0)
+    want = epsilon_from_events([stats_event(_spec(), 3, "")] * 2 + [es.event(3, "")], DELTA)
+    for row in result.epsilon.values():
+        assert row["releases"] == 3 and (row["eps_prv"], row["eps_rdp"]) == pytest.approx(want)
+        assert row["server_epsilon"] == pytest.approx(row["epsilon"])
+
+
+@pytest.mark.parametrize("forge, needle", [(False, "without DP noise"), ({"delta2_int": 1.0}, "delta2_int"),
+                                           ({"z_eff": 30.0}, "z_eff")])
+def test_eval_release_without_noise_or_with_a_forged_calibration_fails_epsilon(tmp_path, forge, needle):
+    """An evaluation release in secagg mode with no DP facts (exact counts and losses a straggle would
+    difference out) or with a calibration that understates the charge fails the epsilon check."""
+    run, _ = make_run(tmp_path, eval_z=3.0, eval_forge=forge)
+    result = audit_run(run)
+    assert _failed(result) == ["epsilon"]
+    assert any(needle in f for f in result.check("epsilon").findings), result.check("epsilon").findings

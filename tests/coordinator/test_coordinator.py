@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-import distmoe.train.evaluate as evaluate_mod
+import distmoe.party.work as work_mod
 from distmoe.aggregate import AggregationError, weighted_average
 from distmoe.checkpoint import CheckpointError, latest, verify_checkpoint
 from distmoe.config import load_override_file, parse_node_config, parse_run_config
@@ -25,6 +25,7 @@ from distmoe.coordinator import Coordinator, RunFailed
 from distmoe.inprocess import LocalTransport
 from distmoe.model.build import build_model, hash_tensors
 from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state
+from distmoe.privacy import metric_noise
 from distmoe.report.metrics_log import read_metrics
 from distmoe.wire.errors import ALL_REASONS, ErrorCode, reason_text
 
@@ -51,29 +52,36 @@ def _events(run_dir, event):
 
 @pytest.fixture(scope="module")
 def full_run(synth_dirs, make_cfg, tmp_path_factory):
-    """One run of the whole schedule with deterministic accuracies (the tiny model learns nothing
-    in 9 local steps, and retention is only defined against a non-zero baseline)."""
+    """One run of the whole schedule with deterministic per-example correctness (the tiny model learns
+    nothing in 9 local steps, and retention is only defined against a non-zero baseline). The evaluation
+    noise is off (exact figures are asserted; its DP is ``tests/privacy/test_metric_noise.py``'s)."""
     cfg = make_cfg(**RUN)
     run_dir = tmp_path_factory.mktemp("run") / "run"
     calls = {"arith": 0}
-    real = evaluate_mod.task_accuracy
+    real = work_mod.example_scores
 
-    def fake_accuracy(model, tok, task, examples, max_len, ecfg):
-        real(model, tok, task, examples[:1], max_len, ecfg)  # the real generation path still runs
+    def fake_scores(model, tok, task, examples, max_len, ecfg):
+        loss = real(model, tok, task, examples[:1], max_len, ecfg)[0][1]  # the real generation path still runs
         if task == "arith":
-            calls["arith"] += 1
-            return 0.5 if calls["arith"] <= 2 else 0.25  # first eval (2 parties), then the last eval
-        return 0.75
+            calls["arith"] += 1  # first eval (2 parties): all correct; then the last eval: the first only
+            return [(calls["arith"] <= 2 or i == 0, loss) for i in range(len(examples))]
+        return [(i < 2, loss) for i in range(len(examples))]
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(evaluate_mod, "task_accuracy", fake_accuracy)
+    mp.setattr(work_mod, "example_scores", fake_scores)
+    mp.setattr(metric_noise, "skellam_noise", lambda shape, variance, rng=None: np.zeros(shape, np.int64))
     lines: list[str] = []
+    nodes = _nodes(cfg, synth_dirs)
+    own = {n.party: n.work_dir / "metrics" / f"{n.party}.jsonl" for n in nodes.values()}  # each party's own log
+    seen = {p: len(f.read_text().splitlines()) if f.exists() else 0 for p, f in own.items()}
     try:
         coord, _ = _coordinator(cfg, synth_dirs, run_dir, lines)
         record = coord.run()
     finally:
         mp.undo()
-    return {"cfg": cfg, "dir": run_dir, "record": record, "lines": lines, "arith_calls": calls["arith"]}
+    party_rows = {p: [json.loads(x) for x in f.read_text().splitlines()[seen[p]:]] for p, f in own.items()}
+    return {"cfg": cfg, "dir": run_dir, "record": record, "lines": lines, "arith_calls": calls["arith"],
+            "party_rows": party_rows}
 
 
 # ------------------------------------------------------------------------------------------ full run
@@ -105,15 +113,17 @@ def test_train_events_are_secure_sums_only(full_run):
     for r in sft_rounds:  # secure aggregation: the coordinator never sees a single party's numbers
         parties = sorted(e["party"] for e in train if e["round"] == r)
         assert parties == ["all"], (r, parties)
-    for e in train:
-        assert e["parties"] == 2 and e["steps"] == 2 * cfg.train.local_steps and e["skipped_steps"] == 0
-        assert e["num_examples"] > 0 and math.isfinite(e["task_loss"])
-    # after the stats phase the anchor reaches the parties and its KL is recorded
+    for e in train:  # uniform weights: the weight sum is the contributor count; no training metric is released
+        assert e["parties"] == 2 and e["contributors"] == 2 and "num_examples" not in e
+        assert not {"loss", "task_loss", "steps", "skipped_steps", "anchor_kl"} & set(e)
+    # after the stats phase the anchor reaches the parties, whose own metrics log records its KL
     before = [e for e in train if e["round"] < 4]
     after = [e for e in train if e["round"] > 4]
-    assert all(e["anchor_version"] == 0 and e.get("anchor_kl") is None for e in before)
-    assert all(e["anchor_version"] == 1 for e in after)
-    assert all(e["anchor_kl"] is not None and e["anchor_kl"] >= 0 for e in after)
+    assert all(e["anchor_version"] == 0 for e in before) and all(e["anchor_version"] == 1 for e in after)
+    for own in full_run["party_rows"].values():
+        assert [x["round"] for x in own] == sft_rounds
+        assert all(x["steps"] == cfg.train.local_steps and math.isfinite(x["task_loss"]) for x in own)
+        assert all(math.isfinite(x["anchor_kl"]) for x in own if x["round"] > 4)
 
 
 @pytest.mark.integration
@@ -145,18 +155,20 @@ def test_eval_events_accuracy_and_retention(full_run):
     last = [e for e in evals if e["round"] == rounds[-1]]
     assert sorted(e["party"] for e in first) == sorted(e["party"] for e in last) == ["all"]
     for e in first:
-        assert e["acc/arith"] == pytest.approx(0.5) and "retention/arith" not in e
+        assert e["acc/arith"] == pytest.approx(1.0) and "retention/arith" not in e
         assert "acc/strings" not in e  # strings not trained yet
     for e in last:
-        assert e["acc/arith"] == pytest.approx(0.25)
-        assert e["acc/strings"] == pytest.approx(0.75)
-        assert e["retention/arith"] == pytest.approx(0.5)
+        assert e["acc/arith"] == pytest.approx(1 / 3)
+        assert e["acc/strings"] == pytest.approx(2 / 3)
+        assert e["retention/arith"] == pytest.approx(1 / 3)
         assert e["new_task"] == "strings"
-        assert e["n/arith"] > 0 and math.isfinite(e["loss/arith"])
-        assert e["top1_consistency"] is not None and 0 <= e["top1_consistency"] <= 1
-        assert e["routing_kl"] is not None and e["routing_kl"] >= 0  # the anchor exists now
-    assert all(e["routing_kl"] is None for e in first)  # no anchor yet (NaN stored as null)
-    assert last[0]["n/arith"] == 6  # summed exactly through the secure sum: 2 parties x 3 examples
+        assert e["n/arith"] > 0 and 0 <= e["loss/arith"] <= 16.0
+        assert not {"top1_consistency", "routing_kl", "load_cv"} & set(e)  # not released under secagg
+    assert last[0]["n/arith"] == 6  # the noise is off here: 2 parties x 3 examples
+    releases = [json.loads(x) for x in (run_dir / "ledger" / "coordinator.jsonl").read_text().splitlines()]
+    evals = [r for r in releases if r.get("payload_type") == "release:eval"]
+    assert [r["round"] for r in evals] == [3, 6]
+    assert all(r["dp"]["mechanism"] == "skellam" and r["dp"]["z_eff"] > 0 for r in evals)  # charged as DP
 
 
 @pytest.mark.integration

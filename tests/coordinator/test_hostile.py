@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from distmoe.aggregate import aggregate_problem, divergent_updates, eval_sum_problem, stats_sum_problem
+from distmoe.aggregate import aggregate_problem, divergent_updates, stats_sum_problem
 from distmoe.audit import audit_run
 from distmoe.coordinator import RunFailed
 from distmoe.party import service as party_service
 from distmoe.party import work as P
+from distmoe.privacy.metric_noise import EvalSpec
 from distmoe.privacy.vectors import UpdateLayout, from_ring64, to_ring64
 from distmoe.wire.errors import ErrorCode, reason_text
 from distmoe.wire.schema import ModelUpdate, SftInstruction
@@ -37,13 +38,13 @@ def test_norm_ratio_screen_rejects_only_the_outlier():
 
 
 def test_aggregate_bounds_hold_for_honest_sums_and_catch_broken_ones():
-    lay = UpdateLayout.build({"w": (4,)}, (), 3, clip=1.0, max_weight=10)
+    lay = UpdateLayout.build({"w": (4,)}, 3, clip=1.0)
     honest = {"w": np.array([0.5, -0.5, 0.5, 0.0])}
-    assert aggregate_problem(lay, honest, 25.0, 3) is None
-    assert "norm" in aggregate_problem(lay, {"w": np.array([3.0, 0, 0, 0])}, 25.0, 3)
-    assert "total weight" in aggregate_problem(lay, honest, 31.0, 3)
-    assert "not finite" in aggregate_problem(lay, {"w": np.array([np.nan, 0, 0, 0])}, 25.0, 3)
-    priv = UpdateLayout.build({"w": (4,)}, (), 3, clip=1.0, max_weight=10, private=True)
+    assert aggregate_problem(lay, honest, 3.0, 3) is None
+    assert "norm" in aggregate_problem(lay, {"w": np.array([3.0, 0, 0, 0])}, 3.0, 3)
+    assert "total weight" in aggregate_problem(lay, honest, 4.0, 3)  # uniform weights: at most one per party
+    assert "not finite" in aggregate_problem(lay, {"w": np.array([np.nan, 0, 0, 0])}, 3.0, 3)
+    priv = UpdateLayout.build({"w": (4,)}, 3, clip=1.0, private=True)
     noisy = {"w": honest["w"] + np.random.default_rng(1).normal(0, 2.0 * math.sqrt(3 / 2) / 3, 4)}
     assert aggregate_problem(priv, noisy, 3.0, 3, update_noise_multiplier=2.0, threshold=2) is None
     assert "total weight" in aggregate_problem(priv, noisy, 4.0, 3, update_noise_multiplier=2.0, threshold=2)
@@ -54,8 +55,10 @@ def test_stats_and_eval_sum_bounds():
     assert stats_sum_problem(ints, 64, 3, 100, sigma_int=5.0) is None
     assert "outside" in stats_sum_problem(np.array([[2**40, 0], [0, 0]]), 64, 3, 100, 5.0)
     assert "rows differ" in stats_sum_problem(np.array([[300, 340], [900, 320]]), 64, 3, 100, 5.0)
-    assert eval_sum_problem({"n/a": 40.0, "acc/a": 0.5, "loss/b": math.nan}, 2, 100) is None
-    assert "count" in eval_sum_problem({"n/a": 1e9}, 2, 100)
+    spec = EvalSpec(("a", "b"), 1.0, 3, 1, 100, 16.0)
+    honest = to_ring64(spec.sums({"a": [(True, 1.0)] * 40}) * 2)
+    assert spec.problem(honest, 2) is None
+    assert "outside" in spec.problem(to_ring64(np.array([0, 0, 64 * 10**6, 0, 0, 0])), 2)
 
 
 # --------------------------------------------------------------------------------- whole runs
@@ -70,8 +73,8 @@ def _blow_up(monkeypatch, party: str, factor: float, clip: bool):
             return upd
         return ModelUpdate(upd.party, {k: v * factor for k, v in upd.delta.items()}, upd.num_examples, upd.metrics)
 
-    def encode(self, delta, num_examples, metrics):
-        vec, facts = real_encode(self, delta, num_examples, metrics)
+    def encode(self, delta, num_examples):
+        vec, facts = real_encode(self, delta, num_examples)
         if clip:
             return vec, facts
         # the same fixed-point layout, but the delta block unclipped
@@ -155,7 +158,8 @@ def test_plaintext_outlier_update_is_rejected_by_the_norm_ratio(tmp_path, monkey
 
 @pytest.mark.integration
 def test_non_finite_aggregate_loss_is_flagged_in_record_and_report(tmp_path, monkeypatch, make_run):
-    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith"})
+    """Plaintext baseline: under secure aggregation no training loss reaches the server (issue 11)."""
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith", "privacy.mode": "plaintext"})
     real = P.run_sft
 
     def nan_loss(cfg, node, instr):
@@ -163,6 +167,7 @@ def test_non_finite_aggregate_loss_is_flagged_in_record_and_report(tmp_path, mon
         return ModelUpdate(upd.party, upd.delta, upd.num_examples, {**upd.metrics, "loss": math.nan})
 
     monkeypatch.setattr(P, "run_sft", nan_loss)
+    monkeypatch.setitem(party_service._PLAIN, SftInstruction, nan_loss)  # the plaintext path's reference
     coord.run()
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["status"] == "completed"
@@ -177,8 +182,11 @@ def test_non_finite_aggregate_loss_is_flagged_in_record_and_report(tmp_path, mon
 
 @pytest.mark.integration
 def test_loss_spike_beyond_the_rolling_z_score_is_flagged(tmp_path, make_run):
-    coord, _, run_dir, _, _ = make_run(tmp_path, {"federation.anomaly-z": 4.0})
+    """Plaintext baseline (under secure aggregation no training loss reaches the server, so nothing is judged)."""
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"federation.anomaly-z": 4.0, "privacy.mode": "plaintext"})
     run_dir.mkdir(parents=True, exist_ok=True)
+    secure, _, _, _, _ = make_run(tmp_path / "secure", {"federation.anomaly-z": 4.0})
+    assert secure.flag_anomalies("train", {"loss": math.nan}) == []
     for v in (2.0, 1.9, 1.95, 1.85, 1.9):
         assert coord.flag_anomalies("train", {"loss": v, "loss_last": v}) == []
     found = coord.flag_anomalies("train", {"loss": 6.0, "loss_last": 1.8})

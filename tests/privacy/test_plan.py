@@ -20,7 +20,7 @@ def test_update_noise_4_is_charged_as_the_gaussian_at_2_per_sequence():
     assert epsilon_from_events([ev], 1e-6) == pytest.approx(epsilon_from_events([PrivacyEvent(2.0)], 1e-6))
     # three of t = 2 present: party-level z_eff = 4 sqrt(3/2), per sequence half of it
     assert update_event(4.0, 3, 2, "").noise_multiplier == pytest.approx(4.0 * 1.5**0.5 / 2)
-    lay = UpdateLayout.build({"w": (3,)}, (), 3, 1.0, 1, private=True)
+    lay = UpdateLayout.build({"w": (3,)}, 3, 1.0, private=True)
     facts = update_dp_facts(lay, 4.0, 3, 2)
     assert facts["z_eff"] == 4.0 and facts["z_sequence"] == 2.0 and facts["sequence_sensitivity"] == 2 * lay.clip
 
@@ -31,7 +31,9 @@ def test_update_noise_4_no_longer_fits_the_default_budget():
     cfg = parse_run_config({"privacy.update-noise-multiplier": 4.0})
     with pytest.raises(ConfigError, match="z_u/2 = 2 per sequence") as ei:
         plan_privacy(cfg.privacy, cfg.schedule)
-    assert "8.847" in str(ei.value)  # RDP of the Gaussian at z = 2 over the 10 update releases
+    # RDP of the Gaussian at z = 2 over the 10 update releases (8.847 alone) and the 2 evaluation releases
+    # (Skellam at privacy.metric-noise-multiplier = 3, issue 11)
+    assert "9.300" in str(ei.value)
     roomy = parse_run_config({"privacy.update-noise-multiplier": 4.0, "privacy.epsilon": 16.0})
     plan = plan_privacy(roomy.privacy, roomy.schedule)
     upd = [e for e in plan.events() if e.label == "model-update"]

@@ -7,7 +7,8 @@ import pytest
 
 from distmoe.privacy import ring
 from distmoe.privacy.dp import SkellamSpec, client_share, encode_per_sequence
-from distmoe.privacy.vectors import EvalLayout, StatsLayout
+from distmoe.privacy.metric_noise import EvalSpec
+from distmoe.privacy.vectors import StatsLayout
 
 
 def _sum(words) -> np.ndarray:
@@ -78,6 +79,9 @@ def test_one_codec_for_dp_shares_and_the_layouts():
     assert spec.required_bits() == ring.required_bits(spec.sum_bound())
     with pytest.raises(ring.WrapError, match="> 64"):
         SkellamSpec(2, 4, 1.0, n_parties=10_000, num_sequences_max=10**9, scale=2**20).check_fits_ring64()
-    ev = EvalLayout(("n/t", "acc/t"), n_parties=3, num_sequences_max=100)
-    m = {"n/t": 10.0, "acc/t": 0.5}
-    assert np.array_equal(ev.encode(m), ring.encode_fixed(np.array([10.0, 5.0, 1.0, 10.0]), 2.0**ev.frac_bits))
+    ev = EvalSpec(("t",), 1.0, n_parties=3, max_dropouts=1, examples_max=100, loss_bound=16.0)
+    sums = ev.sums({"t": [(True, 8.0), (False, 40.0)]})  # the second loss is clipped to the bound
+    assert sums.tolist() == [64, 32 + 64, 128]
+    with pytest.raises(ring.WrapError, match="> 64"):
+        EvalSpec(("t",), 1.0, n_parties=10_000, max_dropouts=0, examples_max=10**15, loss_bound=1.0
+                 ).check_fits_ring64()

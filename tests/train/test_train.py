@@ -218,6 +218,13 @@ def test_generation_and_loss_do_not_depend_on_batching(make_cfg, party):
     counts = [sum(1 for x in encode_example(tok, e, max_len)[1][1:] if x != -100) for e in exs]
     expected = sum(v * n for v, n in zip(losses, counts, strict=True)) / sum(counts)
     assert answer_loss(model, tok, exs, max_len, 8) == pytest.approx(expected, rel=1e-4)
+    # the per-example losses of the secure evaluation sum are each example's own answer loss, batched or not
+    from distmoe.train.evaluate import example_losses, example_scores
+
+    assert example_losses(model, tok, exs, max_len, 8) == pytest.approx(losses, rel=1e-4)
+    scores = example_scores(model, tok, "arith", exs[:3], max_len, cfg.eval)
+    assert [x for _, x in scores] == pytest.approx(losses[:3], rel=1e-4) and all(isinstance(ok, bool)
+                                                                                for ok, _ in scores)
 
 
 def test_causal_lm_loss_scores_each_position_on_the_next_label():

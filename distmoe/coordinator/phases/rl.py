@@ -6,8 +6,10 @@ Must not: import ``flwr``, or see one party's update.
 
 from __future__ import annotations
 
+import math
+
 from distmoe.coordinator.phases.update import apply_update
-from distmoe.wire.schema import RlInstruction, rl_metric_keys
+from distmoe.wire.schema import RlInstruction
 
 
 def configure(co, phase) -> RlInstruction:
@@ -20,13 +22,13 @@ def configure(co, phase) -> RlInstruction:
 def aggregate(co, index, phase, instr: RlInstruction) -> str:
     cfg = co.cfg
     event = co.event("rl", index, phase, engine=cfg.rl.engine, correction=cfg.rl.correction)
-    keys = rl_metric_keys(co.mspec.num_moe_layers, cfg.rl.simulator)
-    out = apply_update(co, co.aggregator.updates(instr, "rl", "rl-update", keys, event), event)
+    out = apply_update(co, co.aggregator.updates(instr, "rl", "rl-update", event), event)
     if isinstance(out, str):
         return out
-    if cfg.privacy.secure and cfg.privacy.update_noise_multiplier > 0:
-        return f"{out.parties}/{out.nodes} parties | RL metrics withheld (client-level DP on updates)"
     agg = out.metrics
+    if not math.isfinite(agg.get("reward_first", math.nan)):
+        return (f"{out.parties}/{out.nodes} parties, {out.num_examples} contributing | RL metrics stay at the "
+                "parties (secure aggregation)")
     return (f"{out.parties}/{out.nodes} parties | reward {agg['reward_first']:.3f} -> {agg['reward_last']:.3f} "
             f"| |dlogp| mean {agg['logp_diff_mean']:.4f} max {agg['logp_diff_max']:.3f} | masked "
             f"{agg['masked_frac_low'] + agg['masked_frac_high']:.4f} | K3 {agg['k3']:.2e}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from distmoe.coordinator.phases.update import apply_update
-from distmoe.wire.schema import TRAIN_METRIC_KEYS, SftInstruction
+from distmoe.wire.schema import SftInstruction
 
 
 def configure(co, phase) -> SftInstruction:
@@ -29,13 +29,14 @@ def configure(co, phase) -> SftInstruction:
 
 def aggregate(co, index, phase, instr: SftInstruction) -> str:
     event = co.event("train", index, phase, anchor_version=instr.anchor_version)
-    out = apply_update(co, co.aggregator.updates(instr, "sft", "model-update", TRAIN_METRIC_KEYS, event), event)
+    out = apply_update(co, co.aggregator.updates(instr, "sft", "model-update", event), event)
     if isinstance(out, str):
         return out
     agg = out.metrics
     kl = (f", anchor KL {agg['anchor_kl']:.4f}" if instr.anchor is not None
           and math.isfinite(agg.get("anchor_kl", math.nan)) else "")
     if not math.isfinite(agg.get("skipped_steps", math.nan)):
-        return f"{out.parties}/{out.nodes} parties | training metrics withheld (client-level DP on updates)"
+        return (f"{out.parties}/{out.nodes} parties, {out.num_examples} contributing | training metrics stay at the "
+                "parties (secure aggregation)")
     return (f"{out.parties}/{out.nodes} parties | task loss {agg['loss_first']:.3f} -> "
             f"{agg['loss_last']:.3f}{kl} | skipped steps {int(agg['skipped_steps'])}")

@@ -25,8 +25,9 @@ def apply_update(co: Coordinator, out: UpdateSum | Skip, event: dict) -> UpdateS
     s = co.s
     for k, d in out.delta.items():
         s.weights[k] = s.weights[k] + torch.from_numpy(d)
-    co.metrics.append({**event, "party": "all", "num_examples": out.num_examples, "parties": out.parties,
-                       **out.metrics})
+    # secure aggregation: the weight sum is the number of contributing parties (uniform weights), not examples
+    count = {"contributors": out.num_examples} if co.cfg.privacy.secure else {"num_examples": out.num_examples}
+    co.metrics.append({**event, "party": "all", **count, "parties": out.parties, **out.metrics})
     co.flag_anomalies(event["event"], out.metrics)
     co.checkpoint()
     return out
