@@ -29,7 +29,6 @@ from distmoe.coordinator.secagg import SecureRounds, SecureSum
 from distmoe.privacy.accountant import PrivacyEvent
 from distmoe.privacy.dp import canary_seed, positions_digest, row_noise_test
 from distmoe.privacy.plan import eval_spec, stats_event, stats_spec
-from distmoe.privacy.ring import from_ring64
 from distmoe.privacy.update_noise import update_dp_facts, update_event
 from distmoe.privacy.vectors import StatsLayout, UpdateLayout
 
