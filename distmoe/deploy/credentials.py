@@ -343,13 +343,7 @@ def create_owner_keys(out: str | os.PathLike[str], party: str, *, force: bool = 
                 raise CredentialsError(f"{t} already exists; refusing to overwrite it (use --force to make new "
                                        "keys; the coordinator then needs the new public file)")
     _mkdir_private(out)
-    priv, pub = make_supernode_keypair(name)
-    lkey, lpub = make_ledger_key()
-    _write(p.supernode_key, priv, private=True, force=force)
-    _write(p.supernode_pub, pub, private=False, force=force)
-    _write(p.ledger_key, lkey, private=True, force=force)
-    _write(p.ledger_pub, (lpub + "\n").encode("ascii"), private=False, force=force)
-    _write(p.info, _party_json(p), private=False, force=force)
+    pub, lpub = _make_party_keys(p, force)
     doc = {"format": OWNER_PUBLIC_FORMAT, "party": name, "supernode-pub": pub.decode("ascii").strip(),
            "supernode-key-fingerprint": openssh_fingerprint(pub), "ledger-public-key": lpub}
     _write(public, (json.dumps(doc, indent=2) + "\n").encode("ascii"), private=False, force=force)
@@ -382,6 +376,19 @@ def read_owner_public(path: str | os.PathLike[str]) -> OwnerPublic:
     except (ValueError, TypeError, UnicodeError, UnsupportedAlgorithm) as exc:
         raise CredentialsError(f"--owner-keys: {path}: {exc}") from None
     return OwnerPublic(name, str(sn).strip().encode("ascii") + b"\n", ledger.hex())
+
+
+def _make_party_keys(p: PartyFiles, force: bool) -> tuple[bytes, str]:
+    """Make and write one party's SuperNode key pair and ledger key (private files 0600) and its info file;
+    return (SuperNode public key, ledger public key hex)."""
+    priv, pub = make_supernode_keypair(p.name)
+    lkey, lpub = make_ledger_key()
+    _write(p.supernode_key, priv, private=True, force=force)
+    _write(p.supernode_pub, pub, private=False, force=force)
+    _write(p.ledger_key, lkey, private=True, force=force)
+    _write(p.ledger_pub, (lpub + "\n").encode("ascii"), private=False, force=force)
+    _write(p.info, _party_json(p), private=False, force=force)
+    return pub, lpub
 
 
 def _party_json(p: PartyFiles) -> bytes:
@@ -443,13 +450,7 @@ def create(out: str | os.PathLike[str], parties: Sequence[str] = (), sans: Itera
         if owner_public is not None:
             pub, lpub = owner_public[i].supernode_pub, owner_public[i].ledger_pub
         else:
-            priv, pub = make_supernode_keypair(p.name)
-            lkey, lpub = make_ledger_key()
-            _write(p.supernode_key, priv, private=True, force=force)
-            _write(p.supernode_pub, pub, private=False, force=force)
-            _write(p.ledger_key, lkey, private=True, force=force)
-            _write(p.ledger_pub, (lpub + "\n").encode("ascii"), private=False, force=force)
-            _write(p.info, _party_json(p), private=False, force=force)
+            pub, lpub = _make_party_keys(p, force)
         _write(creds.registered_pub(p.name), pub, private=False, force=force)
         manifest_parties.append({"name": p.name, "supernode-key-fingerprint": openssh_fingerprint(pub),
                                  "ledger-public-key": lpub,

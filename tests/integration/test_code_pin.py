@@ -189,6 +189,12 @@ def _app(tmp_path: Path, name: str, marker: Path | None = None) -> Path:
     return app
 
 
+def _supernode_argv(port: int, *extra: str) -> list[str]:
+    """``flower-supernode`` on loopback against the SuperLink at ``port``, insecure, plus ``extra``."""
+    return [str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}", "--host", "127.0.0.1",
+            "--port", str(free_port()), *extra]
+
+
 def _supernode(procs: Procs, tmp_path: Path, port: int, code_pin: Path | None) -> None:
     """A SuperNode with the node config and ``PATH`` that ``distmoe deploy supernode`` builds (owner-made keys)."""
     owner = tmp_path / "owner"
@@ -207,22 +213,8 @@ def _supernode(procs: Procs, tmp_path: Path, port: int, code_pin: Path | None) -
     )
     argv = list(cmd.argv)
     nc = argv[argv.index("--node-config") + 1]
-    procs.start(
-        "supernode",
-        [
-            str(BIN / "flower-supernode"),
-            "--insecure",
-            "--superlink",
-            f"127.0.0.1:{port}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(free_port()),
-            "--node-config",
-            nc,
-        ],
-        procs.env(tmp_path / "flwr-supernode", cmd.env.get("PATH")),
-    )
+    procs.start("supernode", _supernode_argv(port, "--node-config", nc),
+                procs.env(tmp_path / "flwr-supernode", cmd.env.get("PATH")))
 
 
 def test_modified_party_code_is_refused_by_the_pinned_supernode(procs, tmp_path):
@@ -269,22 +261,8 @@ def test_flower_app_verification_refuses_every_self_hosted_bundle(procs, tmp_pat
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "signer")], check=True)
     trusted = tmp_path / "trusted.yaml"
     trusted.write_text(f"fpk_owner: '{(tmp_path / 'signer.pub').read_text().strip()}'\n")
-    procs.start(
-        "supernode",
-        [
-            str(BIN / "flower-supernode"),
-            "--insecure",
-            "--superlink",
-            f"127.0.0.1:{port}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(free_port()),
-            "--trusted-entities",
-            str(trusted),
-        ],
-        procs.env(tmp_path / "flwr-supernode"),
-    )
+    procs.start("supernode", _supernode_argv(port, "--trusted-entities", str(trusted)),
+                procs.env(tmp_path / "flwr-supernode"))
     (line,) = _flwr_run(procs, _app(tmp_path, "honest"), cli_home)
     assert "The FAB could not be verified" in line, line + procs.diag()
     log = procs.logs["supernode"].read_text(errors="replace")
