@@ -14,11 +14,14 @@ import os
 import sys
 from pathlib import Path
 
+from distmoe import __version__
 from distmoe.config import (
     ConfigError,
+    continual_schedule,
     load_override_file,
     parse_kv_pairs,
     parse_run_config,
+    schedule_text,
     to_toml,
 )
 from distmoe.data.formats import DataError
@@ -33,7 +36,17 @@ def _overrides(args) -> dict:
         out.update(parse_kv_pairs(text))
     if getattr(args, "rounds", None) is not None:
         out["schedule.sft-rounds"] = args.rounds
+    if getattr(args, "schedule", None):
+        out["schedule.phases"] = schedule_option(args.schedule)
     return out
+
+
+def schedule_option(text: str) -> str:
+    """``--schedule``: phases in the ``schedule.phases`` grammar (``sft:a, eval, ...``), or, with no ``:``, an
+    order of tasks (``train,support``) that becomes the continual schedule over them (``continual_schedule``)."""
+    if ":" in text:
+        return text
+    return continual_schedule([t.strip() for t in text.replace("->", ",").split(",") if t.strip()])
 
 
 def cmd_simulate(args) -> int:
@@ -54,6 +67,9 @@ def cmd_report(args) -> int:
     from distmoe.report.report import write_report
 
     run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        print(f"error: {run_dir}: no such run directory", file=sys.stderr)
+        return 2
     if not (run_dir / "metrics.jsonl").exists():
         print(f"error: {run_dir}: no metrics.jsonl (not a distmoe run directory?)", file=sys.stderr)
         return 2
@@ -143,7 +159,7 @@ def cmd_config_show(args) -> int:
     else:
         print(to_toml(flat), end="")
         print(f"\n# derived: {len(cfg.schedule.phases)} phases, {cfg.schedule.total_rounds} rounds: "
-              + " -> ".join(p.label() + (f"*{p.rounds}" if p.rounds > 1 else "") for p in cfg.schedule.phases))
+              + schedule_text(cfg.schedule).rsplit(" (", 1)[0])
         print("\n".join(_privacy_lines(cfg)))
     return 0
 
@@ -169,22 +185,104 @@ def cmd_config_sync(args) -> int:
     return 1 if (args.check and changed) else 0
 
 
+EXAMPLES: dict[str, tuple[str, ...]] = {  # `distmoe <command> --help` ends with these (a test checks every one)
+    "simulate": ("distmoe simulate --parties 3 --rounds 2",
+                 "distmoe simulate --data my-data/          # DIR/<party>/<task>.jsonl; schedule from its tasks",
+                 "distmoe simulate --data my-data/ --schedule train,support",
+                 "distmoe simulate --config configs/continual.toml --run-id continual-s0",
+                 "distmoe simulate --resume runs/continual-s0"),
+    "report": ("distmoe report runs/continual-s0      # writes runs/continual-s0/report/report.md",),
+    "audit": ("distmoe audit runs/continual-s0",
+              "distmoe audit runs/continual-s0 --json --canaries my-data/party-0/canaries.txt"),
+    "export": ("distmoe export runs/continual-s0 --round 12 --out exported/",),
+    "data": ("distmoe data synth --out my-data --parties 3", "distmoe data validate my-data"),
+    "data synth": ("distmoe data synth --out my-data --parties 3 --examples 120",),
+    "data validate": ("distmoe data validate my-data            # every party directory under it",
+                      "distmoe data validate my-data/party-0    # one party directory"),
+    "config": ("distmoe config show --config configs/continual.toml", "distmoe config validate configs/rl.toml"),
+    "config show": ("distmoe config show --run-config 'schedule.sft-rounds=2' --json",),
+    "config validate": ("distmoe config validate configs/continual.toml",),
+    "config sync": ("distmoe config sync --check",),
+    "credentials": ("distmoe credentials --out ~/distmoe-creds --owner-keys hospital-a.public.json,"
+                    "hospital-b.public.json --san superlink.example.org",
+                    "distmoe credentials --out /tmp/creds --parties a,b,c     # development only"),
+    "deploy": ("distmoe deploy superlink --credentials ~/distmoe-creds --host 0.0.0.0",
+               "distmoe deploy supernode --credentials ~/distmoe/hospital-a --superlink superlink.example.org:9092 "
+               "--data-path /data/hospital-a"),
+    "deploy superlink": ("distmoe deploy superlink --credentials ~/distmoe-creds --host 0.0.0.0 --port 9092",),
+    "deploy supernode": ("distmoe deploy supernode --credentials ~/distmoe/hospital-a --superlink "
+                         "superlink.example.org:9092 --data-path /data/hospital-a --code-pin ~/distmoe/pin",),
+    "deploy owner-keys": ("distmoe deploy owner-keys --party hospital-a --out ~/distmoe/hospital-a",),
+    "deploy pin": ("distmoe deploy pin --out ~/distmoe/pin",),
+    "deploy register": ("distmoe deploy register --credentials ~/distmoe-creds --connection distmoe --exec",),
+    "deploy connection": ("distmoe deploy connection --credentials ~/distmoe-creds --address "
+                          "superlink.example.org:9092 --write",),
+}
+
+AUDIT_EXIT = """exit status:
+  0  every check passed
+  1  a check failed (the summary and RUN_DIR/audit/audit.md say which)
+  2  unusable input: no such run directory, an unreadable ledger or record, or a usage error
+with --json, stdout is one JSON object on every path: the audit, or {"error": ..., "exit_status": 2}"""
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and examples as written; each option's default appended unless its help states one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.default in (None, False, argparse.SUPPRESS)
+                or isinstance(action.default, list)):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _finish(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> None:
+    """Every (sub)command: the help formatter, a description (its one-line help when it has none), its
+    examples as the epilog, and ``_parser`` (the deepest parser, whose usage an unknown option prints)."""
+    parser.formatter_class = _Help
+    parser.set_defaults(_parser=parser)
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        helps = {a.dest: a.help for a in action._choices_actions}
+        for name, sp in action.choices.items():
+            full = path + (name,)
+            if not sp.description:
+                sp.description = helps.get(name)
+            lines = EXAMPLES.get(" ".join(full), ())
+            examples = ("example" + ("s" if len(lines) > 1 else "") + ":\n  " + "\n  ".join(lines)) if lines else ""
+            sp.epilog = "\n\n".join(x for x in (sp.epilog, examples) if x)
+            _finish(sp, full)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="distmoe", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="distmoe", description=__doc__.split("\n")[0],
+                                epilog="run 'distmoe <command> --help' for a command's options and an example")
+    p.add_argument("--version", action="version", version=f"distmoe {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="<command>")
 
     def add_cfg(sp):
         sp.add_argument("--config", metavar="FILE", help="TOML file of run-config overrides (e.g. configs/*.toml)")
         sp.add_argument("--run-config", action="append", metavar='"k=v ..."',
                         help="run-config overrides in Flower's key=value syntax (repeatable)")
 
-    s = sub.add_parser("simulate", help="run a federated simulation on Flower's Simulation Engine")
+    s = sub.add_parser("simulate", help="run a federated simulation on Flower's Simulation Engine",
+                       description="Run a whole federated run on Flower's Simulation Engine, in runs/<id>/: "
+                                   "synthetic tasks for --parties parties, or your own data with --data. With "
+                                   "--data and no schedule set (--schedule, schedule.phases), the schedule is "
+                                   "derived from the tasks in it: one task: sft then eval; several (name order): "
+                                   "sft:<a>, eval, stats:<a>, sft:<b>, eval, ...")
     s.add_argument("--parties", type=int, help="number of parties (default 3, or one per --data subdirectory)")
-    s.add_argument("--rounds", type=int, help="rounds per sft phase (schedule.sft-rounds)")
+    s.add_argument("--rounds", type=int, help="rounds per sft phase (schedule.sft-rounds; default 5)")
     s.add_argument("--data", metavar="DIR", help="DIR/<party>/<task>.jsonl; default: synthetic tasks")
+    s.add_argument("--schedule", metavar="PHASES|TASKS",
+                   help="the schedule: phases in the schedule.phases grammar ('sft:train, eval'), or an order of "
+                        "tasks ('train,support'), made the continual schedule over them; overrides schedule.phases "
+                        "(default: schedule.phases, or with --data the tasks in it in name order)")
     add_cfg(s)
     s.add_argument("--run-id", help="name of the run directory (default: timestamp)")
-    s.add_argument("--runs-dir", default="runs", help="where run directories are created (default: runs)")
+    s.add_argument("--runs-dir", default="runs", help="where run directories are created")
     s.add_argument("--port", type=int, help="local SuperLink port (default: a free port)")
     s.add_argument("--timeout", type=float, default=3600.0, help="overall time limit in seconds")
     s.add_argument("--no-report", action="store_true", help="skip the report at the end")
@@ -193,11 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_simulate)
 
     r = sub.add_parser("report", help="write the Markdown report with plots for a run")
-    r.add_argument("run_dir")
+    r.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<id>) with its metrics.jsonl")
     r.set_defaults(fn=cmd_report)
 
-    a = sub.add_parser("audit", help="audit a run's privacy from its ledgers and run records")
-    a.add_argument("run_dir")
+    a = sub.add_parser("audit", help="audit a run's privacy from its ledgers and run records", epilog=AUDIT_EXIT)
+    a.add_argument("run_dir", metavar="RUN_DIR", help="the run directory to audit (runs/<id>)")
     a.add_argument("--party-ledger", action="append", metavar="PATH",
                    help="audit only this party ledger (its .pub next to it; repeatable; "
                         "default: every party ledger under the run directory's work dir)")
@@ -206,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(fn=cmd_audit)
 
     e = sub.add_parser("export", help="write a run's checkpoint as a standalone Hugging Face model (adapters merged)")
-    e.add_argument("run_dir")
+    e.add_argument("run_dir", metavar="RUN_DIR", help="the run directory whose checkpoint is exported")
     e.add_argument("--round", type=int, metavar="N", help="the checkpoint of round N (default: the latest)")
     e.add_argument("--out", metavar="DIR", help="output directory (default: RUN_DIR/export/round-<n>)")
     e.add_argument("--model-path", metavar="BASE",
@@ -214,29 +312,30 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_export)
 
     d = sub.add_parser("data", help="party data tools")
-    dsub = d.add_subparsers(dest="data_cmd", required=True)
+    dsub = d.add_subparsers(dest="data_cmd", required=True, metavar="<data command>")
     ds = dsub.add_parser("synth", help="write deterministic synthetic instruction tasks for N parties")
-    ds.add_argument("--out", required=True, metavar="DIR")
-    ds.add_argument("--parties", type=int, default=3)
-    ds.add_argument("--examples", type=int, help="examples per task per party")
-    ds.add_argument("--seed", type=int, default=0)
+    ds.add_argument("--out", required=True, metavar="DIR", help="where <party>/<task>.jsonl are written")
+    ds.add_argument("--parties", type=int, default=3, help="number of party directories")
+    ds.add_argument("--examples", type=int, help="examples per task per party (default: data.synth-examples, 240)")
+    ds.add_argument("--seed", type=int, default=0, help="generator seed (same seed, same bytes)")
     ds.add_argument("--force", action="store_true", help="overwrite existing party files")
     ds.add_argument("--canaries", type=int, default=1, metavar="K",
                     help="secret canary strings planted per party, listed in <party>/canaries.txt (default 1)")
     ds.set_defaults(fn=cmd_data_synth)
-    dv = dsub.add_parser("validate", help="validate party data (a party dir or a dir of party dirs)")
-    dv.add_argument("dir")
+    dv = dsub.add_parser("validate", help="validate party data (a party dir or a dir of party dirs); errors name "
+                                          "file, line and field")
+    dv.add_argument("dir", metavar="DIR", help="a party directory (<task>.jsonl files) or a directory of them")
     add_cfg(dv)
     dv.set_defaults(fn=cmd_data_validate)
 
     c = sub.add_parser("config", help="show or validate the run configuration")
-    csub = c.add_subparsers(dest="config_cmd", required=True)
-    cs = csub.add_parser("show", help="print the resolved configuration")
+    csub = c.add_subparsers(dest="config_cmd", required=True, metavar="<config command>")
+    cs = csub.add_parser("show", help="print the resolved configuration, its schedule and privacy plan")
     add_cfg(cs)
-    cs.add_argument("--json", action="store_true")
+    cs.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     cs.set_defaults(fn=cmd_config_show)
     cv = csub.add_parser("validate", help="validate a TOML override file")
-    cv.add_argument("file")
+    cv.add_argument("file", metavar="FILE", help="a TOML file of run-config overrides")
     cv.set_defaults(fn=cmd_config_validate)
     cy = csub.add_parser("sync", help="rewrite the run-config blocks of pyproject.toml and docs/configuration.md "
                                       "from the key declaration in distmoe/config.py")
@@ -248,11 +347,21 @@ def build_parser() -> argparse.ArgumentParser:
     from distmoe.deploy.cli import add_parsers as add_deploy_parsers
 
     add_deploy_parsers(sub)  # distmoe credentials, distmoe deploy superlink|supernode|register|connection
+    _finish(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # the usage of the (sub)command it was given to, not the top-level one
+            args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:
+        if exc.code == 2 and argv[:1] == ["audit"] and "--json" in argv:  # `audit --json`: JSON on every path
+            print(json.dumps({"error": "usage error (see stderr)", "passed": False, "exit_status": 2}))
+        raise
     try:
         return int(args.fn(args) or 0)
     except (ConfigError, DataError) as exc:

@@ -9,7 +9,8 @@ it: ``DEFAULTS``, ``KEYS``, the type and range checks (a section validates itsel
 block and the key table of ``docs/configuration.md`` (both written by ``distmoe config sync``, see
 :mod:`distmoe.config_sync`; a unit test fails when they drift). Checks across keys are explicit ``check``
 methods (within a section) and :func:`_check_across` (between sections). Also: the refusal of retired keys
-(``RETIRED``), the schedule grammar and the node-local facts (data path, party name, work directory).
+(``RETIRED``), the schedule grammar, the schedule derived from a list of tasks (:func:`continual_schedule`)
+and the node-local facts (data path, party name, work directory).
 
 Must not: import ``flwr`` or anything of distmoe, touch models or data, or be bypassed. Library code
 receives the narrowest section (``cfg.train``, ``cfg.routing``), never the raw mapping.
@@ -21,7 +22,7 @@ import dataclasses
 import math
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -587,6 +588,37 @@ def parse_schedule(text: str, default_rounds: int, key: str = "schedule.phases")
             raise ConfigError(f"config key '{key}': phase {item!r}: only sft and rl phases take '*rounds'")
         phases.append(Phase(kind=kind, task=task, rounds=n))
     return tuple(phases)
+
+
+def schedule_text(schedule: ScheduleConfig) -> str:
+    """A parsed schedule for people: ``sft:a*5 -> eval -> stats:a -> sft:b*5 -> eval (13 rounds)``."""
+    return (" -> ".join(p.label() + (f"*{p.rounds}" if p.rounds > 1 else "") for p in schedule.phases)
+            + f" ({schedule.total_rounds} rounds)")
+
+
+def continual_schedule(tasks: Sequence[str]) -> str:
+    """The schedule derived from a list of tasks, in the shape of the default one (``schedule.phases``).
+
+    One task: ``sft:<t>, eval`` (tune, then evaluate). Several, in the given order: tune on each in
+    turn, with an evaluation after each task and the router statistics of the task just tuned
+    (``stats:<t>``, the anchor's next version) before the next one, e.g. ``sft:a, eval, stats:a,
+    sft:b, eval``. Rounds per ``sft`` phase come from ``schedule.sft-rounds``.
+    """
+    tasks = list(tasks)
+    if not tasks:
+        raise ConfigError("config key 'schedule.phases': no tasks to derive a schedule from")
+    for t in tasks:
+        if not _TASK_RE.match(t):
+            raise ConfigError(f"config key 'schedule.phases': invalid task name {t!r} (letters, digits, '-' and '_')")
+    dup = sorted({t for t in tasks if tasks.count(t) > 1})
+    if dup:
+        raise ConfigError(f"config key 'schedule.phases': task(s) {', '.join(dup)} listed more than once")
+    phases: list[str] = []
+    for i, t in enumerate(tasks):
+        if i:
+            phases.append(f"stats:{tasks[i - 1]}")
+        phases += [f"sft:{t}", "eval"]
+    return ", ".join(phases)
 
 
 # ---------------------------------------------------------------------------------------------

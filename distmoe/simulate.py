@@ -36,7 +36,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from distmoe.config import ConfigError, load_override_file, parse_run_config, to_toml
+from distmoe.config import (
+    ConfigError,
+    continual_schedule,
+    load_override_file,
+    parse_run_config,
+    schedule_text,
+    to_toml,
+)
 from distmoe.data.formats import DataError
 from distmoe.data.party import load_party
 from distmoe.wire.at_rest import PRIVATE_DIR, PRIVATE_UMASK, PreflightError, make_private, privacy_preflight
@@ -91,13 +98,33 @@ def _flwr_bin() -> str:
 
 
 def _party_dirs(data: Path) -> list[Path]:
+    """Every subdirectory of ``--data`` is a party (hidden ones aside); ``load_party`` then names one without
+    ``*.jsonl`` files instead of it being skipped silently."""
     if not data.is_dir():
-        raise DataError(f"--data {data}: not a directory")
-    dirs = sorted(p for p in data.iterdir() if p.is_dir() and any(p.glob("*.jsonl")))
+        raise DataError(f"--data {data}: not a directory" if data.exists() else f"--data {data}: no such directory")
+    if any(f.is_file() for f in data.glob("*.jsonl")):
+        raise DataError(f"--data {data}: holds <task>.jsonl files itself (one party's directory?); simulate needs "
+                        "one subdirectory per party: DIR/<party>/<task>.jsonl")
+    dirs = sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not dirs:
-        raise DataError(f"--data {data}: no party subdirectories with .jsonl files "
-                        "(expected DIR/<party>/<task>.jsonl)")
+        raise DataError(f"--data {data}: no party subdirectories (expected DIR/<party>/<task>.jsonl)")
     return dirs
+
+
+def _check_party_count(n: int, cfg, what: str) -> None:
+    """One message when there are fewer parties than any release may be aggregated over."""
+    if cfg.privacy.secure and n < cfg.privacy.min_parties:
+        raise ConfigError(f"{what}: {n} part{'y' if n == 1 else 'ies'}, but a federated run needs at least "
+                          f"privacy.min-parties = {cfg.privacy.min_parties} (secure aggregation never releases "
+                          f"fewer parties' figures); use {cfg.privacy.min_parties} parties or more")
+
+
+def data_schedule(overrides: dict, held: list[str]) -> str | None:
+    """The schedule derived from the tasks of the user's data when none is set (``config.continual_schedule``
+    over ``held`` in name order), or None when ``schedule.phases`` is set."""
+    if "schedule.phases" in overrides:
+        return None
+    return continual_schedule(sorted(held))
 
 
 def _session_of(stat: bytes) -> int:
@@ -149,32 +176,44 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     """Validate, create the run directory, data and node files; return (run_dir, party_dirs, overrides)."""
     overrides = dict(opts.overrides)
     cfg = parse_run_config(overrides)  # fail before anything is created
-    from distmoe.privacy.plan import plan_privacy
-
-    plan_privacy(cfg.privacy, cfg.schedule)  # the budget must cover the schedule's releases (ConfigError)
     run_id = opts.run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
     run_dir = (opts.runs_dir / run_id).resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
         raise SimulationError(f"run directory {run_dir} already exists and is not empty")
+    from distmoe.data.synth import TASK_FAMILIES, write_synthetic
+
+    derived = None
     if opts.data is not None:
         parties = _party_dirs(opts.data.resolve())
         if opts.parties is not None and opts.parties != len(parties):
             raise SimulationError(f"--parties {opts.parties} but --data {opts.data} has {len(parties)} "
                                   "party directories")
+        _check_party_count(len(parties), cfg, f"--data {opts.data}")
+        held: set[str] = set()
+        for p in parties:  # validate every party's data (file, line, field) before anything starts
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", p.name):
+                raise DataError(f"--data {opts.data}: party directory name {p.name!r} must be an identifier "
+                                "(letters, digits, '-', '_'): it becomes the party's name")
+            held.update(load_party(p, cfg.data).tasks)
+        derived = data_schedule(overrides, sorted(held))
+        if derived is not None:
+            overrides["schedule.phases"] = derived
+            cfg = parse_run_config(overrides)
     else:
         parties = None
-    from distmoe.data.synth import TASK_FAMILIES, write_synthetic
-
-    held = set(TASK_FAMILIES) if parties is None else {f.stem for p in parties for f in p.glob("*.jsonl")}
+        held = set(TASK_FAMILIES)
+        _check_party_count(opts.parties if opts.parties is not None else 3, cfg, f"--parties {opts.parties}")
     missing = [t for t in cfg.schedule.tasks if t not in held]
     if missing:
+        hint = "; with --data, leave the schedule unset to derive it from the data's tasks" if opts.data else ""
         raise ConfigError(f"config key 'schedule.phases': task(s) {', '.join(missing)} are held by no "
-                          f"party (tasks available: {', '.join(sorted(held))})")
-    for p in parties or []:  # validate every party's data before anything starts
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", p.name):
-            raise DataError(f"--data {opts.data}: party directory name {p.name!r} must be an identifier "
-                            "(letters, digits, '-', '_'): it becomes the party's name")
-        load_party(p, cfg.data)
+                          f"party (tasks available: {', '.join(sorted(held))}){hint}")
+    from distmoe.privacy.plan import plan_privacy
+
+    plan_privacy(cfg.privacy, cfg.schedule)  # the budget must cover the schedule's releases (ConfigError)
+    if derived is not None and opts.echo:
+        print(f"distmoe simulate: schedule derived from the tasks in --data ({', '.join(sorted(held))}; name "
+              f"order, set it with --schedule): {schedule_text(cfg.schedule)}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     old_umask = os.umask(PRIVATE_UMASK)  # party files and directories are private from their creation
     try:
@@ -218,6 +257,8 @@ def prepare_resume(opts: SimOptions) -> tuple[Path, list[Path], dict]:
              if v is not None]
     if given:
         raise SimulationError(f"--resume {opts.resume}: {', '.join(given)} come from the run being resumed")
+    if not run_dir.is_dir():
+        raise SimulationError(f"--resume {opts.resume}: no such run directory")
     ov_path = run_dir / "overrides.toml"
     if not ov_path.is_file():
         raise SimulationError(f"--resume {opts.resume}: {ov_path} not found: not a `distmoe simulate` run directory")

@@ -112,6 +112,8 @@ def cli_audit(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str] | No
     try:
         result = audit_run(run_dir, party_ledgers=party_ledgers or None, canaries=canaries)
     except AuditInputError as exc:
+        if as_json:  # stdout stays one JSON object on every path
+            print(json.dumps({"error": str(exc), "passed": False, "exit_status": 2, "run_dir": str(run_dir)}))
         print(f"error: {exc}", file=sys.stderr)
         return 2
     jpath, mpath = write_audit(result)

@@ -4,12 +4,13 @@ Owns: ``DataError``, the ``Example`` record, the two accepted line formats and t
 (every error names the file, the 1-based line number and the field), the Alpaca -> chat
 normalisation, and the in-memory ``datasets.Dataset`` view.
 
-Accepted lines (extra keys are ignored; a line mixing both formats is an error):
+Accepted lines (any other key is an error naming the allowed ones, so a typo such as ``"inptu"`` is not
+silently dropped; a line mixing both formats is an error):
 
 * Alpaca: ``{"instruction": str, "input": str (optional, may be ""), "output": str}`` -> user turn
   ``instruction`` (+ ``"\\n" + input`` when input is non-empty), assistant turn ``output``.
 * Chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` with at least
-  one user turn and a final, non-empty assistant turn.
+  one user turn and a final, non-empty assistant turn; a turn has only ``role`` and ``content``.
 
 Why not ``datasets.load_dataset("json", ...)`` directly: its errors name neither the line nor the
 field, it accepts lines of mixed shape silently, and it writes an Arrow cache under the home
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 
 ROLES = ("system", "user", "assistant")
 ALPACA_KEYS = ("instruction", "input", "output")
+CHAT_KEYS = ("messages",)
+TURN_KEYS = ("role", "content")
 
 
 class DataError(ValueError):
@@ -78,7 +81,15 @@ def _kind(value: Any) -> str:
     return {dict: "object", list: "list", str: "string"}.get(type(value), type(value).__name__)
 
 
+def _no_unknown(obj: dict[str, Any], allowed: tuple[str, ...], where: str, what: str, prefix: str = "") -> None:
+    unknown = [k for k in obj if k not in allowed]
+    if unknown:
+        raise DataError(f"{where}: field '{prefix}{unknown[0]}': unknown field in {what} (allowed: "
+                        f"{', '.join(allowed)})")
+
+
 def _parse_alpaca(obj: dict[str, Any], where: str) -> Example:
+    _no_unknown(obj, ALPACA_KEYS, where, "an Alpaca line")
     for key in ("instruction", "output"):
         if key not in obj:
             raise DataError(f"{where}: field '{key}': missing (Alpaca lines need instruction and output)")
@@ -94,6 +105,7 @@ def _parse_alpaca(obj: dict[str, Any], where: str) -> Example:
 
 
 def _parse_chat(obj: dict[str, Any], where: str) -> Example:
+    _no_unknown(obj, CHAT_KEYS, where, "a chat line")
     turns = obj["messages"]
     if not isinstance(turns, list):
         raise DataError(f"{where}: field 'messages': expected a list, got {_kind(turns)}")
@@ -104,7 +116,8 @@ def _parse_chat(obj: dict[str, Any], where: str) -> Example:
         field = f"messages[{i}]"
         if not isinstance(turn, dict):
             raise DataError(f"{where}: field '{field}': expected an object, got {_kind(turn)}")
-        for key in ("role", "content"):
+        _no_unknown(turn, TURN_KEYS, where, "a chat turn", prefix=f"{field}.")
+        for key in TURN_KEYS:
             if key not in turn:
                 raise DataError(f"{where}: field '{field}.{key}': missing")
         role, content = turn["role"], turn["content"]

@@ -112,8 +112,11 @@ def load_party(data_dir: Path, cfg: DataConfig) -> PartyData:
     except OSError as exc:
         raise DataError(f"party dir {data_dir}: cannot list ({exc.strerror or exc})") from None
     if not files:
-        raise DataError(f"party dir {data_dir}: no *.jsonl task files (expected <task>.jsonl, "
-                        "e.g. arith.jsonl)")
+        others = sorted(p.name for p in data_dir.iterdir() if not p.name.startswith("."))
+        found = (f"found {', '.join(others[:5])}{', ...' if len(others) > 5 else ''}" if others
+                 else "it is empty")
+        raise DataError(f"party dir {data_dir}: no *.jsonl task files ({found}; expected <task>.jsonl, "
+                        "e.g. arith.jsonl, one JSON object per line)")
     splits: dict[str, TaskSplit] = {}
     for path in files:
         task = path.stem

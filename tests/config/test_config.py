@@ -21,6 +21,7 @@ from distmoe.config import (
     parse_kv_pairs,
     parse_node_config,
     parse_run_config,
+    parse_schedule,
     resolve,
     to_toml,
 )
@@ -337,3 +338,17 @@ def test_budget_exceeded_by_the_schedule_names_the_key():
         plan_privacy(cfg.privacy, cfg.schedule)
     msg = str(ei.value)
     assert "'privacy.noise-multiplier'" in msg and "0.1" in msg and "privacy.epsilon = 1" in msg
+
+
+def test_continual_schedule_mirrors_the_default_shape():
+    """The schedule `distmoe simulate --data` derives: the default's shape (sft, eval, stats of the task just
+    tuned, next sft, eval) over any tasks."""
+    from distmoe.config import DEFAULTS, continual_schedule
+
+    assert continual_schedule(["lookup", "arith"]) == DEFAULTS["schedule.phases"]
+    assert continual_schedule(["t"]) == "sft:t, eval"
+    assert continual_schedule(["a", "b", "c"]) == "sft:a, eval, stats:a, sft:b, eval, stats:b, sft:c, eval"
+    parse_schedule(continual_schedule(["a", "b", "c"]), 5)  # in the grammar
+    for bad in ([], ["a", "a"], ["bad name"]):
+        with pytest.raises(ConfigError, match="schedule.phases"):
+            continual_schedule(bad)

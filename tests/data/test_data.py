@@ -80,11 +80,11 @@ def test_chat_template_rendering(tok):
 # ------------------------------------------------------------------------------------------ formats
 def test_read_jsonl_both_formats(tmp_path):
     path = _write(tmp_path / "t.jsonl", [
-        {"instruction": "Compute", "input": "7+5", "output": "12", "extra": 1},
+        {"instruction": "Compute", "input": "7+5", "output": "12"},
         "",
         {"instruction": "Say hi", "input": "", "output": "hi"},
         {"instruction": "Say yo", "output": "yo"},
-        {"messages": CHAT, "id": "x"},
+        {"messages": CHAT},
     ])
     exs = read_jsonl(path)
     assert len(exs) == 4
@@ -119,6 +119,13 @@ def test_read_jsonl_both_formats(tmp_path):
      "field 'messages[0].content': missing"),
     ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], '
      '"instruction": "x", "output": "y"}', "mixes the chat format"),
+    # unknown fields are errors naming the allowed ones (a typo is not silently dropped)
+    ('{"instruction": "a", "inptu": "x", "output": "b"}',
+     "field 'inptu': unknown field in an Alpaca line (allowed: instruction, input, output)"),
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "id": 3}',
+     "field 'id': unknown field in a chat line (allowed: messages)"),
+    ('{"messages": [{"role": "user", "content": "a", "name": "u"}, {"role": "assistant", "content": "b"}]}',
+     "field 'messages[0].name': unknown field in a chat turn (allowed: role, content)"),
 ])
 def test_read_jsonl_errors_name_file_line_field(tmp_path, line, field):
     path = tmp_path / "party-0" / "arith.jsonl"
