@@ -14,7 +14,6 @@ import os
 import sys
 from pathlib import Path
 
-from distmoe import __version__
 from distmoe.config import (
     ConfigError,
     continual_schedule,
@@ -226,6 +225,16 @@ AUDIT_EXIT = """exit status:
 with --json, stdout is one JSON object on every path: the audit, or {"error": ..., "exit_status": 2}"""
 
 
+def _version() -> str:
+    """The installed distribution's version (the one pip reports), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("distmoe")
+    except PackageNotFoundError:
+        return "0.1.0 (source tree)"
+
+
 class _Help(argparse.RawDescriptionHelpFormatter):
     """Descriptions and examples as written; each option's default appended unless its help states one."""
 
@@ -259,7 +268,7 @@ def _finish(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> None
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distmoe", description=__doc__.split("\n")[0],
                                 epilog="run 'distmoe <command> --help' for a command's options and an example")
-    p.add_argument("--version", action="version", version=f"distmoe {__version__}")
+    p.add_argument("--version", action="version", version=f"distmoe {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="<command>")
 
     def add_cfg(sp):

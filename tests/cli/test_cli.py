@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from distmoe.cli import main
 
 
@@ -211,13 +213,11 @@ def test_every_subcommand_help_has_description_defaults_example():
 
 
 def test_version(capsys):
-    import pytest
-
-    from distmoe import __version__
+    from importlib.metadata import version
 
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
-    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"distmoe {__version__}"
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"distmoe {version('distmoe')}"
 
 
 def test_audit_help_states_exit_codes():
@@ -229,8 +229,6 @@ def test_audit_help_states_exit_codes():
 def test_audit_json_prints_json_on_error_paths(capsys, tmp_path: Path):
     import json
 
-    import pytest
-
     assert main(["audit", "--json", str(tmp_path / "missing")]) == 2
     got = json.loads(capsys.readouterr().out)
     assert got["exit_status"] == 2 and "no such run directory" in got["error"]
@@ -240,8 +238,6 @@ def test_audit_json_prints_json_on_error_paths(capsys, tmp_path: Path):
 
 
 def test_mistyped_option_prints_the_subcommand_usage(capsys, tmp_path: Path):
-    import pytest
-
     with pytest.raises(SystemExit) as exc:
         main(["data", "validate", str(tmp_path), "--confg", "x.toml"])
     err = capsys.readouterr().err
