@@ -115,9 +115,11 @@ def cmd_data_validate(args) -> int:
 
     cfg = parse_run_config(_overrides(args)).data
     root = Path(args.dir)
-    dirs = [root] if any(root.glob("*.jsonl")) else sorted(p for p in root.iterdir() if p.is_dir())
-    if not dirs:
-        raise DataError(f"{root}: no party directories or .jsonl files")
+    if not root.is_dir():
+        raise DataError(f"{root}: {'not a directory' if root.exists() else 'no such directory'}")
+    subdirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    # a party directory itself, or a directory of them; load_party names one without *.jsonl (and what it holds)
+    dirs = [root] if any(root.glob("*.jsonl")) or not subdirs else subdirs
     for d in dirs:
         party = load_party(d, cfg)
         counts = ", ".join(f"{t}: {len(party.train(t))} train / {len(party.heldout(t))} held-out"

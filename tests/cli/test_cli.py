@@ -250,3 +250,12 @@ def test_missing_directory_is_named_by_report_audit_resume(capsys, tmp_path: Pat
     for argv in (["report", str(missing)], ["audit", str(missing)], ["simulate", "--resume", str(missing)]):
         assert main(argv) == 2, argv
         assert "no such run directory" in capsys.readouterr().err, argv
+
+
+def test_data_validate_names_missing_dir_and_csv_only_party(capsys, tmp_path: Path):
+    assert main(["data", "validate", str(tmp_path / "nope")]) == 2
+    assert "nope: no such directory" in capsys.readouterr().err
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "train.csv").write_text("a,b\n")
+    assert main(["data", "validate", str(tmp_path / "p")]) == 2
+    assert "no *.jsonl task files (found train.csv" in capsys.readouterr().err
