@@ -268,8 +268,11 @@ def _finish(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="distmoe", description=__doc__.split("\n")[0],
-                                epilog="run 'distmoe <command> --help' for a command's options and an example")
+    p = argparse.ArgumentParser(prog="distmoe", description="Privacy-preserving federated instruction tuning of "
+                                "Mixture-of-Experts models on Flower:\nsimulate a run, report and audit it, deploy it.",
+                                epilog="examples:\n  distmoe simulate                 # 3 parties, synthetic tasks\n"
+                                       "  distmoe simulate --data my-data/ # your own DIR/<party>/<task>.jsonl\n\n"
+                                       "run 'distmoe <command> --help' for a command's options and an example")
     p.add_argument("--version", action="version", version=f"distmoe {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="<command>")
 
