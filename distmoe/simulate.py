@@ -1,6 +1,7 @@
 """``distmoe simulate``: a whole federated run on Flower's Simulation Engine, owned end to end.
 
-It validates the configuration and the party data first, creates ``runs/<id>/``, writes the
+It validates the configuration and the party data first (with ``--data`` and no schedule set, it
+derives the schedule from the data's tasks, :func:`data_schedule`, and prints it), creates ``runs/<id>/``, writes the
 default synthetic data when none is given, writes one node file per virtual SuperNode (so each
 one sees only its own party directory), and then runs ``flwr run <app> local --stream`` with:
 Flower's and Ray's state inside the run directory (``FLWR_HOME``, ``HOME``, ``TMPDIR``,
@@ -202,7 +203,8 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     else:
         parties = None
         held = set(TASK_FAMILIES)
-        _check_party_count(opts.parties if opts.parties is not None else 3, cfg, f"--parties {opts.parties}")
+        _check_party_count(opts.parties if opts.parties is not None else 3, cfg,
+                           f"--parties {opts.parties}" if opts.parties is not None else "the default")
     missing = [t for t in cfg.schedule.tasks if t not in held]
     if missing:
         hint = "; with --data, leave the schedule unset to derive it from the data's tasks" if opts.data else ""
