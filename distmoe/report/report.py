@@ -863,17 +863,16 @@ def _train_table(rows: list[dict[str, Any]], derived: bool, secure: bool = False
     return out + [""]
 
 
-def _stats_table(run: _Run) -> list[str]:
+def _stats_table(run: _Run, secure: bool = False) -> list[str]:
     agg = [e for e in run.stats if _party_of(e) == AGG]
     if not agg:
         return []
     rows = [(_round_of(e), e.get("task"), e.get("anchor_version"), _num(e.get("num_sequences"))) for e in agg]
-    return [
-        "## Routing statistics rounds",
-        "",
-        *_table(("round", "task", "anchor version", "sequences"), rows),
-        "",
-    ]
+    out = ["## Routing statistics rounds", "", *_table(("round", "task", "anchor version", "sequences"), rows), ""]
+    if secure:
+        out += ["Sequences: the number of sequences in the router statistics, summed over the parties with their DP "
+                "noise (so not a whole number).", ""]
+    return out
 
 
 def _eps(v: Any) -> float | None:
@@ -981,7 +980,7 @@ def _markdown(run: _Run, tasks: list[str], rows: list[dict[str, Any]], derived: 
         *_routing(run),
         *_per_party(run, tasks),
         *_train_table(rows, derived, run.secure),
-        *_stats_table(run),
+        *_stats_table(run, run.secure),
         *_rl_table(run),
         "## Plots",
         "",

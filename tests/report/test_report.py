@@ -282,6 +282,7 @@ def test_secure_aggregation_report_reads_right(tmp_path: Path) -> None:
     assert "round 6: train round skipped" in md
     assert "Not released: under secure aggregation the routing metrics" in md
     assert "**Retention collapsed**: `arith` 0.12" in md
+    assert "Sequences: the number of sequences in the router statistics, summed over the parties" in md
     assert "| 6 | sft:strings | strings | – | skipped: nothing released |" in md
     assert "mean loss" not in md  # no column of dashes where no loss is released
     _assert_png(run_dir / "report" / "loss.png")  # contributors per training round, not an empty panel
