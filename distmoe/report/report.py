@@ -650,6 +650,8 @@ def _header(run: _Run) -> list[str]:
     n_parties = _count(priv.get("n_parties")) if priv else None
     if n_parties is None and isinstance(rec.get("parties"), Mapping) and rec["parties"]:
         n_parties = len(rec["parties"])
+    if n_parties is None and run.parties():  # the plaintext baseline: its per-party rows
+        n_parties = len(run.parties())
     info = [
         ("run", f"`{run.run_id}`"),
         ("status", run.status),
