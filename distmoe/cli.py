@@ -72,7 +72,21 @@ def cmd_report(args) -> int:
     if not (run_dir / "metrics.jsonl").exists():
         print(f"error: {run_dir}: no metrics.jsonl (not a distmoe run directory?)", file=sys.stderr)
         return 2
+    if args.tensorboard:
+        from distmoe.report.tensorboard import TensorBoardMissing, require
+
+        try:
+            require()  # before anything is written
+        except TensorBoardMissing as exc:
+            print(f"error: --tensorboard: {exc}", file=sys.stderr)
+            return 2
     print(write_report(run_dir))
+    if args.tensorboard:
+        from distmoe.report.tensorboard import write_tensorboard
+
+        out = write_tensorboard(run_dir)
+        print(out)
+        print(f"view: tensorboard --logdir {out}", file=sys.stderr)
     return 0
 
 
@@ -306,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("report", help="write the Markdown report with plots for a run")
     r.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<id>) with its metrics.jsonl")
+    r.add_argument("--tensorboard", action="store_true",
+                   help="also write every aggregate metric as TensorBoard scalars under RUN_DIR/tensorboard "
+                        "(needs the extra distmoe[tensorboard]; view: tensorboard --logdir RUN_DIR/tensorboard)")
     r.set_defaults(fn=cmd_report)
 
     a = sub.add_parser("audit", help="audit a run's privacy from its ledgers and run records", epilog=AUDIT_EXIT)

@@ -460,6 +460,13 @@ class EvalConfig(_Section):
     batch_size: int = key(32, "evaluation and statistics batch size", lo=1, hi=4096)
 
 
+@section("report")
+class ReportConfig(_Section):
+    tensorboard: bool = key(False, "also write every aggregate metric of `metrics.jsonl` as TensorBoard scalars under "
+                            "`RUN/tensorboard/` when the report is written (`distmoe simulate`; `distmoe report "
+                            "--tensorboard` does it for any run); needs the extra `distmoe[tensorboard]`")
+
+
 @section("sim")
 class SimConfig(_Section):
     nodes_dir: str = key("", "internal: where `distmoe simulate` wrote each virtual SuperNode's node file "
@@ -503,6 +510,7 @@ class RunConfig:
     privacy: PrivacyConfig
     checkpoint: CheckpointConfig
     eval: EvalConfig
+    report: ReportConfig
     sim: SimConfig
     raw: tuple[tuple[str, Scalar], ...]  # the resolved flat mapping, for the run record
 

@@ -173,10 +173,22 @@ def stop_processes(token: str, grace: float = 5.0, session: int | None = None) -
     return pids
 
 
+def _check_tensorboard(cfg, opts: SimOptions) -> None:
+    """``report.tensorboard = true`` without the ``tensorboard`` package: a config error before anything starts."""
+    if cfg.report.tensorboard and opts.report:
+        from distmoe.report.tensorboard import TensorBoardMissing, require
+
+        try:
+            require()
+        except TensorBoardMissing as exc:
+            raise ConfigError(f"config key 'report.tensorboard': value true: {exc}") from None
+
+
 def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     """Validate, create the run directory, data and node files; return (run_dir, party_dirs, overrides)."""
     overrides = dict(opts.overrides)
     cfg = parse_run_config(overrides)  # fail before anything is created
+    _check_tensorboard(cfg, opts)
     run_id = opts.run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
     run_dir = (opts.runs_dir / run_id).resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -270,6 +282,7 @@ def prepare_resume(opts: SimOptions) -> tuple[Path, list[Path], dict]:
         raise SimulationError(f"--resume {opts.resume}: {exc}") from None
     overrides = {**overrides, **opts.overrides, "run.resume": str(run_dir), "run.dir": str(run_dir)}
     cfg = parse_run_config(overrides)
+    _check_tensorboard(cfg, opts)
     from distmoe.coordinator import RunFailed, check_resumable
 
     try:
@@ -417,4 +430,8 @@ def run(opts: SimOptions) -> tuple[int, Path]:
 
         path = write_report(run_dir)
         say(f"  report: {path}")
+        if cfg.report.tensorboard:
+            from distmoe.report.tensorboard import write_tensorboard
+
+            say(f"  tensorboard: {write_tensorboard(run_dir)} (view: tensorboard --logdir {run_dir / 'tensorboard'})")
     return 0, run_dir

@@ -14,6 +14,11 @@ into the ``server-files`` check). What is checked:
 - ``report/``: only the report's own files; ``report.md`` must be exactly what ``distmoe report`` renders
   from the (checked) ``metrics.jsonl`` and ``run.json`` (``distmoe.report.report.render_markdown``), so no
   added line survives; each PNG is a well-formed PNG with no text chunk but Matplotlib's ``Software``;
+- ``tensorboard/``: only event files (``events.out.tfevents.*``) of the TensorBoard writer
+  (``distmoe.report.tensorboard``), each well-formed (TFRecord framing and CRCs, ``distmoe.audit.tfevents``)
+  and holding nothing but scalars whose tag is ``<event>/<key>`` of a number key of an aggregate row of that
+  event type (the same schema as ``metrics.jsonl``) and whose value is that row's value at that round (as a
+  32-bit float): no image, text, histogram or per-party tag, and no number that ``metrics.jsonl`` does not hold;
 - any other file outside ``work/`` (the parties' side), ``ledger/``, ``audit/`` and ``keys/`` must be one
   the server writes (``config.toml``, ``nodes/*.toml``, ``privacy/``, ``anchors/``, ``checkpoints/LATEST``
   and ``checkpoints/round-<n>/``, ``flower.log`` of a simulation); anything else fails. The contents of
@@ -31,6 +36,7 @@ Must not: import ``flwr`` or ``torch``, read party data, models or checkpoints, 
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Callable, Mapping
@@ -52,7 +58,9 @@ SERVER_FILES = re.compile(r"(metrics\.jsonl|metrics\.lost\.jsonl|run\.json|confi
                           r"anchors/round-\d+\.(json|npz)|checkpoints/LATEST|checkpoints/round-\d+/.+|"
                           # a checkpoint that failed verification on resume, moved aside for inspection
                           r"checkpoints/corrupt-round-\d+-\d+/.+)\Z")
-SKIPPED_DIRS = ("work", "ledger", "audit", "keys", "report")
+SKIPPED_DIRS = ("work", "ledger", "audit", "keys", "report", "tensorboard")
+TB_FILE = re.compile(r"events\.out\.tfevents\.[A-Za-z0-9_.-]{1,200}\Z")
+TB_EVENTS = ("train", "rl", "stats", "eval")  # distmoe.report.tensorboard.EVENTS
 SIMULATION_DIRS = ("flwr", "home", "tmp", "ray")  # distmoe simulate's FLWR_HOME, HOME, TMPDIR, Ray state
 SIMULATION_FILES = ("simulate.json", "overrides.toml", "overrides.resume.toml")  # its record and run config
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
@@ -324,6 +332,51 @@ def _check_report(run_dir: Path, out: list[str]) -> None:
                            f"{'more' if len(got) > len(want) else 'fewer'} than the run's records render")
 
 
+def _f32(v: float) -> float:
+    """``v`` as the 32-bit float an event file stores (beyond its range: an infinity)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
+def _check_tensorboard(run_dir: Path, ctx: _Ctx, out: list[str]) -> None:
+    """``tensorboard/``: event files only, each of aggregate scalars only (module docstring)."""
+    from distmoe.audit.tfevents import EventFileError, read_scalars
+    from distmoe.report.tensorboard import scalars
+
+    tdir = run_dir / "tensorboard"
+    if not tdir.is_dir():
+        return
+    try:
+        logged: set[tuple[str, int, float]] = {(t, s, _f32(v)) for t, s, v, _ in scalars(run_dir)}
+    except (OSError, ValueError):
+        logged = set()  # metrics.jsonl unreadable: every point below fails
+    for f in sorted(tdir.rglob("*")):
+        rel = f.relative_to(run_dir).as_posix()
+        if f.is_dir() and not f.is_symlink():
+            continue
+        if f.is_symlink() or f.parent != tdir or not TB_FILE.match(f.name):
+            out.append(f"{rel}: not a file the TensorBoard writer makes")
+            continue
+        try:
+            points = read_scalars(f)
+        except (OSError, EventFileError) as exc:
+            out.append(f"{rel}: not an event file of aggregate scalars: {exc}")
+            continue
+        for tag, step, _value in points:
+            event, _, key = tag.partition("/")
+            kind = _key_kind(event, key, ctx) if event in TB_EVENTS and key not in (*COMMON, "party") else None
+            if kind not in (_num, _int):
+                out.append(f"{rel}: tag {tag[:80]!r} at step {step}: not a number key of an aggregate "
+                           f"{event[:20]!r} row")
+                break
+            if (tag, step, _value) not in logged:
+                out.append(f"{rel}: tag {tag[:80]!r} at step {step}: a value that metrics.jsonl does not hold for "
+                           "that round")
+                break
+
+
 def _other_files(run_dir: Path, out: list[str]) -> None:
     # `distmoe simulate` keeps Flower's and Ray's state inside the run directory (FLWR_HOME with the installed
     # app bundle, HOME, TMPDIR, Ray's session) and its own simulate.json. They are the simulation's, not the
@@ -352,6 +405,7 @@ def check_server_files(run_dir: Path, meta: Mapping[str, Any], mode: str | None)
             _check_metrics(run_dir / name, ctx, out, notes)
     _check_run_json(run_dir / "run.json", meta, ctx, out, notes)
     _check_report(run_dir, out)
+    _check_tensorboard(run_dir, ctx, out)
     _other_files(run_dir, out)
     if len(out) > MAX_FINDINGS:
         out = [*out[:MAX_FINDINGS], f"... and {len(out) - MAX_FINDINGS} more"]

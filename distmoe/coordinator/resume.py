@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 RESUME_MAY_CHANGE = frozenset({"run.resume", "run.dir", "run.name", "federation.wait-timeout",
                                "federation.round-timeout", "federation.setup-timeout", "federation.unmask-timeout",
                                "federation.min-available", "federation.on-round-failure", "train.threads",
-                               "checkpoint.keep", "sim.nodes-dir"})
+                               "checkpoint.keep", "sim.nodes-dir", "report.tensorboard"})
 REFUSED = "config key 'run.resume'"
 
 

@@ -1,9 +1,18 @@
 """The run report: ``runs/<id>/report/report.md`` plus ``loss.png``, ``routing.png`` and ``tasks.png``.
 
-Owns: reading a run directory's records (``metrics.jsonl``, ``run.json``), the interpretation of the
-event schema for display (``train``, ``stats``, ``eval``; anything else is ignored), number formatting
-("–" for missing), the plots, and :func:`summarise` (the final aggregate eval metrics, reused by results
-tables).
+Owns: reading a run directory's records (``metrics.jsonl``, ``run.json`` and the coordinator's accountant
+record ``privacy/ledger.json``), the interpretation of the event schema for display (``train``, ``stats``,
+``eval``, ``rl``, ``party_error``; anything else is ignored), number formatting ("–" for missing), the plots,
+and :func:`summarise` (the final aggregate eval metrics, reused by results tables).
+
+What it shows: one run id (``run.name``, which ``distmoe simulate`` sets to the run directory's name, else
+the directory's name; Flower's run id only as a detail); a privacy section (epsilon spent per party against
+the budget, the releases each party's data went into, every refusal and skipped round); training losses
+only where the run released them (the plaintext baseline): under secure aggregation no per-party figure and
+no training loss reaches the server, so the report says so and points at each party's own log; a loss line
+is never drawn across rounds that did not train; retention is plotted against its collapse threshold
+(``RETENTION_COLLAPSE``) and a collapse is named in the text. The text shows numbers and closed-set labels of
+``privacy/ledger.json`` only (never its free strings): the audit re-renders ``report.md`` and compares.
 
 Must not: import ``flwr`` or ``torch``, read models, checkpoints, anchors or data, or crash on a run
 that stopped halfway (missing keys, ``null`` values, absent events: plot and tabulate what exists). The
@@ -41,6 +50,11 @@ FIGSIZE = (6.0, 3.5)
 FIGSIZE_WIDE = (8.0, 3.5)
 DPI = 110
 MAX_PARTY_LEGEND = 8  # more parties than this share one legend entry
+RETENTION_COLLAPSE = 0.5  # retention below this: the task is mostly forgotten (named in the report)
+RELEASE_KINDS = ("router-stats", "model-update", "rl-update", "eval")  # labels of the accountant's events
+REFUSAL_REASONS = {"too-few-contributors": "fewer contributing parties than privacy.min-parties"}
+PARTY_LOG = "`<work-dir>/metrics/<party>.jsonl`"  # where a party keeps its own training metrics
+_LABEL = re.compile(r"[A-Za-z0-9_.:/*+-]{1,64}\Z")
 
 # ----------------------------------------------------------------------------------------------------
 # Value helpers
@@ -114,13 +128,31 @@ class _Run:
     evals: list[dict[str, Any]] = field(default_factory=list)
     stats: list[dict[str, Any]] = field(default_factory=list)
     rl: list[dict[str, Any]] = field(default_factory=list)
+    party_errors: list[dict[str, Any]] = field(default_factory=list)
+    accounts: dict[str, Any] = field(default_factory=dict)  # privacy/ledger.json, {} when absent or unreadable
 
     @property
     def run_id(self) -> str:
+        """The run's one id: ``run.name`` (``distmoe simulate`` sets it to the directory's name), else the
+        directory's name, the id every command takes (``report``, ``audit``, ``--resume``)."""
+        name = self.record.get("name")
+        return str(name) if isinstance(name, str) and _LABEL.match(name) else self.run_dir.name
+
+    @property
+    def flower_run_id(self) -> str | None:
+        """Flower's id of the run (a detail: the ledger and the parties' accountants are keyed by it)."""
         rid = self.record.get("run_id")
         if not rid:
             rid = next((e.get("run_id") for e in self.events if e.get("event") == "run_start"), None)
-        return str(rid) if rid else self.run_dir.name
+        return str(rid) if rid else None
+
+    @property
+    def secure(self) -> bool:
+        """Secure aggregation: from the run record, else from the train rows (``contributors``, not examples)."""
+        priv = self.record.get("privacy")
+        if isinstance(priv, Mapping) and isinstance(priv.get("secure_aggregation"), bool):
+            return priv["secure_aggregation"]
+        return any("contributors" in e for e in self.train + self.rl)
 
     @property
     def status(self) -> str:
@@ -198,10 +230,19 @@ def _load(run_dir: Path) -> _Run:
             run.stats.append(e)
         elif kind == "rl":
             run.rl.append(e)
+        elif kind == "party_error":
+            run.party_errors.append(e)
     run.train = _by_round(run.train)
     run.rl = _by_round(run.rl)
     run.evals = _by_round(run.evals)
     run.stats = _by_round(run.stats)
+    accounts = run_dir / "privacy" / "ledger.json"
+    if accounts.is_file():
+        try:
+            loaded = json.loads(accounts.read_text(encoding="utf-8"))
+            run.accounts = loaded if isinstance(loaded, dict) else {}
+        except (OSError, ValueError) as exc:
+            log.warning("%s unreadable: %s", accounts, exc)
     return run
 
 
@@ -338,8 +379,26 @@ def _legend(ax) -> None:
         ax.legend(fontsize=7, ncols=1 if len(handles) <= 5 else 2, framealpha=0.8)
 
 
-def _party_lines(ax, run: _Run, events: list[dict[str, Any]], key: str, thin: bool) -> int:
-    """Plot one line per party; return how many had data."""
+def _broken(xs: list[int], ys: list[float], task_of: Mapping[int, Any] | None) -> tuple[list[int], list[float]]:
+    """``(xs, ys)`` with a NaN (a gap in the line) between two rounds that are not consecutive rounds of one
+    task: no line is drawn across a statistics, evaluation or skipped round, nor from one task to the next."""
+    if task_of is None or not xs:
+        return xs, ys
+    out_x, out_y = [xs[0]], [ys[0]]
+    for i in range(1, len(xs)):
+        a, b = xs[i - 1], xs[i]
+        if b != a + 1 or task_of.get(a) != task_of.get(b):
+            out_x.append(a)
+            out_y.append(math.nan)
+        out_x.append(b)
+        out_y.append(ys[i])
+    return out_x, out_y
+
+
+def _party_lines(ax, run: _Run, events: list[dict[str, Any]], key: str, thin: bool,
+                 task_of: Mapping[int, Any] | None = None) -> int:
+    """Plot one line per party; return how many had data. ``task_of`` (round -> task): break the lines
+    between rounds that are not consecutive rounds of one task (:func:`_broken`)."""
     parties = run.parties()
     many = len(parties) > MAX_PARTY_LEGEND
     drawn = 0
@@ -348,6 +407,7 @@ def _party_lines(ax, run: _Run, events: list[dict[str, Any]], key: str, thin: bo
         if not xs:
             continue
         label = None if many and drawn else (f"parties ({len(parties)})" if many else p)
+        xs, ys = _broken(xs, ys, task_of)
         ax.plot(
             xs,
             ys,
@@ -362,13 +422,14 @@ def _party_lines(ax, run: _Run, events: list[dict[str, Any]], key: str, thin: bo
     return drawn
 
 
-def _agg_line(ax, events: list[dict[str, Any]], key: str, label: str = "all") -> int:
+def _agg_line(ax, events: list[dict[str, Any]], key: str, label: str = "all",
+              task_of: Mapping[int, Any] | None = None) -> int:
     xs, ys = _series((e for e in events if _party_of(e) == AGG), key)
+    n = len(xs)
     if xs:
-        ax.plot(
-            xs, ys, color="black", linewidth=2.2, marker=_marker(len(xs)), markersize=4, label=label, zorder=5
-        )
-    return len(xs)
+        xs, ys = _broken(xs, ys, task_of)
+        ax.plot(xs, ys, color="black", linewidth=2.2, marker=_marker(n), markersize=4, label=label, zorder=5)
+    return n
 
 
 def _task_boundaries(ax, rows: list[dict[str, Any]]) -> None:
@@ -397,16 +458,33 @@ def _task_boundaries(ax, rows: list[dict[str, Any]]) -> None:
 
 
 def _plot_loss(run: _Run, rows: list[dict[str, Any]], path: Path) -> None:
+    """Train loss per round (lines broken between non-consecutive training rounds); under secure aggregation,
+    where no loss is released, the contributing parties per training round and where the losses are."""
     fig, (ax,) = _figure(FIGSIZE)
-    n = _party_lines(ax, run, run.train, "loss", thin=False) + _agg_line(
-        ax, run.train, "loss", "all (weighted)"
+    title = f"Train loss per round — {run.run_id}"
+    task_of = {_round_of(r): r.get("task") for r in rows}
+    n = _party_lines(ax, run, run.train, "loss", thin=False, task_of=task_of) + _agg_line(
+        ax, run.train, "loss", "all (weighted)", task_of=task_of
     )
     if n:
-        _style(ax, f"Train loss per round — {run.run_id}", "loss", _rounds(run.train))
+        _style(ax, title, "loss", _rounds(run.train))
         _task_boundaries(ax, rows)
         _legend(ax)
+    elif run.secure and rows:
+        xs = [_round_of(r) for r in rows]
+        ys = [_num(r.get("contributors", r.get("parties"))) or 0 for r in rows]
+        ax.bar(xs, ys, width=0.6, color="0.6", label="contributing parties")
+        _style(ax, f"Training rounds — {run.run_id}", "contributing parties", xs)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        _task_boundaries(ax, rows)
+        ax.text(0.5, 0.04, "training losses are not released under secure aggregation:\n"
+                "each party's own log, <work-dir>/metrics/<party>.jsonl", ha="center", va="bottom",
+                transform=ax.transAxes, fontsize=7, color="0.3",
+                bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "0.8"})
     else:
-        ax.set_title(f"Train loss per round — {run.run_id}", fontsize=10)
+        ax.set_title(title, fontsize=10)
         _no_data(ax, "no train rounds logged")
     _save(fig, path)
 
@@ -482,7 +560,8 @@ def _plot_per_task(ax, agg, tasks: list[str], metric: str) -> int:
     for i, t in enumerate(tasks):
         xs, ys = _series(agg, f"{metric}/{t}")
         if xs:
-            ax.plot(xs, ys, marker=_marker(len(xs)), markersize=4, linewidth=1.5, color=f"C{i % 10}", label=t)
+            ax.plot(xs, ys, marker=_marker(len(xs)), markersize=5, linewidth=1.8, color=f"C{i % 10}", label=t,
+                    zorder=4)
             drawn += 1
     return drawn
 
@@ -492,15 +571,24 @@ def _plot_tasks(run: _Run, tasks: list[str], path: Path) -> None:
     agg = run.agg_evals()
     if _plot_per_task(ax_acc, agg, tasks, "acc"):
         _style(ax_acc, "Accuracy per task (aggregate)", "accuracy", _rounds(agg))
-        ax_acc.set_ylim(-0.02, 1.05)
+        lo, hi = ax_acc.get_ylim()  # DP-noised figures may leave [0, 1]: keep every point in view
+        ax_acc.set_ylim(min(-0.02, lo), max(1.05, hi))
         _legend(ax_acc)
     else:
         ax_acc.set_title("Accuracy per task (aggregate)", fontsize=10)
         _no_data(ax_acc, "no aggregate eval logged")
     if _plot_per_task(ax_ret, agg, tasks, "retention"):
-        _style(ax_ret, "Retention of earlier tasks", "retention", _rounds(agg))
+        _style(ax_ret, "Retention of earlier tasks", "retention (acc now / before)", _rounds(agg))
         ax_ret.axhline(1.0, color="0.6", linestyle=":", linewidth=0.8)
-        ax_ret.set_ylim(0, max(1.05, ax_ret.get_ylim()[1]))
+        lo, hi = ax_ret.get_ylim()
+        ax_ret.set_ylim(min(-0.08, lo), max(1.15, hi))  # a retention of 0 sits above the axis, not on it
+        ax_ret.axhspan(ax_ret.get_ylim()[0], RETENTION_COLLAPSE, color="tab:red", alpha=0.08, zorder=0,
+                       label=f"collapse < {RETENTION_COLLAPSE:g}")
+        for i, t in enumerate(tasks):  # the last value of each task, written next to its point
+            xs, ys = _series(agg, f"retention/{t}")
+            if xs:
+                ax_ret.annotate(f"{ys[-1]:.2f}", (xs[-1], ys[-1]), xytext=(4, 4), textcoords="offset points",
+                                fontsize=7, color=f"C{i % 10}")
         _legend(ax_ret)
     else:
         ax_ret.set_title("Retention of earlier tasks", fontsize=10)
@@ -545,21 +633,37 @@ def _show_time(v: Any) -> str:
     return fmt(v)
 
 
+def _round_kinds(run: _Run) -> str:
+    """``13 (6 training, 1 statistics, 2 evaluation)``: the distinct rounds of each kind that were logged."""
+    kinds = [("training", run.train), ("RL", run.rl), ("statistics", run.stats), ("evaluation", run.evals)]
+    counts = [(name, len({_round_of(e) for e in evs})) for name, evs in kinds]
+    total = len({_round_of(e) for _, evs in kinds for e in evs})
+    skipped = len({_round_of(e) for e in run.train + run.rl if e.get("skipped") is True and _party_of(e) == AGG})
+    parts = ", ".join(f"{n} {name}" for name, n in counts if n) + (f"; {skipped} skipped" if skipped else "")
+    return f"{total} ({parts})" if parts else "0"
+
+
 def _header(run: _Run) -> list[str]:
     rec = run.record
-    title = rec.get("name") or run.run_id
-    out = [f"# Run report: `{title}` — {run.status}", ""]
+    out = [f"# Run report: `{run.run_id}` — {run.status}", ""]
+    priv = rec.get("privacy") if isinstance(rec.get("privacy"), Mapping) else {}
+    n_parties = _count(priv.get("n_parties")) if priv else None
+    if n_parties is None and isinstance(rec.get("parties"), Mapping) and rec["parties"]:
+        n_parties = len(rec["parties"])
+    if n_parties is None and run.parties():  # the plaintext baseline: its per-party rows
+        n_parties = len(run.parties())
     info = [
+        ("run", f"`{run.run_id}`"),
         ("status", run.status),
-        ("Flower run id", rec.get("run_id")),
         ("started", _show_time(rec.get("started"))),
         ("finished", _show_time(rec.get("finished"))),
         ("duration", _duration(rec.get("started"), rec.get("finished"))),
-        ("events", len(run.events)),
-        ("train rounds", len({_round_of(e) for e in run.train})),
-        ("eval rounds", len({_round_of(e) for e in run.evals})),
+        ("rounds logged", _round_kinds(run)),
+        ("parties", n_parties),
     ]
     out += [f"- **{k}**: {fmt(v)}" for k, v in info]
+    if run.flower_run_id and run.flower_run_id != run.run_id:
+        out.append(f"- detail: Flower's run id `{run.flower_run_id}` (the ledgers' `run` field)")
     if run.skipped_lines:
         out.append(f"- **note**: skipped {run.skipped_lines} partial trailing line(s) of `metrics.jsonl`")
     if run.record_problem:
@@ -629,8 +733,19 @@ def _final_eval(run: _Run, tasks: list[str]) -> list[str]:
     ]
     out += _table(("task", "accuracy", "loss", "n", "retention"), rows) if rows else ["No per-task metrics."]
     out.append("")
+    collapsed = [(t, r) for t, *_, r in rows if r is not None and r < RETENTION_COLLAPSE]
+    if collapsed:
+        out += [f"**Retention collapsed**: {', '.join(f'`{t}` {fmt(r)}' for t, r in collapsed)} (below "
+                f"{RETENTION_COLLAPSE:g}: the model kept less than half of its earlier accuracy on "
+                f"{'this task' if len(collapsed) == 1 else 'these tasks'} while it trained the new one; see "
+                "`tasks.png`; a larger `routing.anchor-kl-coef` or a lower `train.lr` holds more of it).", ""]
+    if run.secure:
+        out += ["Under secure aggregation these figures come from sums over the parties with distributed DP noise "
+                "(`privacy.metric-noise-multiplier`, docs/privacy.md §4.5): a small difference between two "
+                "rounds may be noise.", ""]
     if last.get("new_task") is not None or last.get("new_task_loss") is not None:
-        out += [f"New task: `{fmt(last.get('new_task'))}`, loss {fmt(_num(last.get('new_task_loss')))}.", ""]
+        loss = _num(last.get("new_task_loss"))
+        out += [f"New task: `{fmt(last.get('new_task'))}`" + (f", loss {fmt(loss)}." if loss is not None else "."), ""]
     return out
 
 
@@ -639,6 +754,10 @@ def _routing(run: _Run) -> list[str]:
     out = ["## Routing", ""]
     if not agg:
         return out + ["No aggregate eval logged.", ""]
+    if run.secure and not any(_num(e.get(k)) is not None for e in agg for k in ("routing_kl", "load_cv",
+                                                                               "top1_consistency")):
+        return out + ["Not released: under secure aggregation the routing metrics (routing KL to the anchor, "
+                      "expert-load CV, top-1 consistency) stay at the parties.", ""]
     last = agg[-1]
     cv = _num(last.get("load_cv"))
     verdict = DASH if cv is None else ("healthy" if cv < HEALTHY_LOAD_CV else f"above {HEALTHY_LOAD_CV:g}")
@@ -658,6 +777,10 @@ def _routing(run: _Run) -> list[str]:
 def _per_party(run: _Run, tasks: list[str]) -> list[str]:
     out = ["## Per-party final metrics", ""]
     parties = run.parties()
+    if run.secure and not parties:
+        return out + ["Per-party metrics: none, by design under secure aggregation: the server receives only sums "
+                      "over the parties (docs/privacy.md). Each party's training losses are in its own log, "
+                      f"{PARTY_LOG} under its node's work directory.", ""]
     if not parties:
         return out + ["No per-party events logged.", ""]
     last_eval: dict[str, dict[str, Any]] = {}
@@ -694,41 +817,47 @@ def _per_party(run: _Run, tasks: list[str]) -> list[str]:
     return out + _table(header, rows) + [""]
 
 
-def _train_table(rows: list[dict[str, Any]], derived: bool) -> list[str]:
+def _train_table(rows: list[dict[str, Any]], derived: bool, secure: bool = False) -> list[str]:
     out = ["## Train rounds (aggregate)", ""]
     if not rows:
         return out + ["No train rounds logged.", ""]
-    body = [
-        (
-            f"{r['round']}*" if r.get("_derived") else r["round"],
-            r.get("phase_label"),
-            r.get("task"),
-            _arrow(r.get("loss_first"), r.get("loss_last")),
-            _num(r.get("loss")),
-            _num(r.get("aux_loss")),
-            _num(r.get("anchor_kl")),
-            _count(r.get("skipped_steps")),
-            _count(r.get("num_examples", r.get("contributors"))),
+    if secure and not any(_num(r.get(k)) is not None for r in rows for k in ("loss", "loss_first", "loss_last")):
+        # no training metric is released under secure aggregation: no column of dashes
+        body = [(r["round"], r.get("phase_label"), r.get("task"), _count(r.get("contributors", r.get("parties"))),
+                 "skipped: nothing released" if r.get("skipped") else "applied") for r in rows]
+        out += _table(("round", "phase", "task", "contributing parties†", "update"), body)
+    else:
+        body = [
+            (
+                f"{r['round']}*" if r.get("_derived") else r["round"],
+                r.get("phase_label"),
+                r.get("task"),
+                _arrow(r.get("loss_first"), r.get("loss_last")),
+                _num(r.get("loss")),
+                _num(r.get("aux_loss")),
+                _num(r.get("anchor_kl")),
+                _count(r.get("skipped_steps")),
+                _count(r.get("num_examples", r.get("contributors"))),
+            )
+            for r in rows
+        ]
+        out += _table(
+            (
+                "round",
+                "phase",
+                "task",
+                "loss first → last",
+                "mean loss",
+                "aux loss",
+                "anchor KL",
+                "skipped steps",
+                "examples (parties†)",
+            ),
+            body,
         )
-        for r in rows
-    ]
-    out += _table(
-        (
-            "round",
-            "phase",
-            "task",
-            "loss first → last",
-            "mean loss",
-            "aux loss",
-            "anchor KL",
-            "skipped steps",
-            "examples (parties†)",
-        ),
-        body,
-    )
     if any("contributors" in r for r in rows):
         out += ["", "† secure aggregation: FedAvg weights are uniform, so the column counts the contributing parties "
-                "(never examples); training losses stay in each party's `<work-dir>/metrics/<party>.jsonl`, and "
+                f"(never examples); no training loss is released: each party keeps its own in {PARTY_LOG}, and "
                 "the evaluation figures carry distributed DP noise (`privacy.metric-noise-multiplier`, "
                 "docs/privacy.md §4.5)."]
     if derived:
@@ -736,17 +865,102 @@ def _train_table(rows: list[dict[str, Any]], derived: bool) -> list[str]:
     return out + [""]
 
 
-def _stats_table(run: _Run) -> list[str]:
+def _stats_table(run: _Run, secure: bool = False) -> list[str]:
     agg = [e for e in run.stats if _party_of(e) == AGG]
     if not agg:
         return []
     rows = [(_round_of(e), e.get("task"), e.get("anchor_version"), _num(e.get("num_sequences"))) for e in agg]
-    return [
-        "## Routing statistics rounds",
-        "",
-        *_table(("round", "task", "anchor version", "sequences"), rows),
-        "",
-    ]
+    out = ["## Routing statistics rounds", "", *_table(("round", "task", "anchor version", "sequences"), rows), ""]
+    if secure:
+        out += ["Sequences: the number of sequences in the router statistics, summed over the parties with their DP "
+                "noise (so not a whole number).", ""]
+    return out
+
+
+def _eps(v: Any) -> float | None:
+    """epsilon of an accountant summary ``{"prv": x, "rdp": y}``: the max of the two, as the parties charge."""
+    if isinstance(v, Mapping):
+        vals = [x for x in (_num(v.get("prv")), _num(v.get("rdp"))) if x is not None]
+        return max(vals) if vals else None
+    return _num(v)
+
+
+def _releases(state: Any) -> dict[str, int]:
+    """Releases per kind in one party's accountant state (``privacy/ledger.json``): the sum of its events' steps by
+    the closed set of labels ``RELEASE_KINDS`` (anything else counts as ``other``)."""
+    out: dict[str, int] = {}
+    events = state.get("events") if isinstance(state, Mapping) else None
+    for ev in events if isinstance(events, list) else []:
+        if not isinstance(ev, Mapping):
+            continue
+        label = str(ev.get("label") or "")
+        kind = next((k for k in RELEASE_KINDS if label == k or label.startswith(k + " ")), "other")
+        steps = ev.get("steps")
+        out[kind] = out.get(kind, 0) + (steps if isinstance(steps, int) and not isinstance(steps, bool) else 1)
+    return out
+
+
+def _privacy(run: _Run) -> list[str]:
+    """Mode, budget, epsilon spent per party, releases, refusals and skipped rounds."""
+    out = ["## Privacy", ""]
+    priv = run.record.get("privacy") if isinstance(run.record.get("privacy"), Mapping) else {}
+    if not priv and not run.accounts:
+        return out + ["No privacy record (`run.json` has no `privacy`).", ""]
+    if priv.get("secure_aggregation") is False or priv.get("mode") == "plaintext":
+        out += ["**Plaintext baseline**: no secure aggregation and no DP; every party's figures reach the server "
+                "(the audit fails such a run).", ""]
+    else:
+        plan = priv.get("plan") if isinstance(priv.get("plan"), Mapping) else {}
+        budget = _num(priv.get("epsilon_budget", run.accounts.get("epsilon_budget")))
+        delta = _num(priv.get("delta", run.accounts.get("delta")))
+        out.append(f"Secure aggregation of every reply (threshold t = {fmt(_count(priv.get('threshold')))} of "
+                   f"{fmt(_count(priv.get('n_parties')))} parties); router statistics and evaluation figures with "
+                   "distributed DP; model updates " + ("with client-level DP" if _num(
+                       plan.get("update_noise_multiplier")) else "as a secure sum (no DP noise)") + ".")
+        out.append(f"Budget ε = {fmt(budget)} at δ = {fmt(delta)} per party (unit: one sequence); planned "
+                   f"ε {fmt(_num(plan.get('planned_epsilon')))} over {fmt(_count(plan.get('stats_releases')))} "
+                   f"router-statistics, {fmt(_count(plan.get('update_releases')))} update and "
+                   f"{fmt(_count(plan.get('eval_releases')))} evaluation release(s).")
+        out.append("")
+        spent = run.accounts.get("epsilon") if isinstance(run.accounts.get("epsilon"), Mapping) else None
+        if spent is None:
+            spent = priv.get("epsilon_spent") if isinstance(priv.get("epsilon_spent"), Mapping) else {}
+        states = run.accounts.get("parties") if isinstance(run.accounts.get("parties"), Mapping) else {}
+        names = sorted({str(p) for p in [*spent, *states] if _LABEL.match(str(p))}, key=_natural_key)
+        kinds = [k for k in (*RELEASE_KINDS, "other") if any(_releases(states.get(p)).get(k) for p in names)]
+        rows = []
+        for p in names:
+            eps, rel = _eps(spent.get(p)), _releases(states.get(p))
+            share = f"{100 * eps / budget:.0f}%" if eps is not None and budget else None
+            rows.append((p, eps, budget, share, *[rel.get(k, 0) for k in kinds]))
+        if rows:
+            out += _table(("party", "ε spent", "budget", "of budget", *[f"{k} releases" for k in kinds]), rows)
+            out.append("")
+        else:
+            out += ["No epsilon spent recorded (no release was made).", ""]
+    out += ["Refusals and skipped rounds:", ""]
+    items = []
+    for e in run.party_errors:
+        code = e.get("code")
+        if code == "budget":
+            items.append(f"round {fmt(_round_of(e))}: party `{_party_of(e)}` refused the release: it would exceed "
+                         "its privacy budget (nothing was sent)")
+        elif isinstance(code, str) and _LABEL.match(code):
+            items.append(f"round {fmt(_round_of(e))}: party `{_party_of(e)}` left out of "
+                         f"`{e.get('phase_label') if _LABEL.match(str(e.get('phase_label'))) else '–'}`: {code}")
+    refused = run.accounts.get("refused") if isinstance(run.accounts.get("refused"), list) else []
+    for r in refused:
+        if isinstance(r, Mapping):
+            why = REFUSAL_REASONS.get(str(r.get("reason")), "refused")
+            rel = r.get("release") if r.get("release") in RELEASE_KINDS else "release"
+            items.append(f"round {fmt(_count(r.get('round')))}: {rel} not released: {why} "
+                         f"({fmt(_count(r.get('contributors')))} contributed, min {fmt(_count(r.get('min_parties')))})")
+    for e in run.train + run.rl:
+        if e.get("skipped") is True and _party_of(e) == AGG:
+            items.append(f"round {fmt(_round_of(e))}: {e.get('event')} round skipped: nothing released, model "
+                         "unchanged")
+    out += [f"- {i}" for i in items] if items else ["None."]
+    return out + [""]
 
 
 def _config(run: _Run) -> list[str]:
@@ -762,12 +976,13 @@ def _markdown(run: _Run, tasks: list[str], rows: list[dict[str, Any]], derived: 
         *_header(run),
         *_warnings(run),
         *_anomalies(run),
+        *_privacy(run),
         *_schedule(run),
         *_final_eval(run, tasks),
         *_routing(run),
         *_per_party(run, tasks),
-        *_train_table(rows, derived),
-        *_stats_table(run),
+        *_train_table(rows, derived, run.secure),
+        *_stats_table(run, run.secure),
         *_rl_table(run),
         "## Plots",
         "",

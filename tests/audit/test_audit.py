@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import struct
 from types import SimpleNamespace
 
 import numpy as np
@@ -685,3 +686,112 @@ def test_eval_release_without_noise_or_with_a_forged_calibration_fails_epsilon(t
     result = audit_run(run)
     assert _failed(result) == ["epsilon"]
     assert any(needle in f for f in result.check("epsilon").findings), result.check("epsilon").findings
+
+
+# ------------------------------------------------------------------ TensorBoard event files (issue 15 item 8)
+def _pb_varint(n):
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _pb(num, wt, val):
+    """One protobuf field: varint (0), 64-bit (1), length-delimited (2) or 32-bit (5)."""
+    key = _pb_varint(num << 3 | wt)
+    if wt == 0:
+        return key + _pb_varint(val)
+    if wt == 2:
+        return key + _pb_varint(len(val)) + val
+    return key + val
+
+
+def _tb_event(step=0, tag=None, value=None, extra=b"", version=False):
+    """A ``tensorboard.Event`` as TensorBoard's writer encodes it: wall_time, step, file_version + source_metadata
+    (the header) or summary { value { tag, simple_value } }; ``extra``: bytes appended to the value (a forgery)."""
+    body = _pb(1, 1, struct.pack("<d", 1.7e9)) + (_pb(2, 0, step) if step else b"")
+    if version:
+        body += _pb(3, 2, b"brain.Event:2") + _pb(10, 2, _pb(1, 2, b"tensorboard.summary.writer.event_file_writer"))
+    if tag is not None:
+        val = _pb(1, 2, tag.encode()) + (_pb(2, 5, struct.pack("<f", value)) if value is not None else b"") + extra
+        body += _pb(5, 2, _pb(1, 2, val))
+    return body
+
+
+def _tb_file(path, events):
+    from distmoe.audit.tfevents import masked_crc32c
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = bytearray()
+    for data in [_tb_event(version=True), *events]:
+        head = struct.pack("<Q", len(data))
+        out += head + struct.pack("<I", masked_crc32c(head)) + data + struct.pack("<I", masked_crc32c(data))
+    path.write_bytes(bytes(out))
+    return path
+
+
+TB_NAME = "tensorboard/events.out.tfevents.1796203390.vm.23535.0"
+
+
+def _tb_run(tmp_path):
+    run, _ = make_run(tmp_path)
+    _append(run / "metrics.jsonl", {"event": "stats", "round": 2, "party": "all", "num_sequences": 800.0})
+    return run
+
+
+def test_crc32c_is_castagnoli():
+    from distmoe.audit.tfevents import crc32c
+
+    assert crc32c(b"123456789") == 0xE3069283  # the standard check value of CRC-32C
+
+
+def test_tensorboard_scalars_of_the_metrics_pass_server_files(tmp_path):
+    run = _tb_run(tmp_path)
+    _tb_file(run / TB_NAME, [_tb_event(2, "stats/num_sequences", 800.0)])
+    result = audit_run(run)
+    assert _failed(result) == [], _server_files(result)
+
+
+@pytest.mark.parametrize("events,needle", [
+    ([_tb_event(2, "stats/num_sequences", 800.0, extra=_pb(4, 2, b"\x89PNG"))], "summary value field 4"),
+    ([_tb_event(2, "stats/instruction", 4.0)], "tag 'stats/instruction' at step 2: not a number key"),
+    ([_tb_event(2, "eval/acc/patient-4711", 1.0)], "tag 'eval/acc/patient-4711'"),
+    ([_tb_event(2, "stats/party", 1.0)], "tag 'stats/party'"),
+    ([_tb_event(2, "stats/num_sequences", 4711.0)], "a value that metrics.jsonl does not hold"),
+    ([_tb_event(1, "stats/num_sequences", 800.0)], "a value that metrics.jsonl does not hold"),
+    ([_tb_event(2, "stats/num_sequences", 800.0) + _pb(6, 2, b"\x10\x01\x1a\x05hello")], "event field 6"),
+])
+def test_a_forged_tensorboard_file_fails_server_files(tmp_path, events, needle):
+    """Defence: the ``tensorboard/`` check of ``distmoe.audit.schemas`` (strict event reader + tag schema + values
+    cross-checked with metrics.jsonl). Without it, ``tensorboard/`` is skipped and every file here passes."""
+    run = _tb_run(tmp_path)
+    _tb_file(run / TB_NAME, events)
+    result = audit_run(run)
+    assert _failed(result) == ["server-files"]
+    assert any(f.startswith(TB_NAME) and needle in f for f in _server_files(result)), _server_files(result)
+
+
+def test_a_damaged_or_stray_tensorboard_file_fails_server_files(tmp_path):
+    run = _tb_run(tmp_path)
+    path = _tb_file(run / TB_NAME, [_tb_event(2, "stats/num_sequences", 800.0)])
+    data = bytearray(path.read_bytes())
+    data[-6] ^= 0x01  # one bit of the scalar's record
+    path.write_bytes(bytes(data))
+    (run / "tensorboard" / "notes.txt").write_text("What is 2+2? 4\n")
+    found = _server_files(audit_run(run))
+    assert any(f.startswith(TB_NAME) and "CRC does not match" in f for f in found), found
+    assert any(f.startswith("tensorboard/notes.txt: not a file the TensorBoard writer makes") for f in found), found
+
+
+def test_tensorboards_own_writer_passes_server_files(tmp_path):
+    """The event file the ``tensorboard`` package writes (``distmoe report --tensorboard``) passes the check."""
+    pytest.importorskip("tensorboard", reason="the optional extra distmoe[tensorboard] is not installed")
+    from distmoe.report.tensorboard import write_tensorboard
+
+    run = _tb_run(tmp_path)
+    write_tensorboard(run)
+    assert len(list((run / "tensorboard").iterdir())) == 1
+    result = audit_run(run)
+    assert _failed(result) == [], _server_files(result)

@@ -208,3 +208,117 @@ def test_report_text_does_not_depend_on_the_machines_time_zone(tmp_path: Path, m
     monkeypatch.delenv("TZ")
     time.tzset()
     assert texts[0] == texts[1] == texts[2]
+
+
+# ------------------------------------------------------------ issue 15 item 7: a report that reads right
+def _secagg_run(root: Path, retention: float = 0.12) -> Path:
+    """A secure-aggregation run as the coordinator writes it: train rows count contributors and carry no loss, no
+    per-party row, DP-noised aggregate evaluations, a statistics round between the tasks, a skipped round, a
+    party's budget refusal and a contributor-count refusal in ``privacy/ledger.json``."""
+    run_dir = root / "runs" / "20261202-101010-ab12"
+    (run_dir / "privacy").mkdir(parents=True)
+    plan = {"planned_epsilon": 7.9985, "stats_releases": 1, "update_releases": 0, "eval_releases": 2,
+            "update_noise_multiplier": 0.0}
+    write_json_atomic(run_dir / "run.json", {
+        "run_id": "4242424242", "name": run_dir.name, "status": "completed", "started": 1.0e9,
+        "finished": 1.0e9 + 65, "warnings": [], "schedule": ["sft:arith*2", "stats:arith", "eval", "sft:strings*2",
+                                                             "eval"],
+        "privacy": {"mode": "secagg", "secure_aggregation": True, "plan": plan, "epsilon_budget": 8.0,
+                    "delta": 1e-6, "threshold": 2, "n_parties": 3,
+                    "epsilon_spent": {p: {"prv": 5.1, "rdp": 6.2} for p in ("party-0", "party-1", "party-2")}},
+        "parties": {p: {"node": str(100 + i), "ledger_public_key": "ab"} for i, p in enumerate(PARTIES)},
+    })
+    events = [{"noise_multiplier": 2.0, "sample_rate": 1.0, "steps": 1, "mechanism": "skellam",
+               "label": "router-stats round 3", "d2": 1.0, "d1": 1.0},
+              {"noise_multiplier": 3.0, "sample_rate": 1.0, "steps": 1, "mechanism": "skellam",
+               "label": "eval round 4", "d2": 1.0, "d1": 1.0},
+              {"noise_multiplier": 3.0, "sample_rate": 1.0, "steps": 1, "mechanism": "skellam",
+               "label": "eval round 7", "d2": 1.0, "d1": 1.0}]
+    write_json_atomic(run_dir / "privacy" / "ledger.json", {
+        "epsilon_budget": 8.0, "delta": 1e-6, "parties": {p: {"events": events} for p in ("party-0", "party-1")},
+        "epsilon": {"party-0": {"prv": 5.1, "rdp": 6.2}, "party-1": {"prv": 5.0, "rdp": 6.0}},
+        "refused": [{"round": 6, "release": "model-update", "reason": "too-few-contributors", "contributors": 1,
+                     "survivors": 2, "min_parties": 2}],
+    })
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    log.append({"event": "run_start", "run_id": "4242424242"})
+    for r, task in ((1, "arith"), (2, "arith"), (5, "strings")):
+        log.append({"event": "train", "round": r, "phase_label": f"sft:{task}", "task": task, "party": "all",
+                    "contributors": 3, "parties": 3})
+    log.append({"event": "stats", "round": 3, "party": "all", "task": "arith", "anchor_version": 1,
+                "num_sequences": 1200.0})
+    log.append({"event": "eval", "round": 4, "party": "all", "phase_label": "eval", "acc/arith": 0.81,
+                "n/arith": 48})
+    log.append({"event": "party_error", "round": 5, "phase_label": "sft:strings", "node": "102", "party": "party-2",
+                "code": "budget", "reason": "budget: ..."})
+    log.append({"event": "train", "round": 6, "phase_label": "sft:strings", "task": "strings", "party": "all",
+                "num_examples": 0, "skipped": True})
+    log.append({"event": "eval", "round": 7, "party": "all", "phase_label": "eval", "acc/arith": 0.81 * retention,
+                "acc/strings": 0.7, "retention/arith": retention, "new_task": "strings"})
+    log.append({"event": "run_end", "status": "completed"})
+    return run_dir
+
+
+def test_secure_aggregation_report_reads_right(tmp_path: Path) -> None:
+    """Issue 15 item 7: one run id (Flower's only as a detail), no unexplained counter, the per-party section says
+    why it is empty and where the losses are, a privacy section with epsilon per party against the budget, the
+    releases and every refusal, and a collapsed retention is named."""
+    run_dir = _secagg_run(tmp_path)
+    md = write_report(run_dir).read_text(encoding="utf-8")
+    lines = md.splitlines()
+    assert lines[0] == f"# Run report: `{run_dir.name}` — completed"
+    assert sum("4242424242" in line for line in lines) == 1  # Flower's id: one detail line
+    assert "- detail: Flower's run id `4242424242`" in md
+    assert "**events**" not in md and "events:" not in md
+    assert "- **rounds logged**: 7 (4 training, 1 statistics, 2 evaluation; 1 skipped)" in md
+    assert "Per-party metrics: none, by design under secure aggregation" in md
+    assert "`<work-dir>/metrics/<party>.jsonl`" in md
+    assert "## Privacy" in md
+    assert "Budget ε = 8 at δ = 1e-06 per party" in md and "planned ε 7.998" in md
+    assert "| party-0 | 6.2 | 8 | 78% | 1 | 2 |" in md  # max(PRV, RDP) against the budget; releases by kind
+    assert "| party | ε spent | budget | of budget | router-stats releases | eval releases |" in md
+    assert "round 5: party `party-2` refused the release: it would exceed its privacy budget" in md
+    assert "round 6: model-update not released: fewer contributing parties than privacy.min-parties" in md
+    assert "round 6: train round skipped" in md
+    assert "Not released: under secure aggregation the routing metrics" in md
+    assert "**Retention collapsed**: `arith` 0.12" in md
+    assert "Sequences: the number of sequences in the router statistics, summed over the parties" in md
+    assert "| 6 | sft:strings | strings | – | skipped: nothing released |" in md
+    assert "mean loss" not in md  # no column of dashes where no loss is released
+    _assert_png(run_dir / "report" / "loss.png")  # contributors per training round, not an empty panel
+
+
+def test_retention_without_collapse_is_not_flagged(tmp_path: Path) -> None:
+    md = write_report(_secagg_run(tmp_path, retention=0.95)).read_text(encoding="utf-8")
+    assert "Retention collapsed" not in md and "| arith | 0.7695 | – | – | 0.95 |" in md
+
+
+def test_loss_line_is_not_drawn_across_non_training_rounds(tmp_path: Path, monkeypatch) -> None:
+    """Rounds 1-3 train arith, round 4 is a statistics round, rounds 5-6 train arith again, 7-8 train strings: the
+    lines break between 3 and 5 (nothing trained in 4) and between 6 and 7 (another task)."""
+    from distmoe.report import report as rep
+
+    run_dir = tmp_path / "gaps"
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    for r in (1, 2, 3, 5, 6, 7, 8):
+        task = "arith" if r < 7 else "strings"
+        for p in (*PARTIES, "all"):
+            log.append(_train(r, task, p, 2.0 - 0.1 * r))
+    log.append({"event": "stats", "round": 4, "party": "all", "task": "arith"})
+    figs = {}
+    monkeypatch.setattr(rep, "_save", lambda fig, path: figs.__setitem__(path.name, fig))
+    write_report(run_dir)
+    (ax,) = figs["loss.png"].axes
+    lines = [line for line in ax.lines if not line.get_label().startswith("_")]  # not the task boundary
+    assert len(lines) == 3  # two parties and the aggregate
+    for line in lines:
+        xs, ys = list(line.get_xdata()), list(line.get_ydata())
+        segments, cur = [], []
+        for x, y in zip(xs, ys, strict=True):
+            if math.isnan(y):
+                segments.append(cur)
+                cur = []
+            else:
+                cur.append(x)
+        segments.append(cur)
+        assert segments == [[1, 2, 3], [5, 6], [7, 8]], (line.get_label(), xs, ys)
