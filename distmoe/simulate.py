@@ -99,17 +99,28 @@ class _StopOnSignals:
         return False
 
 
-def _pid_alive(pid: int) -> bool:
+def _proc_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22), or None."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _holder_alive(pid: int, start: int | None) -> bool:
+    """Whether the lock holder ``pid`` still runs: it exists, is no zombie, and (when the lock recorded it)
+    started when the holder did, so a PID reused by another process does not count."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    try:  # a zombie has exited
-        return Path(f"/proc/{pid}/stat").read_bytes().split(b")")[-1].split()[0] != b"Z"
+        pass
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
     except (OSError, IndexError):
         return True
+    return state != b"Z" and (start is None or _proc_start(pid) == start)
 
 
 class RunLock:
@@ -130,7 +141,8 @@ class RunLock:
             return {"pid": -1}  # torn or foreign: treated as stale
 
     def acquire(self) -> None:
-        body = json.dumps({"pid": os.getpid(), "started": time.time(), "command": sys.argv})
+        body = json.dumps({"pid": os.getpid(), "proc_start": _proc_start(os.getpid()), "started": time.time(),
+                           "command": sys.argv})
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -139,7 +151,8 @@ class RunLock:
                 if held is None:
                     continue  # released meanwhile
                 pid = held["pid"]
-                if pid > 0 and pid != os.getpid() and _pid_alive(pid):
+                start = held.get("proc_start") if isinstance(held.get("proc_start"), int) else None
+                if pid > 0 and pid != os.getpid() and _holder_alive(pid, start):
                     raise SimulationError(f"run directory {self.path.parent} is being written by `distmoe simulate` "
                                           f"PID {pid} (lock {self.path}); stop it first (kill -TERM {pid}), or wait "
                                           "for it to end") from None
@@ -517,9 +530,6 @@ def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides:
             _remove_run_dir(run_dir)
         raise
     n = len(parties)
-    say(f"distmoe simulate: {'resuming ' if opts.resume is not None else ''}run {run_dir.name} | {n} parties "
-        f"({', '.join(p.name for p in parties)}) | schedule {cfg.schedule.total_rounds} rounds | SuperLink port {port}")
-    say(f"  run directory: {run_dir}")
     log_path = run_dir / "flower.log"
     t0 = time.monotonic()
     status = "failed"
@@ -528,6 +538,10 @@ def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides:
     progress = ProgressFilter()
     stopped: list[int] = []
     try:
+        say(f"distmoe simulate: {'resuming ' if opts.resume is not None else ''}run {run_dir.name} | {n} parties "
+            f"({', '.join(p.name for p in parties)}) | schedule {cfg.schedule.total_rounds} rounds | "
+            f"SuperLink port {port}")
+        say(f"  run directory: {run_dir}")
         with log_path.open("a" if opts.resume is not None else "w") as log:
             if opts.resume is not None:
                 log.write(f"---- distmoe simulate --resume {run_dir} at {time.strftime('%Y-%m-%d %H:%M:%S')} ----\n")
@@ -613,7 +627,7 @@ def _interrupted(opts: SimOptions, run_dir: Path, stop: Stopped) -> int:
         rec.update(status="interrupted", finished=time.time(),
                    error=f"stopped by {name} (distmoe simulate, PID {os.getpid()})")
         write_json_atomic(run_dir / "run.json", rec)
-        _err(f"distmoe simulate: run {rec['run_id']} interrupted by {name}; every process it started was "
+        _err(f"distmoe simulate: run {run_dir.name} interrupted by {name}; every process it started was "
              f"stopped. Continue it with:\n  distmoe simulate --resume {run_dir}")
     else:
         _err(f"distmoe simulate: stopped by {name} after the run completed (run.json: completed)")

@@ -54,7 +54,7 @@ SERVER_FILES = re.compile(r"(metrics\.jsonl|metrics\.lost\.jsonl|run\.json|confi
                           r"checkpoints/corrupt-round-\d+-\d+/.+)\Z")
 SKIPPED_DIRS = ("work", "ledger", "audit", "keys", "report")
 SIMULATION_DIRS = ("flwr", "home", "tmp", "ray")  # distmoe simulate's FLWR_HOME, HOME, TMPDIR, Ray state
-SIMULATION_FILES = ("simulate.json", "overrides.toml", "overrides.resume.toml")  # its record and run config
+SIMULATION_FILES = ("simulate.json", "overrides.toml", "overrides.resume.toml", "simulate.lock")  # record, config, lock
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 PNG_CHUNKS = {b"IHDR", b"PLTE", b"IDAT", b"IEND", b"pHYs", b"tEXt"}
 

@@ -82,6 +82,21 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_stale_one(tmp_path: Pat
     assert not lock.exists()
 
 
+def test_run_lock_of_a_reused_pid_is_stale(tmp_path: Path, live_pid):
+    """The lock records when its holder started: a live PID that started at another time (the PID was
+    reused after the holder died) does not hold the run."""
+    from distmoe.simulate import _proc_start
+
+    lock = tmp_path / RUN_LOCK
+    lock.write_text(json.dumps({"pid": live_pid, "proc_start": _proc_start(live_pid)}))
+    with pytest.raises(SimulationError, match=f"PID {live_pid}"):
+        RunLock(tmp_path).acquire()
+    lock.write_text(json.dumps({"pid": live_pid, "proc_start": _proc_start(live_pid) - 1}))
+    said = []
+    RunLock(tmp_path, say=said.append).acquire()
+    assert "stale lock" in said[0] and json.loads(lock.read_text())["pid"] == os.getpid()
+
+
 def test_resume_refuses_a_run_being_written_and_writes_nothing(tmp_path: Path, live_pid, capsys):
     """A second ``simulate --resume`` on a run whose lock names a running simulate is refused naming it,
     before any check writes to the run directory (``overrides.resume.toml`` is not written)."""
