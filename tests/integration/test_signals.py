@@ -125,8 +125,9 @@ def test_signal_during_start_up_stops_everything_and_leaves_no_run_directory(tmp
 
 
 def test_sigterm_during_a_round_records_interrupted_and_prints_each_line_once(tmp_path, tiny_run):
+    """Stopped in round 1: ``run.json`` says interrupted, the printed ``--resume`` passes resume's checks."""
     proc, out = start(tmp_path, tiny_run, "mid")
-    wait_for(proc, out, "round 1/3 | sft:lookup")
+    wait_for(proc, out, "for round 1", timeout=150)  # round 1 has begun (its secure-aggregation keys)
     run_dir = tmp_path / "runs" / "mid"
     assert json.loads((run_dir / RUN_LOCK).read_text())["pid"] == proc.pid  # the lock names the holder
     code = stop_and_wait(proc, signal.SIGTERM)
@@ -140,8 +141,8 @@ def test_sigterm_during_a_round_records_interrupted_and_prints_each_line_once(tm
     assert processes_with_token(sim["token"], sim["session"]) == []
     assert not (run_dir / RUN_LOCK).exists()
 
-    progress = [line for line in text.splitlines() if line.startswith("  ") and "|" in line or "connected" in line]
-    assert any("round 1/3" in line for line in progress) and any("connected" in line for line in progress)
+    progress = [line for line in text.splitlines() if line.startswith("  ")]  # simulate's progress indent
+    assert any("for round 1" in line for line in progress) and any("connected" in line for line in progress)
     dupes = {line for line in progress if progress.count(line) > 1}
     assert not dupes, f"progress lines printed more than once: {sorted(dupes)}"
 
