@@ -398,9 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP during simulate's start (distmoe.simulate.Stopped)
+        print(f"interrupted{f' by {exc.args[0]}' if exc.args else ''}", file=sys.stderr)
+        return int(getattr(exc, "exit_status", 130))
     except Exception as exc:
         from distmoe.simulate import SimulationError
 

@@ -11,6 +11,20 @@ simulation process and Ray) carries a per-run token in its environment and is st
 the end, whatever happened. Progress lines (``distmoe | ...``) are shown; the full Flower log is
 kept in ``runs/<id>/flower.log``. The exit status is 0 only if the run record says ``completed``.
 
+One stream for progress, one for errors: progress goes to stdout once per line (``ProgressFilter``: the
+ServerApp's log reaches ``flwr run``'s output twice, through the log stream and through the simulation
+process's own output); failures, interruptions and refusals go to stderr.
+
+Stops: SIGINT (Ctrl-C), SIGTERM and SIGHUP all end the run the same way (``Stopped``): every process
+of the run is stopped by PID, ``run.json`` says ``"status": "interrupted"`` with the signal, and the
+``--resume`` command is printed; the exit status is 128 + the signal number. A run stopped before the
+coordinator wrote ``run.json`` has nothing to resume and its directory is removed, as is the directory
+of any start that failed before Flower ran (a config error after it was made).
+
+Lock: ``RUN_LOCK`` in the run directory holds the PID of the ``simulate`` writing it (``RunLock``); a
+second ``simulate --resume`` on it is refused naming that PID while it runs; a lock whose PID is gone
+is stale and taken over with a message.
+
 ``--resume RUN_DIR`` (``SimOptions.resume``) continues an interrupted run in its own directory: the same
 party data, node files and ``overrides.toml``, plus any new overrides, with ``run.resume`` set. It is
 refused before Flower starts when the run already completed or a key that matters changed
@@ -50,11 +64,149 @@ from distmoe.data.party import load_party
 from distmoe.wire.at_rest import PRIVATE_DIR, PRIVATE_UMASK, PreflightError, make_private, privacy_preflight
 
 TOKEN_ENV = "DISTMOE_RUN_TOKEN"
+RUN_LOCK = "simulate.lock"  # in the run directory: {"pid", "started", "command"} of the simulate writing it
 AF_UNIX_MAX = 100  # Ray's socket paths must fit in sun_path (108 bytes) with its own suffixes
 
 
 class SimulationError(RuntimeError):
     """The simulation could not be started or did not complete."""
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived: the run is stopped like Ctrl-C (``exit_status`` = 128 + signal)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_status = 128 + signum
+        super().__init__(signal.Signals(signum).name)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _StopOnSignals:
+    """While active, the first of ``STOP_SIGNALS`` raises ``Stopped`` in the main thread; later ones are
+    ignored so that the cleanup (stopping the run's processes, a few seconds at most) is not cut short."""
+
+    def __enter__(self):
+        self.old, self.fired = {}, False
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self.old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def _handler(self, signum, _frame):
+        if self.fired:
+            return
+        self.fired = True
+        raise Stopped(signum)
+
+    def __exit__(self, *exc):
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+        return False
+
+
+def _proc_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22), or None."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _holder_alive(pid: int, start: int | None) -> bool:
+    """Whether the lock holder ``pid`` still runs: it exists, is no zombie, and (when the lock recorded it)
+    started when the holder did, so a PID reused by another process does not count."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != b"Z" and (start is None or _proc_start(pid) == start)
+
+
+class RunLock:
+    """``RUN_LOCK`` in a run directory: the PID of the one ``simulate`` writing it (module docstring)."""
+
+    def __init__(self, run_dir: Path, say=print):
+        self.path = Path(run_dir) / RUN_LOCK
+        self.say = say
+        self.held = False
+
+    def holder(self) -> dict | None:
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) and isinstance(data.get("pid"), int) else {"pid": -1}
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {"pid": -1}  # torn or foreign: treated as stale
+
+    def acquire(self) -> None:
+        body = json.dumps({"pid": os.getpid(), "proc_start": _proc_start(os.getpid()), "started": time.time(),
+                           "command": sys.argv})
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                held = self.holder()
+                if held is None:
+                    continue  # released meanwhile
+                pid = held["pid"]
+                start = held.get("proc_start") if isinstance(held.get("proc_start"), int) else None
+                if pid > 0 and pid != os.getpid() and _holder_alive(pid, start):
+                    raise SimulationError(f"run directory {self.path.parent} is being written by `distmoe simulate` "
+                                          f"PID {pid} (lock {self.path}); stop it first (kill -TERM {pid}), or wait "
+                                          "for it to end") from None
+                self.say(f"distmoe simulate: taking over the stale lock {self.path} of PID {pid} "
+                         "(no longer running)")
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(body)
+            self.held = True
+            return
+        raise SimulationError(f"could not take the lock {self.path}: it keeps changing (another simulate?)")
+
+    def release(self) -> None:
+        if self.held:
+            held = self.holder()
+            if held is not None and held.get("pid") == os.getpid():
+                self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+class ProgressFilter:
+    """The progress lines of ``flwr run``'s output, each once. The ServerApp's log arrives twice: through
+    Flower's log stream (console format, ``INFO :      distmoe | ...``) and through the simulation process's
+    own output (``MM/DD/YYYY HH:MM:SS:INFO:distmoe | ...``). A line is shown when it is not the pending
+    copy of a line already shown from the other source; repeats within one source are all shown."""
+
+    DATED = re.compile(r"^\d\d/\d\d/\d{4} \d\d:\d\d:\d\d:")
+
+    def __init__(self):
+        self.pending: dict[tuple[str, str], int] = {}  # (source, text) -> copies shown, not yet seen from the other
+
+    def __call__(self, line: str) -> str | None:
+        if "distmoe |" in line:
+            text = line.split("distmoe | ", 1)[1].rstrip() if "distmoe | " in line else ""
+        elif "distmoe client:" in line:
+            text = line[line.index("distmoe client:"):].rstrip()
+        else:
+            return None
+        src = "dated" if self.DATED.match(line) else "stream"
+        other = ("stream" if src == "dated" else "dated", text)
+        if self.pending.get(other, 0) > 0:
+            self.pending[other] -= 1
+            return None
+        self.pending[(src, text)] = self.pending.get((src, text), 0) + 1
+        return "  " + text
 
 
 @dataclass(frozen=True)
@@ -193,7 +345,7 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     run_dir = (opts.runs_dir / run_id).resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
         raise SimulationError(f"run directory {run_dir} already exists and is not empty")
-    from distmoe.data.synth import TASK_FAMILIES, write_synthetic
+    from distmoe.data.synth import TASK_FAMILIES
 
     derived = None
     if opts.data is not None:
@@ -228,7 +380,30 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     if derived is not None and opts.echo:
         print(f"distmoe simulate: schedule derived from the tasks in --data ({', '.join(sorted(held))}; name "
               f"order, set it with --schedule): {schedule_text(cfg.schedule)}", flush=True)
+    existed = run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        parties = _populate(opts, cfg, run_dir, parties, overrides, run_id)
+    except BaseException:  # a failed start (a config error, a signal) leaves no half-made run directory
+        _remove_run_dir(run_dir, existed)
+        raise
+    return run_dir, parties, overrides
+
+
+def _remove_run_dir(run_dir: Path, keep_dir: bool = False) -> None:
+    """Remove a run directory this start made (only its contents if it existed, empty, before)."""
+    if keep_dir:
+        for child in run_dir.iterdir():
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _populate(opts: SimOptions, cfg, run_dir: Path, parties: list[Path] | None, overrides: dict,
+              run_id: str) -> list[Path]:
+    """The data (synthetic unless given), work and node directories and ``overrides.toml`` of a new run."""
+    from distmoe.data.synth import write_synthetic
+
     old_umask = os.umask(PRIVATE_UMASK)  # party files and directories are private from their creation
     try:
         (run_dir / "work").mkdir(mode=PRIVATE_DIR, exist_ok=True)
@@ -258,7 +433,7 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
                           f"exceeds the number of parties ({len(parties)})")
     parse_run_config(overrides)
     (run_dir / "overrides.toml").write_text(to_toml(overrides))
-    return run_dir, parties, overrides
+    return parties
 
 
 def prepare_resume(opts: SimOptions) -> tuple[Path, list[Path], dict]:
@@ -353,27 +528,76 @@ def _read_record(run_dir: Path) -> dict:
 
 
 def run(opts: SimOptions) -> tuple[int, Path]:
-    """Run one simulation; returns (exit status, run directory)."""
-    run_dir, parties, overrides = prepare_resume(opts) if opts.resume is not None else prepare(opts)
-    privacy_check(run_dir, parties, "before the run")  # before anything trains: modes, the logging path
-    cfg = parse_run_config(overrides)
-    overrides_file = run_dir / ("overrides.resume.toml" if opts.resume is not None else "overrides.toml")
-    port = opts.port or free_port()
-    token = secrets.token_hex(8)
-    env, short_ray = _env(run_dir, port, token, cfg.train.threads)
-    n = len(parties)
-    cmd = [_flwr_bin(), "run", str(app_dir()), "local", "--stream",
-           "--federation-config", f"num-supernodes={n} client-resources-num-cpus={opts.cpus_per_party}",
-           "--run-config", str(overrides_file)]
+    """Run one simulation; returns (exit status, run directory). SIGINT, SIGTERM and SIGHUP stop it
+    (module docstring): the exit status is then 128 + the signal number."""
+    with _StopOnSignals():
+        return _run(opts)
+
+
+def _err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _run(opts: SimOptions) -> tuple[int, Path]:
     say = (lambda s: print(s, flush=True)) if opts.echo else (lambda s: None)
-    say(f"distmoe simulate: {'resuming ' if opts.resume is not None else ''}run {run_dir.name} | {n} parties "
-        f"({', '.join(p.name for p in parties)}) | schedule {cfg.schedule.total_rounds} rounds | SuperLink port {port}")
-    say(f"  run directory: {run_dir}")
+    lock = None
+    if opts.resume is not None:  # the lock first: nothing is written while another simulate holds the run
+        if not Path(opts.resume).is_dir():
+            raise SimulationError(f"--resume {opts.resume}: no such run directory")
+        given = [flag for flag, v in (("--parties", opts.parties), ("--data", opts.data),
+                                      ("--run-id", opts.run_id)) if v is not None]
+        if given:
+            raise SimulationError(f"--resume {opts.resume}: {', '.join(given)} come from the run being resumed")
+        lock = RunLock(Path(opts.resume).resolve(), say=_err)
+        lock.acquire()
+        try:
+            run_dir, parties, overrides = prepare_resume(opts)
+        except BaseException:
+            lock.release()
+            raise
+    else:
+        run_dir, parties, overrides = prepare(opts)
+        lock = RunLock(run_dir, say=_err)
+        try:
+            lock.acquire()
+        except BaseException:
+            _remove_run_dir(run_dir)
+            raise
+    try:
+        return _run_locked(opts, run_dir, parties, overrides, say)
+    finally:
+        lock.release()
+
+
+def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides: dict, say) -> tuple[int, Path]:
+    proc = None
+    try:
+        privacy_check(run_dir, parties, "before the run")  # before anything trains: modes, the logging path
+        cfg = parse_run_config(overrides)
+        overrides_file = run_dir / ("overrides.resume.toml" if opts.resume is not None else "overrides.toml")
+        port = opts.port or free_port()
+        token = secrets.token_hex(8)
+        cmd = [_flwr_bin(), "run", str(app_dir()), "local", "--stream",
+               "--federation-config", f"num-supernodes={len(parties)} client-resources-num-cpus={opts.cpus_per_party}",
+               "--run-config", str(overrides_file)]
+        env, short_ray = _env(run_dir, port, token, cfg.train.threads)
+    except BaseException:
+        if opts.resume is None:  # a failed start leaves no half-made run directory
+            _remove_run_dir(run_dir)
+        raise
+    n = len(parties)
     log_path = run_dir / "flower.log"
     t0 = time.monotonic()
     status = "failed"
     timed_out = False
+    stop: Stopped | None = None
+    progress = ProgressFilter()
+    stopped: list[int] = []
     try:
+        say(f"distmoe simulate: {'resuming ' if opts.resume is not None else ''}run {run_dir.name} | {n} parties "
+            f"({', '.join(p.name for p in parties)}) | schedule {cfg.schedule.total_rounds} rounds | "
+            f"SuperLink port {port}")
+        say(f"  run directory: {run_dir}")
         with log_path.open("a" if opts.resume is not None else "w") as log:
             if opts.resume is not None:
                 log.write(f"---- distmoe simulate --resume {run_dir} at {time.strftime('%Y-%m-%d %H:%M:%S')} ----\n")
@@ -387,10 +611,9 @@ def run(opts: SimOptions) -> tuple[int, Path]:
                 for line in proc.stdout:
                     log.write(line)
                     log.flush()
-                    if "distmoe |" in line:
-                        say("  " + line.split("distmoe | ", 1)[1].rstrip())
-                    elif "distmoe client:" in line:
-                        say("  " + line.strip())
+                    shown = progress(line)
+                    if shown is not None:
+                        say(shown)
                     rec_status = None
                     if "run completed" in line or "run FAILED" in line:
                         rec_status = _read_record(run_dir).get("status")
@@ -400,29 +623,38 @@ def run(opts: SimOptions) -> tuple[int, Path]:
                 timed_out = time.monotonic() - t0 >= opts.timeout
                 timer.cancel()
         status = _read_record(run_dir).get("status", "failed")
+    except Stopped as exc:
+        stop = exc
     finally:
-        stopped = stop_processes(token, session=proc.pid)  # start_new_session: its session id is its pid
-        if proc.poll() is None:
-            proc.kill()
+        if proc is not None:
+            stopped = stop_processes(token, session=proc.pid)  # start_new_session: its session id is its pid
+            if proc.poll() is None:
+                proc.kill()
+        else:
+            stopped = stop_processes(token)
         if short_ray is not None:
             shutil.rmtree(short_ray, ignore_errors=True)
     elapsed = time.monotonic() - t0
+    session = proc.pid if proc is not None else None
     (run_dir / "simulate.json").write_text(json.dumps(
         {"token": token, "port": port, "command": cmd, "stopped_pids": stopped, "wall_s": elapsed,
-         "session": proc.pid, "remaining": processes_with_token(token, proc.pid)}, indent=2))
+         "session": session, "remaining": processes_with_token(token, session),
+         "signal": stop.args[0] if stop is not None else None}, indent=2))
     say(f"  stopped {len(stopped)} Flower/Ray processes; wall time {elapsed:.0f} s; log: {log_path}")
+    if stop is not None:
+        return _interrupted(opts, run_dir, stop), run_dir
     try:  # the same checks at the end: nothing the run wrote opened a party's files to others
         privacy_check(run_dir, parties, "at the end of the run")
     except SimulationError as exc:
-        say(f"distmoe simulate: {exc}")
+        _err(f"distmoe simulate: {exc}")
         return 1, run_dir
     if status != "completed":
         rec = _read_record(run_dir)
         reason = rec.get("error") or ("timed out after --timeout " f"{opts.timeout:.0f} s" if timed_out
                                       else "the Flower run ended without completing")
-        say(f"distmoe simulate: run FAILED: {reason}")
+        _err(f"distmoe simulate: run FAILED: {reason}")
         tail = log_path.read_text().splitlines()[-15:]
-        say("  last lines of the Flower log:\n    " + "\n    ".join(tail))
+        _err("  last lines of the Flower log:\n    " + "\n    ".join(tail))
         return 1, run_dir
     if opts.report:
         os.environ.setdefault("MPLCONFIGDIR", str(run_dir / "home" / "mpl"))  # no font cache in ~
@@ -435,3 +667,28 @@ def run(opts: SimOptions) -> tuple[int, Path]:
 
             say(f"  tensorboard: {write_tensorboard(run_dir)} (view: tensorboard --logdir {run_dir / 'tensorboard'})")
     return 0, run_dir
+
+
+def _interrupted(opts: SimOptions, run_dir: Path, stop: Stopped) -> int:
+    """Record a run stopped by a signal (its processes are stopped already) and say how to resume it."""
+    from distmoe.io import write_json_atomic
+
+    name = stop.args[0]
+    rec = _read_record(run_dir)
+    if not rec.get("run_id"):  # the coordinator never wrote its record: there is nothing to resume
+        if opts.resume is None:
+            _remove_run_dir(run_dir)
+            _err(f"distmoe simulate: stopped by {name} before the run started; nothing to resume "
+                 f"({run_dir} removed)")
+        else:
+            _err(f"distmoe simulate: stopped by {name}; resume again with: distmoe simulate --resume {run_dir}")
+        return stop.exit_status
+    if rec.get("status") != "completed":  # the ServerApp died with its process: record why it stopped
+        rec.update(status="interrupted", finished=time.time(),
+                   error=f"stopped by {name} (distmoe simulate, PID {os.getpid()})")
+        write_json_atomic(run_dir / "run.json", rec)
+        _err(f"distmoe simulate: run {run_dir.name} interrupted by {name}; every process it started was "
+             f"stopped. Continue it with:\n  distmoe simulate --resume {run_dir}")
+    else:
+        _err(f"distmoe simulate: stopped by {name} after the run completed (run.json: completed)")
+    return stop.exit_status

@@ -114,8 +114,8 @@ def test_simulate_exits_nonzero_with_the_reason_when_the_run_fails(tmp_path: Pat
     code, run_dir = run(SimOptions(overrides=over, parties=2, runs_dir=tmp_path / "runs", run_id="fail",
                                    timeout=300, report=False))
     assert code == 1
-    out = capsys.readouterr().out
-    assert "run FAILED" in out and "no-such-checkpoint" in out  # the reason, not a bare status
+    err = capsys.readouterr().err  # one stream for progress (stdout), one for errors (stderr)
+    assert "distmoe simulate: run FAILED" in err and "no-such-checkpoint" in err  # the reason, not a bare status
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["status"] == "failed" and "not a directory" in rec["error"]
     sim = json.loads((run_dir / "simulate.json").read_text())
