@@ -16,6 +16,7 @@ import pytest
 from distmoe.audit import audit_run
 from distmoe.coordinator import PrivacyStop
 from distmoe.privacy.plan import plan_privacy
+from distmoe.report.report import render_markdown
 from distmoe.wire import codec
 
 pytestmark = pytest.mark.integration  # whole in-process runs (three parties, LocalTransport)
@@ -69,6 +70,9 @@ def test_a_covering_cap_is_recorded_and_a_skipped_release_warns_in_run_json_and_
         (3, "eval"),
     ]
     assert any("WARNING: round 2 (stats:arith) released nothing" in x for x in lines)
+    md = render_markdown(run_dir)  # the report's Warnings section lists both rounds
+    warnings_section = md.split("## Warnings", 1)[1].split("\n## ", 1)[0]
+    assert all(f"- {w}" in warnings_section for w in rec["warnings"]), warnings_section
     result = audit_run(run_dir)
     check = result.check("schedule-coverage")
     assert check.status == "warn" and len(check.findings) == 2
