@@ -15,6 +15,8 @@ Must not: do any of the party's work itself, or send text that did not pass the 
 
 from __future__ import annotations
 
+import dataclasses
+
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
@@ -33,6 +35,8 @@ def _handle(msg: Message, context: Context) -> Message:
     node = None
     try:
         node = parse_node_config(context.node_config, parse_section(context.run_config, SimConfig))
+        if "partition-id" not in context.node_config:  # a real SuperNode: its stdout is the owner's own log
+            node = dataclasses.replace(node, progress_stdout=True)
         cfg = parse_run_config(context.run_config)
         party = PartyService(cfg, node, msg.metadata.dst_node_id, str(context.run_id))
         return codec.reply_content(serve(mtype, msg.content, party, str(context.run_id)), msg)

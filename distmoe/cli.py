@@ -93,7 +93,8 @@ def cmd_report(args) -> int:
 def cmd_audit(args) -> int:
     from distmoe.audit import cli_audit
 
-    return cli_audit(args.run_dir, party_ledgers=args.party_ledger, canaries=args.canaries, as_json=args.json)
+    return cli_audit(args.run_dir, party_ledgers=args.party_ledger, canaries=args.canaries, as_json=args.json,
+                     out=args.out)
 
 
 def cmd_export(args) -> int:
@@ -332,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: every party ledger under the run directory's work dir)")
     a.add_argument("--canaries", metavar="FILE", help="canary strings, one per line (default: the run's)")
     a.add_argument("--json", action="store_true", help="print the audit JSON instead of the summary")
+    a.add_argument("--out", metavar="DIR", help="write audit.json and audit.md here instead of RUN/audit (a data "
+                   "owner's own audit, kept apart from the coordinator's; a directory outside the run)")
     a.set_defaults(fn=cmd_audit)
 
     e = sub.add_parser("export", help="write a run's checkpoint as a standalone Hugging Face model (adapters merged)")

@@ -530,6 +530,9 @@ class NodeConfig:
     ledger_key: Path | None = None  # Ed25519 ledger-signing key file; None = <work-dir>/keys/<party>-ledger.key
     hardware: tuple[tuple[str, Scalar], ...] = ()  # this owner's own train.<attr> settings (HARDWARE_KEYS)
     base_cache: Path | None = None  # where the loaded base is kept memory-mappable; None = off
+    # print this party's own training progress (loss per round) to its stdout: on in a deployment, where
+    # stdout is the SuperNode's log on the owner's machine; off in simulation (clients/app.py decides)
+    progress_stdout: bool = False
 
     def train(self, train: TrainConfig) -> TrainConfig:
         """The run's ``train`` section with this node's hardware settings applied (validated like the keys)."""

@@ -6,13 +6,16 @@ of ``docs/privacy.md`` §6 as applied to this project's ledger conventions, and 
 Check names, in order:
 ``ledger-integrity, cross-check, allow-list, no-blocked, no-plaintext, epsilon, noise-presence, row-sums,
 row-noise, canary-positions, min-parties, canaries, server-files, mask-uniformity, run-end, coordinator-heads,
-release-coverage`` (``server-files``: the schemas of every server-side file, :mod:`distmoe.audit.schemas`;
+release-coverage, schedule-coverage`` (``server-files``: the schemas of every server-side file,
+:mod:`distmoe.audit.schemas`;
 ``mask-uniformity``: the uniformity statistic of every masked input a party sent, :mod:`distmoe.audit.masks`;
 ``row-noise``: the noise in the router statistic's own rows, ``canary-positions``: canaries where the round's
 public material puts them, :mod:`distmoe.audit.noise`; the last three, that the coordinator ledger is whole,
 closed and covers every release the parties' ledgers witness, and the parties' own signed charges folded into
-``epsilon``: :mod:`distmoe.audit.ledgers`). Each is ``pass``, ``fail`` or ``skipped`` with human-readable
-details; the verdict fails if any check fails. Rendering and writing the report is :mod:`distmoe.audit.report`.
+``epsilon``: :mod:`distmoe.audit.ledgers`; ``schedule-coverage``: every planned round released what it
+planned, :mod:`distmoe.audit.coverage`). Each is ``pass``, ``fail``, ``warn`` or ``skipped`` with
+human-readable details; the verdict fails if any check fails (a ``warn`` is listed, it does not fail it).
+Rendering and writing the report is :mod:`distmoe.audit.report`.
 
 Independence: epsilon is recomputed from the coordinator's release entries (``z_eff`` from the survivors'
 count and the declared ``z``, checked against what the ledger claims), not read from the server's
@@ -45,7 +48,7 @@ from typing import Any
 
 from scipy import stats as _st
 
-from distmoe.audit import ledgers
+from distmoe.audit import coverage, ledgers
 from distmoe.audit.masks import check_masks
 from distmoe.audit.noise import POSITIONS, ROW_NOISE, check_canary_positions, check_row_noise
 from distmoe.audit.schemas import check_server_files
@@ -59,7 +62,7 @@ __all__ = ["AuditInputError", "AuditResult", "Check", "CHECKS", "audit_run"]
 
 CHECKS = ("ledger-integrity", "cross-check", "allow-list", "no-blocked", "no-plaintext", "epsilon",
           "noise-presence", "row-sums", ROW_NOISE, POSITIONS, "min-parties", "canaries", "server-files",
-          "mask-uniformity", *ledgers.CHECKS)
+          "mask-uniformity", *ledgers.CHECKS, coverage.CHECK)
 COORDINATOR = "coordinator"
 # Family-wise false-alarm levels (Bonferroni over a run's router-stats releases). The noise is fresh OS
 # randomness, so an honest run fails with about this probability: small enough not to cry wolf across
@@ -84,7 +87,7 @@ class Check:
     """One audit check: ``status`` is ``pass``, ``fail`` or ``skipped``; ``details`` say why."""
 
     name: str
-    status: str = "pass"
+    status: str = "pass"  # pass, fail, warn (a finding that does not fail the verdict) or skipped
     details: list[str] = field(default_factory=list)
     findings: list[str] = field(default_factory=list)  # the details that failed it
 
@@ -95,6 +98,13 @@ class Check:
 
     def note(self, msg: str) -> None:
         self.details.append(msg)
+
+    def warn(self, msg: str) -> None:
+        """A finding that does not fail the verdict (privacy held, the run did not do what it planned)."""
+        if self.status == "pass":
+            self.status = "warn"
+        self.details.append(msg)
+        self.findings.append(msg)
 
     def skip(self, msg: str) -> None:
         if self.status != "fail":
@@ -130,6 +140,11 @@ class AuditResult:
     def passed(self) -> bool:
         return not self.failed
 
+    @property
+    def warnings(self) -> list[str]:
+        """Findings of checks that warn (e.g. a planned round that released nothing): not a failed verdict."""
+        return [f"{c.name}: {w}" for c in self.checks if c.status == "warn" for w in c.findings]
+
     def check(self, name: str) -> Check:
         for c in self.checks:
             if c.name == name:
@@ -138,7 +153,8 @@ class AuditResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "run_dir": str(self.run_dir), "verdict": self.verdict,
-                "failed": self.failed, "checks": [c.to_dict() for c in self.checks], "ledgers": dict(self.ledgers),
+                "failed": self.failed, "warnings": self.warnings, "checks": [c.to_dict() for c in self.checks],
+                "ledgers": dict(self.ledgers),
                 "settings": dict(self.settings), "epsilon": self.epsilon, "releases": self.releases}
 
 
@@ -1014,6 +1030,15 @@ def _from(c: Check, found: tuple[list[str], list[str]], skip: str | None = None)
     return c
 
 
+def _warn(c: Check, found: tuple[list[str], list[str]]) -> Check:
+    """Fill ``c`` from a ``(warnings, notes)`` pair: its findings warn, they do not fail the verdict."""
+    for w in found[0]:
+        c.warn(w)
+    for n in found[1]:
+        c.note(n)
+    return c
+
+
 # ------------------------------------------------------------------------------------------------- entry
 def audit_run(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str | os.PathLike[str]] | None = None,
               canaries: str | os.PathLike[str] | None = None) -> AuditResult:
@@ -1038,7 +1063,8 @@ def audit_run(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str | os.
               _from(Check("coordinator-heads"), ledgers.check_heads(run.coord.entries, parties),
                     None if parties else "no party ledgers: heads cannot be checked (a ledger re-signed with the "
                     "coordinator's key is undetectable without them)"),
-              _from(Check("release-coverage"), ledgers.check_coverage(run.coord.entries, parties))]
+              _from(Check("release-coverage"), ledgers.check_coverage(run.coord.entries, parties)),
+              _warn(Check(coverage.CHECK), coverage.check_schedule(run.meta, run.coord.entries))]
     assert tuple(c.name for c in checks) == CHECKS
     releases = []
     for r in run.releases:

@@ -40,12 +40,16 @@ def _cell(s: Any) -> str:
 
 
 def render_markdown(result: AuditResult) -> str:
-    counts = {s: sum(c.status == s for c in result.checks) for s in ("pass", "fail", "skipped")}
+    counts = {s: sum(c.status == s for c in result.checks) for s in ("pass", "fail", "warn", "skipped")}
     out = [f"# Privacy audit: {result.run_id}", ""]
     if result.passed:
-        out.append(f"**Verdict: PASS** ({counts['pass']} checks passed, {counts['skipped']} skipped)")
+        out.append(f"**Verdict: PASS** ({counts['pass']} checks passed, {counts['warn']} with warnings, "
+                   f"{counts['skipped']} skipped)")
     else:
         out.append(f"**Verdict: FAIL**: {', '.join(result.failed)}")
+    if result.warnings:
+        out += ["", "**Warnings** (privacy held; the run did not do all it planned):", ""]
+        out += [f"- {_cell(w)}" for w in result.warnings]
     out += ["", f"Run directory: `{result.run_dir}`. Ledgers audited: {', '.join(result.ledgers)}.", "",
             "## Checks", "", "| check | status | summary |", "|---|---|---|"]
     for c in result.checks:
@@ -101,14 +105,18 @@ def summary(result: AuditResult, report: Path | None = None) -> str:
         if c.status == "fail":
             lines.append(f"  FAIL {c.name}: {c.findings[0] if c.findings else ''}"
                          + (f" (+{len(c.findings) - 1} more)" if len(c.findings) > 1 else ""))
+    for w in result.warnings:
+        lines.append(f"  WARNING {w}")
     if report is not None:
         lines.append(f"report: {report}")
     return "\n".join(lines)
 
 
 def cli_audit(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str] | None = None,
-              canaries: str | None = None, as_json: bool = False) -> int:
-    """``distmoe audit``: audit, write the report, print a summary (or the JSON); return the exit status."""
+              canaries: str | None = None, as_json: bool = False, out: str | os.PathLike[str] | None = None) -> int:
+    """``distmoe audit``: audit, write the report (into ``out``, default ``RUN/audit``: a data owner auditing
+    a copy of the run at its site keeps its own report apart from the coordinator's), print a summary (or
+    the JSON); return the exit status."""
     try:
         result = audit_run(run_dir, party_ledgers=party_ledgers or None, canaries=canaries)
     except AuditInputError as exc:
@@ -116,7 +124,7 @@ def cli_audit(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str] | No
             print(json.dumps({"error": str(exc), "passed": False, "exit_status": 2, "run_dir": str(run_dir)}))
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    jpath, mpath = write_audit(result)
+    jpath, mpath = write_audit(result, out)
     if as_json:
         print(json.dumps(sanitize({**result.to_dict(), "report": str(mpath)}), indent=2))
     else:

@@ -10,7 +10,8 @@ into the ``server-files`` check). What is checked:
   in a plaintext-mode run, which ``no-plaintext`` fails anyway); a ``party_error`` row's ``reason`` is
   exactly the closed table's text of its ``code`` (``distmoe.wire.errors.ALL_REASONS``);
 - ``run.json``: only the coordinator's record keys; ``config`` only known config keys with scalar values;
-  ``parties`` only ``{node, ledger_public_key}``; the nested records with label keys and no long text;
+  ``parties`` only ``{node, ledger_public_key, epsilon_max}`` (the last: the cap a party declared at setup);
+  the nested records with label keys and no long text;
 - ``report/``: only the report's own files; ``report.md`` must be exactly what ``distmoe report`` renders
   from the (checked) ``metrics.jsonl`` and ``run.json`` (``distmoe.report.report.render_markdown``), so no
   added line survives; each PNG is a well-formed PNG with no text chunk but Matplotlib's ``Software``;
@@ -145,6 +146,7 @@ EVENTS: dict[str, dict[str, Kind]] = {
                     "code": _one_of(*ALL_REASONS), "reason": _one_of(*ALL_REASONS.values())},
     "anomaly": {"round": _int, "kind": _one_of("train", "rl", "stats", "eval"), "party": _one_of("all"),
                 "detail": _text},
+    "round_skipped": {"round": _int, "phase_label": _phase, "detail": _text},
     "run_end": {"status": _one_of("completed", "failed", "stopped", "interrupted"), "rounds": _int,
                 "error": _text},
 }
@@ -153,7 +155,8 @@ PATTERN_KEYS = {  # event -> (key pattern, kind) for keys named after a task or 
     "rl": [(re.compile(r"route_disagree_l\d{1,4}\Z"), _num)],
     "eval": [(re.compile(r"(acc|loss|n|retention)/(?P<task>.+)\Z"), _num)],
 }
-TEXT_KEYS = {("run_start", "warnings"), ("run_resume", "warnings"), ("anomaly", "detail"), ("run_end", "error")}
+TEXT_KEYS = {("run_start", "warnings"), ("run_resume", "warnings"), ("anomaly", "detail"), ("round_skipped", "detail"),
+             ("run_end", "error")}
 
 
 def _key_kind(event: str, key: str, ctx: _Ctx) -> Kind | None:
@@ -265,12 +268,13 @@ def _check_run_json(path: Path, meta: Mapping[str, Any], ctx: _Ctx, out: list[st
                 out.append(f"{where}: not an object")
         elif key == "parties":
             for p, rec in (v if isinstance(v, dict) else {}).items():
-                allowed = {"node", "ledger_public_key"}
+                allowed = {"node", "ledger_public_key", "epsilon_max"}
                 if not LABEL.match(str(p)) or not isinstance(rec, dict) or not set(rec) <= allowed:
-                    out.append(f"{path.name}: key 'parties.{str(p)[:60]}': only node and ledger_public_key may be "
-                               "recorded per party")
-                elif not all(_label(x, ctx) for x in rec.values()):
-                    out.append(f"{path.name}: key 'parties.{p}': a value that is not a label")
+                    out.append(f"{path.name}: key 'parties.{str(p)[:60]}': only node, ledger_public_key and "
+                               "epsilon_max (the party's declared cap) may be recorded per party")
+                elif not all((_num if k == "epsilon_max" else _label)(x, ctx) for k, x in rec.items()):
+                    out.append(f"{path.name}: key 'parties.{p}': a value that is not a label (or, for "
+                               "epsilon_max, a number)")
             if not isinstance(v, dict):
                 out.append(f"{where}: not an object")
         elif key in NESTED_KEYS:

@@ -69,6 +69,7 @@ class Coordinator:
         self.resume_warnings: list[str] = []
         self.resumed_from: dict | None = None  # checkpoint, round and hash a resume continued from
         self.ckpt_round = -1  # the round of the last checkpoint written by this process
+        self.phase_label = ""  # the label of the phase of the round being played
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.record = RunRecord(self.run_dir / "run.json")
         self.s = RoundState()
@@ -119,6 +120,7 @@ class Coordinator:
                 if rnd <= self.s.round:  # completed before the restart
                     continue
                 self.s.round = rnd
+                self.phase_label = phase.label()
                 t0 = time.perf_counter()
                 text = self.play_round(index, phase)
                 if self.ckpt_round != self.s.round:  # every completed round ends with a checkpoint
@@ -228,9 +230,17 @@ class Coordinator:
             self.metrics.append({"event": "party_error", "round": self.s.round, "phase_label": phase,
                                  "node": str(node), "party": who, "code": name, "reason": text})
 
-    def round_failed(self, message: str) -> str:
-        """A round that released nothing: go on (``federation.on-round-failure = skip``) or stop the run."""
-        if self.cfg.federation.on_round_failure == "stop":
+    def round_failed(self, message: str, failed: bool = True) -> str:
+        """A round that released nothing (or whose release was not used): a warning in ``run.json``
+        (``warnings``) and ``metrics.jsonl`` (``event: round_skipped``), which the report lists; then go on
+        (``federation.on-round-failure = skip``, or ``failed`` False) or stop the run."""
+        label = self.phase_label
+        text = f"round {self.s.round} ({label}) released nothing: {message}"
+        self.say(f"WARNING: {text}")
+        self.record.append("warnings", text)
+        self.metrics.append({"event": "round_skipped", "round": self.s.round, "phase_label": label,
+                             "detail": text})
+        if failed and self.cfg.federation.on_round_failure == "stop":
             raise RunFailed(f"round {self.s.round}: {message} (federation.on-round-failure = 'stop')")
         return message
 

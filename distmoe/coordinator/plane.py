@@ -95,7 +95,9 @@ def start(co: Coordinator, nodes: list[int]) -> None:
     guard = co.guard
     co.record.update(parties={**(co.record.get("parties") or {}),
                               **{guard.peer(nd): {"node": str(nd),
-                                                  "ledger_public_key": guard.public_keys.get(guard.peer(nd), "")}
+                                                  "ledger_public_key": guard.public_keys.get(guard.peer(nd), ""),
+                                                  **({"epsilon_max": co.secure.caps[guard.peer(nd)]}
+                                                     if guard.peer(nd) in co.secure.caps else {})}
                                  for nd in co.secure.roster}},
                      privacy={**co.record["privacy"], "threshold": co.secure.threshold,
                               "n_parties": len(co.secure.roster)})

@@ -83,6 +83,7 @@ class SecureRounds:
         self.threshold = 0
         self.accountants: dict[str, Accountant] = {}
         self.refused: list[dict] = []  # rounds refused by the contributor count (ledger.json "refused")
+        self.caps: dict[str, float] = {}  # party -> its declared epsilon-max (node config), from its key advert
 
     @property
     def names(self) -> dict[int, str]:
@@ -120,6 +121,8 @@ class SecureRounds:
         replies, errors = self.transport.exchange({n: req for n in nodes}, KeyAdvertReply, timeout, rnd=0,
                                                   phase="setup")
         self.report_errors("setup", errors)
+        self.caps = {self.name(n): float(r.epsilon_max) for n, r in replies.items() if r.epsilon_max > 0}
+        self._check_caps()
         adverts = [sa.KeyAdvert(n, r.c_pk, r.sig_pk) for n, r in replies.items()]
         try:
             directory = self.server.register(adverts)
@@ -133,13 +136,31 @@ class SecureRounds:
         self.report_errors("setup", errors)
         self.server.add_share_keys([r.keys for r in replies.values()])
         self.roster = roster
-        for n in roster:
-            self.accountants.setdefault(self.name(n), Accountant(p.delta, p.epsilon))
+        for n in roster:  # the server accounts each party against its own budget: min(privacy.epsilon, its cap)
+            budget = min(p.epsilon, self.caps.get(self.name(n), p.epsilon))
+            self.accountants.setdefault(self.name(n), Accountant(p.delta, budget))
         self._save()
         left = sorted(set(nodes) - set(roster))
         self.say(f"secure aggregation: {len(roster)} parties in the run, threshold t = {t}, "
                  f"{len(replies)} shared keys for round {first_round}"
                  + (f"; left out (no key advert): {left}" if left else ""))
+
+    def _check_caps(self) -> None:
+        """Refuse to start a schedule that a party's declared cap (node config ``epsilon-max``, sent in its
+        key advert) cannot cover: that party would refuse every release over its cap (a statistics release
+        with no anchor built, the rounds after it with no keys) and the run would go on with nothing
+        released. Raised before any directory or data-bearing message is sent."""
+        planned = self.plan.planned_epsilon
+        short = {party: cap for party, cap in sorted(self.caps.items()) if cap < planned * (1 - 1e-9)}
+        if short:
+            who = "; ".join(f"party {party} declares epsilon-max = {cap:g}" for party, cap in short.items())
+            p = self.plan
+            raise PrivacyStop(
+                f"{who}, below the planned epsilon {planned:.4f} of this schedule ({p.stats_releases} router-"
+                f"statistics, {p.update_releases} update and {p.eval_releases} evaluation release(s) at "
+                f"privacy.epsilon = {p.epsilon:g}, delta = {p.delta:g}): that party would refuse its releases, so "
+                f"the run does not start; set privacy.epsilon to at most {min(short.values()):g} (the noise is "
+                "derived from it) or ask the data owner to raise its cap")
 
     def _save(self) -> None:
         write_text_atomic(self.dir / "secagg-server.state", self.server.to_state())

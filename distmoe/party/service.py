@@ -93,7 +93,8 @@ class PartyService:
         if isinstance(instr, SetupRequest):
             self._check_data()  # a party with broken data says so at its first contact, before any training
             advert = sess.setup(instr, self.node_id)
-            return KeyAdvertReply(node.party, advert.c_pk, self.ledger.public_key_hex, advert.sig_pk), None
+            return KeyAdvertReply(node.party, advert.c_pk, self.ledger.public_key_hex, advert.sig_pk,
+                                  float(node.epsilon_max or 0.0)), None
         if isinstance(instr, DirectoryRequest):
             return ShareKeysReply(sess.directory(instr)), None
         if isinstance(instr, ConsistencyRequestMsg):

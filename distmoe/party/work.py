@@ -115,7 +115,18 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
     delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
     s = res.summary()
     metrics = {k: float(s[k]) for k in keys}
+    progress(node, f"round {instr.round} sft:{instr.task}: loss {metrics['loss_first']:.4f} -> "
+             f"{metrics['loss_last']:.4f} over {int(metrics['steps'])} steps ({res.num_examples} examples)"
+             + (f", anchor KL {metrics['anchor_kl']:.4f}" if anchor is not None else "")
+             + (f", {int(metrics['skipped_steps'])} skipped steps" if metrics['skipped_steps'] > 0 else ""))
     return ModelUpdate(party=node.party, delta=delta, num_examples=res.num_examples, metrics=metrics)
+
+
+def progress(node: NodeConfig, text: str) -> None:
+    """A line of this party's own training progress on its stdout, only where that is the owner's own log
+    (``node.progress_stdout``: a deployed SuperNode); never in simulation, whose output is the coordinator's."""
+    if node.progress_stdout:
+        print(f"distmoe party {node.party}: {text}", flush=True)
 
 
 def router_stats_per_sequence(cfg: RunConfig, node: NodeConfig, instr: StatsInstruction,
@@ -204,4 +215,6 @@ def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdat
     if r.simulator:
         metrics.update({k: float(summary.get(k, float("nan"))) for k in RL_SIM_METRIC_KEYS})
     n = r.steps * r.prompts_per_step * r.group_size  # rollouts used: the FedAvg weight
+    progress(node, f"round {instr.round} rl:{instr.task}: reward {metrics['reward_first']:.4f} -> "
+             f"{metrics['reward_last']:.4f} over {int(metrics['steps'])} steps ({n} rollouts)")
     return ModelUpdate(party=node.party, delta=delta, num_examples=n, metrics=metrics, kind="rl")

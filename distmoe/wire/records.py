@@ -272,6 +272,13 @@ def _epoch(value, tag: str) -> int:
 
 
 
+def _epsilon_cap(value, tag: str) -> float:
+    """A party's declared budget cap (node config ``epsilon-max``): a finite float >= 0, 0 = no cap."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= float(value) < 1e6:
+        raise WireError(f"{tag}: epsilon_max must be a number in [0, 1e6) (0 = no cap), got {value!r}")
+    return float(value)
+
+
 def _text(v, tag: str, key: str) -> str:
     return str(v)
 
@@ -290,6 +297,7 @@ BASIC_KINDS: dict[str, Kind] = {
     "release": _scalar(lambda v, tag, key: _release(v, tag), lambda v, tag, key: _release(str(v), tag), text=True),
     "logical-run": _scalar(lambda v, tag, key: _logical_run(v, tag), text=True),
     "epoch": _scalar(lambda v, tag, key: _epoch(v, tag)),
+    "epsilon-cap": _scalar(lambda v, tag, key: _epsilon_cap(v, tag), lambda v, tag, key: _epsilon_cap(v, tag)),
     "weights": _weights(),
     "deltas": _weights(np.float32),
     "probs": _single("probs", np.float32),

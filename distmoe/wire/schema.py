@@ -136,6 +136,9 @@ class KeyAdvertReply:
     c_pk: bytes  # X25519 share-encryption key of this run
     ledger_public_key: str  # hex Ed25519 key that signs this party's ledger
     sig_pk: bytes  # Ed25519 key that signs this party's consistency-check answers (SecAgg, this run)
+    # the party's own budget cap (node config ``epsilon-max``; 0 = none): configuration, not data. The
+    # coordinator refuses to start a schedule whose planned epsilon the cap cannot cover
+    epsilon_max: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -277,7 +280,8 @@ PAYLOADS: tuple[PayloadType, ...] = (
                       "update_noise_multiplier:float", "logical_run:logical-run", "epoch:epoch"),
                 ("meta",), MSG_SETUP, KeyAdvertReply, "", "setup"),
     PayloadType(KeyAdvertReply, "key-advert", "reply",
-                _meta("party:party", "c_pk:key32", "ledger_public_key:hex64", "sig_pk:key32"), ("meta",)),
+                _meta("party:party", "c_pk:key32", "ledger_public_key:hex64", "sig_pk:key32",
+                      "epsilon_max:epsilon-cap"), ("meta",)),
     PayloadType(DirectoryRequest, "key-directory", "instruction",
                 (Field("directory", "dir", "key-directory"),) + _meta("first_round:int", "names:roster"),
                 ("meta", "dir"), MSG_DIRECTORY, ShareKeysReply, "", "setup"),

@@ -115,7 +115,8 @@ def build_policy(*, secure: bool, n_parties: int, trainable: Mapping[str, tuple[
         policy["key-directory"] = _entry([codec.encode(DirectoryRequest(directory, 1,
                                                                         tuple((i, f"p{i}") for i in range(n))))],
                                          set(), n)
-        policy["key-advert"] = _entry([codec.encode(KeyAdvertReply("p0", bytes(32), "0" * 64, bytes(32)))], set(), n)
+        advert = KeyAdvertReply("p0", bytes(32), "0" * 64, bytes(32), 1.0)  # with a declared epsilon-max
+        policy["key-advert"] = _entry([codec.encode(advert)], set(), n)
         counts = tuple(sa.CountShare(i + 1, 0, 1, bytes(12), bytes(sa.messages.COUNT_CIPHERTEXT_BYTES))
                        for i in range(n - 1))
         sig = (bytes(sa.shamir.SHARE_BYTES), bytes(sa.primitives.SIG_BYTES))
@@ -186,6 +187,7 @@ class ServerGuard:
         self.ledger, self.run_id, self.policy = ledger, str(run_id), policy
         self.names: dict[int, str] = {}  # node id -> party name (from key adverts / replies)
         self.public_keys: dict[str, str] = {}  # party -> ledger public key (pinned at setup)
+        self.epsilon_caps: dict[str, float] = {}  # party -> its declared epsilon-max (0 = none), from setup
 
     def peer(self, node: int) -> str:
         return self.names.get(node, f"node-{node}")
@@ -227,7 +229,8 @@ class ServerGuard:
             problem = str(exc)
         info = None
         if isinstance(payload, KeyAdvertReply) and problem is None:
-            info = {"ledger_public_key": payload.ledger_public_key, "node": str(node)}
+            info = {"ledger_public_key": payload.ledger_public_key, "node": str(node),
+                    "epsilon_max": payload.epsilon_max}
             if payload.party in self.names.values() and self.names.get(node) != payload.party:
                 problem = f"party name {payload.party!r} is already taken by another node"
         if problem is None and head is None:
@@ -247,6 +250,7 @@ class ServerGuard:
         if isinstance(payload, KeyAdvertReply):
             self.names[node] = payload.party
             self.public_keys[payload.party] = payload.ledger_public_key
+            self.epsilon_caps[payload.party] = payload.epsilon_max
         elif getattr(payload, "party", None) and node not in self.names:
             self.names[node] = payload.party
         return payload

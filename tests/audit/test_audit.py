@@ -257,6 +257,18 @@ def test_json_output_and_library_api(tmp_path, capsys):
     assert result.passed and result.check("epsilon").status == "pass"
 
 
+def test_out_writes_a_data_owners_audit_apart_from_the_coordinators(tmp_path, capsys):
+    """``distmoe audit --out DIR`` (docs/deploy.md §1.6): the report goes to DIR; RUN/audit is not touched."""
+    run, _ = make_run(tmp_path)
+    assert main(["audit", str(run)]) == 0
+    before = (run / "audit" / "audit.json").read_bytes()
+    mine = tmp_path / "owner-audit"
+    assert main(["audit", str(run), "--party-ledger", str(_ledger_path(run, PARTIES[0])), "--out", str(mine)]) == 0
+    assert str(mine / "audit.md") in capsys.readouterr().out
+    assert json.loads((mine / "audit.json").read_text())["ledgers"].keys() == {"coordinator", PARTIES[0]}
+    assert (run / "audit" / "audit.json").read_bytes() == before
+
+
 def test_party_ledger_subset(tmp_path):
     run, _ = make_run(tmp_path)
     result = audit_run(run, party_ledgers=[_ledger_path(run, "party-0")])

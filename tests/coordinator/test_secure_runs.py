@@ -46,7 +46,7 @@ def test_honest_run_passes_the_audit(honest, releases):
     assert {c.name for c in result.checks if c.status == "pass"} == {
         "ledger-integrity", "cross-check", "allow-list", "no-blocked", "no-plaintext", "epsilon", "noise-presence",
         "row-sums", "row-noise", "canary-positions", "min-parties", "canaries", "server-files", "mask-uniformity",
-        "run-end", "coordinator-heads", "release-coverage"}
+        "run-end", "coordinator-heads", "release-coverage", "schedule-coverage"}
     (stats,) = releases(run_dir, "router-stats")
     assert sorted(stats["info"]["included"]) == ["party-0", "party-1", "party-2"]
     assert stats["dp"]["n_active"] == 3 and stats["dp"]["z_eff"] > stats["dp"]["noise_multiplier"]
@@ -350,7 +350,18 @@ def test_too_many_dropouts_release_nothing_and_stop_nothing(tmp_path, make_run, 
 
 
 # ---------------------------------------------------------------------------------------- budgets
-def test_party_budget_refuses_its_release_before_anything_leaves(tmp_path, make_run, releases):
+def _ignore_declared_caps(monkeypatch) -> None:
+    """A coordinator that ignores the caps the parties declare at setup (its own check,
+    ``SecureRounds._check_caps``, removed): what is left is each party's own refusal."""
+    from distmoe.coordinator import secagg as rounds
+
+    monkeypatch.setattr(rounds.SecureRounds, "_check_caps", lambda self: None)
+
+
+def test_party_budget_refuses_its_release_before_anything_leaves(tmp_path, monkeypatch, make_run, releases):
+    """The party's own defence, behind a coordinator that ignores its declared cap (an honest coordinator
+    refuses to start this run: ``test_epsilon_caps.py``)."""
+    _ignore_declared_caps(monkeypatch)
     coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith"},
                                        node_extra={"party-0": {"epsilon-max": 0.5}})
     coord.run()
@@ -438,7 +449,8 @@ def _errors_of(run_dir: Path) -> list[dict]:
             if json.loads(x).get("event") == "party_error"]
 
 
-def test_a_refusal_travels_as_guarded_text_anchored_in_the_coordinator_ledger(tmp_path, make_run):
+def test_a_refusal_travels_as_guarded_text_anchored_in_the_coordinator_ledger(tmp_path, monkeypatch, make_run):
+    _ignore_declared_caps(monkeypatch)
     coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "stats:arith"},
                                        node_extra={"party-0": {"epsilon-max": 0.5}})
     coord.run()

@@ -273,3 +273,25 @@ def test_the_cached_base_carries_nothing_from_one_message_to_the_next(synth_dirs
     ev2 = dataclasses.replace(ev, weights=moved)
     assert work.run_eval(cfg, node, ev2).metrics["top1_consistency"] < 1.0
     base_mod.clear_cache()
+
+
+def test_a_deployed_party_logs_its_own_loss_per_round_and_a_simulated_one_does_not(tmp_path, synth_dirs, tiny_plain,
+                                                                                   capsys):
+    """docs/deploy.md §3: a data owner sees its training progress in its SuperNode's log (``progress_stdout``, set
+    by clients/app.py on a real SuperNode); in simulation stdout is the coordinator's terminal, so nothing."""
+    from distmoe.config import SimConfig, parse_node_config, parse_run_config
+    from distmoe.party import work
+
+    cfg = parse_run_config({**tiny_plain, "train.local-steps": 2})
+    node = parse_node_config({"data-path": str(synth_dirs[0]), "work-dir": str(tmp_path / "w")}, SimConfig())
+    weights, spec = _global({**tiny_plain, "train.local-steps": 2})
+    instr = SftInstruction(round=3, task="lookup", weights=weights, base_hash=spec.base_hash, seed=1, anchor=None,
+                           anchor_version=0)
+    work.prepare_model(cfg, node, weights, spec.base_hash)
+    capsys.readouterr()
+    work.run_sft(cfg, node, instr)
+    assert "round 3" not in capsys.readouterr().out
+    upd = work.run_sft(cfg, dataclasses.replace(node, progress_stdout=True), instr)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line == (f"distmoe party {node.party}: round 3 sft:lookup: loss {upd.metrics['loss_first']:.4f} -> "
+                    f"{upd.metrics['loss_last']:.4f} over 2 steps ({upd.num_examples} examples)")

@@ -104,7 +104,7 @@ PINNED = [
     "25c7c7f2792d31c8e3078d4c17c2c34261b02475f3c39ec0cddc58e3ae5117db",
     "8902a0e4bcf99c029f8eab5a3f131483eedc56db0d28ec13c811dc6505b9e33f",
     "54342bfca4a365962bce71b9166f2b0ee1710748516994b86ac250490b2c40db",
-    "c15da0d5768b120af810dec0303c65f6293325c655a64990417ab61fa8dd86cd",
+    "e614bbf9d39da592be4ca3fd5be82e4d207258c75958c190aa85f1603295dd01",  # KeyAdvertReply: + epsilon_max (issue 15)
     "a597944c055819b0bbccc31b68e51fb56609a02562e910dddbeae3af32fe1ce3",
     "1fda911fef739a41dd00a68385dd863846d87758d462767f48b8494a7b4a601d",
     "a75d93ac19ea6889d99ce518de0896c8d50233ffae4ac940bd314cec6b061c67",
@@ -199,3 +199,16 @@ def test_secure_instruction_checks():
         codec.decode(inner, SecureInstruction)
     with pytest.raises(WireError, match="exactly one"):
         codec.encode(MaskedReply("eval", None, None))
+
+
+@pytest.mark.parametrize("cap", [-1.0, float("nan"), float("inf"), True])
+def test_a_key_advert_cap_must_be_a_finite_number_at_least_zero(cap):
+    """A party's declared epsilon-max (0 = none) is a bounded number: anything else is refused both ways."""
+    with pytest.raises(WireError, match="epsilon_max"):
+        codec.encode(KeyAdvertReply("party-0", B(32, 7), "ab" * 32, B(32, 8), cap))
+    rec = codec.encode(KeyAdvertReply("party-0", B(32, 7), "ab" * 32, B(32, 8), 4.0))
+    rec["meta"]["epsilon_max"] = cap
+    with pytest.raises(WireError, match="epsilon_max"):
+        codec.decode(rec, KeyAdvertReply)
+    assert codec.decode(codec.encode(KeyAdvertReply("p", B(32, 7), "ab" * 32, B(32, 8), 4.0)), KeyAdvertReply
+                        ).epsilon_max == 4.0

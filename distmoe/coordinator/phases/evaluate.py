@@ -28,7 +28,7 @@ def aggregate(co, index, phase, instr: EvalInstruction) -> str:
     s = co.s
     out = co.aggregator.evaluation(instr, instr.tasks)
     if isinstance(out, Skip):
-        return co.round_failed(out.text) if out.failed else out.text
+        return co.round_failed(out.text, failed=out.failed)
     per_party, agg = out.per_party, out.per_party["all"]
     earlier = [t for t in s.trained_tasks if t != s.current_task]
     for party, m in per_party.items():

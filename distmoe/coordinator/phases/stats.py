@@ -26,11 +26,11 @@ def aggregate(co, index, phase, instr: StatsInstruction) -> str:
     s = co.s
     out = co.aggregator.router_stats(instr, (co.mspec.num_moe_layers, co.mspec.num_experts), phase.label())
     if isinstance(out, Skip):
-        return co.round_failed(out.text) if out.failed else out.text
+        return co.round_failed(out.text, failed=out.failed)
     total = out.total  # [L, E]
     n_seq = float(total.sum(1).mean())
     if n_seq <= 0 or np.any(np.clip(total, 0, None).sum(1) <= 0):
-        return "router statistics are empty (or all noise): anchor unchanged"
+        return co.round_failed("router statistics are empty (or all noise): anchor unchanged", failed=False)
     s.anchor_versions += 1
     meta = AnchorVersion(version=s.anchor_versions, round=s.round, source_checkpoint=hash_tensors(s.weights),
                          router_spec=co.mspec.router_spec(), num_sequences=n_seq, task=phase.task)

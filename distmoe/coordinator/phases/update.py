@@ -19,7 +19,7 @@ def apply_update(co: Coordinator, out: UpdateSum | Skip, event: dict) -> UpdateS
     """Add an aggregated update to the global weights, log it, watch it for anomalies and checkpoint;
     or log a skipped round (``Skip``) and return its line."""
     if isinstance(out, Skip):
-        text = co.round_failed(out.text) if out.failed else out.text
+        text = co.round_failed(out.text, failed=out.failed)
         co.metrics.append({**event, "party": "all", "num_examples": 0, "skipped": True})
         return text
     s = co.s
