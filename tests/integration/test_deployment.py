@@ -54,7 +54,7 @@ BIN = Path(sys.executable).parent
 DISTMOE = [sys.executable, "-m", "distmoe.cli"]
 CONN = "deploy"
 NODES_DEADLINE = 90.0
-RUN_DEADLINE = 420.0
+RUN_DEADLINE = 600.0
 N_PARTIES = 3
 
 OVERRIDES = {
