@@ -43,7 +43,9 @@ def test_family_end_to_end_on_flower(family: str, tmp_path: Path, monkeypatch):
     train = next(e for e in events if e["event"] == "train")
     assert train["parties"] == 2 and train["contributors"] == 2 and "anchor_kl" not in train  # uniform weights
     final = next(e for e in events if e["event"] == "eval")
-    assert final["n/lookup"] > 0 and "routing_kl" not in final  # DP-noised eval sums; no routing metrics
+    # DP-noised eval sums (noise std ~5 examples against 4 held-out examples here: the noisy count, clamped at 0,
+    # may be 0); no routing metrics under secure aggregation
+    assert final["n/lookup"] >= 0.0 and "acc/lookup" in final and "routing_kl" not in final
     rl = next(e for e in events if e["event"] == "rl")
     assert rl["parties"] == 2 and "route_disagree_l0" not in rl
     # training and RL metrics stay in each party's own log (docs/privacy.md §3)
