@@ -76,6 +76,7 @@ RELEASE_TYPES = ("release:router-stats", "release:model-update", "release:rl-upd
 PLAINTEXT_TYPES = ("model-update", "router-stats", "eval-reply")  # unmasked arrays (plaintext mode only)
 HEAD_KEYS = {"node", "seq", "hash"}
 SCAN_CHUNK = 1 << 22
+_RUN_NAME = re.compile(r"[A-Za-z0-9_.:/*+-]{1,64}\Z")  # run.name as the report accepts it (the run's one id)
 
 
 class AuditInputError(ValueError):
@@ -127,6 +128,7 @@ class AuditResult:
     settings: dict[str, Any]  # the privacy settings the checks used
     epsilon: dict[str, dict[str, Any]]  # party -> figures
     releases: list[dict[str, Any]]  # per release: seq, type, included, test figures
+    flower_run_id: str | None = None  # Flower's id of the run: a detail (ledgers are keyed by it)
 
     @property
     def verdict(self) -> str:
@@ -152,7 +154,8 @@ class AuditResult:
         raise KeyError(name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "run_dir": str(self.run_dir), "verdict": self.verdict,
+        return {"run_id": self.run_id, "flower_run_id": self.flower_run_id, "run_dir": str(self.run_dir),
+                "verdict": self.verdict,
                 "failed": self.failed, "warnings": self.warnings, "checks": [c.to_dict() for c in self.checks],
                 "ledgers": dict(self.ledgers),
                 "settings": dict(self.settings), "epsilon": self.epsilon, "releases": self.releases}
@@ -1073,5 +1076,8 @@ def audit_run(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str | os.
                          "included": _included(r), "dropped": _info(r).get("dropped", []),
                          "dp": r.get("dp") is not None, "z_eff": _z_eff(r, None), **figs.get(r.get("seq"), {})})
     paths = {lf.name: str(lf.path) for lf in run.ledgers}
-    return AuditResult(run.dir, str(run.meta.get("run_id") or run.dir.name), checks, paths, run.settings, table,
-                       releases)
+    name = run.meta.get("name")
+    run_name = name if isinstance(name, str) and _RUN_NAME.match(name) else run.dir.name
+    flower_id = run.meta.get("run_id")
+    return AuditResult(run.dir, run_name, checks, paths, run.settings, table, releases,
+                       flower_run_id=str(flower_id) if flower_id else None)

@@ -50,7 +50,9 @@ def render_markdown(result: AuditResult) -> str:
     if result.warnings:
         out += ["", "**Warnings** (privacy held; the run did not do all it planned):", ""]
         out += [f"- {_cell(w)}" for w in result.warnings]
-    out += ["", f"Run directory: `{result.run_dir}`. Ledgers audited: {', '.join(result.ledgers)}.", "",
+    flower = (f" Flower's run id (a detail; the ledgers' `run` field): `{result.flower_run_id}`."
+              if result.flower_run_id and result.flower_run_id != result.run_id else "")
+    out += ["", f"Run directory: `{result.run_dir}`.{flower} Ledgers audited: {', '.join(result.ledgers)}.", "",
             "## Checks", "", "| check | status | summary |", "|---|---|---|"]
     for c in result.checks:
         if c.status == "fail":

@@ -136,8 +136,9 @@ def begin(co: Coordinator) -> None:
                                          "interrupted_status": prev.get("status"),
                                          "interrupted_error": prev.get("error")}])
     why = f"{prev.get('status')}" + (f": {prev['error']}" if prev.get("error") else "")
-    co.say(f"resuming run {co.run_id} in {co.run_dir} (resume {co.epoch}, session {co.session_id}; the "
-           f"interrupted session ended {why})")
+    name = co.cfg.run.name or co.run_dir.name
+    co.say(f"resuming run {name} in {co.run_dir} (Flower run id {co.run_id}, resume {co.epoch}, session "
+           f"{co.session_id}; the interrupted session ended {why})")
 
 
 def restore(co: Coordinator) -> bool:

@@ -257,6 +257,18 @@ def test_json_output_and_library_api(tmp_path, capsys):
     assert result.passed and result.check("epsilon").status == "pass"
 
 
+def test_one_run_id_the_flower_id_only_as_a_detail(tmp_path, capsys):
+    run, _ = make_run(tmp_path)  # run.json has no run.name: the run's id is its directory's name
+    assert main(["audit", str(run), "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["run_id"] == run.name and body["flower_run_id"] == RUN_ID
+    md = (run / "audit" / "audit.md").read_text()
+    assert md.splitlines()[0] == f"# Privacy audit: {run.name}" and "Flower's run id (a detail" in md
+    meta = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**meta, "name": "night-shift"}))
+    assert audit_run(run).run_id == "night-shift"
+
+
 def test_out_writes_a_data_owners_audit_apart_from_the_coordinators(tmp_path, capsys):
     """``distmoe audit --out DIR`` (docs/deploy.md §1.6): the report goes to DIR; RUN/audit is not touched."""
     run, _ = make_run(tmp_path)
