@@ -40,6 +40,7 @@ import math
 import os
 import re
 import stat
+import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -359,6 +360,8 @@ class Ledger:
         self.recovered_bytes = 0  # bytes of torn tail truncated on open
         self._head: tuple[int, str] = (-1, GENESIS)
         self._size = 0
+        self._lock = threading.Lock()  # appends from two threads of one process (a stop signal's handler)
+        self._sealed: str | None = None  # why no further entry may be appended (``seal``)
         self._open()
 
     # -- open / recover
@@ -404,6 +407,22 @@ class Ledger:
         then fsynced: when this returns the entry is durable; a crash leaves at most a torn tail that
         the next open truncates.
         """
+        with self._lock:
+            if self._sealed is not None:
+                raise LedgerError(f"{self.path}: sealed ({self._sealed}); no further entries")
+            return self._append(fields)
+
+    def append_final(self, why: str, **fields: Any) -> dict[str, Any]:
+        """Append one last entry and refuse every later append in this process, under one lock: after a stop
+        signal closed the ledger with ``run-end``, a worker thread still running must not write after it."""
+        with self._lock:
+            if self._sealed is not None:
+                raise LedgerError(f"{self.path}: sealed ({self._sealed}); no further entries")
+            entry = self._append(fields)
+            self._sealed = why
+            return entry
+
+    def _append(self, fields: Mapping[str, Any]) -> dict[str, Any]:
         body = _validate(fields)
         seq, prev = self._head
         body["seq"], body["prev"] = seq + 1, prev

@@ -16,6 +16,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.exit import add_exit_handler
 
 from distmoe.config import parse_run_config
 from distmoe.coordinator import Coordinator
@@ -56,4 +57,8 @@ def main(grid: Grid, context: Context) -> None:
     else:
         run_dir = Path(cfg.run.dir) if cfg.run.dir else Path("runs") / run_id
     coord = Coordinator(cfg, run_dir, GridTransport(grid), run_id, log=lambda s: log(logging.INFO, s))
+    # SIGTERM/SIGINT/SIGQUIT reach Flower's handler in the process's main thread (the Simulation Engine runs this
+    # function in a worker thread, where no signal arrives): close the ledger as interrupted before Flower exits.
+    add_exit_handler(lambda: coord.interrupt("stopped by a signal (Flower's graceful exit)"),
+                     run_before_force_exit=True)
     coord.run()

@@ -19,6 +19,7 @@ Must not: import ``flwr``, build Flower records, or read party data.
 
 from __future__ import annotations
 
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -82,6 +83,8 @@ class Coordinator:
         self.guard: ServerGuard | None = None
         self.secure: SecureRounds | None = None
         self.aggregator: Aggregator | None = None
+        self._end_lock = threading.Lock()
+        self._ended: str | None = None  # how the run ended ("completed", "failed", or the stop signal's text)
 
     # ------------------------------------------------------------------ the run, top to bottom
     def run(self) -> dict:
@@ -98,18 +101,43 @@ class Coordinator:
             self._run_schedule()
         except BaseException as exc:  # Ctrl-C closes the ledger as "interrupted" (the audit judges what it holds)
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-            self.record.update(status=status, finished=time.time(), error=f"{type(exc).__name__}: {exc}")
-            self.metrics.append({"event": "run_end", "status": status, "error": str(exc)})
+            with self._end_lock:
+                if self._ended is not None:  # a stop signal closed the run already (``interrupt``)
+                    raise
+                self._ended = status
+                self.record.update(status=status, finished=time.time(), error=f"{type(exc).__name__}: {exc}")
+                self.metrics.append({"event": "run_end", "status": status, "error": str(exc)})
+                plane.close(self, status)
             self.say(f"run {status.upper()}: {type(exc).__name__}: {exc}")
             if not isinstance(exc, (RunFailed, PrivacyStop)):
                 self.log(traceback.format_exc())
             raise
-        finally:
-            plane.close(self, status)
-        self.record.update(status="completed", finished=time.time())
-        self.metrics.append({"event": "run_end", "status": "completed", "rounds": self.s.round})
+        with self._end_lock:
+            if self._ended is not None:
+                return self.record.data
+            self._ended = "completed"
+            plane.close(self, "completed")
+            self.record.update(status="completed", finished=time.time())
+            self.metrics.append({"event": "run_end", "status": "completed", "rounds": self.s.round})
         self.say(f"run completed: {self.s.round} rounds, results in {self.run_dir}")
         return self.record.data
+
+    def interrupt(self, why: str = "stopped by a signal") -> None:
+        """A stop signal reached this process while the run goes on, possibly in another thread (Flower's
+        Simulation Engine runs the ServerApp in a worker thread, where no signal arrives): record the run as
+        interrupted and close the ledger with ``run-end`` (status ``interrupted``) once, sealed, so the run's
+        own thread cannot write after it. ``--resume`` continues it (``docs/operations.md``)."""
+        with self._end_lock:
+            if self._ended is not None:
+                return
+            self._ended = why
+            try:  # an exit handler: never raise
+                self.record.update(status="interrupted", finished=time.time(), error=why)
+                self.metrics.append({"event": "run_end", "status": "interrupted", "error": why})
+            except Exception as exc:
+                self.say(f"could not record the stop: {exc}")
+            plane.close(self, "interrupted", seal=why)
+        self.say(f"run INTERRUPTED: {why}; the ledger is closed, `--resume` continues the run")
 
     def _run_schedule(self) -> None:
         total = self.cfg.schedule.total_rounds

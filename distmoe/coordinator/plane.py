@@ -13,6 +13,7 @@ Must not: import ``flwr``, or send anything before the allow-list is signed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import TYPE_CHECKING
 
@@ -103,14 +104,16 @@ def start(co: Coordinator, nodes: list[int]) -> None:
                               "n_parties": len(co.secure.roster)})
 
 
-def close(co: Coordinator, status: str) -> None:
+def close(co: Coordinator, status: str, seal: str | None = None) -> None:
     """The ``run-end`` entry (``status``: completed, failed, interrupted) with the epsilon spent per party; never
-    masks the run's own error. The audit requires it as the ledger's last entry (``distmoe.audit.ledgers``)."""
+    masks the run's own error. The audit requires it as the ledger's last entry (``distmoe.audit.ledgers``).
+    ``seal``: refuse every later append in this process (a stop signal closing the run from another thread)."""
     if co.ledger is None:
         return
     try:
         eps = co.secure.epsilon() if co.secure is not None else {}
-        co.ledger.append(run=co.run_id, round=co.s.round, phase="run-end", direction="out", payload_type="run-end",
+        append = co.ledger.append if seal is None else functools.partial(co.ledger.append_final, seal)
+        append(run=co.run_id, round=co.s.round, phase="run-end", direction="out", payload_type="run-end",
                          keys=[], shapes={}, bytes=0, sha256=hashlib.sha256(b"").hexdigest(), verdict="accepted",
                          peer="all", info={"status": status, "epsilon": eps})
         if eps:
