@@ -223,6 +223,27 @@ def test_second_writer_is_refused(filled, key):
     assert verify_ledger(path, key.public_key()).ok  # the chain did not fork
 
 
+def test_final_entry_seals_the_ledger_against_other_threads(filled, key):
+    """A stop signal's handler writes ``run-end`` with ``append_final``; the run's own thread, still going, must
+    not append after it (the audit requires run-end last). Concurrent appends from threads keep one chain."""
+    import threading
+
+    path, led = filled
+    threads = [threading.Thread(target=led.append, kwargs=_fields(10 + i)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    led.append_final("stopped by a signal", **_fields(99))
+    with pytest.raises(LedgerError, match="sealed"):
+        led.append(**_fields(100))
+    with pytest.raises(LedgerError, match="sealed"):
+        led.append_final("again", **_fields(101))
+    entries = [json.loads(line) for line in _lines(path)]
+    assert len(entries) == 5 + 8 + 1 and entries[-1]["round"] == _fields(99)["round"]
+    assert verify_ledger(path, key.public_key()).ok
+
+
 @pytest.mark.parametrize("over,msg", [
     (dict(verdict="ok"), "verdict"),
     (dict(verdict="rejected: "), "verdict"),
