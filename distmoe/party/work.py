@@ -90,7 +90,8 @@ def load_data(cfg: RunConfig, node: NodeConfig) -> PartyData:
     return load_party(node.data_path, cfg.data)
 
 
-def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpdate:
+def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction, notes: dict | None = None) -> ModelUpdate:
+    """Local SFT; ``notes`` (when given) receives what stays in the party's own log (``_stability``)."""
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
     keys = TRAIN_METRIC_KEYS
@@ -119,7 +120,18 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
              f"{metrics['loss_last']:.4f} over {int(metrics['steps'])} steps ({res.num_examples} examples)"
              + (f", anchor KL {metrics['anchor_kl']:.4f}" if anchor is not None else "")
              + (f", {int(metrics['skipped_steps'])} skipped steps" if metrics['skipped_steps'] > 0 else ""))
+    _stability(node, instr, res.nonfinite, notes)
     return ModelUpdate(party=node.party, delta=delta, num_examples=res.num_examples, metrics=metrics)
+
+
+def _stability(node: NodeConfig, instr, nonfinite, notes: dict | None) -> None:
+    """Name the parameters behind skipped NaN/Inf steps in the party's own log lines and, through ``notes``, in
+    its metrics log; the names never leave the party (the wire carries the skipped-step count only)."""
+    if not nonfinite.skipped:
+        return
+    progress(node, f"round {instr.round}: non-finite gradients skipped {nonfinite.summary()}")
+    if notes is not None:
+        notes.update(nonfinite.facts())
 
 
 def progress(node: NodeConfig, text: str) -> None:
@@ -188,7 +200,7 @@ def eval_scores(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> dic
             for t, ex in heldout.items()}
 
 
-def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdate:
+def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction, notes: dict | None = None) -> ModelUpdate:
     """Local GRPO on this party's prompts of ``instr.task``; the update travels like an SFT update."""
     from distmoe.rl.grpo import run_grpo
 
@@ -206,7 +218,8 @@ def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdat
                          f"{len(prompts)} training prompts of task {instr.task!r}")
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
     res = run_grpo(model, tok, prompts, instr.task, r, seed=_party_seed(instr.seed, node.party),
-                   max_prompt_len=cfg.model.max_seq_len, grad_clip=cfg.train.grad_clip)
+                   max_prompt_len=cfg.model.max_seq_len, grad_clip=cfg.train.grad_clip,
+                   winsorize=cfg.train.winsorize)
     after = trainable_state(model)
     delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
     summary = res.summary()
@@ -217,4 +230,5 @@ def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdat
     n = r.steps * r.prompts_per_step * r.group_size  # rollouts used: the FedAvg weight
     progress(node, f"round {instr.round} rl:{instr.task}: reward {metrics['reward_first']:.4f} -> "
              f"{metrics['reward_last']:.4f} over {int(metrics['steps'])} steps ({n} rollouts)")
+    _stability(node, instr, res.nonfinite, notes)
     return ModelUpdate(party=node.party, delta=delta, num_examples=n, metrics=metrics, kind="rl")
