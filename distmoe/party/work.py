@@ -90,8 +90,7 @@ def load_data(cfg: RunConfig, node: NodeConfig) -> PartyData:
     return load_party(node.data_path, cfg.data)
 
 
-def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction, notes: dict | None = None) -> ModelUpdate:
-    """Local SFT; ``notes`` (when given) receives what stays in the party's own log (``_stability``)."""
+def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpdate:
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
     keys = TRAIN_METRIC_KEYS
@@ -120,18 +119,27 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction, notes: dict
              f"{metrics['loss_last']:.4f} over {int(metrics['steps'])} steps ({res.num_examples} examples)"
              + (f", anchor KL {metrics['anchor_kl']:.4f}" if anchor is not None else "")
              + (f", {int(metrics['skipped_steps'])} skipped steps" if metrics['skipped_steps'] > 0 else ""))
-    _stability(node, instr, res.nonfinite, notes)
+    _stability(node, instr, res.nonfinite)
     return ModelUpdate(party=node.party, delta=delta, num_examples=res.num_examples, metrics=metrics)
 
 
-def _stability(node: NodeConfig, instr, nonfinite, notes: dict | None) -> None:
-    """Name the parameters behind skipped NaN/Inf steps in the party's own log lines and, through ``notes``, in
-    its metrics log; the names never leave the party (the wire carries the skipped-step count only)."""
+_NOTES: dict[str, dict] = {}  # party -> facts of its last local round for its own metrics log (``take_notes``)
+
+
+def _stability(node: NodeConfig, instr, nonfinite) -> None:
+    """Name the parameters behind skipped NaN/Inf steps in the party's own log line and keep them for its
+    metrics log (``take_notes``); the names never leave the party (the wire carries the skipped-step count)."""
+    _NOTES.pop(node.party, None)
     if not nonfinite.skipped:
         return
     progress(node, f"round {instr.round}: non-finite gradients skipped {nonfinite.summary()}")
-    if notes is not None:
-        notes.update(nonfinite.facts())
+    _NOTES[node.party] = nonfinite.facts()
+
+
+def take_notes(party: str) -> dict:
+    """What the party's last ``run_sft`` / ``run_rl`` left for its own metrics log (the names of parameters
+    with non-finite gradients), once; empty when nothing was skipped."""
+    return _NOTES.pop(party, {})
 
 
 def progress(node: NodeConfig, text: str) -> None:
@@ -200,7 +208,7 @@ def eval_scores(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> dic
             for t, ex in heldout.items()}
 
 
-def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction, notes: dict | None = None) -> ModelUpdate:
+def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdate:
     """Local GRPO on this party's prompts of ``instr.task``; the update travels like an SFT update."""
     from distmoe.rl.grpo import run_grpo
 
@@ -230,5 +238,5 @@ def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction, notes: dict |
     n = r.steps * r.prompts_per_step * r.group_size  # rollouts used: the FedAvg weight
     progress(node, f"round {instr.round} rl:{instr.task}: reward {metrics['reward_first']:.4f} -> "
              f"{metrics['reward_last']:.4f} over {int(metrics['steps'])} steps ({n} rollouts)")
-    _stability(node, instr, res.nonfinite, notes)
+    _stability(node, instr, res.nonfinite)
     return ModelUpdate(party=node.party, delta=delta, num_examples=n, metrics=metrics, kind="rl")

@@ -119,10 +119,9 @@ class UpdateLayout:
         """1 for a party that trained on data (or any party when private), else 0: never the example count."""
         return 1 if self.private or num_examples > 0 else 0
 
-    def encode(self, delta: Mapping[str, np.ndarray], num_examples: int, skipped: int = 0
-               ) -> tuple[np.ndarray, dict[str, float]]:
-        """One party's input ``[length]`` uint64 and facts for its own log (norm before clipping, clipped?);
-        ``skipped`` (its skipped NaN/Inf steps) goes into the count slot where the layout has one."""
+    def encode(self, delta: Mapping[str, np.ndarray], num_examples: int) -> tuple[np.ndarray, dict[str, float]]:
+        """One party's input ``[length]`` uint64 and facts for its own log (norm before clipping, clipped?); the
+        skipped-step slot, where the layout has one, holds 0 until ``count_skipped`` fills it."""
         want = dict(self.shapes)
         if set(delta) != set(want):
             raise LayoutError(f"update keys differ from the trainable spec: extra {sorted(set(delta) - set(want))[:3]}"
@@ -139,7 +138,7 @@ class UpdateLayout:
         norm = float(np.linalg.norm(flat))
         factor = min(1.0, self.clip / norm) if norm > 0 else 1.0
         w = self.weight_of(num_examples)
-        count = [float(min(max(int(skipped), 0), SKIPPED_MAX))] if self.counts_skipped else []
+        count = [0.0] if self.counts_skipped else []
         vec = np.concatenate([flat * (factor * w), [float(w)], count])  # [length]
         facts = {"norm": norm, "clipped": float(factor < 1.0), "weight": float(w)}
         return ring.encode_fixed(vec, 2.0**self.frac_bits), facts
@@ -160,6 +159,18 @@ class UpdateLayout:
             out[k] = (v[off:off + size] / w).reshape(shape).astype(np.float32)
             off += size
         return out, w
+
+    def count_skipped(self, vec: np.ndarray, skipped: int) -> np.ndarray:
+        """``vec`` (an ``encode`` output, before noise or masks) with the party's skipped NaN/Inf steps, clamped to
+        ``[0, SKIPPED_MAX]``, in the count slot; unchanged where the layout has none (``private``)."""
+        if not self.counts_skipped:
+            return vec
+        if vec.shape != (self.length,):
+            raise LayoutError(f"input has shape {vec.shape}, layout length {self.length}")
+        out = vec.copy()
+        out[self.numel + 1] = ring.encode_fixed(np.array([float(min(max(int(skipped), 0), SKIPPED_MAX))]),
+                                                2.0**self.frac_bits)[0]
+        return out
 
     def decode_skipped(self, total: np.ndarray) -> float | None:
         """The summed skipped-step count of the included parties, or None where the layout has no slot."""

@@ -85,11 +85,14 @@ def test_skipped_step_count_is_summed_only_without_update_noise():
 
     rng = np.random.default_rng(1)
     lay = UpdateLayout.build(SHAPES, 3, clip=10.0)
-    vecs = [lay.encode(_delta(rng), 5, skipped=s)[0] for s in (0, 2, 5)]
+    vecs = [lay.count_skipped(lay.encode(_delta(rng), 5)[0], s) for s in (0, 2, 5)]
     total = _ring_sum(vecs)
     assert lay.decode_skipped(total) == 7.0
     avg, weight = lay.decode(total)
     assert weight == pytest.approx(3.0) and set(avg) == set(SHAPES)  # the slot does not disturb the mean
-    assert lay.decode_skipped(lay.encode(_delta(rng), 5, skipped=10**9)[0]) == SKIPPED_MAX  # clamped to its bound
+    assert lay.decode_skipped(lay.encode(_delta(rng), 5)[0]) == 0.0
+    assert lay.decode_skipped(lay.count_skipped(lay.encode(_delta(rng), 5)[0], 10**9)) == SKIPPED_MAX  # its bound
     private = UpdateLayout.build(SHAPES, 3, clip=10.0, private=True)
-    assert private.length == lay.length - 1 and private.decode_skipped(private.encode(_delta(rng), 5, 4)[0]) is None
+    vec = private.encode(_delta(rng), 5)[0]
+    assert private.length == lay.length - 1 and np.array_equal(private.count_skipped(vec, 4), vec)
+    assert private.decode_skipped(vec) is None
