@@ -384,8 +384,9 @@ class FederationConfig(_Section):
                            "aggregation no training metric reaches the server); 0 turns the spike test off",
                            lo=0.0, hi=1000.0)
     divergence_max: float = key(0.0, "per-tensor divergence check of every applied aggregate update: a tensor whose "
-                                "max |Δ| exceeds this is flagged as a warning in `run.json`, the progress stream, "
-                                "`metrics.jsonl` (`anomaly`) and the report, naming the tensors; 0 = off",
+                                "largest absolute change exceeds this is flagged as a warning in `run.json`, the "
+                                "progress stream, `metrics.jsonl` (`anomaly`) and the report, naming the tensors "
+                                "(`docs/operations.md`); 0 = off",
                                 lo=0.0, hi=1e6, lo_open=True, off=0.0)
 
 
