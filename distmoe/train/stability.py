@@ -59,20 +59,15 @@ class NonFinite:
         return {"nonfinite_params": list(self.params)[:NAMES_SHOWN], "nonfinite_tensors": len(self.params)}
 
 
-def winsorize_(grads: list[torch.Tensor], k: float) -> int:
+@torch.no_grad()
+def winsorize_(grads: list[torch.Tensor], k: float) -> None:
     """Clamp each gradient tensor's elements to ``[-k rms, k rms]`` of that tensor, in place (module
-    docstring); returns the number of elements clamped. ``k <= 0``: nothing."""
+    docstring); ``k <= 0``: nothing. No host synchronisation (the bound stays a device tensor)."""
     if k <= 0:
-        return 0
-    clamped = 0
+        return
     for g in grads:
-        bound = k * g.detach().float().pow(2).mean().sqrt()  # [] scalar
-        over = g.abs() > bound  # [same as g]
-        n = int(over.sum())
-        if n:
-            clamped += n
-            g.copy_(torch.maximum(torch.minimum(g, bound.to(g.dtype)), -bound.to(g.dtype)))
-    return clamped
+        bound = (k * g.float().pow(2).mean().sqrt()).to(g.dtype)  # [] scalar
+        g.clamp_(min=-bound, max=bound)
 
 
 def guard_gradients(named: list[tuple[str, torch.nn.Parameter]], grad_clip: float, winsorize: float = 0.0
@@ -92,8 +87,7 @@ def guard_gradients(named: list[tuple[str, torch.nn.Parameter]], grad_clip: floa
         bad = [n for n, g in with_grad if not torch.isfinite(torch.linalg.vector_norm(g.detach().float()))]
         return total, bad or ["<norm overflow>"]  # every tensor finite, only their summed squares overflowed
     if winsorize > 0:
-        with torch.no_grad():
-            if winsorize_(grads, winsorize):
-                total = torch.nn.utils.get_total_norm(grads, 2.0)
+        winsorize_(grads, winsorize)
+        total = torch.nn.utils.get_total_norm(grads, 2.0)
     torch.nn.utils.clip_grads_with_norm_([p for _, p in named if p.grad is not None], grad_clip, total)
     return total, None
