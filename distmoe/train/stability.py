@@ -25,6 +25,7 @@ Must not: step the optimizer, read files or talk to the wire.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +67,7 @@ def winsorize_(grads: list[torch.Tensor], k: float) -> None:
     if k <= 0:
         return
     for g in grads:
-        bound = (k * g.float().pow(2).mean().sqrt()).to(g.dtype)  # [] scalar
+        bound = (k / math.sqrt(max(g.numel(), 1)) * torch.linalg.vector_norm(g, dtype=torch.float32)).to(g.dtype)  # []
         g.clamp_(min=-bound, max=bound)
 
 
