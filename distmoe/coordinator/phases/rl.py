@@ -26,7 +26,7 @@ def aggregate(co, index, phase, instr: RlInstruction) -> str:
     if isinstance(out, str):
         return out
     agg = out.metrics
-    if not math.isfinite(agg.get("reward_first", math.nan)):
+    if co.cfg.privacy.secure:  # no RL metric but the skipped-update sum reaches the server
         skipped = agg.get("skipped_steps", math.nan)  # the secure sum's one stability count (no update noise)
         return (f"{out.parties}/{out.nodes} parties, {out.num_examples} contributing | RL metrics stay at the "
                 "parties (secure aggregation)" + (f" | skipped NaN/Inf updates {int(skipped)}"
