@@ -140,3 +140,4 @@ def test_sft_winsorize_changes_the_update_and_keeps_it_finite(make_cfg, party):
     a, b = trainable_state(m_off), trainable_state(m_on)
     assert any(not torch.equal(a[k], b[k]) for k in a)  # the clamp took effect
     assert all(torch.isfinite(v).all() for v in b.values())
+
