@@ -232,6 +232,9 @@ class TrainConfig(_Section):
     weight_decay: float = key(0.0, "AdamW weight decay", lo=0.0, hi=1.0)
     warmup_steps: int = key(5, "linear warm-up at the start of each local round", lo=0)
     grad_clip: float = key(1.0, "gradient-norm clipping (also of the local RL updates)", lo=0.0, lo_open=True)
+    winsorize: float = key(0.0, "gradient winsorisation (SFT and local RL): each gradient element is clamped to this "
+                           "many RMS of its own tensor before the norm clip (`docs/algorithms.md`, Stability "
+                           "guards); 0 = off", lo=1.0, hi=1e6, off=0.0)
     threads: int = key(1, "torch threads per party process", lo=1, hi=256)
     device: str = key("auto", "where a party computes: `auto` (the first CUDA device, else Apple `mps`, else `cpu`), "
                       "`cpu`, `cuda`, `cuda:N`, `mps`; each data owner may set its own in its node config (`device`)",
@@ -380,6 +383,11 @@ class FederationConfig(_Section):
                            "(`anomalies`), `metrics.jsonl` and the report (plaintext mode: under secure "
                            "aggregation no training metric reaches the server); 0 turns the spike test off",
                            lo=0.0, hi=1000.0)
+    divergence_max: float = key(0.0, "per-tensor divergence check of every applied aggregate update: a tensor whose "
+                                "largest absolute change exceeds this is flagged as a warning in `run.json`, the "
+                                "progress stream, `metrics.jsonl` (`anomaly`) and the report, naming the tensors "
+                                "(`docs/operations.md`); 0 = off",
+                                lo=0.0, hi=1e6, lo_open=True, off=0.0)
 
 
 @section("privacy")

@@ -39,9 +39,10 @@ def layout_facts(co: Coordinator, n: int) -> dict[str, int]:
     """The public vector lengths of each release for ``n`` parties (they size the allow-list)."""
     cfg, p = co.cfg, co.cfg.privacy
     L, E = co.mspec.num_moe_layers, co.mspec.num_experts
+    update = UpdateLayout.build(co.tspec.shapes, n, p.update_clip, private=co.plan.update_noise_multiplier > 0)
     return dict(
-        update_length=UpdateLayout.build(co.tspec.shapes, n, p.update_clip).length,
-        rl_update_length=UpdateLayout.build(co.tspec.shapes, n, p.update_clip).length,  # the same layout
+        update_length=update.length,
+        rl_update_length=update.length,  # the same layout
         stats_length=L * E + p.noise_canaries, eval_length=EvalSpec.length_for(cfg.schedule.tasks))
 
 

@@ -30,7 +30,7 @@ from distmoe.privacy.accountant import PrivacyEvent
 from distmoe.privacy.dp import canary_seed, positions_digest, row_noise_test
 from distmoe.privacy.plan import eval_spec, stats_event, stats_spec
 from distmoe.privacy.update_noise import update_dp_facts, update_event
-from distmoe.privacy.vectors import StatsLayout, UpdateLayout
+from distmoe.privacy.vectors import SKIPPED_MAX, StatsLayout, UpdateLayout
 
 ROW_NOISE_ALPHA = 1e-6  # the per-release warning level of the row-sum noise test (the audit pools releases)
 
@@ -71,6 +71,9 @@ class SecureAggregator(Aggregator):
             return Skip("no secure sum this round: model unchanged")
         avg, weight = layout.decode(res.total)
         problem = aggregate_problem(layout, avg, weight, len(res.included), z_u, t)
+        skipped = layout.decode_skipped(res.total)  # the one stability count (None with update noise)
+        if problem is None and skipped is not None and not 0 <= skipped <= len(res.included) * SKIPPED_MAX:
+            problem = f"skipped-step count {skipped:.6g} outside [0, {len(res.included)} x {SKIPPED_MAX}]"
         dp = None
         if z_u > 0:
             dp = update_dp_facts(layout, z_u, n, t, res.n_active)
@@ -80,7 +83,8 @@ class SecureAggregator(Aggregator):
         if avg is None:
             return Skip(f"{len(res.included)} parties, total weight 0 (no data for task {instr.task!r}): model "
                         "unchanged", failed=False)
-        return UpdateSum(avg, {}, int(round(weight)), len(res.included), n)  # metrics: not released
+        metrics = {} if skipped is None else {"skipped_steps": skipped}  # no other metric is released
+        return UpdateSum(avg, metrics, int(round(weight)), len(res.included), n)
 
     def router_stats(self, instr, shape, label):
         p, sec, rnd = self.co.cfg.privacy, self.rounds, self.co.s.round

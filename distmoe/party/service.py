@@ -150,10 +150,14 @@ class PartyService:
         """Train locally; the update as this round's ``[D]`` vector (noised under client-level DP). Its training
         metrics stay in this party's own log (``UpdateLayout``: uniform weights, no metrics)."""
         cfg, node = self.cfg, self.node
+        P.take_notes(node.party)  # nothing stale from an earlier call
         upd = (P.run_sft if isinstance(instr, SftInstruction) else P.run_rl)(cfg, node, instr)
+        notes = P.take_notes(node.party)  # names of parameters with non-finite gradients: this party's log only
         layout = sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()})
         vec, facts = layout.encode(upd.delta, upd.num_examples)
-        self._log_metrics(instr, upd.metrics, facts)
+        skipped = upd.metrics.get("skipped_steps", 0.0)  # NaN for a party without data for the task
+        vec = layout.count_skipped(vec, int(skipped) if skipped == skipped else 0)
+        self._log_metrics(instr, upd.metrics, {**facts, **notes})
         contributed = upd.num_examples > 0  # any of this party's examples went into the update
         z_u = sess.facts.update_noise_multiplier
         if z_u <= 0:

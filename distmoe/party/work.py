@@ -119,7 +119,27 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
              f"{metrics['loss_last']:.4f} over {int(metrics['steps'])} steps ({res.num_examples} examples)"
              + (f", anchor KL {metrics['anchor_kl']:.4f}" if anchor is not None else "")
              + (f", {int(metrics['skipped_steps'])} skipped steps" if metrics['skipped_steps'] > 0 else ""))
+    _stability(node, instr, res.nonfinite)
     return ModelUpdate(party=node.party, delta=delta, num_examples=res.num_examples, metrics=metrics)
+
+
+_NOTES: dict[str, dict] = {}  # party -> facts of its last local round for its own metrics log (``take_notes``)
+
+
+def _stability(node: NodeConfig, instr, nonfinite) -> None:
+    """Name the parameters behind skipped NaN/Inf steps in the party's own log line and keep them for its
+    metrics log (``take_notes``); the names never leave the party (the wire carries the skipped-step count)."""
+    _NOTES.pop(node.party, None)
+    if not nonfinite.skipped:
+        return
+    progress(node, f"round {instr.round}: non-finite gradients skipped {nonfinite.summary()}")
+    _NOTES[node.party] = nonfinite.facts()
+
+
+def take_notes(party: str) -> dict:
+    """What the party's last ``run_sft`` / ``run_rl`` left for its own metrics log (the names of parameters
+    with non-finite gradients), once; empty when nothing was skipped."""
+    return _NOTES.pop(party, {})
 
 
 def progress(node: NodeConfig, text: str) -> None:
@@ -206,7 +226,8 @@ def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdat
                          f"{len(prompts)} training prompts of task {instr.task!r}")
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
     res = run_grpo(model, tok, prompts, instr.task, r, seed=_party_seed(instr.seed, node.party),
-                   max_prompt_len=cfg.model.max_seq_len, grad_clip=cfg.train.grad_clip)
+                   max_prompt_len=cfg.model.max_seq_len, grad_clip=cfg.train.grad_clip,
+                   winsorize=cfg.train.winsorize)
     after = trainable_state(model)
     delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
     summary = res.summary()
@@ -217,4 +238,5 @@ def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdat
     n = r.steps * r.prompts_per_step * r.group_size  # rollouts used: the FedAvg weight
     progress(node, f"round {instr.round} rl:{instr.task}: reward {metrics['reward_first']:.4f} -> "
              f"{metrics['reward_last']:.4f} over {int(metrics['steps'])} steps ({n} rollouts)")
+    _stability(node, instr, res.nonfinite)
     return ModelUpdate(party=node.party, delta=delta, num_examples=n, metrics=metrics, kind="rl")

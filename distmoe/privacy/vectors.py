@@ -23,6 +23,12 @@ mean of the contributors' clipped deltas, as in DP-FedAvg (McMahan et al., ICLR 
 a party with 10x the data no longer pulls 10x harder. With client-level DP on updates (``private=True``,
 ``privacy.update-noise-multiplier > 0``) every included party has weight 1, data or not (a zero delta plus
 its noise share), so ``sum w`` is the included count and the L2 sensitivity of the sum is ``clip``.
+One stability count is the exception, and only without update noise: ``skipped``, the number of local optimizer
+steps the party skipped for a NaN/Inf loss or gradient (clamped to ``[0, SKIPPED_MAX]``), is summed in one more
+slot, so the server learns the total over the contributors (``docs/privacy.md`` §3). Without ``private`` the
+clipped delta itself is an exact sum that a provoked straggle differences to one party's delta (§4.5), which
+determines far more than this count of at most ``log2(steps + 1)`` bits; with ``private`` an exact count would
+escape the update's DP guarantee, so the slot is absent and the count stays in the party's own log.
 Evaluation figures are a Skellam-noised per-example sum (``distmoe.privacy.metric_noise.EvalSpec``).
 
 Must not: import ``flwr`` or ``torch``, add noise other than through ``dp``, or accept a value outside
@@ -44,6 +50,7 @@ __all__ = ["BITS", "LayoutError", "StatsLayout", "UpdateLayout", "from_ring64", 
 
 BITS = ring.RING_BITS  # every secure sum of this project lives in Z_2^64
 _MAX_FRAC_BITS = 40
+SKIPPED_MAX = 2**20  # bound of one party's skipped-step count (far above any round's optimizer steps)
 _NOISE_HEADROOM = 2.0**24  # room for update noise: 10 std of z_u * clip * sqrt(2) at z_u up to 1e6 (the key's bound)
 
 
@@ -66,8 +73,9 @@ def _frac_bits(n_parties: int, bound: float) -> int:
 # ------------------------------------------------------------------------------------------- updates
 @dataclass(frozen=True)
 class UpdateLayout:
-    """``[sum_k numel_k]`` w*delta (trainable tensors in sorted key order) | ``[1]`` w. Bounds: ||delta||_2 <=
-    clip, w in {0, 1} (module docstring: uniform weights, no metrics)."""
+    """``[sum_k numel_k]`` w*delta (trainable tensors in sorted key order) | ``[1]`` w | ``[1]`` skipped steps
+    (only when not ``private``). Bounds: ||delta||_2 <= clip, w in {0, 1}, skipped in [0, SKIPPED_MAX] (module
+    docstring: uniform weights, no metrics but the skipped-step count)."""
 
     shapes: tuple[tuple[str, tuple[int, ...]], ...]  # sorted trainable (name, shape)
     n_parties: int
@@ -95,8 +103,13 @@ class UpdateLayout:
         return sum(math.prod(s) for _, s in self.shapes)
 
     @property
+    def counts_skipped(self) -> bool:
+        """Whether the layout has the skipped-step slot: only without update noise (module docstring)."""
+        return not self.private
+
+    @property
     def length(self) -> int:
-        return self.numel + 1
+        return self.numel + 1 + int(self.counts_skipped)
 
     @property
     def frac_bits(self) -> int:
@@ -107,7 +120,8 @@ class UpdateLayout:
         return 1 if self.private or num_examples > 0 else 0
 
     def encode(self, delta: Mapping[str, np.ndarray], num_examples: int) -> tuple[np.ndarray, dict[str, float]]:
-        """One party's input ``[length]`` uint64 and facts for its own log (norm before clipping, clipped?)."""
+        """One party's input ``[length]`` uint64 and facts for its own log (norm before clipping, clipped?); the
+        skipped-step slot, where the layout has one, holds 0 until ``count_skipped`` fills it."""
         want = dict(self.shapes)
         if set(delta) != set(want):
             raise LayoutError(f"update keys differ from the trainable spec: extra {sorted(set(delta) - set(want))[:3]}"
@@ -124,7 +138,8 @@ class UpdateLayout:
         norm = float(np.linalg.norm(flat))
         factor = min(1.0, self.clip / norm) if norm > 0 else 1.0
         w = self.weight_of(num_examples)
-        vec = np.concatenate([flat * (factor * w), [float(w)]])  # [length]
+        count = [0.0] if self.counts_skipped else []
+        vec = np.concatenate([flat * (factor * w), [float(w)], count])  # [length]
         facts = {"norm": norm, "clipped": float(factor < 1.0), "weight": float(w)}
         return ring.encode_fixed(vec, 2.0**self.frac_bits), facts
 
@@ -144,6 +159,27 @@ class UpdateLayout:
             out[k] = (v[off:off + size] / w).reshape(shape).astype(np.float32)
             off += size
         return out, w
+
+    def count_skipped(self, vec: np.ndarray, skipped: int) -> np.ndarray:
+        """``vec`` (an ``encode`` output, before noise or masks) with the party's skipped NaN/Inf steps, clamped to
+        ``[0, SKIPPED_MAX]``, in the count slot; unchanged where the layout has none (``private``)."""
+        if not self.counts_skipped:
+            return vec
+        if vec.shape != (self.length,):
+            raise LayoutError(f"input has shape {vec.shape}, layout length {self.length}")
+        out = vec.copy()
+        out[self.numel + 1] = ring.encode_fixed(np.array([float(min(max(int(skipped), 0), SKIPPED_MAX))]),
+                                                2.0**self.frac_bits)[0]
+        return out
+
+    def decode_skipped(self, total: np.ndarray) -> float | None:
+        """The summed skipped-step count of the included parties, or None where the layout has no slot."""
+        if not self.counts_skipped:
+            return None
+        v = ring.decode_fixed(total, 2.0**self.frac_bits)
+        if v.shape != (self.length,):
+            raise LayoutError(f"sum has shape {v.shape}, layout length {self.length}")
+        return float(round(v[self.numel + 1]))
 
 
 # ------------------------------------------------------------------------------------------ router stats

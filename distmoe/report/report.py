@@ -825,7 +825,11 @@ def _train_table(rows: list[dict[str, Any]], derived: bool, secure: bool = False
         # no training metric is released under secure aggregation: no column of dashes
         body = [(r["round"], r.get("phase_label"), r.get("task"), _count(r.get("contributors", r.get("parties"))),
                  "skipped: nothing released" if r.get("skipped") else "applied") for r in rows]
-        out += _table(("round", "phase", "task", "contributing parties†", "update"), body)
+        header: tuple[str, ...] = ("round", "phase", "task", "contributing parties†", "update")
+        if any(_num(r.get("skipped_steps")) is not None for r in rows):  # the secure sum of NaN/Inf steps skipped
+            body = [(*b, _count(r.get("skipped_steps"))) for b, r in zip(body, rows, strict=True)]
+            header = (*header, "skipped NaN/Inf steps (sum)")
+        out += _table(header, body)
     else:
         body = [
             (

@@ -39,7 +39,8 @@ One step is:
    With ``cfg.routing_replay`` (off by default) the rollouts record the engine's routes and every training-side
    forward of the step (the theta_old recompute, every update, the reference) replays them (``replay.py``);
 4. ``ppo_epochs x minibatches`` updates (train mode) with the registered policy loss (``minibatch_loss``), gradient
-   clipping; an update whose loss or gradient norm is NaN/Inf is skipped (no optimizer step) and counted.
+   clipping (after optional winsorisation, ``train/stability.py``); an update whose loss or gradient norm is
+   NaN/Inf is skipped (no optimizer step) and counted, naming the tensors whose gradient was non-finite.
 
 Must not: read files, talk to the wire, or import Flower. The policy is in train mode only during the
 updates (eval mode for generation, recompute and diagnostics) and is left in eval mode.
@@ -67,6 +68,7 @@ from distmoe.rl.rewards import compute_rewards
 from distmoe.rl.rollout import Rollouts, generate_rollouts, routing_disagreement, train_logprobs
 from distmoe.rl.simulator import InferenceSimulator, capture, compare, simulated_weights
 from distmoe.train.optim import build_optimizer
+from distmoe.train.stability import NonFinite, guard_gradients
 
 CALIBRATION_EXAMPLES = 64  # examples (full conversations) used to measure expert usage for prune-k
 
@@ -104,6 +106,7 @@ class GRPOResult:
     sim_fallbacks: int = 0  # steps where the simulator was degraded and the recompute path was used
     time_s: float = 0.0
     last_batch: GRPOBatch | None = None
+    nonfinite: NonFinite = field(default_factory=NonFinite)  # the skipped updates' non-finite gradients, by name
 
     def summary(self) -> dict[str, float]:
         """Per-round summary: the mean of every per-step metric (NaN-skipping), plus first/last reward."""
@@ -218,6 +221,7 @@ class _Update:
 
     skipped: int = 0
     applied: int = 0
+    nonfinite: NonFinite = field(default_factory=NonFinite)
     losses: list[float] = field(default_factory=list)
     clip_fracs: list[float] = field(default_factory=list)
     kl_refs: list[float] = field(default_factory=list)
@@ -227,10 +231,12 @@ class _Update:
 
 def _ppo_update(model: nn.Module, opt, sched, params, ro, loss_fn, logp_old: torch.Tensor, adv: torch.Tensor,
                 weights: torch.Tensor, ref_logp: torch.Tensor | None, lb_sim, cfg: RLConfig,
-                gen: torch.Generator, grad_clip: float) -> _Update:
+                gen: torch.Generator, grad_clip: float, winsorize: float = 0.0) -> _Update:
     """``cfg.ppo_epochs`` passes over ``cfg.minibatches`` shuffled minibatches of the step's rollouts
     (``logp_old``, ``weights``: ``[N, T]``; ``adv``: ``[N]``); a non-finite loss or gradient norm skips that
-    minibatch's update. The model is left in eval mode with no gradients held."""
+    minibatch's update (the tensors behind a non-finite gradient are named in ``nonfinite``); ``params`` are the
+    trainable ``(name, parameter)`` pairs, winsorised at ``winsorize`` (``train/stability.py``) before the clip.
+    The model is left in eval mode with no gradients held."""
     out = _Update()
     chunks = max(1, cfg.minibatches)
     model.train()
@@ -245,11 +251,13 @@ def _ppo_update(model: nn.Module, opt, sched, params, ro, loss_fn, logp_old: tor
                 opt.zero_grad(set_to_none=True)
                 if not math.isfinite(float(loss.detach())):
                     out.skipped += 1
+                    out.nonfinite.add(["<loss>"])
                     continue
                 loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-                if not torch.isfinite(grad_norm):  # clipping scaled the grads by NaN: discard them
+                grad_norm, bad = guard_gradients(params, grad_clip, winsorize)
+                if bad is not None:  # a NaN/Inf gradient: discard it, naming the tensors
                     out.skipped += 1
+                    out.nonfinite.add(bad)
                     opt.zero_grad(set_to_none=True)
                     continue
                 opt.step()
@@ -338,11 +346,13 @@ def _step_metrics(rewards: torch.Tensor, mstats: Mapping[str, float], weights: t
 
 def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg: RLConfig,
              reference_model: nn.Module | None = None, *, seed: int = 0, max_prompt_len: int = 256,
-             grad_clip: float = 1.0, simulator_fit: Mapping[str, float] | None = None) -> GRPOResult:
+             grad_clip: float = 1.0, simulator_fit: Mapping[str, float] | None = None,
+             winsorize: float = 0.0) -> GRPOResult:
     """``cfg.steps`` GRPO steps on ``model`` (updated in place) with prompts from ``prompts``.
 
     ``cfg`` is the run's ``rl`` section as parsed; the party passes the rest: ``seed`` (sampling, minibatch
-    order, simulator), ``max_prompt_len`` (``model.max-seq-len``), ``grad_clip`` (``train.grad-clip``);
+    order, simulator), ``max_prompt_len`` (``model.max-seq-len``), ``grad_clip`` (``train.grad-clip``),
+    ``winsorize`` (``train.winsorize``, 0 = off);
     ``simulator_fit`` overrides entries of ``SIMULATOR_FIT``. Rewards use ``cfg.reward`` with the example's answer
     as the expected answer and its last prompt turn as the prompt text. With ``kl_coef > 0`` the k3 KL is taken to
     ``reference_model`` (default: a frozen copy of the policy as passed in). Returns the per-step metrics and the
@@ -353,7 +363,7 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
     if cfg.prompts_per_step > len(prompts):
         raise ValueError(f"rl.prompts-per-step: {cfg.prompts_per_step} exceeds the {len(prompts)} prompts")
     loss_fn = get_policy_loss(cfg.policy_loss)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt, sched = build_optimizer(model, optimizer_config(cfg, grad_clip))
     if cfg.kl_coef > 0 and reference_model is None:
         reference_model = copy.deepcopy(model)
@@ -432,8 +442,11 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
 
         lb_sim = sim if (sim is not None and not sim_metrics.get("sim_fallback", 1.0)) else None  # trusted steps only
         upd = _ppo_update(model, opt, sched, params, ro, loss_fn, logp_old_used, adv, weights, ref_logp, lb_sim, cfg,
-                          gen, grad_clip)
+                          gen, grad_clip, winsorize)
         res.skipped_steps += upd.skipped
+        for name, count in upd.nonfinite.params.items():
+            res.nonfinite.params[name] = res.nonfinite.params.get(name, 0) + count
+        res.nonfinite.skipped += upd.nonfinite.skipped
         res.updates += upd.applied
         metrics = _step_metrics(rewards, mstats, weights, mask, upd, ent, t_rec, routes)
         if sim is not None:

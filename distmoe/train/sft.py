@@ -1,8 +1,9 @@
 """The local SFT loop: task loss + aux-loss-coef * aux + anchor-kl-coef * anchor KL.
 
 Task loss is next-token cross-entropy on the answer tokens only (labels are -100 on prompt and
-padding). Stability guards: gradient-norm clipping; a step whose loss or gradient is NaN/Inf is
-skipped (no optimizer update) and counted.
+padding). Stability guards (``train/stability.py``): optional gradient winsorisation (``train.winsorize``),
+gradient-norm clipping; a step whose loss or gradient is NaN/Inf is skipped (no optimizer update) and
+counted, with the names of the parameters whose gradient was non-finite (``SFTResult.nonfinite``).
 
 Must not: load data files or talk to the wire; it receives encoded examples and returns numbers.
 """
@@ -23,6 +24,7 @@ from distmoe.model.device import base_dtype, device_of, to_device
 from distmoe.model.router import forward_with_router
 from distmoe.routing.losses import anchor_kl, aux_load_balance_loss
 from distmoe.train.optim import build_optimizer
+from distmoe.train.stability import NonFinite, guard_gradients
 
 
 @dataclass
@@ -35,6 +37,7 @@ class SFTResult:
     aux_losses: list[float] = field(default_factory=list)
     anchor_kls: list[float] = field(default_factory=list)
     time_s: float = 0.0
+    nonfinite: NonFinite = field(default_factory=NonFinite)  # what the skipped steps' gradients were
 
     def summary(self) -> dict[str, float]:
         mean = lambda xs: float(sum(xs) / len(xs)) if xs else float("nan")  # noqa: E731
@@ -116,7 +119,7 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
     model.train()
     opt, sched = build_optimizer(model, train)
     scaler = torch.amp.GradScaler(device.type, enabled=base_dtype(model) == torch.float16)
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if anchor is not None:
         anchor = anchor.to(device)
     res = SFTResult(steps=0, skipped_steps=0, num_examples=len(encoded))
@@ -135,14 +138,15 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
                 parts_sum[k] = parts_sum.get(k, 0.0) + v * weight
         if not finite:
             res.skipped_steps += 1
+            res.nonfinite.add(["<loss>"])
             opt.zero_grad(set_to_none=True)
             continue
         scaler.unscale_(opt)
-        # the pre-clip total norm is NaN/Inf iff some gradient is; then skip (clipping already
-        # scaled those gradients by a non-finite factor, so they are discarded)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
-        if not torch.isfinite(grad_norm):
+        # the pre-clip total norm is NaN/Inf iff some gradient is: skip the step, naming those tensors
+        _, bad = guard_gradients(named, train.grad_clip, train.winsorize)
+        if bad is not None:
             res.skipped_steps += 1
+            res.nonfinite.add(bad)
             scaler.update()  # float16: lowers the loss scale; otherwise a no-op
             opt.zero_grad(set_to_none=True)
             continue

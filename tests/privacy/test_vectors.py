@@ -39,7 +39,7 @@ def test_update_sum_is_the_mean_of_the_contributors_with_uniform_weights():
     assert np.array_equal(a, b)  # the dataset size does not change what leaves
     none, facts = lay.encode({k: np.zeros(s) for k, s in SHAPES.items()}, 0)
     assert facts["weight"] == 0.0 and not from_ring64(none).any()  # no data: weight 0, nothing added
-    assert lay.length == 2 + 6 + 1 and lay.weight_bound == 1
+    assert lay.length == 2 + 6 + 1 + 1 and lay.weight_bound == 1  # + the skipped-step count (no update noise)
 
 
 def test_update_is_clipped_to_the_declared_norm_and_refuses_bad_tensors():
@@ -76,3 +76,23 @@ def test_ring64_round_trip_and_the_sum_of_negative_values():
     vecs = [lay.encode({"w": np.array([v])}, 1)[0] for v in (-0.5, -0.25, 0.1)]
     avg, weight = lay.decode(_ring_sum(vecs))
     assert weight == 3.0 and avg["w"][0] == pytest.approx(-0.65 / 3, abs=1e-6)
+
+
+def test_skipped_step_count_is_summed_only_without_update_noise():
+    """The one stability count in an update sum: the total of the parties' skipped NaN/Inf steps, in its own slot;
+    a private (DP) layout has no slot (an exact count would escape the DP guarantee)."""
+    from distmoe.privacy.vectors import SKIPPED_MAX
+
+    rng = np.random.default_rng(1)
+    lay = UpdateLayout.build(SHAPES, 3, clip=10.0)
+    vecs = [lay.count_skipped(lay.encode(_delta(rng), 5)[0], s) for s in (0, 2, 5)]
+    total = _ring_sum(vecs)
+    assert lay.decode_skipped(total) == 7.0
+    avg, weight = lay.decode(total)
+    assert weight == pytest.approx(3.0) and set(avg) == set(SHAPES)  # the slot does not disturb the mean
+    assert lay.decode_skipped(lay.encode(_delta(rng), 5)[0]) == 0.0
+    assert lay.decode_skipped(lay.count_skipped(lay.encode(_delta(rng), 5)[0], 10**9)) == SKIPPED_MAX  # its bound
+    private = UpdateLayout.build(SHAPES, 3, clip=10.0, private=True)
+    vec = private.encode(_delta(rng), 5)[0]
+    assert private.length == lay.length - 1 and np.array_equal(private.count_skipped(vec, 4), vec)
+    assert private.decode_skipped(vec) is None

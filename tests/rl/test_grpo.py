@@ -132,3 +132,31 @@ def test_nan_loss_step_is_skipped_and_counted(trained, monkeypatch):
     assert res.steps[0]["skipped_steps"] == 1.0 and res.steps[1]["skipped_steps"] == 0.0
     assert res.summary()["skipped_steps"] == 1.0
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_nan_gradient_update_names_the_parameter_and_winsorize_reaches_the_updates(trained):
+    """A poisoned parameter (NaN gradient, finite loss) skips that update and is named (``GRPOResult.nonfinite``);
+    ``winsorize`` changes the applied updates (``train.winsorize``, passed by the party)."""
+    model = copy.deepcopy(trained["model"])
+    name, param = next((n, p) for n, p in model.named_parameters() if p.requires_grad and "gate" in n)
+    fired = {"n": 0}
+
+    def poison(g):
+        fired["n"] += 1
+        return g * float("nan") if fired["n"] == 1 else g
+
+    param.register_hook(poison)
+    cfg = RLConfig(**{"engine": "exact", **BASE, "steps": 2, "minibatches": 2})
+    res = run_grpo(model, trained["tok"], trained["prompts"], "lookup", cfg)
+    assert res.skipped_steps == 1 and res.updates == 3
+    assert res.nonfinite.skipped == 1 and res.nonfinite.params == {name: 1}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    plain, _ = _run(trained, steps=1)
+    again, _ = _run(trained, steps=1)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), again.parameters(), strict=True))  # seeded
+    wins = copy.deepcopy(trained["model"])
+    run_grpo(wins, trained["tok"], trained["prompts"], "lookup", RLConfig(**{"engine": "exact", **BASE, "steps": 1}),
+             winsorize=1.5)
+    a, b = dict(plain.named_parameters()), dict(wins.named_parameters())
+    assert any(not torch.equal(a[k], b[k]) for k in a if b[k].requires_grad)

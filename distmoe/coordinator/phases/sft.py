@@ -35,8 +35,10 @@ def aggregate(co, index, phase, instr: SftInstruction) -> str:
     agg = out.metrics
     kl = (f", anchor KL {agg['anchor_kl']:.4f}" if instr.anchor is not None
           and math.isfinite(agg.get("anchor_kl", math.nan)) else "")
-    if not math.isfinite(agg.get("skipped_steps", math.nan)):
+    if co.cfg.privacy.secure:  # no training metric but the skipped-step sum reaches the server
+        skipped = agg.get("skipped_steps", math.nan)  # the secure sum's one stability count (no update noise)
         return (f"{out.parties}/{out.nodes} parties, {out.num_examples} contributing | training metrics stay at the "
-                "parties (secure aggregation)")
+                "parties (secure aggregation)" + (f" | skipped NaN/Inf steps {int(skipped)}"
+                                                  if math.isfinite(skipped) else ""))
     return (f"{out.parties}/{out.nodes} parties | task loss {agg['loss_first']:.3f} -> "
             f"{agg['loss_last']:.3f}{kl} | skipped steps {int(agg['skipped_steps'])}")

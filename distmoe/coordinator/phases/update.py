@@ -10,13 +10,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from distmoe.coordinator.aggregator import Skip, UpdateSum
+from distmoe.coordinator.divergence import check_update
 
 if TYPE_CHECKING:
     from distmoe.coordinator.loop import Coordinator
 
 
 def apply_update(co: Coordinator, out: UpdateSum | Skip, event: dict) -> UpdateSum | str:
-    """Add an aggregated update to the global weights, log it, watch it for anomalies and checkpoint;
+    """Add an aggregated update to the global weights, log it, watch it for anomalies and per-tensor divergence
+    (``divergence.py``) and checkpoint;
     or log a skipped round (``Skip``) and return its line."""
     if isinstance(out, Skip):
         text = co.round_failed(out.text, failed=out.failed)
@@ -29,5 +31,6 @@ def apply_update(co: Coordinator, out: UpdateSum | Skip, event: dict) -> UpdateS
     count = {"contributors": out.num_examples} if co.cfg.privacy.secure else {"num_examples": out.num_examples}
     co.metrics.append({**event, "party": "all", **count, "parties": out.parties, **out.metrics})
     co.flag_anomalies(event["event"], out.metrics)
+    check_update(co, event["event"], out.delta)  # federation.divergence-max: a warning, the update stays applied
     co.checkpoint()
     return out
