@@ -1,0 +1,89 @@
+"""Whole in-process runs with the routing probe: metrics every round under secure aggregation, the
+routing-health warnings, the eval cadence (``eval.every``) and the audit of such a run.
+
+The parties run in this process (``LocalTransport``) through the wire codec, both guards and the ledgers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from distmoe.audit.engine import audit_run
+from distmoe.report.metrics_log import read_metrics
+from distmoe.report.report import render_markdown, write_report
+
+SCHEDULE = "sft:arith*2, stats:arith, sft:strings*2, eval"
+
+
+def _rows(run_dir, event):
+    return [e for e in read_metrics(run_dir / "metrics.jsonl") if e.get("event") == event]
+
+
+@pytest.fixture(scope="module")
+def probe_run(make_run, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("probe")
+    coord, transport, run_dir, dirs, lines = make_run(tmp, {"schedule.phases": SCHEDULE, "routing.probe-prompts": 6,
+                                                            "routing.load-cv-warn": 0.01, "eval.every": 2})
+    record = coord.run()
+    return {"coord": coord, "transport": transport, "dir": run_dir, "record": record, "lines": lines}
+
+
+@pytest.mark.integration
+def test_probe_metrics_every_round_under_secagg(probe_run):
+    run_dir, coord = probe_run["dir"], probe_run["coord"]
+    assert coord.cfg.privacy.secure and probe_run["record"]["status"] == "completed"
+    probes = _rows(run_dir, "probe")
+    total = coord.cfg.schedule.total_rounds
+    assert [p["round"] for p in probes] == list(range(1, total + 1))  # every round, whatever its phase
+    L, E = coord.mspec.num_moe_layers, coord.mspec.num_experts
+    for p in probes:
+        assert p["parties"] == 3 and p["disagreeing"] == 0  # honest parties agree exactly on public inputs
+        assert math.isfinite(p["load_cv"]) and p["load_cv"] >= 0
+        counts = p["expert_counts"]
+        assert len(counts) == L and all(len(r) == E for r in counts)
+        assert len({sum(r) for r in counts}) == 1 and sum(counts[0]) > 0  # every layer routes the same tokens
+    assert probes[0]["top1_consistency"] is None  # no earlier probe
+    assert all(0.0 <= p["top1_consistency"] <= 1.0 for p in probes[1:])
+    stats_round = next(e["round"] for e in _rows(run_dir, "stats"))
+    kl = {p["round"]: p["routing_kl"] for p in probes}
+    assert all(kl[r] is None for r in kl if r < stats_round)  # no anchor yet
+    assert all(kl[r] is not None and kl[r] >= 0 for r in kl if r >= stats_round)
+    assert probe_run["transport"].sent["query.probe"] == 3 * total
+    assert any("| probe: " in x and "load CV" in x for x in probe_run["lines"])
+
+
+@pytest.mark.integration
+def test_eval_cadence_inserts_charged_eval_rounds(probe_run):
+    coord, run_dir = probe_run["coord"], probe_run["dir"]
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["schedule"] == ["sft:arith*2", "eval", "stats:arith", "sft:strings*2", "eval"]
+    assert coord.plan.eval_releases == 2
+    assert [e["round"] for e in _rows(run_dir, "eval") if e.get("party") == "all"] == [3, 7]
+
+
+@pytest.mark.integration
+def test_load_cv_warning_reaches_run_record_and_report(probe_run):
+    run_dir = probe_run["dir"]
+    warns = _rows(run_dir, "routing_warning")
+    assert [w["kind"] for w in warns if w["kind"] == "load_cv"] == ["load_cv"]  # once, while it stays high
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert any("routing.load-cv-warn = 0.01" in w for w in rec["warnings"])
+    assert any("WARNING: round 1: routing load CV" in x for x in probe_run["lines"])
+    md = (write_report(run_dir)).read_text()
+    assert md == render_markdown(run_dir)
+    assert "routing.load-cv-warn = 0.01" in md
+    assert "### Expert selection on the probe set" in md
+    assert "Per-round routing on the public probe set" in md
+
+
+@pytest.mark.integration
+def test_probe_run_passes_the_audit(probe_run, failed_checks):
+    run_dir = probe_run["dir"]
+    write_report(run_dir)
+    result = audit_run(run_dir)
+    assert failed_checks(result) == set(), [c for c in result.checks if c.status == "fail"]
+    coord_ledger = [json.loads(x) for x in (run_dir / "ledger" / "coordinator.jsonl").read_text().splitlines()]
+    assert sum(e["payload_type"] == "probe-reply" and e["verdict"] == "accepted" for e in coord_ledger) == 3 * 7
