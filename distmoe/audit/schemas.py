@@ -159,7 +159,8 @@ PATTERN_KEYS = {  # event -> (key pattern, kind) for keys named after a task or 
     "rl": [(re.compile(r"route_disagree_l\d{1,4}\Z"), _num)],
     "eval": [(re.compile(r"(acc|loss|n|retention)/(?P<task>.+)\Z"), _num)],
 }
-TEXT_KEYS = {("routing_warning", "detail"), ("run_start", "warnings"), ("run_resume", "warnings"), ("anomaly", "detail"), ("round_skipped", "detail"),
+TEXT_KEYS = {("routing_warning", "detail"),
+             ("run_start", "warnings"), ("run_resume", "warnings"), ("anomaly", "detail"), ("round_skipped", "detail"),
              ("run_end", "error")}
 
 

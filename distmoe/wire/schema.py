@@ -330,7 +330,8 @@ PAYLOADS: tuple[PayloadType, ...] = (
                 _meta("round:int", "base_hash:str", "prompts:prompts") + (Field("weights", "arrays", "weights"),),
                 ("arrays", "meta"), MSG_PROBE, ProbeReply, "", "probe"),
     PayloadType(ProbeReply, "probe-reply", "reply",
-                _meta("party:party") + (Field("routing", "probe", "probe-routing"), Field("top1", "top1", "probe-top1")),
+                _meta("party:party")
+                + (Field("routing", "probe", "probe-routing"), Field("top1", "top1", "probe-top1")),
                 ("probe", "top1", "meta")),
 )
 BY_CLASS = {pt.cls: pt for pt in PAYLOADS}
