@@ -37,8 +37,8 @@ def test_inserted_eval_rounds_are_charged_by_the_plan():
     assert plain.eval_releases == 2 and dense.eval_releases == 4
     assert dense.planned_epsilon > plain.planned_epsilon
     # the same planned epsilon as writing the rounds into the schedule by hand
-    by_hand = parse_run_config({**base,
-                                "schedule.phases": "sft:a*3, eval, sft:a*3, eval, stats:a, sft:b*3, eval, sft:b*3, eval"})
+    hand = "sft:a*3, eval, sft:a*3, eval, stats:a, sft:b*3, eval, sft:b*3, eval"
+    by_hand = parse_run_config({**base, "schedule.phases": hand})
     assert plan_privacy(by_hand.privacy, by_hand.schedule).planned_epsilon == pytest.approx(dense.planned_epsilon)
     # with the statistics noise derived from the budget, the extra evaluations cost the statistics more noise
     derived = {**base, "privacy.noise-multiplier": 0.0}
