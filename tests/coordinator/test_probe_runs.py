@@ -25,7 +25,8 @@ def _rows(run_dir, event):
 @pytest.fixture(scope="module")
 def probe_run(make_run, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("probe")
-    coord, transport, run_dir, dirs, lines = make_run(tmp, {"schedule.phases": SCHEDULE, "routing.probe-prompts": 6,
+    coord, transport, run_dir, dirs, lines = make_run(tmp, {"schedule.phases": SCHEDULE, "routing.probe-every": 1,
+                                                            "routing.probe-prompts": 6,
                                                             "routing.load-cv-warn": 0.01, "eval.every": 2})
     record = coord.run()
     return {"coord": coord, "transport": transport, "dir": run_dir, "record": record, "lines": lines}
@@ -87,3 +88,48 @@ def test_probe_run_passes_the_audit(probe_run, failed_checks):
     assert failed_checks(result) == set(), [c for c in result.checks if c.status == "fail"]
     coord_ledger = [json.loads(x) for x in (run_dir / "ledger" / "coordinator.jsonl").read_text().splitlines()]
     assert sum(e["payload_type"] == "probe-reply" and e["verdict"] == "accepted" for e in coord_ledger) == 3 * 7
+
+
+@pytest.mark.integration
+def test_a_lying_party_is_outvoted_and_named(make_run, tmp_path, monkeypatch):
+    import numpy as np
+
+    import distmoe.party.service as service
+    from distmoe.wire.schema import ProbeReply
+
+    real = service.run_probe
+
+    def lying(cfg, node, instr):
+        rep = real(cfg, node, instr)
+        if node.party != "party-1":
+            return rep
+        return ProbeReply(rep.party, np.roll(rep.routing, 1, axis=1), (rep.top1 + 1) % rep.routing.shape[1])
+
+    monkeypatch.setattr(service, "run_probe", lying)
+    coord, transport, run_dir, _, lines = make_run(tmp_path, {"schedule.phases": "sft:arith, stats:arith, eval",
+                                                              "routing.probe-every": 2, "routing.probe-prompts": 4})
+    coord.run()
+    (probe,) = _rows(run_dir, "probe")
+    assert probe["round"] == 2 and probe["parties"] == 3 and probe["disagreeing"] == 1
+    assert transport.sent["query.probe"] == 3  # every second round only
+    warns = [w["detail"] for w in _rows(run_dir, "routing_warning") if w["kind"] == "probe"]
+    assert len(warns) == 1 and "party party-1's routing probe disagrees" in warns[0]
+    # the median is the honest parties' value: an honest party's own probe (rounds 2 and 3 leave the model as it is)
+    from distmoe.party.probe import run_probe
+    from distmoe.routing.probe import expert_counts
+    from distmoe.wire.schema import ProbeInstruction
+
+    honest = run_probe(coord.cfg, transport.nodes[100], ProbeInstruction(
+        2, coord.tspec.base_hash, coord.probe_prompts, coord.np_weights(coord.s.weights)))
+    assert probe["expert_counts"] == expert_counts(honest.top1, coord.mspec.num_experts).tolist()
+
+
+def test_a_bad_probe_file_stops_the_run_before_any_round(make_run, tmp_path):
+    from distmoe.coordinator import RunFailed
+
+    bad = tmp_path / "probe.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no"}\n')
+    coord, transport, run_dir, _, _ = make_run(tmp_path, {"routing.probe-every": 1, "routing.probe-path": str(bad)})
+    with pytest.raises(RunFailed, match=r"routing.probe-path.*probe\.jsonl:2: expected an object"):
+        coord.run()
+    assert not transport.sent
