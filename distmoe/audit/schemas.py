@@ -61,7 +61,7 @@ SERVER_FILES = re.compile(r"(metrics\.jsonl|metrics\.lost\.jsonl|run\.json|confi
                           r"checkpoints/corrupt-round-\d+-\d+/.+)\Z")
 SKIPPED_DIRS = ("work", "ledger", "audit", "keys", "report", "tensorboard")
 TB_FILE = re.compile(r"events\.out\.tfevents\.[A-Za-z0-9_.-]{1,200}\Z")
-TB_EVENTS = ("train", "rl", "stats", "eval")  # distmoe.report.tensorboard.EVENTS
+TB_EVENTS = ("train", "rl", "stats", "eval", "probe")  # distmoe.report.tensorboard.EVENTS
 SIMULATION_DIRS = ("flwr", "home", "tmp", "ray")  # distmoe simulate's FLWR_HOME, HOME, TMPDIR, Ray state
 SIMULATION_FILES = ("simulate.json", "overrides.toml", "overrides.resume.toml", "simulate.lock")  # record, config, lock
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
