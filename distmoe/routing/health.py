@@ -1,6 +1,7 @@
 """Routing health during a run: warnings from the per-round probe metrics (``distmoe.routing.probe``).
 
-Two signals, each warned once when it starts (and again only after it has cleared):
+Two signals, each warned once when it starts (and again only after it has cleared: for the load CV, fallen below
+``CV_REARM`` of the threshold, so a CV oscillating around the threshold warns once):
 
 - **load imbalance**: ``load_cv > routing.load-cv-warn`` (top-1 load CV, ``distmoe.routing.metrics.load_cv``).
   The default 1.0 is where about half the experts go unused: with ``E`` experts of which ``E/2`` get equal load
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+CV_REARM = 0.8  # the load-CV warning re-arms once the CV fell below this fraction of routing.load-cv-warn
 
 
 @dataclass
@@ -38,7 +41,8 @@ class RoutingWatch:
                 out.append(("load_cv", f"round {rnd}: routing load CV {load_cv:.3f} on the probe set exceeds "
                                        f"routing.load-cv-warn = {self.load_cv_warn:g} (experts unevenly used; "
                                        "healthy < 0.2)"))
-            self.cv_high = load_cv > self.load_cv_warn
+            # hysteresis: a CV oscillating around the threshold warns once, not at every crossing
+            self.cv_high = load_cv > self.load_cv_warn or (self.cv_high and load_cv > CV_REARM * self.load_cv_warn)
         if anchor_version != self.anchor_version:  # a new anchor: KL is measured against something else now
             self.anchor_version, self.kl_prev, self.rises = anchor_version, math.nan, 0
         if self.kl_rise_rounds > 0 and math.isfinite(routing_kl):

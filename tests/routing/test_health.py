@@ -9,9 +9,10 @@ from distmoe.routing.health import RoutingWatch
 
 def test_load_cv_warns_once_per_episode():
     w = RoutingWatch(load_cv_warn=1.0, kl_rise_rounds=0)
-    seen = [w.observe(r, cv, math.nan, 0) for r, cv in enumerate((0.5, 1.2, 1.5, 0.9, 1.1), 1)]
+    seen = [w.observe(r, cv, math.nan, 0) for r, cv in enumerate((0.5, 1.2, 1.5, 0.9, 1.1, 0.7, 1.1), 1)]
     kinds = [[k for k, _ in x] for x in seen]
-    assert kinds == [[], ["load_cv"], [], [], ["load_cv"]]
+    # 0.9 is not below 0.8 x the threshold: no new warning at round 5; after 0.7 it warns again
+    assert kinds == [[], ["load_cv"], [], [], [], [], ["load_cv"]]
     assert "round 2: routing load CV 1.200" in seen[1][0][1] and "routing.load-cv-warn = 1" in seen[1][0][1]
     off = RoutingWatch(load_cv_warn=0.0, kl_rise_rounds=0)
     assert off.observe(1, 9.0, math.nan, 0) == []
