@@ -91,7 +91,7 @@ def test_probe_run_passes_the_audit(probe_run, failed_checks):
 
 
 @pytest.mark.integration
-def test_a_lying_party_is_outvoted_and_named(make_run, tmp_path, monkeypatch):
+def test_a_lying_party_is_outvoted_and_named_in_a_plaintext_run(make_run, tmp_path, monkeypatch):
     import numpy as np
 
     import distmoe.party.service as service
@@ -106,8 +106,10 @@ def test_a_lying_party_is_outvoted_and_named(make_run, tmp_path, monkeypatch):
         return ProbeReply(rep.party, np.roll(rep.routing, 1, axis=1), (rep.top1 + 1) % rep.routing.shape[1])
 
     monkeypatch.setattr(service, "run_probe", lying)
+    # the plaintext baseline: the probe is the same exchange in both modes
     coord, transport, run_dir, _, lines = make_run(tmp_path, {"schedule.phases": "sft:arith, stats:arith, eval",
-                                                              "routing.probe-every": 2, "routing.probe-prompts": 4})
+                                                              "routing.probe-every": 2, "routing.probe-prompts": 4,
+                                                              "privacy.mode": "plaintext"})
     coord.run()
     (probe,) = _rows(run_dir, "probe")
     assert probe["round"] == 2 and probe["parties"] == 3 and probe["disagreeing"] == 1
