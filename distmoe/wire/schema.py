@@ -13,6 +13,10 @@ as such: each is encoded into the declared integer layout of ``distmoe.privacy.v
 ``UnmaskRequestMsg`` / ``UnmaskResponseMsg``). ``privacy.mode = "plaintext"`` sends them in the clear: a
 benchmark baseline only, which the server warns about and the audit fails.
 
+``ProbeInstruction`` / ``ProbeReply`` (``query.probe``, both modes) are the routing probe: the global weights and
+public prompts down, the model's routing on those prompts up in the clear, a function of public inputs only
+(``docs/privacy.md`` §3).
+
 ``PAYLOADS`` is the one table of payload types: per type its class, tag, direction, the Flower message
 type, reply, release and phase of an instruction, and every dataclass field with the record key it
 travels under and its kind (the converter in ``codec.KINDS``). The codec, the guards and the policy read
