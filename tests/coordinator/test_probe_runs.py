@@ -135,3 +135,41 @@ def test_a_bad_probe_file_stops_the_run_before_any_round(make_run, tmp_path):
     with pytest.raises(RunFailed, match=r"routing.probe-path.*probe\.jsonl:2: expected an object"):
         coord.run()
     assert not transport.sent
+
+
+class _Killed(Exception):
+    """The coordinator process dies here (raised from inside the transport)."""
+
+
+@pytest.mark.integration
+def test_a_run_killed_at_a_probe_resumes_and_keeps_probing(lay_out_run, tmp_path, failed_checks):
+    import uuid
+
+    from distmoe.config import parse_run_config
+    from distmoe.coordinator import Coordinator
+    from distmoe.inprocess import LocalTransport
+
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path, "sft:arith*2, stats:arith, eval",
+                                              **{"routing.probe-every": 1, "routing.probe-prompts": 4})
+    seen = {"k": 0}
+
+    def drop(mtype, node):  # the coordinator dies at the 5th probe message: round 2's probe, second party
+        seen["k"] += mtype == "query.probe"
+        if mtype == "query.probe" and seen["k"] == 5:
+            raise _Killed("killed at the probe of round 2")
+        return False
+
+    transport = LocalTransport(cfg, nodes, run_id)
+    transport.drop = drop
+    with pytest.raises(_Killed):
+        Coordinator(cfg, run_dir, transport, run_id, log=lambda _s: None).run()
+    rcfg = parse_run_config({**cfg.as_flat(), "run.resume": str(run_dir)})
+    lines: list[str] = []
+    rec = Coordinator(rcfg, run_dir, LocalTransport(rcfg, nodes, run_id), f"flower-{uuid.uuid4().hex[:6]}",
+                      log=lines.append).run()
+    assert rec["status"] == "completed"
+    rounds = [p["round"] for p in _rows(run_dir, "probe")]
+    assert rounds == [1, 3, 4]  # round 2 was checkpointed before its probe; the resumed run probes on
+    assert _rows(run_dir, "probe")[1]["top1_consistency"] is None  # starts afresh after a resume
+    assert any("| probe: " in x for x in lines)
+    assert failed_checks(audit_run(run_dir)) == set()
