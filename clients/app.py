@@ -96,3 +96,8 @@ def consistency(msg: Message, context: Context) -> Message:
 @app.query("unmask")
 def unmask(msg: Message, context: Context) -> Message:
     return _handle(msg, context)
+
+
+@app.query("probe")
+def probe(msg: Message, context: Context) -> Message:
+    return _handle(msg, context)

@@ -263,6 +263,17 @@ class RoutingConfig(_Section):
     anchor_kl_coef: float = key(0.5, "anchor-KL weight; 0 turns the anchor off", lo=0.0, hi=1000.0)
     anchor_granularity: str = key("batch", "where the anchor KL is taken; see `docs/algorithms.md`",
                                   choices=GRANULARITIES)
+    probe_every: int = key(1, "routing metrics on the public probe set every this many rounds (the round's global "
+                           "model, at every party, no privacy cost: `docs/operations.md`, Routing probe); 0 = off",
+                           lo=0, hi=100000)
+    probe_prompts: int = key(16, "size of the default probe set (public prompts of the synthetic task families, "
+                             "drawn from `run.seed`)", lo=1, hi=256)
+    probe_path: str = key("", "a JSONL file of public probe prompts, one `{\"prompt\": \"...\"}` per line, read by "
+                          "the coordinator and sent to the parties; `\"\"` = the default probe set")
+    load_cv_warn: float = key(1.0, "warn when the probe's top-1 load CV exceeds this (1.0: about half the experts "
+                              "idle; healthy < 0.2); 0 = off", lo=0.0, hi=100.0)
+    kl_rise_rounds: int = key(3, "warn when the probe's routing KL to the anchor rises this many rounds in a row; "
+                              "0 = off", lo=0, hi=100000)
 
 
 @section("rl")
@@ -466,6 +477,9 @@ class CheckpointConfig(_Section):
 class EvalConfig(_Section):
     max_new_tokens: int = key(10, "greedy generation length for accuracy", lo=1, hi=1024)
     batch_size: int = key(32, "evaluation and statistics batch size", lo=1, hi=4096)
+    every: int = key(0, "also evaluate after every this many rounds of each `sft`/`rl` phase (an `eval` round "
+                     "inserted in the schedule, charged by the privacy plan like any other); 0 = only where "
+                     "the schedule says", lo=0, hi=100000)
 
 
 @section("report")
@@ -609,6 +623,29 @@ def parse_schedule(text: str, default_rounds: int, key: str = "schedule.phases")
     return tuple(phases)
 
 
+def with_eval_cadence(phases: tuple[Phase, ...], every: int) -> tuple[Phase, ...]:
+    """``eval.every = n``: each ``sft``/``rl`` phase split into runs of ``n`` rounds with an ``eval`` round after
+    each full run, except where the schedule already evaluates next (the phase's last run followed by an
+    ``eval`` phase). ``sft:a*5, eval`` with ``n = 2`` -> ``sft:a*2, eval, sft:a*2, eval, sft:a,
+    eval``. The inserted rounds are ordinary ``eval`` rounds: the privacy plan charges them like any other."""
+    if every <= 0:
+        return phases
+    out: list[Phase] = []
+    for i, ph in enumerate(phases):
+        if ph.kind not in ("sft", "rl"):
+            out.append(ph)
+            continue
+        nxt = phases[i + 1].kind if i + 1 < len(phases) else None
+        left = ph.rounds
+        while left > 0:
+            n = min(every, left)
+            left -= n
+            out.append(Phase(ph.kind, ph.task, n))
+            if n == every and not (left == 0 and nxt == "eval"):
+                out.append(Phase("eval", None, 1))
+    return tuple(out)
+
+
 def schedule_text(schedule: ScheduleConfig) -> str:
     """A parsed schedule for people: ``sft:a*5 -> eval -> stats:a -> sft:b*5 -> eval (13 rounds)``."""
     return (" -> ".join(p.label() + (f"*{p.rounds}" if p.rounds > 1 else "") for p in schedule.phases)
@@ -668,6 +705,7 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
         derived = {"seed": parts["run"].seed} if name in ("model", "data") else {}
         parts[name] = cls(**{s.attr: flat[s.name] for s in cls.KEYS}, **derived)
     _check_across(parts["federation"], parts["privacy"])
+    object.__setattr__(parts["schedule"], "phases", with_eval_cadence(parts["schedule"].phases, parts["eval"].every))
     flat["model.trainable"] = parts["model"].trainable  # `auto` resolved: the run record names the mode used
     return RunConfig(**parts, raw=tuple(sorted(flat.items())))
 

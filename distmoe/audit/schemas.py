@@ -61,7 +61,7 @@ SERVER_FILES = re.compile(r"(metrics\.jsonl|metrics\.lost\.jsonl|run\.json|confi
                           r"checkpoints/corrupt-round-\d+-\d+/.+)\Z")
 SKIPPED_DIRS = ("work", "ledger", "audit", "keys", "report", "tensorboard")
 TB_FILE = re.compile(r"events\.out\.tfevents\.[A-Za-z0-9_.-]{1,200}\Z")
-TB_EVENTS = ("train", "rl", "stats", "eval")  # distmoe.report.tensorboard.EVENTS
+TB_EVENTS = ("train", "rl", "stats", "eval", "probe")  # distmoe.report.tensorboard.EVENTS
 SIMULATION_DIRS = ("flwr", "home", "tmp", "ray")  # distmoe simulate's FLWR_HOME, HOME, TMPDIR, Ray state
 SIMULATION_FILES = ("simulate.json", "overrides.toml", "overrides.resume.toml", "simulate.lock")  # record, config, lock
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
@@ -105,7 +105,7 @@ def _phase(v: Any, c: _Ctx) -> bool:
         return False
     head, _, tail = v.partition(" ")
     head = re.sub(r"\*\d+\Z", "", head)  # the schedule's own entries carry their round count: "sft:lookup*3"
-    return head in c.labels | {"sft", "rl", "stats"} and tail in ("", "consistency", "unmask")
+    return head in c.labels | {"sft", "rl", "stats", "probe"} and tail in ("", "consistency", "unmask")
 
 
 def _text(v: Any, _c: _Ctx) -> bool:
@@ -147,6 +147,10 @@ EVENTS: dict[str, dict[str, Kind]] = {
     "anomaly": {"round": _int, "kind": _one_of("train", "rl", "stats", "eval"), "party": _one_of("all"),
                 "detail": _text},
     "round_skipped": {"round": _int, "phase_label": _phase, "detail": _text},
+    # the routing probe on public prompts (distmoe.coordinator.phases.probe) and the routing-health warnings
+    "probe": {**ROUND, "phase_label": _phase, "parties": _int, "disagreeing": _int, "routing_kl": _num,
+              "load_cv": _num, "top1_consistency": _num, "expert_counts": _list_of(_list_of(_int))},
+    "routing_warning": {"round": _int, "kind": _one_of("load_cv", "kl_rise", "probe"), "detail": _text},
     "run_end": {"status": _one_of("completed", "failed", "stopped", "interrupted"), "rounds": _int,
                 "error": _text},
 }
@@ -155,7 +159,8 @@ PATTERN_KEYS = {  # event -> (key pattern, kind) for keys named after a task or 
     "rl": [(re.compile(r"route_disagree_l\d{1,4}\Z"), _num)],
     "eval": [(re.compile(r"(acc|loss|n|retention)/(?P<task>.+)\Z"), _num)],
 }
-TEXT_KEYS = {("run_start", "warnings"), ("run_resume", "warnings"), ("anomaly", "detail"), ("round_skipped", "detail"),
+TEXT_KEYS = {("routing_warning", "detail"),
+             ("run_start", "warnings"), ("run_resume", "warnings"), ("anomaly", "detail"), ("round_skipped", "detail"),
              ("run_end", "error")}
 
 

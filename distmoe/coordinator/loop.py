@@ -33,7 +33,7 @@ from distmoe.config import RunConfig, to_toml
 from distmoe.coordinator import plane, resume
 from distmoe.coordinator.aggregator import Aggregator
 from distmoe.coordinator.errors import PrivacyStop, RunFailed
-from distmoe.coordinator.phases import run_round
+from distmoe.coordinator.phases import probe, run_round
 from distmoe.coordinator.record import RunRecord, flag_anomalies
 from distmoe.coordinator.secagg import SecureRounds
 from distmoe.coordinator.state import RoundState, to_checkpoint
@@ -44,6 +44,7 @@ from distmoe.model.adapters import ServerModel, server_model
 from distmoe.model.build import hash_tensors
 from distmoe.privacy.plan import plan_privacy
 from distmoe.report.metrics_log import MetricsLog
+from distmoe.routing.health import RoutingWatch
 from distmoe.wire.errors import ALL_REASONS, reason_name
 from distmoe.wire.server_guard import ServerGuard
 
@@ -85,6 +86,11 @@ class Coordinator:
         self.aggregator: Aggregator | None = None
         self._end_lock = threading.Lock()
         self._ended: str | None = None  # how the run ended ("completed", "failed", or the stop signal's text)
+        # the routing probe (distmoe.coordinator.phases.probe): its prompts, the last probe's top-1, the health watch
+        self.probe_prompts: tuple[str, ...] = ()
+        self.probe_prev_top1: np.ndarray | None = None
+        self.probe_warned: set[str] = set()
+        self.routing_watch = RoutingWatch(cfg.routing.load_cv_warn, cfg.routing.kl_rise_rounds)
 
     # ------------------------------------------------------------------ the run, top to bottom
     def run(self) -> dict:
@@ -153,6 +159,7 @@ class Coordinator:
                 text = self.play_round(index, phase)
                 if self.ckpt_round != self.s.round:  # every completed round ends with a checkpoint
                     self.checkpoint()
+                text += probe.after_round(self)  # the round's global model on the public probe set
                 self.say(f"round {rnd}/{total} | {phase.label()} | {text} | {time.perf_counter() - t0:.1f} s")
 
     def start_plane(self, nodes: list[int]) -> None:
@@ -192,6 +199,7 @@ class Coordinator:
 
     def _build_model(self) -> None:
         cfg = self.cfg
+        self.probe_prompts = probe.prompts_for(cfg)  # a bad routing.probe-path fails here, before any round
         self.model = server_model(cfg.model)
         self.tspec, self.mspec = self.model.tspec, self.model.mspec
         self.s.weights = dict(self.model.weights)

@@ -69,7 +69,8 @@ def start(co: Coordinator, nodes: list[int]) -> None:
             raise RunFailed(f"router statistics of {n} parties cannot be summed in Z_2^64: {exc}; lower "
                             "privacy.num-sequences-max or privacy.scale") from None
     policy = build_policy(secure=p.secure, n_parties=n, trainable=dict(co.tspec.shapes), layers=L, experts=E,
-                          tasks=cfg.schedule.tasks, **facts)
+                          tasks=cfg.schedule.tasks, probe_prompts=co.probe_prompts,
+                          probe_tokens=len(co.probe_prompts) * cfg.model.max_seq_len, **facts)
     problems = check_allow_list(policy)  # the pre-run privacy check of the allow-list (distmoe.wire.at_rest)
     if problems:
         raise RunFailed("privacy check before the run failed: " + "; ".join(problems))

@@ -23,6 +23,7 @@ from distmoe.config import ConfigError, NodeConfig, RunConfig
 from distmoe.data.formats import DataError
 from distmoe.io import append_durable
 from distmoe.party import work as P
+from distmoe.party.probe import run_probe
 from distmoe.party.session import PartySession, SessionError, open_ledger
 from distmoe.privacy.dp import canary_seed
 from distmoe.privacy.plan import stats_event
@@ -36,6 +37,7 @@ from distmoe.wire.schema import (
     EvalInstruction,
     KeyAdvertReply,
     MaskedReply,
+    ProbeInstruction,
     RlInstruction,
     SecureInstruction,
     SetupRequest,
@@ -85,6 +87,8 @@ class PartyService:
 
     def _answer(self, mtype: str, instr: object) -> tuple[object, dict | None]:
         cfg, node = self.cfg, self.node
+        if isinstance(instr, ProbeInstruction):  # public inputs only, in the clear in both modes (docs/privacy.md §3)
+            return run_probe(cfg, node, instr), None
         if not self.secure and type(instr) in _PLAIN:
             return _PLAIN[type(instr)](cfg, node, instr), None
         if not self.secure:

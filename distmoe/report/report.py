@@ -129,6 +129,7 @@ class _Run:
     stats: list[dict[str, Any]] = field(default_factory=list)
     rl: list[dict[str, Any]] = field(default_factory=list)
     party_errors: list[dict[str, Any]] = field(default_factory=list)
+    probes: list[dict[str, Any]] = field(default_factory=list)  # the routing probe, aggregate rows (every round)
     accounts: dict[str, Any] = field(default_factory=dict)  # privacy/ledger.json, {} when absent or unreadable
 
     @property
@@ -232,10 +233,13 @@ def _load(run_dir: Path) -> _Run:
             run.rl.append(e)
         elif kind == "party_error":
             run.party_errors.append(e)
+        elif kind == "probe":
+            run.probes.append(e)
     run.train = _by_round(run.train)
     run.rl = _by_round(run.rl)
     run.evals = _by_round(run.evals)
     run.stats = _by_round(run.stats)
+    run.probes = _by_round(run.probes)
     accounts = run_dir / "privacy" / "ledger.json"
     if accounts.is_file():
         try:
@@ -489,7 +493,39 @@ def _plot_loss(run: _Run, rows: list[dict[str, Any]], path: Path) -> None:
     _save(fig, path)
 
 
+def _plot_probe(run: _Run, path: Path) -> None:
+    """``routing.png`` from the routing probe (every round): KL to the anchor, load CV, top-1 consistency."""
+    fig, axes = _figure((10.5, 3.5), 3)
+    rounds = _rounds(run.probes)
+    warn = _num(_config_value(run, "routing.load-cv-warn"))
+    for ax, key, title, ylabel, empty in (
+            (axes[0], "routing_kl", "Routing KL to anchor (probe)", "KL (nats)", "no anchor yet"),
+            (axes[1], "load_cv", "Expert-load CV (probe)", "coefficient of variation", "no probe"),
+            (axes[2], "top1_consistency", "Top-1 consistency with previous round", "fraction", "one probe only")):
+        if not _agg_line(ax, run.probes, key, label="probe"):
+            ax.set_title(title, fontsize=10)
+            _no_data(ax, empty)
+            continue
+        _style(ax, title, ylabel, rounds)
+        _task_boundaries(ax, run.train + run.rl)
+        if key == "load_cv":
+            ax.axhline(HEALTHY_LOAD_CV, color="tab:green", linestyle="--", linewidth=1.0,
+                       label=f"healthy < {HEALTHY_LOAD_CV:g}")
+            if warn:
+                ax.axhline(warn, color="tab:red", linestyle=":", linewidth=1.0, label=f"warn > {warn:g}")
+        ax.set_ylim(bottom=0)
+        _legend(ax)
+    _save(fig, path)
+
+
+def _config_value(run: _Run, key: str) -> Any:
+    cfg = run.record.get("config")
+    return cfg.get(key) if isinstance(cfg, Mapping) else None
+
+
 def _plot_routing(run: _Run, path: Path) -> None:
+    if run.probes:
+        return _plot_probe(run, path)
     fig, (ax_kl, ax_cv) = _figure(FIGSIZE_WIDE, 2)
     n = _party_lines(ax_kl, run, run.evals, "routing_kl", thin=True) + _agg_line(
         ax_kl, run.evals, "routing_kl"
@@ -749,9 +785,45 @@ def _final_eval(run: _Run, tasks: list[str]) -> list[str]:
     return out
 
 
+def _probe_section(run: _Run) -> list[str]:
+    """The per-round routing of the public probe set and the per-layer expert selection of its last round."""
+    every = _config_value(run, "routing.probe-every")
+    out = [f"Per-round routing on the public probe set (`routing.probe-every` = {fmt(every)}): the global model "
+           "after each round, measured by every party on public prompts and combined by median; no party data, no "
+           "privacy cost (`docs/privacy.md` §3). KL is to the anchor of that round; top-1 consistency is with the "
+           "previous probe.", ""]
+    rows = [(_round_of(e), e.get("phase_label"), _num(e.get("routing_kl")), _num(e.get("load_cv")),
+             _num(e.get("top1_consistency")), _count(e.get("anchor_version")), _count(e.get("parties")),
+             _count(e.get("disagreeing"))) for e in run.probes]
+    out += _table(("round", "phase", "routing KL", "load CV", "top-1 consistency", "anchor", "parties",
+                   "disagreeing"), rows)
+    warns = [e for e in run.events if e.get("event") == "routing_warning"]
+    out += ["", f"Routing-health warnings: {len(warns)} (listed under Warnings; `routing.load-cv-warn` = "
+                f"{fmt(_config_value(run, 'routing.load-cv-warn'))}, `routing.kl-rise-rounds` = "
+                f"{fmt(_config_value(run, 'routing.kl-rise-rounds'))}).", ""]
+    last = run.probes[-1]
+    counts = last.get("expert_counts")
+    if isinstance(counts, list) and counts and all(isinstance(r, list) for r in counts):
+        width = max(len(r) for r in counts)
+        out += ["### Expert selection on the probe set", "",
+                f"Top-1 selections per MoE layer and expert at round {fmt(_round_of(last))} (share of the layer's "
+                "probe tokens in parentheses; an even split is 1/E each).", ""]
+        body = []
+        for i, r in enumerate(counts):
+            tot = sum(x for x in r if _num(x) is not None) or 1
+            body.append((f"layer {i}", *[f"{fmt(_count(x))} ({100 * (_num(x) or 0) / tot:.0f}%)" for x in r]))
+        out += _table(("layer", *[f"expert {j}" for j in range(width)]), body) + [""]
+    return out
+
+
 def _routing(run: _Run) -> list[str]:
     agg = run.agg_evals()
     out = ["## Routing", ""]
+    if run.probes:
+        out += _probe_section(run)
+        if not any(_num(e.get(k)) is not None for e in agg for k in ("routing_kl", "load_cv", "top1_consistency")):
+            return out
+        out += ["### At evaluation rounds (held-out data)", ""]
     if not agg:
         return out + ["No aggregate eval logged.", ""]
     if run.secure and not any(_num(e.get(k)) is not None for e in agg for k in ("routing_kl", "load_cv",

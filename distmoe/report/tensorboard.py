@@ -26,7 +26,7 @@ from distmoe.report.metrics_log import read_metrics
 __all__ = ["write_tensorboard", "require", "scalars", "TensorBoardMissing", "EVENTS", "SKIP_KEYS", "TB_DIR"]
 
 TB_DIR = "tensorboard"
-EVENTS = ("train", "rl", "stats", "eval")  # the events whose aggregate numbers become scalars
+EVENTS = ("train", "rl", "stats", "eval", "probe")  # the events whose aggregate numbers become scalars
 SKIP_KEYS = frozenset({"event", "round", "time", "phase", "party", "anchor_version", "skipped"})
 INSTALL_HINT = "pip install 'distmoe[tensorboard]'"
 

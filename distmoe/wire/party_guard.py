@@ -267,7 +267,7 @@ def read_instruction(mtype: str, content: RecordDict, secure: bool) -> tuple[obj
     if not pt.release:  # a secure-aggregation protocol stage
         req = codec.decode(content, pt.cls)
         rnd = req.request.round if isinstance(req, (UnmaskRequestMsg, ConsistencyRequestMsg)) else (
-            req.first_round if isinstance(req, DirectoryRequest) else 0)
+            req.first_round if isinstance(req, DirectoryRequest) else int(getattr(req, "round", 0)))  # probe: round
         return req, Expectation(pt.reply), rnd
     instr_t, release = pt.cls, pt.release
     if secure:

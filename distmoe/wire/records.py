@@ -279,6 +279,14 @@ def _epsilon_cap(value, tag: str) -> float:
     return float(value)
 
 
+def _prompts(v, tag: str) -> tuple[str, ...]:
+    """The public probe prompts of a probe instruction: 1..256 strings of at most 2000 characters."""
+    items = tuple(v) if isinstance(v, (list, tuple)) else None
+    if not items or len(items) > 256 or not all(isinstance(p, str) and 0 < len(p) <= 2000 for p in items):
+        raise WireError(f"{tag}: prompts must be 1..256 strings of 1..2000 characters")
+    return items
+
+
 def _text(v, tag: str, key: str) -> str:
     return str(v)
 
@@ -304,4 +312,7 @@ BASIC_KINDS: dict[str, Kind] = {
     "sums": _single("sums", np.float64),
     "update-metrics": _metrics(lambda p, m, tag: _check_update_keys(_kind_of(p), m, tag)),
     "eval-metrics": _metrics(lambda p, m, tag: _check_eval_keys(m, tag)),
+    "prompts": _scalar(lambda v, tag, key: list(_prompts(v, tag)), lambda v, tag, key: _prompts(v, tag), text=True),
+    "probe-routing": _single("routing", np.float64),
+    "probe-top1": _single("top1", np.int32),
 }

@@ -13,6 +13,10 @@ as such: each is encoded into the declared integer layout of ``distmoe.privacy.v
 ``UnmaskRequestMsg`` / ``UnmaskResponseMsg``). ``privacy.mode = "plaintext"`` sends them in the clear: a
 benchmark baseline only, which the server warns about and the audit fails.
 
+``ProbeInstruction`` / ``ProbeReply`` (``query.probe``, both modes) are the routing probe: the global weights and
+public prompts down, the model's routing on those prompts up in the clear, a function of public inputs only
+(``docs/privacy.md`` §3).
+
 ``PAYLOADS`` is the one table of payload types: per type its class, tag, direction, the Flower message
 type, reply, release and phase of an instruction, and every dataclass field with the record key it
 travels under and its kind (the converter in ``codec.KINDS``). The codec, the guards and the policy read
@@ -101,6 +105,27 @@ class RouterStats:
 class EvalReply:
     party: str
     metrics: dict[str, float]  # exactly eval_metric_keys(tasks); NaN where not available
+
+
+@dataclass(frozen=True)
+class ProbeInstruction:
+    """Server -> party, every ``routing.probe-every`` rounds, in both privacy modes: the round's global weights and
+    the public probe prompts (``distmoe.routing.probe``); no data of any party."""
+
+    round: int
+    base_hash: str
+    prompts: tuple[str, ...]
+    weights: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class ProbeReply:
+    """Party -> server, in the clear in both modes: the global model's routing on the public probe prompts, a
+    deterministic function of public inputs (allow-listed with its reason in ``docs/privacy.md`` §3)."""
+
+    party: str
+    routing: np.ndarray  # [L, E] float64: mean over probe prompts of each prompt's mean routing distribution
+    top1: np.ndarray  # [L, N] int32: top-1 expert of every valid probe token per MoE layer
 
 
 RELEASES = ("model-update", "rl-update", "router-stats", "eval")  # what a masked input carries
@@ -199,6 +224,7 @@ MSG_SETUP = "query.setup"
 MSG_DIRECTORY = "query.directory"
 MSG_CONSISTENCY = "query.consistency"
 MSG_UNMASK = "query.unmask"
+MSG_PROBE = "query.probe"
 
 
 @dataclass(frozen=True)
@@ -244,7 +270,7 @@ class PayloadType:
 
 # kinds whose record holds float arrays: "weights"/"deltas" one per trainable tensor (float32 for deltas),
 # "probs" one [L, E] float32 array named "probs", "sums" one [L, E] float64 array named "sums"
-ARRAY_KINDS = ("weights", "deltas", "probs", "sums")
+ARRAY_KINDS = ("weights", "deltas", "probs", "sums", "probe-routing", "probe-top1")
 
 
 def _meta(*specs: str) -> tuple[Field, ...]:
@@ -304,6 +330,13 @@ PAYLOADS: tuple[PayloadType, ...] = (
                 ("meta", "lists"), MSG_UNMASK, UnmaskResponseMsg, "", "unmask"),
     PayloadType(UnmaskResponseMsg, "unmask-response", "reply", (Field("response", "shares", "unmask-response"),),
                 ("meta", "shares")),
+    PayloadType(ProbeInstruction, "probe-instruction", "instruction",
+                _meta("round:int", "base_hash:str", "prompts:prompts") + (Field("weights", "arrays", "weights"),),
+                ("arrays", "meta"), MSG_PROBE, ProbeReply, "", "probe"),
+    PayloadType(ProbeReply, "probe-reply", "reply",
+                _meta("party:party")
+                + (Field("routing", "probe", "probe-routing"), Field("top1", "top1", "probe-top1")),
+                ("probe", "top1", "meta")),
 )
 BY_CLASS = {pt.cls: pt for pt in PAYLOADS}
 BY_TAG = {pt.tag: pt for pt in PAYLOADS if pt.tag}

@@ -44,6 +44,8 @@ from distmoe.wire.schema import (
     KeyAdvertReply,
     MaskedReply,
     ModelUpdate,
+    ProbeInstruction,
+    ProbeReply,
     RlInstruction,
     RouterStats,
     SecureInstruction,
@@ -77,8 +79,9 @@ def _entry(contents: list[RecordDict], fixed: set[str], n: int) -> dict:
 
 def build_policy(*, secure: bool, n_parties: int, trainable: Mapping[str, tuple[int, ...]], layers: int,
                  experts: int, update_length: int, stats_length: int, rl_update_length: int, tasks: tuple[str, ...],
-                 eval_length: int) -> dict:
-    """The allow-list for a run with these public facts (see the module docstring)."""
+                 eval_length: int, probe_prompts: tuple[str, ...] = (), probe_tokens: int = 0) -> dict:
+    """The allow-list for a run with these public facts (see the module docstring); with ``probe_prompts``, the
+    routing probe's instruction and its plaintext reply (``top1`` of at most ``probe_tokens`` tokens)."""
     from distmoe.wire.schema import TRAIN_METRIC_KEYS, eval_metric_keys
 
     n = max(n_parties, 2)
@@ -147,6 +150,12 @@ def build_policy(*, secure: bool, n_parties: int, trainable: Mapping[str, tuple[
         policy["eval-reply"] = _entry([codec.encode(EvalReply("p0", {k: 0.0 for k in eval_metric_keys(tasks)}))],
                                       set(), n)
         policy["eval-reply"]["keys_pattern"] = "metrics.*"
+    if probe_prompts:  # public inputs only, in both modes (docs/privacy.md §3, the probe)
+        policy["probe-instruction"] = _entry([codec.encode(ProbeInstruction(1, "h", tuple(probe_prompts), w))],
+                                             weight_keys, n)
+        policy["probe-reply"] = _entry([codec.encode(ProbeReply("p0", np.zeros((layers, experts)),
+                                                                np.zeros((layers, max(probe_tokens, 1)), np.int32)))],
+                                       {"probe.routing"}, n)
     for tag in ("model-update", "eval-reply"):
         if tag in policy:  # the metric keys are checked exactly by the codec
             policy[tag]["required"] = [k for k in policy[tag]["required"] if not k.startswith("metrics.")]

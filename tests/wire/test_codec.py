@@ -18,6 +18,8 @@ from distmoe.wire.schema import (
     EvalInstruction,
     EvalReply,
     ModelUpdate,
+    ProbeInstruction,
+    ProbeReply,
     RlInstruction,
     RouterStats,
     SftInstruction,
@@ -51,6 +53,8 @@ def _payloads() -> list:
         RlInstruction(round=6, task="arith", weights=W, base_hash="ab", seed=5),
         ModelUpdate(party="party-1", delta=W, num_examples=8, kind="rl",
                     metrics={**{k: 0.5 for k in RL_METRIC_KEYS}, "route_disagree_l0": 0.1, "route_disagree_l1": 0.0}),
+        ProbeInstruction(round=7, base_hash="ab", prompts=("Compute\n1+2", "Look up k3"), weights=W),
+        ProbeReply(party="party-2", routing=ANCHOR.astype(np.float64), top1=np.array([[0, 1, 3], [2, 2, 0]], np.int32)),
     ]
 
 

@@ -1,0 +1,92 @@
+"""The routing probe after a round: every party measures the round's global model on the public probe prompts,
+the coordinator takes the median and derives the routing metrics, and the routing-health watch warns.
+
+Not a schedule phase: ``after_round`` runs at the end of every ``routing.probe-every``-th round, whatever its
+phase, with the global model as it stands then (what the next round's instruction carries). The probe prompts are
+public (``distmoe.routing.probe``: the default set from ``run.seed``, or ``routing.probe-path``, read and validated
+here and sent in the instruction); each party answers with ``(R [L, E], T [L, N])`` in the clear, a deterministic
+function of public inputs (``docs/privacy.md`` §3). The element-wise median of the replies is used, and a party
+whose reply disagrees with it is named in a warning (once per party): a wrong reply can only skew diagnostics,
+and the median bounds that to a minority of parties.
+
+Writes one ``probe`` row per probe to ``metrics.jsonl`` (``routing_kl``, ``load_cv``, ``top1_consistency``,
+``expert_counts``) and a ``routing_warning`` row per health warning (``distmoe.routing.health``), which also
+goes to ``run.json`` ``warnings`` and the progress stream. A probe that gets no usable reply is a warning too;
+it never fails a round or the run. After a resume the top-1 consistency and the KL-rise count start afresh.
+
+Must not: import ``flwr``, read party data, or change the model or the anchor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from distmoe.coordinator.errors import RunFailed
+from distmoe.routing.probe import ProbeError, combine, default_probe_prompts, probe_metrics, read_probe_file
+from distmoe.wire.schema import ProbeInstruction, ProbeReply
+
+if TYPE_CHECKING:
+    from distmoe.coordinator.loop import Coordinator
+
+
+def prompts_for(cfg) -> tuple[str, ...]:
+    """The run's probe prompts (empty when ``routing.probe-every = 0``); ``RunFailed`` naming the file and line."""
+    r = cfg.routing
+    if r.probe_every <= 0:
+        return ()
+    try:
+        return read_probe_file(r.probe_path) if r.probe_path else default_probe_prompts(cfg.run.seed, r.probe_prompts)
+    except ProbeError as exc:
+        raise RunFailed(f"config key 'routing.probe-path': {exc}") from None
+
+
+def _usable(rep: ProbeReply, layers: int, experts: int) -> bool:
+    r, t = np.asarray(rep.routing), np.asarray(rep.top1)
+    return (r.shape == (layers, experts) and t.ndim == 2 and t.shape[0] == layers and t.shape[1] > 0
+            and bool(np.all((t >= 0) & (t < experts))))
+
+
+def after_round(co: Coordinator) -> str:
+    """Probe the global model after round ``co.s.round`` if it is due; the text for the round's progress line."""
+    every, s = co.cfg.routing.probe_every, co.s
+    if every <= 0 or not co.probe_prompts or s.round % every:
+        return ""
+    L, E = co.mspec.num_moe_layers, co.mspec.num_experts
+    instr = ProbeInstruction(round=s.round, base_hash=co.tspec.base_hash, prompts=co.probe_prompts,
+                             weights=co.np_weights(s.weights))
+    nodes = co.transport.node_ids()
+    replies, errors = co.transport.exchange({n: instr for n in nodes}, ProbeReply, co.cfg.federation.round_timeout,
+                                            rnd=s.round, phase="probe")
+    co.report_errors("probe", errors)
+    got = {co.guard.peer(n): (np.asarray(r.routing, np.float64), np.asarray(r.top1, np.int64))
+           for n, r in replies.items() if _usable(r, L, E)}
+    bad = sorted(co.guard.peer(n) for n, r in replies.items() if not _usable(r, L, E))
+    if not got:
+        _warn(co, "probe", f"round {s.round}: routing probe got no usable reply ({len(errors)} errors)")
+        return " | probe: no reply"
+    routing, top1, disagree = combine(got)
+    for party in sorted(set(disagree + bad) - co.probe_warned):
+        co.probe_warned.add(party)
+        _warn(co, "probe", f"round {s.round}: party {party}'s routing probe disagrees with the median of {len(got)} "
+                           "parties (another device or precision, or a wrong report); the median is used")
+    anchor_version = s.anchor.meta.version if s.anchor is not None else 0
+    m = probe_metrics(routing, top1, E, s.anchor.probs if s.anchor is not None else None, co.probe_prev_top1)
+    co.probe_prev_top1 = top1
+    co.metrics.append({"event": "probe", "round": s.round, "phase_label": co.phase_label, "parties": len(got),
+                       "disagreeing": len(set(disagree + bad)), "anchor_version": anchor_version,
+                       "routing_kl": m["routing_kl"], "load_cv": m["load_cv"],
+                       "top1_consistency": m["top1_consistency"], "expert_counts": m["expert_counts"]})
+    for kind, text in co.routing_watch.observe(s.round, m["load_cv"], m["routing_kl"], anchor_version):
+        _warn(co, kind, text)
+    parts = [f"{name} {m[k]:.3f}" for k, name in (("routing_kl", "KL"), ("load_cv", "load CV"),
+                                                   ("top1_consistency", "top-1 cons.")) if math.isfinite(m[k])]
+    return " | probe: " + ", ".join(parts)
+
+
+def _warn(co: Coordinator, kind: str, text: str) -> None:
+    co.say(f"WARNING: {text}")
+    co.record.append("warnings", text)
+    co.metrics.append({"event": "routing_warning", "round": co.s.round, "kind": kind, "detail": text})

@@ -1,0 +1,60 @@
+"""Routing health during a run: warnings from the per-round probe metrics (``distmoe.routing.probe``).
+
+Two signals, each warned once when it starts (and again only after it has cleared: for the load CV, fallen below
+``CV_REARM`` of the threshold, so a CV oscillating around the threshold warns once):
+
+- **load imbalance**: ``load_cv > routing.load-cv-warn`` (top-1 load CV, ``distmoe.routing.metrics.load_cv``).
+  The default 1.0 is where about half the experts go unused: with ``E`` experts of which ``E/2`` get equal load
+  and ``E/2`` none, ``std / mean = 1``; the maximum, all load on one expert, is ``sqrt(E - 1)``; DistMoE cites
+  ``< 0.2`` as healthy;
+- **routing drift**: routing KL to the anchor rose in ``routing.kl-rise-rounds`` consecutive probes against the
+  same anchor version (a new anchor restarts the count) — the opposite of DistMoE's "routing KL stays flat over
+  rounds".
+
+Must not: run models, or see anything but the aggregate probe metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+CV_REARM = 0.8  # the load-CV warning re-arms once the CV fell below this fraction of routing.load-cv-warn
+
+
+@dataclass
+class RoutingWatch:
+    load_cv_warn: float  # 0 = off
+    kl_rise_rounds: int  # 0 = off
+    cv_high: bool = False
+    kl_prev: float = math.nan
+    kl_start: float = math.nan
+    rises: int = 0
+    anchor_version: int = -1
+    history: list[tuple[int, str]] = field(default_factory=list)  # (round, kind) of every warning
+
+    def observe(self, rnd: int, load_cv: float, routing_kl: float, anchor_version: int) -> list[tuple[str, str]]:
+        """The warnings of one probe, as ``(kind, text)`` with kind ``load_cv`` or ``kl_rise``."""
+        out: list[tuple[str, str]] = []
+        if self.load_cv_warn > 0 and math.isfinite(load_cv):
+            if load_cv > self.load_cv_warn and not self.cv_high:
+                out.append(("load_cv", f"round {rnd}: routing load CV {load_cv:.3f} on the probe set exceeds "
+                                       f"routing.load-cv-warn = {self.load_cv_warn:g} (experts unevenly used; "
+                                       "healthy < 0.2)"))
+            # hysteresis: a CV oscillating around the threshold warns once, not at every crossing
+            self.cv_high = load_cv > self.load_cv_warn or (self.cv_high and load_cv > CV_REARM * self.load_cv_warn)
+        if anchor_version != self.anchor_version:  # a new anchor: KL is measured against something else now
+            self.anchor_version, self.kl_prev, self.rises = anchor_version, math.nan, 0
+        if self.kl_rise_rounds > 0 and math.isfinite(routing_kl):
+            if math.isfinite(self.kl_prev) and routing_kl > self.kl_prev:
+                self.rises += 1
+            else:
+                self.rises, self.kl_start = 0, routing_kl
+            if self.rises == self.kl_rise_rounds:
+                out.append(("kl_rise", f"round {rnd}: routing KL to anchor v{anchor_version} rose for "
+                                       f"{self.rises} consecutive rounds ({self.kl_start:.4f} -> {routing_kl:.4f}; "
+                                       f"routing.kl-rise-rounds = {self.kl_rise_rounds}): routing is drifting "
+                                       "from the anchor"))
+            self.kl_prev = routing_kl
+        self.history += [(rnd, kind) for kind, _ in out]
+        return out

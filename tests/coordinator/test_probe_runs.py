@@ -1,0 +1,175 @@
+"""Whole in-process runs with the routing probe: metrics every round under secure aggregation, the
+routing-health warnings, the eval cadence (``eval.every``) and the audit of such a run.
+
+The parties run in this process (``LocalTransport``) through the wire codec, both guards and the ledgers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from distmoe.audit.engine import audit_run
+from distmoe.report.metrics_log import read_metrics
+from distmoe.report.report import render_markdown, write_report
+
+SCHEDULE = "sft:arith*2, stats:arith, sft:strings*2, eval"
+
+
+def _rows(run_dir, event):
+    return [e for e in read_metrics(run_dir / "metrics.jsonl") if e.get("event") == event]
+
+
+@pytest.fixture(scope="module")
+def probe_run(make_run, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("probe")
+    coord, transport, run_dir, dirs, lines = make_run(tmp, {"schedule.phases": SCHEDULE, "routing.probe-every": 1,
+                                                            "routing.probe-prompts": 6,
+                                                            "routing.load-cv-warn": 0.01, "eval.every": 2})
+    record = coord.run()
+    return {"coord": coord, "transport": transport, "dir": run_dir, "record": record, "lines": lines}
+
+
+@pytest.mark.integration
+def test_probe_metrics_every_round_under_secagg(probe_run):
+    run_dir, coord = probe_run["dir"], probe_run["coord"]
+    assert coord.cfg.privacy.secure and probe_run["record"]["status"] == "completed"
+    probes = _rows(run_dir, "probe")
+    total = coord.cfg.schedule.total_rounds
+    assert [p["round"] for p in probes] == list(range(1, total + 1))  # every round, whatever its phase
+    L, E = coord.mspec.num_moe_layers, coord.mspec.num_experts
+    for p in probes:
+        assert p["parties"] == 3 and p["disagreeing"] == 0  # honest parties agree exactly on public inputs
+        assert math.isfinite(p["load_cv"]) and p["load_cv"] >= 0
+        counts = p["expert_counts"]
+        assert len(counts) == L and all(len(r) == E for r in counts)
+        assert len({sum(r) for r in counts}) == 1 and sum(counts[0]) > 0  # every layer routes the same tokens
+    assert probes[0]["top1_consistency"] is None  # no earlier probe
+    assert all(0.0 <= p["top1_consistency"] <= 1.0 for p in probes[1:])
+    stats_round = next(e["round"] for e in _rows(run_dir, "stats"))
+    kl = {p["round"]: p["routing_kl"] for p in probes}
+    assert all(kl[r] is None for r in kl if r < stats_round)  # no anchor yet
+    assert all(kl[r] is not None and kl[r] >= 0 for r in kl if r >= stats_round)
+    assert probe_run["transport"].sent["query.probe"] == 3 * total
+    assert any("| probe: " in x and "load CV" in x for x in probe_run["lines"])
+
+
+@pytest.mark.integration
+def test_eval_cadence_inserts_charged_eval_rounds(probe_run):
+    coord, run_dir = probe_run["coord"], probe_run["dir"]
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["schedule"] == ["sft:arith*2", "eval", "stats:arith", "sft:strings*2", "eval"]
+    assert coord.plan.eval_releases == 2
+    assert [e["round"] for e in _rows(run_dir, "eval") if e.get("party") == "all"] == [3, 7]
+
+
+@pytest.mark.integration
+def test_load_cv_warning_reaches_run_record_and_report(probe_run):
+    run_dir = probe_run["dir"]
+    warns = _rows(run_dir, "routing_warning")
+    assert [w["kind"] for w in warns if w["kind"] == "load_cv"] == ["load_cv"]  # once, while it stays high
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert any("routing.load-cv-warn = 0.01" in w for w in rec["warnings"])
+    assert any("WARNING: round 1: routing load CV" in x for x in probe_run["lines"])
+    md = (write_report(run_dir)).read_text()
+    assert md == render_markdown(run_dir)
+    assert "routing.load-cv-warn = 0.01" in md
+    assert "### Expert selection on the probe set" in md
+    assert "Per-round routing on the public probe set" in md
+
+
+@pytest.mark.integration
+def test_probe_run_passes_the_audit(probe_run, failed_checks):
+    run_dir = probe_run["dir"]
+    write_report(run_dir)
+    result = audit_run(run_dir)
+    assert failed_checks(result) == set(), [c for c in result.checks if c.status == "fail"]
+    coord_ledger = [json.loads(x) for x in (run_dir / "ledger" / "coordinator.jsonl").read_text().splitlines()]
+    assert sum(e["payload_type"] == "probe-reply" and e["verdict"] == "accepted" for e in coord_ledger) == 3 * 7
+
+
+@pytest.mark.integration
+def test_a_lying_party_is_outvoted_and_named_in_a_plaintext_run(make_run, tmp_path, monkeypatch):
+    import numpy as np
+
+    import distmoe.party.service as service
+    from distmoe.wire.schema import ProbeReply
+
+    real = service.run_probe
+
+    def lying(cfg, node, instr):
+        rep = real(cfg, node, instr)
+        if node.party != "party-1":
+            return rep
+        return ProbeReply(rep.party, np.roll(rep.routing, 1, axis=1), (rep.top1 + 1) % rep.routing.shape[1])
+
+    monkeypatch.setattr(service, "run_probe", lying)
+    # the plaintext baseline: the probe is the same exchange in both modes
+    coord, transport, run_dir, _, lines = make_run(tmp_path, {"schedule.phases": "sft:arith, stats:arith, eval",
+                                                              "routing.probe-every": 2, "routing.probe-prompts": 4,
+                                                              "privacy.mode": "plaintext"})
+    coord.run()
+    (probe,) = _rows(run_dir, "probe")
+    assert probe["round"] == 2 and probe["parties"] == 3 and probe["disagreeing"] == 1
+    assert transport.sent["query.probe"] == 3  # every second round only
+    warns = [w["detail"] for w in _rows(run_dir, "routing_warning") if w["kind"] == "probe"]
+    assert len(warns) == 1 and "party party-1's routing probe disagrees" in warns[0]
+    # the median is the honest parties' value: an honest party's own probe (rounds 2 and 3 leave the model as it is)
+    from distmoe.party.probe import run_probe
+    from distmoe.routing.probe import expert_counts
+    from distmoe.wire.schema import ProbeInstruction
+
+    honest = run_probe(coord.cfg, transport.nodes[100], ProbeInstruction(
+        2, coord.tspec.base_hash, coord.probe_prompts, coord.np_weights(coord.s.weights)))
+    assert probe["expert_counts"] == expert_counts(honest.top1, coord.mspec.num_experts).tolist()
+
+
+def test_a_bad_probe_file_stops_the_run_before_any_round(make_run, tmp_path):
+    from distmoe.coordinator import RunFailed
+
+    bad = tmp_path / "probe.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no"}\n')
+    coord, transport, run_dir, _, _ = make_run(tmp_path, {"routing.probe-every": 1, "routing.probe-path": str(bad)})
+    with pytest.raises(RunFailed, match=r"routing.probe-path.*probe\.jsonl:2: expected an object"):
+        coord.run()
+    assert not transport.sent
+
+
+class _Killed(Exception):
+    """The coordinator process dies here (raised from inside the transport)."""
+
+
+@pytest.mark.integration
+def test_a_run_killed_at_a_probe_resumes_and_keeps_probing(lay_out_run, tmp_path, failed_checks):
+    import uuid
+
+    from distmoe.config import parse_run_config
+    from distmoe.coordinator import Coordinator
+    from distmoe.inprocess import LocalTransport
+
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path, "sft:arith*2, stats:arith, eval",
+                                              **{"routing.probe-every": 1, "routing.probe-prompts": 4})
+    seen = {"k": 0}
+
+    def drop(mtype, node):  # the coordinator dies at the 5th probe message: round 2's probe, second party
+        seen["k"] += mtype == "query.probe"
+        if mtype == "query.probe" and seen["k"] == 5:
+            raise _Killed("killed at the probe of round 2")
+        return False
+
+    transport = LocalTransport(cfg, nodes, run_id)
+    transport.drop = drop
+    with pytest.raises(_Killed):
+        Coordinator(cfg, run_dir, transport, run_id, log=lambda _s: None).run()
+    rcfg = parse_run_config({**cfg.as_flat(), "run.resume": str(run_dir)})
+    lines: list[str] = []
+    rec = Coordinator(rcfg, run_dir, LocalTransport(rcfg, nodes, run_id), f"flower-{uuid.uuid4().hex[:6]}",
+                      log=lines.append).run()
+    assert rec["status"] == "completed"
+    rounds = [p["round"] for p in _rows(run_dir, "probe")]
+    assert rounds == [1, 3, 4]  # round 2 was checkpointed before its probe; the resumed run probes on
+    assert _rows(run_dir, "probe")[1]["top1_consistency"] is None  # starts afresh after a resume
+    assert any("| probe: " in x for x in lines)
+    assert failed_checks(audit_run(run_dir)) == set()
