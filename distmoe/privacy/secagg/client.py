@@ -395,16 +395,11 @@ class SecAggClient:
             except ValueError as exc:
                 raise ProtocolViolation(f"round {r}: malformed share from client {v}: {exc}") from None
         # y = x + PRG(b) + sum_{v>u} PRG(s_uv) - sum_{v<u} PRG(s_uv)  mod 2^bits, all [length]
-        y = P.prg(P.self_mask_key(p.run_id, r, self.cid, st.b), length, p.bits)
-        y += v_arr
-        for v in sorted(mine - {self.cid}):
-            m = P.prg(P.pair_mask_key(p.run_id, r, self.cid, v, st.s_sk, s_pks[v]), length, p.bits)
-            if v > self.cid:
-                y += m
-            else:
-                y -= m
-        if p.bits not in (32, 64):
-            y &= y.dtype.type(P.ring_mask(p.bits))
+        # expanded chunk by chunk into y itself (a fresh copy of x), no per-mask vector (P.combine_masks)
+        terms = [(P.self_mask_key(p.run_id, r, self.cid, st.b), 1)]
+        terms += [(P.pair_mask_key(p.run_id, r, self.cid, v, st.s_sk, s_pks[v]), 1 if v > self.cid else -1)
+                  for v in sorted(mine - {self.cid})]
+        y = P.combine_masks(v_arr, terms, p.bits, threads=P.MASK_THREADS)
         st.held.update(held)
         st.u1 = tuple(sorted(u1))
         st.phase = Phase.MASKED
@@ -418,7 +413,7 @@ class SecAggClient:
             raise ValueError(f"round {r}: input must be [{length}] integers, got {x.shape} {x.dtype}")
         if x.size and (int(x.min()) < 0 or int(x.max()) > P.ring_mask(p.bits)):
             raise ValueError(f"round {r}: input outside [0, 2^{p.bits}); encode with ring.encode_fixed/to_ring64")
-        return x.astype(P.word_dtype(p.bits))
+        return np.array(x, dtype=P.word_dtype(p.bits), order="C", copy=True)  # [length], becomes y in place
 
     # ---- stage 3: consistency check (Bonawitz et al. CCS 2017 §4) ------------------------------
     def required_signatures(self) -> int:

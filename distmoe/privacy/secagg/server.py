@@ -426,27 +426,23 @@ class SecAggServer:
         rs.stage = "done"
         if len(responders) < t:
             raise BelowThreshold(f"round {r}, unmask: {len(responders)} unmask responses, below threshold t = {t}")
-        total = rs.acc
-        rs.acc = None
+        terms: list[tuple[bytes, int]] = []  # every mask to remove, checked before any is expanded
         for v in sorted(alive):  # remove self masks of the survivors
             b = self._reconstruct(r, v, b_pts[v], "self-mask seed")
             if P.commit(b, P.b_commit_ctx(p.run_id, r, v)) != rs.commits[v]:
                 raise ReconstructionFailed(f"round {r}: the self-mask seed of client {v} does not match its "
                                            "commitment (a corrupt share)", owner=v, round=r)
-            total -= P.prg(P.self_mask_key(p.run_id, r, v, b), rs.length, p.bits)
+            terms.append((P.self_mask_key(p.run_id, r, v, b), -1))
         for v in sorted(dead):  # remove the pairwise masks survivors hold with dropped participants
             sk = self._reconstruct(r, v, s_pts[v], "mask key")
             if P.public_from_private(sk) != rs.s_pk[v]:
                 raise ReconstructionFailed(f"round {r}: the mask key of client {v} does not match its public key "
                                            "(a corrupt share)", owner=v, round=r)
-            for u in sorted(alive & self._holders[v]):
-                m = P.prg(P.pair_mask_key(p.run_id, r, u, v, sk, rs.s_pk[u]), rs.length, p.bits)
-                if v > u:  # y_u carried +PRG(s_uv) for v > u, -PRG(s_uv) for v < u
-                    total -= m
-                else:
-                    total += m
-        if p.bits not in (32, 64):
-            total &= total.dtype.type(P.ring_mask(p.bits))
+            for u in sorted(alive & self._holders[v]):  # y_u carried +PRG(s_uv) for v > u, -PRG(s_uv) for v < u
+                terms.append((P.pair_mask_key(p.run_id, r, u, v, sk, rs.s_pk[u]), -1 if v > u else 1))
+        total = np.ascontiguousarray(rs.acc)
+        rs.acc = None
+        P.combine_masks(total, terms, p.bits, threads=P.MASK_THREADS)  # in place, chunk by chunk
         return AggregateResult(r, total, rs.u2, tuple(sorted(dead)), tuple(sorted(responders)), rs.contributors)
 
     def _reconstruct(self, r: int, owner: int, pts: dict[int, int], what: str) -> bytes:
