@@ -24,6 +24,7 @@ from distmoe.data.formats import DataError
 from distmoe.io import append_durable
 from distmoe.party import work as P
 from distmoe.party.session import PartySession, SessionError, open_ledger
+from distmoe.privacy import secagg as sa
 from distmoe.privacy.dp import canary_seed
 from distmoe.privacy.plan import stats_event
 from distmoe.privacy.update_noise import add_update_noise, update_dp_facts, update_event
@@ -140,6 +141,11 @@ class PartyService:
             dp = {**spec.dp_params(t), "epsilon": eps, "budget": sess.accountant.epsilon_budget}
             contributed = bool(sums[2::3].sum() > 0)  # evaluated any held-out sequence (count slots, before noise)
         length = st.length or sess.params.length
+        bits = st.bits or sess.params.bits
+        if vec.dtype != sa.primitives.word_dtype(bits):
+            raise Refused(f"round {instr.round}: the server declared Z_2^{bits} for {si.release}, this party's layout "
+                          f"encodes {vec.dtype} words: refused (mismatched privacy.ring-bits or config?)",
+                          ErrorCode.MODEL)
         if vec.shape != (length,):
             raise Refused(f"round {instr.round}: the server declared a {length}-element vector, this party's layout "
                           f"for {si.release} has {vec.shape[0]}: refused (mismatched model or config?)",

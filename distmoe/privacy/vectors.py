@@ -7,11 +7,27 @@ party's values into its input vector and the decoding of the *sum* of all inputs
 Every layout has an exact ``length``: the client guard and the server check a masked vector against
 it, so nothing else fits into a reply.
 
-Encoding: ``distmoe.privacy.ring`` (fixed point in two's complement mod 2^64, ``round(v * 2^frac_bits)``),
-with ``frac_bits`` the largest (at most 40) that leaves one bit of margin below the ring's 63 magnitude
-bits for the sum over all parties of the largest declared values (``ring.check_fits_ring64`` confirms it
-whenever ``frac_bits`` is computed). Router statistics are integers already (``distmoe.privacy.dp``:
-per-sequence rounding at scale s, a Skellam noise share, K noise canaries at positions drawn per release).
+Encoding: ``distmoe.privacy.ring`` (fixed point in two's complement mod 2^b, ``round(v * 2^frac_bits)``).
+Ring width of an update release (``UpdateLayout.bits``, ``privacy.ring-bits``; issue 14): 32 bits when the
+public bound of the sum fits with at least ``MIN_FRAC_BITS_32`` fractional bits, else 64. The bound, in
+fixed-point units at ``f`` fractional bits (:meth:`UpdateLayout.int_bound`)::
+
+    B(f) = n * (max(clip, 1) * 2^f + 1)                     every |entry| <= clip (L2 clip), the weight <= 1,
+                                                            stochastic rounding adds < 1 unit per party
+         + k * z_u * D2(f) * sqrt(n / t) + n / 2            update noise (private): its tail over the numel
+                                                            coordinates, k = sqrt(2 ln(2 numel / 1e-12)),
+                                                            plus each party's rounding of its noise share
+    D2(f) = clip * 2^f + sqrt(numel)                        L2 sensitivity after stochastic rounding
+
+and ``f`` is the largest (at most 30) with ``B(f) <= 2^30`` (one bit of margin below the 31 magnitude bits);
+``ring.check_fits_ring(B(f), 32)`` confirms it. At 32 bits the values are rounded stochastically
+(``floor(v * 2^f + U)``, ``U ~ Uniform[0, 1)``): unbiased, error below ``2^-f`` per coordinate and per party,
+so the mean over ``w`` contributors is off by at most ``2^-f`` per coordinate with standard deviation at most
+``2^-f / (2 sqrt(w))`` (``docs/privacy.md``). At 64 bits ``frac_bits`` is the largest (at most 40) that leaves
+one bit of margin for the sum of the largest declared values with a fixed noise headroom
+(``ring.check_fits_ring64`` confirms it), rounded to nearest. Router statistics are integers already
+(``distmoe.privacy.dp``: per-sequence rounding at scale s, a Skellam noise share, K noise canaries at
+positions drawn per release) and stay in Z_2^64.
 
 Uniform weights, no metrics (issue 11, straggle differencing). Two releases whose survivor sets differ by
 one party difference to that party's own figures, so nothing data-dependent but the (clipped, under
@@ -42,8 +58,12 @@ from distmoe.privacy.ring import from_ring64, to_ring64
 
 __all__ = ["BITS", "LayoutError", "StatsLayout", "UpdateLayout", "from_ring64", "to_ring64"]
 
-BITS = ring.RING_BITS  # every secure sum of this project lives in Z_2^64
+BITS = ring.RING_BITS  # the widest ring; router statistics and evaluation sums always use it
 _MAX_FRAC_BITS = 40
+MIN_FRAC_BITS_32 = 20  # an update goes to 32-bit words only with a quantisation step of at most 2^-20
+MAX_FRAC_BITS_32 = 30
+RING_CHOICES = ("auto", "32", "64")  # privacy.ring-bits
+WRAP_FAIL_PROB = 1e-12  # the noise tail of B(f) is exceeded on some coordinate with at most this probability
 _NOISE_HEADROOM = 2.0**24  # room for update noise: 10 std of z_u * clip * sqrt(2) at z_u up to 1e6 (the key's bound)
 
 
@@ -73,12 +93,22 @@ class UpdateLayout:
     n_parties: int
     clip: float
     private: bool = False  # client-level DP on: every included party has weight 1, data or not
+    noise_multiplier: float = 0.0  # z_u of the update noise (private), part of the 32-bit bound
+    threshold: int = 0  # the SecAgg threshold t: each noise share has variance (z_u * D2)^2 / t
+    ring: str = "64"  # privacy.ring-bits: "auto" (32 where the bound fits, else 64), "32" or "64"
+
+    def __post_init__(self) -> None:
+        if self.ring not in RING_CHOICES:
+            raise LayoutError(f"ring width {self.ring!r} is not one of {RING_CHOICES} (privacy.ring-bits)")
+        if self.private and self.noise_multiplier > 0 and self.threshold < 1:
+            raise LayoutError("a noised update layout needs the SecAgg threshold (its noise tail bounds the ring)")
 
     @classmethod
     def build(cls, shapes: Mapping[str, tuple[int, ...]], n_parties: int, clip: float,
-              private: bool = False) -> UpdateLayout:
+              private: bool = False, *, noise_multiplier: float = 0.0, threshold: int = 0,
+              ring: str = "64") -> UpdateLayout:
         return cls(tuple(sorted((k, tuple(int(d) for d in v)) for k, v in dict(shapes).items())), int(n_parties),
-                   float(clip), bool(private))
+                   float(clip), bool(private), float(noise_multiplier), int(threshold), str(ring))
 
     @property
     def weight_bound(self) -> int:
@@ -98,16 +128,65 @@ class UpdateLayout:
     def length(self) -> int:
         return self.numel + 1
 
+    def int_sensitivity(self, f: int | None = None) -> float:
+        """L2 sensitivity of the rounded ``w*delta`` block in fixed-point units at ``f`` fractional bits:
+        ``clip * 2^f + sqrt(numel)`` (stochastic rounding moves each coordinate by < 1) at 32 bits,
+        ``clip * 2^f + sqrt(numel) / 2`` (nearest rounding) at 64."""
+        bits = self.bits if f is None else 32
+        f = self.frac_bits if f is None else f
+        return self.sensitivity * 2.0**f + math.sqrt(self.numel) * (1.0 if bits == 32 else 0.5)
+
+    def int_bound(self, f: int) -> float:
+        """``B(f)``: bound on ``|sum|`` per coordinate at ``f`` fractional bits, 32-bit encoding (module docstring)."""
+        n = max(self.n_parties, 1)
+        data = n * (max(self.clip, 1.0) * 2.0**f + 1.0)
+        if not (self.private and self.noise_multiplier > 0):
+            return data
+        k = math.sqrt(2.0 * math.log(2.0 * max(self.numel, 1) / WRAP_FAIL_PROB))
+        return data + k * self.noise_multiplier * self.int_sensitivity(f) * math.sqrt(n / self.threshold) + n / 2
+
+    def _frac_bits32(self) -> int | None:
+        """The largest ``f <= 30`` with ``B(f) <= 2^30``; None below ``MIN_FRAC_BITS_32``."""
+        for f in range(MAX_FRAC_BITS_32, MIN_FRAC_BITS_32 - 1, -1):
+            if self.int_bound(f) <= 2.0**30:
+                ring.check_fits_ring(self.int_bound(f), 32, f"{self.n_parties} parties x clip {self.clip:g}")
+                return f
+        return None
+
+    @property
+    def bits(self) -> int:
+        """The ring width of this release: 32 or 64 (module docstring; declared in the round start)."""
+        if self.ring == "64":
+            return 64
+        if self._frac_bits32() is not None:
+            return 32
+        if self.ring == "32":
+            raise ring.WrapError(f"privacy.ring-bits = 32: {self.n_parties} parties x clip {self.clip:g}"
+                                 + (f" plus noise z_u = {self.noise_multiplier:g}" if self.private else "")
+                                 + f" leave fewer than {MIN_FRAC_BITS_32} fractional bits in Z_2^32 "
+                                 f"(B({MIN_FRAC_BITS_32}) = {self.int_bound(MIN_FRAC_BITS_32):.4g} > 2^30); use "
+                                 "privacy.ring-bits = auto or 64")
+        return 64
+
     @property
     def frac_bits(self) -> int:
+        if self.bits == 32:
+            return int(self._frac_bits32())
         return _frac_bits(self.n_parties, max(self.clip, 1.0) * _NOISE_HEADROOM)
+
+    def quantisation_bound(self) -> float:
+        """Largest error per coordinate of the decoded mean from rounding alone: ``2^-f`` at 32 bits (stochastic,
+        unbiased), ``2^-(f+1)`` at 64 (nearest)."""
+        return 2.0 ** -self.frac_bits if self.bits == 32 else 2.0 ** -(self.frac_bits + 1)
 
     def weight_of(self, num_examples: int) -> int:
         """1 for a party that trained on data (or any party when private), else 0: never the example count."""
         return 1 if self.private or num_examples > 0 else 0
 
-    def encode(self, delta: Mapping[str, np.ndarray], num_examples: int) -> tuple[np.ndarray, dict[str, float]]:
-        """One party's input ``[length]`` uint64 and facts for its own log (norm before clipping, clipped?)."""
+    def encode(self, delta: Mapping[str, np.ndarray], num_examples: int, rng: np.random.Generator | None = None
+               ) -> tuple[np.ndarray, dict[str, float]]:
+        """One party's input ``[length]`` (uint32 at 32 bits, stochastically rounded with ``rng`` or a fresh
+        ``dp.crypto_rng()``; uint64 at 64) and facts for its own log (norm before clipping, clipped?)."""
         want = dict(self.shapes)
         if set(delta) != set(want):
             raise LayoutError(f"update keys differ from the trainable spec: extra {sorted(set(delta) - set(want))[:3]}"
@@ -126,11 +205,17 @@ class UpdateLayout:
         w = self.weight_of(num_examples)
         vec = np.concatenate([flat * (factor * w), [float(w)]])  # [length]
         facts = {"norm": norm, "clipped": float(factor < 1.0), "weight": float(w)}
+        bits = self.bits
+        if bits == 32:
+            return ring.encode_fixed(vec, 2.0**self.frac_bits, 32, rng if rng is not None else dp.crypto_rng()), facts
         return ring.encode_fixed(vec, 2.0**self.frac_bits), facts
 
     def decode(self, total: np.ndarray) -> tuple[dict[str, np.ndarray] | None, float]:
         """From the sum: (mean delta over the contributing parties per tensor, or None if the total weight is 0;
         total weight = the number of contributing parties)."""
+        want = np.uint32 if self.bits == 32 else np.uint64
+        if np.asarray(total).dtype != want:
+            raise LayoutError(f"sum in {np.asarray(total).dtype} words, the release declared Z_2^{self.bits}")
         v = ring.decode_fixed(total, 2.0**self.frac_bits)
         if v.shape != (self.length,):
             raise LayoutError(f"sum has shape {v.shape}, layout length {self.length}")
