@@ -38,6 +38,7 @@ RING_BITS = 64  # the widest ring (statistics and evaluation sums; updates whose
 RING_WIDTHS = (32, 64)  # the word sizes a release may declare
 MAX_ABS = 2**63 - 1  # the largest |sum| that fits 64 bits: 63 magnitude bits and a sign
 _UNSIGNED = {32: np.uint32, 64: np.uint64}
+_CHUNK = 1 << 15  # elements per encoding chunk (256 KiB of float64 scratch)
 _SIGNED = {32: np.int32, 64: np.int64}
 
 
@@ -97,17 +98,27 @@ def encode_fixed(x: np.ndarray, scale: float, bits: int = 64, rng: np.random.Gen
     ``1 / scale`` with zero mean (stochastic).
     """
     _check_width(bits)
-    y = np.asarray(x, dtype=np.float64) * scale  # [...]
-    if rng is None:
-        q = np.rint(y, out=y)
-    else:
-        q = np.floor(np.add(y, rng.random(y.shape), out=y), out=y)
-    if not np.all(np.isfinite(q)):
-        raise ValueError("non-finite value in encode_fixed")
+    src = np.asarray(x)
+    shape = src.shape
+    src = np.ascontiguousarray(src).reshape(-1)  # [N] (a view when already contiguous)
+    out = np.empty(src.size, _SIGNED[bits])  # [N]
+    buf = np.empty(min(src.size, _CHUNK), np.float64)  # [chunk] scratch, cache-resident
     lim = 2.0 ** (bits - 1)
-    if q.size and (q.max() >= lim or q.min() < -lim):  # exactly the signed range
-        raise WrapError(f"|x * scale| up to {np.abs(q).max():.4g} does not fit {bits} signed bits")
-    return q.astype(_SIGNED[bits]).view(_UNSIGNED[bits])
+    for a in range(0, src.size, _CHUNK):  # one read of x and one write of the words, chunk by chunk
+        b = min(a + _CHUNK, src.size)
+        y = buf[:b - a]
+        np.multiply(src[a:b], scale, out=y, casting="unsafe")
+        if rng is None:
+            np.rint(y, out=y)
+        else:
+            np.floor(np.add(y, rng.random(b - a), out=y), out=y)
+        lo, hi = float(y.min()), float(y.max())
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise ValueError("non-finite value in encode_fixed")
+        if hi >= lim or lo < -lim:  # exactly the signed range
+            raise WrapError(f"|x * scale| up to {max(abs(lo), abs(hi)):.4g} does not fit {bits} signed bits")
+        np.copyto(out[a:b], y, casting="unsafe")
+    return out.reshape(shape).view(_UNSIGNED[bits])
 
 
 def decode_fixed(total: np.ndarray, scale: float) -> np.ndarray:

@@ -191,19 +191,31 @@ class UpdateLayout:
         if set(delta) != set(want):
             raise LayoutError(f"update keys differ from the trainable spec: extra {sorted(set(delta) - set(want))[:3]}"
                               f", missing {sorted(set(want) - set(delta))[:3]}")
-        parts = []
+        vec = np.empty(self.length, np.float64)  # [length]: the w*delta block then the weight, filled in place
+        off = 0
         for k, shape in self.shapes:
-            a = np.asarray(delta[k], np.float64)
+            a = np.asarray(delta[k])
             if a.shape != shape:
                 raise LayoutError(f"update tensor {k!r} has shape {a.shape}, declared {shape}")
-            if not np.all(np.isfinite(a)):
-                raise LayoutError(f"update tensor {k!r} contains NaN or Inf")
-            parts.append(a.ravel())
-        flat = np.concatenate(parts) if parts else np.zeros(0)  # [numel]
-        norm = float(np.linalg.norm(flat))
+            size = a.size
+            np.copyto(vec[off:off + size], a.reshape(-1), casting="same_kind")
+            off += size
+        flat = vec[:off]  # [numel] view
+        sq = float(np.dot(flat, flat))
+        if not math.isfinite(sq):  # NaN/Inf anywhere (or an overflowing norm): name the tensor
+            off = 0
+            for k, shape in self.shapes:
+                size = math.prod(shape)
+                if not np.all(np.isfinite(flat[off:off + size])):
+                    raise LayoutError(f"update tensor {k!r} contains NaN or Inf")
+                off += size
+            raise LayoutError("update norm overflows float64")
+        norm = math.sqrt(sq)
         factor = min(1.0, self.clip / norm) if norm > 0 else 1.0
         w = self.weight_of(num_examples)
-        vec = np.concatenate([flat * (factor * w), [float(w)]])  # [length]
+        if factor * w != 1.0:
+            flat *= factor * w
+        vec[off] = float(w)
         facts = {"norm": norm, "clipped": float(factor < 1.0), "weight": float(w)}
         bits = self.bits
         if bits == 32:
@@ -216,17 +228,19 @@ class UpdateLayout:
         want = np.uint32 if self.bits == 32 else np.uint64
         if np.asarray(total).dtype != want:
             raise LayoutError(f"sum in {np.asarray(total).dtype} words, the release declared Z_2^{self.bits}")
-        v = ring.decode_fixed(total, 2.0**self.frac_bits)
-        if v.shape != (self.length,):
-            raise LayoutError(f"sum has shape {v.shape}, layout length {self.length}")
-        n = self.numel
-        w = float(v[n])
+        ints = ring.from_ring(total)  # [length] signed view, no copy
+        if ints.shape != (self.length,):
+            raise LayoutError(f"sum has shape {ints.shape}, layout length {self.length}")
+        scale = 2.0**self.frac_bits
+        w = float(ints[self.numel]) / scale
         if w < 0.5:
             return None, w
-        out, off = {}, 0
+        out, off, inv = {}, 0, 1.0 / (scale * w)
         for k, shape in self.shapes:
             size = math.prod(shape)
-            out[k] = (v[off:off + size] / w).reshape(shape).astype(np.float32)
+            a = np.empty(shape, np.float32)  # one pass: int -> float64 * inv -> float32, chunked inside the ufunc
+            np.multiply(ints[off:off + size].reshape(shape), inv, out=a, casting="unsafe")
+            out[k] = a
             off += size
         return out, w
 
