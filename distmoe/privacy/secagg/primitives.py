@@ -142,7 +142,7 @@ def prg(key: bytes, length: int, bits: int) -> np.ndarray:
 CHUNK_BYTES = 1 << 18  # 256 KiB: the zero source and the scratch chunk stay in L2 while a range is combined
 _ZEROS = bytes(CHUNK_BYTES)
 _LITTLE = sys.byteorder == "little"
-MASK_THREADS = 1  # threads per mask combination (measured in bench/secagg_profile.py; docs/results.md)
+MASK_THREADS = 1  # threads per mask combination: 2 was not faster on the 2-core machine (docs/results.md)
 
 
 def _stream_at(key: bytes, offset_bytes: int):
@@ -190,7 +190,9 @@ def combine_masks(out: np.ndarray, terms: list[tuple[bytes, int]], bits: int, *,
     overwrites ``out`` with ``PRG(k)`` instead (so no zero-fill is needed). ``out``: C-contiguous
     ``word_dtype(bits)`` ``[length]``. Equal to the reference ``prg`` arithmetic word for word (a test checks
     it). ``threads > 1`` splits the words into contiguous ranges, each expanded by its own positioned
-    encryptors (``cryptography`` releases the GIL in ``update_into``, numpy in its ufuncs)."""
+    encryptors; it pays only where ``cryptography`` releases the GIL in ``update_into`` (numpy's ufuncs do)
+    and cores are free, which the 2-core benchmark machine could not show (``MASK_THREADS = 1``;
+    ``docs/results.md``)."""
     dt = word_dtype(bits)
     if out.dtype != dt or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(f"out must be a writeable contiguous [length] {dt} array, got {out.dtype} {out.shape}")
