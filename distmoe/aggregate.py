@@ -74,7 +74,9 @@ def aggregate_problem(layout, avg: dict[str, np.ndarray] | None, weight: float, 
 
     ``layout`` is the round's ``UpdateLayout``; ``avg`` and ``weight`` its decode. Bounds: total weight in
     ``[0, n * weight_bound]``; the average finite with ``||avg|| <= clip`` (a convex combination of vectors
-    of norm <= clip), plus ``sigma * (sqrt(d) + 8)`` for the DP noise of std ``sigma`` per coordinate.
+    of norm <= clip), plus ``sqrt(d) * layout.quantisation_bound()`` for the fixed-point rounding (every
+    coordinate of the decoded mean is within it of the exact mean) and ``sigma * (sqrt(d) + 8)`` for the DP
+    noise of std ``sigma`` per coordinate.
     """
     if not math.isfinite(weight) or weight < -0.5 or weight > n_included * layout.weight_bound + 0.5:
         return (f"total weight {weight:.6g} outside [0, {n_included} x {layout.weight_bound}] (an undeclared "
@@ -85,7 +87,7 @@ def aggregate_problem(layout, avg: dict[str, np.ndarray] | None, weight: float, 
     if not np.all(np.isfinite(flat)):
         return "the average update is not finite"
     norm = float(np.linalg.norm(flat))
-    bound = layout.clip * (1.0 + 1e-6) + 1e-6
+    bound = layout.clip * (1.0 + 1e-6) + 1e-6 + math.sqrt(flat.size) * layout.quantisation_bound()
     if update_noise_multiplier > 0 and weight > 0.5:
         sigma = update_noise_multiplier * layout.clip * math.sqrt(n_included / max(threshold, 1)) / weight
         bound += sigma * (math.sqrt(flat.size) + 8.0)

@@ -440,6 +440,11 @@ class PrivacyConfig(_Section):
                                  lo=1, hi=10**9)
     update_clip: float = key(10.0, "L2 bound a model update is clipped to before masking (fixes the fixed-point "
                              "range)", lo=0.0, hi=1e6, lo_open=True)
+    ring_bits: str = key("auto", "ring width of model-update sums: `auto` = 32-bit words when the public bound "
+                         "(parties x `update-clip`, plus the update-noise tail) leaves at least 20 fractional bits "
+                         "(quantisation step <= 2^-20, stochastic rounding, unbiased), else 64; `32` refuses a "
+                         "release that does not fit; `64` always 64-bit words (router statistics and evaluation "
+                         "sums are always 64-bit); see `docs/privacy.md` §3", choices=("auto", "32", "64"))
     update_noise_multiplier: float = key(0.0, "> 0: client-level DP on model updates (distributed Skellam): noise "
                                          "`z_u * update-clip` in the sum, uniform weights and training metrics "
                                          "withheld (they stay in each party's log), accounted per party",

@@ -64,7 +64,7 @@ from distmoe.wire.schema import (
 
 @dataclass
 class SecureSum:
-    total: np.ndarray  # [length] uint64: the sum of the included parties' inputs
+    total: np.ndarray  # [length] uint32/uint64 (the release's ring): the sum of the included parties' inputs
     included: tuple[str, ...]
     dropped: tuple[str, ...]
     responders: tuple[str, ...]
@@ -174,12 +174,13 @@ class SecureRounds:
 
     # ------------------------------------------------------------------ one round
     def round(self, rnd: int, phase: str, instr: object, release: str, length: int,
-              dp_event: Callable[[int], PrivacyEvent] | None = None) -> SecureSum | None:
-        """One secure sum; ``dp_event(n_active)`` gives the release's event at ``n_active`` survivors
-        (None: not a DP release). Returns None when the round released nothing."""
+              dp_event: Callable[[int], PrivacyEvent] | None = None, *, bits: int = 64) -> SecureSum | None:
+        """One secure sum in Z_2^bits (the release's declared width, sent in every ``RoundStart``);
+        ``dp_event(n_active)`` gives the release's event at ``n_active`` survivors (None: not a DP
+        release). Returns None when the round released nothing."""
         timeout = self.cfg.federation.round_timeout
         try:
-            starts = self.server.begin_round(rnd, length)
+            starts = self.server.begin_round(rnd, length, bits)
         except sa.BelowThreshold as exc:
             starts = {}
             self.say(f"round {rnd}: too few parties shared keys ({exc}); collecting keys for the next round")

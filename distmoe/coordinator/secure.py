@@ -61,12 +61,14 @@ class SecureAggregator(Aggregator):
         co, p, sec = self.co, self.co.cfg.privacy, self.rounds
         n, t = len(sec.roster), sec.threshold
         z_u = sec.plan.update_noise_multiplier
-        layout = UpdateLayout.build(co.tspec.shapes, n, p.update_clip, private=z_u > 0)
+        layout = UpdateLayout.build(co.tspec.shapes, n, p.update_clip, private=z_u > 0, noise_multiplier=z_u,
+                                    threshold=t, ring=p.ring_bits)
 
         def event_at(n_active: int) -> PrivacyEvent:  # n_active >= t survivors, per sequence (z_u/2 at t)
             return update_event(z_u, n_active, t, f"{release} round {co.s.round}")
 
-        res = sec.round(co.s.round, kind, instr, release, layout.length, event_at if z_u > 0 else None)
+        res = sec.round(co.s.round, kind, instr, release, layout.length, event_at if z_u > 0 else None,
+                        bits=layout.bits)
         if res is None:
             return Skip("no secure sum this round: model unchanged")
         avg, weight = layout.decode(res.total)
@@ -77,7 +79,8 @@ class SecureAggregator(Aggregator):
         dp = None
         if z_u > 0:
             dp = update_dp_facts(layout, z_u, n, t, res.n_active)
-        self._log(res, kind, release, dp, problem, weight_sum=weight, frac_bits=layout.frac_bits)
+        self._log(res, kind, release, dp, problem, weight_sum=weight, frac_bits=layout.frac_bits,
+                  ring_bits=layout.bits)
         if problem is not None:
             return Skip(f"aggregate rejected ({problem}): model unchanged")
         if avg is None:

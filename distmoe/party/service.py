@@ -25,6 +25,7 @@ from distmoe.io import append_durable
 from distmoe.party import work as P
 from distmoe.party.probe import run_probe
 from distmoe.party.session import PartySession, SessionError, open_ledger
+from distmoe.privacy import secagg as sa
 from distmoe.privacy.dp import canary_seed
 from distmoe.privacy.plan import stats_event
 from distmoe.privacy.update_noise import add_update_noise, update_dp_facts, update_event
@@ -120,6 +121,12 @@ class PartyService:
         instr, st = si.instruction, si.start
         if st is None:  # outside this round's U1: share keys for the next round and rejoin there
             return MaskedReply(si.release, None, sess.late_keys(instr.round)), None
+        bits = st.bits or sess.params.bits  # the release's ring width as the server declared it
+        own = (sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()}).bits
+               if isinstance(instr, (SftInstruction, RlInstruction)) else 64)  # statistics, eval: always 64
+        if bits != own:  # checked before any work or any privacy is spent
+            raise Refused(f"round {instr.round}: the server declared Z_2^{bits} for {si.release}, this party's layout "
+                          f"uses Z_2^{own}: refused (mismatched privacy.ring-bits or config?)", ErrorCode.MODEL)
         dp = None
         if isinstance(instr, StatsInstruction):
             per_seq = P.router_stats_per_sequence(cfg, node, instr, cfg.privacy.num_sequences_max)  # [N, L, E]
@@ -144,6 +151,9 @@ class PartyService:
             dp = {**spec.dp_params(t), "epsilon": eps, "budget": sess.accountant.epsilon_budget}
             contributed = bool(sums[2::3].sum() > 0)  # evaluated any held-out sequence (count slots, before noise)
         length = st.length or sess.params.length
+        if vec.dtype != sa.primitives.word_dtype(bits):  # the layout encodes in its own width (checked above)
+            raise Refused(f"round {instr.round}: {si.release} encoded {vec.dtype} words for Z_2^{bits}",
+                          ErrorCode.MODEL)
         if vec.shape != (length,):
             raise Refused(f"round {instr.round}: the server declared a {length}-element vector, this party's layout "
                           f"for {si.release} has {vec.shape[0]}: refused (mismatched model or config?)",

@@ -276,8 +276,10 @@ class PartySession:
         return stats_spec(self.cfg.privacy, f.noise_multiplier, layers, experts, self.n_parties, f.threshold)
 
     def update_layout(self, shapes) -> UpdateLayout:
+        f = self._need()
         return UpdateLayout.build(shapes, self.n_parties, self.cfg.privacy.update_clip,
-                                  private=self._need().update_noise_multiplier > 0)
+                                  private=f.update_noise_multiplier > 0, noise_multiplier=f.update_noise_multiplier,
+                                  threshold=f.threshold, ring=self.cfg.privacy.ring_bits)
 
     def eval_spec(self, tasks) -> EvalSpec:
         """The evaluation release's calibration: this party's own ``privacy.metric-noise-multiplier`` and

@@ -1,18 +1,21 @@
-"""The one fixed-point ring codec: reals and integers into Z_2^64, and the one no-wrap check.
+"""The one fixed-point ring codec: reals and integers into Z_2^32 or Z_2^64, and the one no-wrap check.
 
-Every secure sum of distmoe lives in Z_2^64: each party sends uint64 words, the SecAgg server adds them
-modulo 2^64, and the sum is read back as a signed int64. Encoding a real ``x`` at scale ``s`` is
-``q = rint(s * x)`` as an int64, sent as its two's-complement word ``q mod 2^64`` (:func:`encode_fixed`,
-:func:`to_ring64`); the modular sum of the words, read as int64 (:func:`from_ring64`), is exactly
-``sum_i q_i`` as long as that sum lies in the signed range of 64 bits. Negative values and sums of any
-sign need no offset.
+Every secure sum of distmoe lives in Z_2^b with ``b`` in ``RING_WIDTHS = (32, 64)``, declared per release
+(``UpdateLayout.bits``; router statistics and evaluation sums use 64): each party sends ``b``-bit words,
+the SecAgg server adds them modulo 2^b, and the sum is read back as a signed ``b``-bit integer. Encoding a
+real ``x`` at scale ``s`` is ``q = rint(s * x)`` (or, with a generator, the unbiased stochastic rounding
+``q = floor(s * x + U)``, ``U ~ Uniform[0, 1)``, so ``E[q] = s * x`` and ``|q - s * x| < 1``), sent as its
+two's-complement word ``q mod 2^b`` (:func:`encode_fixed`, :func:`to_ring`); the modular sum of the words,
+read as a signed integer (:func:`from_ring`), is exactly ``sum_i q_i`` as long as that sum lies in the
+signed range of ``b`` bits. Negative values and sums of any sign need no offset.
 
 Bit budget (one rule for every caller): if ``|sum_i q_i| <= B`` then the sum needs
 ``required_bits(B) = bit_length(ceil(B)) + 1`` bits (magnitude bits plus a sign bit), and it cannot wrap
-in Z_2^64 iff ``required_bits(B) <= 64``, i.e. ``ceil(B) <= 2^63 - 1``: 63 bits of magnitude and a sign.
-The sum is reduced modulo 2^64 after every addition (uint64 arithmetic), so no intermediate needs more
-headroom than the final sum. Callers compute ``B`` from public bounds (parties x largest contribution,
-plus a noise tail for DP shares) and call :func:`check_fits_ring64` before anything is sent.
+in Z_2^b iff ``required_bits(B) <= b``, i.e. ``ceil(B) <= 2^(b-1) - 1``. The sum is reduced modulo 2^b
+after every addition, so no intermediate needs more headroom than the final sum. Callers compute ``B``
+from public bounds (parties x largest contribution, plus a noise tail for DP shares) and call
+:func:`check_fits_ring` (``check_fits_ring64`` for 64 bits) before anything is sent; :func:`choose_bits`
+picks the narrowest width that passes it.
 
 Users: ``distmoe.privacy.dp`` (Skellam shares: the data bound plus the noise tail),
 ``distmoe.privacy.vectors`` (the fixed-point layouts of updates, statistics and evaluation numbers) and
@@ -28,15 +31,49 @@ import math
 
 import numpy as np
 
-__all__ = ["RING_BITS", "WrapError", "check_fits_ring64", "decode_fixed", "encode_fixed", "from_ring64",
-           "required_bits", "to_ring64"]
+__all__ = ["RING_BITS", "RING_WIDTHS", "WrapError", "check_fits_ring", "check_fits_ring64", "choose_bits",
+           "decode_fixed", "encode_fixed", "from_ring", "from_ring64", "required_bits", "to_ring", "to_ring64"]
 
-RING_BITS = 64  # every secure sum lives in Z_2^64
-MAX_ABS = 2**63 - 1  # the largest |sum| that fits: 63 magnitude bits and a sign
+RING_BITS = 64  # the widest ring (statistics and evaluation sums; updates whose bound needs it)
+RING_WIDTHS = (32, 64)  # the word sizes a release may declare
+MAX_ABS = 2**63 - 1  # the largest |sum| that fits 64 bits: 63 magnitude bits and a sign
+_UNSIGNED = {32: np.uint32, 64: np.uint64}
+_CHUNK = 1 << 15  # elements per encoding chunk (256 KiB of float64 scratch)
+_SIGNED = {32: np.int32, 64: np.int64}
 
 
 class WrapError(ValueError):
-    """A value or a sum could leave the signed range of Z_2^64 (it would wrap silently)."""
+    """A value or a sum could leave the signed range of the ring (it would wrap silently)."""
+
+
+def _check_width(bits: int) -> int:
+    if bits not in RING_WIDTHS:
+        raise ValueError(f"ring width must be one of {RING_WIDTHS}, got {bits!r}")
+    return int(bits)
+
+
+def to_ring(q: np.ndarray, bits: int = 64) -> np.ndarray:
+    """Signed integers ``[...]`` (within ``bits`` signed bits) -> their two's-complement words in Z_2^bits
+    ``[...]`` (uint32/uint64, same bits). Raises :class:`WrapError` for a value outside the signed range."""
+    a = np.asarray(q)
+    if not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"integer array required, got {a.dtype}")
+    sdt = _SIGNED[_check_width(bits)]
+    if a.dtype.itemsize * 8 > bits and a.size:
+        info = np.iinfo(sdt)
+        if int(a.max()) > info.max or int(a.min()) < info.min:
+            raise WrapError(f"integers up to {max(abs(int(a.max())), abs(int(a.min())))} do not fit {bits} signed bits")
+    return np.ascontiguousarray(a.astype(sdt, copy=False)).view(_UNSIGNED[bits])
+
+
+def from_ring(v: np.ndarray) -> np.ndarray:
+    """Words of Z_2^32 (uint32) or Z_2^64 (uint64) ``[...]`` -> signed integers of the same width ``[...]``."""
+    a = np.asarray(v)
+    if a.dtype == np.uint32:
+        return np.ascontiguousarray(a).view(np.int32)
+    if a.dtype == np.uint64:
+        return np.ascontiguousarray(a).view(np.int64)
+    raise TypeError(f"ring words must be uint32 or uint64, got {a.dtype}")
 
 
 def to_ring64(q: np.ndarray) -> np.ndarray:
@@ -52,23 +89,42 @@ def from_ring64(v: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(v, np.uint64)).view(np.int64)
 
 
-def encode_fixed(x: np.ndarray, scale: float) -> np.ndarray:
-    """Reals ``[...]`` -> words ``[...]``: ``rint(x * scale)`` as int64, in two's complement mod 2^64.
+def encode_fixed(x: np.ndarray, scale: float, bits: int = 64, rng: np.random.Generator | None = None) -> np.ndarray:
+    """Reals ``[...]`` -> words ``[...]`` of Z_2^bits: ``rint(x * scale)``, or with ``rng`` the stochastic rounding
+    ``floor(x * scale + U)``, ``U ~ Uniform[0, 1)`` (unbiased: ``E[q] = x * scale``), in two's complement.
 
-    Raises ``ValueError`` for a non-finite value and :class:`WrapError` for one outside the int64 range
-    ``[-2^63, 2^63)``. The round-trip error is at most ``1 / (2 * scale)`` per coordinate.
+    Raises ``ValueError`` for a non-finite value and :class:`WrapError` for one outside the signed ``bits``
+    range. The round-trip error is at most ``1 / (2 * scale)`` per coordinate (``rint``) or below
+    ``1 / scale`` with zero mean (stochastic).
     """
-    q = np.rint(np.asarray(x, dtype=np.float64) * scale)
-    if not np.all(np.isfinite(q)):
-        raise ValueError("non-finite value in encode_fixed")
-    if q.size and (q.max() >= 2.0**63 or q.min() < -(2.0**63)):  # exactly the int64 range
-        raise WrapError(f"|x * scale| up to {np.abs(q).max():.4g} does not fit 64 signed bits")
-    return to_ring64(q.astype(np.int64))
+    _check_width(bits)
+    src = np.asarray(x)
+    shape = src.shape
+    src = np.ascontiguousarray(src).reshape(-1)  # [N] (a view when already contiguous)
+    out = np.empty(src.size, _SIGNED[bits])  # [N]
+    buf = np.empty(min(src.size, _CHUNK), np.float64)  # [chunk] scratch, cache-resident
+    lim = 2.0 ** (bits - 1)
+    for a in range(0, src.size, _CHUNK):  # one read of x and one write of the words, chunk by chunk
+        b = min(a + _CHUNK, src.size)
+        y = buf[:b - a]
+        np.multiply(src[a:b], scale, out=y, casting="unsafe")
+        if rng is None:
+            np.rint(y, out=y)
+        else:
+            np.floor(np.add(y, rng.random(b - a), out=y), out=y)
+        lo, hi = float(y.min()), float(y.max())
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise ValueError("non-finite value in encode_fixed")
+        if hi >= lim or lo < -lim:  # exactly the signed range
+            raise WrapError(f"|x * scale| up to {max(abs(lo), abs(hi)):.4g} does not fit {bits} signed bits")
+        np.copyto(out[a:b], y, casting="unsafe")
+    return out.reshape(shape).view(_UNSIGNED[bits])
 
 
 def decode_fixed(total: np.ndarray, scale: float) -> np.ndarray:
-    """Words ``[...]`` (an encoded value or the sum of several) -> float64 ``[...]``: signed value / scale."""
-    return from_ring64(total).astype(np.float64) / scale
+    """Words ``[...]`` (uint32 or uint64: an encoded value or the sum of several) -> float64 ``[...]``: signed
+    value / scale, in the width of the words."""
+    return from_ring(total).astype(np.float64) / scale
 
 
 def required_bits(max_abs_sum: float) -> int:
@@ -79,11 +135,27 @@ def required_bits(max_abs_sum: float) -> int:
     return int(math.ceil(max_abs_sum)).bit_length() + 1
 
 
-def check_fits_ring64(max_abs_sum: float, what: str = "the sum") -> int:
-    """Raise :class:`WrapError` unless a sum with ``|sum| <= max_abs_sum`` fits Z_2^64 read as int64
-    (``required_bits(max_abs_sum) <= 64``, i.e. ``ceil(max_abs_sum) <= 2^63 - 1``); return the bits it needs."""
+def check_fits_ring(max_abs_sum: float, bits: int, what: str = "the sum") -> int:
+    """Raise :class:`WrapError` unless a sum with ``|sum| <= max_abs_sum`` fits Z_2^bits read as a signed
+    integer (``required_bits(max_abs_sum) <= bits``, i.e. ``ceil(max_abs_sum) <= 2^(bits-1) - 1``); return the
+    bits it needs."""
+    _check_width(bits)
     need = required_bits(max_abs_sum) if math.isfinite(max_abs_sum) else math.inf
-    if need > RING_BITS:
-        raise WrapError(f"{what}: |sum| up to {max_abs_sum:.4g} needs {need} bits > {RING_BITS} "
-                        f"(Z_2^64 holds signed sums up to 2^63 - 1)")
+    if need > bits:
+        raise WrapError(f"{what}: |sum| up to {max_abs_sum:.4g} needs {need} bits > {bits} "
+                        f"(Z_2^{bits} holds signed sums up to 2^{bits - 1} - 1)")
     return int(need)
+
+
+def check_fits_ring64(max_abs_sum: float, what: str = "the sum") -> int:
+    """:func:`check_fits_ring` at 64 bits (the ring of statistics and evaluation sums)."""
+    return check_fits_ring(max_abs_sum, 64, what)
+
+
+def choose_bits(max_abs_sum: float, what: str = "the sum") -> int:
+    """The narrowest width of ``RING_WIDTHS`` the bound passes :func:`check_fits_ring` in (else its WrapError)."""
+    for bits in RING_WIDTHS[:-1]:
+        if math.isfinite(max_abs_sum) and required_bits(max_abs_sum) <= bits:
+            return bits
+    check_fits_ring(max_abs_sum, RING_WIDTHS[-1], what)
+    return RING_WIDTHS[-1]

@@ -6,11 +6,14 @@ noise split across parties as in distributed DP): every party clips its update t
 (``privacy.update-clip``) in the private ``UpdateLayout`` (uniform weights, no metrics, so nothing outside
 the noised block depends on data) and adds
 
-    n_i ~ round(N(0, (z_u * C * 2^f)^2 / t))   over the first ``numel`` coordinates of its vector ``[D]``
+    n_i ~ round(N(0, (z_u * D2)^2 / t))   over the first ``numel`` coordinates of its vector ``[D]``
 
-in fixed-point units (``f = layout.frac_bits``; ``t`` = the SecAgg threshold). The sum over ``n_active >= t``
-survivors then carries standard deviation ``>= z_u * C``, the add/remove-one-party L2 sensitivity of the
-sum. The ledgers' unit is one sequence, and one sequence moves a party's clipped delta by up to ``2 * C``
+in fixed-point units (``D2 = layout.int_sensitivity() = C * 2^f + sqrt(numel) * r``, the L2 sensitivity
+after rounding, ``r = 1`` for the stochastic rounding of a 32-bit layout and ``1/2`` for nearest rounding
+at 64 bits; ``f = layout.frac_bits``; ``t`` = the SecAgg threshold), in the layout's ring width. The sum
+over ``n_active >= t`` survivors then carries standard deviation ``>= z_u * D2``, the add/remove-one-party
+L2 sensitivity of the rounded sum. The ledgers' unit is one sequence, and one sequence moves a party's
+clipped delta by up to ``2 * C``
 (its delta with and without the sequence are two vectors of norm <= C): at that sensitivity the release is
 the Gaussian mechanism at ``z_u / 2`` (``SEQUENCE_FACTOR``), which is what :func:`update_event` charges
 (``z_u * sqrt(n_active / t) / 2`` for ``n_active`` survivors; the party charges ``n_active = t``).
@@ -28,9 +31,9 @@ import math
 
 import numpy as np
 
+from distmoe.privacy import ring
 from distmoe.privacy.accountant import PrivacyEvent
 from distmoe.privacy.dp import crypto_rng
-from distmoe.privacy.ring import from_ring64, to_ring64
 from distmoe.privacy.vectors import UpdateLayout
 
 SEQUENCE_FACTOR = 2.0  # one sequence's L2 sensitivity on a clipped update, in units of the clip
@@ -51,15 +54,15 @@ class UpdateNoiseError(ValueError):
 
 
 def add_update_noise(vec: np.ndarray, layout: UpdateLayout, z_u: float, threshold: int) -> np.ndarray:
-    """``vec`` ([D] uint64, the party's encoded update) plus its Gaussian noise share (module docstring)."""
+    """``vec`` ([D] uint32/uint64, the party's encoded update) plus its Gaussian noise share (module docstring)."""
     if not layout.private:
         raise UpdateNoiseError("update noise requested on a non-private layout (weights and metrics would leave "
                                "exact)")
-    sens = layout.sensitivity * 2.0 ** layout.frac_bits  # L2 sensitivity, fixed-point units
+    sens = layout.int_sensitivity()  # L2 sensitivity after rounding, fixed-point units
     var = (z_u * sens) ** 2 / threshold  # over-provisioned: the sum over >= t survivors carries >= (z_u * sens)^2
-    signed = from_ring64(vec).copy()  # [D] int64
+    signed = ring.from_ring(vec).astype(np.int64)  # [D] int64 (a copy)
     signed[:layout.numel] += np.rint(crypto_rng().normal(0.0, math.sqrt(var), layout.numel)).astype(np.int64)
-    return to_ring64(signed)
+    return ring.to_ring(signed, layout.bits)  # [D] in the layout's width (WrapError if a share leaves it)
 
 
 def update_dp_facts(layout: UpdateLayout, z_u: float, n_parties: int, threshold: int,

@@ -7,11 +7,27 @@ party's values into its input vector and the decoding of the *sum* of all inputs
 Every layout has an exact ``length``: the client guard and the server check a masked vector against
 it, so nothing else fits into a reply.
 
-Encoding: ``distmoe.privacy.ring`` (fixed point in two's complement mod 2^64, ``round(v * 2^frac_bits)``),
-with ``frac_bits`` the largest (at most 40) that leaves one bit of margin below the ring's 63 magnitude
-bits for the sum over all parties of the largest declared values (``ring.check_fits_ring64`` confirms it
-whenever ``frac_bits`` is computed). Router statistics are integers already (``distmoe.privacy.dp``:
-per-sequence rounding at scale s, a Skellam noise share, K noise canaries at positions drawn per release).
+Encoding: ``distmoe.privacy.ring`` (fixed point in two's complement mod 2^b, ``round(v * 2^frac_bits)``).
+Ring width of an update release (``UpdateLayout.bits``, ``privacy.ring-bits``; issue 14): 32 bits when the
+public bound of the sum fits with at least ``MIN_FRAC_BITS_32`` fractional bits, else 64. The bound, in
+fixed-point units at ``f`` fractional bits (:meth:`UpdateLayout.int_bound`)::
+
+    B(f) = n * (max(clip, 1) * 2^f + 1)                     every |entry| <= clip (L2 clip), the weight <= 1,
+                                                            stochastic rounding adds < 1 unit per party
+         + k * z_u * D2(f) * sqrt(n / t) + n / 2            update noise (private): its tail over the numel
+                                                            coordinates, k = sqrt(2 ln(2 numel / 1e-12)),
+                                                            plus each party's rounding of its noise share
+    D2(f) = clip * 2^f + sqrt(numel)                        L2 sensitivity after stochastic rounding
+
+and ``f`` is the largest (at most 30) with ``B(f) <= 2^30`` (one bit of margin below the 31 magnitude bits);
+``ring.check_fits_ring(B(f), 32)`` confirms it. At 32 bits the values are rounded stochastically
+(``floor(v * 2^f + U)``, ``U ~ Uniform[0, 1)``): unbiased, error below ``2^-f`` per coordinate and per party,
+so the mean over ``w`` contributors is off by at most ``2^-f`` per coordinate with standard deviation at most
+``2^-f / (2 sqrt(w))`` (``docs/privacy.md``). At 64 bits ``frac_bits`` is the largest (at most 40) that leaves
+one bit of margin for the sum of the largest declared values with a fixed noise headroom
+(``ring.check_fits_ring64`` confirms it), rounded to nearest. Router statistics are integers already
+(``distmoe.privacy.dp``: per-sequence rounding at scale s, a Skellam noise share, K noise canaries at
+positions drawn per release) and stay in Z_2^64.
 
 Uniform weights, no metrics (issue 11, straggle differencing). Two releases whose survivor sets differ by
 one party difference to that party's own figures, so nothing data-dependent but the (clipped, under
@@ -25,7 +41,7 @@ a party with 10x the data no longer pulls 10x harder. With client-level DP on up
 its noise share), so ``sum w`` is the included count and the L2 sensitivity of the sum is ``clip``.
 One stability count is the exception, and only without update noise: ``skipped``, the number of local optimizer
 steps the party skipped for a NaN/Inf loss or gradient (clamped to ``[0, SKIPPED_MAX]``), is summed in one more
-slot, so the server learns the total over the contributors (``docs/privacy.md`` §3). Without ``private`` the
+slot, as an integer (scale 1: ``n * SKIPPED_MAX`` stays below the data bound of either word width), so the server learns the total over the contributors (``docs/privacy.md`` §3). Without ``private`` the
 clipped delta itself is an exact sum that a provoked straggle differences to one party's delta (§4.5), which
 determines far more than this count of at most ``log2(steps + 1)`` bits; with ``private`` an exact count would
 escape the update's DP guarantee, so the slot is absent and the count stays in the party's own log.
@@ -48,9 +64,13 @@ from distmoe.privacy.ring import from_ring64, to_ring64
 
 __all__ = ["BITS", "LayoutError", "StatsLayout", "UpdateLayout", "from_ring64", "to_ring64"]
 
-BITS = ring.RING_BITS  # every secure sum of this project lives in Z_2^64
+BITS = ring.RING_BITS  # the widest ring; router statistics and evaluation sums always use it
 _MAX_FRAC_BITS = 40
-SKIPPED_MAX = 2**20  # bound of one party's skipped-step count (far above any round's optimizer steps)
+SKIPPED_MAX = 2**16  # bound of one party's skipped-step count (far above any round's optimizer steps); an integer slot
+MIN_FRAC_BITS_32 = 20  # an update goes to 32-bit words only with a quantisation step of at most 2^-20
+MAX_FRAC_BITS_32 = 30
+RING_CHOICES = ("auto", "32", "64")  # privacy.ring-bits
+WRAP_FAIL_PROB = 1e-12  # the noise tail of B(f) is exceeded on some coordinate with at most this probability
 _NOISE_HEADROOM = 2.0**24  # room for update noise: 10 std of z_u * clip * sqrt(2) at z_u up to 1e6 (the key's bound)
 
 
@@ -81,12 +101,22 @@ class UpdateLayout:
     n_parties: int
     clip: float
     private: bool = False  # client-level DP on: every included party has weight 1, data or not
+    noise_multiplier: float = 0.0  # z_u of the update noise (private), part of the 32-bit bound
+    threshold: int = 0  # the SecAgg threshold t: each noise share has variance (z_u * D2)^2 / t
+    ring: str = "64"  # privacy.ring-bits: "auto" (32 where the bound fits, else 64), "32" or "64"
+
+    def __post_init__(self) -> None:
+        if self.ring not in RING_CHOICES:
+            raise LayoutError(f"ring width {self.ring!r} is not one of {RING_CHOICES} (privacy.ring-bits)")
+        if self.private and self.noise_multiplier > 0 and self.threshold < 1:
+            raise LayoutError("a noised update layout needs the SecAgg threshold (its noise tail bounds the ring)")
 
     @classmethod
     def build(cls, shapes: Mapping[str, tuple[int, ...]], n_parties: int, clip: float,
-              private: bool = False) -> UpdateLayout:
+              private: bool = False, *, noise_multiplier: float = 0.0, threshold: int = 0,
+              ring: str = "64") -> UpdateLayout:
         return cls(tuple(sorted((k, tuple(int(d) for d in v)) for k, v in dict(shapes).items())), int(n_parties),
-                   float(clip), bool(private))
+                   float(clip), bool(private), float(noise_multiplier), int(threshold), str(ring))
 
     @property
     def weight_bound(self) -> int:
@@ -111,52 +141,122 @@ class UpdateLayout:
     def length(self) -> int:
         return self.numel + 1 + int(self.counts_skipped)
 
+    def int_sensitivity(self, f: int | None = None) -> float:
+        """L2 sensitivity of the rounded ``w*delta`` block in fixed-point units at ``f`` fractional bits:
+        ``clip * 2^f + sqrt(numel)`` (stochastic rounding moves each coordinate by < 1) at 32 bits,
+        ``clip * 2^f + sqrt(numel) / 2`` (nearest rounding) at 64."""
+        bits = self.bits if f is None else 32
+        f = self.frac_bits if f is None else f
+        return self.sensitivity * 2.0**f + math.sqrt(self.numel) * (1.0 if bits == 32 else 0.5)
+
+    def int_bound(self, f: int) -> float:
+        """``B(f)``: bound on ``|sum|`` per coordinate at ``f`` fractional bits, 32-bit encoding (module docstring)."""
+        n = max(self.n_parties, 1)
+        data = n * (max(self.clip, 1.0) * 2.0**f + 1.0)
+        if not (self.private and self.noise_multiplier > 0):
+            return data
+        k = math.sqrt(2.0 * math.log(2.0 * max(self.numel, 1) / WRAP_FAIL_PROB))
+        return data + k * self.noise_multiplier * self.int_sensitivity(f) * math.sqrt(n / self.threshold) + n / 2
+
+    def _frac_bits32(self) -> int | None:
+        """The largest ``f <= 30`` with ``B(f) <= 2^30``; None below ``MIN_FRAC_BITS_32``."""
+        for f in range(MAX_FRAC_BITS_32, MIN_FRAC_BITS_32 - 1, -1):
+            if self.int_bound(f) <= 2.0**30:
+                ring.check_fits_ring(self.int_bound(f), 32, f"{self.n_parties} parties x clip {self.clip:g}")
+                return f
+        return None
+
+    @property
+    def bits(self) -> int:
+        """The ring width of this release: 32 or 64 (module docstring; declared in the round start)."""
+        if self.ring == "64":
+            return 64
+        if self._frac_bits32() is not None:
+            return 32
+        if self.ring == "32":
+            raise ring.WrapError(f"privacy.ring-bits = 32: {self.n_parties} parties x clip {self.clip:g}"
+                                 + (f" plus noise z_u = {self.noise_multiplier:g}" if self.private else "")
+                                 + f" leave fewer than {MIN_FRAC_BITS_32} fractional bits in Z_2^32 "
+                                 f"(B({MIN_FRAC_BITS_32}) = {self.int_bound(MIN_FRAC_BITS_32):.4g} > 2^30); use "
+                                 "privacy.ring-bits = auto or 64")
+        return 64
+
     @property
     def frac_bits(self) -> int:
+        if self.bits == 32:
+            return int(self._frac_bits32())
         return _frac_bits(self.n_parties, max(self.clip, 1.0) * _NOISE_HEADROOM)
+
+    def quantisation_bound(self) -> float:
+        """Largest error per coordinate of the decoded mean from rounding alone: ``2^-f`` at 32 bits (stochastic,
+        unbiased), ``2^-(f+1)`` at 64 (nearest)."""
+        return 2.0 ** -self.frac_bits if self.bits == 32 else 2.0 ** -(self.frac_bits + 1)
 
     def weight_of(self, num_examples: int) -> int:
         """1 for a party that trained on data (or any party when private), else 0: never the example count."""
         return 1 if self.private or num_examples > 0 else 0
 
-    def encode(self, delta: Mapping[str, np.ndarray], num_examples: int) -> tuple[np.ndarray, dict[str, float]]:
-        """One party's input ``[length]`` uint64 and facts for its own log (norm before clipping, clipped?); the
+    def encode(self, delta: Mapping[str, np.ndarray], num_examples: int, rng: np.random.Generator | None = None
+               ) -> tuple[np.ndarray, dict[str, float]]:
+        """One party's input ``[length]`` (uint32 at 32 bits, stochastically rounded with ``rng`` or a fresh
+        ``dp.crypto_rng()``; uint64 at 64) and facts for its own log (norm before clipping, clipped?); the
         skipped-step slot, where the layout has one, holds 0 until ``count_skipped`` fills it."""
         want = dict(self.shapes)
         if set(delta) != set(want):
             raise LayoutError(f"update keys differ from the trainable spec: extra {sorted(set(delta) - set(want))[:3]}"
                               f", missing {sorted(set(want) - set(delta))[:3]}")
-        parts = []
+        vec = np.empty(self.length, np.float64)  # [length]: the w*delta block then the weight, filled in place
+        off = 0
         for k, shape in self.shapes:
-            a = np.asarray(delta[k], np.float64)
+            a = np.asarray(delta[k])
             if a.shape != shape:
                 raise LayoutError(f"update tensor {k!r} has shape {a.shape}, declared {shape}")
-            if not np.all(np.isfinite(a)):
-                raise LayoutError(f"update tensor {k!r} contains NaN or Inf")
-            parts.append(a.ravel())
-        flat = np.concatenate(parts) if parts else np.zeros(0)  # [numel]
-        norm = float(np.linalg.norm(flat))
+            size = a.size
+            np.copyto(vec[off:off + size], a.reshape(-1), casting="same_kind")
+            off += size
+        flat = vec[:off]  # [numel] view
+        sq = float(np.dot(flat, flat))
+        if not math.isfinite(sq):  # NaN/Inf anywhere (or an overflowing norm): name the tensor
+            off = 0
+            for k, shape in self.shapes:
+                size = math.prod(shape)
+                if not np.all(np.isfinite(flat[off:off + size])):
+                    raise LayoutError(f"update tensor {k!r} contains NaN or Inf")
+                off += size
+            raise LayoutError("update norm overflows float64")
+        norm = math.sqrt(sq)
         factor = min(1.0, self.clip / norm) if norm > 0 else 1.0
         w = self.weight_of(num_examples)
-        count = [0.0] if self.counts_skipped else []
-        vec = np.concatenate([flat * (factor * w), [float(w)], count])  # [length]
+        if factor * w != 1.0:
+            flat *= factor * w
+        vec[off] = float(w)
+        if self.counts_skipped:
+            vec[off + 1] = 0.0
         facts = {"norm": norm, "clipped": float(factor < 1.0), "weight": float(w)}
+        bits = self.bits
+        if bits == 32:
+            return ring.encode_fixed(vec, 2.0**self.frac_bits, 32, rng if rng is not None else dp.crypto_rng()), facts
         return ring.encode_fixed(vec, 2.0**self.frac_bits), facts
 
     def decode(self, total: np.ndarray) -> tuple[dict[str, np.ndarray] | None, float]:
         """From the sum: (mean delta over the contributing parties per tensor, or None if the total weight is 0;
         total weight = the number of contributing parties)."""
-        v = ring.decode_fixed(total, 2.0**self.frac_bits)
-        if v.shape != (self.length,):
-            raise LayoutError(f"sum has shape {v.shape}, layout length {self.length}")
-        n = self.numel
-        w = float(v[n])
+        want = np.uint32 if self.bits == 32 else np.uint64
+        if np.asarray(total).dtype != want:
+            raise LayoutError(f"sum in {np.asarray(total).dtype} words, the release declared Z_2^{self.bits}")
+        ints = ring.from_ring(total)  # [length] signed view, no copy
+        if ints.shape != (self.length,):
+            raise LayoutError(f"sum has shape {ints.shape}, layout length {self.length}")
+        scale = 2.0**self.frac_bits
+        w = float(ints[self.numel]) / scale
         if w < 0.5:
             return None, w
-        out, off = {}, 0
+        out, off, inv = {}, 0, 1.0 / (scale * w)
         for k, shape in self.shapes:
             size = math.prod(shape)
-            out[k] = (v[off:off + size] / w).reshape(shape).astype(np.float32)
+            a = np.empty(shape, np.float32)  # one pass: int -> float64 * inv -> float32, chunked inside the ufunc
+            np.multiply(ints[off:off + size].reshape(shape), inv, out=a, casting="unsafe")
+            out[k] = a
             off += size
         return out, w
 
@@ -167,19 +267,18 @@ class UpdateLayout:
             return vec
         if vec.shape != (self.length,):
             raise LayoutError(f"input has shape {vec.shape}, layout length {self.length}")
-        out = vec.copy()
-        out[self.numel + 1] = ring.encode_fixed(np.array([float(min(max(int(skipped), 0), SKIPPED_MAX))]),
-                                                2.0**self.frac_bits)[0]
+        out = vec.copy()  # the count is an integer: scale 1, exact in either word width
+        out[self.numel + 1] = ring.to_ring(np.array([min(max(int(skipped), 0), SKIPPED_MAX)], np.int64), self.bits)[0]
         return out
 
     def decode_skipped(self, total: np.ndarray) -> float | None:
         """The summed skipped-step count of the included parties, or None where the layout has no slot."""
         if not self.counts_skipped:
             return None
-        v = ring.decode_fixed(total, 2.0**self.frac_bits)
+        v = ring.from_ring(np.asarray(total))
         if v.shape != (self.length,):
             raise LayoutError(f"sum has shape {v.shape}, layout length {self.length}")
-        return float(round(v[self.numel + 1]))
+        return float(v[self.numel + 1])
 
 
 # ------------------------------------------------------------------------------------------ router stats

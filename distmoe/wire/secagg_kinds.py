@@ -120,7 +120,7 @@ def _put_start(out: Out, at: str, st) -> None:
     meta = out.config(at)
     meta["has_start"] = st is not None
     if st is not None:
-        meta.update(round=int(st.round), recipient=int(st.recipient), length=int(st.length))
+        meta.update(round=int(st.round), recipient=int(st.recipient), length=int(st.length), bits=int(st.bits))
         out.recs["sa_parts"] = _arrays({"ids": _u64(v for v, _ in st.participants),
                                         "s_pks": _u8([k for _, k in st.participants], 32)})
         out.recs["sa_shares"] = _envelopes(st.shares, lambda e: e.sender)
@@ -136,15 +136,18 @@ def _take_start(inp: In, at: str, got: dict):
         raise WireError(f"{inp.tag}: {len(ids)} participants, {len(pks)} keys")
     shares = _read_envelopes(inp.record("sa_shares"), f"{inp.tag}: sa_shares",
                              lambda i, n, c: sa.EncryptedShares(i, rcpt, rnd, n, c))
-    return sa.RoundStart(rnd, rcpt, tuple(zip(ids, pks, strict=True)), shares, int(inp.value(f"{at}.length")))
+    bits = int(inp.value(f"{at}.bits"))
+    if bits not in (0, 32, 64):
+        raise WireError(f"{inp.tag}: ring width {bits} is not 32 or 64")
+    return sa.RoundStart(rnd, rcpt, tuple(zip(ids, pks, strict=True)), shares, int(inp.value(f"{at}.length")), bits)
 
 
 def _put_masked(out: Out, at: str, m) -> None:
     out.config("meta")["has_masked"] = m is not None
     if m is None:
         return
-    if m.y.dtype != np.uint64:
-        raise WireError(f"{out.tag}: y must be uint64 (Z_2^64)")
+    if m.y.dtype not in (np.uint32, np.uint64):
+        raise WireError(f"{out.tag}: y must be uint32 (Z_2^32) or uint64 (Z_2^64)")
     out.recs[at] = ConfigRecord({"round": int(m.round), "sender": int(m.sender)})
     out.recs[f"{at}_y"] = _arrays({"y": m.y})
     out.recs[f"{at}_count"] = _envelopes(m.count_shares, lambda e: e.recipient, _COUNT_CT)
@@ -157,8 +160,8 @@ def _take_masked(inp: In, at: str, got: dict):
         return None
     sender, rnd = int(inp.value(f"{at}.sender")), int(inp.value(f"{at}.round"))
     y = inp.arrays(f"{at}_y", {"y"})["y"]
-    if y.dtype != np.uint64 or y.ndim != 1:
-        raise WireError(f"{inp.tag}: y must be uint64 [length], got {y.dtype} {y.shape}")
+    if y.dtype not in (np.uint32, np.uint64) or y.ndim != 1:
+        raise WireError(f"{inp.tag}: y must be uint32 or uint64 [length], got {y.dtype} {y.shape}")
     nxt = _take_share_keys(inp, "next") if inp.has("next") else None
     counts = _read_envelopes(inp.record(f"{at}_count"), f"{inp.tag}: {at}_count",
                              lambda i, n, c: sa.CountShare(sender, i, rnd, n, c), _COUNT_CT)

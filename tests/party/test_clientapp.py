@@ -5,6 +5,7 @@ wrong in detail (file and line, config key, a count of the party's examples) is 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 from pathlib import Path
@@ -244,6 +245,15 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path, tiny_
     for name in ids.values():
         led = tmp_path / name / "ledger" / f"{name}.jsonl"
         assert verify_ledger(led, (led.with_suffix(".pub")).read_text().strip())
+    # issue 14: a round start that declares another ring width than the party's layout is refused before any work
+    spent = {n: json.loads(next((tmp_path / ids[n] / "privacy").glob("*.accountant.json")).read_text())
+             for n in ids}
+    starts = server.begin_round(2, StatsLayout(sspec).length, 32)  # statistics always use 64 bits
+    instr = StatsInstruction(round=2, task="lookup", weights=weights, base_hash=spec.base_hash)
+    for n in ids:
+        out = stats(_instruction(SecureInstruction(instr, starts[n], "router-stats"), n), ctx[n])
+        assert "declared Z_2^32 for router-stats" in _code_only(out, ErrorCode.MODEL, tmp_path / ids[n])
+        assert json.loads(next((tmp_path / ids[n] / "privacy").glob("*.accountant.json")).read_text()) == spent[n]
 
 
 def test_the_cached_base_carries_nothing_from_one_message_to_the_next(synth_dirs, tiny_plain, tmp_path):

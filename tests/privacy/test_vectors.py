@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from distmoe.privacy.ring import WrapError
 from distmoe.privacy.vectors import LayoutError, UpdateLayout, from_ring64, to_ring64
 
 SHAPES = {"b": (2,), "a": (2, 3)}
@@ -96,3 +97,60 @@ def test_skipped_step_count_is_summed_only_without_update_noise():
     vec = private.encode(_delta(rng), 5)[0]
     assert private.length == lay.length - 1 and np.array_equal(private.count_skipped(vec, 4), vec)
     assert private.decode_skipped(vec) is None
+    lay32 = UpdateLayout.build(SHAPES, 3, clip=10.0, ring="32")  # the count is an integer slot in 32-bit words too
+    total32 = _ring_sum([lay32.count_skipped(lay32.encode(_delta(rng), 5)[0], s) for s in (1, SKIPPED_MAX, 3)])
+    assert total32.dtype == np.uint32 and lay32.decode_skipped(total32) == 4.0 + SKIPPED_MAX
+    assert lay32.decode(total32)[1] == pytest.approx(3.0)
+# ------------------------------------------------------------------------------ ring width (issue 14)
+BIG = {"w": (7_121_682,)}  # the default model's update length, for the width rule (no encoding)
+
+
+def test_auto_ring_picks_32_bit_words_when_the_bound_fits():
+    lay = UpdateLayout.build(BIG, 10, clip=10.0, ring="auto")
+    assert lay.bits == 32 and lay.frac_bits == 23  # B(23) = 10 * (10 * 2^23 + 1) <= 2^30 < B(24)
+    assert lay.int_bound(lay.frac_bits) <= 2**30 < lay.int_bound(lay.frac_bits + 1)
+    assert UpdateLayout.build(BIG, 10, clip=10.0).bits == 64  # the library default stays 64
+    noisy = UpdateLayout.build(BIG, 10, 10.0, private=True, noise_multiplier=1.0, threshold=6, ring="auto")
+    assert noisy.bits == 32 and noisy.frac_bits < lay.frac_bits  # the noise tail costs a bit
+
+
+def test_a_release_that_does_not_fit_32_bits_gets_64_or_a_clear_error():
+    wide = UpdateLayout.build(BIG, 1000, clip=10.0, ring="auto")  # 1000 x 10 x 2^20 > 2^30
+    assert wide.bits == 64
+    with pytest.raises(WrapError, match="privacy.ring-bits = 32: 1000 parties x clip 10 leave fewer than 20"):
+        _ = UpdateLayout.build(BIG, 1000, clip=10.0, ring="32").bits
+    loud = UpdateLayout.build(BIG, 10, 10.0, private=True, noise_multiplier=10.0, threshold=6, ring="auto")
+    assert loud.bits == 64  # z_u = 10: the noise tail alone needs more than 2^30 at 20 fractional bits
+    with pytest.raises(LayoutError, match="ring width"):
+        UpdateLayout.build(BIG, 10, 10.0, ring="16")
+
+
+def test_32_bit_sum_of_worst_case_inputs_does_not_wrap():
+    """Every party at the clip bound, all with the same sign, sums to n * clip in Z_2^32 exactly (up to rounding);
+    one more fractional bit would leave the one-bit margin, two the signed range (the check is tight)."""
+    n, clip = 10, 10.0
+    lay = UpdateLayout.build({"w": (3,)}, n, clip, ring="32")
+    for sign in (1.0, -1.0):
+        vecs = [lay.encode({"w": np.array([sign * clip, 0.0, 0.0])}, 1, np.random.default_rng(i))[0]
+                for i in range(n)]
+        assert vecs[0].dtype == np.uint32
+        avg, w = lay.decode(_ring_sum(vecs))
+        assert w == pytest.approx(n)
+        assert avg["w"][0] == pytest.approx(sign * clip, abs=lay.quantisation_bound())
+    f = lay.frac_bits
+    assert n * (clip * 2.0 ** (f + 1)) > 2**30 and n * (clip * 2.0 ** (f + 2)) > 2**31 - 1  # f + 2 would wrap
+
+
+def test_stochastic_quantisation_is_unbiased_and_bounded():
+    """32-bit encoding error: below 2^-f per coordinate of the decoded mean, zero on average."""
+    lay = UpdateLayout.build({"w": (20_000,)}, 4, clip=10.0, ring="32")
+    f = lay.frac_bits
+    rng = np.random.default_rng(7)
+    x = np.full(20_000, (3 + 0.3) * 2.0**-f)  # 0.3 of a step above a grid point: rint would always err by -0.3
+    vecs = [lay.encode({"w": x}, 1, rng)[0] for _ in range(4)]
+    avg, _ = lay.decode(_ring_sum(vecs))
+    err = avg["w"].astype(np.float64) - x  # [20000]
+    assert np.abs(err).max() <= lay.quantisation_bound() == 2.0**-f
+    std = 2.0**-f * np.sqrt(0.3 * 0.7 / 4)  # per coordinate of the mean of 4 independent roundings
+    assert abs(err.mean()) < 5 * std / np.sqrt(err.size)  # unbiased
+    assert err.std() == pytest.approx(std, rel=0.05)

@@ -361,3 +361,29 @@ def test_setup_request_declares_logical_run_and_epoch():
     del content["meta"]["logical_run"]
     with pytest.raises(WireError, match="fields"):
         decode(content, SetupRequest)
+
+
+def test_a_32_bit_round_travels_in_32_bit_words():
+    """Issue 14: the round start carries the release's ring width and the masked input is uint32 words (half
+    the bytes of Z_2^64); a width other than 32 or 64 on the wire is refused."""
+    import os
+
+    from distmoe.privacy import secagg as sa
+    from distmoe.wire.schema import MaskedReply, SecureInstruction, SftInstruction
+
+    params = sa.SecAggParams(os.urandom(16), 2, 64, 10)
+    fed = sa.LocalFederation(params, [5, 6, 7])
+    fed.setup()
+    starts = fed.server.begin_round(1, 6, 32)
+    si = SecureInstruction(SftInstruction(1, "arith", W, "h", 0, None, 0), starts[5], "model-update")
+    back = decode(encode(si), SecureInstruction)
+    assert back.start.bits == 32 and back.start == starts[5]
+    masked = fed.clients[5].masked_input(starts[5], np.arange(6, dtype=np.uint32))
+    rd = encode(MaskedReply("model-update", masked, None))
+    got = decode(rd, MaskedReply).masked.y
+    assert got.dtype == np.uint32 and np.array_equal(got, masked.y)
+    assert rd.array_records["masked_y"]["y"].numpy().nbytes == 6 * 4
+    rd = encode(si)
+    rd.config_records["sa"]["bits"] = 16
+    with pytest.raises(WireError, match="ring width 16"):
+        decode(rd, SecureInstruction)

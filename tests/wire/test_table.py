@@ -90,7 +90,8 @@ PAYLOADS_FIXED = [
 # sha256 of the structural dump (records in order, keys in order, value types, array bytes) of each payload
 # above, taken from the codec before it was driven by the table: the bytes on the wire must not change
 # (re-pinned for the consistency check: the key advert and directory carry the signing keys, the masked input
-# its contributor-bit shares, the unmask request the signatures; the two consistency messages are new)
+# its contributor-bit shares, the unmask request the signatures; the two consistency messages are new; the
+# round start of the two secure instructions carries its ring width `bits`, issue 14)
 PINNED = [
     "67a6aa23852a6c92ac3babac4e3e08dc79e1d17d0d80796de163bff21fb2776a",
     "96cb2db607f4ed78444b4abfced6e30cbac0ec1a8c9ecee48492e75548b66df2",
@@ -108,9 +109,9 @@ PINNED = [
     "a597944c055819b0bbccc31b68e51fb56609a02562e910dddbeae3af32fe1ce3",
     "1fda911fef739a41dd00a68385dd863846d87758d462767f48b8494a7b4a601d",
     "a75d93ac19ea6889d99ce518de0896c8d50233ffae4ac940bd314cec6b061c67",
-    "917ef0c2476494b6a54f52bb5a00cdc92f66dc02fad8f22230eb1460981cf6e5",
+    "98cf1013d8b80bd402c2beecf7d58d79b4b393311e4ad06e5fe68d16374943b9",
     "7ffccc8af5150efc00aa2780a03fec4714e9a21d359129ee440deacbcccd203f",
-    "01e07a62343f28a6f783579d1c148f73ad97ae950c252bfba1922fd2090f66c6",
+    "ada9131c4333c139932cabd0b7c144515e11cd106c3afea6c135570e86a8ad3b",
     "a0affa7bcbbb3d793dea8d3f3985b765aa56f1126c2c5cc7448419ba9f1d8485",
     "3d5c1cc96d59d310a3bc753e61abd16e6f3984cc2e40ccfd3c8090d8538f4d2e",
     "9207289cc1c2225aa71a7f7e1c56d4cb4b5195391f4df1d745cdda413e3f77fa",

@@ -3,7 +3,8 @@ CCS 2017, https://eprint.iacr.org/2017/281), transport-agnostic.
 
 Owns: the protocol. ``SecAggClient`` and ``SecAggServer`` are state machines whose inputs and outputs
 are the frozen dataclasses of ``messages`` (ints, bytes, numpy arrays); ``local.LocalFederation`` runs the
-schedule in process. Turning reals into Z_2^64 and checking that a sum cannot wrap is ``distmoe.privacy.ring``.
+schedule in process. Turning reals into Z_2^32 / Z_2^64 and checking that a sum cannot wrap is
+``distmoe.privacy.ring``.
 
 Must not: import ``flwr`` (``distmoe/wire`` maps the messages onto records), do I/O, or use
 non-cryptographic randomness (``os.urandom`` unless a test injects a seeded byte source).
@@ -18,8 +19,9 @@ with info bound to (run, round, ordered ids, purpose), ChaCha20 keystream as PRG
 over Z_{2^bits}), ChaCha20-Poly1305 for the shares with associated data binding run, round, sender,
 recipient and the sender's mask key, Shamir over GF(2^521 - 1) with threshold t (2t > holders).
 
-The sum, for client u with input ``x_u: [length]`` in Z_{2^bits} (bits = 64 in a run), peers v of u in U1 (every
-other client of U1 with the complete graph), U2 the clients whose masked input arrived::
+The sum, for client u with input ``x_u: [length]`` in Z_{2^bits} (bits = the round's declared width,
+``RoundStart.bits``: 32 or 64 in a run, at most ``params.bits``), peers v of u in U1 (every other client of U1
+with the complete graph), U2 the clients whose masked input arrived::
 
     s_uv = HKDF(X25519(s_sk_u, s_pk_v), info = ("pair-mask", run, round, min(u,v), max(u,v)))  same for u and v
     y_u  = x_u + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)   mod 2^bits    [length]
@@ -27,7 +29,8 @@ other client of U1 with the complete graph), U2 the clients whose masked input a
                         -/+ the pairwise masks of U2 members with dropped peers (from their s_sk)
 
 The pairwise masks of two survivors cancel; the server rebuilds ``b_u`` of survivors and ``s_sk_v`` of dropped
-peers from t Shamir shares each.
+peers from t Shamir shares each. Every mask is expanded chunk by chunk straight into the output words and
+added in place (``primitives.combine_masks``, equal word for word to ``primitives.prg``): no per-mask vector.
 
 Schedule (the caller's exchanges; each reaches every online client at once):
 

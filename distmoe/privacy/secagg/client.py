@@ -317,7 +317,8 @@ class SecAggClient:
     # ---- stage 2: masked input ----------------------------------------------------------------
     def masked_input(self, start: RoundStart, x: np.ndarray, *, share_next: bool = True,
                      contributed: bool = True) -> MaskedInput:
-        """``x``: ``[start.length]`` integers in [0, 2^bits) (for 64 bits: ``distmoe.privacy.ring.encode_fixed``). With
+        """``x``: ``[start.length]`` integers in [0, 2^bits), ``bits`` = ``start.bits`` or ``params.bits``
+        (``distmoe.privacy.ring.encode_fixed``/``to_ring`` in that width). With
         ``share_next`` the share keys of round + 1 ride along, so the next round needs no extra
         exchange. ``contributed``: whether ``x`` holds any of this party's data (its contributor bit c_u,
         Shamir-shared to every other member of U1, encrypted under the pairwise c-keys)."""
@@ -381,7 +382,10 @@ class SecAggClient:
         length = start.length or p.length
         if not 1 <= length <= p.length:
             raise ProtocolViolation(f"round {r}: round length {length} outside [1, {p.length}] (params.length)")
-        v_arr = self._check_input(x, r, length)
+        bits = start.bits or p.bits
+        if not 1 <= bits <= p.bits:
+            raise ProtocolViolation(f"round {r}: ring width {bits} outside [1, {p.bits}] (params.bits)")
+        v_arr = self._check_input(x, r, length, bits)
         held = {}
         for v in sorted(got):  # decrypt everything before any mask is computed
             e = got[v]
@@ -394,31 +398,26 @@ class SecAggClient:
                 held[v] = (shamir.decode_share(pt[:shamir.SHARE_BYTES]), shamir.decode_share(pt[shamir.SHARE_BYTES:]))
             except ValueError as exc:
                 raise ProtocolViolation(f"round {r}: malformed share from client {v}: {exc}") from None
-        # y = x + PRG(b) + sum_{v>u} PRG(s_uv) - sum_{v<u} PRG(s_uv)  mod 2^bits, all [length]
-        y = P.prg(P.self_mask_key(p.run_id, r, self.cid, st.b), length, p.bits)
-        y += v_arr
-        for v in sorted(mine - {self.cid}):
-            m = P.prg(P.pair_mask_key(p.run_id, r, self.cid, v, st.s_sk, s_pks[v]), length, p.bits)
-            if v > self.cid:
-                y += m
-            else:
-                y -= m
-        if p.bits not in (32, 64):
-            y &= y.dtype.type(P.ring_mask(p.bits))
+        # y = x + PRG(b) + sum_{v>u} PRG(s_uv) - sum_{v<u} PRG(s_uv)  mod 2^bits (this round's bits), all [length]
+        # expanded chunk by chunk into y itself (a fresh copy of x), no per-mask vector (P.combine_masks)
+        terms = [(P.self_mask_key(p.run_id, r, self.cid, st.b), 1)]
+        terms += [(P.pair_mask_key(p.run_id, r, self.cid, v, st.s_sk, s_pks[v]), 1 if v > self.cid else -1)
+                  for v in sorted(mine - {self.cid})]
+        y = P.combine_masks(v_arr, terms, bits, threads=P.MASK_THREADS)
         st.held.update(held)
         st.u1 = tuple(sorted(u1))
         st.phase = Phase.MASKED
         st.s_sk = st.b = b""  # only the shares are needed from here on
         return y
 
-    def _check_input(self, x: np.ndarray, r: int, length: int) -> np.ndarray:
-        p = self.params
+    def _check_input(self, x: np.ndarray, r: int, length: int, bits: int) -> np.ndarray:
         x = np.asarray(x)
         if x.shape != (length,) or not np.issubdtype(x.dtype, np.integer):
             raise ValueError(f"round {r}: input must be [{length}] integers, got {x.shape} {x.dtype}")
-        if x.size and (int(x.min()) < 0 or int(x.max()) > P.ring_mask(p.bits)):
-            raise ValueError(f"round {r}: input outside [0, 2^{p.bits}); encode with ring.encode_fixed/to_ring64")
-        return x.astype(P.word_dtype(p.bits))
+        full = bits in (32, 64) and x.dtype == P.word_dtype(bits)  # every word is in range: no pass needed
+        if x.size and not full and (int(x.min()) < 0 or int(x.max()) > P.ring_mask(bits)):
+            raise ValueError(f"round {r}: input outside [0, 2^{bits}); encode with ring.encode_fixed/to_ring")
+        return np.array(x, dtype=P.word_dtype(bits), order="C", copy=True)  # [length], becomes y in place
 
     # ---- stage 3: consistency check (Bonawitz et al. CCS 2017 §4) ------------------------------
     def required_signatures(self) -> int:

@@ -63,7 +63,7 @@ class LocalFederation:
 
     def round(self, r: int, inputs: Mapping[int, np.ndarray], *, drop_before_masked: Collection[int] = (),
               drop_before_consistency: Collection[int] = (), drop_before_unmask: Collection[int] = (),
-              offline: Collection[int] = (), length: int | None = None,
+              offline: Collection[int] = (), length: int | None = None, bits: int | None = None,
               contributed: Mapping[int, bool] | None = None, min_contributors: int = 0) -> AggregateResult:
         """Exchange 1: RoundStart (+ the training request) down, masked input + contributor-bit shares +
         next share keys up; an online client outside U1 answers with next share keys only and rejoins at
@@ -71,7 +71,7 @@ class LocalFederation:
         unmask request with the signatures down, shares up. ``contributed``: each client's contributor
         bit (default: all contributed); ``min_contributors``: what the server and every client require."""
         self.up, self.down = {}, {}
-        starts = self.server.begin_round(r, length)
+        starts = self.server.begin_round(r, length, bits)
         masked, late_keys = [], []
         for i in self.server.roster:
             if i in offline or i in drop_before_masked:

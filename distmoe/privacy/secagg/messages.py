@@ -138,10 +138,13 @@ class RoundStart:
     participants: tuple[tuple[int, bytes], ...]  # U1 as (id, s_pk), sorted by id
     shares: tuple[EncryptedShares, ...]  # from each peer in U1, addressed to recipient
     length: int = 0  # elements of this round's input vectors; 0 = params.length
+    bits: int = 0  # this round's ring Z_{2^bits} (the release's declared width); 0 = params.bits
 
     def __post_init__(self):
         if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 0:
             raise ValueError(f"length must be an int >= 0, got {self.length!r}")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 0 <= self.bits <= 64:
+            raise ValueError(f"bits must be an int in [0, 64], got {self.bits!r}")
 
 
 @dataclass(frozen=True)

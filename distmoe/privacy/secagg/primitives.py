@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -132,6 +133,86 @@ def prg(key: bytes, length: int, bits: int) -> np.ndarray:
     if bits not in (32, 64):
         words &= dt.type(ring_mask(bits))
     return words
+
+
+# Fast expansion (issue 14 item 3): the same keystream as ``prg``, written chunk by chunk straight into a
+# preallocated word buffer and added/subtracted in place. ChaCha20 (RFC 8439 layout in OpenSSL: the 16-byte IV
+# is a little-endian 32-bit block counter then a 12-byte nonce) can start at any 64-byte block, so disjoint
+# ranges of one stream can be expanded independently (threads) and still equal ``prg`` exactly.
+CHUNK_BYTES = 1 << 18  # 256 KiB: the zero source and the scratch chunk stay in L2 while a range is combined
+_ZEROS = bytes(CHUNK_BYTES)
+_LITTLE = sys.byteorder == "little"
+MASK_THREADS = 1  # threads per mask combination: 2 was not faster on the 2-core machine (docs/results.md)
+
+
+def _stream_at(key: bytes, offset_bytes: int):
+    """A ChaCha20 encryptor of ``key`` positioned at byte ``offset_bytes`` (a multiple of 64) of the keystream."""
+    if len(key) != KEY_BYTES:
+        raise ValueError("PRG key must be 32 bytes")
+    block = offset_bytes // 64
+    if offset_bytes % 64 or block >= 2**32:
+        raise ValueError(f"keystream offset {offset_bytes} is not a 64-byte block below 2^32 blocks")
+    return Cipher(algorithms.ChaCha20(key, block.to_bytes(4, "little") + bytes(12)), mode=None).encryptor()
+
+
+def prg_into(key: bytes, out: np.ndarray, bits: int) -> np.ndarray:
+    """``out[:] = prg(key, len(out), bits)`` without an intermediate copy: ``out`` is a C-contiguous
+    ``word_dtype(bits)`` array ``[length]``; the keystream is written into its bytes chunk by chunk."""
+    return combine_masks(out, [(key, 0)], bits)
+
+
+def _combine_range(out: np.ndarray, terms: list[tuple[bytes, int]], bits: int, lo: int, hi: int) -> None:
+    """Words ``[lo, hi)`` of ``out`` (``lo`` at a 64-byte keystream boundary): apply every term in place.
+    Sign 0 writes the keystream (the first term only), +1 adds it, -1 subtracts it, all mod 2^word."""
+    dt = out.dtype
+    per = CHUNK_BYTES // dt.itemsize  # words per chunk
+    scratch = np.empty(per, dt)  # [per], reused for every key and chunk
+    sbytes = memoryview(scratch).cast("B")
+    encs = [_stream_at(k, lo * dt.itemsize) for k, _ in terms]
+    for a in range(lo, hi, per):
+        b = min(a + per, hi)
+        nb, seg = (b - a) * dt.itemsize, out[a:b]  # [b - a] view
+        for enc, (_, sign) in zip(encs, terms, strict=True):
+            if sign == 0:
+                enc.update_into(_ZEROS[:nb], memoryview(seg).cast("B"))
+                if not _LITTLE:
+                    seg.byteswap(inplace=True)
+                continue
+            enc.update_into(_ZEROS[:nb], sbytes[:nb])
+            s = scratch[:b - a]
+            if not _LITTLE:
+                s.byteswap(inplace=True)
+            (np.add if sign > 0 else np.subtract)(seg, s, out=seg)
+
+
+def combine_masks(out: np.ndarray, terms: list[tuple[bytes, int]], bits: int, *, threads: int = 1) -> np.ndarray:
+    """In place: ``out = out + sum_{(k, +1)} PRG(k) - sum_{(k, -1)} PRG(k)  mod 2^bits``; a first term of sign 0
+    overwrites ``out`` with ``PRG(k)`` instead (so no zero-fill is needed). ``out``: C-contiguous
+    ``word_dtype(bits)`` ``[length]``. Equal to the reference ``prg`` arithmetic word for word (a test checks
+    it). ``threads > 1`` splits the words into contiguous ranges, each expanded by its own positioned
+    encryptors; it pays only where ``cryptography`` releases the GIL in ``update_into`` (numpy's ufuncs do)
+    and cores are free, which the 2-core benchmark machine could not show (``MASK_THREADS = 1``;
+    ``docs/results.md``)."""
+    dt = word_dtype(bits)
+    if out.dtype != dt or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out must be a writeable contiguous [length] {dt} array, got {out.dtype} {out.shape}")
+    if any(sign not in (-1, 0, 1) for _, sign in terms) or any(sign == 0 for _, sign in terms[1:]):
+        raise ValueError("term signs must be +1/-1, with 0 (overwrite) allowed only first")
+    n = out.shape[0]
+    step = 64 // dt.itemsize  # words per ChaCha20 block
+    parts = max(1, min(int(threads), n // (CHUNK_BYTES // dt.itemsize)))
+    if parts == 1:
+        _combine_range(out, list(terms), bits, 0, n)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        cuts = [min(n, -(-(n * i // parts) // step) * step) for i in range(parts)] + [n]
+        with ThreadPoolExecutor(parts) as ex:
+            for f in [ex.submit(_combine_range, out, list(terms), bits, cuts[i], cuts[i + 1]) for i in range(parts)]:
+                f.result()
+    if bits not in (32, 64):
+        out &= dt.type(ring_mask(bits))
+    return out
 
 
 # ---- share envelope -------------------------------------------------------------------------------

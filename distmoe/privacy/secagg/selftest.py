@@ -10,8 +10,9 @@ that was patched, stubbed or broken returns ``False``) and the mask statistic of
 The statistic (the "sign run"): a fixed-point plaintext word in Z_2^64 (``distmoe.privacy.ring.encode_fixed``
 of a bounded value) is sign-extended, so its leading bits all equal its sign bit; a uniform word's run of
 bits equal to the top bit is geometric. For each ``[n]`` uint64 word let ``g`` be the number of bits after
-the top bit that equal it (0..63); for uniform words ``g`` is Geometric(1/2) on {0, 1, ...} (capped at 63,
-which only makes it smaller), so ``S = sum g`` is at most NegativeBinomial(n, 1/2) in distribution. The
+the top bit that equal it (0..63; for the uint32 words of a 32-bit release, 0..31 in their own width); for
+uniform words ``g`` is Geometric(1/2) on {0, 1, ...} (capped at 63 or 31, which only makes it smaller),
+so ``S = sum g`` is at most NegativeBinomial(n, 1/2) in distribution. The
 input fails when ``P(NB(n, 1/2) >= S) < ALPHA = 2^-40`` (about 9.1e-13): a genuinely masked vector fails
 with probability below ``ALPHA`` whatever its length. A plaintext-like vector (zero masks) has ``g >= 20``
 on nearly every word (values below 2^43 in magnitude) and fails from two such words on (``p ~ 2^-37`` for
@@ -41,6 +42,7 @@ KAT_PRG64 = "39fd2b7dd9c5196a8dbd0377b8dc4a498a35d86fbcde6accb2cc7d4cd8ea2492"  
 KAT_PRG20 = "39fd0b00d9c509008dbd0300b8dc0a00"  # prg(KAT_KEY, 4, 20): uint32 words masked to 20 bits
 KAT_DERIVED = "21d18c3e382206fa897b2a6624c389b639b2a36f63e9c54fe7642c91b5734611"  # derive_key(KAT_KEY, b"distmoe-kat")
 _POWERS = np.array([1 << k for k in range(64)], dtype=np.uint64)  # [64] 2^0 .. 2^63
+_POWERS32 = np.array([1 << k for k in range(32)], dtype=np.uint32)  # [32] 2^0 .. 2^31
 
 
 def _kat_values() -> tuple[str, str, str]:
@@ -60,12 +62,17 @@ def prg_known_answer() -> str | None:
 
 
 def sign_run(y: np.ndarray) -> int:
-    """``S``: over the ``[n]`` uint64 words of ``y``, the bits after the top bit that equal it, summed."""
-    u = np.asarray(y).astype(np.uint64, copy=False).ravel()  # [n]
-    neg = (u >> np.uint64(63)).astype(bool)  # [n]
+    """``S``: over the ``[n]`` words of ``y`` (uint32 words of a 32-bit ring in their own width, anything else
+    as uint64), the bits after the top bit that equal it, summed (0..31 or 0..63 per word)."""
+    a = np.asarray(y).ravel()
+    if a.dtype == np.uint32:
+        u, top, powers = a, 31, _POWERS32
+    else:
+        u, top, powers = a.astype(np.uint64, copy=False), 63, _POWERS
+    neg = (u >> u.dtype.type(top)).astype(bool)  # [n]
     v = np.where(neg, ~u, u)  # [n], top bit 0: its leading zeros are the run of bits equal to the sign bit
-    bit_length = np.searchsorted(_POWERS, v, side="right")  # [n] exact: integer comparisons only
-    return int(np.sum(63 - bit_length))
+    bit_length = np.searchsorted(powers, v, side="right")  # [n] exact: integer comparisons only
+    return int(np.sum(top - bit_length))
 
 
 def log2_p(words: int, s: int) -> float:
@@ -76,7 +83,7 @@ def log2_p(words: int, s: int) -> float:
 
 
 def mask_statistic(y: np.ndarray) -> dict:
-    """The facts a party records for one masked input ``y`` (``[n]`` uint64)."""
+    """The facts a party records for one masked input ``y`` (``[n]`` uint32 or uint64)."""
     n = int(np.asarray(y).size)
     s = sign_run(y)
     return {"test": TEST, "words": n, "sign_run": s, "log2_p": round(log2_p(n, s), 3), "alpha_log2": ALPHA_LOG2}

@@ -68,6 +68,7 @@ class _ServerRound:
     u2: tuple[int, ...] = ()
     acc: np.ndarray | None = None  # [length] running sum of the masked inputs
     length: int = 0  # this round's vector length
+    bits: int = 64  # this round's ring Z_{2^bits} (<= params.bits)
     inbox: dict[int, list[CountShare]] | None = None  # recipient -> count shares from U2 (consistency stage)
     signatures: tuple[tuple[int, bytes, bytes], ...] = ()  # (signer, share-sum, signature), unmask stage
     contributors: int = -1  # sum_{u in U2} c_u, once the signatures are checked
@@ -113,7 +114,7 @@ class SecAggServer:
             rs = self._rounds[r]
             acc = None if rs.acc is None else S.b64(rs.acc.astype(rs.acc.dtype.newbyteorder("<")).tobytes())
             rounds.append({"round": rs.round, "u1": list(rs.u1), "stage": rs.stage, "u2": list(rs.u2),
-                           "length": rs.length,
+                           "length": rs.length, "bits": rs.bits,
                            "s_pk": [[v, S.b64(k)] for v, k in sorted(rs.s_pk.items())],
                            "commits": [[v, S.b64(k)] for v, k in sorted(rs.commits.items())], "acc": acc,
                            "inbox": None if rs.inbox is None else [
@@ -160,12 +161,15 @@ class SecAggServer:
             raise StateMismatch("server state was saved under another peer graph")
         for r, by in body["pending"]:
             srv._pending[S.as_int(r)] = {S.as_int(v): _share_keys_from(m) for v, m in by}
-        dt = P.word_dtype(params.bits)
         for d in body["rounds"]:
             acc = None
             length = S.as_int(d["length"])
+            bits = S.as_int(d.get("bits", params.bits))
             if not 1 <= length <= params.length:
                 raise ValueError("round length")
+            if not 1 <= bits <= params.bits:
+                raise ValueError("round bits")
+            dt = P.word_dtype(bits)
             if d["acc"] is not None:
                 raw = S.unb64(d["acc"], length * dt.itemsize)
                 acc = np.frombuffer(raw, dtype=dt.newbyteorder("<")).astype(dt)
@@ -174,7 +178,7 @@ class SecAggServer:
             rs = _ServerRound(S.as_int(d["round"]), S.ints(d["u1"]),
                               {S.as_int(v): S.unb64(k, P.KEY_BYTES) for v, k in d["s_pk"]},
                               {S.as_int(v): S.unb64(k, 32) for v, k in d["commits"]}, d["stage"], S.ints(d["u2"]), acc,
-                              length)
+                              length, bits)
             if (rs.stage in ("consistency", "unmask")) != (acc is not None):
                 raise StateCorrupt("server state: a running sum at the wrong stage")
             if d["inbox"] is not None:
@@ -247,11 +251,15 @@ class SecAggServer:
             return "envelopes not addressed to exactly its peers"
         return None
 
-    def begin_round(self, r: int, length: int | None = None) -> dict[int, RoundStart]:
+    def begin_round(self, r: int, length: int | None = None, bits: int | None = None) -> dict[int, RoundStart]:
         """Close U1 for round ``r`` and build each participant's ``RoundStart``; ``length``: this round's
-        vector length (default ``params.length``, at most that)."""
+        vector length (default ``params.length``, at most that); ``bits``: this round's ring width (the
+        release's declared word size, default ``params.bits``, at most that)."""
         if self._keys is None:
             raise ProtocolViolation("round before setup")
+        bits = self.params.bits if bits is None else bits
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= self.params.bits:
+            raise ValueError(f"round {r}: bits {bits!r} outside [1, params.bits = {self.params.bits}]")
         length = self.params.length if length is None else length
         if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= self.params.length:
             raise ValueError(f"round {r}: length {length!r} outside [1, params.length = {self.params.length}]")
@@ -284,8 +292,8 @@ class SecAggServer:
                 if e.recipient in u1:
                     inbox[e.recipient].append(e)
         self._rounds[r] = _ServerRound(r, order, {v: pend[v].s_pk for v in order},
-                                       {v: pend[v].b_commit for v in order}, length=length)
-        return {u: RoundStart(r, u, participants, tuple(sorted(inbox[u], key=lambda e: e.sender)), length)
+                                       {v: pend[v].b_commit for v in order}, length=length, bits=bits)
+        return {u: RoundStart(r, u, participants, tuple(sorted(inbox[u], key=lambda e: e.sender)), length, bits)
                 for u in order}
 
     # ---- stage 2: masked input ----------------------------------------------------------------
@@ -294,7 +302,8 @@ class SecAggServer:
         every member of U2 (U2 and the count shares addressed to it by the other members of U2)."""
         rs = self._stage(r, "masked")
         p = self.params
-        dt = P.word_dtype(p.bits)
+        bits = rs.bits
+        dt = P.word_dtype(bits)
         n = rs.length
         acc = np.zeros(n, dtype=dt)  # [length]
         got: list[int] = []
@@ -308,8 +317,8 @@ class SecAggServer:
                 why = "second masked input"
             elif m.y.shape != (n,) or m.y.dtype != dt:
                 why = f"masked input of shape {m.y.shape} {m.y.dtype}, expected ({n},) {dt}"
-            elif p.bits not in (32, 64) and int(m.y.max()) > P.ring_mask(p.bits):
-                why = f"masked input outside Z_2^{p.bits}"
+            elif bits not in (32, 64) and int(m.y.max()) > P.ring_mask(bits):
+                why = f"masked input outside Z_2^{bits}"
             elif m.next_keys is not None and (m.next_keys.sender != m.sender or m.next_keys.round != r + 1):
                 why = "piggybacked share keys of another client or round"
             elif any(e.sender != m.sender or e.round != r for e in m.count_shares):
@@ -426,27 +435,23 @@ class SecAggServer:
         rs.stage = "done"
         if len(responders) < t:
             raise BelowThreshold(f"round {r}, unmask: {len(responders)} unmask responses, below threshold t = {t}")
-        total = rs.acc
-        rs.acc = None
+        terms: list[tuple[bytes, int]] = []  # every mask to remove, checked before any is expanded
         for v in sorted(alive):  # remove self masks of the survivors
             b = self._reconstruct(r, v, b_pts[v], "self-mask seed")
             if P.commit(b, P.b_commit_ctx(p.run_id, r, v)) != rs.commits[v]:
                 raise ReconstructionFailed(f"round {r}: the self-mask seed of client {v} does not match its "
                                            "commitment (a corrupt share)", owner=v, round=r)
-            total -= P.prg(P.self_mask_key(p.run_id, r, v, b), rs.length, p.bits)
+            terms.append((P.self_mask_key(p.run_id, r, v, b), -1))
         for v in sorted(dead):  # remove the pairwise masks survivors hold with dropped participants
             sk = self._reconstruct(r, v, s_pts[v], "mask key")
             if P.public_from_private(sk) != rs.s_pk[v]:
                 raise ReconstructionFailed(f"round {r}: the mask key of client {v} does not match its public key "
                                            "(a corrupt share)", owner=v, round=r)
-            for u in sorted(alive & self._holders[v]):
-                m = P.prg(P.pair_mask_key(p.run_id, r, u, v, sk, rs.s_pk[u]), rs.length, p.bits)
-                if v > u:  # y_u carried +PRG(s_uv) for v > u, -PRG(s_uv) for v < u
-                    total -= m
-                else:
-                    total += m
-        if p.bits not in (32, 64):
-            total &= total.dtype.type(P.ring_mask(p.bits))
+            for u in sorted(alive & self._holders[v]):  # y_u carried +PRG(s_uv) for v > u, -PRG(s_uv) for v < u
+                terms.append((P.pair_mask_key(p.run_id, r, u, v, sk, rs.s_pk[u]), -1 if v > u else 1))
+        total = np.ascontiguousarray(rs.acc)
+        rs.acc = None
+        P.combine_masks(total, terms, rs.bits, threads=P.MASK_THREADS)  # in place, chunk by chunk
         return AggregateResult(r, total, rs.u2, tuple(sorted(dead)), tuple(sorted(responders)), rs.contributors)
 
     def _reconstruct(self, r: int, owner: int, pts: dict[int, int], what: str) -> bytes:

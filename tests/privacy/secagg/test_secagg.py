@@ -118,6 +118,54 @@ def test_real_valued_inputs_through_the_ring_codec():
     assert (got < 0).any() and (got > 0).any()  # negative sums decode too
 
 
+@pytest.mark.parametrize("drop", [False, True])
+def test_a_round_declares_its_own_ring_width(drop):
+    """A 64-bit run carries a 32-bit release (issue 14): the round start declares the width, the inputs and
+    the sum are uint32 words, and the server's unmask of a dropped party's masks happens in that width; the
+    next round in the same run goes back to 64 bits."""
+    n, scale = 5, 2.0**20
+    fed = fed_of(n, 3, bits=64)
+    g = np.random.default_rng(3)
+    reals = {i: g.uniform(-100.0, 100.0, L) for i in range(1, n + 1)}
+    words = {i: ring.encode_fixed(x, scale, 32, np.random.default_rng(i)) for i, x in reals.items()}
+    res = fed.round(1, words, bits=32, drop_before_masked=(2,) if drop else ())
+    assert res.total.dtype == np.uint32
+    ids = [i for i in range(1, n + 1) if not (drop and i == 2)]
+    got = ring.decode_fixed(res.total, scale)
+    assert np.abs(got - sum(reals[i] for i in ids)).max() <= len(ids) / scale
+    xs = rand_inputs(n, 64, seed=9)
+    res = fed.round(2, xs)
+    assert res.total.dtype == np.uint64
+    np.testing.assert_array_equal(res.total, expected(xs, res.included, 64))  # 2 rejoins only at round 3
+
+
+def test_ring_width_is_checked_on_both_sides():
+    fed = fed_of(3, 2, bits=32)
+    with pytest.raises(ValueError, match="bits 64 outside"):
+        fed.server.begin_round(1, None, 64)  # wider than the run's params
+    starts = fed.server.begin_round(1, None, 16)
+    assert all(s.bits == 16 for s in starts.values())
+    with pytest.raises(ValueError, match=r"outside \[0, 2\^16\)"):  # a value the declared ring cannot hold
+        fed.clients[1].masked_input(starts[1], np.full(L, 1 << 16, np.uint32))
+    forged = dataclasses.replace(starts[2], bits=33)
+    with pytest.raises(ProtocolViolation, match="ring width 33"):
+        fed.clients[2].masked_input(forged, np.zeros(L, np.uint32))
+
+
+def test_server_state_keeps_the_round_width():
+    from distmoe.privacy.secagg import SecAggServer
+
+    fed = fed_of(3, 2, bits=64)
+    starts = fed.server.begin_round(1, None, 32)
+    xs = {i: np.full(L, i, np.uint32) for i in starts}
+    masked = [fed.clients[i].masked_input(s, xs[i]) for i, s in starts.items()]
+    checks = fed.server.receive_masked(1, masked)
+    fed.server = SecAggServer.from_state(fed.params, fed.server.to_state())
+    request = fed.check(1, checks)
+    res = fed.server.finish(1, [fed.clients[i].unmask(request) for i, _, _ in request.signatures])
+    assert res.total.dtype == np.uint32 and (res.total == 6).all()
+
+
 # ---- dropouts -------------------------------------------------------------------------------
 
 def test_dropout_before_share_keys():
