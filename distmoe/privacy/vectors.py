@@ -41,7 +41,8 @@ a party with 10x the data no longer pulls 10x harder. With client-level DP on up
 its noise share), so ``sum w`` is the included count and the L2 sensitivity of the sum is ``clip``.
 One stability count is the exception, and only without update noise: ``skipped``, the number of local optimizer
 steps the party skipped for a NaN/Inf loss or gradient (clamped to ``[0, SKIPPED_MAX]``), is summed in one more
-slot, as an integer (scale 1: ``n * SKIPPED_MAX`` stays below the data bound of either word width), so the server learns the total over the contributors (``docs/privacy.md`` §3). Without ``private`` the
+slot, as an integer (scale 1: ``n * SKIPPED_MAX`` stays below the data bound of either word width), so the
+server learns the total over the contributors (``docs/privacy.md`` §3). Without ``private`` the
 clipped delta itself is an exact sum that a provoked straggle differences to one party's delta (§4.5), which
 determines far more than this count of at most ``log2(steps + 1)`` bits; with ``private`` an exact count would
 escape the update's DP guarantee, so the slot is absent and the count stays in the party's own log.
