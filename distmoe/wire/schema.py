@@ -51,6 +51,11 @@ class SftInstruction:
     seed: int
     anchor: np.ndarray | None  # [L, E]
     anchor_version: int  # 0 = no anchor
+    objective: str | None = None  # None = SFT; "dpo" = a dpo phase: local DPO on the task's preference pairs
+    ref_weights: dict[str, np.ndarray] | None = None  # dpo: the reference model; None = ``weights`` themselves
+
+
+OBJECTIVES = ("dpo",)  # an SftInstruction's objectives besides SFT (None); every one releases a model update
 
 
 @dataclass(frozen=True)
@@ -254,9 +259,10 @@ def _meta(*specs: str) -> tuple[Field, ...]:
 
 PAYLOADS: tuple[PayloadType, ...] = (
     PayloadType(SftInstruction, "sft-instruction", "instruction",
-                _meta("round:int", "task:str", "base_hash:str", "seed:int", "anchor_version:int")
-                + (Field("weights", "arrays", "weights"), Field("anchor", "anchor", "probs?")),
-                ("arrays", "anchor", "meta"), MSG_SFT, ModelUpdate, "model-update", "sft"),
+                _meta("round:int", "task:str", "base_hash:str", "seed:int", "anchor_version:int", "objective:objective?")
+                + (Field("weights", "arrays", "weights"), Field("anchor", "anchor", "probs?"),
+                   Field("ref_weights", "ref", "weights?")),
+                ("arrays", "ref", "anchor", "meta"), MSG_SFT, ModelUpdate, "model-update", "sft"),
     PayloadType(RlInstruction, "rl-instruction", "instruction",
                 _meta("round:int", "task:str", "base_hash:str", "seed:int") + (Field("weights", "arrays", "weights"),),
                 ("arrays", "meta"), MSG_RL, ModelUpdate, "rl-update", "rl"),

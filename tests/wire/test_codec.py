@@ -51,6 +51,8 @@ def _payloads() -> list:
         RlInstruction(round=6, task="arith", weights=W, base_hash="ab", seed=5),
         ModelUpdate(party="party-1", delta=W, num_examples=8, kind="rl",
                     metrics={**{k: 0.5 for k in RL_METRIC_KEYS}, "route_disagree_l0": 0.1, "route_disagree_l1": 0.0}),
+        SftInstruction(round=7, task="pref", weights=W, base_hash="cd", seed=0, anchor=None, anchor_version=0,
+                       objective="dpo", ref_weights={k: v + 1 for k, v in W.items()}),  # a dpo round's reference
     ]
 
 
@@ -203,10 +205,10 @@ def test_decode_rejects_extra_record():
     rd["smuggled"] = MetricRecord({"secret": 1.0})
     with pytest.raises(WireError, match="smuggled"):
         decode(rd, RouterStats)
-    sft = encode(_payloads()[1])
-    sft["ref"] = ArrayRecord({"x": Array(np.zeros(2, np.float32))})  # optional only for eval
+    rl = encode(RlInstruction(round=6, task="arith", weights=W, base_hash="ab", seed=5))
+    rl["ref"] = ArrayRecord({"x": Array(np.zeros(2, np.float32))})  # optional only for eval and sft (dpo)
     with pytest.raises(WireError, match="ref"):
-        decode(sft, SftInstruction)
+        decode(rl, RlInstruction)
 
 
 def test_decode_rejects_missing_record_and_field():
