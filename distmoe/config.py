@@ -333,8 +333,9 @@ class DPOConfig(_Section):
     reference: str = key("phase", "the reference model: `phase` = the global model at the start of the `dpo` phase "
                          "(sent with later rounds' instructions), `round` = the global model each round as received",
                          choices=DPO_REFERENCES)
-    reference_engine: str = key("", "who computes the reference log-probs: `\"\"` = the trainer (exact); an inference "
-                                "engine profile (as `rl.engine`) = that engine, with pairs IcePop-masked where a token's "
+    reference_engine: str = key("", "who computes the reference log-probs: `\"\"` = the trainer (exact); an "
+                                "inference engine profile (as `rl.engine`) = that engine, with pairs IcePop-masked "
+                                "where a token's "
                                 "trainer/engine reference ratio leaves [`rl.icepop-low`, `rl.icepop-high`] "
                                 "(`docs/algorithms.md`, DPO)",
                                 allowed="`\"\"`, or `exact`, `bf16`, `int8-dynamic`, `int8-weight-only`, `prune-<k>` "
@@ -596,7 +597,8 @@ def parse_schedule(text: str, default_rounds: int, key: str = "schedule.phases")
     """Parse ``"sft:arith*3, eval, stats:arith, sft:strings, eval"`` into phases.
 
     Grammar: phases separated by ``,`` or ``->``; each is ``kind[:task][*rounds]``. ``sft``, ``rl`` and
-    ``dpo`` need a task (``dpo``: a task of preference pairs); ``stats`` takes an optional task (default: every local task); ``eval`` takes none.
+    ``dpo`` need a task (``dpo``: a task of preference pairs); ``stats`` takes an optional task (default:
+    every local task); ``eval`` takes none.
     """
     items = [s.strip() for s in re.split(r",|->", text) if s.strip()]
     if not items:

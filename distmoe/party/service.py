@@ -23,6 +23,7 @@ from distmoe.config import ConfigError, NodeConfig, RunConfig
 from distmoe.data.formats import DataError
 from distmoe.io import append_durable
 from distmoe.party import work as P
+from distmoe.party.dpo_work import run_dpo
 from distmoe.party.session import PartySession, SessionError, open_ledger
 from distmoe.privacy.dp import canary_seed
 from distmoe.privacy.plan import stats_event
@@ -150,10 +151,14 @@ class PartyService:
         """Train locally; the update as this round's ``[D]`` vector (noised under client-level DP). Its training
         metrics stay in this party's own log (``UpdateLayout``: uniform weights, no metrics)."""
         cfg, node = self.cfg, self.node
-        upd = (P.run_sft if isinstance(instr, SftInstruction) else P.run_rl)(cfg, node, instr)
+        local: dict = {}  # what only this party's log gets (a dpo round's DPO figures)
+        if isinstance(instr, SftInstruction) and instr.objective == "dpo":
+            upd, local = run_dpo(cfg, node, instr)
+        else:
+            upd = (P.run_sft if isinstance(instr, SftInstruction) else P.run_rl)(cfg, node, instr)
         layout = sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()})
         vec, facts = layout.encode(upd.delta, upd.num_examples)
-        self._log_metrics(instr, upd.metrics, facts)
+        self._log_metrics(instr, {**upd.metrics, **local}, facts)
         contributed = upd.num_examples > 0  # any of this party's examples went into the update
         z_u = sess.facts.update_noise_multiplier
         if z_u <= 0:
@@ -171,6 +176,7 @@ class PartyService:
         """The round's training metrics, for this party's operator only: ``<work-dir>/metrics/<party>.jsonl``
         (0600; never sent: the server's update sum carries no metrics)."""
         line = {"round": instr.round, "kind": type(instr).__name__, "task": instr.task,
+                **({"objective": instr.objective} if getattr(instr, "objective", None) else {}),
                 **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, **facts}
         append_durable(self.node.work_dir / "metrics" / f"{self.name}.jsonl",
                        (json.dumps(line, allow_nan=True) + "\n").encode())

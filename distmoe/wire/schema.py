@@ -259,7 +259,8 @@ def _meta(*specs: str) -> tuple[Field, ...]:
 
 PAYLOADS: tuple[PayloadType, ...] = (
     PayloadType(SftInstruction, "sft-instruction", "instruction",
-                _meta("round:int", "task:str", "base_hash:str", "seed:int", "anchor_version:int", "objective:objective?")
+                _meta("round:int", "task:str", "base_hash:str", "seed:int", "anchor_version:int",
+                      "objective:objective?")
                 + (Field("weights", "arrays", "weights"), Field("anchor", "anchor", "probs?"),
                    Field("ref_weights", "ref", "weights?")),
                 ("arrays", "ref", "anchor", "meta"), MSG_SFT, ModelUpdate, "model-update", "sft"),

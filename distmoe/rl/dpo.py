@@ -43,6 +43,8 @@ from distmoe.config import DPOConfig, RoutingConfig, TrainConfig
 from distmoe.data.template import batch_iterator, collate
 from distmoe.model.device import autocast_for, base_dtype, device_of, to_device
 from distmoe.model.router import forward_with_router
+from distmoe.rl.engines import InferenceEngine
+from distmoe.rl.losses import mismatch_weights
 from distmoe.routing.losses import anchor_kl, aux_load_balance_loss
 from distmoe.train.optim import build_optimizer
 from distmoe.train.sft import set_checkpointing
@@ -70,7 +72,8 @@ def dpo_loss(pol_w: torch.Tensor, pol_l: torch.Tensor, ref_w: torch.Tensor, ref_
     ``pref_acc`` = share of pairs with ``h > 0``; ``reward_chosen`` / ``reward_rejected`` = mean
     ``beta (s_theta - s_ref)`` of each answer (kept pairs only)."""
     if not (pol_w.shape == pol_l.shape == ref_w.shape == ref_l.shape) or pol_w.dim() != 1:
-        raise ValueError(f"dpo_loss: expected four [B] tensors, got {[tuple(t.shape) for t in (pol_w, pol_l, ref_w, ref_l)]}")
+        shapes = [tuple(t.shape) for t in (pol_w, pol_l, ref_w, ref_l)]
+        raise ValueError(f"dpo_loss: expected four [B] tensors, got {shapes}")
     if beta <= 0:
         raise ValueError(f"dpo_loss: beta must be > 0, got {beta}")
     rw = beta * (pol_w - ref_w.detach())  # [B] implicit reward of the chosen answer
@@ -129,8 +132,6 @@ def pair_keep(train: list[tuple[torch.Tensor, torch.Tensor]], infer: list[tuple[
     """IcePop on pairs: per pair the completion-token log-probs ``(chosen [Tw], rejected [Tl])`` of the reference by
     the trainer and by the engine -> ``(keep [N] bool, stats)``; a pair is kept iff every token of both answers has
     ``low <= k <= high``, ``k = exp(clamp(logp_train - logp_engine, -20, 20))`` (``mismatch_weights``, mode mask)."""
-    from distmoe.rl.losses import mismatch_weights
-
     n = len(train)
     if len(infer) != n:
         raise ValueError(f"pair_keep: {n} trainer pairs but {len(infer)} engine pairs")
@@ -168,8 +169,6 @@ def reference_logps(model: nn.Module, pairs: list[Pair], pad_id: int, batch_size
     if not engine:
         return Reference(torch.stack([t[2] for t in train]), torch.stack([t[3] for t in train]),
                          torch.ones(n, dtype=torch.bool), {"ref_masked_frac": 0.0})
-    from distmoe.rl.engines import InferenceEngine
-
     calib = [collate([p[0] for p in pairs[i:i + batch_size]], pad_id)
              for i in range(0, min(n, batch_size * calibration_batches), batch_size)]
     eng = InferenceEngine(model, engine, calibration=calib)
