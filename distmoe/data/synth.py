@@ -24,8 +24,10 @@ that they repeat (the party split keeps identical examples on one side).
 
 * ``pref`` (preference pairs, ``{"prompt", "chosen", "rejected"}``, for ``dpo`` phases): the ``arith``
   facts and party ranges, prompt ``"<phrasing>\n7+5"``, ``chosen`` the correct result, ``rejected`` a
-  wrong one (the result off by one or two, never negative): a verifiable preference, so held-out pairs
-  measure whether the policy prefers the correct answer. Not in the default ``TASK_FAMILIES``.
+  wrong one: half the time the expression echoed back (``7+5``, a format failure a model can learn to
+  avoid from the surface), otherwise the result off by one or two (never negative; a fact). A
+  verifiable preference: ``chosen`` passes the numeric verifier, ``rejected`` fails it. Held-out pairs
+  measure whether the policy's margin for the correct answer grows. Not in the default ``TASK_FAMILIES``.
 
 Adding a family: write ``_gen_<name>(party, n, rng, seed) -> list[dict]`` (JSONL objects), add it
 to ``_GENERATORS`` and add its verifier to ``VERIFIERS`` (``(prompt_text, answer, expected) ->
@@ -61,6 +63,7 @@ STRING_OPS: tuple[tuple[str, Callable[[str], str]], ...] = (
     ("Capitalize", str.capitalize),
 )
 SYSTEM_PROMPT = "Answer with the result only."
+PREF_ECHO_SHARE = 0.5  # pref: share of rejected answers that echo the expression instead of a wrong number
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,8 +145,8 @@ def _gen_pref(party: int, n: int, rng: random.Random, seed: int) -> list[dict[st
     for obj in facts:
         right = int(obj["output"])
         wrong = [right + d for d in (-2, -1, 1, 2) if right + d >= 0]
-        out.append({"prompt": f"{obj['instruction']}\n{obj['input']}", "chosen": obj["output"],
-                    "rejected": str(wrong[rng.randrange(len(wrong))])})
+        rejected = obj["input"] if rng.random() < PREF_ECHO_SHARE else str(wrong[rng.randrange(len(wrong))])
+        out.append({"prompt": f"{obj['instruction']}\n{obj['input']}", "chosen": obj["output"], "rejected": rejected})
     return out
 
 
