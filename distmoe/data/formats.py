@@ -230,7 +230,7 @@ def read_jsonl(path: Path) -> list[Example]:
         ex = parse_line(obj, where)
         if examples and ex.is_pair != examples[0].is_pair:
             first = "preference" if examples[0].is_pair else "instruction"
-            raise DataError(f"{where}: a {'preference' if ex.is_pair else 'instruction'} line in a file of {first} "
+            raise DataError(f"{where}: {'a preference' if ex.is_pair else 'an instruction'} line in a file of {first} "
                             "lines (a task file holds preference pairs only, or none)")
         examples.append(ex)
     if not examples:

@@ -211,6 +211,18 @@ def test_decode_rejects_extra_record():
         decode(rl, RlInstruction)
 
 
+def test_sft_objective_is_optional_and_closed():
+    """``objective`` is absent for SFT (the bytes of an SFT instruction are unchanged) and one of OBJECTIVES else."""
+    plain = encode(_payloads()[1])
+    assert "objective" not in plain.config_records["meta"] and "ref" not in plain
+    assert decode(plain, SftInstruction).objective is None
+    dpo = encode(_payloads()[-1])
+    assert dpo.config_records["meta"]["objective"] == "dpo" and "ref" in dpo
+    dpo.config_records["meta"]["objective"] = "ppo"
+    with pytest.raises(WireError, match="unknown objective 'ppo'"):
+        decode(dpo, SftInstruction)
+
+
 def test_decode_rejects_missing_record_and_field():
     rd = encode(_payloads()[0])
     del rd["arrays"]
