@@ -15,6 +15,7 @@ from distmoe.config import NodeConfig, parse_run_config
 from distmoe.coordinator import Coordinator
 from distmoe.data.synth import write_synthetic
 from distmoe.inprocess import LocalTransport
+from distmoe.report.report import write_report
 
 pytestmark = pytest.mark.integration  # every test here is a whole in-process run
 
@@ -73,6 +74,7 @@ def test_dpo_phase_under_secure_aggregation(tiny, pref_dirs, tmp_path: Path):
     entries = [json.loads(x) for x in (run_dir / "ledger" / "coordinator.jsonl").read_text().splitlines()]
     warnings, _ = check_schedule(record, entries)
     assert warnings == []
+    assert "dpo:pref" in write_report(run_dir).read_text()  # the report lists the dpo rounds as training rounds
 
 
 def test_dpo_phase_round_reference_in_plaintext(tiny, pref_dirs, tmp_path: Path):
@@ -89,4 +91,6 @@ def test_dpo_phase_refuses_a_task_without_pairs(tiny, pref_dirs, tmp_path: Path)
     """A dpo phase on an instruction task: the parties refuse (reason code only) and the round releases nothing."""
     _, _, events = _run(tiny, pref_dirs, tmp_path, "plaintext", **{"schedule.phases": "dpo:arith*1"})
     errs = [e for e in events if e["event"] == "party_error"]
-    assert len(errs) == 2 and all(e["code"] == "DATA" for e in errs)
+    assert len(errs) == 2 and all(e["code"] == "data" for e in errs)
+    logs = "".join(f.read_text() for f in (tmp_path / "w").rglob("party.log"))
+    assert "task 'arith' holds no preference pairs" in logs  # the detail stays in the party's own log
