@@ -94,3 +94,44 @@ def test_dpo_phase_refuses_a_task_without_pairs(tiny, pref_dirs, tmp_path: Path)
     assert len(errs) == 2 and all(e["code"] == "data" for e in errs)
     logs = "".join(f.read_text() for f in (tmp_path / "w").rglob("party.log"))
     assert "task 'arith' holds no preference pairs" in logs  # the detail stays in the party's own log
+
+
+class _Killed(Exception):
+    """The coordinator process dies here (raised from inside the transport)."""
+
+
+def test_a_run_killed_mid_dpo_phase_resumes_with_the_phase_reference(tiny, pref_dirs, tmp_path: Path):
+    """Killed at round 3's unmask (the second dpo round), then resumed: the phase's reference comes back from the
+    checkpoint, so the final model equals an uninterrupted run's (the secure sum is exact)."""
+    import torch
+
+    def run(where: Path, kill_at: int | None = None, resume: bool = False):
+        over = {"run.resume": str(where / "run")} if resume else {}
+        cfg = parse_run_config({**tiny, "schedule.phases": "sft:pref, dpo:pref*2", "schedule.sft-rounds": 1,
+                                "train.local-steps": 2, "train.batch-size": 4, "dpo.steps": 3,
+                                "dpo.pairs-per-step": 4, "checkpoint.keep": 10, "federation.min-available": 2,
+                                **over})
+        nodes = {i: NodeConfig(party=d.name, data_path=d, work_dir=where / "w", model_path="")
+                 for i, d in enumerate(pref_dirs)}
+        transport = LocalTransport(cfg, nodes, f"r-{where.name}-{int(resume)}")
+        if kill_at is not None:
+            seen = {"n": 0}
+
+            def drop(mtype, node):
+                if mtype == "query.unmask":
+                    seen["n"] += 1
+                    if seen["n"] == kill_at:
+                        raise _Killed(mtype)
+                return False
+            transport.drop = drop
+        Coordinator(cfg, where / "run", transport, f"r-{where.name}", log=lambda s: None).run()
+        latest = (where / "run" / "checkpoints" / "LATEST").read_text().strip()
+        return load_file(str(where / "run" / "checkpoints" / latest / "trainable.safetensors"))
+
+    ref = run(tmp_path / "a")
+    with pytest.raises(_Killed):
+        run(tmp_path / "b", kill_at=5)  # 2 unmask requests per round: the 5th is round 3's first
+    assert (tmp_path / "b" / "run" / "checkpoints" / "LATEST").read_text().strip() == "round-2"
+    got = run(tmp_path / "b", resume=True)
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), f"{k} differs from the uninterrupted run"
