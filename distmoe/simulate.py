@@ -355,15 +355,23 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
                                   "party directories")
         _check_party_count(len(parties), cfg, f"--data {opts.data}")
         held: set[str] = set()
+        plain: dict[str, str] = {}  # task -> a party holding it without preference pairs
         for p in parties:  # validate every party's data (file, line, field) before anything starts
             if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", p.name):
                 raise DataError(f"--data {opts.data}: party directory name {p.name!r} must be an identifier "
                                 "(letters, digits, '-', '_'): it becomes the party's name")
-            held.update(load_party(p, cfg.data).tasks)
+            data = load_party(p, cfg.data)
+            held.update(data.tasks)
+            plain.update({t: p.name for t in data.tasks if not data.is_preference(t) and t not in plain})
         derived = data_schedule(overrides, sorted(held))
         if derived is not None:
             overrides["schedule.phases"] = derived
             cfg = parse_run_config(overrides)
+        for ph in cfg.schedule.phases:  # every party would refuse a dpo round on instruction data
+            if ph.kind == "dpo" and ph.task in plain:
+                raise DataError(f"--data {opts.data}: phase 'dpo:{ph.task}' needs preference pairs, but party "
+                                f"{plain[ph.task]!r} holds {ph.task}.jsonl as instruction lines (a dpo task has "
+                                "lines {\"prompt\", \"chosen\", \"rejected\"})")
     else:
         parties = None
         held = set(synth_tasks(cfg.schedule.tasks))
