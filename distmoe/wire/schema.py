@@ -4,8 +4,8 @@ Server -> client: ``SftInstruction``, ``StatsInstruction``, ``EvalInstruction`` 
 weights, task, anchor, round plan; an ``SftInstruction`` with ``objective = "dpo"`` asks for local DPO and
 may carry the reference weights, and is released and aggregated like any SFT update). Client -> server:
 ``ModelUpdate`` (trainable-weight deltas, the example count used as the FedAvg weight, a fixed list of
-scalar metrics), ``RouterStats`` (the ``[L, E]`` sum), ``EvalReply`` (aggregate numbers per task and routing metrics, never per-example
-values).
+scalar metrics), ``RouterStats`` (the ``[L, E]`` sum), ``EvalReply`` (aggregate numbers per task and
+routing metrics, never per-example values).
 
 With ``privacy.mode = "secagg"`` (the default) none of the three reply payloads above leaves a party
 as such: each is encoded into the declared integer layout of ``distmoe.privacy.vectors`` and sent as a
