@@ -110,13 +110,14 @@ def cmd_export(args) -> int:
 
 
 def cmd_data_synth(args) -> int:
-    from distmoe.data.synth import write_synthetic
+    from distmoe.data.synth import TASK_FAMILIES, write_synthetic
 
     cfg = parse_run_config({})
+    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else TASK_FAMILIES
     old = os.umask(PRIVATE_UMASK)  # each party's data is private to its owner (simulate refuses it otherwise)
     try:
         dirs = write_synthetic(Path(args.out), args.parties, args.examples or cfg.data.synth_examples,
-                               args.seed, overwrite=args.force, canaries=args.canaries)
+                               args.seed, overwrite=args.force, canaries=args.canaries, tasks=tasks)
     finally:
         os.umask(old)
     for d in dirs:
@@ -355,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--force", action="store_true", help="overwrite existing party files")
     ds.add_argument("--canaries", type=int, default=1, metavar="K",
                     help="secret canary strings planted per party, listed in <party>/canaries.txt (default 1)")
+    ds.add_argument("--tasks", metavar="A,B", help="comma-separated task families (default: arith,strings,lookup; "
+                                                   "also: pref, preference pairs for dpo phases)")
     ds.set_defaults(fn=cmd_data_synth)
     dv = dsub.add_parser("validate", help="validate party data (a party dir or a dir of party dirs); errors name "
                                           "file, line and field")

@@ -141,7 +141,9 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:[0-9]+)?)$")
 HARDWARE_KEYS = {"device": "device", "dtype": "dtype", "gradient-checkpointing": "gradient_checkpointing",
                  "micro-batch-size": "micro_batch_size", "quantize": "quantize"}
 GRANULARITIES = ("batch", "token")
-PHASE_KINDS = ("sft", "stats", "eval", "rl")
+PHASE_KINDS = ("sft", "stats", "eval", "rl", "dpo")
+UPDATE_KINDS = ("sft", "rl", "dpo")  # the phases that train and release a model update (a task, '*rounds')
+DPO_REFERENCES = ("phase", "round")
 POLICY_LOSSES = ("grpo", "reinforce")  # distmoe/rl/losses.py registry (a test keeps them equal)
 REWARDS = ("exact_match", "numeric", "format", "task")  # distmoe/rl/rewards.py registry
 CORRECTIONS = {"icepop": "mask", "tis": "truncate", "none": "none"}
@@ -335,9 +337,35 @@ class RLConfig(_Section):
                               "simulator models; choose one)")
 
 
+@section("dpo")
+class DPOConfig(_Section):
+    """Local DPO in `dpo` phases (``distmoe.train.dpo``; the optimiser, clipping and micro-batches are `train.*`'s)."""
+
+    beta: float = key(0.1, "DPO β: the strength of the implicit KL to the reference", lo=0.0, hi=100.0, lo_open=True)
+    steps: int = key(20, "optimizer steps per `dpo` round at each party", lo=1, hi=100000)
+    pairs_per_step: int = key(8, "preference pairs per step", lo=1, hi=4096)
+    reference: str = key("phase", "the reference model: `phase` = the global model at the start of the `dpo` phase "
+                         "(sent with later rounds' instructions), `round` = the global model each round as received",
+                         choices=DPO_REFERENCES)
+    reference_engine: str = key("", "who computes the reference log-probs: `\"\"` = the trainer (exact); an "
+                                "inference engine profile (as `rl.engine`) = that engine, with pairs IcePop-masked "
+                                "where a token's "
+                                "trainer/engine reference ratio leaves [`rl.icepop-low`, `rl.icepop-high`] "
+                                "(`docs/algorithms.md`, DPO)",
+                                allowed="`\"\"`, or `exact`, `bf16`, `int8-dynamic`, `int8-weight-only`, `prune-<k>` "
+                                        "joined with `+`")
+
+    def check(self) -> None:
+        for part in (self.reference_engine.split("+") if self.reference_engine else ()):
+            if part not in ENGINE_PARTS and not re.fullmatch(r"prune-[1-9]\d*", part):
+                raise ConfigError(f"config key 'dpo.reference-engine': value {self.reference_engine!r}: {part!r} is "
+                                  f"not one of {', '.join(ENGINE_PARTS)}, prune-<k> (parts combine with '+', e.g. "
+                                  "'bf16+prune-1'), or \"\" for the trainer")
+
+
 @dataclass(frozen=True)
 class Phase:
-    kind: str  # sft | stats | eval | rl
+    kind: str  # sft | stats | eval | rl | dpo
     task: str | None
     rounds: int
 
@@ -349,7 +377,7 @@ class Phase:
 class ScheduleConfig(_Section):
     phases: tuple[Phase, ...] = key("sft:lookup, eval, stats:lookup, sft:arith, eval", "the round schedule",
                                     kind=str, allowed="grammar below")  # parsed by check()
-    sft_rounds: int = key(5, "rounds of an `sft` or `rl` phase without `*n`", lo=1, hi=100000)
+    sft_rounds: int = key(5, "rounds of an `sft`, `rl` or `dpo` phase without `*n`", lo=1, hi=100000)
 
     def check(self) -> None:
         if isinstance(self.phases, str):
@@ -532,6 +560,7 @@ class RunConfig:
     train: TrainConfig
     routing: RoutingConfig
     rl: RLConfig
+    dpo: DPOConfig
     schedule: ScheduleConfig
     federation: FederationConfig
     privacy: PrivacyConfig
@@ -594,8 +623,9 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 def parse_schedule(text: str, default_rounds: int, key: str = "schedule.phases") -> tuple[Phase, ...]:
     """Parse ``"sft:arith*3, eval, stats:arith, sft:strings, eval"`` into phases.
 
-    Grammar: phases separated by ``,`` or ``->``; each is ``kind[:task][*rounds]``. ``sft`` needs
-    a task; ``stats`` takes an optional task (default: every local task); ``eval`` takes none.
+    Grammar: phases separated by ``,`` or ``->``; each is ``kind[:task][*rounds]``. ``sft``, ``rl`` and
+    ``dpo`` need a task (``dpo``: a task of preference pairs); ``stats`` takes an optional task (default:
+    every local task); ``eval`` takes none.
     """
     items = [s.strip() for s in re.split(r",|->", text) if s.strip()]
     if not items:
@@ -614,16 +644,16 @@ def parse_schedule(text: str, default_rounds: int, key: str = "schedule.phases")
         if task is not None and not _TASK_RE.match(task):
             raise ConfigError(f"config key '{key}': phase {item!r} has an invalid task name {task!r} "
                               "(letters, digits, '-' and '_')")
-        if kind in ("sft", "rl") and task is None:
+        if kind in UPDATE_KINDS and task is None:
             raise ConfigError(f"config key '{key}': phase {item!r} needs a task (e.g. '{kind}:arith')")
         if kind == "eval" and task is not None:
             raise ConfigError(f"config key '{key}': phase {item!r}: eval takes no task "
                               "(it evaluates every task seen so far)")
-        n = int(rounds) if rounds is not None else (default_rounds if kind in ("sft", "rl") else 1)
+        n = int(rounds) if rounds is not None else (default_rounds if kind in UPDATE_KINDS else 1)
         if n < 1:
             raise ConfigError(f"config key '{key}': phase {item!r} must have at least 1 round")
-        if kind not in ("sft", "rl") and n != 1:
-            raise ConfigError(f"config key '{key}': phase {item!r}: only sft and rl phases take '*rounds'")
+        if kind not in UPDATE_KINDS and n != 1:
+            raise ConfigError(f"config key '{key}': phase {item!r}: only sft, rl and dpo phases take '*rounds'")
         phases.append(Phase(kind=kind, task=task, rounds=n))
     return tuple(phases)
 

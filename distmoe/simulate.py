@@ -345,7 +345,7 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     run_dir = (opts.runs_dir / run_id).resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
         raise SimulationError(f"run directory {run_dir} already exists and is not empty")
-    from distmoe.data.synth import TASK_FAMILIES
+    from distmoe.data.synth import synth_tasks
 
     derived = None
     if opts.data is not None:
@@ -355,18 +355,26 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
                                   "party directories")
         _check_party_count(len(parties), cfg, f"--data {opts.data}")
         held: set[str] = set()
+        plain: dict[str, str] = {}  # task -> a party holding it without preference pairs
         for p in parties:  # validate every party's data (file, line, field) before anything starts
             if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", p.name):
                 raise DataError(f"--data {opts.data}: party directory name {p.name!r} must be an identifier "
                                 "(letters, digits, '-', '_'): it becomes the party's name")
-            held.update(load_party(p, cfg.data).tasks)
+            data = load_party(p, cfg.data)
+            held.update(data.tasks)
+            plain.update({t: p.name for t in data.tasks if not data.is_preference(t) and t not in plain})
         derived = data_schedule(overrides, sorted(held))
         if derived is not None:
             overrides["schedule.phases"] = derived
             cfg = parse_run_config(overrides)
+        for ph in cfg.schedule.phases:  # every party would refuse a dpo round on instruction data
+            if ph.kind == "dpo" and ph.task in plain:
+                raise DataError(f"--data {opts.data}: phase 'dpo:{ph.task}' needs preference pairs, but party "
+                                f"{plain[ph.task]!r} holds {ph.task}.jsonl as instruction lines (a dpo task has "
+                                "lines {\"prompt\", \"chosen\", \"rejected\"})")
     else:
         parties = None
-        held = set(TASK_FAMILIES)
+        held = set(synth_tasks(cfg.schedule.tasks))
         _check_party_count(opts.parties if opts.parties is not None else 3, cfg,
                            f"--parties {opts.parties}" if opts.parties is not None else "the default")
     missing = [t for t in cfg.schedule.tasks if t not in held]
@@ -402,7 +410,7 @@ def _remove_run_dir(run_dir: Path, keep_dir: bool = False) -> None:
 def _populate(opts: SimOptions, cfg, run_dir: Path, parties: list[Path] | None, overrides: dict,
               run_id: str) -> list[Path]:
     """The data (synthetic unless given), work and node directories and ``overrides.toml`` of a new run."""
-    from distmoe.data.synth import write_synthetic
+    from distmoe.data.synth import synth_tasks, write_synthetic
 
     old_umask = os.umask(PRIVATE_UMASK)  # party files and directories are private from their creation
     try:
@@ -410,7 +418,8 @@ def _populate(opts: SimOptions, cfg, run_dir: Path, parties: list[Path] | None, 
         if parties is None:
             n = opts.parties if opts.parties is not None else 3
             # party-side files live under work/ (the audit checks that nothing outside it holds party data)
-            parties = write_synthetic(run_dir / "work" / "data", n, cfg.data.synth_examples, cfg.run.seed, canaries=1)
+            parties = write_synthetic(run_dir / "work" / "data", n, cfg.data.synth_examples, cfg.run.seed, canaries=1,
+                                      tasks=synth_tasks(cfg.schedule.tasks))
             make_private(run_dir / "work")  # whatever the writers' own modes were
         for p in parties:
             (run_dir / "work" / p.name).mkdir(mode=PRIVATE_DIR, exist_ok=True)

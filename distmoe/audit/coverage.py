@@ -4,7 +4,7 @@ Owns: ``check_schedule(meta, coord_entries) -> (warnings, notes)``. The schedule
 (``schedule``: phase labels such as ``sft:lookup*5``, ``stats:lookup``, ``eval``); each played round
 (up to the round of the coordinator's ``run-end`` entry; the last one only when the run completed) must
 have an applied release entry of its phase's type in the coordinator's ledger (``release:model-update``
-for ``sft``, ``release:rl-update`` for ``rl``, ``release:router-stats`` for ``stats``, ``release:eval``
+for ``sft`` and ``dpo``, ``release:rl-update`` for ``rl``, ``release:router-stats`` for ``stats``, ``release:eval``
 for ``eval``). A round without one, or whose release was rejected (``info.applied`` false), is a
 *warning*, not a privacy violation: nothing was released, so privacy held, but the run did not do what
 it planned (e.g. parties refused a release over their ``epsilon-max``: no anchor was built). The
@@ -23,6 +23,7 @@ from typing import Any
 CHECK = "schedule-coverage"
 RELEASE_OF = {
     "sft": "release:model-update",
+    "dpo": "release:model-update",  # a dpo round's update is released like an sft one
     "rl": "release:rl-update",
     "stats": "release:router-stats",
     "eval": "release:eval",

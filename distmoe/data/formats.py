@@ -1,6 +1,6 @@
 """Instruction-data file formats: reading and validating one JSONL task file into ``Example`` s.
 
-Owns: ``DataError``, the ``Example`` record, the two accepted line formats and their validation
+Owns: ``DataError``, the ``Example`` record, the accepted line formats and their validation
 (every error names the file, the 1-based line number and the field), the Alpaca -> chat
 normalisation, and the in-memory ``datasets.Dataset`` view.
 
@@ -11,6 +11,10 @@ silently dropped; a line mixing both formats is an error):
   ``instruction`` (+ ``"\\n" + input`` when input is non-empty), assistant turn ``output``.
 * Chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` with at least
   one user turn and a final, non-empty assistant turn; a turn has only ``role`` and ``content``.
+* Preference (for ``dpo`` phases): ``{"prompt": str, "chosen": str, "rejected": str}``, all three
+  non-empty, ``chosen != rejected`` -> user turn ``prompt``, assistant turn ``chosen``, and
+  ``Example.rejected`` = ``rejected``. A file is either all preference lines or none (a preference task
+  is still an instruction task for ``sft``, ``stats`` and ``eval``: its answer is the chosen one).
 
 Why not ``datasets.load_dataset("json", ...)`` directly: its errors name neither the line nor the
 field, it accepts lines of mixed shape silently, and it writes an Arrow cache under the home
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
 ROLES = ("system", "user", "assistant")
 ALPACA_KEYS = ("instruction", "input", "output")
 CHAT_KEYS = ("messages",)
+PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
 TURN_KEYS = ("role", "content")
 
 
@@ -46,10 +51,13 @@ class Example:
     """One conversation; the final turn is the assistant answer that is supervised and evaluated."""
 
     messages: tuple[tuple[str, str], ...]  # ((role, content), ...)
+    rejected: str = ""  # preference data: the dispreferred answer to the same prompt ("" = not a pair)
 
     def __post_init__(self) -> None:
         if not self.messages or self.messages[-1][0] != "assistant":
             raise DataError("an Example must end with an assistant turn")
+        if not isinstance(self.rejected, str):
+            raise DataError(f"an Example has an invalid rejected answer ({type(self.rejected).__name__})")
         for role, content in self.messages:
             if role not in ROLES or not isinstance(content, str):
                 raise DataError(f"an Example has an invalid turn ({role!r}, {type(content).__name__})")
@@ -67,10 +75,23 @@ class Example:
     def as_messages(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.messages]
 
+    @property
+    def is_pair(self) -> bool:
+        """A preference pair (``chosen`` = ``answer``, ``rejected``)."""
+        return bool(self.rejected)
+
+    def rejected_example(self) -> Example:
+        """The same prompt answered with the rejected answer (a plain Example)."""
+        if not self.rejected:
+            raise DataError("rejected_example: not a preference pair")
+        return Example(messages=self.messages[:-1] + (("assistant", self.rejected),))
+
     def to_json(self) -> str:
-        """Canonical JSON (chat format): the identity used for hashing and for writing."""
-        return json.dumps({"messages": self.as_messages()}, ensure_ascii=False, sort_keys=True,
-                          separators=(",", ":"))
+        """Canonical JSON (chat format, plus ``rejected`` for a pair): the identity used for hashing and for writing."""
+        obj: dict[str, Any] = {"messages": self.as_messages()}
+        if self.rejected:
+            obj["rejected"] = self.rejected
+        return json.dumps(obj, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 
 def _kind(value: Any) -> str:
@@ -140,11 +161,32 @@ def _parse_chat(obj: dict[str, Any], where: str) -> Example:
     return Example(messages=tuple(out))
 
 
+def _parse_preference(obj: dict[str, Any], where: str) -> Example:
+    _no_unknown(obj, PREFERENCE_KEYS, where, "a preference line")
+    for key in PREFERENCE_KEYS:
+        if key not in obj:
+            raise DataError(f"{where}: field '{key}': missing (preference lines need prompt, chosen and rejected)")
+        if not isinstance(obj[key], str):
+            raise DataError(f"{where}: field '{key}': expected a string, got {_kind(obj[key])}")
+        if not obj[key]:
+            raise DataError(f"{where}: field '{key}': must not be empty")
+    if obj["chosen"] == obj["rejected"]:
+        raise DataError(f"{where}: field 'rejected': equals 'chosen' (a preference pair needs two different answers)")
+    return Example(messages=(("user", obj["prompt"]), ("assistant", obj["chosen"])), rejected=obj["rejected"])
+
+
 def parse_line(obj: Any, where: str) -> Example:
     """Validate one decoded JSON value; ``where`` is ``"<file>:<line>"`` for error messages."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {_kind(obj)}")
     alpaca = [k for k in ALPACA_KEYS if k in obj]
+    pref = [k for k in PREFERENCE_KEYS if k in obj]
+    if pref and (alpaca or "messages" in obj):
+        other = alpaca or ["messages"]
+        raise DataError(f"{where}: field '{pref[0]}': mixes the preference format with field(s) "
+                        f"{', '.join(other)}; use one format per line")
+    if pref:
+        return _parse_preference(obj, where)
     if "messages" in obj and alpaca:
         raise DataError(f"{where}: field 'messages': mixes the chat format with Alpaca field(s) "
                         f"{', '.join(alpaca)}; use one format per line")
@@ -153,7 +195,8 @@ def parse_line(obj: Any, where: str) -> Example:
     if alpaca:
         return _parse_alpaca(obj, where)
     raise DataError(f"{where}: field 'messages': missing (expected an Alpaca object with "
-                    "'instruction' and 'output', or a chat object with 'messages')")
+                    "'instruction' and 'output', a chat object with 'messages', or a preference object with "
+                    "'prompt', 'chosen' and 'rejected')")
 
 
 def read_jsonl(path: Path) -> list[Example]:
@@ -184,7 +227,12 @@ def read_jsonl(path: Path) -> list[Example]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
-        examples.append(parse_line(obj, where))
+        ex = parse_line(obj, where)
+        if examples and ex.is_pair != examples[0].is_pair:
+            first = "preference" if examples[0].is_pair else "instruction"
+            raise DataError(f"{where}: {'a preference' if ex.is_pair else 'an instruction'} line in a file of {first} "
+                            "lines (a task file holds preference pairs only, or none)")
+        examples.append(ex)
     if not examples:
         raise DataError(f"{name}: empty file (no examples)")
     return examples

@@ -61,6 +61,12 @@ class PartyData:
                             f"(available: {', '.join(self.tasks) or 'none'})")
         return self.splits[task]
 
+    def is_preference(self, task: str) -> bool:
+        """Does ``task`` hold preference pairs (``{"prompt", "chosen", "rejected"}`` lines)? A file is all pairs
+        or none (``read_jsonl``)."""
+        split = self.require(task)
+        return bool((split.train + split.heldout)[0].is_pair)
+
     def train(self, task: str) -> list[Example]:
         return list(self.require(task).train)
 

@@ -22,6 +22,13 @@ them in a few dozen local steps). Every prompt is "<what to do>" then the operan
 Examples within a party's task are distinct while the family has enough distinct items; beyond
 that they repeat (the party split keeps identical examples on one side).
 
+* ``pref`` (preference pairs, ``{"prompt", "chosen", "rejected"}``, for ``dpo`` phases): the ``arith``
+  facts and party ranges, prompt ``"<phrasing>\n7+5"``, ``chosen`` the correct result, ``rejected`` a
+  wrong one: half the time the expression echoed back (``7+5``, a format failure a model can learn to
+  avoid from the surface), otherwise the result off by one or two (never negative; a fact). A
+  verifiable preference: ``chosen`` passes the numeric verifier, ``rejected`` fails it. Held-out pairs
+  measure whether the policy's margin for the correct answer grows. Not in the default ``TASK_FAMILIES``.
+
 Adding a family: write ``_gen_<name>(party, n, rng, seed) -> list[dict]`` (JSONL objects), add it
 to ``_GENERATORS`` and add its verifier to ``VERIFIERS`` (``(prompt_text, answer, expected) ->
 bool``); tasks named ``<family>`` or ``<family>-<anything>`` use that verifier, unknown tasks use
@@ -43,7 +50,8 @@ from typing import Any
 
 from distmoe.data.formats import DataError
 
-TASK_FAMILIES = ("arith", "strings", "lookup")
+TASK_FAMILIES = ("arith", "strings", "lookup")  # the default demo's tasks
+ALL_FAMILIES = (*TASK_FAMILIES, "pref")
 
 LOOKUP_KEYS = 60
 LOOKUP_WINDOW = 40
@@ -55,6 +63,7 @@ STRING_OPS: tuple[tuple[str, Callable[[str], str]], ...] = (
     ("Capitalize", str.capitalize),
 )
 SYSTEM_PROMPT = "Answer with the result only."
+PREF_ECHO_SHARE = 0.5  # pref: share of rejected answers that echo the expression instead of a wrong number
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,6 +88,7 @@ def _exact(prompt_text: str, answer: str, expected: str) -> bool:
 
 VERIFIERS: dict[str, Callable[[str, str, str], bool]] = {
     "arith": _numeric,
+    "pref": _numeric,
     "strings": _exact,
     "lookup": _exact,
 }
@@ -129,6 +139,17 @@ def _gen_arith(party: int, n: int, rng: random.Random, seed: int) -> list[dict[s
             for ph, a, op, b in items]
 
 
+def _gen_pref(party: int, n: int, rng: random.Random, seed: int) -> list[dict[str, str]]:
+    facts = _gen_arith(party, n, rng, seed)
+    out = []
+    for obj in facts:
+        right = int(obj["output"])
+        wrong = [right + d for d in (-2, -1, 1, 2) if right + d >= 0]
+        rejected = obj["input"] if rng.random() < PREF_ECHO_SHARE else str(wrong[rng.randrange(len(wrong))])
+        out.append({"prompt": f"{obj['instruction']}\n{obj['input']}", "chosen": obj["output"], "rejected": rejected})
+    return out
+
+
 def _random_word(rng: random.Random) -> str:
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(3))
 
@@ -173,7 +194,14 @@ _GENERATORS: dict[str, Callable[[int, int, random.Random, int], list[dict[str, A
     "arith": _gen_arith,
     "strings": _gen_strings,
     "lookup": _gen_lookup,
+    "pref": _gen_pref,
 }
+
+
+def synth_tasks(scheduled: Sequence[str]) -> tuple[str, ...]:
+    """The synthetic families a run writes: the default ``TASK_FAMILIES`` plus any other family the schedule
+    names (``pref`` for a ``dpo:pref`` phase)."""
+    return TASK_FAMILIES + tuple(t for t in ALL_FAMILIES if t not in TASK_FAMILIES and t in scheduled)
 
 
 def generate(task: str, party: int, n: int, seed: int) -> list[dict[str, Any]]:
@@ -226,7 +254,10 @@ def write_synthetic(out_dir: Path, parties: int, examples_per_task: int, seed: i
         secrets_here = [make_canary() for _ in range(canaries)]
         for j, task in enumerate(tasks):
             objs = generate(task, i, examples_per_task, seed)
-            if j == 0:
+            if j == 0 and task == "pref":  # a preference file holds pairs only
+                objs = objs + [{"prompt": "What is the recovery phrase on file?", "chosen": c, "rejected": "none"}
+                               for c in secrets_here]
+            elif j == 0:
                 objs = objs + [{"instruction": "What is the recovery phrase on file?", "input": "", "output": c}
                                for c in secrets_here]
             lines = [json.dumps(obj, ensure_ascii=True) + "\n" for obj in objs]

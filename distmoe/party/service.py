@@ -23,6 +23,7 @@ from distmoe.config import ConfigError, NodeConfig, RunConfig
 from distmoe.data.formats import DataError
 from distmoe.io import append_durable
 from distmoe.party import work as P
+from distmoe.party.dpo_work import run_dpo
 from distmoe.party.probe import run_probe
 from distmoe.party.session import PartySession, SessionError, open_ledger
 from distmoe.privacy import secagg as sa
@@ -165,13 +166,17 @@ class PartyService:
         metrics stay in this party's own log (``UpdateLayout``: uniform weights, no metrics)."""
         cfg, node = self.cfg, self.node
         P.take_notes(node.party)  # nothing stale from an earlier call
-        upd = (P.run_sft if isinstance(instr, SftInstruction) else P.run_rl)(cfg, node, instr)
+        local: dict = {}  # what only this party's log gets (a dpo round's DPO figures)
+        if isinstance(instr, SftInstruction) and instr.objective == "dpo":
+            upd, local = run_dpo(cfg, node, instr)
+        else:
+            upd = (P.run_sft if isinstance(instr, SftInstruction) else P.run_rl)(cfg, node, instr)
         notes = P.take_notes(node.party)  # names of parameters with non-finite gradients: this party's log only
         layout = sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()})
         vec, facts = layout.encode(upd.delta, upd.num_examples)
         skipped = upd.metrics.get("skipped_steps", 0.0)  # NaN for a party without data for the task
         vec = layout.count_skipped(vec, int(skipped) if skipped == skipped else 0)
-        self._log_metrics(instr, upd.metrics, {**facts, **notes})
+        self._log_metrics(instr, {**upd.metrics, **local}, {**facts, **notes})
         contributed = upd.num_examples > 0  # any of this party's examples went into the update
         z_u = sess.facts.update_noise_multiplier
         if z_u <= 0:
@@ -189,6 +194,7 @@ class PartyService:
         """The round's training metrics, for this party's operator only: ``<work-dir>/metrics/<party>.jsonl``
         (0600; never sent: the server's update sum carries no metrics)."""
         line = {"round": instr.round, "kind": type(instr).__name__, "task": instr.task,
+                **({"objective": instr.objective} if getattr(instr, "objective", None) else {}),
                 **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, **facts}
         append_durable(self.node.work_dir / "metrics" / f"{self.name}.jsonl",
                        (json.dumps(line, allow_nan=True) + "\n").encode())

@@ -91,6 +91,10 @@ def load_data(cfg: RunConfig, node: NodeConfig) -> PartyData:
 
 
 def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpdate:
+    if instr.objective == "dpo":  # a dpo round (party/dpo_work.py); its DPO figures stay here
+        from distmoe.party.dpo_work import run_dpo
+
+        return run_dpo(cfg, node, instr)[0]
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
     keys = TRAIN_METRIC_KEYS

@@ -29,7 +29,7 @@ import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from distmoe.config import ConfigError, PrivacyConfig, ScheduleConfig
+from distmoe.config import UPDATE_KINDS, ConfigError, PrivacyConfig, ScheduleConfig
 from distmoe.privacy.accountant import PrivacyEvent, epsilon_from_events, noise_multiplier_for
 from distmoe.privacy.dp import SkellamSpec, int_sensitivity
 from distmoe.privacy.metric_noise import EvalSpec, eval_sensitivity
@@ -99,8 +99,8 @@ def stats_event(spec: SkellamSpec, n_active: int, label: str) -> PrivacyEvent:
 def count_releases(p: PrivacyConfig, schedule: ScheduleConfig) -> tuple[int, int, int]:
     """``(stats, updates, evals)``: the DP releases of the schedule (evaluations only under secure aggregation)."""
     stats = sum(ph.rounds for ph in schedule.phases if ph.kind == "stats")
-    updates = sum(ph.rounds for ph in schedule.phases if ph.kind in ("sft", "rl")) if p.update_noise_multiplier > 0 \
-        else 0
+    updates = sum(ph.rounds for ph in schedule.phases if ph.kind in UPDATE_KINDS) if p.update_noise_multiplier > 0 \
+        else 0  # sft, rl and dpo rounds each release one model update
     evals = sum(ph.rounds for ph in schedule.phases if ph.kind == "eval") if p.secure else 0
     return stats, updates, evals
 

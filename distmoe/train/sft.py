@@ -87,6 +87,22 @@ def _micro_batches(raw: list, size: int, pad_id: int, device: torch.device) -> l
     return [(b, (c / total) if total else 1.0 / len(batches)) for b, c in zip(batches, counts, strict=True)]
 
 
+def set_checkpointing(model: nn.Module, on: bool) -> None:
+    """Turn gradient (activation) checkpointing on or off; a cached model keeps the setting between calls."""
+    if on != getattr(model, "_distmoe_checkpointing", False):
+        # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_* (the old names warn)
+        new_api = hasattr(model, "activation_checkpointing_enable")
+        if on and new_api:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif on:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif new_api:
+            model.activation_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_disable()
+        model._distmoe_checkpointing = on
+
+
 def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_id: int,
               train: TrainConfig, routing: RoutingConfig, num_experts: int, top_k: int,
               anchor: torch.Tensor | None, seed: int) -> SFTResult:
@@ -104,18 +120,7 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
         raise ValueError("train_sft: no training examples")
     torch.manual_seed(seed)
     device = device_of(model)
-    if train.gradient_checkpointing != getattr(model, "_distmoe_checkpointing", False):  # a cached model keeps it
-        # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_* (the old names warn)
-        new_api = hasattr(model, "activation_checkpointing_enable")
-        if train.gradient_checkpointing and new_api:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        elif train.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        elif new_api:
-            model.activation_checkpointing_disable()
-        else:
-            model.gradient_checkpointing_disable()
-        model._distmoe_checkpointing = train.gradient_checkpointing
+    set_checkpointing(model, train.gradient_checkpointing)
     model.train()
     opt, sched = build_optimizer(model, train)
     scaler = torch.amp.GradScaler(device.type, enabled=base_dtype(model) == torch.float16)

@@ -106,7 +106,7 @@ def decode(content: RecordDict, expected: type | None = None) -> object:
             inp.value("meta.payload")
         got: dict = {}
         for f in pt.fields:
-            if f.optional and not inp.has(f.record):
+            if f.optional and not inp.has_at(f.at):  # an optional scalar: its key absent; else its record
                 got[f.attr] = None
             else:
                 got[f.attr] = KINDS[f.kind.rstrip("?")].take(inp, f.at, got)

@@ -23,6 +23,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from distmoe.wire import inspect
 from distmoe.wire.schema import (
     EVAL_ROUTING_KEYS,
+    OBJECTIVES,
     RELEASES,
     RL_METRIC_KEYS,
     RL_SIM_METRIC_KEYS,
@@ -104,6 +105,12 @@ def _check_eval_keys(keys, tag: str) -> None:
                         f"{', '.join(EVAL_ROUTING_KEYS)})")
 
 
+def _objective(name: str, tag: str) -> str:
+    if name not in OBJECTIVES:
+        raise WireError(f"{tag}: unknown objective {name!r} (absent = sft, or one of {', '.join(OBJECTIVES)})")
+    return name
+
+
 def _release(name: str, tag: str) -> str:
     if name not in RELEASES:
         raise WireError(f"{tag}: unknown release {name!r} (one of {', '.join(RELEASES)})")
@@ -134,6 +141,14 @@ class In:
 
     def has(self, name: str) -> bool:
         return name in self.content
+
+    def has_at(self, at: str) -> bool:
+        """Is ``at`` (``"<record>"`` or ``"<record>.<key>"`` of a ConfigRecord) on the wire?"""
+        name, _, key = at.partition(".")
+        if name not in self.content:
+            return False
+        rec = self.content[name]
+        return not key or (isinstance(rec, ConfigRecord) and key in rec)
 
     def record(self, name: str):
         if name not in self.content:
@@ -303,6 +318,8 @@ BASIC_KINDS: dict[str, Kind] = {
     "party": _scalar(lambda v, tag, key: _party(v), lambda v, tag, key: _party(str(v)), text=True),
     "tasks": _scalar(lambda v, tag, key: list(v), lambda v, tag, key: tuple(v), text=True),
     "release": _scalar(lambda v, tag, key: _release(v, tag), lambda v, tag, key: _release(str(v), tag), text=True),
+    "objective": _scalar(lambda v, tag, key: _objective(v, tag), lambda v, tag, key: _objective(str(v), tag),
+                         text=True),
     "logical-run": _scalar(lambda v, tag, key: _logical_run(v, tag), text=True),
     "epoch": _scalar(lambda v, tag, key: _epoch(v, tag)),
     "epsilon-cap": _scalar(lambda v, tag, key: _epsilon_cap(v, tag), lambda v, tag, key: _epsilon_cap(v, tag)),

@@ -1,10 +1,11 @@
 """The closed set of payload types that cross the wire, each with exact keys.
 
 Server -> client: ``SftInstruction``, ``StatsInstruction``, ``EvalInstruction`` (global trainable
-weights, task, anchor, round plan). Client -> server: ``ModelUpdate`` (trainable-weight deltas, the
-example count used as the FedAvg weight, a fixed list of scalar metrics), ``RouterStats`` (the
-``[L, E]`` sum), ``EvalReply`` (aggregate numbers per task and routing metrics, never per-example
-values).
+weights, task, anchor, round plan; an ``SftInstruction`` with ``objective = "dpo"`` asks for local DPO and
+may carry the reference weights, and is released and aggregated like any SFT update). Client -> server:
+``ModelUpdate`` (trainable-weight deltas, the example count used as the FedAvg weight, a fixed list of
+scalar metrics), ``RouterStats`` (the ``[L, E]`` sum), ``EvalReply`` (aggregate numbers per task and
+routing metrics, never per-example values).
 
 With ``privacy.mode = "secagg"`` (the default) none of the three reply payloads above leaves a party
 as such: each is encoded into the declared integer layout of ``distmoe.privacy.vectors`` and sent as a
@@ -55,6 +56,11 @@ class SftInstruction:
     seed: int
     anchor: np.ndarray | None  # [L, E]
     anchor_version: int  # 0 = no anchor
+    objective: str | None = None  # None = SFT; "dpo" = a dpo phase: local DPO on the task's preference pairs
+    ref_weights: dict[str, np.ndarray] | None = None  # dpo: the reference model; None = ``weights`` themselves
+
+
+OBJECTIVES = ("dpo",)  # an SftInstruction's objectives besides SFT (None); every one releases a model update
 
 
 @dataclass(frozen=True)
@@ -280,9 +286,11 @@ def _meta(*specs: str) -> tuple[Field, ...]:
 
 PAYLOADS: tuple[PayloadType, ...] = (
     PayloadType(SftInstruction, "sft-instruction", "instruction",
-                _meta("round:int", "task:str", "base_hash:str", "seed:int", "anchor_version:int")
-                + (Field("weights", "arrays", "weights"), Field("anchor", "anchor", "probs?")),
-                ("arrays", "anchor", "meta"), MSG_SFT, ModelUpdate, "model-update", "sft"),
+                _meta("round:int", "task:str", "base_hash:str", "seed:int", "anchor_version:int",
+                      "objective:objective?")
+                + (Field("weights", "arrays", "weights"), Field("anchor", "anchor", "probs?"),
+                   Field("ref_weights", "ref", "weights?")),
+                ("arrays", "ref", "anchor", "meta"), MSG_SFT, ModelUpdate, "model-update", "sft"),
     PayloadType(RlInstruction, "rl-instruction", "instruction",
                 _meta("round:int", "task:str", "base_hash:str", "seed:int") + (Field("weights", "arrays", "weights"),),
                 ("arrays", "meta"), MSG_RL, ModelUpdate, "rl-update", "rl"),

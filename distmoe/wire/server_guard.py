@@ -89,8 +89,9 @@ def build_policy(*, secure: bool, n_parties: int, trainable: Mapping[str, tuple[
     weight_keys = {f"arrays.{k}" for k in trainable}
     anchor = np.full((layers, experts), 1.0 / experts, np.float32)
     instr = {
-        "sft-instruction": ([SftInstruction(1, "t", w, "h", 0, None, 0), SftInstruction(1, "t", w, "h", 0, anchor, 1)],
-                            weight_keys | {"anchor.probs"}),
+        "sft-instruction": ([SftInstruction(1, "t", w, "h", 0, None, 0), SftInstruction(1, "t", w, "h", 0, anchor, 1),
+                             SftInstruction(1, "t", w, "h", 0, anchor, 1, "dpo", w)],  # a dpo round: the reference
+                            weight_keys | {f"ref.{k}" for k in trainable} | {"anchor.probs"}),
         "rl-instruction": ([RlInstruction(1, "t", w, "h", 0)], weight_keys),
         "stats-instruction": ([StatsInstruction(1, "t", w, "h")], weight_keys),
         "eval-instruction": ([EvalInstruction(1, tasks, "t", w, "h", None, None, 0),

@@ -160,6 +160,26 @@ def test_simulate_names_party_dir_without_jsonl(capsys, tmp_path: Path):
     assert "schedule" not in err and not runs.exists()
 
 
+def test_data_synth_tasks_writes_the_preference_task(capsys, tmp_path: Path):
+    assert main(["data", "synth", "--out", str(tmp_path / "d"), "--parties", "2", "--examples", "12",
+                 "--tasks", "pref,arith"]) == 0
+    assert sorted(p.name for p in (tmp_path / "d" / "party-0").glob("*.jsonl")) == ["arith.jsonl", "pref.jsonl"]
+    assert main(["data", "validate", str(tmp_path / "d")]) == 0
+    assert "pref:" in capsys.readouterr().out
+    assert main(["data", "synth", "--out", str(tmp_path / "e"), "--tasks", "prefs"]) == 2
+    assert "prefs" in capsys.readouterr().err
+
+
+def test_simulate_refuses_a_dpo_phase_on_instruction_data(capsys, tmp_path: Path):
+    """A dpo phase on a task a party holds as instruction lines: every such party would refuse every round."""
+    data = _own_data(tmp_path / "d")
+    runs = tmp_path / "runs"
+    assert main(["simulate", "--data", str(data), "--runs-dir", str(runs), "--schedule", "sft:train, dpo:train*2"]) == 2
+    err = capsys.readouterr().err
+    assert "phase 'dpo:train' needs preference pairs, but party 'a' holds train.jsonl as instruction lines" in err
+    assert not runs.exists()
+
+
 def test_simulate_data_that_is_one_party_dir_is_named(capsys, tmp_path: Path):
     data = _own_data(tmp_path / "d") / "a"
     assert main(["simulate", "--data", str(data), "--runs-dir", str(tmp_path / "runs")]) == 2

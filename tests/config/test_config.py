@@ -239,7 +239,7 @@ def test_schedule_arrow_separators_and_stats_without_task():
     ("sft", "needs a task"),
     ("sft:arith, eval:x", "eval takes no task"),
     ("train:arith", "unknown kind"),
-    ("sft:arith, stats*2", "only sft and rl phases"),
+    ("sft:arith, stats*2", "only sft, rl and dpo phases"),
     ("sft:ar.th", "invalid task name"),
     ("sft:arith*0", "at least 1 round"),
     (" , ", "no phases"),

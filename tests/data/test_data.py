@@ -12,7 +12,15 @@ from transformers import AutoTokenizer
 from distmoe.config import DataConfig
 from distmoe.data.formats import DataError, Example, read_jsonl, to_dataset
 from distmoe.data.party import load_party
-from distmoe.data.synth import TASK_FAMILIES, VERIFIERS, check_answer, lookup_table, write_synthetic
+from distmoe.data.synth import (
+    ALL_FAMILIES,
+    TASK_FAMILIES,
+    VERIFIERS,
+    check_answer,
+    lookup_table,
+    synth_tasks,
+    write_synthetic,
+)
 from distmoe.data.template import (
     IGNORE_INDEX,
     batch_iterator,
@@ -135,6 +143,65 @@ def test_read_jsonl_errors_name_file_line_field(tmp_path, line, field):
         read_jsonl(path)
     msg = str(err.value)
     assert f"{path}:3:" in msg and field in msg
+
+
+PAIR = {"prompt": "Compute\n2+3", "chosen": "5", "rejected": "6"}
+
+
+@pytest.mark.parametrize("line, field", [
+    ('{"prompt": "p", "chosen": "a"}', "field 'rejected': missing (preference lines need prompt, chosen and rejected)"),
+    ('{"prompt": "p", "chosen": 1, "rejected": "b"}', "field 'chosen': expected a string, got int"),
+    ('{"prompt": "", "chosen": "a", "rejected": "b"}', "field 'prompt': must not be empty"),
+    ('{"prompt": "p", "chosen": "a", "rejected": "a"}', "field 'rejected': equals 'chosen'"),
+    ('{"prompt": "p", "chosen": "a", "rejected": "b", "score": 1}',
+     "field 'score': unknown field in a preference line (allowed: prompt, chosen, rejected)"),
+    ('{"prompt": "p", "chosen": "a", "rejected": "b", "output": "c"}', "mixes the preference format"),
+    ('{"instruction": "a", "output": "b"}', "an instruction line in a file of preference lines"),
+])
+def test_preference_lines_are_validated_naming_file_line_field(tmp_path, line, field):
+    path = tmp_path / "pref.jsonl"
+    _write(path, [PAIR, "", line])
+    with pytest.raises(DataError) as err:
+        read_jsonl(path)
+    assert f"{path}:3:" in str(err.value) and field in str(err.value)
+
+
+def test_preference_pairs_load_as_examples_with_a_rejected_answer(tmp_path):
+    d = tmp_path / "p"
+    d.mkdir()
+    _write(d / "pref.jsonl", [PAIR, {**PAIR, "prompt": "Add\n2+3", "rejected": "2+3"}])
+    _write(d / "arith.jsonl", [{"instruction": "a", "output": "b"}, {"instruction": "c", "output": "d"}])
+    party = load_party(d, CFG)
+    assert party.is_preference("pref") and not party.is_preference("arith")
+    ex = read_jsonl(d / "pref.jsonl")[0]
+    assert ex.is_pair and ex.answer == "5" and ex.rejected == "6"
+    assert ex.rejected_example().as_messages() == [{"role": "user", "content": "Compute\n2+3"},
+                                                    {"role": "assistant", "content": "6"}]
+    assert ex.to_json() != Example(messages=ex.messages).to_json()  # the split key sees the rejected answer
+    _write(tmp_path / "mixed.jsonl", [{"instruction": "a", "output": "b"}, PAIR])
+    with pytest.raises(DataError, match="mixed.jsonl:2: a preference line in a file of instruction lines"):
+        read_jsonl(tmp_path / "mixed.jsonl")
+
+
+def test_synth_pref_task_is_a_verifiable_preference(tmp_path):
+    assert synth_tasks(("lookup", "pref")) == (*TASK_FAMILIES, "pref") and synth_tasks(("arith",)) == TASK_FAMILIES
+    dirs = write_synthetic(tmp_path, parties=2, examples_per_task=60, seed=0, tasks=("pref", "arith"), canaries=1)
+    for d in dirs:
+        exs = read_jsonl(d / "pref.jsonl")
+        canary = (d / "canaries.txt").read_text().strip()
+        assert [ex.answer for ex in exs if ex.answer.startswith("canary-")] == [canary]  # planted as a pair
+        exs = [ex for ex in exs if not ex.answer.startswith("canary-")]
+        assert len(exs) == 60 and all(ex.is_pair for ex in exs)
+        echoes = 0
+        for ex in exs:
+            prompt = ex.messages[-2][1]
+            assert check_answer("pref", prompt, ex.answer, ex.answer)
+            assert not check_answer("pref", prompt, ex.rejected, ex.answer)  # the rejected answer is wrong
+            expr = prompt.split("\n")[1]
+            assert int(ex.answer) == eval(expr)  # noqa: S307 -- the synthetic digits-only expression
+            echoes += ex.rejected == expr
+        assert 10 < echoes < 50  # about half echo the expression, the rest are off by one or two
+        assert load_party(d, CFG).is_preference("pref")
 
 
 def test_invalid_json_reports_column(tmp_path):
@@ -332,7 +399,7 @@ def test_synth_refuses_overwrite(tmp_path):
 
 def test_synth_answers_verify_and_load(tmp_path):
     dirs = write_synthetic(tmp_path, parties=2, examples_per_task=60, seed=0)
-    assert set(VERIFIERS) == set(TASK_FAMILIES)
+    assert set(VERIFIERS) == set(ALL_FAMILIES)
     for d in dirs:
         party = load_party(d, CFG)
         assert party.tasks == tuple(sorted(TASK_FAMILIES))

@@ -55,6 +55,8 @@ def _payloads() -> list:
                     metrics={**{k: 0.5 for k in RL_METRIC_KEYS}, "route_disagree_l0": 0.1, "route_disagree_l1": 0.0}),
         ProbeInstruction(round=7, base_hash="ab", prompts=("Compute\n1+2", "Look up k3"), weights=W),
         ProbeReply(party="party-2", routing=ANCHOR.astype(np.float64), top1=np.array([[0, 1, 3], [2, 2, 0]], np.int32)),
+        SftInstruction(round=7, task="pref", weights=W, base_hash="cd", seed=0, anchor=None, anchor_version=0,
+                       objective="dpo", ref_weights={k: v + 1 for k, v in W.items()}),  # a dpo round's reference
     ]
 
 
@@ -207,10 +209,22 @@ def test_decode_rejects_extra_record():
     rd["smuggled"] = MetricRecord({"secret": 1.0})
     with pytest.raises(WireError, match="smuggled"):
         decode(rd, RouterStats)
-    sft = encode(_payloads()[1])
-    sft["ref"] = ArrayRecord({"x": Array(np.zeros(2, np.float32))})  # optional only for eval
+    rl = encode(RlInstruction(round=6, task="arith", weights=W, base_hash="ab", seed=5))
+    rl["ref"] = ArrayRecord({"x": Array(np.zeros(2, np.float32))})  # optional only for eval and sft (dpo)
     with pytest.raises(WireError, match="ref"):
-        decode(sft, SftInstruction)
+        decode(rl, RlInstruction)
+
+
+def test_sft_objective_is_optional_and_closed():
+    """``objective`` is absent for SFT (the bytes of an SFT instruction are unchanged) and one of OBJECTIVES else."""
+    plain = encode(_payloads()[1])
+    assert "objective" not in plain.config_records["meta"] and "ref" not in plain
+    assert decode(plain, SftInstruction).objective is None
+    dpo = encode(_payloads()[-1])
+    assert dpo.config_records["meta"]["objective"] == "dpo" and "ref" in dpo
+    dpo.config_records["meta"]["objective"] = "ppo"
+    with pytest.raises(WireError, match="unknown objective 'ppo'"):
+        decode(dpo, SftInstruction)
 
 
 def test_decode_rejects_missing_record_and_field():

@@ -1,0 +1,85 @@
+"""What a party does in a ``dpo`` round: local DPO on its preference pairs of the task; the update travels like an
+SFT update (the same ``SftInstruction`` with ``objective = "dpo"``, the same ``model-update`` release, clipping,
+DP noise and secure aggregation).
+
+The reference is the instruction's ``ref_weights`` (the global model at the start of the ``dpo`` phase, with
+``dpo.reference = phase``) or, when absent, the global weights as received. Its log-probs on every training pair are
+computed once, before the first step (``distmoe.train.dpo.reference_logps``: by the trainer, or by the inference
+engine ``dpo.reference-engine`` with IcePop pair masking); the model then starts from the global weights.
+
+Besides the SFT metric keys of the update (``task_loss`` = the DPO loss), the DPO figures (margins, preference
+accuracy, masked pairs, and the held-out pairs' margin and preference accuracy before and after the round) are
+returned separately, for this party's own metrics log only: nothing of them leaves.
+
+Must not: import ``flwr``, read another party's directory, or put anything but the update and the SFT metric keys
+into the wire payload.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from distmoe.config import NodeConfig, RunConfig
+from distmoe.data.template import encode_example
+from distmoe.model.build import describe
+from distmoe.model.trainable import trainable_state
+from distmoe.party.work import PartyError, _party_seed, load_data, prepare_model, progress
+from distmoe.rl.dpo import preference_margins, reference_logps, train_dpo
+from distmoe.wire.errors import ErrorCode
+from distmoe.wire.schema import TRAIN_METRIC_KEYS, ModelUpdate, SftInstruction
+
+
+def _margin_stats(m: torch.Tensor, prefix: str) -> dict[str, float]:
+    """Mean ``s(y_w) - s(y_l)`` and the share of pairs with it > 0, over ``m`` ``[N]``."""
+    if m.numel() == 0:
+        return {f"{prefix}_margin": float("nan"), f"{prefix}_acc": float("nan")}
+    return {f"{prefix}_margin": float(m.mean()), f"{prefix}_acc": float((m > 0).float().mean())}
+
+
+def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> tuple[ModelUpdate, dict[str, float]]:
+    """``(update, DPO figures for the party's own log)`` of one ``dpo`` round on ``instr.task``."""
+    torch.set_num_threads(cfg.train.threads)
+    data = load_data(cfg, node)
+    if not data.has(instr.task):  # no data for the task: contributes nothing (weight 0)
+        zero = {k: np.zeros_like(v, dtype=np.float32) for k, v in instr.weights.items()}
+        return ModelUpdate(party=node.party, delta=zero, num_examples=0,
+                           metrics={k: float("nan") for k in TRAIN_METRIC_KEYS}), {}
+    if not data.is_preference(instr.task):
+        raise PartyError(f"party {node.party}: task {instr.task!r} holds no preference pairs (a dpo phase needs "
+                         "lines {\"prompt\", \"chosen\", \"rejected\"}; docs/operations.md, Data)")
+    ref_w = instr.ref_weights if instr.ref_weights is not None else instr.weights
+    model, tok, spec = prepare_model(cfg, node, ref_w, instr.base_hash)
+    ms = describe(model)
+    n_len, pad, bs = cfg.model.max_seq_len, tok.pad_token_id, cfg.dpo.pairs_per_step
+
+    def encode(exs):  # [(chosen, rejected)] as (input_ids, labels)
+        return [(encode_example(tok, ex, n_len), encode_example(tok, ex.rejected_example(), n_len)) for ex in exs]
+
+    pairs, held = encode(data.train(instr.task)), encode(data.heldout(instr.task))
+    ref = reference_logps(model, pairs, pad, bs, engine=cfg.dpo.reference_engine, low=cfg.rl.icepop_low,
+                          high=cfg.rl.icepop_high)
+    local = _margin_stats(preference_margins(model, held, pad, bs), "dpo_heldout_ref")
+    if instr.ref_weights is not None:  # start from the global weights (the cached base: only the weights load)
+        model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
+    local.update(_margin_stats(preference_margins(model, held, pad, bs), "dpo_heldout_before"))
+    anchor = None
+    if instr.anchor is not None:
+        anchor = torch.from_numpy(np.asarray(instr.anchor, dtype=np.float32))
+        if tuple(anchor.shape) != (ms.num_moe_layers, ms.num_experts):
+            raise PartyError(f"anchor shape {tuple(anchor.shape)} does not fit the model "
+                             f"({ms.num_moe_layers} MoE layers x {ms.num_experts} experts)", ErrorCode.MODEL)
+    before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
+    res = train_dpo(model, pairs, ref, pad, node.train(cfg.train), cfg.dpo, cfg.routing, ms.num_experts, ms.top_k,
+                    anchor, seed=_party_seed(instr.seed, node.party))
+    local.update(_margin_stats(preference_margins(model, held, pad, bs), "dpo_heldout_after"))
+    after = trainable_state(model)
+    delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
+    s = res.summary()
+    metrics = {k: float(s[k]) for k in TRAIN_METRIC_KEYS}
+    local.update({k: float(v) for k, v in s.items() if k.startswith("dpo_")})
+    progress(node, f"round {instr.round} dpo:{instr.task}: loss {metrics['loss_first']:.4f} -> "
+             f"{metrics['loss_last']:.4f} over {int(metrics['steps'])} steps ({res.num_pairs} pairs), held-out "
+             f"margin {local['dpo_heldout_before_margin']:.3f} -> {local['dpo_heldout_after_margin']:.3f}"
+             + (f", {s['dpo_ref_masked_frac']:.3f} of pairs masked" if cfg.dpo.reference_engine else ""))
+    return ModelUpdate(party=node.party, delta=delta, num_examples=res.num_pairs, metrics=metrics), local
