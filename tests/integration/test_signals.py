@@ -63,7 +63,34 @@ def start(tmp_path: Path, tiny_run, run_id: str) -> tuple[subprocess.Popen, Path
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    _STARTED.append(proc)
     return proc, out
+
+
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _leave_nothing_running(tmp_path):
+    """Whatever a test ends with (a failed wait included): each ``simulate`` it started gets SIGTERM (so it stops
+    its own processes), then SIGKILL; any process whose Flower state lies under this test's directory is killed."""
+    yield
+    for proc in _STARTED:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    _STARTED.clear()
+    prefix = f"FLWR_HOME={tmp_path.resolve()}".encode()
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and any(v.startswith(prefix) for v in (p / "environ").read_bytes().split(b"\0")):
+                os.kill(int(p.name), signal.SIGKILL)
+        except OSError:
+            continue
 
 
 def wait_for(proc: subprocess.Popen, out: Path, text: str, timeout: float = 100.0) -> str:
@@ -75,7 +102,6 @@ def wait_for(proc: subprocess.Popen, out: Path, text: str, timeout: float = 100.
         if proc.poll() is not None:
             break
         time.sleep(0.2)
-    proc.kill()
     raise AssertionError(f"{text!r} not seen; output:\n{out.read_text()[-3000:]}")
 
 
@@ -127,7 +153,7 @@ def test_signal_during_start_up_stops_everything_and_leaves_no_run_directory(tmp
 def test_sigterm_during_a_round_records_interrupted_and_prints_each_line_once(tmp_path, tiny_run):
     """Stopped in round 1: ``run.json`` says interrupted, the printed ``--resume`` passes resume's checks."""
     proc, out = start(tmp_path, tiny_run, "mid")
-    wait_for(proc, out, "for round 1", timeout=150)  # round 1 has begun (its secure-aggregation keys)
+    wait_for(proc, out, "for round 1", timeout=240)  # round 1 has begun (its secure-aggregation keys)
     run_dir = tmp_path / "runs" / "mid"
     assert json.loads((run_dir / RUN_LOCK).read_text())["pid"] == proc.pid  # the lock names the holder
     code = stop_and_wait(proc, signal.SIGTERM)
