@@ -141,6 +141,8 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:[0-9]+)?)$")
 HARDWARE_KEYS = {"device": "device", "dtype": "dtype", "gradient-checkpointing": "gradient_checkpointing",
                  "micro-batch-size": "micro_batch_size", "quantize": "quantize"}
 GRANULARITIES = ("batch", "token")
+EXPERT_SCHEDULES = ("constant", "cosine")
+TASK_ANCHOR_MODES = ("off", "sum", "mean")
 PHASE_KINDS = ("sft", "stats", "eval", "rl")
 POLICY_LOSSES = ("grpo", "reinforce")  # distmoe/rl/losses.py registry (a test keeps them equal)
 REWARDS = ("exact_match", "numeric", "format", "task")  # distmoe/rl/rewards.py registry
@@ -247,6 +249,13 @@ class TrainConfig(_Section):
     quantize: str = key("none", "load the frozen base quantised with bitsandbytes (QLoRA; CUDA only, needs "
                         "`model.trainable = \"lora\"` and the `quant` extra); node config `quantize` overrides",
                         choices=QUANTIZE_MODES)
+    router_warmup_steps: int = key(0, "router-only warm-up: the first N local steps of each task update only the "
+                                   "router (the other gradients are dropped); 0 = off (`docs/algorithms.md`)", lo=0)
+    router_lr_scale: float = key(1.0, "multiplies `train.lr-router` (a low, constant router rate: e.g. 0.1 with "
+                                 "`train.expert-schedule = \"cosine\"`)", lo=0.0, hi=100.0)
+    expert_schedule: str = key("constant", "per-group schedule after the linear warm-up: `constant` (every group), "
+                               "`cosine` (experts and rest decay by a cosine to 0 over the round's local steps, the "
+                               "router stays constant)", choices=EXPERT_SCHEDULES)
 
     def check(self) -> None:
         if not _DEVICE_RE.match(self.device):
@@ -260,6 +269,27 @@ class RoutingConfig(_Section):
     anchor_kl_coef: float = key(0.5, "anchor-KL weight; 0 turns the anchor off", lo=0.0, hi=1000.0)
     anchor_granularity: str = key("batch", "where the anchor KL is taken; see `docs/algorithms.md`",
                                   choices=GRANULARITIES)
+
+
+@section("retention")
+class RetentionConfig(_Section):
+    task_anchors: str = key("off", "per-task anchors: the anchor KL is taken against each earlier task's own anchor "
+                            "(from its `stats:<task>` phase) and the per-task KLs are summed (`sum`) or averaged "
+                            "(`mean`), times `routing.anchor-kl-coef`; `off` = the latest anchor only",
+                            choices=TASK_ANCHOR_MODES)
+    protect_mass: float = key(0.0, "expert protection: an expert whose routing mass in some earlier task's anchor "
+                              "exceeds this is protected while a new task trains (its update scaled by "
+                              "`retention.protect-lr-scale`); 0 = off", lo=0.0, hi=1.0, lo_open=True, off=0.0)
+    protect_lr_scale: float = key(0.0, "learning-rate scale of a protected expert's tensors (0 = frozen)",
+                                  lo=0.0, hi=1.0)
+    distill_weight: float = key(0.0, "output distillation (Learning without Forgetting) weight: KL from the pre-task "
+                                "model's to the current model's token distribution on the new task's data; 0 = off",
+                                lo=0.0, hi=1000.0)
+    distill_temperature: float = key(2.0, "temperature of the output distillation", lo=0.0, hi=100.0, lo_open=True)
+
+    @property
+    def protect(self) -> bool:
+        return self.protect_mass > 0
 
 
 @section("rl")
@@ -504,6 +534,7 @@ class RunConfig:
     data: DataConfig
     train: TrainConfig
     routing: RoutingConfig
+    retention: RetentionConfig
     rl: RLConfig
     schedule: ScheduleConfig
     federation: FederationConfig
