@@ -51,6 +51,11 @@ class SftInstruction:
     seed: int
     anchor: np.ndarray | None  # [L, E]
     anchor_version: int  # 0 = no anchor
+    # retention (docs/algorithms.md, Retention): the earlier tasks' anchors [T, L, E] (T <= the schedule's tasks),
+    # the round's index within its task's phase (1 = first) and the hash of the pre-task global weights ("" = off)
+    task_anchors: np.ndarray | None = None
+    task_round: int = 1
+    ref_hash: str = ""
 
 
 @dataclass(frozen=True)
@@ -254,9 +259,11 @@ def _meta(*specs: str) -> tuple[Field, ...]:
 
 PAYLOADS: tuple[PayloadType, ...] = (
     PayloadType(SftInstruction, "sft-instruction", "instruction",
-                _meta("round:int", "task:str", "base_hash:str", "seed:int", "anchor_version:int")
-                + (Field("weights", "arrays", "weights"), Field("anchor", "anchor", "probs?")),
-                ("arrays", "anchor", "meta"), MSG_SFT, ModelUpdate, "model-update", "sft"),
+                _meta("round:int", "task:str", "base_hash:str", "seed:int", "anchor_version:int", "task_round:int",
+                      "ref_hash:str")
+                + (Field("weights", "arrays", "weights"), Field("anchor", "anchor", "probs?"),
+                   Field("task_anchors", "task_anchors", "probs?")),
+                ("arrays", "anchor", "task_anchors", "meta"), MSG_SFT, ModelUpdate, "model-update", "sft"),
     PayloadType(RlInstruction, "rl-instruction", "instruction",
                 _meta("round:int", "task:str", "base_hash:str", "seed:int") + (Field("weights", "arrays", "weights"),),
                 ("arrays", "meta"), MSG_RL, ModelUpdate, "rl-update", "rl"),

@@ -85,8 +85,11 @@ def build_policy(*, secure: bool, n_parties: int, trainable: Mapping[str, tuple[
     w = {k: np.zeros(s, np.float32) for k, s in trainable.items()}
     weight_keys = {f"arrays.{k}" for k in trainable}
     anchor = np.full((layers, experts), 1.0 / experts, np.float32)
+    # the per-task anchors of retention: at most one per task of the schedule (its byte budget's bound)
+    per_task = np.full((max(len(tasks), 1), layers, experts), 1.0 / experts, np.float32)
     instr = {
-        "sft-instruction": ([SftInstruction(1, "t", w, "h", 0, None, 0), SftInstruction(1, "t", w, "h", 0, anchor, 1)],
+        "sft-instruction": ([SftInstruction(1, "t", w, "h", 0, None, 0),
+                             SftInstruction(1, "t", w, "h", 0, anchor, 1, per_task, 1, "0" * 64)],
                             weight_keys | {"anchor.probs"}),
         "rl-instruction": ([RlInstruction(1, "t", w, "h", 0)], weight_keys),
         "stats-instruction": ([StatsInstruction(1, "t", w, "h")], weight_keys),
