@@ -209,3 +209,27 @@ def test_per_group_schedules_cosine_experts_and_a_low_constant_router(make_cfg):
     assert lrs["router"] == pytest.approx(1e-4) and lrs["experts"] < 0.05 * cfg.train.lr_experts
     const = make_cfg(**{"train.local-steps": 10, "train.warmup-steps": 2})
     assert lr_factor(const.train, "experts")(9) == 1.0  # the default: constant after the warm-up
+
+
+def test_lora_protection_keeps_the_protected_experts_effective_weights(make_cfg, party):
+    """peft's own per-expert delta (``ParamWrapper.get_delta_weight``: ``[E, ...]``) of a frozen expert does not
+    change, the others' do: the lora_A / lora_B slices are the expert's."""
+    cfg, model, tok, encoded = _setup(make_cfg, party, **{"model.trainable": "lora", "train.local-steps": 3})
+    ms = describe(model)
+    wrappers = [mod for n, mod in model.named_modules()
+                if type(mod).__name__ == "ParamWrapper" and ".layers.0.mlp.experts" in n]
+    assert len(wrappers) == 2
+    with torch.no_grad():  # B != 0, so every step moves A and B and every expert's delta
+        for w in wrappers:
+            for p in w.lora_B.parameters():
+                p.normal_(0, 0.02)
+    protected = torch.zeros(len(ms.moe_layers), ms.num_experts, dtype=torch.bool)
+    protected[0, 2] = True
+    with torch.no_grad():
+        before = [w.get_delta_weight("default").clone() for w in wrappers]  # [E, ...]
+    _run(cfg, model, tok, encoded, Retention(protected=protected, protect_lr_scale=0.0))
+    with torch.no_grad():
+        after = [w.get_delta_weight("default") for w in wrappers]
+    for b, a in zip(before, after, strict=True):
+        assert torch.allclose(a[2], b[2], atol=0, rtol=0)
+        assert all(not torch.allclose(a[e], b[e]) for e in (0, 1, 3))
