@@ -45,3 +45,14 @@ def sft_fields(co, phase) -> dict:
 def sends_latest_anchor(co) -> bool:
     """With per-task anchors on, the per-task KL replaces the KL to the latest anchor."""
     return co.cfg.retention.task_anchors == "off"
+
+
+def anchor_version(co, task: str, use_latest: bool) -> int:
+    """The version the instruction names (0 = no anchor KL): the latest anchor's, or with per-task anchors the
+    newest of the earlier tasks' anchors it carries."""
+    s = co.s
+    if use_latest:
+        return s.anchor.meta.version
+    if co.cfg.retention.task_anchors != "off" and co.cfg.routing.anchor_kl_coef > 0:
+        return max((a.meta.version for t, a in s.task_anchors.items() if t != task), default=0)
+    return 0

@@ -67,6 +67,10 @@ def test_continual_run_with_every_retention_switch_completes_under_secure_aggreg
     assert "task_anchors.probs" not in sft_in[0]["shapes"]  # no earlier task yet
     assert sft_in[1]["shapes"]["task_anchors.probs"] == [1, L, E]
     assert sft_in[2]["shapes"]["task_anchors.probs"] == [2, L, E]
+    # the rounds name the newest anchor they carry (0 = none yet)
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    assert sorted({(e["round"], e["anchor_version"]) for e in events if e.get("event") == "train"}) == \
+        [(1, 0), (3, 1), (5, 2)]
     # every party kept the pre-task model of the last task: the global model after round 4
     ckpt = run_dir / "checkpoints"
     before, after = (load_file(str(ckpt / f"round-{r}" / "trainable.safetensors")) for r in (4, 5))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from distmoe.coordinator.phases.update import apply_update
-from distmoe.coordinator.retention import sends_latest_anchor, sft_fields
+from distmoe.coordinator.retention import anchor_version, sends_latest_anchor, sft_fields
 from distmoe.wire.schema import SftInstruction
 
 
@@ -26,7 +26,7 @@ def configure(co, phase) -> SftInstruction:
     return SftInstruction(round=s.round, task=phase.task, weights=co.np_weights(s.weights),
                           base_hash=co.tspec.base_hash, seed=cfg.run.seed * 100_003 + s.round,
                           anchor=s.anchor.probs if use_anchor else None,
-                          anchor_version=s.anchor.meta.version if use_anchor else 0, **sft_fields(co, phase))
+                          anchor_version=anchor_version(co, phase.task, use_anchor), **sft_fields(co, phase))
 
 
 def aggregate(co, index, phase, instr: SftInstruction) -> str:
