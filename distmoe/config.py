@@ -249,8 +249,9 @@ class TrainConfig(_Section):
     quantize: str = key("none", "load the frozen base quantised with bitsandbytes (QLoRA; CUDA only, needs "
                         "`model.trainable = \"lora\"` and the `quant` extra); node config `quantize` overrides",
                         choices=QUANTIZE_MODES)
-    router_warmup_steps: int = key(0, "router-only warm-up: the first N local steps of each task update only the "
-                                   "router (the other gradients are dropped); 0 = off (`docs/algorithms.md`)", lo=0)
+    router_warmup_steps: int = key(0, "router-only warm-up: the first N local steps of each task (its sft phase) "
+                                   "update only the router (the other gradients are dropped); 0 = off "
+                                   "(`docs/algorithms.md`)", lo=0)
     router_lr_scale: float = key(1.0, "multiplies `train.lr-router` (a low, constant router rate: e.g. 0.1 with "
                                  "`train.expert-schedule = \"cosine\"`)", lo=0.0, hi=100.0)
     expert_schedule: str = key("constant", "per-group schedule after the linear warm-up: `constant` (every group), "
