@@ -692,6 +692,7 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
         derived = {"seed": parts["run"].seed} if name in ("model", "data") else {}
         parts[name] = cls(**{s.attr: flat[s.name] for s in cls.KEYS}, **derived)
     _check_across(parts["federation"], parts["privacy"])
+    _check_retention(parts["retention"], parts["schedule"])
     flat["model.trainable"] = parts["model"].trainable  # `auto` resolved: the run record names the mode used
     return RunConfig(**parts, raw=tuple(sorted(flat.items())))
 
@@ -709,6 +710,17 @@ def _check_across(fed: FederationConfig, p: PrivacyConfig) -> None:
         raise ConfigError(f"config key 'privacy.min-parties': value {p.min_parties} is above "
                           f"federation.min-available = {fed.min_available}: a run could start with fewer parties "
                           "than any release may use")
+
+
+def _check_retention(r: RetentionConfig, schedule: ScheduleConfig) -> None:
+    """Per-task anchors and expert protection read the anchors of ``stats:<task>`` phases: refuse a schedule
+    without one rather than run with the mechanism silently off."""
+    if any(p.kind == "stats" and p.task for p in schedule.phases):
+        return
+    for key, on in (("retention.task-anchors", r.task_anchors != "off"), ("retention.protect-mass", r.protect)):
+        if on:
+            raise ConfigError(f"config key '{key}' is on, but schedule.phases has no `stats:<task>` phase: the "
+                              "per-task anchors it reads are built only there")
 
 
 def load_override_file(path: str | Path) -> dict[str, Scalar]:

@@ -233,3 +233,15 @@ def test_lora_protection_keeps_the_protected_experts_effective_weights(make_cfg,
     for b, a in zip(before, after, strict=True):
         assert torch.allclose(a[2], b[2], atol=0, rtol=0)
         assert all(not torch.allclose(a[e], b[e]) for e in (0, 1, 3))
+
+
+def test_per_task_anchors_and_protection_need_a_stats_phase_with_a_task(make_cfg):
+    from distmoe.config import ConfigError
+
+    for key, value in (("retention.task-anchors", "mean"), ("retention.protect-mass", 0.3)):
+        with pytest.raises(ConfigError, match=f"'{key}' is on, but schedule.phases has no `stats:<task>`"):
+            make_cfg(**{key: value, "schedule.phases": "sft:arith, stats, sft:lookup"})
+        assert make_cfg(**{key: value, "schedule.phases": "sft:arith, stats:arith, sft:lookup"})
+    assert make_cfg(**{"retention.distill-weight": 1.0, "schedule.phases": "sft:arith, sft:lookup"})
+    with pytest.raises(ConfigError, match="retention.protect-mass"):
+        make_cfg(**{"retention.protect-mass": 1.5})
