@@ -12,6 +12,8 @@ router), all. The tiny model of the tests by default (``--model tiny``) so that 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -85,14 +87,21 @@ def main() -> None:
             "train.lr": 5e-3, "train.lr-experts": 5e-3, "train.lr-router": 5e-3}
     d = write_synthetic(Path(tempfile.mkdtemp()), parties=1, examples_per_task=200, seed=0)[0]
     party = load_party(d, parse_run_config(base).data)
-    rows = {arm: [run(arm, s, party, base, args.steps, *args.tasks) for s in args.seeds] for arm in args.arms}
+    rows: dict[str, list[dict[str, float]]] = {}
+    for arm in args.arms:
+        for s in args.seeds:
+            rows.setdefault(arm, []).append(run(arm, s, party, base, args.steps, *args.tasks))
+            print(json.dumps({"arm": arm, "seed": s, **rows[arm][-1]}), flush=True)  # every seed's row, as it lands
     metrics = list(next(iter(rows.values()))[0])
     print("| metric | " + " | ".join(f"{a} (n={len(r)})" for a, r in rows.items()) + " |")
     print("|---|" + "---|" * len(rows))
     for m in metrics:
         cells = []
         for r in rows.values():
-            v = [x[m] for x in r]
+            v = [x[m] for x in r if math.isfinite(x[m])]
+            if not v:
+                cells.append("–")
+                continue
             sd = statistics.stdev(v) if len(v) > 1 else 0.0
             cells.append(f"{statistics.mean(v):.3f} ± {sd:.3f} ({', '.join(f'{x:.3f}' for x in v)})")
         print(f"| {m} | " + " | ".join(cells) + " |")
