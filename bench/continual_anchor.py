@@ -4,6 +4,12 @@ docs/results.md (mean ± sample std over seeds, and every seed's value).
 
     python bench/continual_anchor.py --seeds 0 1 2            # runs 2 x 3 simulations
     python bench/continual_anchor.py --collect runs/anchor-*  # tabulate existing run dirs
+    python bench/continual_anchor.py --arms no-anchor protection distillation --seeds 0 1 2
+
+Arms: ``anchor`` / ``no-anchor`` (the two configs), and the retention mechanisms of ``docs/algorithms.md``
+(Retention), each on one of them with its switch (``RETENTION_ARMS``). With this two-task schedule the
+per-task anchor equals the latest anchor (one earlier task); it differs from three tasks on. The
+protection threshold 0.2 is above the uniform 1/8 of the tiny default's 8 experts.
 
 Each run is a real `distmoe simulate` (Flower Simulation Engine).
 """
@@ -21,6 +27,17 @@ from pathlib import Path
 from distmoe.report.report import summarise
 
 ARMS = {"anchor": "configs/continual.toml", "no-anchor": "configs/continual-no-anchor.toml"}
+# arm -> (base arm, run-config overrides)
+RETENTION_ARMS = {
+    "per-task-anchor": ("anchor", "retention.task-anchors='mean'"),
+    "protection": ("no-anchor", "retention.protect-mass=0.2 retention.protect-lr-scale=0.0"),
+    "distillation": ("no-anchor", "retention.distill-weight=1.0 retention.distill-temperature=2.0"),
+    "router-warmup": ("no-anchor", "train.router-warmup-steps=20 train.expert-schedule='cosine' "
+                      "train.router-lr-scale=0.1"),
+    "retention-all": ("anchor", "retention.task-anchors='mean' retention.protect-mass=0.2 "
+                      "retention.protect-lr-scale=0.0 retention.distill-weight=1.0 train.router-warmup-steps=20 "
+                      "train.expert-schedule='cosine' train.router-lr-scale=0.1"),
+}
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -31,8 +48,9 @@ def run_one(arm: str, seed: int, runs_dir: Path, extra: str) -> Path:
         if rec.get("status") == "completed":
             print(f"reusing {runs_dir / run_id}", flush=True)
             return runs_dir / run_id
-    cmd = [sys.executable, "-m", "distmoe.cli", "simulate", "--config", str(ROOT / ARMS[arm]),
-           "--run-config", f"run.seed={seed} {extra}".strip(), "--run-id", run_id, "--runs-dir", str(runs_dir)]
+    base, own = RETENTION_ARMS.get(arm, (arm, ""))
+    cmd = [sys.executable, "-m", "distmoe.cli", "simulate", "--config", str(ROOT / ARMS[base]),
+           "--run-config", f"run.seed={seed} {own} {extra}".strip(), "--run-id", run_id, "--runs-dir", str(runs_dir)]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return runs_dir / run_id
@@ -81,17 +99,20 @@ def main() -> None:
     ap.add_argument("--runs-dir", default="runs")
     ap.add_argument("--run-config", default="", help="extra overrides for every run")
     ap.add_argument("--collect", nargs="*", help="existing run directories to tabulate instead of running")
+    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=[*ARMS, *RETENTION_ARMS])
     args = ap.parse_args()
-    rows: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    rows: dict[str, list[dict[str, float]]] = {arm: [] for arm in args.arms}
     if args.collect:
         for d in map(Path, args.collect):
             r = row_of(d)
-            rows["anchor" if r["anchor-kl-coef"] > 0 else "no-anchor"].append(r)
+            arm = d.name.rsplit("-s", 1)[0]  # run_one names runs <arm>-s<seed>
+            arm = arm if arm in RETENTION_ARMS else "anchor" if r["anchor-kl-coef"] > 0 else "no-anchor"
+            rows.setdefault(arm, []).append(r)
     else:
         for seed in args.seeds:
-            for arm in ARMS:
+            for arm in args.arms:
                 rows[arm].append(row_of(run_one(arm, seed, Path(args.runs_dir), args.run_config)))
-    print(table(rows))
+    print(table({a: r for a, r in rows.items() if r}))
 
 
 if __name__ == "__main__":

@@ -144,6 +144,8 @@ GRANULARITIES = ("batch", "token")
 PHASE_KINDS = ("sft", "stats", "eval", "rl", "dpo")
 UPDATE_KINDS = ("sft", "rl", "dpo")  # the phases that train and release a model update (a task, '*rounds')
 DPO_REFERENCES = ("phase", "round")
+EXPERT_SCHEDULES = ("constant", "cosine")
+TASK_ANCHOR_MODES = ("off", "sum", "mean")
 POLICY_LOSSES = ("grpo", "reinforce")  # distmoe/rl/losses.py registry (a test keeps them equal)
 REWARDS = ("exact_match", "numeric", "format", "task")  # distmoe/rl/rewards.py registry
 CORRECTIONS = {"icepop": "mask", "tis": "truncate", "none": "none"}
@@ -252,6 +254,14 @@ class TrainConfig(_Section):
     quantize: str = key("none", "load the frozen base quantised with bitsandbytes (QLoRA; CUDA only, needs "
                         "`model.trainable = \"lora\"` and the `quant` extra); node config `quantize` overrides",
                         choices=QUANTIZE_MODES)
+    router_warmup_steps: int = key(0, "router-only warm-up: the first N local steps of each task (its sft phase) "
+                                   "update only the router (the other gradients are dropped); 0 = off "
+                                   "(`docs/algorithms.md`)", lo=0)
+    router_lr_scale: float = key(1.0, "multiplies `train.lr-router` (a low, constant router rate: e.g. 0.1 with "
+                                 "`train.expert-schedule = \"cosine\"`)", lo=0.0, hi=100.0)
+    expert_schedule: str = key("constant", "per-group schedule after the linear warm-up: `constant` (every group), "
+                               "`cosine` (experts and rest decay by a cosine to 0 over the round's local steps, the "
+                               "router stays constant)", choices=EXPERT_SCHEDULES)
 
     def check(self) -> None:
         if not _DEVICE_RE.match(self.device):
@@ -276,6 +286,27 @@ class RoutingConfig(_Section):
                               "idle; healthy < 0.2); 0 = off", lo=0.0, hi=100.0)
     kl_rise_rounds: int = key(3, "warn when the probe's routing KL to the anchor rises this many rounds in a row; "
                               "0 = off", lo=0, hi=100000)
+
+
+@section("retention")
+class RetentionConfig(_Section):
+    task_anchors: str = key("off", "per-task anchors: the anchor KL is taken against each earlier task's own anchor "
+                            "(from its `stats:<task>` phase) and the per-task KLs are summed (`sum`) or averaged "
+                            "(`mean`), times `routing.anchor-kl-coef`; `off` = the latest anchor only",
+                            choices=TASK_ANCHOR_MODES)
+    protect_mass: float = key(0.0, "expert protection: an expert whose routing mass in some earlier task's anchor "
+                              "exceeds this is protected while a new task trains (its update scaled by "
+                              "`retention.protect-lr-scale`); 0 = off", lo=0.0, hi=1.0, lo_open=True, off=0.0)
+    protect_lr_scale: float = key(0.0, "learning-rate scale of a protected expert's tensors (0 = frozen)",
+                                  lo=0.0, hi=1.0)
+    distill_weight: float = key(0.0, "output distillation (Learning without Forgetting) weight: KL from the pre-task "
+                                "model's to the current model's token distribution on the new task's data; 0 = off",
+                                lo=0.0, hi=1000.0)
+    distill_temperature: float = key(2.0, "temperature of the output distillation", lo=0.0, hi=100.0, lo_open=True)
+
+    @property
+    def protect(self) -> bool:
+        return self.protect_mass > 0
 
 
 @section("rl")
@@ -559,6 +590,7 @@ class RunConfig:
     data: DataConfig
     train: TrainConfig
     routing: RoutingConfig
+    retention: RetentionConfig
     rl: RLConfig
     dpo: DPOConfig
     schedule: ScheduleConfig
@@ -741,6 +773,7 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
         parts[name] = cls(**{s.attr: flat[s.name] for s in cls.KEYS}, **derived)
     _check_across(parts["federation"], parts["privacy"])
     object.__setattr__(parts["schedule"], "phases", with_eval_cadence(parts["schedule"].phases, parts["eval"].every))
+    _check_retention(parts["retention"], parts["schedule"])
     flat["model.trainable"] = parts["model"].trainable  # `auto` resolved: the run record names the mode used
     return RunConfig(**parts, raw=tuple(sorted(flat.items())))
 
@@ -758,6 +791,17 @@ def _check_across(fed: FederationConfig, p: PrivacyConfig) -> None:
         raise ConfigError(f"config key 'privacy.min-parties': value {p.min_parties} is above "
                           f"federation.min-available = {fed.min_available}: a run could start with fewer parties "
                           "than any release may use")
+
+
+def _check_retention(r: RetentionConfig, schedule: ScheduleConfig) -> None:
+    """Per-task anchors and expert protection read the anchors of ``stats:<task>`` phases: refuse a schedule
+    without one rather than run with the mechanism silently off."""
+    if any(p.kind == "stats" and p.task for p in schedule.phases):
+        return
+    for key, on in (("retention.task-anchors", r.task_anchors != "off"), ("retention.protect-mass", r.protect)):
+        if on:
+            raise ConfigError(f"config key '{key}' is on, but schedule.phases has no `stats:<task>` phase: the "
+                              "per-task anchors it reads are built only there")
 
 
 def load_override_file(path: str | Path) -> dict[str, Scalar]:

@@ -1,7 +1,7 @@
 """The coordinator's state between rounds, and its form inside a checkpoint.
 
 Owns: ``RoundState`` (round counter, hence the schedule position; the global trainable weights; the
-router anchor and its version count; the current and trained tasks; the reference weights and the
+router anchor and its version count; the per-task anchors; the current and trained tasks; the reference weights and the
 evaluation baseline for retention; the last evaluation; the anomaly history), ``position`` (where a round
 sits in the schedule) and the round trip through a checkpoint: ``to_checkpoint`` gives ``state.json``
 and its tensors, ``from_checkpoint`` rebuilds the state from what ``distmoe.checkpoint`` loaded
@@ -35,6 +35,7 @@ class RoundState:
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # global trainable weights, float32
     anchor: Anchor | None = None
     anchor_versions: int = 0
+    task_anchors: dict[str, Anchor] = field(default_factory=dict)  # task -> its latest anchor (`stats:<task>`)
     current_task: str | None = None
     trained_tasks: list[str] = field(default_factory=list)
     ref_weights: dict[str, torch.Tensor] | None = None  # global model before the current task
@@ -72,9 +73,13 @@ def to_checkpoint(s: RoundState, phases: tuple[Phase, ...], *, run_id: str, sess
         tensors["ref"] = s.ref_weights
     if s.anchor is not None:
         tensors["anchor"] = {"probs": torch.from_numpy(np.ascontiguousarray(s.anchor.probs, dtype=np.float32))}
+    if s.task_anchors:
+        tensors["task_anchors"] = {t: torch.from_numpy(np.ascontiguousarray(a.probs, dtype=np.float32))
+                                   for t, a in s.task_anchors.items()}
     state = {"format": STATE_FORMAT, "run_id": run_id, "session": session, "epoch": epoch,
              "round": s.round, "position": position(phases, s.round), "anchor_versions": s.anchor_versions,
              "anchor": asdict(s.anchor.meta) if s.anchor is not None else None,
+             "task_anchors": {t: asdict(a.meta) for t, a in s.task_anchors.items()},
              "current_task": s.current_task, "trained_tasks": list(s.trained_tasks),
              "last_eval": sanitize(s.last_eval), "baseline": sanitize(s.baseline),
              "anomaly_history": sanitize(s.anomaly_history)}
@@ -97,8 +102,16 @@ def from_checkpoint(state: object, weights: dict[str, torch.Tensor], extra: dict
             raise StateError(f"{where}: state.json names anchor v{state['anchor'].get('version')}, but "
                              "anchor.safetensors is missing")
         anchor = Anchor(probs=probs.numpy().astype(np.float32), meta=AnchorVersion(**state["anchor"]))
+    task_anchors = {}
+    for t, meta in (state.get("task_anchors") or {}).items():
+        probs = extra.get("task_anchors", {}).get(t)
+        if probs is None:
+            raise StateError(f"{where}: state.json names the anchor of task {t!r}, but task_anchors.safetensors "
+                             "does not hold it")
+        task_anchors[t] = Anchor(probs=probs.numpy().astype(np.float32), meta=AnchorVersion(**meta))
     return RoundState(
         round=int(state["round"]), weights=weights, anchor=anchor, anchor_versions=int(state["anchor_versions"]),
+        task_anchors=task_anchors,
         current_task=state.get("current_task"), trained_tasks=list(state.get("trained_tasks") or []),
         ref_weights=({k: v.to(torch.float32) for k, v in extra["ref"].items()} if "ref" in extra else None),
         last_eval=_as_float(state.get("last_eval")), baseline=_as_float(state.get("baseline")),

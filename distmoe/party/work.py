@@ -25,6 +25,7 @@ from distmoe.model.base import base_fingerprint, is_cached, prepared_model
 from distmoe.model.build import describe, param_count
 from distmoe.model.device import Runtime, resolve_runtime
 from distmoe.model.trainable import load_trainable, spec_of, trainable_state
+from distmoe.party.retention import round_retention
 from distmoe.routing.stats import per_sequence_stats
 from distmoe.train.evaluate import evaluate_party, example_scores, routing_on, routing_set
 from distmoe.train.sft import train_sft
@@ -112,9 +113,13 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
         if tuple(anchor.shape) != (ms.num_moe_layers, ms.num_experts):
             raise PartyError(f"anchor shape {tuple(anchor.shape)} does not fit the model "
                              f"({ms.num_moe_layers} MoE layers x {ms.num_experts} experts)", ErrorCode.MODEL)
+    try:
+        retention = round_retention(cfg, node.work_dir, instr, ms.num_moe_layers, ms.num_experts)
+    except ValueError as exc:
+        raise PartyError(f"party {node.party}: {exc}", ErrorCode.MODEL) from None
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
     res = train_sft(model, encoded, tok.pad_token_id, node.train(cfg.train), cfg.routing, ms.num_experts, ms.top_k,
-                    anchor, seed=_party_seed(instr.seed, node.party))
+                    anchor, seed=_party_seed(instr.seed, node.party), retention=retention)
     after = trainable_state(model)
     delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
     s = res.summary()
@@ -122,6 +127,7 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
     progress(node, f"round {instr.round} sft:{instr.task}: loss {metrics['loss_first']:.4f} -> "
              f"{metrics['loss_last']:.4f} over {int(metrics['steps'])} steps ({res.num_examples} examples)"
              + (f", anchor KL {metrics['anchor_kl']:.4f}" if anchor is not None else "")
+             + "".join(f", {n}" for n in (retention.notes if retention is not None else []))
              + (f", {int(metrics['skipped_steps'])} skipped steps" if metrics['skipped_steps'] > 0 else ""))
     _stability(node, instr, res.nonfinite)
     return ModelUpdate(party=node.party, delta=delta, num_examples=res.num_examples, metrics=metrics)

@@ -1,4 +1,6 @@
-"""The local SFT loop: task loss + aux-loss-coef * aux + anchor-kl-coef * anchor KL.
+"""The local SFT loop: task loss + aux-loss-coef * aux + anchor-kl-coef * anchor KL, plus the retention
+terms of ``train/retention.py`` when a ``Retention`` context is given (per-task anchor KL, output distillation,
+expert protection, router-only warm-up).
 
 Task loss is next-token cross-entropy on the answer tokens only (labels are -100 on prompt and
 padding). Stability guards (``train/stability.py``): optional gradient winsorisation (``train.winsorize``),
@@ -23,7 +25,17 @@ from distmoe.data.template import batch_iterator, collate
 from distmoe.model.device import base_dtype, device_of, to_device
 from distmoe.model.router import forward_with_router
 from distmoe.routing.losses import anchor_kl, aux_load_balance_loss
+from distmoe.routing.retention import task_anchor_kl
 from distmoe.train.optim import build_optimizer
+from distmoe.train.retention import (
+    ProtectedUpdate,
+    Retention,
+    distill_loss,
+    drop_non_router_grads,
+    expert_slice_masks,
+    reference_logits,
+    router_params,
+)
 from distmoe.train.stability import NonFinite, guard_gradients
 
 
@@ -36,6 +48,8 @@ class SFTResult:
     task_losses: list[float] = field(default_factory=list)
     aux_losses: list[float] = field(default_factory=list)
     anchor_kls: list[float] = field(default_factory=list)
+    distills: list[float] = field(default_factory=list)
+    router_only_steps: int = 0
     time_s: float = 0.0
     nonfinite: NonFinite = field(default_factory=NonFinite)  # what the skipped steps' gradients were
 
@@ -60,7 +74,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def sft_loss(model: nn.Module, batch: dict[str, torch.Tensor], routing: RoutingConfig,
-             num_experts: int, top_k: int, anchor: torch.Tensor | None
+             num_experts: int, top_k: int, anchor: torch.Tensor | None, retention: Retention | None = None
              ) -> tuple[torch.Tensor, dict[str, float]]:
     """Total loss of one batch and its parts."""
     out = forward_with_router(model, batch["input_ids"], batch["attention_mask"])
@@ -75,6 +89,17 @@ def sft_loss(model: nn.Module, batch: dict[str, torch.Tensor], routing: RoutingC
         kl = anchor_kl(out.router_logits, batch["attention_mask"], anchor, routing.anchor_granularity)
         total = total + routing.anchor_kl_coef * kl
         parts["anchor_kl"] = float(kl.detach())
+    r = retention
+    if r is not None and r.task_anchors is not None and r.task_anchor_reduce != "off" and routing.anchor_kl_coef > 0:
+        kl = task_anchor_kl(out.router_logits, batch["attention_mask"], r.task_anchors, routing.anchor_granularity,
+                            r.task_anchor_reduce)
+        total = total + routing.anchor_kl_coef * kl
+        parts["anchor_kl"] = parts.get("anchor_kl", 0.0) + float(kl.detach())
+    if r is not None and r.ref_state is not None and r.distill_weight > 0:
+        d = distill_loss(out.logits, reference_logits(model, r.ref_state, batch), batch["attention_mask"],
+                         r.distill_temperature)
+        total = total + r.distill_weight * d
+        parts["distill"] = float(d.detach())
     return total, parts
 
 
@@ -105,7 +130,7 @@ def set_checkpointing(model: nn.Module, on: bool) -> None:
 
 def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_id: int,
               train: TrainConfig, routing: RoutingConfig, num_experts: int, top_k: int,
-              anchor: torch.Tensor | None, seed: int) -> SFTResult:
+              anchor: torch.Tensor | None, seed: int, retention: Retention | None = None) -> SFTResult:
     """Run ``train.local_steps`` optimizer steps on ``encoded`` (input_ids, labels) pairs.
 
     Each step of ``train.batch-size`` sequences runs as micro-batches of ``train.micro-batch-size``
@@ -127,13 +152,22 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if anchor is not None:
         anchor = anchor.to(device)
+    r = retention
+    if r is not None:
+        if r.task_anchors is not None:
+            r.task_anchors = r.task_anchors.to(device)
+        if r.ref_state is not None:
+            r.ref_state = {k: v.to(device) for k, v in r.ref_state.items()}
+    protect = (ProtectedUpdate(expert_slice_masks(model, r.protected, r.protect_lr_scale))
+               if r is not None and r.protected is not None and bool(r.protected.any()) else None)
+    warm_router = router_params(model) if r is not None and r.router_warmup_steps > 0 else None
     res = SFTResult(steps=0, skipped_steps=0, num_examples=len(encoded))
     t0 = time.perf_counter()
-    for raw in batch_iterator(encoded, train.batch_size, train.local_steps, seed):
+    for it, raw in enumerate(batch_iterator(encoded, train.batch_size, train.local_steps, seed)):
         opt.zero_grad(set_to_none=True)
         loss_value, parts_sum, finite = 0.0, {}, True
         for batch, weight in _micro_batches(raw, train.micro_batch_size, pad_id, device):
-            loss, parts = sft_loss(model, batch, routing, num_experts, top_k, anchor)
+            loss, parts = sft_loss(model, batch, routing, num_experts, top_k, anchor, r)
             if not math.isfinite(float(loss.detach())):
                 finite = False
                 break
@@ -146,6 +180,9 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
             res.nonfinite.add(["<loss>"])
             opt.zero_grad(set_to_none=True)
             continue
+        if warm_router is not None and r.task_step_offset + it < r.router_warmup_steps:
+            drop_non_router_grads(model, warm_router)  # router-only warm-up step
+            res.router_only_steps += 1
         scaler.unscale_(opt)
         # the pre-clip total norm is NaN/Inf iff some gradient is: skip the step, naming those tensors
         _, bad = guard_gradients(named, train.grad_clip, train.winsorize)
@@ -155,7 +192,11 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
             scaler.update()  # float16: lowers the loss scale; otherwise a no-op
             opt.zero_grad(set_to_none=True)
             continue
+        if protect is not None:
+            protect.before()
         scaler.step(opt)
+        if protect is not None:
+            protect.after()
         scaler.update()
         sched.step()
         res.steps += 1
@@ -165,6 +206,8 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
             res.aux_losses.append(parts_sum["aux_loss"])
         if "anchor_kl" in parts_sum:
             res.anchor_kls.append(parts_sum["anchor_kl"])
+        if "distill" in parts_sum:
+            res.distills.append(parts_sum["distill"])
     model.eval()
     res.time_s = time.perf_counter() - t0
     return res

@@ -58,6 +58,11 @@ class SftInstruction:
     anchor_version: int  # 0 = no anchor
     objective: str | None = None  # None = SFT; "dpo" = a dpo phase: local DPO on the task's preference pairs
     ref_weights: dict[str, np.ndarray] | None = None  # dpo: the reference model; None = ``weights`` themselves
+    # retention (docs/algorithms.md, Retention): the earlier tasks' anchors [T, L, E] (T <= the schedule's tasks),
+    # the round's index within its task's phase (1 = first) and the hash of the pre-task global weights ("" = off)
+    task_anchors: np.ndarray | None = None
+    task_round: int = 1
+    ref_hash: str = ""
 
 
 OBJECTIVES = ("dpo",)  # an SftInstruction's objectives besides SFT (None); every one releases a model update
@@ -287,10 +292,10 @@ def _meta(*specs: str) -> tuple[Field, ...]:
 PAYLOADS: tuple[PayloadType, ...] = (
     PayloadType(SftInstruction, "sft-instruction", "instruction",
                 _meta("round:int", "task:str", "base_hash:str", "seed:int", "anchor_version:int",
-                      "objective:objective?")
+                      "objective:objective?", "task_round:int", "ref_hash:str")
                 + (Field("weights", "arrays", "weights"), Field("anchor", "anchor", "probs?"),
-                   Field("ref_weights", "ref", "weights?")),
-                ("arrays", "ref", "anchor", "meta"), MSG_SFT, ModelUpdate, "model-update", "sft"),
+                   Field("ref_weights", "ref", "weights?"), Field("task_anchors", "task_anchors", "probs?")),
+                ("arrays", "ref", "anchor", "task_anchors", "meta"), MSG_SFT, ModelUpdate, "model-update", "sft"),
     PayloadType(RlInstruction, "rl-instruction", "instruction",
                 _meta("round:int", "task:str", "base_hash:str", "seed:int") + (Field("weights", "arrays", "weights"),),
                 ("arrays", "meta"), MSG_RL, ModelUpdate, "rl-update", "rl"),

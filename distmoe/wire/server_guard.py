@@ -88,9 +88,13 @@ def build_policy(*, secure: bool, n_parties: int, trainable: Mapping[str, tuple[
     w = {k: np.zeros(s, np.float32) for k, s in trainable.items()}
     weight_keys = {f"arrays.{k}" for k in trainable}
     anchor = np.full((layers, experts), 1.0 / experts, np.float32)
+    # the per-task anchors of retention: at most one per task of the schedule (its byte budget's bound)
+    per_task = np.full((max(len(tasks), 1), layers, experts), 1.0 / experts, np.float32)
     instr = {
         "sft-instruction": ([SftInstruction(1, "t", w, "h", 0, None, 0), SftInstruction(1, "t", w, "h", 0, anchor, 1),
-                             SftInstruction(1, "t", w, "h", 0, anchor, 1, "dpo", w)],  # a dpo round: the reference
+                             SftInstruction(1, "t", w, "h", 0, anchor, 1, "dpo", w),  # a dpo round: the reference
+                             SftInstruction(1, "t", w, "h", 0, anchor, 1, task_anchors=per_task, task_round=1,
+                                            ref_hash="0" * 64)],  # retention: the earlier tasks' anchors
                             weight_keys | {f"ref.{k}" for k in trainable} | {"anchor.probs"}),
         "rl-instruction": ([RlInstruction(1, "t", w, "h", 0)], weight_keys),
         "stats-instruction": ([StatsInstruction(1, "t", w, "h")], weight_keys),

@@ -83,6 +83,8 @@ PAYLOADS_FIXED = [
     UnmaskResponseMsg(sa.UnmaskResponse(5, 1, ((5, B(66)), (6, B(66, 1))), ((7, B(66, 2)),))),
     ConsistencyRequestMsg(sa.ConsistencyRequest(1, 5, (5, 6, 7), (cnt(6, 5, 1), cnt(7, 5, 1)))),
     ConsistencyResponseMsg(sa.ConsistencyResponse(5, 1, B(66, 9), B(64, 10))),
+    SftInstruction(2, "strings", W, "cd", 0, None, 3, task_anchors=np.stack([ANCHOR, ANCHOR[::-1]]), task_round=2,
+                   ref_hash="ef" * 32),  # retention
 ]
 
 
@@ -93,8 +95,8 @@ PAYLOADS_FIXED = [
 # its contributor-bit shares, the unmask request the signatures; the two consistency messages are new; the
 # round start of the two secure instructions carries its ring width `bits`, issue 14)
 PINNED = [
-    "67a6aa23852a6c92ac3babac4e3e08dc79e1d17d0d80796de163bff21fb2776a",
-    "96cb2db607f4ed78444b4abfced6e30cbac0ec1a8c9ecee48492e75548b66df2",
+    "9f26bba42e4fd64119f24c395baf4b4be957b4f7aa3edebee57a6ac478686de9",
+    "bcadd59e9f1157474d199c98697b17e3d1a8a2d28c55d739fd78e586f2d2b8eb",
     "20cd4ece194dc7156a14494b7fdc36fe9a5b163094b0d48994eb7a82708c191c",
     "488002e77136873bf21b275bd12aa49c61f0500d562dc27c63f99d8d21b4d367",
     "ea18730bd8560fb73bd1c0439f669eabebcd97281f13ba3df2e5b5beb613713c",
@@ -110,7 +112,7 @@ PINNED = [
     "1fda911fef739a41dd00a68385dd863846d87758d462767f48b8494a7b4a601d",
     "a75d93ac19ea6889d99ce518de0896c8d50233ffae4ac940bd314cec6b061c67",
     "98cf1013d8b80bd402c2beecf7d58d79b4b393311e4ad06e5fe68d16374943b9",
-    "7ffccc8af5150efc00aa2780a03fec4714e9a21d359129ee440deacbcccd203f",
+    "d2612c0bf9fb893d5c8f4976b58a65687ebb0eeaf5337403304f0aad0d550d54",
     "ada9131c4333c139932cabd0b7c144515e11cd106c3afea6c135570e86a8ad3b",
     "a0affa7bcbbb3d793dea8d3f3985b765aa56f1126c2c5cc7448419ba9f1d8485",
     "3d5c1cc96d59d310a3bc753e61abd16e6f3984cc2e40ccfd3c8090d8538f4d2e",
@@ -120,6 +122,7 @@ PINNED = [
     "0071e3d7d4ebe8ab04ea97d229248896aa6c6534308cf3dc744baf5a25e705c0",
     "9b49ec346af43f0091ee30f5ac8384eda761910abed1930dcd31ec856bf9e8bc",
     "098ed2744becf74459c58b290e6b8fe533cfb75ae96052ea4c8974027329e50b",
+    "54c07a175466954e527f0b53e19136d07e9427b27029123b721fafb587bb2f6c",
 ]
 
 

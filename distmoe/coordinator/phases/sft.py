@@ -3,7 +3,8 @@
 ``configure`` starts a new task when the phase's task changes (the model and evaluation before it are
 kept for retention) and sends the global weights with the router anchor when one exists and
 ``routing.anchor-kl-coef`` > 0 (the party's loss is then task loss + aux load balance + anchor KL:
-``docs/algorithms.md``). ``aggregate`` adds the aggregated update to the global model.
+``docs/algorithms.md``), and the retention fields (``coordinator/retention.py``). ``aggregate`` adds the
+aggregated update to the global model.
 
 Must not: import ``flwr``, or see one party's update.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 
 from distmoe.coordinator.phases.update import apply_update
+from distmoe.coordinator.retention import anchor_version, sends_latest_anchor, sft_fields
 from distmoe.wire.schema import SftInstruction
 
 
@@ -20,11 +22,11 @@ def configure(co, phase) -> SftInstruction:
     s, cfg = co.s, co.cfg
     if phase.task != s.current_task:
         s.begin_task(phase.task)
-    use_anchor = s.anchor is not None and cfg.routing.anchor_kl_coef > 0
+    use_anchor = s.anchor is not None and cfg.routing.anchor_kl_coef > 0 and sends_latest_anchor(co)
     return SftInstruction(round=s.round, task=phase.task, weights=co.np_weights(s.weights),
                           base_hash=co.tspec.base_hash, seed=cfg.run.seed * 100_003 + s.round,
                           anchor=s.anchor.probs if use_anchor else None,
-                          anchor_version=s.anchor.meta.version if use_anchor else 0)
+                          anchor_version=anchor_version(co, phase.task, use_anchor), **sft_fields(co, phase))
 
 
 def aggregate(co, index, phase, instr: SftInstruction) -> str:

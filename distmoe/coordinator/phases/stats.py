@@ -35,6 +35,8 @@ def aggregate(co, index, phase, instr: StatsInstruction) -> str:
     meta = AnchorVersion(version=s.anchor_versions, round=s.round, source_checkpoint=hash_tensors(s.weights),
                          router_spec=co.mspec.router_spec(), num_sequences=n_seq, task=phase.task)
     s.anchor = build_anchor(total, meta)
+    if phase.task:  # the task's own anchor, for per-task anchors and expert protection (coordinator/retention.py)
+        s.task_anchors[phase.task] = s.anchor
     save_anchor(s.anchor, co.run_dir / "anchors")
     co.metrics.append({"event": "stats", "round": s.round, "party": "all", "task": phase.task,
                        "anchor_version": meta.version, "num_sequences": n_seq, "parties": out.parties})
