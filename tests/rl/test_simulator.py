@@ -426,11 +426,14 @@ def test_route_shift_measures_the_policys_expert_usage_against_the_last_fit(env)
     tf = capture(model, ro)
     u = expert_usage(tf.router, ro.response_mask, sim.top_k)  # [L, E]
     torch.testing.assert_close(u.sum(-1), torch.ones(2))
+    fit = ro.response_mask.clone()
+    fit[ro.num_rollouts - round(0.25 * ro.num_rollouts):] = False  # the rows the fit used (not its held-out quarter)
+    assert sim.route_shift(tf.router, fit) < 1e-6  # the usage at the fit is the reference
     same = sim.route_shift(tf.router, ro.response_mask)
     z = tf.router.clone()
     z[:, ..., BIAS_EXPERT] += 50.0  # every token now picks BIAS_EXPERT
     moved = sim.route_shift(z, ro.response_mask)
-    assert same < 0.05 and moved > 0.2 and moved > same + 0.2
+    assert same < 0.15 and moved > 0.2 and moved > same + 0.2
 
 
 def test_grpo_simulator_heldout_triggers_and_trust_counts(env):
