@@ -10,6 +10,7 @@ minimises, with ``P = prompts_per_step`` prompts, ``G = group_size`` samples eac
     R          rewards of the engine's samples                                        [N]
     A          group_advantages(R, G): (R - mean_group) / (std_group + 1e-6)           [N]   (0 for equal rewards)
     logp_old   log pi_train(y | theta_old), recomputed once per batch, no grad        [N, T]
+               (first minibatch's rows: stopgrad(logp_new) of its own forward, rl.reuse-logprobs)
     logp_infer log pi_infer(y | theta_old), from the engine's generation scores       [N, T]
     w          mismatch_weights(logp_old, logp_infer): IcePop / TIS / 1, detached      [N, T]
     L(theta)   = -1/N sum_i 1/|y_i| sum_t w_it min(r_it A_i, clip(r_it, 1-eps, 1+eps_high) A_i)
@@ -36,7 +37,10 @@ One step is:
    separate pass at all;
    With ``cfg.simulator`` (off by default; off is bit-for-bit the path above) the inference simulator
    (``simulator.py``) is calibrated at step 0 and every ``simulator_recalibrate_every`` steps on fresh engine
-   rollouts; ``delta_hat`` comes from the same theta_old pass, and unless the simulator is degraded (held-out
+   rollouts, and in between when its error on the held-out prompts (``simulator_heldout_frac`` of the prompts,
+   stratified by length, never trained on) or the policy's expert usage shifts (``_simulate``); the
+   calibration tokens accumulate in a bounded buffer and the MLP's last layer is refitted after every step;
+   ``delta_hat`` comes from the same theta_old pass, and unless the simulator is degraded (held-out
    calibration or this batch's R^2 / AUROC below the minimum: fallback, counted) the loss uses
    ``logp_old = logp_infer + delta_hat`` and the weights ``exp(delta_hat)`` masked beyond ``simulator_bound``
    (per token, or per sequence from the mean ``delta_hat`` at ``correction_level="sequence"``), and adds
