@@ -58,9 +58,13 @@ def main() -> None:
             res = run_grpo(copy.deepcopy(model), tok, examples[:120], "lookup", RLConfig(**base, **kw), seed=seed)
             s = res.summary()
             trusted.append(res.sim_trusted)
+            rc = RLConfig(**base, **kw)
+            n_route = sum(m["sim_route_shift"] > rc.simulator_route_shift for m in res.steps)  # NaN compares False
+            n_err = sum(m["sim_err_shift"] > rc.simulator_error_shift for m in res.steps)
             print(f"{name}: seed {seed}: trusted {res.sim_trusted}/{len(res.steps)}, triggered full fits "
-                  f"{res.sim_recal_triggered}, held-out R2 {s.get('sim_heldout_r2', float('nan')):.3g}, "
-                  f"batch R2 {s['sim_r2']:.3g}", flush=True)
+                  f"{res.sim_recal_triggered} (route shift over threshold {n_route}, error shift {n_err}; mean "
+                  f"route shift {s['sim_route_shift']:.3f}, error shift {s['sim_err_shift']:.3g}), held-out R2 "
+                  f"{s.get('sim_heldout_r2', float('nan')):.3g}, batch R2 {s['sim_r2']:.3g}", flush=True)
         sd = statistics.stdev(trusted) if len(trusted) > 1 else float("nan")
         print(f"{name}: trusted steps {statistics.mean(trusted):.2f} +- {sd:.2f} (per seed {trusted})", flush=True)
 

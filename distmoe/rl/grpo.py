@@ -410,7 +410,7 @@ def _simulate(st: _SimState, step: int, cfg: RLConfig, model: nn.Module, engine,
         return sim.evaluate(model, ro_h)
 
     full = step % cfg.simulator_recalibrate_every == 0 or not sim.calibrated
-    triggered, held_m, t_cal = 0.0, {}, 0.0
+    triggered, held_m, t_cal, shift, err_shift = 0.0, {}, 0.0, math.nan, math.nan
     if not full:
         shift = sim.route_shift(tf_old.router, mask)
         held_m = heldout()
@@ -439,7 +439,7 @@ def _simulate(st: _SimState, step: int, cfg: RLConfig, model: nn.Module, engine,
                "sim_trusted": float(not fallback), "sim_full_fit": float(full), "sim_recal_triggered": triggered,
                "sim_heldout_r2": held_m.get("r2", math.nan), "sim_heldout_auroc": held_m.get("auroc", math.nan),
                "sim_heldout_abs_err": held_m.get("abs_err", math.nan),
-               "sim_route_shift": sim.route_shift(tf_old.router, mask),
+               "sim_route_shift": shift, "sim_err_shift": err_shift,  # what the triggers saw (NaN: scheduled fit)
                "sim_masked_frac": sstats["sim/masked_frac"], "sim_clipped_frac": sstats["sim/clipped_frac"],
                "sim_calibrate_s": t_cal, "sim_predict_s": t_pred}
     if sim.observe(tf_old, ro) and cfg.simulator_incremental:
