@@ -9,8 +9,10 @@ Setup: the default tiny model, briefly SFT-trained on synthetic lookup data, an 
 ``--engine`` and one batch of rollouts generated once from it and reused by every arm. Before each timed update
 the model and optimizer state are restored from a snapshot (outside the timed region), so every arm updates the
 same theta. One update = forward with grad, ``grpo`` loss, backward, gradient clipping, AdamW step (as in
-``run_grpo`` with one minibatch). The rollout generation is timed too (interleaved, same seed), so the reader
-sees the share of an iteration. Prints medians and the ratios vs plain GRPO. ``--replay`` adds routing replay
+``run_grpo`` with one minibatch). The arm "reused logp_old" is ``rl.reuse-logprobs`` with one epoch and one
+minibatch: no separate recompute, ``logp_old`` = the update forward's detached log-probs, the weights from them.
+The rollout generation is timed too (interleaved, same seed), so the reader sees the share of an iteration.
+Prints medians and the ratios vs plain GRPO. ``--replay`` adds routing replay
 (``distmoe.rl.replay``): generation with the engine's routes recorded, and IcePop with the recompute and the update
 replaying them.
 """
@@ -144,10 +146,24 @@ def main() -> None:
         logp_old, w, _ = recompute()
         update(logp_old, w)
 
+    def icepop_reuse() -> None:  # on-policy reuse (rl.reuse-logprobs): the update forward is the recompute
+        model.train()
+        logp_new = train_logprobs(model, ro, grad=True)  # [N, T] at theta_old
+        logp_old = logp_new.detach()
+        w, _ = mismatch_weights(logp_old, ro.logp_infer, mask, gcfg.correction_level, "mask", gcfg.icepop_low,
+                                gcfg.icepop_high)
+        loss, _ = loss_fn(logp_new, logp_old, adv, mask, w, clip_eps=gcfg.clip_eps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+        opt.step()
+        model.eval()
+
     def recompute_only() -> None:
         recompute()
 
     arms: dict[str, Callable[[], object]] = {"plain GRPO": plain, "GRPO + IcePop": icepop,
+                                             "GRPO + IcePop, reused logp_old": icepop_reuse,
                                              "  recompute + weights only": recompute_only,
                                              "rollout generation": rollout}
     if args.replay:
@@ -191,8 +207,10 @@ def main() -> None:
     rec = med["  recompute + weights only"]
     gen = med["rollout generation"]
     it_plain, it_ice = gen + base, gen + med["GRPO + IcePop"]
+    it_reuse = gen + med["GRPO + IcePop, reused logp_old"]
     print(f"iteration (rollout + update): plain {it_plain * 1000:.2f} ms, IcePop {it_ice * 1000:.2f} ms, "
-          f"ratio {it_ice / it_plain:.3f}")
+          f"ratio {it_ice / it_plain:.3f}; IcePop with reused logp_old {it_reuse * 1000:.2f} ms, "
+          f"ratio {it_reuse / it_plain:.3f}")
     print(f"recompute share: {rec / med['GRPO + IcePop']:.1%} of the IcePop update, {rec / it_ice:.1%} of an IcePop "
           f"iteration; rollout share {gen / it_ice:.1%} of an IcePop iteration")
     if "  simulator predict" in med:

@@ -340,9 +340,28 @@ class RLConfig(_Section):
                           "back to the recompute when it degrades)")
     simulator_recalibrate_every: int = key(5, "GRPO steps between calibrations", lo=1)
     simulator_bound: float = key(0.5, "tokens with abs δ̂ above this are masked", lo=0.0, lo_open=True)
+    simulator_buffer_tokens: int = key(16384, "calibration tokens the simulator keeps across steps (bounded FIFO of "
+                                       "calibration batches and trained-on batches; 0: only the latest calibration)",
+                                       lo=0, hi=10_000_000)
+    simulator_heldout_frac: float = key(0.05, "share of the party's prompts held out of training (stratified over "
+                                        "short/medium/long prompts) on which the simulator's error is measured",
+                                        lo=0.0, hi=0.5)
+    simulator_incremental: bool = key(True, "between full fits, refit the error MLP's last layer (ridge) on the "
+                                      "buffer after every step")
+    simulator_error_shift: float = key(0.5, "full recalibration when the held-out mean abs(δ̂ - δ) exceeds its value "
+                                       "after the last full fit by this relative amount", lo=0.0, lo_open=True)
+    simulator_route_shift: float = key(0.1, "full recalibration when the policy's expert usage (mean over MoE layers "
+                                       "of the total-variation distance) moved this far from the last full fit",
+                                       lo=0.0, hi=1.0, lo_open=True)
+    simulator_clip: bool = key(False, "clip δ̂ to ±`rl.simulator-bound` (the seed's form) instead of masking the "
+                               "tokens beyond it (the default)")
     simulator_lb_coef: float = key(0.01, "coefficient of the load-balance loss on the simulated routing "
                                    "`z_train + o`, added on the steps where the simulator is used (not on fallback "
                                    "steps); `0.01` = `routing.aux-loss-coef`'s default", lo=0.0, hi=100.0)
+    reuse_logprobs: bool = key(True, "on-policy reuse: the first PPO minibatch's own forward (at theta_old) gives its "
+                               "rows' `logp_old` (detached) instead of a separate no-grad pass; only the other rows "
+                               "are recomputed (none with one epoch and `rl.minibatches = 1`); off automatically with "
+                               "`rl.simulator`, `rl.routing-replay` or an active dropout")
     routing_replay: bool = key(False, "routing replay: the trainer's forwards use the experts the engine's routers "
                                "chose during generation, weighted by the trainer's own router; combines with every "
                                "`rl.correction`, not with `rl.simulator`")

@@ -247,6 +247,7 @@ def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdat
         metrics.update({k: float(summary.get(k, float("nan"))) for k in RL_SIM_METRIC_KEYS})
     n = r.steps * r.prompts_per_step * r.group_size  # rollouts used: the FedAvg weight
     progress(node, f"round {instr.round} rl:{instr.task}: reward {metrics['reward_first']:.4f} -> "
-             f"{metrics['reward_last']:.4f} over {int(metrics['steps'])} steps ({n} rollouts)")
+             f"{metrics['reward_last']:.4f} over {int(metrics['steps'])} steps ({n} rollouts)"
+             + (f", simulator trusted on {int(summary.get('sim_trusted_steps', 0))} of them" if r.simulator else ""))
     _stability(node, instr, res.nonfinite)
     return ModelUpdate(party=node.party, delta=delta, num_examples=n, metrics=metrics, kind="rl")

@@ -10,6 +10,7 @@ minimises, with ``P = prompts_per_step`` prompts, ``G = group_size`` samples eac
     R          rewards of the engine's samples                                        [N]
     A          group_advantages(R, G): (R - mean_group) / (std_group + 1e-6)           [N]   (0 for equal rewards)
     logp_old   log pi_train(y | theta_old), recomputed once per batch, no grad        [N, T]
+               (first minibatch's rows: stopgrad(logp_new) of its own forward, rl.reuse-logprobs)
     logp_infer log pi_infer(y | theta_old), from the engine's generation scores       [N, T]
     w          mismatch_weights(logp_old, logp_infer): IcePop / TIS / 1, detached      [N, T]
     L(theta)   = -1/N sum_i 1/|y_i| sum_t w_it min(r_it A_i, clip(r_it, 1-eps, 1+eps_high) A_i)
@@ -28,10 +29,18 @@ One step is:
 2. sample ``prompts_per_step`` prompts (seeded) and ``group_size`` rollouts each **from the engine**
    (``logp_infer = log pi_infer(theta_old)``), rewards of the engine's samples, group advantages;
 3. recompute ``logp_old = log pi_train(theta_old)`` once per batch, no grad, eval mode; the mismatch weights
-   ``mismatch_weights(logp_old, logp_infer)`` once per batch (detached);
+   ``mismatch_weights(logp_old, logp_infer)`` once per batch (detached). With on-policy reuse
+   (``rl.reuse-logprobs``, on by default; ``reuse_valid`` says where it applies) the first minibatch's rows are
+   not recomputed: its update forward runs at theta_old, so ``logp_old := logp_new.detach()`` on those rows (as
+   verl does when the mini-batch is the whole batch), the other rows are recomputed before any update, and the
+   weights are taken once that forward has completed ``logp_old``; with one epoch and one minibatch there is no
+   separate pass at all;
    With ``cfg.simulator`` (off by default; off is bit-for-bit the path above) the inference simulator
    (``simulator.py``) is calibrated at step 0 and every ``simulator_recalibrate_every`` steps on fresh engine
-   rollouts; ``delta_hat`` comes from the same theta_old pass, and unless the simulator is degraded (held-out
+   rollouts, and in between when its error on the held-out prompts (``simulator_heldout_frac`` of the prompts,
+   stratified by length, never trained on) or the policy's expert usage shifts (``_simulate``); the
+   calibration tokens accumulate in a bounded buffer and the MLP's last layer is refitted after every step;
+   ``delta_hat`` comes from the same theta_old pass, and unless the simulator is degraded (held-out
    calibration or this batch's R^2 / AUROC below the minimum: fallback, counted) the loss uses
    ``logp_old = logp_infer + delta_hat`` and the weights ``exp(delta_hat)`` masked beyond ``simulator_bound``
    (per token, or per sequence from the mean ``delta_hat`` at ``correction_level="sequence"``), and adds
@@ -51,7 +60,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -62,11 +71,11 @@ from distmoe.data.formats import Example
 from distmoe.data.template import collate, encode_example, encode_prompt
 from distmoe.rl.advantages import group_advantages
 from distmoe.rl.engines import InferenceEngine, parse_profile
-from distmoe.rl.losses import get_policy_loss, masked_entropy, mismatch_weights
+from distmoe.rl.losses import get_policy_loss, mismatch_weights
 from distmoe.rl.replay import ReplayStats, replay_routes
 from distmoe.rl.rewards import compute_rewards
 from distmoe.rl.rollout import Rollouts, generate_rollouts, routing_disagreement, train_logprobs
-from distmoe.rl.simulator import InferenceSimulator, capture, compare, simulated_weights
+from distmoe.rl.simulator import InferenceSimulator, capture, compare, heldout_split, simulated_weights
 from distmoe.train.optim import build_optimizer
 from distmoe.train.stability import NonFinite, guard_gradients
 
@@ -104,6 +113,9 @@ class GRPOResult:
     skipped_steps: int = 0  # optimizer updates skipped for a NaN/Inf loss or gradient
     updates: int = 0  # optimizer updates applied
     sim_fallbacks: int = 0  # steps where the simulator was degraded and the recompute path was used
+    sim_trusted: int = 0  # steps whose update used the simulator's delta_hat (= steps - sim_fallbacks)
+    sim_recal_triggered: int = 0  # full fits triggered by a held-out error or routing shift (not by the schedule)
+    sim_heldout: list[int] = field(default_factory=list)  # indices of the held-out prompts (never trained on)
     time_s: float = 0.0
     last_batch: GRPOBatch | None = None
     nonfinite: NonFinite = field(default_factory=NonFinite)  # the skipped updates' non-finite gradients, by name
@@ -126,6 +138,8 @@ class GRPOResult:
                     "time_per_step_s": self.time_s / max(len(self.steps), 1)})
         if any("sim_fallback" in m for m in self.steps):
             out["sim_fallbacks"] = float(self.sim_fallbacks)
+            out["sim_trusted_steps"] = float(self.sim_trusted)
+            out["sim_recal_triggered_steps"] = float(self.sim_recal_triggered)
         return out
 
 
@@ -136,6 +150,12 @@ def _subset(ro: Rollouts, idx: torch.Tensor) -> Rollouts:
                    logp_infer=ro.logp_infer[idx], response_mask=ro.response_mask[idx],
                    texts=[ro.texts[i] for i in idx.tolist()], prompt_index=ro.prompt_index[idx],
                    engine_routes=routes)
+
+
+def _response_logits(head_out: torch.Tensor, ro: Rollouts) -> torch.Tensor:
+    """The LM head's output ``[N, P+T, V]`` -> the temperature-scaled logits that predict the response ``[N, T, V]``."""
+    t = ro.response.shape[1]
+    return head_out.detach()[:, ro.prompt_len - 1:ro.prompt_len - 1 + t].float() / ro.temperature
 
 
 def _logprobs_and_logits(model: nn.Module, ro: Rollouts,
@@ -150,9 +170,40 @@ def _logprobs_and_logits(model: nn.Module, ro: Rollouts,
             logp = train_logprobs(model, ro, grad=False)  # [N, T]
     finally:
         handle.remove()
-    t = ro.response.shape[1]
-    logits = got[-1][:, ro.prompt_len - 1:ro.prompt_len - 1 + t].float() / ro.temperature  # [N, T, V]
-    return logp, logits, rstats
+    return logp, _response_logits(got[-1], ro), rstats
+
+
+def token_entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each valid token's next-token distribution ``[N, T]`` (0 elsewhere) from ``[N, T, V]``
+    logits, as ``losses.masked_entropy`` computes it; kept instead of the logits so the masked mean can be taken
+    once the weights are known."""
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)  # [N, T]
+    sel = mask.bool()
+    if bool(sel.any()):
+        with torch.no_grad():
+            logp = torch.log_softmax(logits[sel].float(), dim=-1)  # [n, V]
+            out[sel] = torch.special.entr(logp.exp()).sum(dim=-1)
+    return out
+
+
+def _masked_mean(x: torch.Tensor, sel: torch.Tensor) -> float:
+    """Mean of ``x`` where ``sel`` (NaN when nothing is selected, as ``losses.masked_entropy``)."""
+    return float(x[sel].mean()) if bool(sel.any()) else math.nan
+
+
+def reuse_valid(cfg: RLConfig, model: nn.Module) -> bool:
+    """Whether the first PPO minibatch's own forward may stand in for its rows' ``logp_old`` recompute.
+
+    That forward runs at theta_old (no update yet) in train mode on the same rows, so it equals the no-grad
+    eval-mode recompute unless train mode changes the forward (an active dropout), or the path needs a full
+    theta_old pass of its own: the simulator (``delta_hat``'s features and the metrics mode need the whole
+    batch's router and LM logits before any update) and routing replay (its diagnostics, the override share and
+    the native-routing ``|dlogp|``, are measured on that pass). ``rl.reuse-logprobs = false`` turns it off."""
+    if not cfg.reuse_logprobs or cfg.simulator or cfg.routing_replay:
+        return False
+    if float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0) > 0.0:
+        return False
+    return not any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
 
 
 def replay_override_frac(rstats: ReplayStats, ro: Rollouts) -> float:
@@ -173,15 +224,19 @@ def lb_mask(ro: Rollouts) -> torch.Tensor:
     return torch.cat([ro.attention_mask[:, :ro.prompt_len], ro.response_mask.to(ro.attention_mask.dtype)], 1)
 
 
-def minibatch_loss(model: nn.Module, sub: Rollouts, loss_fn, logp_old: torch.Tensor, adv: torch.Tensor,
-                   weights: torch.Tensor, cfg: RLConfig, ref_logp: torch.Tensor | None = None,
-                   sim: InferenceSimulator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def minibatch_loss(model: nn.Module, sub: Rollouts, loss_fn, logp_old: torch.Tensor | None, adv: torch.Tensor,
+                   weights: torch.Tensor | None, cfg: RLConfig, ref_logp: torch.Tensor | None = None,
+                   sim: InferenceSimulator | None = None,
+                   old_fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one PPO minibatch ``sub`` (``[n, T]`` tensors for its rows), with the graph:
 
     ``loss_fn(logp_new, logp_old, adv, mask, weights)`` with ``logp_new`` from the policy's forward (replaying
     the engine's routes when ``cfg.routing_replay``), plus ``cfg.simulator_lb_coef * lb_loss_simulated`` on that
     same forward's router logits when a simulator ``sim`` is passed (its offset table is a constant; the gradient
     reaches the router through ``z_train``). Metrics: the loss's, plus ``sim_lb_loss`` when ``sim`` is given.
+    With ``old_fn`` (on-policy reuse, the forward is at theta_old) ``logp_old`` and ``weights`` are not passed
+    but ``old_fn(logp_new.detach())`` returns them (``[n, T]`` each).
     """
     mask = sub.response_mask  # [n, T]
     want_lb = sim is not None and cfg.simulator_lb_coef > 0
@@ -189,6 +244,10 @@ def minibatch_loss(model: nn.Module, sub: Rollouts, loss_fn, logp_old: torch.Ten
         logp_new, router = train_logprobs(model, sub, grad=True, replay=cfg.routing_replay, router_logits=True)
     else:
         logp_new = train_logprobs(model, sub, grad=True, replay=cfg.routing_replay)  # [n, T]
+    if old_fn is not None:
+        logp_old, weights = old_fn(logp_new.detach())  # [n, T] each: this forward is pi_train(theta_old)
+    if logp_old is None or weights is None:
+        raise ValueError("minibatch_loss: pass logp_old and weights, or old_fn")
     loss, lm = loss_fn(logp_new, logp_old, adv, mask, weights, clip_eps=cfg.clip_eps,
                        ref_logp=ref_logp, kl_coef=cfg.kl_coef)
     if want_lb:
@@ -229,25 +288,75 @@ class _Update:
     lb_losses: list[float] = field(default_factory=list)
 
 
-def _ppo_update(model: nn.Module, opt, sched, params, ro, loss_fn, logp_old: torch.Tensor, adv: torch.Tensor,
-                weights: torch.Tensor, ref_logp: torch.Tensor | None, lb_sim, cfg: RLConfig,
+@dataclass
+class _Old:
+    """The step's theta_old figures. With on-policy reuse (``pending``) they are complete only after the first
+    minibatch's forward: ``complete(idx, logp_first [n, T], logits_first [n, T, V])`` writes that minibatch's
+    rows, then the weights are taken on the whole batch; ``order`` is the first epoch's minibatch order, drawn
+    before the partial recompute (so the recomputed rows are exactly the others)."""
+
+    logp: torch.Tensor  # [N, T] log pi_train(theta_old)
+    ent_tok: torch.Tensor  # [N, T] per-token entropy of pi_train(theta_old) (0 on padding)
+    ro: Rollouts
+    cfg: RLConfig
+    weights: torch.Tensor | None = None  # [N, T] detached mismatch weights (None while pending)
+    stats: dict[str, float] = field(default_factory=dict)  # mismatch_weights' statistics
+    order: torch.Tensor | None = None  # [N] the first epoch's order (reuse only)
+    pending: bool = False
+
+    def weigh(self) -> None:
+        """``mismatch_weights`` of the complete ``logp`` against the engine's ``logp_infer``."""
+        self.weights, st = mismatch_weights(self.logp, self.ro.logp_infer, self.ro.response_mask,
+                                            self.cfg.correction_level, self.cfg.mode, self.cfg.icepop_low,
+                                            self.cfg.icepop_high)
+        self.stats.update(st)
+
+    def complete(self, idx: torch.Tensor, logp_first: torch.Tensor, logits_first: torch.Tensor) -> None:
+        """Rows ``idx`` from the first minibatch's forward at theta_old (``[n, T]``, ``[n, T, V]``), then weigh."""
+        self.logp[idx] = logp_first.float()
+        self.ent_tok[idx] = token_entropy(logits_first, self.ro.response_mask[idx])
+        self.pending = False
+        self.weigh()
+
+
+def _ppo_update(model: nn.Module, opt, sched, params, ro, loss_fn, old: _Old, adv: torch.Tensor,
+                ref_logp: torch.Tensor | None, lb_sim, cfg: RLConfig,
                 gen: torch.Generator, grad_clip: float, winsorize: float = 0.0) -> _Update:
     """``cfg.ppo_epochs`` passes over ``cfg.minibatches`` shuffled minibatches of the step's rollouts
-    (``logp_old``, ``weights``: ``[N, T]``; ``adv``: ``[N]``); a non-finite loss or gradient norm skips that
+    (``old.logp``, ``old.weights``: ``[N, T]``; ``adv``: ``[N]``); a non-finite loss or gradient norm skips that
     minibatch's update (the tensors behind a non-finite gradient are named in ``nonfinite``); ``params`` are the
     trainable ``(name, parameter)`` pairs, winsorised at ``winsorize`` (``train/stability.py``) before the clip.
-    The model is left in eval mode with no gradients held."""
+    With ``old.pending`` the first minibatch's forward completes ``old`` (on-policy reuse). The model is left in
+    eval mode with no gradients held."""
     out = _Update()
     chunks = max(1, cfg.minibatches)
     model.train()
     try:
-        for _epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(ro.num_rollouts, generator=gen)
+        for epoch in range(cfg.ppo_epochs):
+            order = old.order if (epoch == 0 and old.order is not None) else torch.randperm(ro.num_rollouts,
+                                                                                             generator=gen)
             for idx in torch.tensor_split(order, chunks):
                 if idx.numel() == 0:
                     continue
-                loss, lm = minibatch_loss(model, _subset(ro, idx), loss_fn, logp_old[idx], adv[idx], weights[idx],
-                                          cfg, None if ref_logp is None else ref_logp[idx], lb_sim)
+                sub = _subset(ro, idx)
+                ref = None if ref_logp is None else ref_logp[idx]
+                if old.pending:  # the first minibatch at theta_old: its forward is the recompute
+                    got: list[torch.Tensor] = []
+                    hook = model.get_output_embeddings().register_forward_hook(
+                        lambda _m, _i, o, got=got: got.append(o.detach()))
+
+                    def old_fn(logp_first: torch.Tensor, idx=idx, sub=sub, got=got):
+                        old.complete(idx, logp_first, _response_logits(got[-1], sub))
+                        return old.logp[idx], old.weights[idx]
+                    try:
+                        loss, lm = minibatch_loss(model, sub, loss_fn, None, adv[idx], None, cfg, ref, lb_sim,
+                                                  old_fn=old_fn)
+                    finally:
+                        hook.remove()
+                        got.clear()
+                else:
+                    loss, lm = minibatch_loss(model, sub, loss_fn, old.logp[idx], adv[idx], old.weights[idx], cfg,
+                                              ref, lb_sim)
                 opt.zero_grad(set_to_none=True)
                 if not math.isfinite(float(loss.detach())):
                     out.skipped += 1
@@ -276,32 +385,74 @@ def _ppo_update(model: nn.Module, opt, sched, params, ro, loss_fn, logp_old: tor
     return out
 
 
-def _simulate(sim: InferenceSimulator, sim_gen: torch.Generator, step: int, cfg: RLConfig, model: nn.Module, engine,
-              tokenizer, prompt_ids: list, ro, tf_old, logp_old: torch.Tensor, seed: int):
-    """The simulator's view of this step: recalibrate every ``rl.simulator-recalibrate-every`` steps on fresh
-    rollouts, predict the mismatch ``delta_hat`` ``[N, T]`` at theta_old, and its weights. Returns
-    ``(delta_hat, simulated logp_old [N, T], simulated weights [N, T], metrics)``; ``metrics["sim_fallback"]``
-    is 1.0 when the calibration or the prediction is degraded (then the measured weights stay in use)."""
+@dataclass
+class _SimState:
+    """The simulator of a run and what decides when it is refitted and trusted."""
+
+    sim: InferenceSimulator
+    gen: torch.Generator  # calibration prompts (the step's `gen` is untouched)
+    train_pool: list[int]  # prompt indices the run trains and calibrates on
+    held: list[int]  # held-out prompt indices (never trained on): the simulator's error is measured there
+    ref_err: float = math.nan  # held-out mean |delta_hat - delta| right after the last full fit
+
+
+def _simulate(st: _SimState, step: int, cfg: RLConfig, model: nn.Module, engine, tokenizer, prompt_ids: list, ro,
+              tf_old, logp_old: torch.Tensor, seed: int):
+    """The simulator's view of this step, ``(delta_hat [N, T], simulated logp_old [N, T], simulated weights
+    [N, T], metrics)``. A full fit (calibration rollouts from the training prompts, into the bounded buffer) runs
+    every ``rl.simulator-recalibrate-every`` steps, and in between when the held-out error grew by more than
+    ``rl.simulator-error-shift`` (relative) or the policy's expert usage moved more than
+    ``rl.simulator-route-shift`` (TV distance) since the last fit. The step is trusted (``sim_trusted`` 1.0,
+    ``sim_fallback`` 0.0) only when the calibration, the held-out prompts and this batch's metrics mode all pass.
+    Afterwards the batch joins the buffer and, with ``rl.simulator-incremental``, the MLP's last layer is refitted
+    for the next step."""
+    sim = st.sim
     mask = ro.response_mask  # [N, T]
-    t_cal = 0.0
-    if step % cfg.simulator_recalibrate_every == 0:
+
+    def heldout() -> dict[str, float]:
+        if not st.held:
+            return {}
+        ro_h = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in st.held[:cfg.prompts_per_step]],
+                                 cfg.group_size, cfg.max_new_tokens, cfg.temperature,
+                                 seed=seed * 100_003 + 70_001 + step)
+        return sim.evaluate(model, ro_h)
+
+    full = step % cfg.simulator_recalibrate_every == 0 or not sim.calibrated
+    triggered, held_m, t_cal, shift, err_shift = 0.0, {}, 0.0, math.nan, math.nan
+    if not full:
+        shift = sim.route_shift(tf_old.router, mask)
+        held_m = heldout()
+        err_shift = held_m["abs_err"] / st.ref_err - 1.0 if held_m and st.ref_err > 0 else math.nan
+        if shift > cfg.simulator_route_shift or err_shift > cfg.simulator_error_shift:
+            full, triggered = True, 1.0
+    if full:
         t_cal = time.perf_counter()
-        cal_chosen = torch.randperm(len(prompt_ids), generator=sim_gen)[:cfg.prompts_per_step].tolist()
-        ro_cal = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in cal_chosen], cfg.group_size,
+        pick = torch.randperm(len(st.train_pool), generator=st.gen)[:cfg.prompts_per_step].tolist()
+        ro_cal = generate_rollouts(engine, tokenizer, [prompt_ids[st.train_pool[i]] for i in pick], cfg.group_size,
                                    cfg.max_new_tokens, cfg.temperature, seed=seed * 100_003 + 50_021 + step)
         sim.calibrate(model, engine, ro_cal)
+        held_m = heldout()
+        st.ref_err = held_m.get("abs_err", math.nan)
         t_cal = time.perf_counter() - t_cal
     cal_m = sim.last_metrics
     t_pred = time.perf_counter()
     delta_hat = sim.predict(model, ro, captured=tf_old)  # [N, T] detached, theta_old only
     t_pred = time.perf_counter() - t_pred
     cmp = compare(delta_hat, logp_old - ro.logp_infer, mask, sim.r2_min, sim.auroc_min)
-    fallback = bool(cal_m["degraded"]) or bool(cmp["degraded"])
+    fallback = bool(cal_m["degraded"]) or bool(cmp["degraded"]) or bool(held_m.get("degraded", 0.0))
     sim_logp_old, sim_w, sstats = simulated_weights(ro.logp_infer, delta_hat, mask, cfg.simulator_bound,
-                                                    cfg.correction_level)
+                                                    cfg.correction_level, clip=cfg.simulator_clip)
     metrics = {"sim_r2": cmp["r2"], "sim_auroc": cmp["auroc"], "sim_abs_err": cmp["abs_err"],
                "sim_cal_r2": cal_m["r2"], "sim_cal_auroc": cal_m["auroc"], "sim_fallback": float(fallback),
-               "sim_masked_frac": sstats["sim/masked_frac"], "sim_calibrate_s": t_cal, "sim_predict_s": t_pred}
+               "sim_trusted": float(not fallback), "sim_full_fit": float(full), "sim_recal_triggered": triggered,
+               "sim_heldout_r2": held_m.get("r2", math.nan), "sim_heldout_auroc": held_m.get("auroc", math.nan),
+               "sim_heldout_abs_err": held_m.get("abs_err", math.nan),
+               "sim_route_shift": shift, "sim_err_shift": err_shift,  # what the triggers saw (NaN: scheduled fit)
+               "sim_masked_frac": sstats["sim/masked_frac"], "sim_clipped_frac": sstats["sim/clipped_frac"],
+               "sim_calibrate_s": t_cal, "sim_predict_s": t_pred}
+    if sim.observe(tf_old, ro) and cfg.simulator_incremental:
+        metrics["sim_refit_mse"] = sim.refit_last()["mse_after"]
+    metrics["sim_buffer_tokens"] = float(sim.buffered_tokens)
     return delta_hat, sim_logp_old, sim_w, metrics
 
 
@@ -374,19 +525,28 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
     model.eval()
     engine = build_engine(model, tokenizer, prompts, cfg, max_prompt_len)  # synced at construction
     gen = torch.Generator().manual_seed(seed)
+    reuse = reuse_valid(cfg, model)
+    chunks = max(1, cfg.minibatches)
     sim = None
+    pool = list(range(len(prompts)))  # the prompts the run trains on
     if cfg.simulator:
+        held = heldout_split([len(ids) for ids in prompt_ids], cfg.simulator_heldout_frac, seed)
+        pool = [i for i in pool if i not in set(held)]
+        if cfg.prompts_per_step > len(pool):
+            raise ValueError(f"rl.simulator-heldout-frac: holding out {len(held)} of {len(prompts)} prompts leaves "
+                             f"{len(pool)}, fewer than rl.prompts-per-step = {cfg.prompts_per_step}")
         sim = InferenceSimulator.for_model(model, bound=cfg.simulator_bound, seed=seed,
+                                           buffer_tokens=cfg.simulator_buffer_tokens,
                                            **{**SIMULATOR_FIT, **(simulator_fit or {})})
-        sim_gen = torch.Generator().manual_seed(seed + 7919)  # calibration prompts; `gen` is untouched
-    res = GRPOResult()
+        sim_st = _SimState(sim=sim, gen=torch.Generator().manual_seed(seed + 7919), train_pool=pool, held=held)
+    res = GRPOResult(sim_heldout=held if cfg.simulator else [])
     t_all = time.perf_counter()
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         model.eval()
         if step > 0:
             engine.sync(model)
-        chosen = torch.randperm(len(prompts), generator=gen)[:cfg.prompts_per_step].tolist()
+        chosen = [pool[j] for j in torch.randperm(len(pool), generator=gen)[:cfg.prompts_per_step].tolist()]
         ro = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in chosen], cfg.group_size,
                                cfg.max_new_tokens, cfg.temperature, seed=seed * 100_003 + step,
                                record_routes=cfg.routing_replay)
@@ -397,8 +557,25 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
         adv = group_advantages(rewards, cfg.group_size)  # [N]
         t_rec = time.perf_counter()
         replay_metrics: dict[str, float] = {}
-        if sim is None:
+        mask = ro.response_mask  # [N, T]
+        reused = 0
+        if sim is None and reuse:  # recompute only the rows outside the first minibatch
+            order = torch.randperm(ro.num_rollouts, generator=gen)  # the first epoch's order, as _ppo_update draws it
+            first = torch.tensor_split(order, chunks)[0]
+            rest = order[first.numel():]
+            reused = int(first.numel())
+            logp_old = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # [N, T]
+            ent_tok = torch.zeros_like(logp_old)  # [N, T]
+            if rest.numel():
+                sub_rest = _subset(ro, rest)
+                lp, lg, _ = _logprobs_and_logits(model, sub_rest)  # [n, T], [n, T, V]
+                logp_old[rest], ent_tok[rest] = lp, token_entropy(lg, sub_rest.response_mask)
+                del lg
+        elif sim is None:
+            order = None
             logp_old, logits_old, rstats = _logprobs_and_logits(model, ro, cfg.routing_replay)  # [N, T], [N, T, V]
+            ent_tok = token_entropy(logits_old, mask)  # [N, T]
+            del logits_old
             if cfg.routing_replay:
                 t_native = time.perf_counter()
                 logp_native = train_logprobs(model, ro, grad=False)  # [N, T] the trainer's own routing
@@ -410,45 +587,51 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
                     "replay_native_s": time.perf_counter() - t_native}
                 del logp_native
         else:  # the same pass, with the router logits the simulator's features need
+            order = None
             tf_old = capture(model, ro, lm_logits=True)
-            logp_old, logits_old = tf_old.logp, tf_old.logits  # [N, T], [N, T, V]
+            logp_old = tf_old.logp  # [N, T]
+            ent_tok = token_entropy(tf_old.logits, mask)  # [N, T]
         t_rec = time.perf_counter() - t_rec
-        mask = ro.response_mask  # [N, T]
-        weights, mstats = mismatch_weights(logp_old, ro.logp_infer, mask, cfg.correction_level, cfg.mode,
-                                           cfg.icepop_low, cfg.icepop_high)
-        logp_old_used = logp_old
+        old = _Old(logp=logp_old, ent_tok=ent_tok, ro=ro, cfg=cfg, order=order, pending=bool(reused))
+        if not reused:
+            old.weigh()
+        measured = old
         sim_metrics: dict[str, float] = {}
         delta_hat = None
+        logp_old_used = logp_old
         if sim is not None:
-            delta_hat, sim_logp_old, sim_w, sim_metrics = _simulate(sim, sim_gen, step, cfg, model, engine, tokenizer,
-                                                                    prompt_ids,
-                                                                    ro, tf_old, logp_old, seed)
+            delta_hat, sim_logp_old, sim_w, sim_metrics = _simulate(sim_st, step, cfg, model, engine, tokenizer,
+                                                                    prompt_ids, ro, tf_old, logp_old, seed)
             del tf_old
             if not sim_metrics["sim_fallback"]:
-                logp_old_used, weights = sim_logp_old, sim_w
+                logp_old_used = sim_logp_old
+                old = _Old(logp=sim_logp_old, ent_tok=ent_tok, ro=ro, cfg=cfg, weights=sim_w)
             res.sim_fallbacks += int(sim_metrics["sim_fallback"])
-        if cfg.mode == "mask":
-            icepop_masked = mask & (weights == 0)  # [N, T]
-        else:  # what IcePop would mask at these bounds
-            w_mask, _ = mismatch_weights(logp_old, ro.logp_infer, mask, cfg.correction_level, "mask",
-                                         cfg.icepop_low, cfg.icepop_high)
-            icepop_masked = mask & (w_mask == 0)  # [N, T]
-        ent = masked_entropy(logits_old, icepop_masked)
-        del logits_old
+            res.sim_trusted += int(sim_metrics["sim_trusted"])
+            res.sim_recal_triggered += int(sim_metrics["sim_recal_triggered"])
         ref_logp = None
         if reference_model is not None:
             ref_logp = train_logprobs(reference_model, ro, grad=False, replay=cfg.routing_replay)  # [N, T]
         routes = routing_disagreement(model, engine, ro)
 
         lb_sim = sim if (sim is not None and not sim_metrics.get("sim_fallback", 1.0)) else None  # trusted steps only
-        upd = _ppo_update(model, opt, sched, params, ro, loss_fn, logp_old_used, adv, weights, ref_logp, lb_sim, cfg,
-                          gen, grad_clip, winsorize)
+        upd = _ppo_update(model, opt, sched, params, ro, loss_fn, old, adv, ref_logp, lb_sim, cfg, gen, grad_clip,
+                          winsorize)
+        weights, mstats = old.weights, measured.stats  # [N, T] complete now (filled by the first minibatch if reused)
+        if cfg.mode == "mask":
+            icepop_masked = mask & (weights == 0)  # [N, T]
+        else:  # what IcePop would mask at these bounds
+            w_mask, _ = mismatch_weights(logp_old, ro.logp_infer, mask, cfg.correction_level, "mask",
+                                         cfg.icepop_low, cfg.icepop_high)
+            icepop_masked = mask & (w_mask == 0)  # [N, T]
+        ent = _masked_mean(ent_tok, icepop_masked)
         res.skipped_steps += upd.skipped
         for name, count in upd.nonfinite.params.items():
             res.nonfinite.params[name] = res.nonfinite.params.get(name, 0) + count
         res.nonfinite.skipped += upd.nonfinite.skipped
         res.updates += upd.applied
         metrics = _step_metrics(rewards, mstats, weights, mask, upd, ent, t_rec, routes)
+        metrics["logp_old_reused_frac"] = reused / max(ro.num_rollouts, 1)
         if sim is not None:
             metrics["sim_lb_loss"] = _mean(upd.lb_losses)  # NaN on fallback steps (no LB term) or with coef 0
         if cfg.routing_replay:

@@ -12,9 +12,15 @@ itself is the ICEPOP seed's idea and has no paper. With ``N`` rollouts of ``T`` 
                  from the mean delta_hat over its valid tokens)
     L_LB,sim   = E * sum_e f_e P_e on z_train + o   (f_e: share of simulated top-k picks,     []
                  P_e: mean softmax(z_train + o), both pooled over layers and valid tokens)
+    clip option: delta_hat := clamp(delta_hat, -bound, bound) first, then nothing is masked    [N, T]
+    last layer : (w, b) = argmin |H w + b - delta|^2 + lam |w|^2, H = relu(W1 x_std + b1)      [h], []
+                 (ridge on the buffer, first layer and standardisation fixed)
+    route shift: mean_l 1/2 sum_e |u_le - u_le^fit|, u = share of the policy's top-k picks     []
 
 Owns: ``InferenceSimulator`` (a route-offset table ``o [L, E]`` plus a small error MLP, calibrated on rollouts
-sampled from the inference engine), ``simulated_weights`` (IcePop-style weights from ``delta_hat``),
+sampled from the inference engine, with a bounded buffer of calibration tokens accumulated across steps, the
+incremental refit of the MLP's last layer and the routing-shift measure), ``heldout_split`` (the stratified
+held-out prompts), ``expert_usage``, ``simulated_weights`` (IcePop-style weights from ``delta_hat``),
 ``lb_loss_simulated`` (the load-balance loss on the simulated routing), ``compare`` / ``r2_score`` /
 ``auroc`` (the "approximation vs ground truth" metrics mode) and ``capture`` (one teacher-forced pass
 recording log-probs, LM logits and router logits).
@@ -107,7 +113,8 @@ def _topk_sets(z: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def simulated_weights(logp_infer: torch.Tensor, delta_hat: torch.Tensor, mask: torch.Tensor,
-                      bound: float = 0.5, level: str = "token") -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                      bound: float = 0.5, level: str = "token",
+                      clip: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """``(logp_old_sim, weights, stats)`` from a predicted ``delta_hat`` ``[N, T]`` (all detached).
 
     ``logp_old_sim = logp_infer + delta_hat`` per token (so the loss's ratio is
@@ -120,6 +127,10 @@ def simulated_weights(logp_infer: torch.Tensor, delta_hat: torch.Tensor, mask: t
       ``losses.mismatch_weights`` does with the true ``k``), on every one of its tokens:
       ``exp(d_seq)`` if ``|d_seq| <= bound`` else 0, i.e. a sequence is kept or masked whole.
 
+    With ``clip`` (the seed's form, off by default) ``delta_hat`` is first clamped to ``[-bound, bound]`` per
+    token, so nothing is masked and the ratio uses the clamped value; ``stats["sim/clipped_frac"]`` is the share
+    of valid tokens whose ``|delta_hat|`` exceeded the bound (0.0 without ``clip``).
+
     Padding gets weight 0. ``stats["sim/masked_frac"]``: share of valid tokens masked.
     """
     if bound <= 0 or not math.isfinite(bound):
@@ -130,6 +141,9 @@ def simulated_weights(logp_infer: torch.Tensor, delta_hat: torch.Tensor, mask: t
         valid = mask.bool()
         d = delta_hat.detach().float()
         d = torch.where(valid, d, torch.zeros_like(d))  # [N, T] padding values never count
+        clipped = float((valid & (d.abs() > bound)).sum()) / max(int(valid.sum()), 1) if clip else 0.0
+        if clip:
+            d = d.clamp(-bound, bound)  # [N, T]
         if level == "sequence":
             n_tok = valid.sum(1).clamp(min=1).to(d.dtype)  # [N]
             d_lvl = (d.sum(1) / n_tok)[:, None].expand_as(d)  # [N, T] one value per row
@@ -140,7 +154,7 @@ def simulated_weights(logp_infer: torch.Tensor, delta_hat: torch.Tensor, mask: t
         logp_old_sim = torch.where(valid, logp_infer.detach().float() + d, torch.zeros_like(d))  # [N, T]
         n = int(valid.sum())
         masked = float((valid & ~inside).sum()) / max(n, 1)
-    return logp_old_sim, weights, {"sim/masked_frac": masked}
+    return logp_old_sim, weights, {"sim/masked_frac": masked, "sim/clipped_frac": clipped}
 
 
 def lb_loss_simulated(router_logits_train, offset: torch.Tensor, mask: torch.Tensor | None, num_experts: int,
@@ -211,6 +225,51 @@ def compare(delta_hat: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor, r2
             "abs_err": float((p - y).abs().mean()) if n else math.nan}
 
 
+def heldout_split(lengths: list[int], frac: float, seed: int = 0) -> list[int]:
+    """Indices of the held-out prompts: the prompts sorted by length are cut into three equal groups (short,
+    medium, long) and ``max(1, round(frac * group size))`` are drawn (seeded) from each; ``[]`` when ``frac`` is 0
+    or there are fewer than 3 prompts. Sorted."""
+    if not 0.0 <= frac < 1.0:
+        raise ValueError(f"heldout_split: frac must be in [0, 1), got {frac}")
+    if frac == 0.0 or len(lengths) < 3:
+        return []
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    g = torch.Generator().manual_seed(int(seed) + 104_729)
+    out: list[int] = []
+    for grp in np.array_split(np.asarray(order), 3):
+        take = max(1, int(round(frac * len(grp))))
+        pick = torch.randperm(len(grp), generator=g)[:take].tolist()
+        out.extend(int(grp[j]) for j in pick)
+    return sorted(out)
+
+
+def expert_usage(router: torch.Tensor, mask: torch.Tensor | None, top_k: int) -> torch.Tensor:
+    """``[L, N, T, E]`` router logits and a ``[N, T]`` mask (None: every token) -> ``[L, E]`` share of the top-k
+    picks per expert over the valid tokens (each row sums to 1; uniform when there is no valid token)."""
+    n_e = router.shape[-1]
+    z = router.reshape(router.shape[0], -1, n_e) if mask is None else router[:, mask.bool()]  # [L, n, E]
+    if z.shape[1] == 0:
+        return torch.full((router.shape[0], n_e), 1.0 / n_e, device=router.device)
+    picks = torch.topk(z, top_k, dim=-1).indices  # [L, n, k]
+    counts = torch.zeros(z.shape[0], n_e, device=router.device).scatter_add_(
+        1, picks.reshape(z.shape[0], -1), torch.ones(z.shape[0], picks[0].numel(), device=router.device))
+    return counts / counts.sum(1, keepdim=True)
+
+
+@dataclass
+class _Chunk:
+    """Calibration tokens of one batch (valid response tokens only), the raw inputs of the features."""
+
+    router: torch.Tensor  # [L, n, E] train router logits
+    per_tok: torch.Tensor  # [n, 4] entropy, logp_train, max log-prob, relative position
+    delta: torch.Tensor  # [n] logp_train - logp_infer
+    diff: torch.Tensor | None  # [L, n, E] clamp(z_infer - z_train) (calibration batches only; None otherwise)
+
+    @property
+    def n(self) -> int:
+        return int(self.delta.numel())
+
+
 class InferenceSimulator:
     """Route-offset table ``offset [L, E]`` + error MLP predicting ``delta = logp_train_old - logp_infer``.
 
@@ -222,7 +281,7 @@ class InferenceSimulator:
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, hidden: int = 32, bound: float = 0.5,
                  seed: int = 0, fit_steps: int = 300, lr: float = 1e-2, heldout_frac: float = 0.25,
-                 r2_min: float = 0.1, auroc_min: float = 0.7):
+                 r2_min: float = 0.1, auroc_min: float = 0.7, buffer_tokens: int = 0, ridge: float = 1e-3):
         if num_layers < 1 or num_experts < 2 or not 1 <= top_k < num_experts:
             raise ValueError(f"need num_layers >= 1 and 1 <= top_k < num_experts, got {num_layers}, "
                              f"{num_experts}, {top_k}")
@@ -244,6 +303,12 @@ class InferenceSimulator:
         self.calibrated = False
         self.calibrations = 0
         self.last_metrics: dict[str, float] = {"r2": math.nan, "auroc": math.nan, "degraded": 1.0}
+        if buffer_tokens < 0:
+            raise ValueError(f"buffer_tokens must be >= 0, got {buffer_tokens}")
+        self.buffer_tokens, self.ridge = int(buffer_tokens), float(ridge)
+        self.buffer: list[_Chunk] = []  # oldest first; bounded by buffer_tokens (0: the latest calibration only)
+        self.usage_fit: torch.Tensor | None = None  # [L, E] the policy's expert usage at the last full fit
+        self.refits = 0  # incremental last-layer refits
 
     @classmethod
     def for_model(cls, model: nn.Module, **kw) -> InferenceSimulator:
@@ -266,25 +331,32 @@ class InferenceSimulator:
         off = self.offset.reshape(self.num_layers, *([1] * (router_train.dim() - 2)), self.num_experts)
         return _topk_sets(router_train + off, self.top_k)
 
-    def features(self, tf: TeacherForced) -> torch.Tensor:
-        """``[N, T, F]`` features from a training-model pass (``capture`` with ``lm_logits=True``)."""
+    def _raw(self, tf: TeacherForced) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw feature inputs of a pass: router logits ``[L, N, T, E]`` and per-token ``[N, T, 4]``."""
         if tf.logits is None:
             raise ValueError("features need the LM logits (capture(..., lm_logits=True))")
         z = tf.router  # [L, N, T, E]
         if z.shape[0] != self.num_layers or z.shape[-1] != self.num_experts:
             raise ValueError(f"router logits {tuple(z.shape)} do not match [L={self.num_layers}, ..., "
                              f"E={self.num_experts}]")
-        zs = z + self.offset[:, None, None, :]  # [L, N, T, E]
-        top = torch.topk(zs, self.top_k + 1, dim=-1).values  # [L, N, T, k+1]
-        margin = (top[..., self.top_k - 1] - top[..., self.top_k]).clamp(max=OFFSET_CLAMP)  # [L, N, T]
-        flip = (_topk_sets(zs, self.top_k) != _topk_sets(z, self.top_k)).any(-1).float()  # [L, N, T]
         logq = torch.log_softmax(tf.logits, -1)  # [N, T, V]
         ent = -(logq.exp() * logq).sum(-1)  # [N, T]
         maxlp = logq.max(-1).values  # [N, T]
         t = tf.logp.shape[1]
         pos = (torch.arange(t, dtype=torch.float32, device=tf.logp.device) / max(t - 1, 1)).expand_as(tf.logp)  # [N, T]
-        per_tok = torch.stack([ent, tf.logp, maxlp, pos], -1)  # [N, T, 4]
-        return torch.cat([margin.permute(1, 2, 0), flip.permute(1, 2, 0), per_tok], -1)  # [N, T, F]
+        return z, torch.stack([ent, tf.logp, maxlp, pos], -1)  # [L, N, T, E], [N, T, 4]
+
+    def _features_from(self, z: torch.Tensor, per_tok: torch.Tensor) -> torch.Tensor:
+        """``[L, *B, E]`` router logits and ``[*B, 4]`` per-token inputs -> ``[*B, F]`` features (current offset)."""
+        zs = z + self.offset.reshape(self.num_layers, *([1] * (z.dim() - 2)), self.num_experts)  # [L, *B, E]
+        top = torch.topk(zs, self.top_k + 1, dim=-1).values  # [L, *B, k+1]
+        margin = (top[..., self.top_k - 1] - top[..., self.top_k]).clamp(max=OFFSET_CLAMP)  # [L, *B]
+        flip = (_topk_sets(zs, self.top_k) != _topk_sets(z, self.top_k)).any(-1).float()  # [L, *B]
+        return torch.cat([torch.movedim(margin, 0, -1), torch.movedim(flip, 0, -1), per_tok], -1)  # [*B, F]
+
+    def features(self, tf: TeacherForced) -> torch.Tensor:
+        """``[N, T, F]`` features from a training-model pass (``capture`` with ``lm_logits=True``)."""
+        return self._features_from(*self._raw(tf))
 
     @torch.no_grad()
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -318,34 +390,33 @@ class InferenceSimulator:
             n_held = int(round(self.heldout_frac * n)) if n > 1 else 0
             fit_rows.append(torch.arange(n, device=ro.response_mask.device) < n - n_held)  # [N] bool
             held_rows.append(torch.arange(n, device=ro.response_mask.device) >= n - n_held)
-        # offset table: valid response tokens of the fit rows
-        diffs = []
-        for tf, zi, ro, rows in zip(tfs, infer, batches, fit_rows, strict=True):
-            sel = ro.response_mask & rows[:, None]  # [N, T]
-            d = (zi - tf.router).nan_to_num(nan=0.0).clamp(-OFFSET_CLAMP, OFFSET_CLAMP)  # [L, N, T, E]
-            diffs.append(d[:, sel])  # [L, n, E]
-        d_all = torch.cat(diffs, 1)  # [L, n, E]
-        if d_all.shape[1] == 0:
-            raise ValueError("calibrate: no valid response token in the calibration rows")
-        self.offset = d_all.mean(1)  # [L, E]
-        # the MLP on delta
-        xs, ys, xh, yh = [], [], [], []
-        for tf, ro, rf, rh in zip(tfs, batches, fit_rows, held_rows, strict=True):
-            x = self.features(tf)  # [N, T, F]
+        new: list[_Chunk] = []
+        held: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (router [L, n, E], per_tok, delta)
+        for tf, zi, ro, rf, rh in zip(tfs, infer, batches, fit_rows, held_rows, strict=True):
+            z, per = self._raw(tf)  # [L, N, T, E], [N, T, 4]
             delta = tf.logp - ro.logp_infer  # [N, T]
-            sf, sh = ro.response_mask & rf[:, None], ro.response_mask & rh[:, None]
-            xs.append(x[sf])
-            ys.append(delta[sf])
-            xh.append(x[sh])
-            yh.append(delta[sh])
-        x_fit, y_fit = torch.cat(xs), torch.cat(ys)  # [n, F], [n]
+            diff = (zi - tf.router).nan_to_num(nan=0.0).clamp(-OFFSET_CLAMP, OFFSET_CLAMP)  # [L, N, T, E]
+            sf, sh = ro.response_mask & rf[:, None], ro.response_mask & rh[:, None]  # [N, T]
+            new.append(_Chunk(router=z[:, sf], per_tok=per[sf], delta=delta[sf], diff=diff[:, sf]))
+            held.append((z[:, sh], per[sh], delta[sh]))
+        if sum(c.n for c in new) == 0:
+            raise ValueError("calibrate: no valid response token in the calibration rows")
+        if self.buffer_tokens == 0:
+            self.buffer = []
+        self._add(new)
+        # offset table: every buffered calibration token with the engine's router logits
+        self.offset = torch.cat([c.diff for c in self.buffer if c.diff is not None], 1).mean(1)  # [L, E]
+        self.usage_fit = expert_usage(torch.cat([c.router for c in new], 1), None, self.top_k)  # [L, E]
+        # the MLP on delta, every buffered token, features at the new offset
+        x_fit, y_fit = self._buffer_xy()  # [n, F], [n]
         self.feat_mean = x_fit.mean(0)
         std = x_fit.std(0, correction=0)
         self.feat_std = torch.where(std < 1e-3, torch.ones_like(std), std)  # constant features: centred only
         self._fit(x_fit, y_fit)
         self.calibrated = True
         self.calibrations += 1
-        x_h, y_h = torch.cat(xh), torch.cat(yh)
+        x_h = torch.cat([self._features_from(z, per) for z, per, _ in held])  # [n_h, F]
+        y_h = torch.cat([d for _, _, d in held])  # [n_h]
         if y_h.numel() >= 2:
             pred = self._mlp(x_h)
             m = compare(pred, y_h, torch.ones_like(y_h, dtype=torch.bool), self.r2_min, self.auroc_min)
@@ -357,6 +428,83 @@ class InferenceSimulator:
         m["heldout_tokens"] = float(y_h.numel())
         self.last_metrics = m
         return m
+
+    def _add(self, chunks: list[_Chunk]) -> None:
+        """Append to the buffer, then drop the oldest tokens beyond ``buffer_tokens`` (0: no bound)."""
+        self.buffer.extend(c for c in chunks if c.n)
+        if self.buffer_tokens == 0:
+            return
+        while len(self.buffer) > 1 and sum(c.n for c in self.buffer) - self.buffer[0].n >= self.buffer_tokens:
+            self.buffer.pop(0)
+        extra = sum(c.n for c in self.buffer) - self.buffer_tokens
+        if extra > 0:  # the oldest remaining chunk keeps its newest tokens
+            c = self.buffer[0]
+            self.buffer[0] = _Chunk(router=c.router[:, extra:], per_tok=c.per_tok[extra:], delta=c.delta[extra:],
+                                    diff=None if c.diff is None else c.diff[:, extra:])
+
+    @property
+    def buffered_tokens(self) -> int:
+        return sum(c.n for c in self.buffer)
+
+    def _buffer_xy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features ``[n, F]`` (at the current offset) and targets ``[n]`` of every buffered token."""
+        x = torch.cat([self._features_from(c.router, c.per_tok) for c in self.buffer])
+        return x, torch.cat([c.delta for c in self.buffer])
+
+    @torch.no_grad()
+    def observe(self, tf: TeacherForced, ro: Rollouts) -> int:
+        """Add a trained-on batch's valid tokens (its theta_old pass ``tf`` and true ``delta``) to the buffer;
+        no engine router logits, so they inform the MLP, not the offset table. A no-op (0) without a buffer
+        (``buffer_tokens == 0``); returns the tokens added."""
+        if self.buffer_tokens == 0:
+            return 0
+        z, per = self._raw(tf)  # [L, N, T, E], [N, T, 4]
+        sel = ro.response_mask.bool()  # [N, T]
+        c = _Chunk(router=z[:, sel], per_tok=per[sel], delta=(tf.logp - ro.logp_infer)[sel], diff=None)
+        self._add([c])
+        return c.n
+
+    @torch.no_grad()
+    def refit_last(self) -> dict[str, float]:
+        """Incremental recalibration: refit the MLP's last layer ``(w, b)`` by ridge regression on the buffer's
+        hidden activations (first layer, standardisation and offset fixed). Returns the buffer's mean squared
+        error before and after (``mse_before``, ``mse_after``) and the tokens used."""
+        if not self.calibrated or not self.buffer:
+            raise RuntimeError("InferenceSimulator.refit_last before calibrate")
+        x, y = self._buffer_xy()  # [n, F], [n]
+        before = float(((self._mlp(x) - y) ** 2).mean())
+        first, last = self.mlp[0], self.mlp[2]
+        h = torch.relu(first(self._standardise(x))).double()  # [n, h]
+        a = torch.cat([h, torch.ones(h.shape[0], 1, dtype=h.dtype, device=h.device)], 1)  # [n, h+1]
+        reg = self.ridge * h.shape[0] * torch.eye(a.shape[1], dtype=a.dtype, device=a.device)
+        reg[-1, -1] = 0.0  # the bias is not shrunk
+        theta = torch.linalg.solve(a.T @ a + reg, a.T @ y.double())  # [h+1]
+        last.weight.copy_(theta[:-1].to(last.weight.dtype)[None])
+        last.bias.copy_(theta[-1:].to(last.bias.dtype))
+        self.refits += 1
+        after = float(((self._mlp(x) - y) ** 2).mean())
+        return {"mse_before": before, "mse_after": after, "tokens": float(y.numel())}
+
+    def route_shift(self, router: torch.Tensor, mask: torch.Tensor) -> float:
+        """Mean over layers of the total-variation distance between the policy's expert usage on ``router``
+        ``[L, N, T, E]`` (valid tokens of ``mask`` ``[N, T]``) and the usage at the last full fit."""
+        if self.usage_fit is None:
+            return math.nan
+        u = expert_usage(router, mask, self.top_k)  # [L, E]
+        return float(0.5 * (u - self.usage_fit.to(u.device)).abs().sum(-1).mean())
+
+    @torch.no_grad()
+    def evaluate(self, policy: nn.Module, ro: Rollouts) -> dict[str, float]:
+        """The metrics mode on rollouts ``ro`` (e.g. of held-out prompts): ``compare`` of ``delta_hat`` with the
+        true ``logp_train(theta_old) - logp_infer``."""
+        was = policy.training
+        policy.eval()
+        try:
+            tf = capture(policy, ro, lm_logits=True)
+        finally:
+            policy.train(was)
+        pred = self.predict(policy, ro, captured=tf)  # [N, T]
+        return compare(pred, tf.logp - ro.logp_infer, ro.response_mask, self.r2_min, self.auroc_min)
 
     def _fit(self, x: torch.Tensor, y: torch.Tensor) -> None:
         with torch.random.fork_rng(devices=[]):

@@ -38,7 +38,8 @@ TRAIN_METRIC_KEYS = ("loss", "task_loss", "aux_loss", "anchor_kl", "loss_first",
 RL_METRIC_KEYS = ("reward", "reward_first", "reward_last", "masked_frac_low", "masked_frac_high", "seq_masked_frac",
                   "logp_diff_mean", "logp_diff_max", "k3", "clip_frac", "masked_entropy", "steps", "skipped_steps",
                   "time_s", "replay_override_frac", "logp_diff_mean_native")  # the last two: rl.routing-replay
-RL_SIM_METRIC_KEYS = ("sim_r2", "sim_auroc", "sim_fallback", "sim_masked_frac")  # only with rl.simulator
+RL_SIM_METRIC_KEYS = ("sim_r2", "sim_auroc", "sim_fallback", "sim_masked_frac", "sim_trusted",
+                      "sim_recal_triggered")  # only with rl.simulator; per-step means (shares of the round's steps)
 EVAL_TASK_KEYS = ("acc", "loss", "n")
 EVAL_ROUTING_KEYS = ("routing_kl", "load_cv", "top1_consistency")
 

@@ -83,6 +83,7 @@ def test_rl_phase_with_the_inference_simulator(synth_dirs, tmp_path: Path, tiny)
     assert len(rl) == 2
     for e in rl:  # the simulator's diagnostics travel with the update, and fallbacks are counted
         assert "sim_r2" in e and "sim_fallback" in e and 0.0 <= e["sim_fallback"] <= 1.0
+        assert e["sim_trusted"] == 1.0 - e["sim_fallback"] and 0.0 <= e["sim_recal_triggered"] <= 1.0
 
 
 def test_rl_phase_with_routing_replay_reports_it(synth_dirs, tmp_path: Path, tiny):

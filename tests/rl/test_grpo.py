@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from distmoe.config import ConfigError, RLConfig
-from distmoe.rl.grpo import run_grpo
+from distmoe.rl.grpo import _encode, _logprobs_and_logits, build_engine, minibatch_loss, reuse_valid, run_grpo
 from distmoe.rl.losses import POLICY_LOSSES, get_policy_loss, mismatch_weights
-from distmoe.rl.rollout import train_logprobs
+from distmoe.rl.rollout import generate_rollouts, train_logprobs
 
 BASE = {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 6, "lr": 1e-3, "reward": "task"}
 KEYS = ("reward", "masked_frac_low", "masked_frac_high", "seq_masked_frac", "logp_diff_mean", "logp_diff_max",
@@ -160,3 +160,83 @@ def test_nan_gradient_update_names_the_parameter_and_winsorize_reaches_the_updat
              winsorize=1.5)
     a, b = dict(plain.named_parameters()), dict(wins.named_parameters())
     assert any(not torch.equal(a[k], b[k]) for k in a if b[k].requires_grad)
+def _prune_batch(trained, n_prompts=8):
+    """A rollout batch from a prune-1 engine (so the mismatch weights are not all one), with its advantages."""
+    model = copy.deepcopy(trained["model"]).eval()
+    cfg = RLConfig(**{**BASE, "engine": "prune-1", "minibatches": 1})
+    engine = build_engine(model, trained["tok"], trained["prompts"], cfg)
+    ids, _ = _encode(trained["tok"], trained["prompts"][:n_prompts], 256)
+    ro = generate_rollouts(engine, trained["tok"], ids, 4, 8, 1.0, seed=3)
+    adv = torch.randn(ro.num_rollouts, generator=torch.Generator().manual_seed(0))  # [N]
+    return model, cfg, ro, adv
+
+
+def test_reused_logp_old_gives_the_loss_and_gradient_of_the_separate_recompute(trained):
+    """On-policy reuse: the update forward's detached log-probs as logp_old (and the weights from them) give the
+    same loss and gradient as the separate no-grad eval-mode recompute, to float tolerance."""
+    model, cfg, ro, adv = _prune_batch(trained)
+    mask = ro.response_mask
+    loss_fn = get_policy_loss("grpo")
+
+    def weigh(lp):
+        return mismatch_weights(lp, ro.logp_infer, mask, "token", "mask", cfg.icepop_low, cfg.icepop_high)[0]
+
+    logp_sep, _, _ = _logprobs_and_logits(model, ro)  # [N, T] eval mode, no grad
+    w_sep = weigh(logp_sep)
+    assert 0 < int((w_sep[mask] == 0).sum()) < int(mask.sum())  # some tokens masked: the weights matter
+    model.train()
+    loss_a, _ = minibatch_loss(model, ro, loss_fn, logp_sep, adv, w_sep, cfg)
+    loss_a.backward()
+    grad_a = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    seen = {}
+
+    def old_fn(lp):
+        seen["logp"] = lp
+        return lp, weigh(lp)
+
+    loss_b, _ = minibatch_loss(model, ro, loss_fn, None, adv, None, cfg, old_fn=old_fn)
+    loss_b.backward()
+    assert not seen["logp"].requires_grad
+    torch.testing.assert_close(seen["logp"], logp_sep, rtol=1e-5, atol=1e-5)
+    assert torch.equal(weigh(seen["logp"]) == 0, w_sep == 0)  # the same tokens masked
+    torch.testing.assert_close(loss_b.detach(), loss_a.detach(), rtol=1e-5, atol=1e-6)
+    grad_b = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grad_a.keys() == grad_b.keys() and grad_a
+    for n in grad_a:
+        torch.testing.assert_close(grad_b[n], grad_a[n], rtol=1e-4, atol=1e-6, msg=n)
+    with pytest.raises(ValueError, match="logp_old and weights, or old_fn"):
+        minibatch_loss(model, ro, loss_fn, None, adv, None, cfg)
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_run_grpo_reuse_matches_the_recompute_path(trained, minibatches):
+    """One step with reuse on and off: the same rollouts, logp_old, weights, masked share, entropy and loss; with one
+    minibatch no row is recomputed, with two the first half comes from the update forward."""
+    kw = {"steps": 1, "engine": "prune-1", "minibatches": minibatches, "correction": "icepop"}
+    _, on = _run(trained, **kw)
+    _, off = _run(trained, reuse_logprobs=False, **kw)
+    a, b = on.last_batch, off.last_batch
+    assert torch.equal(a.rollouts.sequences, b.rollouts.sequences)
+    torch.testing.assert_close(a.logp_old, b.logp_old, rtol=1e-5, atol=1e-5)
+    assert torch.equal(a.weights == 0, b.weights == 0)
+    torch.testing.assert_close(a.weights, b.weights, rtol=1e-4, atol=1e-6)
+    m, p = on.steps[0], off.steps[0]
+    assert m["logp_old_reused_frac"] == 1.0 / minibatches and p["logp_old_reused_frac"] == 0.0
+    for k in ("masked_frac", "logp_diff_mean", "k3", "loss", "masked_entropy", "grad_norm"):
+        assert m[k] == pytest.approx(p[k], rel=1e-4, abs=1e-6, nan_ok=True), k
+    assert on.updates == off.updates == minibatches
+
+
+def test_reuse_is_off_where_it_is_not_valid(trained):
+    model = trained["model"]
+    assert reuse_valid(RLConfig(), model)
+    assert reuse_valid(RLConfig(ppo_epochs=3, minibatches=4), model)  # the first minibatch is still at theta_old
+    assert not reuse_valid(RLConfig(reuse_logprobs=False), model)
+    assert not reuse_valid(RLConfig(simulator=True), model)
+    assert not reuse_valid(RLConfig(routing_replay=True), model)
+    dropped = copy.deepcopy(model)
+    dropped.model.layers[0].mlp.add_module("drop", torch.nn.Dropout(0.1))
+    assert not reuse_valid(RLConfig(), dropped)
+    _, res = _run(trained, steps=1, routing_replay=True, minibatches=1)
+    assert res.steps[0]["logp_old_reused_frac"] == 0.0

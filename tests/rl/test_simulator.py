@@ -22,6 +22,8 @@ from distmoe.rl.simulator import (
     auroc,
     capture,
     compare,
+    expert_usage,
+    heldout_split,
     lb_loss_simulated,
     r2_score,
     simulated_weights,
@@ -234,8 +236,8 @@ def test_grpo_simulator_path(env):
         assert torch.equal(b.weights, w) and torch.equal(b.logp_old_used, old)
     # exact engine: delta is ~1e-6 noise -> always degraded -> the fallback is today's path, bit for bit
     m_on, m_off = copy.deepcopy(env["model"]), copy.deepcopy(env["model"])
-    on = run_grpo(m_on, env["tok"], prompts, "lookup", RLConfig(**GRPO, simulator=True))
-    off = run_grpo(m_off, env["tok"], prompts, "lookup", RLConfig(**GRPO))
+    on = run_grpo(m_on, env["tok"], prompts, "lookup", RLConfig(**GRPO, simulator=True, simulator_heldout_frac=0.0))
+    off = run_grpo(m_off, env["tok"], prompts, "lookup", RLConfig(**GRPO, reuse_logprobs=False))
     assert on.sim_fallbacks == 2 and all(m["sim_fallback"] == 1.0 for m in on.steps)
     assert "sim_fallbacks" not in off.summary() and all("sim_r2" not in m for m in off.steps)
     assert off.last_batch.delta_hat is None and off.last_batch.logp_old_used is None
@@ -338,3 +340,126 @@ def test_grpo_simulator_lb_coef_reaches_the_update(env):
     assert any(not torch.equal(p0[n], p1[n]) for n in gate)
     with pytest.raises(ConfigError, match="rl.simulator-lb-coef"):
         RLConfig(simulator_lb_coef=-0.1)
+
+
+def test_heldout_split_is_stratified_by_length_and_seeded():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randperm(120, generator=g).tolist()  # prompt i has length lengths[i]
+    held = heldout_split(lengths, 0.05, seed=3)
+    assert held == heldout_split(lengths, 0.05, seed=3) and held != heldout_split(lengths, 0.05, seed=4)
+    assert len(held) == 6 and len(set(held)) == 6  # 2 of each 40-prompt third
+    thirds = [sum(1 for i in held if lo <= lengths[i] < lo + 40) for lo in (0, 40, 80)]
+    assert thirds == [2, 2, 2]  # short, medium and long prompts all held out
+    assert heldout_split(lengths, 0.0) == [] and heldout_split([5, 6], 0.05) == []
+    assert len(heldout_split(lengths[:10], 0.05)) == 3  # at least one per third
+    with pytest.raises(ValueError, match="frac"):
+        heldout_split(lengths, 1.0)
+
+
+def test_simulated_weights_clip_option_clips_instead_of_masking():
+    mask = torch.tensor([[True, True, True, False]])
+    d = torch.tensor([[0.2, 0.9, -2.0, 5.0]])
+    logp_infer = -torch.ones_like(d)
+    old_m, w_m, st_m = simulated_weights(logp_infer, d, mask, bound=0.5)
+    assert torch.equal(w_m[0, 1:3], torch.zeros(2)) and st_m["sim/masked_frac"] == pytest.approx(2 / 3)
+    old, w, st = simulated_weights(logp_infer, d, mask, bound=0.5, clip=True)
+    clamped = torch.tensor([0.2, 0.5, -0.5])
+    torch.testing.assert_close(w[0, :3], torch.exp(clamped))
+    torch.testing.assert_close(old[0, :3], -1.0 + clamped)
+    assert w[0, 3] == 0.0 and st["sim/masked_frac"] == 0.0 and st["sim/clipped_frac"] == pytest.approx(2 / 3)
+    assert st_m["sim/clipped_frac"] == 0.0
+
+
+def test_calibration_buffer_accumulates_across_batches_and_is_bounded(env):
+    model = env["model"]
+    eng = _bias_engine(model)
+    ro1, ro2 = _rollouts(env, eng, 0, 16, seed=1), _rollouts(env, eng, 16, 32, seed=2)
+    single = InferenceSimulator.for_model(model)  # buffer_tokens=0: only the latest calibration
+    single.calibrate(model, eng, ro1)
+    n1 = single.last_metrics["fit_tokens"]
+    single.calibrate(model, eng, ro2)
+    n2 = single.last_metrics["fit_tokens"]
+    big = InferenceSimulator.for_model(model, buffer_tokens=100_000)
+    big.calibrate(model, eng, ro1)
+    big.calibrate(model, eng, ro2)
+    assert big.last_metrics["fit_tokens"] == n1 + n2 == big.buffered_tokens  # accumulated
+    assert single.buffered_tokens == n2
+    added = big.observe(capture(model, ro1), ro1)  # a trained-on batch: MLP data, no engine routers
+    assert added == int(ro1.response_mask.sum()) and big.buffered_tokens == n1 + n2 + added
+    assert big.buffer[-1].diff is None
+    cap = int(n2) + 10
+    small = InferenceSimulator.for_model(model, buffer_tokens=cap)
+    small.calibrate(model, eng, ro1)
+    small.calibrate(model, eng, ro2)
+    assert small.buffered_tokens == cap  # bounded: the oldest batch is cut to its newest 10 tokens
+    assert small.buffer[0].n == 10 and small.buffer[-1].n == n2
+    assert small.offset[0, BIAS_EXPERT] == pytest.approx(BIAS, abs=1e-3)  # the table uses every buffered token
+    with pytest.raises(ValueError, match="buffer_tokens"):
+        InferenceSimulator.for_model(model, buffer_tokens=-1)
+
+
+def test_incremental_refit_changes_only_the_last_layer_and_lowers_the_error(env):
+    model = env["model"]
+    eng = build_engine(model, env["tok"], env["examples"], RLConfig(engine="prune-1"))
+    sim = InferenceSimulator.for_model(model, buffer_tokens=100_000, fit_steps=30)  # short fit: room to improve
+    with pytest.raises(RuntimeError, match="before calibrate"):
+        sim.refit_last()
+    sim.calibrate(model, eng, _rollouts(env, eng, 0, 16, seed=1))
+    ro = _rollouts(env, eng, 16, 48, seed=2)
+    sim.observe(capture(model, ro), ro)
+    first = [p.clone() for p in sim.mlp[0].parameters()]
+    last = [p.clone() for p in sim.mlp[2].parameters()]
+    m = sim.refit_last()
+    assert m["mse_after"] < m["mse_before"] and m["tokens"] == sim.buffered_tokens and sim.refits == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, sim.mlp[0].parameters(), strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(last, sim.mlp[2].parameters(), strict=True))
+    assert all(not p.requires_grad for p in sim.mlp.parameters())
+
+
+def test_route_shift_measures_the_policys_expert_usage_against_the_last_fit(env):
+    model = env["model"]
+    eng = _bias_engine(model)
+    sim = InferenceSimulator.for_model(model)
+    assert math.isnan(sim.route_shift(torch.zeros(2, 1, 1, 8), torch.ones(1, 1, dtype=torch.bool)))
+    ro = _rollouts(env, eng, 0, 16, seed=1)
+    sim.calibrate(model, eng, ro)
+    tf = capture(model, ro)
+    u = expert_usage(tf.router, ro.response_mask, sim.top_k)  # [L, E]
+    torch.testing.assert_close(u.sum(-1), torch.ones(2))
+    fit = ro.response_mask.clone()
+    fit[ro.num_rollouts - round(0.25 * ro.num_rollouts):] = False  # the rows the fit used (not its held-out quarter)
+    assert sim.route_shift(tf.router, fit) < 1e-6  # the usage at the fit is the reference
+    same = sim.route_shift(tf.router, ro.response_mask)
+    z = tf.router.clone()
+    z[:, ..., BIAS_EXPERT] += 50.0  # every token now picks BIAS_EXPERT
+    moved = sim.route_shift(z, ro.response_mask)
+    assert same < 0.15 and moved > 0.2 and moved > same + 0.2
+
+
+def test_grpo_simulator_heldout_triggers_and_trust_counts(env):
+    prompts = env["examples"][:40]
+    cfg = {**GRPO, "engine": "prune-1", "steps": 3, "simulator": True, "simulator_recalibrate_every": 100,
+           "simulator_buffer_tokens": 4096}
+    eager = run_grpo(copy.deepcopy(env["model"]), env["tok"], prompts, "lookup",
+                     RLConfig(**cfg, simulator_route_shift=1e-9))  # any usage change triggers a full fit
+    calm = run_grpo(copy.deepcopy(env["model"]), env["tok"], prompts, "lookup",
+                    RLConfig(**cfg, simulator_route_shift=1.0, simulator_error_shift=1e9))
+    for res in (eager, calm):
+        held = set(res.sim_heldout)
+        assert len(held) == 3  # 5% of 40, at least one per length third
+        assert not held & set(res.last_batch.prompt_ids)
+        assert res.sim_trusted + res.sim_fallbacks == 3
+        s = res.summary()
+        assert s["sim_trusted_steps"] == res.sim_trusted and s["sim_trusted"] == pytest.approx(res.sim_trusted / 3)
+        assert res.steps[0]["sim_full_fit"] == 1.0 and res.steps[0]["sim_recal_triggered"] == 0.0
+        for m in res.steps:
+            assert math.isfinite(m["sim_heldout_abs_err"])
+            assert m["sim_buffer_tokens"] <= 4096 and "sim_refit_mse" in m
+    assert [m["sim_recal_triggered"] for m in eager.steps] == [0.0, 1.0, 1.0]
+    assert math.isnan(eager.steps[0]["sim_route_shift"]) and all(m["sim_route_shift"] > 1e-9 for m in eager.steps[1:])
+    assert all(math.isfinite(m["sim_route_shift"]) and math.isfinite(m["sim_err_shift"]) for m in calm.steps[1:])
+    assert [m["sim_full_fit"] for m in eager.steps] == [1.0, 1.0, 1.0] and eager.sim_recal_triggered == 2
+    assert [m["sim_full_fit"] for m in calm.steps] == [1.0, 0.0, 0.0] and calm.sim_recal_triggered == 0
+    assert calm.steps[2]["sim_buffer_tokens"] > calm.steps[0]["sim_buffer_tokens"]  # batches accumulate
+    with pytest.raises(ValueError, match="rl.simulator-heldout-frac"):
+        run_grpo(copy.deepcopy(env["model"]), env["tok"], prompts[:8], "lookup", RLConfig(**cfg))
