@@ -1,4 +1,5 @@
-"""The local SFT loop: task loss + aux-loss-coef * aux + anchor-kl-coef * anchor KL.
+"""The local SFT loop: task loss + aux-loss-coef * aux + anchor-kl-coef * anchor KL (and, with
+``routing.balance`` "bias", the routing-bias update after each step: ``distmoe.model.balance``).
 
 Task loss is next-token cross-entropy on the answer tokens only (labels are -100 on prompt and
 padding). Stability guards: gradient-norm clipping; a step whose loss or gradient is NaN/Inf is
@@ -19,6 +20,7 @@ from torch import nn
 
 from distmoe.config import RoutingConfig, TrainConfig
 from distmoe.data.template import batch_iterator, collate
+from distmoe.model.balance import BalanceTracker
 from distmoe.model.device import base_dtype, device_of, to_device
 from distmoe.model.router import forward_with_router
 from distmoe.routing.losses import anchor_kl, aux_load_balance_loss
@@ -64,7 +66,7 @@ def sft_loss(model: nn.Module, batch: dict[str, torch.Tensor], routing: RoutingC
     task = causal_lm_loss(out.logits, batch["labels"])
     total = task
     parts = {"task_loss": float(task.detach())}
-    if routing.aux_loss_coef > 0:
+    if routing.aux_loss_coef > 0 and "aux" in routing.balance:
         aux = aux_load_balance_loss(out.router_logits, num_experts, top_k, batch["attention_mask"])
         total = total + routing.aux_loss_coef * aux
         parts["aux_loss"] = float(aux.detach())
@@ -121,11 +123,23 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
         anchor = anchor.to(device)
     res = SFTResult(steps=0, skipped_steps=0, num_examples=len(encoded))
     t0 = time.perf_counter()
+    with BalanceTracker(model, routing.balance_rate) as balance:  # a no-op without routing.balance "bias"
+        _steps(model, encoded, pad_id, train, routing, num_experts, top_k, anchor, seed, opt, sched, scaler,
+               params, device, res, balance)
+    model.eval()
+    res.time_s = time.perf_counter() - t0
+    return res
+
+
+def _steps(model, encoded, pad_id, train, routing, num_experts, top_k, anchor, seed, opt, sched, scaler, params,
+           device, res: SFTResult, balance: BalanceTracker) -> None:
     for raw in batch_iterator(encoded, train.batch_size, train.local_steps, seed):
         opt.zero_grad(set_to_none=True)
         loss_value, parts_sum, finite = 0.0, {}, True
         for batch, weight in _micro_batches(raw, train.micro_batch_size, pad_id, device):
+            balance.start_forward()
             loss, parts = sft_loss(model, batch, routing, num_experts, top_k, anchor)
+            balance.count(batch["attention_mask"])
             if not math.isfinite(float(loss.detach())):
                 finite = False
                 break
@@ -135,6 +149,7 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
                 parts_sum[k] = parts_sum.get(k, 0.0) + v * weight
         if not finite:
             res.skipped_steps += 1
+            balance.discard()
             opt.zero_grad(set_to_none=True)
             continue
         scaler.unscale_(opt)
@@ -143,12 +158,14 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
         grad_norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
         if not torch.isfinite(grad_norm):
             res.skipped_steps += 1
+            balance.discard()
             scaler.update()  # float16: lowers the loss scale; otherwise a no-op
             opt.zero_grad(set_to_none=True)
             continue
         scaler.step(opt)
         scaler.update()
         sched.step()
+        balance.step()
         res.steps += 1
         res.losses.append(loss_value)
         res.task_losses.append(parts_sum["task_loss"])
@@ -156,6 +173,3 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
             res.aux_losses.append(parts_sum["aux_loss"])
         if "anchor_kl" in parts_sum:
             res.anchor_kls.append(parts_sum["anchor_kl"])
-    model.eval()
-    res.time_s = time.perf_counter() - t0
-    return res
