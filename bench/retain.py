@@ -7,7 +7,8 @@ base, ``distmoe.train.warmup``) and in the load balancing (``routing.balance``).
 
 Per arm and seed: accuracy on task A's held-out set after A and after B (retention = after / before), accuracy
 on B after B, and the expert-load CV (std/mean of the top-1 loads of the experts the router chooses, bias
-included, over every held-out example; < 0.2 is healthy) after A and after B. Prints a Markdown table (mean ±
+included, over every held-out example of A and B; < 0.2 is healthy) after A and after B, and the CV of the
+top-k loads (what the bias balances) on the trained task's held-out set. Prints a Markdown table (mean ±
 sample std over seeds, and every seed's value) and writes the rows as JSON (``--out``).
 """
 
@@ -70,14 +71,22 @@ def run_arm(arm: str, seed: int, args, data_root: Path) -> dict[str, float]:
         _, valid = routing_on(model, tok, fixed, max_len, cfg.eval.batch_size)
         return rm.load_cv(rm.top1_counts(valid, ms.num_experts))
 
+    def cv_k(task: str) -> float:
+        """CV of the top-k loads (what the bias balances) on ``task``'s held-out set."""
+        _, valid = routing_on(model, tok, held[task], max_len, cfg.eval.batch_size)
+        counts = torch.stack([torch.bincount(torch.topk(v, ms.top_k, -1).indices.reshape(-1), minlength=ms.num_experts)
+                              for v in valid])  # [L, E]
+        return rm.load_cv(counts)
+
     row = {"seed": float(seed), "acc A start": acc(a), "load CV start": cv()}
     for task, steps in ((a, args.steps_a), (b, args.steps_b)):
         enc = [encode_example(tok, ex, max_len) for ex in party.train(task)]
         train = dataclasses.replace(cfg.train, local_steps=steps)
         train_sft(model, enc, tok.pad_token_id, train, cfg.routing, ms.num_experts, ms.top_k, None, seed)
         if task == a:
-            row.update({"acc A after A": acc(a), "load CV after A": cv()})
-    row.update({"acc A after B": acc(a), "acc B after B": acc(b), "load CV after B": cv()})
+            row.update({"acc A after A": acc(a), "load CV after A": cv(), "top-k load CV on A after A": cv_k(a)})
+    row.update({"acc A after B": acc(a), "acc B after B": acc(b), "load CV after B": cv(),
+                "top-k load CV on B after B": cv_k(b)})
     before = row["acc A after A"]
     row["retention A"] = row["acc A after B"] / before if before > 0 else math.nan
     return row
@@ -107,7 +116,7 @@ def main() -> None:
     ap.add_argument("--steps-a", type=int, default=200)
     ap.add_argument("--steps-b", type=int, default=200)
     ap.add_argument("--warmup-steps", type=int, default=600)
-    ap.add_argument("--rate", type=float, default=0.001, help="routing.balance-rate of the bias arms")
+    ap.add_argument("--rate", type=float, default=0.05, help="routing.balance-rate of the bias arms")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", default="runs/base-cache")
     ap.add_argument("--out", default="", help="write the rows as JSON here")

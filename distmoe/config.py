@@ -202,8 +202,8 @@ class ModelConfig(_Section):
     lora_experts: bool = key(True, "`lora` mode: adapt the fused expert weights (peft `target_parameters`); peft "
                              "materialises each adapted expert tensor in full on every forward, so at tens of billions "
                              "of parameters turn this off (attention and router adapters only; `docs/checkpoints.md`)")
-    warmup_steps: int = key(0, "tiny default: > 0 starts the run from a base warmed up centrally for this many steps on "
-                            "public synthetic data of every task family (fixed seed, never a party's data), built "
+    warmup_steps: int = key(0, "tiny default: > 0 starts the run from a base warmed up centrally for this many steps "
+                            "on public synthetic data of every task family (fixed seed, never a party's data), built "
                             "once and cached (`docs/algorithms.md`, Warm-up base); 0 = random initialisation",
                             lo=0, hi=1_000_000)
     warmup_cache: str = key("", "where warm-up bases are cached, one directory per (config, seed); `\"\"` = "
@@ -278,7 +278,7 @@ class RoutingConfig(_Section):
                        "(auxiliary-loss-free balancing, Wang et al. 2024), `aux+bias` both; the bias travels and "
                        "aggregates like the weights (`docs/algorithms.md`); not with `model.trainable = \"lora\"`",
                        choices=BALANCE_MODES)
-    balance_rate: float = key(0.001, "u: the routing bias moves by u * sign(mean load - expert load) per local step",
+    balance_rate: float = key(0.05, "u: the routing bias moves by u * sign(mean load - expert load) per local step",
                               lo=0.0, hi=1.0)
     anchor_kl_coef: float = key(0.5, "anchor-KL weight; 0 turns the anchor off", lo=0.0, hi=1000.0)
     anchor_granularity: str = key("batch", "where the anchor KL is taken; see `docs/algorithms.md`",

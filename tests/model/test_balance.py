@@ -61,7 +61,7 @@ def test_bias_chooses_the_experts_but_not_the_weights(make_cfg):
     _, model, _ = _model(make_cfg)
     with torch.no_grad():
         for b in balance.biases(model):
-            b.copy_(torch.tensor([0.0, 0.0, 0.0, 5.0]))  # expert 3 always chosen
+            b.copy_(torch.tensor([0.0, 0.0, 0.0, 50.0]))  # expert 3 always chosen
     seen = []
     _, gate = router_modules(model)[0]
     h = gate.register_forward_hook(lambda _m, _i, out: seen.append(out))
