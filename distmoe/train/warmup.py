@@ -114,6 +114,9 @@ def build_base(cfg: RunConfig, steps: int, cache: Path, log=print) -> Path:
             "trainable": cfg.model.trainable, "layout": "model"}
 
     def write_model(d: Path) -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no shard progress bar in the run log
         model.save_pretrained(d / "model")
         tok.save_pretrained(d / "model")
 
