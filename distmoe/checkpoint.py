@@ -7,7 +7,9 @@ fingerprint in the manifest; ``model/`` otherwise, a Hugging Face directory with
 tokenizer, loadable with ``model.path``), and ``manifest.json`` (round, sha256 of every file, hash of the
 trainable weights). A checkpoint is written into a hidden temporary directory, every file fsynced, then
 renamed into place, and ``checkpoints/LATEST`` is replaced atomically: a crash never leaves a
-half-written checkpoint under a real name. ``verify_checkpoint`` recomputes the hashes.
+half-written checkpoint under a real name. ``verify_checkpoint`` recomputes the hashes. A checkpoint whose
+manifest says ``kept`` (the coordinator pins the initial model and the model before each task) is never
+pruned; ``checkpoint.keep`` counts the others.
 
 Resume state: a checkpoint may also hold ``state.json`` (the coordinator's state at that round
 boundary: schedule position, tasks, anchor version and file hash, last evaluation, ...) and extra
@@ -95,10 +97,26 @@ def _round_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def kept_reason(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` is never pruned (its manifest's ``kept``), or None."""
+    try:
+        reason = json.loads((path / "manifest.json").read_text()).get("kept")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return str(reason) if reason else None
+
+
 def _prune(root: Path, keep: int) -> None:
-    rounds = _round_dirs(root)
+    """Remove all but the newest ``keep`` checkpoints, except the pinned ones (``kept`` in the manifest: the
+    initial model and the model before each task), which are never pruned and do not count against ``keep``."""
+    rounds = [(n, p) for n, p in _round_dirs(root) if kept_reason(p) is None]
     for _, p in rounds[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+def kept_rounds(root: Path) -> list[tuple[int, Path, str | None]]:
+    """Every checkpoint under ``root``: (round, directory, why it is pinned or None), oldest first."""
+    return [(n, p, kept_reason(p)) for n, p in _round_dirs(root)]
 
 
 def verify_checkpoint(path: Path) -> dict:
@@ -174,3 +192,44 @@ def resumable(root: Path, *, require_state: bool = True) -> tuple[Path | None, l
             continue
         return path, warnings
     return None, warnings
+
+
+def rollback_point(run_dir: Path, round_num: int) -> Path:
+    """The verified checkpoint of round ``round_num`` of the run in ``run_dir``, the starting point of a new run
+    (``run.init-from``); ``CheckpointError`` saying why not: no such run, a round never reached, a round pruned
+    (naming the kept ones) or one that does not verify."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        raise CheckpointError(f"{run_dir}: no checkpoints/ directory (not a distmoe run directory?)")
+    rounds = kept_rounds(root)
+    kept = ", ".join(f"{n}" + (f" ({why})" if why else "") for n, _, why in rounds) or "none"
+    path = root / f"round-{round_num}"
+    if not path.is_dir():
+        last = rounds[-1][0] if rounds else -1
+        if round_num > last:
+            raise CheckpointError(f"{run_dir}: round {round_num} has no checkpoint (the run's last checkpoint is "
+                                  f"round {last}); kept rounds: {kept}")
+        raise CheckpointError(f"{run_dir}: the checkpoint of round {round_num} was pruned (checkpoint.keep keeps "
+                              "the newest ones besides the initial model and the model before each task); kept "
+                              f"rounds: {kept}")
+    verify_checkpoint(path)
+    return path
+
+
+def copy_checkpoint(src: Path, out: Path) -> Path:
+    """Copy the checkpoint ``src`` to the new directory ``out`` (refused when it exists) and verify the copy."""
+    out = Path(out)
+    if out.exists():
+        raise CheckpointError(f"{out}: already exists (choose a new directory)")
+    verify_checkpoint(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    try:
+        verify_checkpoint(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,4 +1,5 @@
-"""The ``distmoe`` command: ``simulate | report | audit | export | credentials | deploy | data | config``.
+"""The ``distmoe`` command: ``simulate | report | audit | export | rollback | base | credentials | deploy | data |
+config``.
 
 Every user error (a config key, a data file and line, a missing directory) is printed as one
 ``error: ...`` line and exits with status 2; a failed run exits with 1.
@@ -109,6 +110,47 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_rollback(args) -> int:
+    from distmoe.checkpoint import CheckpointError, copy_checkpoint, kept_rounds, rollback_point
+
+    run = Path(args.run_dir)
+    try:
+        if args.round is None:
+            rounds = kept_rounds(run / "checkpoints")
+            if not rounds:
+                raise CheckpointError(f"{run}: no checkpoints")
+            for n, path, why in rounds:
+                print(f"round {n}: {path}" + (f"  [{why}]" if why else ""))
+            return 0
+        path = rollback_point(run, args.round)
+        if args.out:
+            path = copy_checkpoint(path, Path(args.out))
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"run.init-from={path.resolve()}")
+    print(f"# start a new run from it: distmoe simulate --run-config \"run.init-from={path.resolve()}\" ...",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_base_build(args) -> int:
+    from distmoe.train.warmup import BaseError, build_base
+
+    cfg = parse_run_config(_overrides(args))
+    steps = args.steps or cfg.model.warmup_steps
+    if not steps:
+        raise ConfigError("distmoe base build: give --steps N or model.warmup-steps")
+    try:
+        path = build_base(cfg, steps, Path(args.cache or cfg.model.warmup_cache or "base-cache"),
+                          log=lambda t: print(t, file=sys.stderr))
+    except BaseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"run.init-from={path.resolve()}")
+    return 0
+
+
 def cmd_data_synth(args) -> int:
     from distmoe.data.synth import TASK_FAMILIES, write_synthetic
 
@@ -212,6 +254,11 @@ EXAMPLES: dict[str, tuple[str, ...]] = {  # `distmoe <command> --help` ends with
     "audit": ("distmoe audit runs/continual-s0",
               "distmoe audit runs/continual-s0 --json --canaries my-data/party-0/canaries.txt"),
     "export": ("distmoe export runs/continual-s0 --round 12 --out exported/",),
+    "rollback": ("distmoe rollback runs/continual-s0              # list the kept rounds",
+                 "distmoe rollback runs/continual-s0 --round 6 --out starts/before-arith",
+                 "distmoe simulate --run-config \"run.init-from=starts/before-arith\""),
+    "base": ("distmoe base build --steps 600 --cache base-cache",),
+    "base build": ("distmoe base build --steps 600 --cache base-cache --run-config 'run.seed=1'",),
     "data": ("distmoe data synth --out my-data --parties 3", "distmoe data validate my-data"),
     "data synth": ("distmoe data synth --out my-data --parties 3 --examples 120",),
     "data validate": ("distmoe data validate my-data            # every party directory under it",
@@ -345,6 +392,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model-path", metavar="BASE",
                    help="the base checkpoint the adapters are merged into (default: model.path of the run's config)")
     e.set_defaults(fn=cmd_export)
+
+    rb = sub.add_parser("rollback", help="name (or copy) a kept checkpoint of a run as a new run's starting point")
+    rb.add_argument("run_dir", metavar="RUN", help="the run directory")
+    rb.add_argument("--round", type=int, help="the round to start from (omit to list the kept rounds)")
+    rb.add_argument("--out", metavar="DIR", help="copy the checkpoint to this new directory (the new run then does not "
+                    "depend on RUN)")
+    rb.set_defaults(fn=cmd_rollback)
+
+    b = sub.add_parser("base", help="the warm-up base of the tiny default model")
+    bsub = b.add_subparsers(dest="base_cmd", required=True, metavar="<command>")
+    bb = bsub.add_parser("build", help="build (or reuse) the cached warm-up base and print its run.init-from")
+    add_cfg(bb)
+    bb.add_argument("--steps", type=int, help="warm-up steps (default: model.warmup-steps)")
+    bb.add_argument("--cache", metavar="DIR", help="cache directory (default: model.warmup-cache, else ./base-cache)")
+    bb.set_defaults(fn=cmd_base_build)
 
     d = sub.add_parser("data", help="party data tools")
     dsub = d.add_subparsers(dest="data_cmd", required=True, metavar="<data command>")

@@ -141,6 +141,7 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:[0-9]+)?)$")
 HARDWARE_KEYS = {"device": "device", "dtype": "dtype", "gradient-checkpointing": "gradient_checkpointing",
                  "micro-batch-size": "micro_batch_size", "quantize": "quantize"}
 GRANULARITIES = ("batch", "token")
+BALANCE_MODES = ("aux", "bias", "aux+bias")
 PHASE_KINDS = ("sft", "stats", "eval", "rl", "dpo")
 UPDATE_KINDS = ("sft", "rl", "dpo")  # the phases that train and release a model update (a task, '*rounds')
 DPO_REFERENCES = ("phase", "round")
@@ -170,6 +171,9 @@ class RunSection(_Section):
     resume: str = key("", "continue the run in this directory from its last good checkpoint (`docs/operations.md`, "
                       "Resume); `\"\"` = a new run; checked by the coordinator, which holds the directory",
                       allowed="path")
+    init_from: str = key("", "start a new run from this checkpoint directory (`RUN/checkpoints/round-<n>`, e.g. one "
+                         "that `distmoe rollback` names, or a warm-up base): its weights and its anchor; `\"\"` = "
+                         "from `model.*` (`docs/operations.md`, Rollback)", allowed="path")
 
     def check(self) -> None:
         if self.resume != self.resume.strip() or "\n" in self.resume:
@@ -202,12 +206,23 @@ class ModelConfig(_Section):
     lora_experts: bool = key(True, "`lora` mode: adapt the fused expert weights (peft `target_parameters`); peft "
                              "materialises each adapted expert tensor in full on every forward, so at tens of billions "
                              "of parameters turn this off (attention and router adapters only; `docs/checkpoints.md`)")
+    warmup_steps: int = key(0, "tiny default: > 0 starts the run from a base warmed up centrally for this many steps "
+                            "on public synthetic data of every task family (fixed seed, never a party's data), built "
+                            "once and cached (`docs/algorithms.md`, Warm-up base); 0 = random initialisation",
+                            lo=0, hi=1_000_000)
+    warmup_cache: str = key("", "where warm-up bases are cached, one directory per (config, seed); `\"\"` = "
+                            "`base-cache/` beside the run directory", allowed="path")
     seed: int = 0  # not a key: = run.seed, so the tiny default model is initialised identically everywhere
+    balance_bias: bool = False  # not a key: routing.balance has a routing bias (it is part of the model)
 
     def check(self) -> None:
         if self.trainable == "auto":  # resolved once, here: the rest of the code sees a concrete mode
             object.__setattr__(self, "trainable", "lora" if self.path else "all")
         _range("model.top-k", self.top_k, 1, self.experts)
+        if self.warmup_steps and (self.path or self.trainable == "lora"):
+            raise ConfigError(f"config key 'model.warmup-steps': value {self.warmup_steps} warms up the tiny default "
+                              "model (model.path = \"\", model.trainable all or router+experts); a checkpoint is "
+                              "already a base")
         if self.heads % self.kv_heads:
             raise ConfigError(f"config key 'model.kv-heads': value {self.kv_heads} must divide "
                               f"model.heads = {self.heads}")
@@ -271,7 +286,15 @@ class TrainConfig(_Section):
 
 @section("routing")
 class RoutingConfig(_Section):
-    aux_loss_coef: float = key(0.01, "aux load-balance loss weight", lo=0.0, hi=100.0)
+    aux_loss_coef: float = key(0.01, "aux load-balance loss weight (`routing.balance` `aux` or `aux+bias`)",
+                               lo=0.0, hi=100.0)
+    balance: str = key("aux", "expert load balancing: `aux` the aux loss (Switch Transformer), `bias` a per-expert "
+                       "routing bias for the top-k choice only, updated after each local step, no aux loss "
+                       "(auxiliary-loss-free balancing, Wang et al. 2024), `aux+bias` both; the bias travels and "
+                       "aggregates like the weights (`docs/algorithms.md`); not with `model.trainable = \"lora\"`",
+                       choices=BALANCE_MODES)
+    balance_rate: float = key(0.05, "u: the routing bias moves by u * sign(mean load - expert load) per local step",
+                              lo=0.0, hi=1.0)
     anchor_kl_coef: float = key(0.5, "anchor-KL weight; 0 turns the anchor off", lo=0.0, hi=1000.0)
     anchor_granularity: str = key("batch", "where the anchor KL is taken; see `docs/algorithms.md`",
                                   choices=GRANULARITIES)
@@ -553,7 +576,8 @@ class PrivacyConfig(_Section):
 
 @section("checkpoint")
 class CheckpointConfig(_Section):
-    keep: int = key(2, "checkpoints kept (oldest pruned)", lo=1)
+    keep: int = key(2, "checkpoints kept (oldest pruned) besides the initial model and the model before each task, "
+                    "which are always kept (`distmoe rollback`)", lo=1)
 
 
 @section("eval")
@@ -789,10 +813,19 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
     parts: dict[str, Any] = {}
     for name, cls in SECTIONS.items():  # "run" first: model and data carry run.seed (their non-key field)
         derived = {"seed": parts["run"].seed} if name in ("model", "data") else {}
+        if name == "model":
+            derived["balance_bias"] = "bias" in str(flat["routing.balance"])
         parts[name] = cls(**{s.attr: flat[s.name] for s in cls.KEYS}, **derived)
     _check_across(parts["federation"], parts["privacy"])
     object.__setattr__(parts["schedule"], "phases", with_eval_cadence(parts["schedule"].phases, parts["eval"].every))
     _check_retention(parts["retention"], parts["schedule"])
+    if parts["model"].warmup_steps and parts["run"].init_from:
+        raise ConfigError("config key 'run.init-from': a run starts from one checkpoint: set it or "
+                          "model.warmup-steps, not both")
+    if parts["model"].balance_bias and parts["model"].trainable == "lora":
+        raise ConfigError(f"config key 'routing.balance': value {parts['routing'].balance!r} needs the routers "
+                          "trained and sent (model.trainable = all or router+experts): in lora mode the routing bias "
+                          "would not travel or aggregate")
     flat["model.trainable"] = parts["model"].trainable  # `auto` resolved: the run record names the mode used
     return RunConfig(**parts, raw=tuple(sorted(flat.items())))
 

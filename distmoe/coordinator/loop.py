@@ -30,13 +30,13 @@ import torch
 
 from distmoe.checkpoint import save_checkpoint
 from distmoe.config import RunConfig, to_toml
-from distmoe.coordinator import plane, resume
+from distmoe.coordinator import plane, resume, start
 from distmoe.coordinator.aggregator import Aggregator
 from distmoe.coordinator.errors import PrivacyStop, RunFailed
 from distmoe.coordinator.phases import probe, run_round
 from distmoe.coordinator.record import RunRecord, flag_anomalies
 from distmoe.coordinator.secagg import SecureRounds
-from distmoe.coordinator.state import RoundState, to_checkpoint
+from distmoe.coordinator.state import RoundState, pinned, to_checkpoint
 from distmoe.coordinator.transport import Transport
 from distmoe.io import write_text_atomic
 from distmoe.ledger import Ledger
@@ -102,6 +102,7 @@ class Coordinator:
         try:
             self._build_model()
             if not (self.resuming and resume.restore(self)):
+                start.apply_start(self)  # run.init-from / model.warmup-steps (a new run only)
                 self.checkpoint()
             self.start_plane(self._wait_for_parties())
             self._run_schedule()
@@ -300,6 +301,7 @@ class Coordinator:
                                        epoch=self.epoch)
         save_checkpoint(self.run_dir / "checkpoints", s.round, s.weights, hash_tensors(s.weights),
                         write_model=lambda d: model.save(d, s.weights),
-                        meta={"run_id": self.run_id, "anchor_version": s.anchor_versions, **model.manifest_meta()},
+                        meta={"run_id": self.run_id, "anchor_version": s.anchor_versions, **model.manifest_meta(),
+                              **pinned(self.cfg.schedule.phases, s.round, s.current_task)},
                         keep=self.cfg.checkpoint.keep, state=state, tensors=tensors)
         self.ckpt_round = s.round

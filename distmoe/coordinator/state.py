@@ -65,6 +65,21 @@ def position(phases: tuple[Phase, ...], rnd: int) -> dict | None:
     return {"phase": len(phases), "label": "end", "round_in_phase": 0}
 
 
+def pinned(phases: tuple[Phase, ...], rnd: int, current_task: str | None) -> dict:
+    """``{"kept": reason}`` when the checkpoint of round ``rnd`` is never pruned (``checkpoint.keep`` does not
+    apply): round 0 (the initial model) and the last round before a training phase of another task (the model
+    before that task, the rollback points of ``distmoe rollback``); ``{}`` otherwise."""
+    if rnd == 0:
+        return {"kept": "initial model"}
+    nxt = position(phases, rnd + 1)
+    if nxt is None or nxt["phase"] >= len(phases) or nxt["round_in_phase"] != 1:
+        return {}
+    ph = phases[nxt["phase"]]
+    if ph.kind in ("sft", "rl") and ph.task and ph.task != current_task:
+        return {"kept": f"before task {ph.task}"}
+    return {}
+
+
 def to_checkpoint(s: RoundState, phases: tuple[Phase, ...], *, run_id: str, session: str, epoch: int
                   ) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
     """``state.json`` at this round boundary and its tensor files (``ref``, ``anchor``)."""

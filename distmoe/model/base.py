@@ -151,7 +151,8 @@ def prepared_model(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU,
         return model, tok
     _PREPARED.clear()  # one base per process: a different one replaces it (memory stays one model)
     path = model_path or cfg.path
-    keep = bool(path) and cache_dir is not None and rt.quantize == "none"
+    # (a model with a routing bias, routing.balance "bias", is not mapped: the bias is not part of the checkpoint)
+    keep = bool(path) and cache_dir is not None and rt.quantize == "none" and not cfg.balance_bias
     fingerprint = base_fingerprint(cfg, model_path) if keep else ""
     mapped = mapped_base(Path(path), cache_dir, fingerprint, rt) if keep else None
     if mapped is not None:

@@ -246,6 +246,10 @@ def build_model(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU) -> tu
             model = model.to(device=rt.device, dtype=rt.dtype)
     else:
         model, tok = load_checkpoint(Path(path), rt)
+    if cfg.balance_bias:  # routing.balance with a bias: part of the model, zero at the start (model/balance.py)
+        from distmoe.model.balance import install_bias
+
+        install_bias(model)
     model.eval()
     return model, tok
 

@@ -21,6 +21,7 @@ from distmoe.config import EvalConfig
 from distmoe.data.formats import Example
 from distmoe.data.synth import check_answer
 from distmoe.data.template import collate, collate_prompts, encode_example, encode_prompt
+from distmoe.model.balance import selection_scores
 from distmoe.model.device import autocast_for, device_of, to_device
 from distmoe.model.router import forward_with_router
 from distmoe.routing import metrics as rm
@@ -112,7 +113,8 @@ def routing_on(model: nn.Module, tok, examples: list[Example], max_len: int, bat
         out = forward_with_router(model, batch["input_ids"], batch["attention_mask"])
         s = per_sequence_mean_routing(out.router_logits, batch["attention_mask"]).sum(0)  # [L, E]
         total = s if total is None else total + s
-        valid.append(rm.select_valid(out.router_logits, batch["attention_mask"]))
+        # top-k/argmax of these is the experts chosen (the routing bias included, routing.balance "bias")
+        valid.append(selection_scores(model, rm.select_valid(out.router_logits, batch["attention_mask"])))
     layers = [torch.cat([v[li] for v in valid], 0) for li in range(len(valid[0]))]
     return total, layers
 

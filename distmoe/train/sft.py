@@ -1,6 +1,7 @@
 """The local SFT loop: task loss + aux-loss-coef * aux + anchor-kl-coef * anchor KL, plus the retention
 terms of ``train/retention.py`` when a ``Retention`` context is given (per-task anchor KL, output distillation,
-expert protection, router-only warm-up).
+expert protection, router-only warm-up), and, with ``routing.balance`` "bias", the routing-bias update after
+each step (``distmoe.model.balance``).
 
 Task loss is next-token cross-entropy on the answer tokens only (labels are -100 on prompt and
 padding). Stability guards (``train/stability.py``): optional gradient winsorisation (``train.winsorize``),
@@ -22,6 +23,7 @@ from torch import nn
 
 from distmoe.config import RoutingConfig, TrainConfig
 from distmoe.data.template import batch_iterator, collate
+from distmoe.model.balance import BalanceTracker
 from distmoe.model.device import base_dtype, device_of, to_device
 from distmoe.model.router import forward_with_router
 from distmoe.routing.losses import anchor_kl, aux_load_balance_loss
@@ -81,7 +83,7 @@ def sft_loss(model: nn.Module, batch: dict[str, torch.Tensor], routing: RoutingC
     task = causal_lm_loss(out.logits, batch["labels"])
     total = task
     parts = {"task_loss": float(task.detach())}
-    if routing.aux_loss_coef > 0:
+    if routing.aux_loss_coef > 0 and "aux" in routing.balance:
         aux = aux_load_balance_loss(out.router_logits, num_experts, top_k, batch["attention_mask"])
         total = total + routing.aux_loss_coef * aux
         parts["aux_loss"] = float(aux.detach())
@@ -163,51 +165,57 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
     warm_router = router_params(model) if r is not None and r.router_warmup_steps > 0 else None
     res = SFTResult(steps=0, skipped_steps=0, num_examples=len(encoded))
     t0 = time.perf_counter()
-    for it, raw in enumerate(batch_iterator(encoded, train.batch_size, train.local_steps, seed)):
-        opt.zero_grad(set_to_none=True)
-        loss_value, parts_sum, finite = 0.0, {}, True
-        for batch, weight in _micro_batches(raw, train.micro_batch_size, pad_id, device):
-            loss, parts = sft_loss(model, batch, routing, num_experts, top_k, anchor, r)
-            if not math.isfinite(float(loss.detach())):
-                finite = False
-                break
-            scaler.scale(loss * weight).backward()
-            loss_value += float(loss.detach()) * weight
-            for k, v in parts.items():
-                parts_sum[k] = parts_sum.get(k, 0.0) + v * weight
-        if not finite:
-            res.skipped_steps += 1
-            res.nonfinite.add(["<loss>"])
+    with BalanceTracker(model, routing.balance_rate) as balance:  # a no-op without routing.balance "bias"
+        for it, raw in enumerate(batch_iterator(encoded, train.batch_size, train.local_steps, seed)):
             opt.zero_grad(set_to_none=True)
-            continue
-        if warm_router is not None and r.task_step_offset + it < r.router_warmup_steps:
-            drop_non_router_grads(model, warm_router)  # router-only warm-up step
-            res.router_only_steps += 1
-        scaler.unscale_(opt)
-        # the pre-clip total norm is NaN/Inf iff some gradient is: skip the step, naming those tensors
-        _, bad = guard_gradients(named, train.grad_clip, train.winsorize)
-        if bad is not None:
-            res.skipped_steps += 1
-            res.nonfinite.add(bad)
-            scaler.update()  # float16: lowers the loss scale; otherwise a no-op
-            opt.zero_grad(set_to_none=True)
-            continue
-        if protect is not None:
-            protect.before()
-        scaler.step(opt)
-        if protect is not None:
-            protect.after()
-        scaler.update()
-        sched.step()
-        res.steps += 1
-        res.losses.append(loss_value)
-        res.task_losses.append(parts_sum["task_loss"])
-        if "aux_loss" in parts_sum:
-            res.aux_losses.append(parts_sum["aux_loss"])
-        if "anchor_kl" in parts_sum:
-            res.anchor_kls.append(parts_sum["anchor_kl"])
-        if "distill" in parts_sum:
-            res.distills.append(parts_sum["distill"])
+            loss_value, parts_sum, finite = 0.0, {}, True
+            for batch, weight in _micro_batches(raw, train.micro_batch_size, pad_id, device):
+                balance.start_forward()
+                loss, parts = sft_loss(model, batch, routing, num_experts, top_k, anchor, r)
+                balance.count(batch["attention_mask"])
+                if not math.isfinite(float(loss.detach())):
+                    finite = False
+                    break
+                scaler.scale(loss * weight).backward()
+                loss_value += float(loss.detach()) * weight
+                for k, v in parts.items():
+                    parts_sum[k] = parts_sum.get(k, 0.0) + v * weight
+            if not finite:
+                res.skipped_steps += 1
+                res.nonfinite.add(["<loss>"])
+                balance.discard()
+                opt.zero_grad(set_to_none=True)
+                continue
+            if warm_router is not None and r.task_step_offset + it < r.router_warmup_steps:
+                drop_non_router_grads(model, warm_router)  # router-only warm-up step
+                res.router_only_steps += 1
+            scaler.unscale_(opt)
+            # the pre-clip total norm is NaN/Inf iff some gradient is: skip the step, naming those tensors
+            _, bad = guard_gradients(named, train.grad_clip, train.winsorize)
+            if bad is not None:
+                res.skipped_steps += 1
+                res.nonfinite.add(bad)
+                balance.discard()
+                scaler.update()  # float16: lowers the loss scale; otherwise a no-op
+                opt.zero_grad(set_to_none=True)
+                continue
+            if protect is not None:
+                protect.before()
+            scaler.step(opt)
+            if protect is not None:
+                protect.after()
+            scaler.update()
+            sched.step()
+            balance.step()
+            res.steps += 1
+            res.losses.append(loss_value)
+            res.task_losses.append(parts_sum["task_loss"])
+            if "aux_loss" in parts_sum:
+                res.aux_losses.append(parts_sum["aux_loss"])
+            if "anchor_kl" in parts_sum:
+                res.anchor_kls.append(parts_sum["anchor_kl"])
+            if "distill" in parts_sum:
+                res.distills.append(parts_sum["distill"])
     model.eval()
     res.time_s = time.perf_counter() - t0
     return res

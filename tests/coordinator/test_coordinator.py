@@ -183,14 +183,20 @@ def test_checkpoints(full_run, tmp_path):
     manifest = verify_checkpoint(ck)
     assert manifest["round"] == final_round
     rounds = sorted(p.name for p in root.iterdir() if p.is_dir())
-    assert rounds == ["round-5", "round-6"]  # only checkpoint.keep round dirs, no temporary dirs
+    # checkpoint.keep newest round dirs, plus the pinned initial model (0) and the model before strings (4)
+    assert rounds == ["round-0", "round-4", "round-5", "round-6"]  # no temporary dirs
+    assert verify_checkpoint(root / "round-0")["kept"] == "initial model"
+    assert verify_checkpoint(root / "round-4")["kept"] == "before task strings"
+    assert "kept" not in manifest
     assert sorted(p.name for p in root.iterdir() if p.is_file()) == ["LATEST"]
     final = load_file(str(ck / "trainable.safetensors"))
     assert manifest["trainable_hash"] == hash_tensors({k: torch.from_numpy(v) for k, v in final.items()})
-    # round 0 is the deterministic initial model (pruned from disk): training moved the weights
+    # round 0 is the deterministic initial model (kept on disk): training moved the weights
     model0 = apply_trainable(build_model(cfg.model)[0], cfg.model)
     init = {k: v.numpy() for k, v in trainable_state(model0).items()}
     assert sorted(init) == sorted(final)
+    kept0 = load_file(str(root / "round-0" / "trainable.safetensors"))
+    assert all(np.array_equal(init[k], kept0[k]) for k in init)
     assert any(not np.array_equal(init[k], final[k]) for k in init)
     verify_checkpoint(root / f"round-{prev_round}")
     prev = load_file(str(root / f"round-{prev_round}" / "trainable.safetensors"))

@@ -1,0 +1,129 @@
+"""Auxiliary-loss-free balancing (distmoe.model.balance): the routing bias chooses the experts and nothing
+else, travels with the trainable tensors, gets no gradient, and moves by u * sign(mean load - load) per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distmoe.config import ConfigError
+from distmoe.data.template import encode_example
+from distmoe.model import balance
+from distmoe.model.build import build_model, describe, router_modules
+from distmoe.model.router import RouterRecorder
+from distmoe.model.trainable import apply_trainable, spec_of, trainable_names, trainable_state
+from distmoe.train.sft import train_sft
+
+
+def _model(make_cfg, mode="bias", **extra):
+    cfg = make_cfg(**{"routing.balance": mode, **extra})
+    model, tok = build_model(cfg.model)
+    return cfg, apply_trainable(model, cfg.model), tok
+
+
+def _ids(n=2, s=12):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(3, 60, (n, s), generator=g)
+    return x, torch.ones_like(x)
+
+
+def test_bias_is_a_travelling_tensor_without_gradient(make_cfg):
+    cfg, model, _ = _model(make_cfg)
+    names = [n for n in trainable_names(model) if n.endswith(balance.BIAS_NAME)]
+    assert len(names) == len(router_modules(model)) == 2
+    assert all(trainable_state(model)[n].shape == (4,) for n in names)  # [E] per layer, in the wire spec
+    assert set(names) <= set(spec_of(model, cfg.model.trainable).keys)
+    x, m = _ids()
+    model.train()
+    out = model(input_ids=x, attention_mask=m, labels=x)
+    out.loss.backward()
+    assert all(b.grad is None for b in balance.biases(model))  # only the top-k choice uses it
+    assert any(p.grad is not None for n, p in model.named_parameters() if n.endswith("gate.weight"))
+
+
+def test_without_the_key_no_bias(make_cfg):
+    _, model, _ = _model(make_cfg, mode="aux")
+    assert not balance.has_bias(model)
+    assert not [n for n in trainable_names(model) if balance.BIAS_NAME in n]
+
+
+def test_zero_bias_routes_like_the_plain_router(make_cfg):
+    _, biased, _ = _model(make_cfg)
+    _, plain, _ = _model(make_cfg, mode="aux")
+    x, m = _ids()
+    with torch.no_grad():
+        a = biased(input_ids=x, attention_mask=m).logits
+        b = plain(input_ids=x, attention_mask=m).logits
+    torch.testing.assert_close(a, b)
+
+
+def test_bias_chooses_the_experts_but_not_the_weights(make_cfg):
+    _, model, _ = _model(make_cfg)
+    with torch.no_grad():
+        for b in balance.biases(model):
+            b.copy_(torch.tensor([0.0, 0.0, 0.0, 50.0]))  # expert 3 always chosen
+    seen = []
+    _, gate = router_modules(model)[0]
+    h = gate.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    x, m = _ids()
+    with torch.no_grad():
+        model(input_ids=x, attention_mask=m)
+    h.remove()
+    logits, weights, idx = seen[0]  # [rows, E], [rows, k], [rows, k]
+    assert (idx == 3).any(-1).all()  # every token routed to expert 3
+    p = torch.softmax(logits.float(), -1).gather(-1, idx)  # the plain router's weights of those experts
+    torch.testing.assert_close(weights.float(), p / p.sum(-1, keepdim=True))
+    # the routing metrics see the same choice
+    scores = balance.selection_scores(model, [logits, logits])  # one [rows, E] per layer (both layers biased alike)
+    assert (torch.topk(scores[0], 2, -1).indices.sort(-1).values == idx.sort(-1).values).all()
+
+
+def test_update_moves_the_bias_by_the_sign_rule(make_cfg):
+    cfg, model, tok = _model(make_cfg, **{"routing.balance-rate": 0.01})
+    x, m = _ids(4, 10)
+    with RouterRecorder(model) as rec, torch.no_grad():
+        model(input_ids=x, attention_mask=m)
+    counts = torch.stack([torch.bincount(torch.topk(torch.softmax(z[0], -1), 2, -1).indices.reshape(-1),
+                                         minlength=4) for _, z in sorted(rec.calls.items())]).double()  # [L, E]
+    tracker = balance.BalanceTracker(model, 0.01)
+    with tracker:
+        tracker.start_forward()
+        with torch.no_grad():
+            model(input_ids=x, attention_mask=m)
+        tracker.count(m)
+        torch.testing.assert_close(tracker.counts, counts)
+        tracker.step()
+    want = torch.sign(counts.mean(-1, keepdim=True) - counts) * 0.01  # [L, E]
+    torch.testing.assert_close(torch.stack([b.detach().double() for b in balance.biases(model)]), want)
+    # padding tokens are not counted
+    tracker2 = balance.BalanceTracker(model, 0.01)
+    pad = m.clone()
+    pad[:, 5:] = 0
+    with tracker2:
+        tracker2.start_forward()
+        with torch.no_grad():
+            model(input_ids=x, attention_mask=pad)
+        tracker2.count(pad)
+    assert tracker2.counts.sum(-1).tolist() == [4 * 5 * 2] * 2  # valid tokens x k, per layer
+
+
+def test_train_sft_moves_the_bias_and_skips_the_aux_loss(make_cfg, synth_dirs):
+    from distmoe.data.formats import read_jsonl
+
+    cfg, model, tok = _model(make_cfg, **{"routing.balance-rate": 0.01, "train.local-steps": 3,
+                                          "train.batch-size": 4})
+    ms = describe(model)
+    enc = [encode_example(tok, ex, 48) for ex in read_jsonl(synth_dirs[0] / "arith.jsonl")]
+    res = train_sft(model, enc, tok.pad_token_id, cfg.train, cfg.routing, ms.num_experts, ms.top_k, None, 0)
+    assert res.steps == 3 and not res.aux_losses  # "bias": no aux loss
+    for b in balance.biases(model):  # 3 steps of +-u each: a multiple of u, at most 3u
+        assert b.abs().max() <= 0.03 + 1e-6 and b.abs().max() > 0
+        assert torch.allclose(b / 0.01, (b / 0.01).round(), atol=1e-4)
+    cfg2, model2, _ = _model(make_cfg, mode="aux+bias", **{"train.local-steps": 2, "train.batch-size": 4})
+    res2 = train_sft(model2, enc, tok.pad_token_id, cfg2.train, cfg2.routing, ms.num_experts, ms.top_k, None, 0)
+    assert len(res2.aux_losses) == 2
+
+
+def test_lora_is_refused(make_cfg):
+    with pytest.raises(ConfigError, match="routing.balance"):
+        make_cfg(**{"routing.balance": "bias", "model.trainable": "lora"})
