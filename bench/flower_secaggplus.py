@@ -155,7 +155,12 @@ def flower_round(n: int, length: int, secure: bool, seed: int = 0) -> dict:
     wall = timed["fit"]
     got = _aggregate_of(lctx)
     expect = np.mean(np.stack(list(updates.values())), axis=0)
-    err = float(np.max(np.abs(got - expect))) if got is not None else float("nan")
+    what = f"Flower {'SecAgg+' if secure else 'plaintext'} round with {n} clients"
+    if got is None or got.shape != expect.shape:
+        raise RuntimeError(f"{what}: no aggregate")
+    err = float(np.max(np.abs(got - expect)))
+    if not err < 1e-4:  # SecAgg+ quantisation: step 2 * clipping_range / quantization_range = 3.8e-6 per client
+        raise RuntimeError(f"{what}: aggregate off by {err:.2e}")
     return {"wall_s": wall, "up": sum(grid.up.values()) / n, "down": sum(grid.down.values()) / n,
             "messages": grid.messages, "max_err": err}
 

@@ -2,14 +2,25 @@
 baseline (``privacy.mode = "plaintext"``: plain arrays summed at the server), end to end through the coordinator,
 measured in one run for each party count.
 
-    python bench/secagg.py [--parties 3 5 10] [--quick] [--repeats 1] [--no-protocol]
-                           [--local-steps 2] [--batch 4] [--examples 24] [--threads 1] [--verbose]
+    python bench/secagg.py [--parties 3 5 10] [--quick] [--repeats 3] [--no-protocol] [--no-flower]
+                           [--exec inproc procs] [--warmup 1] [--local-steps 2] [--batch-size 4]
+                           [--examples 24] [--threads 1] [--verbose]
 
 Setup: the default model (no ``model.*`` overrides: 7.12M parameters, all trainable), synthetic party data
 (``write_synthetic``, ``--examples`` per task per party), the schedule ``sft:lookup, stats:lookup, eval`` with one
-SFT round and little local work (``--local-steps`` steps of batch ``--batch``, 4 eval examples, 2 new tokens), so
-that local training does not dominate. Each run goes through ``LocalTransport``: the parties run in this process,
-one after another, on the exact party code path (codec records, outbound and server guards, signed ledgers).
+SFT round and, by default, little local work (the stress case: ``--local-steps 2`` steps of batch 4, 4 eval
+examples, 2 new tokens), so that local training does not dominate; ``--local-steps 40 --batch-size 16`` is the
+default local work of ``train.*``. Each cell runs the parties two ways (``--exec``):
+
+- ``inproc``: ``LocalTransport``, the parties in this process, one after another, on the exact party code path
+  (codec records, outbound and server guards, signed ledgers);
+- ``procs``: each party its own OS process (``PartyProcesses``: forkserver, one pipe each), all served
+  concurrently as in deployment; every instruction and reply crosses the process boundary as Flower's protobuf
+  bytes (``recorddict_to_proto``), the coordinator stays in this process. A process keeps its loaded base across
+  messages (as the Simulation Engine's actors do), and ``--warmup`` unrecorded runs per cell absorb its cold start.
+  On a machine with fewer cores than parties the processes share the cores: the parallel speed-up is bounded by
+  ``os.cpu_count()`` (printed).
+
 Every run gets fresh work directories and a unique run id; the two modes alternate per repeat.
 
 Measured:
@@ -22,6 +33,9 @@ Measured:
 - bytes per party per round from the ledgers: up = the ``bytes`` of every "out" entry of a party's ledger in that
   round (masked input + unmask response in secagg mode), down = the coordinator's "out" entries to parties in that
   round (instruction + unmask request), each averaged over the parties;
+- (unless ``--no-flower``) the peer: Flower's own SecAgg+ (flwr 1.42 ``SecAggPlusWorkflow`` + ``secaggplus_mod``,
+  ``bench/flower_secaggplus.py``) over a float32 vector of the SFT update's length with the same parties, one fit
+  round against Flower's plaintext fit round, and its bytes per party (Flower's protobuf messages);
 - (unless ``--no-protocol``) the pure protocol cost for a vector of the SFT update's length in Z_2^64 with
   ``SecAggClient`` / ``SecAggServer`` driven stage by stage as in ``distmoe.privacy.secagg.LocalFederation``:
   the setup, one client's ``masked_input`` (n ChaCha20 mask expansions), the server's ``receive_masked`` +
