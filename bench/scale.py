@@ -21,7 +21,9 @@ Three measurements, each printed as a Markdown table:
    and the party's privacy session. Figures: per round kind, the coordinator's time and the median time of one
    party's ``serve`` call per message type: ``query.setup`` (key advert), ``query.directory`` (directory in,
    first share keys out), the phase message (training + encoding + masking + next share keys; secagg minus
-   plaintext is the protocol's share) and ``query.unmask``.
+   plaintext is the protocol's share), ``query.consistency`` and ``query.unmask``; and the per-party SFT round
+   cost (SFT round time / n, the parties served one after another) against the smallest party count's: flat
+   when everything per party is O(1) or the protocol's O(n) part is small beside it.
 3. **Protocol only** (``SecAggClient`` / ``SecAggServer`` driven stage by stage as in ``LocalFederation``), one
    round over a vector of the tiny model's SFT-update length (``--big-length``: also the default model's),
    complete graph vs the SecAgg+ Harary graph (``privacy.secagg-graph = "harary"``, degree from
