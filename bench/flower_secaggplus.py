@@ -1,6 +1,6 @@
 """Flower's own SecAgg+ (flwr 1.42) as the peer row of ``bench/secagg.py``: one fit round of
 ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))`` with the legacy FedAvg (the only way SecAgg+ runs in
-1.42: ``docs/privacy.md``, shared/reference/flower-1.42.md §6), the clients a legacy ``ClientApp`` with
+1.42: it has no Message-API strategy), the clients a legacy ``ClientApp`` with
 ``secaggplus_mod``, against the same workflow with the default (plaintext) fit workflow, in one process.
 
     python bench/flower_secaggplus.py [--parties 3 5 10] [--length 7121683] [--repeats 1]
