@@ -21,7 +21,9 @@ Three measurements, each printed as a Markdown table:
    and the party's privacy session. Figures: per round kind, the coordinator's time and the median time of one
    party's ``serve`` call per message type: ``query.setup`` (key advert), ``query.directory`` (directory in,
    first share keys out), the phase message (training + encoding + masking + next share keys; secagg minus
-   plaintext is the protocol's share) and ``query.unmask``.
+   plaintext is the protocol's share), ``query.consistency`` and ``query.unmask``; and the per-party SFT round
+   cost (SFT round time / n, the parties served one after another) against the smallest party count's: flat
+   when everything per party is O(1) or the protocol's O(n) part is small beside it.
 3. **Protocol only** (``SecAggClient`` / ``SecAggServer`` driven stage by stage as in ``LocalFederation``), one
    round over a vector of the tiny model's SFT-update length (``--big-length``: also the default model's),
    complete graph vs the SecAgg+ Harary graph (``privacy.secagg-graph = "harary"``, degree from
@@ -68,7 +70,6 @@ from distmoe.privacy.vectors import UpdateLayout
 from distmoe.simulate import TOKEN_ENV, SimOptions, processes_with_token
 from distmoe.simulate import run as simulate_run
 from distmoe.wire import codec
-from distmoe.wire.schema import TRAIN_METRIC_KEYS
 
 TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layers": 2, "model.heads": 2,
         "model.kv-heads": 1, "model.head-dim": 32, "train.local-steps": 8, "data.synth-examples": 40}
@@ -270,7 +271,7 @@ def sft_length(over: dict, n: int) -> int:
     cfg = parse_run_config(over)
     model = apply_trainable(build_model(cfg.model)[0], cfg.model)
     shapes = spec_of(model, cfg.model.trainable).shapes
-    return UpdateLayout.build(shapes, TRAIN_METRIC_KEYS, n, cfg.privacy.update_clip, cfg.privacy.max_weight).length
+    return UpdateLayout.build(shapes, n, cfg.privacy.update_clip).length
 
 
 def _slope(ns: list[int], ys: list[float]) -> float:
@@ -378,9 +379,10 @@ def main() -> None:
             f"peak USS {_x(sm(n, 'secagg', 'sum_uss'), sm(n, 'plaintext', 'sum_uss'))}" for n in parties))
     if loc:
         print(f"\n### Party code path in process (LocalTransport; medians of {args.local_repeats} run(s))\n")
-        print("| parties | mode | sft round s | stats s | eval s | wire start s | per party: query.setup ms | "
-              "query.directory ms | train.sft ms | train.stats ms | evaluate ms | query.unmask ms |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| parties | mode | sft round s | sft s / party | vs 3 | stats s | eval s | wire start s | "
+              "per party: query.setup ms | query.directory ms | train.sft ms | train.stats ms | evaluate ms | "
+              "query.consistency ms | query.unmask ms |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for n in parties:
             for mode in MODES:
                 rs = loc[(n, mode)]
@@ -391,9 +393,12 @@ def main() -> None:
                 def ms(mt, m=m):
                     v = m(f"serve:{mt}")
                     return "-" if not math.isfinite(v) else f"{v * 1e3:.0f}"
-                print(f"| {n} | {mode} | {m('sft_s'):.2f} | {m('stats_s'):.2f} | {m('eval_s'):.2f} | "
+                base = _med([r.get("sft_s") for r in loc[(parties[0], mode)]]) / parties[0]
+                print(f"| {n} | {mode} | {m('sft_s'):.2f} | {m('sft_s') / n:.3f} | {_x(m('sft_s') / n, base)} | "
+                      f"{m('stats_s'):.2f} | {m('eval_s'):.2f} | "
                       f"{m('start_wire_s'):.2f} | {ms(codec.MSG_SETUP)} | {ms(codec.MSG_DIRECTORY)} | "
-                      f"{ms(codec.MSG_SFT)} | {ms(codec.MSG_STATS)} | {ms(codec.MSG_EVAL)} | {ms(codec.MSG_UNMASK)} |")
+                      f"{ms(codec.MSG_SFT)} | {ms(codec.MSG_STATS)} | {ms(codec.MSG_EVAL)} | "
+                      f"{ms(codec.MSG_CONSISTENCY)} | {ms(codec.MSG_UNMASK)} |")
     if proto:
         c_stages = ("advertise", "share keys", "masked input", "consistency", "unmask")
         s_stages = ("register", "add share keys", "begin round", "receive masked", "receive consistency", "finish")

@@ -2,14 +2,25 @@
 baseline (``privacy.mode = "plaintext"``: plain arrays summed at the server), end to end through the coordinator,
 measured in one run for each party count.
 
-    python bench/secagg.py [--parties 3 5 10] [--quick] [--repeats 1] [--no-protocol]
-                           [--local-steps 2] [--batch 4] [--examples 24] [--threads 1] [--verbose]
+    python bench/secagg.py [--parties 3 5 10] [--quick] [--repeats 3] [--no-protocol] [--no-flower]
+                           [--exec inproc procs] [--warmup 1] [--local-steps 2] [--batch-size 4]
+                           [--examples 24] [--threads 1] [--verbose]
 
 Setup: the default model (no ``model.*`` overrides: 7.12M parameters, all trainable), synthetic party data
 (``write_synthetic``, ``--examples`` per task per party), the schedule ``sft:lookup, stats:lookup, eval`` with one
-SFT round and little local work (``--local-steps`` steps of batch ``--batch``, 4 eval examples, 2 new tokens), so
-that local training does not dominate. Each run goes through ``LocalTransport``: the parties run in this process,
-one after another, on the exact party code path (codec records, outbound and server guards, signed ledgers).
+SFT round and, by default, little local work (the stress case: ``--local-steps 2`` steps of batch 4, 4 eval
+examples, 2 new tokens), so that local training does not dominate; ``--local-steps 40 --batch-size 16`` is the
+default local work of ``train.*``. Each cell runs the parties two ways (``--exec``):
+
+- ``inproc``: ``LocalTransport``, the parties in this process, one after another, on the exact party code path
+  (codec records, outbound and server guards, signed ledgers);
+- ``procs``: each party its own OS process (``PartyProcesses``: forkserver, one pipe each), all served
+  concurrently as in deployment; every instruction and reply crosses the process boundary as Flower's protobuf
+  bytes (``recorddict_to_proto``), the coordinator stays in this process. A process keeps its loaded base across
+  messages (as the Simulation Engine's actors do), and ``--warmup`` unrecorded runs per cell absorb its cold start.
+  On a machine with fewer cores than parties the processes share the cores: the parallel speed-up is bounded by
+  ``os.cpu_count()`` (printed).
+
 Every run gets fresh work directories and a unique run id; the two modes alternate per repeat.
 
 Measured:
@@ -22,6 +33,9 @@ Measured:
 - bytes per party per round from the ledgers: up = the ``bytes`` of every "out" entry of a party's ledger in that
   round (masked input + unmask response in secagg mode), down = the coordinator's "out" entries to parties in that
   round (instruction + unmask request), each averaged over the parties;
+- (unless ``--no-flower``) the peer: Flower's own SecAgg+ (flwr 1.42 ``SecAggPlusWorkflow`` + ``secaggplus_mod``,
+  ``bench/flower_secaggplus.py``) over a float32 vector of the SFT update's length with the same parties, one fit
+  round against Flower's plaintext fit round, and its bytes per party (Flower's protobuf messages);
 - (unless ``--no-protocol``) the pure protocol cost for a vector of the SFT update's length in Z_2^64 with
   ``SecAggClient`` / ``SecAggServer`` driven stage by stage as in ``distmoe.privacy.secagg.LocalFederation``:
   the setup, one client's ``masked_input`` (n ChaCha20 mask expansions), the server's ``receive_masked`` +
@@ -104,6 +118,99 @@ class TimedCoordinator(Coordinator):
         return out
 
 
+# ------------------------------------------------------------------------------ parties as processes
+def _party_worker(conn, threads: int) -> None:
+    """One party's OS process: receives (cfg, node config, node id, run id, message type, Flower protobuf
+    bytes of the instruction), serves it on the party code path, sends the reply's protobuf bytes back (or
+    an error code, as the ClientApp does). Runs until it receives ``None``."""
+    from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
+
+    from distmoe.party.service import PartyService
+    from distmoe.wire.errors import ErrorCode, Refused, reason_text
+    from distmoe.wire.party_guard import serve
+
+    torch.set_num_threads(threads)
+    while (job := conn.recv()) is not None:
+        cfg, node_cfg, node, run_id, mtype, blob = job
+        t = time.perf_counter()
+        try:
+            content = recorddict_from_proto(ProtoRecordDict.FromString(blob))
+            reply = serve(mtype, content, PartyService(cfg, node_cfg, node, run_id), run_id)
+            conn.send(("ok", recorddict_to_proto(reply).SerializeToString(), time.perf_counter() - t))
+        except Refused as exc:
+            conn.send(("error", (str(exc), int(exc.code)), time.perf_counter() - t))
+        except Exception:  # as the ClientApp does: an error reply without text
+            conn.send(("error", (reason_text(ErrorCode.INTERNAL), int(ErrorCode.INTERNAL)), time.perf_counter() - t))
+
+
+class PartyProcesses:
+    """``n`` party processes (forkserver: started from a clean server process with torch, the party service and
+    Flower's serde preloaded, never forked from a parent that ran torch), one pipe each. Process i serves the
+    i-th node of every run it is given; all its state between messages is in the party's work directory, as in
+    deployment (where a SuperNode starts a fresh ClientApp process per message, this process keeps the loaded
+    base across messages, as the Simulation Engine's actors do)."""
+
+    def __init__(self, n: int, threads: int):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "distmoe.party.service", "distmoe.wire.party_guard", "flwr.common.serde"])
+        self.conns, self.procs = [], []
+        for _ in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_party_worker, args=(child, threads), daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+class ProcessTransport(TimedTransport):
+    """The parties in their own OS processes (``PartyProcesses``), served concurrently: every instruction leaves
+    the coordinator as Flower's protobuf bytes over a pipe and every reply comes back the same way (the codec,
+    guards and ledgers are the same as in process). ``party_s`` = the wall time of each exchange from the
+    first send to the last reply (the parties in parallel); ``serve_s`` = the sum of the parties' own serve
+    times. No fault injection (``down``/``drop``/``late``/``tamper`` are not used here)."""
+
+    def __init__(self, cfg, nodes, run_id, procs: PartyProcesses):
+        super().__init__(cfg, nodes, run_id)
+        self.procs = procs
+        self.index = {node: i for i, node in enumerate(sorted(nodes))}
+        self.serve_s: dict[int, float] = defaultdict(float)
+
+    def _send(self, out, timeout):
+        from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+        from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
+
+        from distmoe.wire import codec
+
+        t = time.perf_counter()
+        for node, (mtype, content) in out.items():
+            blob = recorddict_to_proto(content).SerializeToString()
+            self.procs.conns[self.index[node]].send((self.cfg, self.nodes[node], node, self.run_id, mtype, blob))
+        got = {}
+        for node in out:
+            status, body, served = self.procs.conns[self.index[node]].recv()
+            self.serve_s[self._rnd] += served
+            got[node] = (recorddict_from_proto(ProtoRecordDict.FromString(body)) if status == "ok"
+                         else codec.ErrorReply(*body))
+        self.party_s[self._rnd] += time.perf_counter() - t
+        return got
+
+
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -128,7 +235,9 @@ def _bytes_per_round(run_dir: Path, work_dirs: list[Path], n: int) -> tuple[dict
     return up, down
 
 
-def one_run(mode: str, n: int, data_dirs: list[Path], root: Path, args, log) -> dict:
+def one_run(mode: str, n: int, data_dirs: list[Path], root: Path, args, log, procs: PartyProcesses | None = None
+            ) -> dict:
+    """One run; the parties in this process one after another, or (``procs``) each in its own process."""
     overrides = {"schedule.phases": SCHEDULE, "schedule.sft-rounds": 1, "train.local-steps": args.local_steps,
                  "train.batch-size": args.batch, "train.threads": args.threads, "data.max-eval-examples": 4,
                  "data.synth-examples": args.examples, "eval.max-new-tokens": 2, "federation.wait-timeout": 1.0,
@@ -139,7 +248,8 @@ def one_run(mode: str, n: int, data_dirs: list[Path], root: Path, args, log) -> 
     work_dirs = [base / f"work-{i}" for i in range(n)]
     nodes = {100 + i: parse_node_config({"data-path": str(d), "work-dir": str(w)}, cfg.sim)
              for i, (d, w) in enumerate(zip(data_dirs, work_dirs, strict=True))}
-    transport = TimedTransport(cfg, nodes, run_id)
+    transport = (ProcessTransport(cfg, nodes, run_id, procs) if procs is not None
+                 else TimedTransport(cfg, nodes, run_id))
     run_dir = base / "run"
     coord = TimedCoordinator(cfg, run_dir, transport, run_id=run_id, log=log)
     t = time.perf_counter()
@@ -235,15 +345,24 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else "n/a"
 
 
+EXECS = ("inproc", "procs")
+EXEC_TEXT = {"inproc": "in process", "procs": "processes"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parties", type=int, nargs="+", default=[3, 5, 10])
     ap.add_argument("--quick", action="store_true", help="only 3 parties, one run per mode (overrides both)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode and party count (median reported)")
     ap.add_argument("--local-steps", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", "--batch-size", dest="batch", type=int, default=4)
     ap.add_argument("--examples", type=int, default=24, help="synthetic examples per task per party")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--exec", nargs="+", choices=EXECS, default=list(EXECS),
+                    help="inproc: the parties one after another in this process; procs: each party its own OS "
+                         "process, served concurrently, messages as Flower protobuf bytes over pipes")
+    ap.add_argument("--warmup", type=int, default=1, help="unrecorded runs before each cell's first (cold start)")
+    ap.add_argument("--no-flower", action="store_true", help="skip Flower's own SecAgg+ (bench/flower_secaggplus.py)")
     ap.add_argument("--no-protocol", action="store_true", help="skip the SecAgg-only measurement")
     ap.add_argument("--keep", action="store_true", help="keep the run and work directories")
     ap.add_argument("--dir", default="", help="where to put data and runs (default: a temporary directory)")
@@ -252,75 +371,120 @@ def main() -> None:
     parties = [3] if args.quick else sorted(set(args.parties))
     if args.quick:
         args.repeats = 1
+    execs = [e for e in EXECS if e in args.exec]
     torch.set_num_threads(args.threads)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="distmoe-bench-secagg-"))
     root.mkdir(parents=True, exist_ok=True)
     log = print if args.verbose else (lambda _s: None)
 
-    res: dict[tuple[int, str], list[dict]] = defaultdict(list)
+    res: dict[tuple[int, str, str], list[dict]] = defaultdict(list)
+    flower: dict[tuple[int, bool], list[dict]] = defaultdict(list)
     t_all = time.perf_counter()
     try:
         for n in parties:
             data = write_synthetic(root / f"data-{n}-{uuid.uuid4().hex[:6]}", parties=n,
                                    examples_per_task=args.examples, seed=0)
-            for rep in range(args.repeats):
-                for mode in (MODES if rep % 2 == 0 else MODES[::-1]):  # alternate which mode goes first
-                    r = one_run(mode, n, data, root, args, log)
-                    res[(n, mode)].append(r)
-                    print(f"  {n:2d} parties, {mode:9s} run {rep + 1}: {r['total_s']:.1f} s "
-                          f"(sft {r['sft']['wall_s']:.2f} s, stats {r['stats']['wall_s']:.2f} s, "
-                          f"eval {r['eval']['wall_s']:.2f} s)", flush=True)
-        proto = {}
-        if not args.no_protocol:
+            for ex in execs:
+                procs = PartyProcesses(n, args.threads) if ex == "procs" else None
+                try:
+                    for _ in range(args.warmup):  # not recorded: builds each process's base, warms torch
+                        one_run("plaintext", n, data, root, args, log, procs)
+                    for rep in range(args.repeats):
+                        for mode in (MODES if rep % 2 == 0 else MODES[::-1]):  # alternate which mode goes first
+                            r = one_run(mode, n, data, root, args, log, procs)
+                            res[(n, ex, mode)].append(r)
+                            print(f"  {n:2d} parties, {EXEC_TEXT[ex]:10s}, {mode:9s} run {rep + 1}: "
+                                  f"{r['total_s']:.1f} s (sft {r['sft']['wall_s']:.2f} s, stats "
+                                  f"{r['stats']['wall_s']:.2f} s, eval {r['eval']['wall_s']:.2f} s)", flush=True)
+                finally:
+                    if procs is not None:
+                        procs.close()
+        length_of: dict[int, int] = {}
+        if not (args.no_protocol and args.no_flower):
             cfg = parse_run_config({})
             model = apply_trainable(build_model(cfg.model)[0], cfg.model)
             shapes = spec_of(model, cfg.model.trainable).shapes
+            length_of = {n: UpdateLayout.build(shapes, n, cfg.privacy.update_clip).length for n in parties}
+        if not args.no_flower:
+            from flower_secaggplus import flower_round  # bench/flower_secaggplus.py (this folder is on sys.path)
+
             for n in parties:
-                length = UpdateLayout.build(shapes, n, cfg.privacy.update_clip).length
-                proto[n] = (length, protocol_cost(n, length))
+                for rep in range(args.repeats):
+                    for secure in ((False, True) if rep % 2 == 0 else (True, False)):
+                        flower[(n, secure)].append(flower_round(n, length_of[n], secure, rep))
+                print(f"  Flower SecAgg+, {n:2d} parties: done", flush=True)
+        proto = {}
+        if not args.no_protocol:
+            for n in parties:
+                proto[n] = (length_of[n], protocol_cost(n, length_of[n]))
                 print(f"  protocol only, {n:2d} parties: done", flush=True)
     finally:
         if not args.dir and not args.keep:
             shutil.rmtree(root, ignore_errors=True)
 
-    def med(n: int, mode: str, *path: str) -> float:
+    def med(n: int, ex: str, mode: str, *path: str) -> float:
         vals = []
-        for r in res[(n, mode)]:
+        for r in res[(n, ex, mode)]:
             v = r
             for p in path:
                 v = v[p]
             vals.append(v)
         return statistics.median(vals)
 
-    first = res[(parties[0], "secagg")][0]
+    def fmed(n: int, secure: bool, key: str) -> float:
+        return statistics.median(r[key] for r in flower[(n, secure)])
+
+    first = res[(parties[0], execs[0], "secagg")][0]
     print()
     print(f"model {first['params'] / 1e6:.2f}M params ({first['trainable'] / 1e6:.2f}M trainable), schedule "
-          f"'{SCHEDULE}', {args.local_steps} local steps x batch {args.batch}, {args.threads} thread(s), "
-          f"{args.repeats} run(s) per cell (median), total {time.perf_counter() - t_all:.0f} s")
-    print("\nWall time per round (s); 'in parties' = time inside the parties' serve calls (sequential, in-process)")
-    print(f"{'round':6s} {'parties':>7s} {'plaintext':>10s} {'secagg':>8s} {'ratio':>7s} "
+          f"'{SCHEDULE}', {args.local_steps} local steps x batch {args.batch}, {args.threads} thread(s) per party, "
+          f"{args.repeats} run(s) per cell (median), {os.cpu_count()} CPU(s), "
+          f"total {time.perf_counter() - t_all:.0f} s")
+    print("\nWall time per round (s); 'in parties' = in process: the sum of the parties' serve calls (one after "
+          "another); processes: from the first send to the last reply (the parties concurrently)")
+    print(f"{'round':6s} {'parties':>7s} {'exec':>10s} {'plaintext':>10s} {'secagg':>8s} {'ratio':>7s} "
           f"{'plain in parties':>17s} {'secagg in parties':>18s} {'extra s':>8s}")
     for kind in KINDS:
         for n in parties:
-            p, s = med(n, "plaintext", kind, "wall_s"), med(n, "secagg", kind, "wall_s")
-            pp, sp = med(n, "plaintext", kind, "party_s"), med(n, "secagg", kind, "party_s")
-            print(f"{kind:6s} {n:7d} {p:10.2f} {s:8.2f} {_ratio(s, p):>7s} {pp:17.2f} {sp:18.2f} {s - p:8.2f}")
+            for ex in execs:
+                p, s = med(n, ex, "plaintext", kind, "wall_s"), med(n, ex, "secagg", kind, "wall_s")
+                pp, sp = med(n, ex, "plaintext", kind, "party_s"), med(n, ex, "secagg", kind, "party_s")
+                print(f"{kind:6s} {n:7d} {EXEC_TEXT[ex]:>10s} {p:10.2f} {s:8.2f} {_ratio(s, p):>7s} {pp:17.2f} "
+                      f"{sp:18.2f} {s - p:8.2f}")
+    if flower:
+        print("\nPeer: Flower's own SecAgg+ (flwr 1.42 SecAggPlusWorkflow + secaggplus_mod, complete graph: "
+              "num_shares = n, threshold n//2+1), one fit round over a float32 vector of the SFT update's length, "
+              "in process (bench/flower_secaggplus.py: the clients return a fixed vector, no training)")
+        print(f"{'round':6s} {'parties':>7s} {'exec':>10s} {'Flower plain':>13s} {'SecAgg+':>8s} {'ratio':>7s} "
+              f"{'extra s':>8s} {'max abs err':>12s}")
+        for n in parties:
+            p, s = fmed(n, False, "wall_s"), fmed(n, True, "wall_s")
+            print(f"{'fit':6s} {n:7d} {EXEC_TEXT['inproc']:>10s} {p:13.2f} {s:8.2f} {_ratio(s, p):>7s} {s - p:8.2f} "
+                  f"{fmed(n, True, 'max_err'):12.1e}")
     print("\nOne-off wire start before round 1 (s): allow-list + ledger (both modes) + secure setup (secagg only)")
-    print(f"{'parties':>7s} {'secagg':>7s} {'plaintext':>10s} {'setup extra':>12s} {'in parties':>11s} "
+    print(f"{'parties':>7s} {'exec':>10s} {'secagg':>7s} {'plaintext':>10s} {'setup extra':>12s} {'in parties':>11s} "
           f"{'up/party':>10s} {'down/party':>11s}")
     for n in parties:
-        s_w, p_w = med(n, "secagg", "start_wire_s"), med(n, "plaintext", "start_wire_s")
-        print(f"{n:7d} {s_w:7.2f} {p_w:10.2f} {s_w - p_w:12.2f} {med(n, 'secagg', 'setup_party_s'):11.2f} "
-              f"{_size(med(n, 'secagg', 'setup_up')):>10s} {_size(med(n, 'secagg', 'setup_down')):>11s}")
-    print("\nBytes per party per round (from the ledgers)")
-    print(f"{'round':6s} {'parties':>7s} {'up plain':>10s} {'up secagg':>10s} {'ratio':>7s} "
-          f"{'down plain':>11s} {'down secagg':>12s} {'ratio':>7s}")
+        for ex in execs:
+            s_w, p_w = med(n, ex, "secagg", "start_wire_s"), med(n, ex, "plaintext", "start_wire_s")
+            print(f"{n:7d} {EXEC_TEXT[ex]:>10s} {s_w:7.2f} {p_w:10.2f} {s_w - p_w:12.2f} "
+                  f"{med(n, ex, 'secagg', 'setup_party_s'):11.2f} {_size(med(n, ex, 'secagg', 'setup_up')):>10s} "
+                  f"{_size(med(n, ex, 'secagg', 'setup_down')):>11s}")
+    print("\nBytes per party per round (distmoe: from the ledgers; Flower: its protobuf messages of the fit round)")
+    print(f"{'round':6s} {'parties':>7s} {'up plain':>10s} {'up secagg':>10s} {'ratio':>7s} {'up SecAgg+':>11s} "
+          f"{'ratio':>7s} {'down plain':>11s} {'down secagg':>12s} {'ratio':>7s} {'down SecAgg+':>13s}")
+    ex0 = execs[0]  # the bytes do not depend on how the parties are run
     for kind in KINDS:
         for n in parties:
-            up_p, up_s = med(n, "plaintext", kind, "up"), med(n, "secagg", kind, "up")
-            dn_p, dn_s = med(n, "plaintext", kind, "down"), med(n, "secagg", kind, "down")
-            print(f"{kind:6s} {n:7d} {_size(up_p):>10s} {_size(up_s):>10s} {_ratio(up_s, up_p):>7s} "
-                  f"{_size(dn_p):>11s} {_size(dn_s):>12s} {_ratio(dn_s, dn_p):>7s}")
+            up_p, up_s = med(n, ex0, "plaintext", kind, "up"), med(n, ex0, "secagg", kind, "up")
+            dn_p, dn_s = med(n, ex0, "plaintext", kind, "down"), med(n, ex0, "secagg", kind, "down")
+            f_up = f_dn = "-"
+            f_ratio = "-"
+            if kind == "sft" and flower:
+                f_up, f_dn = _size(fmed(n, True, "up")), _size(fmed(n, True, "down"))
+                f_ratio = _ratio(fmed(n, True, "up"), fmed(n, False, "up"))
+            print(f"{kind:6s} {n:7d} {_size(up_p):>10s} {_size(up_s):>10s} {_ratio(up_s, up_p):>7s} {f_up:>11s} "
+                  f"{f_ratio:>7s} {_size(dn_p):>11s} {_size(dn_s):>12s} {_ratio(dn_s, dn_p):>7s} {f_dn:>13s}")
     if proto:
         print("\nProtocol only (SecAggClient/SecAggServer, one round over the SFT update vector in Z_2^64)")
         print(f"{'parties':>7s} {'length':>10s} {'setup s':>8s} {'mask/client s':>14s} {'mask all s':>11s} "

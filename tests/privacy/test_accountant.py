@@ -226,3 +226,28 @@ def test_skellam_is_at_least_the_dp_accounting_gaussian_at_integer_orders(z, rel
     # the Skellam-plus-Gaussian history is at least dp-accounting's all-Gaussian composition at integer orders
     both = rdp.RdpAccountant(orders=list(INT_ALPHAS)).compose(event).compose(dp_accounting.GaussianDpEvent(3.0))
     assert epsilon_from_events([sk, PrivacyEvent(3.0)], 1e-6)[1] >= both.get_epsilon(1e-6)
+
+
+def test_identical_histories_are_composed_once_per_process(monkeypatch):
+    """A coordinator holds one accountant per party with the same history: the composition runs once for all of
+    them (``_COMPOSED``), gives the same answer as a fresh computation, and a different history is not a hit."""
+    from distmoe.privacy import accountant as A
+
+    monkeypatch.setattr(A, "_COMPOSED", {})
+    calls = []
+    real = A._eps_prv
+    monkeypatch.setattr(A, "_eps_prv", lambda *a, **k: calls.append(a) or real(*a, **k))
+    events = [PrivacyEvent(3.0, 1.0, 1, mechanism="skellam", label="stats"), PrivacyEvent(2.0, 1.0, 1, label="eval")]
+    accs = [Accountant(delta=1e-6, epsilon_budget=20.0) for _ in range(20)]
+    after = [acc.epsilon_after(events[0]) for acc in accs]
+    assert len(calls) == 1 and len(set(after)) == 1
+    for acc in accs:
+        acc.spend(events[0])
+    assert len(calls) == 1  # the same history again
+    A._COMPOSED.clear()
+    assert accs[0].epsilon() == pytest.approx(epsilon_from_events(events[:1], 1e-6))  # a fresh recomputation agrees
+    assert len(calls) == 2
+    assert epsilon_from_events(events, 1e-6)[0] > epsilon_from_events(events[:1], 1e-6)[0]  # another history: no hit
+    assert len(calls) == 3
+    # the merged history is the key: the same releases in another order are the same composition
+    assert epsilon_from_events(events[::-1], 1e-6) == epsilon_from_events(events, 1e-6) and len(calls) == 3
