@@ -110,6 +110,7 @@ def test_a_run_killed_mid_dpo_phase_resumes_with_the_phase_reference(tiny, pref_
         cfg = parse_run_config({**tiny, "schedule.phases": "sft:pref, dpo:pref*2", "schedule.sft-rounds": 1,
                                 "train.local-steps": 2, "train.batch-size": 4, "dpo.steps": 3,
                                 "dpo.pairs-per-step": 4, "checkpoint.keep": 10, "federation.min-available": 2,
+                                "privacy.ring-bits": "64",  # nearest rounding: the secure sum is exact
                                 **over})
         nodes = {i: NodeConfig(party=d.name, data_path=d, work_dir=where / "w", model_path="")
                  for i, d in enumerate(pref_dirs)}

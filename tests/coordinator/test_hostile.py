@@ -21,6 +21,7 @@ from distmoe.coordinator import RunFailed
 from distmoe.party import service as party_service
 from distmoe.party import work as P
 from distmoe.privacy.metric_noise import EvalSpec
+from distmoe.privacy.ring import from_ring, to_ring
 from distmoe.privacy.vectors import UpdateLayout, from_ring64, to_ring64
 from distmoe.wire.errors import ErrorCode, reason_text
 from distmoe.wire.schema import ModelUpdate, SftInstruction
@@ -73,15 +74,17 @@ def _blow_up(monkeypatch, party: str, factor: float, clip: bool):
             return upd
         return ModelUpdate(upd.party, {k: v * factor for k, v in upd.delta.items()}, upd.num_examples, upd.metrics)
 
-    def encode(self, delta, num_examples):
-        vec, facts = real_encode(self, delta, num_examples)
+    def encode(self, delta, num_examples, rng=None):
+        vec, facts = real_encode(self, delta, num_examples, rng)
         if clip:
             return vec, facts
         # the same fixed-point layout, but the delta block unclipped
         flat = np.concatenate([np.asarray(delta[k], np.float64).ravel() for k, _ in self.shapes])
-        signed = from_ring64(vec).copy()
+        signed = from_ring(vec).astype(np.int64)  # in the release's word width (32 or 64 bits)
         signed[:self.numel] = np.rint(flat * self.weight_of(num_examples) * 2.0**self.frac_bits).astype(np.int64)
-        return to_ring64(signed), facts
+        if self.bits == 32:  # the unclipped block wraps in Z_2^32 as it would on the wire
+            signed = ((signed + 2**31) % 2**32) - 2**31
+        return to_ring(signed, self.bits), facts
 
     monkeypatch.setattr(P, "run_sft", sft)
     monkeypatch.setitem(party_service._PLAIN, SftInstruction, sft)  # the plaintext path's bound reference

@@ -31,6 +31,20 @@ def _zero_prg(key: bytes, length: int, bits: int) -> np.ndarray:
     return np.zeros(length, primitives.word_dtype(bits))
 
 
+def _zero_combine(out: np.ndarray, terms, bits: int, *, threads: int = 1) -> np.ndarray:
+    """The in-place mask expansion the protocol uses (``combine_masks``) with an all-zero keystream."""
+    if terms and terms[0][1] == 0:
+        out[:] = 0
+    return out
+
+
+def _patch_zero(monkeypatch) -> None:
+    """Both the reference PRG and the fast in-place expansion return zeros (the party's masking path and the
+    known-answer test each use one of them)."""
+    monkeypatch.setattr(primitives, "prg", _zero_prg)
+    monkeypatch.setattr(primitives, "combine_masks", _zero_combine)
+
+
 def _ledger(run_dir: Path, p: str) -> list[dict]:
     path = run_dir / "work" / p / "ledger" / f"{p}.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x]
@@ -58,9 +72,15 @@ def test_prg_known_answer_holds_for_the_real_prg():
     assert selftest.prg_known_answer() is None
 
 
+def test_known_answer_catches_a_broken_fast_expansion_alone(monkeypatch):
+    """The protocol masks with ``combine_masks``, not ``prg``: a zero fast path with an honest ``prg`` fails too."""
+    monkeypatch.setattr(primitives, "combine_masks", _zero_combine)
+    assert "masks-64" in selftest.prg_known_answer()
+
+
 @pytest.mark.integration  # a whole in-process run
 def test_zero_prg_fails_the_known_answer_test_at_setup(tmp_path, monkeypatch, make_run):
-    monkeypatch.setattr(primitives, "prg", _zero_prg)
+    _patch_zero(monkeypatch)
     assert "known-answer" in selftest.prg_known_answer()
     run_dir = _run(make_run, tmp_path)
     for p in PARTIES:
@@ -73,7 +93,7 @@ def test_zero_prg_fails_the_known_answer_test_at_setup(tmp_path, monkeypatch, ma
 @pytest.mark.integration
 @pytest.mark.parametrize("bypass", ["kat", "kat+session"])
 def test_zero_masks_past_the_known_answer_test_are_never_sent(tmp_path, monkeypatch, make_run, bypass):
-    monkeypatch.setattr(primitives, "prg", _zero_prg)
+    _patch_zero(monkeypatch)
     monkeypatch.setattr(party_session, "prg_known_answer", lambda: None)
     if bypass == "kat+session":
         monkeypatch.setattr(party_session, "mask_check_failure", lambda facts: None)

@@ -45,8 +45,13 @@ _POWERS = np.array([1 << k for k in range(64)], dtype=np.uint64)  # [64] 2^0 .. 
 _POWERS32 = np.array([1 << k for k in range(32)], dtype=np.uint32)  # [32] 2^0 .. 2^31
 
 
-def _kat_values() -> tuple[str, str, str]:
+def _kat_values() -> tuple[str, str, str, str, str]:
+    """The reference PRG, the in-place expansion the protocol actually masks with (``combine_masks``: a broken
+    fast path must fail here too, not only ``prg``) and the key derivation."""
+    fast64 = P.combine_masks(np.ones(4, np.uint64), [(KAT_KEY, 0)], 64)  # overwrite: the keystream itself
+    fast20 = P.combine_masks(np.zeros(4, np.uint32), [(KAT_KEY, 1)], 20)  # add to zeros, masked to 20 bits
     return (P.prg(KAT_KEY, 4, 64).astype("<u8").tobytes().hex(), P.prg(KAT_KEY, 4, 20).astype("<u4").tobytes().hex(),
+            fast64.astype("<u8").tobytes().hex(), fast20.astype("<u4").tobytes().hex(),
             P.derive_key(KAT_KEY, b"distmoe-kat").hex())
 
 
@@ -56,8 +61,9 @@ def prg_known_answer() -> str | None:
         got = _kat_values()
     except Exception as exc:  # a broken PRG may raise anything
         return f"the PRG known-answer test raised {type(exc).__name__}"
-    want = (KAT_PRG64, KAT_PRG20, KAT_DERIVED)
-    bad = [name for name, g, w in zip(("prg-64", "prg-20", "derive-key"), got, want, strict=True) if g != w]
+    want = (KAT_PRG64, KAT_PRG20, KAT_PRG64, KAT_PRG20, KAT_DERIVED)
+    names = ("prg-64", "prg-20", "masks-64", "masks-20", "derive-key")
+    bad = [name for name, g, w in zip(names, got, want, strict=True) if g != w]
     return f"the PRG known-answer test failed ({', '.join(bad)})" if bad else None
 
 
