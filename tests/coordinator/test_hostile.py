@@ -22,7 +22,7 @@ from distmoe.party import service as party_service
 from distmoe.party import work as P
 from distmoe.privacy.metric_noise import EvalSpec
 from distmoe.privacy.ring import from_ring, to_ring
-from distmoe.privacy.vectors import UpdateLayout, from_ring64, to_ring64
+from distmoe.privacy.vectors import UpdateLayout, to_ring64
 from distmoe.wire.errors import ErrorCode, reason_text
 from distmoe.wire.schema import ModelUpdate, SftInstruction
 
