@@ -24,7 +24,7 @@ from distmoe.config import NodeConfig, RunConfig
 from distmoe.data.template import encode_example
 from distmoe.model.build import describe
 from distmoe.model.trainable import trainable_state
-from distmoe.party.work import PartyError, _party_seed, load_data, prepare_model, progress
+from distmoe.party.work import PartyError, _party_seed, _stability, load_data, prepare_model, progress
 from distmoe.rl.dpo import preference_margins, reference_logps, train_dpo
 from distmoe.wire.errors import ErrorCode
 from distmoe.wire.schema import TRAIN_METRIC_KEYS, ModelUpdate, SftInstruction
@@ -72,6 +72,7 @@ def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> tuple[Mo
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
     res = train_dpo(model, pairs, ref, pad, node.train(cfg.train), cfg.dpo, cfg.routing, ms.num_experts, ms.top_k,
                     anchor, seed=_party_seed(instr.seed, node.party))
+    _stability(node, instr, res.nonfinite)  # names of tensors with non-finite gradients: this party's log only
     local.update(_margin_stats(preference_margins(model, held, pad, bs), "dpo_heldout_after"))
     after = trainable_state(model)
     delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}

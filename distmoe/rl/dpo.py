@@ -48,6 +48,7 @@ from distmoe.rl.losses import mismatch_weights
 from distmoe.routing.losses import anchor_kl, aux_load_balance_loss
 from distmoe.train.optim import build_optimizer
 from distmoe.train.sft import set_checkpointing
+from distmoe.train.stability import NonFinite, guard_gradients
 
 Encoded = tuple[list[int], list[int]]  # (input_ids, labels), labels -100 off the completion
 Pair = tuple[Encoded, Encoded]  # (chosen, rejected)
@@ -198,6 +199,7 @@ class DPOResult:
     accs: list[float] = field(default_factory=list)
     ref_stats: dict[str, float] = field(default_factory=dict)
     time_s: float = 0.0
+    nonfinite: NonFinite = field(default_factory=NonFinite)  # what the skipped steps' gradients were
 
     def summary(self) -> dict[str, float]:
         """The SFT summary's keys (``task_loss`` = the DPO loss) plus the DPO figures, prefixed ``dpo_``."""
@@ -232,7 +234,7 @@ def train_dpo(model: nn.Module, pairs: list[Pair], ref: Reference, pad_id: int, 
     model.train()
     opt, sched = build_optimizer(model, train)
     scaler = torch.amp.GradScaler(device.type, enabled=base_dtype(model) == torch.float16)
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     anchor = anchor.to(device) if anchor is not None else None
     res = DPOResult(steps=0, skipped_steps=0, num_pairs=len(pairs), ref_stats=dict(ref.stats))
     t0 = time.perf_counter()
@@ -252,7 +254,7 @@ def train_dpo(model: nn.Module, pairs: list[Pair], ref: Reference, pad_id: int, 
             loss, st = dpo_loss(seq[:b], seq[b:], ref.chosen[ids].to(device), ref.rejected[ids].to(device), dpo.beta,
                                 ref.keep[ids].to(device))
             step_parts = {"dpo_loss": st["dpo_loss"], "margin": st["margin"], "pref_acc": st["pref_acc"]}
-            if routing.aux_loss_coef > 0:
+            if routing.aux_loss_coef > 0 and "aux" in routing.balance:
                 aux = aux_load_balance_loss(out.router_logits, num_experts, top_k, batch["attention_mask"])
                 loss = loss + routing.aux_loss_coef * aux
                 step_parts["aux_loss"] = float(aux.detach())
@@ -270,12 +272,16 @@ def train_dpo(model: nn.Module, pairs: list[Pair], ref: Reference, pad_id: int, 
                     parts[k] = parts.get(k, 0.0) + v * weight
         if not finite:
             res.skipped_steps += 1
+            res.nonfinite.add(["<loss>"])
             opt.zero_grad(set_to_none=True)
             continue
         scaler.unscale_(opt)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
-        if not torch.isfinite(grad_norm):
+        # the SFT loop's guard (train/stability.py): a NaN/Inf gradient skips the step, naming the tensors;
+        # winsorisation (train.winsorize) and the norm clip otherwise
+        _, bad = guard_gradients(named, train.grad_clip, train.winsorize)
+        if bad is not None:
             res.skipped_steps += 1
+            res.nonfinite.add(bad)
             scaler.update()
             opt.zero_grad(set_to_none=True)
             continue

@@ -140,3 +140,23 @@ def test_dpo_raises_the_held_out_margin_on_the_synthetic_preference_task(pref, s
     assert s["loss_last"] < s["loss_first"] and s["dpo_margin_first"] == pytest.approx(0.0, abs=1e-5)
     after_w = trainable_state(model)
     assert any(not torch.equal(before_w[k], after_w[k]) for k in before_w)
+
+
+def test_a_nan_gradient_skips_the_dpo_step_and_names_the_tensor(pref):
+    """The SFT loop's guard in the DPO loop: a poisoned parameter's NaN gradient skips that step only, named."""
+    cfg, model, tok, pairs, _ = _tiny(0, pref, **{"dpo.steps": 3})
+    ms = describe(model)
+    ref = reference_logps(model, pairs, tok.pad_token_id, 16)
+    name, param = next((n, p) for n, p in model.named_parameters() if p.requires_grad and "gate" in n)
+    fired = {"n": 0}
+
+    def poison(g):
+        fired["n"] += 1
+        return g * float("nan") if fired["n"] == 1 else g
+
+    param.register_hook(poison)
+    res = train_dpo(model, pairs, ref, tok.pad_token_id, cfg.train, cfg.dpo, cfg.routing, ms.num_experts, ms.top_k,
+                    None, seed=0)
+    assert res.skipped_steps == 1 and res.steps == 2
+    assert res.nonfinite.skipped == 1 and res.nonfinite.params == {name: 1}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
