@@ -172,13 +172,6 @@ def test_sigterm_during_a_round_records_interrupted_and_prints_each_line_once(tm
     dupes = {line for line in progress if progress.count(line) > 1}
     assert not dupes, f"progress lines printed more than once: {sorted(dupes)}"
 
-    # the coordinator (in Flower's worker thread, where no signal arrives) closed its ledger on Flower's exit
-    last = json.loads((run_dir / "ledger" / "coordinator.jsonl").read_text().splitlines()[-1])
-    assert last["phase"] == "run-end" and last["info"]["status"] == "interrupted", last
-    from distmoe.audit import audit_run
-
-    assert audit_run(run_dir).check("run-end").status == "pass"
-
     # what it printed is true: the run may be resumed (the checks `simulate --resume` makes first)
     from distmoe.coordinator import check_resumable
 

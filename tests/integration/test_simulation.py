@@ -31,7 +31,11 @@ def test_simulate_three_parties_two_rounds(tmp_path: Path, monkeypatch):
     assert code == 0, f"simulate failed; log tail:\n{log[-4000:]}"
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["status"] == "completed"
-    assert rec["warnings"] == [] and rec["privacy"]["mode"] == "secagg"
+    # a tiny random model routes unevenly: the probe's routing-health warnings are expected; nothing else warns
+    assert [w for w in rec["warnings"] if "on the probe set" not in w] == [] and rec["privacy"]["mode"] == "secagg"
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    probed = sorted(e["round"] for e in events if e.get("event") == "probe")
+    assert probed == [1, 2, 3, 4, 5]  # every round of the 5-round schedule, on the Simulation Engine
     assert rec["privacy"]["threshold"] == 2 and sorted(rec["parties"]) == ["party-0", "party-1", "party-2"]
 
     # each virtual SuperNode got exactly one party directory
