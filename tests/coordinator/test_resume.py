@@ -432,7 +432,8 @@ def test_sigkill_during_a_checkpoint_write_then_resume(tmp_path, lay_out_run):
 @pytest.mark.integration
 def test_resume_refuses_a_completed_run_and_a_changed_config(exact, tiny_run):
     run_dir = exact["run_dir"]
-    cfg = parse_run_config({**tiny_run, "schedule.phases": EXACT, "run.resume": str(run_dir)})
+    cfg = parse_run_config({**tiny_run, "schedule.phases": EXACT, "privacy.ring-bits": "64",
+                            "run.resume": str(run_dir)})
     with pytest.raises(RunFailed, match="already completed"):
         Coordinator(cfg, run_dir, LocalTransport(cfg, {}, "x"), "x", log=lambda s: None).run()
     rec = json.loads((run_dir / "run.json").read_text())
@@ -462,7 +463,8 @@ def test_resume_refuses_a_ledger_that_does_not_verify_or_a_foreign_key(exact, tm
     shutil.copytree(exact["run_dir"], run_dir)
     rec = json.loads((run_dir / "run.json").read_text())
     (run_dir / "run.json").write_text(json.dumps({**rec, "status": "failed"}))
-    cfg = parse_run_config({**tiny_run, "schedule.phases": EXACT, "run.resume": str(run_dir)})
+    cfg = parse_run_config({**tiny_run, "schedule.phases": EXACT, "privacy.ring-bits": "64",
+                            "run.resume": str(run_dir)})
     lpath = run_dir / "ledger" / "coordinator.jsonl"
     good = lpath.read_text()
     lines = good.splitlines(keepends=True)
