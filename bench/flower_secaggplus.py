@@ -76,6 +76,7 @@ class DirectGrid(Grid):
         self.down: dict[int, int] = defaultdict(int)  # node -> bytes sent to it
         self.up: dict[int, int] = defaultdict(int)  # node -> bytes it sent
         self.messages = 0
+        self._replies: dict[str, Message] = {}  # message id -> its reply, until pulled
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -92,17 +93,9 @@ class DirectGrid(Grid):
         return list(self.apps)
 
     def push_messages(self, messages):
-        raise NotImplementedError("DirectGrid serves send_and_receive only")
-
-    def pull_messages(self, message_ids):
-        raise NotImplementedError("DirectGrid serves send_and_receive only")
-
-    def _wire(self, msg: Message) -> tuple[Message, int]:
-        blob = message_to_proto(msg).SerializeToString()
-        return message_from_proto(_proto_cls().FromString(blob)), len(blob)
-
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = []
+        """Deliver each message to its node's ClientApp now (through the serde both ways); its reply waits for
+        ``pull_messages``. Returns the message ids."""
+        ids = []
         for msg in messages:
             md = msg.metadata.__dict__
             md["_message_id"] = uuid4().hex
@@ -116,9 +109,20 @@ class DirectGrid(Grid):
             back, nbytes = self._wire(reply)
             self.up[node] += nbytes
             self.messages += 1
-            replies.append(back)
-        return replies
+            self._replies[md["_message_id"]] = back
+            ids.append(md["_message_id"])
+        return ids
 
+    def pull_messages(self, message_ids):
+        """The replies to ``message_ids`` that are ready (all of them: delivery is synchronous), each once."""
+        return [self._replies.pop(i) for i in message_ids if i in self._replies]
+
+    def _wire(self, msg: Message) -> tuple[Message, int]:
+        blob = message_to_proto(msg).SerializeToString()
+        return message_from_proto(_proto_cls().FromString(blob)), len(blob)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self.pull_messages(self.push_messages(messages))
 
 def _proto_cls():
     from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=no-name-in-module
