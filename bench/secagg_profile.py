@@ -134,6 +134,7 @@ def _expand(keys: list[tuple[bytes, int]], x: np.ndarray, bits: int, threads: in
 def profile(n: int, length: int, ring_mode: str, repeats: int, threads: int) -> dict:
     numel = length - 1
     lay = _layout(n, numel, ring_mode)
+    length = getattr(lay, "length", length)  # + the skipped-step slot where the layout has one (no update noise)
     bits = getattr(lay, "bits", 64)
     rng = np.random.default_rng(0)
     delta = {k: (rng.standard_normal(s, dtype=np.float32) * 1e-3) for k, s in lay.shapes}  # norm ~ 2.7 < clip
