@@ -58,15 +58,31 @@ def _write_all(fd: int, data: bytes) -> None:
     os.fsync(fd)
 
 
+def _holds(path: Path, data: bytes, mode: int | None) -> bool:
+    """Whether ``path`` already holds exactly ``data`` (and ``mode``, when given): then rewriting it is a no-op."""
+    try:
+        st = path.stat()
+        if st.st_size != len(data) or (mode is not None and (st.st_mode & 0o777) != mode):
+            return False
+        return path.read_bytes() == data
+    except OSError:
+        return False
+
+
 def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int | None = None,
-                 replace: bool = True) -> None:
+                 replace: bool = True, changed_only: bool = False) -> bool:
     """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one, never a part.
+    Returns whether it wrote.
 
     ``mode``: the file's permission bits (independent of the umask), e.g. ``0o600`` for a secret.
     ``replace=False``: refuse (``FileExistsError``) when ``path`` exists, also when it appeared meanwhile
     (the final name is created with ``os.link``, which never replaces).
+    ``changed_only=True``: skip the write (and its two fsyncs) when ``path`` already holds exactly ``data``
+    with that mode; a file this function wrote is already durable, so nothing is lost.
     """
     path = Path(path)
+    if changed_only and replace and _holds(path, data, mode):
+        return False
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -86,11 +102,12 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int | None 
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+    return True
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str | bytes) -> None:
-    """Replace ``path`` with ``text`` (UTF-8) atomically."""
-    write_atomic(path, text.encode("utf-8") if isinstance(text, str) else text)
+def write_text_atomic(path: str | os.PathLike[str], text: str | bytes, *, changed_only: bool = False) -> bool:
+    """Replace ``path`` with ``text`` (UTF-8) atomically (``changed_only``: as in :func:`write_atomic`)."""
+    return write_atomic(path, text.encode("utf-8") if isinstance(text, str) else text, changed_only=changed_only)
 
 
 def sanitize(obj: Any) -> Any:
@@ -114,9 +131,10 @@ def sanitize(obj: Any) -> Any:
     return obj
 
 
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, changed_only: bool = False) -> bool:
     """Atomically replace ``path`` with ``obj`` as indented JSON (non-finite floats written as null)."""
-    write_text_atomic(path, json.dumps(sanitize(obj), allow_nan=False, indent=2, sort_keys=False) + "\n")
+    return write_text_atomic(path, json.dumps(sanitize(obj), allow_nan=False, indent=2, sort_keys=False) + "\n",
+                             changed_only=changed_only)
 
 
 def append_durable(path: str | os.PathLike[str], data: bytes) -> None:

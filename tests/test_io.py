@@ -59,3 +59,20 @@ def test_json_is_sanitized_and_append_is_whole_lines(tmp_path):
     for i in range(3):
         append_durable(tmp_path / "log.jsonl", f'{{"i": {i}}}\n'.encode())
     assert [json.loads(x)["i"] for x in (tmp_path / "log.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+def test_changed_only_skips_identical_bytes_and_writes_any_difference(tmp_path, monkeypatch):
+    path = tmp_path / "state"
+    assert write_atomic(path, b"abc", mode=0o600, changed_only=True) is True  # absent: written
+    fsyncs = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real(fd))[1])
+    assert write_atomic(path, b"abc", mode=0o600, changed_only=True) is False and fsyncs == []  # same: no I/O
+    assert write_atomic(path, b"abd", mode=0o600, changed_only=True) is True and path.read_bytes() == b"abd"
+    os.chmod(path, 0o644)
+    assert write_atomic(path, b"abd", mode=0o600, changed_only=True) is True  # same bytes, wrong mode: rewritten
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert write_json_atomic(tmp_path / "j.json", {"a": 1}, changed_only=True) is True
+    assert write_json_atomic(tmp_path / "j.json", {"a": 1}, changed_only=True) is False
+    assert write_json_atomic(tmp_path / "j.json", {"a": 2}, changed_only=True) is True
+    assert json.loads((tmp_path / "j.json").read_text()) == {"a": 2}

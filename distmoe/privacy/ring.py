@@ -32,7 +32,8 @@ import math
 import numpy as np
 
 __all__ = ["RING_BITS", "RING_WIDTHS", "WrapError", "check_fits_ring", "check_fits_ring64", "choose_bits",
-           "decode_fixed", "encode_fixed", "from_ring", "from_ring64", "required_bits", "to_ring", "to_ring64"]
+           "decode_fixed", "encode_fixed", "encode_fixed_into", "from_ring", "from_ring64", "required_bits", "to_ring",
+           "to_ring64"]
 
 RING_BITS = 64  # the widest ring (statistics and evaluation sums; updates whose bound needs it)
 RING_WIDTHS = (32, 64)  # the word sizes a release may declare
@@ -101,13 +102,36 @@ def encode_fixed(x: np.ndarray, scale: float, bits: int = 64, rng: np.random.Gen
     src = np.asarray(x)
     shape = src.shape
     src = np.ascontiguousarray(src).reshape(-1)  # [N] (a view when already contiguous)
-    out = np.empty(src.size, _SIGNED[bits])  # [N]
-    buf = np.empty(min(src.size, _CHUNK), np.float64)  # [chunk] scratch, cache-resident
+    out = np.empty(src.size, _UNSIGNED[bits])  # [N]
+    encode_fixed_into(src, scale, out, rng)
+    return out.reshape(shape)
+
+
+def encode_fixed_into(x: np.ndarray, scale: float, out: np.ndarray, rng: np.random.Generator | None = None, *,
+                      pre: float = 1.0, buf: np.ndarray | None = None) -> np.ndarray:
+    """:func:`encode_fixed` of ``pre * x`` written into ``out`` (``[N]`` uint32 or uint64 words, its width is the
+    ring's): one read of ``x`` (any real dtype, ``[N]`` contiguous) and one write of the words, chunk by chunk
+    through ``buf`` (float64 scratch of at least one chunk, allocated when not given). The arithmetic is
+    ``(float64(x) * pre) * scale`` then rounding, exactly as scaling a float64 copy first would give; the
+    stochastic draws are consumed in element order (one ``rng.random`` double per element), so splitting a
+    vector into consecutive pieces encodes it to the same words as one call."""
+    bits = {np.dtype(np.uint32): 32, np.dtype(np.uint64): 64}.get(out.dtype)
+    if bits is None:
+        raise TypeError(f"ring words must be uint32 or uint64, got {out.dtype}")
+    src = np.asarray(x).reshape(-1)
+    if out.shape != src.shape:
+        raise ValueError(f"output of shape {out.shape} for {src.shape} values")
+    dst = out.view(_SIGNED[bits])  # [N] the signed view of the same words
+    if buf is None or buf.size < min(src.size, _CHUNK):
+        buf = np.empty(min(src.size, _CHUNK), np.float64)  # [chunk] scratch, cache-resident
     lim = 2.0 ** (bits - 1)
-    for a in range(0, src.size, _CHUNK):  # one read of x and one write of the words, chunk by chunk
+    for a in range(0, src.size, _CHUNK):
         b = min(a + _CHUNK, src.size)
         y = buf[:b - a]
-        np.multiply(src[a:b], scale, out=y, casting="unsafe")
+        np.copyto(y, src[a:b], casting="unsafe")  # exact for float32/float64 inputs: the product is float64's
+        if pre != 1.0:
+            np.multiply(y, pre, out=y)
+        np.multiply(y, scale, out=y)
         if rng is None:
             np.rint(y, out=y)
         else:
@@ -117,8 +141,8 @@ def encode_fixed(x: np.ndarray, scale: float, bits: int = 64, rng: np.random.Gen
             raise ValueError("non-finite value in encode_fixed")
         if hi >= lim or lo < -lim:  # exactly the signed range
             raise WrapError(f"|x * scale| up to {max(abs(lo), abs(hi)):.4g} does not fit {bits} signed bits")
-        np.copyto(out[a:b], y, casting="unsafe")
-    return out.reshape(shape).view(_UNSIGNED[bits])
+        np.copyto(dst[a:b], y, casting="unsafe")
+    return out
 
 
 def decode_fixed(total: np.ndarray, scale: float) -> np.ndarray:

@@ -73,6 +73,20 @@ MAX_FRAC_BITS_32 = 30
 RING_CHOICES = ("auto", "32", "64")  # privacy.ring-bits
 WRAP_FAIL_PROB = 1e-12  # the noise tail of B(f) is exceeded on some coordinate with at most this probability
 _NOISE_HEADROOM = 2.0**24  # room for update noise: 10 std of z_u * clip * sqrt(2) at z_u up to 1e6 (the key's bound)
+_SCRATCH = 1 << 15  # float64 elements of the encoder's scratch (256 KiB: stays in L2)
+
+
+def _sum_squares(flat: np.ndarray, buf: np.ndarray) -> float:
+    """``sum(x^2)`` of ``[n]`` reals, accumulated in float64 through the scratch ``buf`` (a float32 dot would
+    accumulate in float32). numpy's own pairwise sum, not BLAS ``dot``: one BLAS call per chunk wakes its
+    thread pool each time, which on a loaded machine cost seconds per update."""
+    total = 0.0
+    for a in range(0, flat.size, buf.size):
+        y = buf[:min(buf.size, flat.size - a)]
+        np.copyto(y, flat[a:a + y.size], casting="unsafe")
+        np.multiply(y, y, out=y)
+        total += float(y.sum())
+    return total
 
 
 class LayoutError(ValueError):
@@ -206,38 +220,39 @@ class UpdateLayout:
         if set(delta) != set(want):
             raise LayoutError(f"update keys differ from the trainable spec: extra {sorted(set(delta) - set(want))[:3]}"
                               f", missing {sorted(set(want) - set(delta))[:3]}")
-        vec = np.empty(self.length, np.float64)  # [length]: the w*delta block then the weight, filled in place
-        off = 0
+        # No float64 copy of the whole update (it was the stage's cost: issue 14): the norm is accumulated in
+        # float64 tensor by tensor through a cache-resident scratch, then each tensor is scaled and rounded
+        # straight into its words, with the arithmetic of scaling a float64 copy (ring.encode_fixed_into).
+        buf = np.empty(_SCRATCH, np.float64)  # [chunk]
+        flats, sq = [], 0.0
         for k, shape in self.shapes:
             a = np.asarray(delta[k])
             if a.shape != shape:
                 raise LayoutError(f"update tensor {k!r} has shape {a.shape}, declared {shape}")
-            size = a.size
-            np.copyto(vec[off:off + size], a.reshape(-1), casting="same_kind")
-            off += size
-        flat = vec[:off]  # [numel] view
-        sq = float(np.dot(flat, flat))
-        if not math.isfinite(sq):  # NaN/Inf anywhere (or an overflowing norm): name the tensor
-            off = 0
-            for k, shape in self.shapes:
-                size = math.prod(shape)
-                if not np.all(np.isfinite(flat[off:off + size])):
-                    raise LayoutError(f"update tensor {k!r} contains NaN or Inf")
-                off += size
+            flat = np.ascontiguousarray(a).reshape(-1)  # [numel_k] (a view when contiguous)
+            s = _sum_squares(flat, buf)
+            if not math.isfinite(s) and not np.all(np.isfinite(flat)):  # NaN/Inf: name the tensor
+                raise LayoutError(f"update tensor {k!r} contains NaN or Inf")
+            sq += s
+            flats.append(flat)
+        if not math.isfinite(sq):
             raise LayoutError("update norm overflows float64")
         norm = math.sqrt(sq)
         factor = min(1.0, self.clip / norm) if norm > 0 else 1.0
         w = self.weight_of(num_examples)
-        if factor * w != 1.0:
-            flat *= factor * w
-        vec[off] = float(w)
-        if self.counts_skipped:
-            vec[off + 1] = 0.0
         facts = {"norm": norm, "clipped": float(factor < 1.0), "weight": float(w)}
         bits = self.bits
-        if bits == 32:
-            return ring.encode_fixed(vec, 2.0**self.frac_bits, 32, rng if rng is not None else dp.crypto_rng()), facts
-        return ring.encode_fixed(vec, 2.0**self.frac_bits), facts
+        out = np.empty(self.length, np.uint32 if bits == 32 else np.uint64)  # [length]
+        if bits == 32 and rng is None:
+            rng = dp.crypto_rng()
+        scale, pre, off = 2.0**self.frac_bits, factor * w, 0
+        for flat in flats:  # in layout order; the stochastic draws are consumed in element order
+            ring.encode_fixed_into(flat, scale, out[off:off + flat.size], rng if bits == 32 else None, pre=pre,
+                                   buf=buf)
+            off += flat.size
+        tail = np.array([float(w), 0.0][:self.length - off], np.float64)  # the weight, the skipped-step slot (0)
+        ring.encode_fixed_into(tail, scale, out[off:], rng if bits == 32 else None, buf=buf)
+        return out, facts
 
     def decode(self, total: np.ndarray) -> tuple[dict[str, np.ndarray] | None, float]:
         """From the sum: (mean delta over the contributing parties per tensor, or None if the total weight is 0;

@@ -85,3 +85,24 @@ def test_one_codec_for_dp_shares_and_the_layouts():
     with pytest.raises(ring.WrapError, match="> 64"):
         EvalSpec(("t",), 1.0, n_parties=10_000, max_dropouts=0, examples_max=10**15, loss_bound=1.0
                  ).check_fits_ring64()
+
+
+def test_encode_into_pieces_gives_the_words_of_one_float64_encoding():
+    """The update encoder writes each float32 tensor straight into its words (no float64 copy of the update):
+    the words must equal encoding the scaled float64 vector in one call, stochastic draws included."""
+    from distmoe.privacy.ring import encode_fixed_into
+
+    rng = np.random.default_rng(3)
+    parts = [rng.standard_normal(n).astype(np.float32) for n in (1, 40_000, 7, 70_001)]  # across chunk edges
+    pre, scale = 0.37, 2.0**23
+    whole = np.concatenate([p.astype(np.float64) for p in parts]) * pre
+    for bits in (32, 64):
+        want = ring.encode_fixed(whole, scale, bits, np.random.default_rng(9) if bits == 32 else None)
+        out = np.empty(whole.size, np.uint32 if bits == 32 else np.uint64)
+        g, off = (np.random.default_rng(9) if bits == 32 else None), 0
+        for p in parts:
+            encode_fixed_into(p, scale, out[off:off + p.size], g, pre=pre)
+            off += p.size
+        np.testing.assert_array_equal(out, want)
+    with pytest.raises(ring.WrapError):
+        encode_fixed_into(np.array([300.0], np.float32), 2.0**23, np.empty(1, np.uint32))
