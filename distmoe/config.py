@@ -326,6 +326,11 @@ class RetentionConfig(_Section):
                                 "model's to the current model's token distribution on the new task's data; 0 = off",
                                 lo=0.0, hi=1000.0)
     distill_temperature: float = key(2.0, "temperature of the output distillation", lo=0.0, hi=100.0, lo_open=True)
+    expand_experts: int = key(0, "dynamic expert expansion (Lifelong-MoE): experts (and router rows) added to every "
+                              "MoE layer at each new `sft` task after the first, copies of the experts with the most "
+                              "routing mass in the latest anchor; every earlier expert and its router row is frozen "
+                              "while the new task trains. Needs `model.trainable` = `all` or `router+experts` and "
+                              "the `qwen3_moe` family; 0 = off", lo=0, hi=256)
 
     @property
     def protect(self) -> bool:
@@ -822,6 +827,12 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
     if parts["model"].warmup_steps and parts["run"].init_from:
         raise ConfigError("config key 'run.init-from': a run starts from one checkpoint: set it or "
                           "model.warmup-steps, not both")
+    if parts["retention"].expand_experts and parts["model"].trainable == "lora":
+        raise ConfigError("config key 'retention.expand-experts': expert expansion needs model.trainable = all or "
+                          "router+experts (lora adapters of the fused experts are laid out per expert count)")
+    if parts["retention"].expand_experts and parts["model"].balance_bias:
+        raise ConfigError("config key 'retention.expand-experts': cannot be combined with a routing bias "
+                          f"(routing.balance = {parts['routing'].balance!r} keeps one bias slot per expert)")
     if parts["model"].balance_bias and parts["model"].trainable == "lora":
         raise ConfigError(f"config key 'routing.balance': value {parts['routing'].balance!r} needs the routers "
                           "trained and sent (model.trainable = all or router+experts): in lora mode the routing bias "
