@@ -2,10 +2,10 @@
 the secure-aggregation setup; and the ``run-end`` entry that closes the ledger.
 
 Owns: ``start`` (a new signed ledger ``ledger/coordinator.jsonl`` + ``.pub`` whose first entry is the
-run's allow-list with the privacy settings and plan, sized for every expert count the run goes through; or, on resume, the interrupted run's ledger
-continued with a ``run-resume`` entry), the check that router statistics of this many parties cannot
-wrap Z_2^64 (before anything is sent), the ``ServerGuard`` attached to the transport, and the choice of
-aggregator: ``SecureAggregator`` after a ``SecureRounds.setup`` in ``privacy.mode = "secagg"``,
+run's allow-list with the privacy settings and plan, sized for every expert count the run goes through; or, on
+resume, the interrupted run's ledger continued with a ``run-resume`` entry), the check that router statistics of
+this many parties cannot wrap Z_2^64 (before anything is sent), the ``ServerGuard`` attached to the transport,
+and the choice of aggregator: ``SecureAggregator`` after a ``SecureRounds.setup`` in ``privacy.mode = "secagg"``,
 ``PlaintextAggregator`` in the benchmark baseline; ``close`` writes ``run-end`` with the epsilon spent.
 
 Must not: import ``flwr``, or send anything before the allow-list is signed.
@@ -107,7 +107,8 @@ def start(co: Coordinator, nodes: list[int]) -> None:
     co.secure = SecureRounds(cfg, co.plan, co.transport, co.run_dir, co.say, co.report_errors)
     if continuing:
         resume.restore_accountants(co, entries)
-    co.secure.setup(nodes, max(max(f.values()) for f in facts), first_round=co.s.round + 1, logical_run=co.run_id, epoch=co.epoch)
+    co.secure.setup(nodes, max(max(f.values()) for f in facts), first_round=co.s.round + 1, logical_run=co.run_id,
+                    epoch=co.epoch)
     co.aggregator = SecureAggregator(co, co.secure)
     guard = co.guard
     co.record.update(parties={**(co.record.get("parties") or {}),

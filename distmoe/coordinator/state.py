@@ -2,8 +2,8 @@
 
 Owns: ``RoundState`` (round counter, hence the schedule position; the global trainable weights; the
 router anchor and its version count; the per-task anchors; the current and trained tasks; the reference weights and the
-evaluation baseline for retention; the last evaluation; the anomaly history; the expert expansions), ``position`` (where a round
-sits in the schedule) and the round trip through a checkpoint: ``to_checkpoint`` gives ``state.json``
+evaluation baseline for retention; the last evaluation; the anomaly history; the expert expansions), ``position``
+(where a round sits in the schedule) and the round trip through a checkpoint: ``to_checkpoint`` gives ``state.json``
 and its tensors, ``from_checkpoint`` rebuilds the state from what ``distmoe.checkpoint`` loaded
 (``docs/operations.md``, Resume).
 

@@ -22,10 +22,10 @@ from distmoe.config import NodeConfig, RunConfig
 from distmoe.data.party import PartyData, load_party
 from distmoe.data.template import collate, encode_example
 from distmoe.model.base import base_fingerprint, clear_cache, is_cached, prepared_model
-from distmoe.model.expand import KEY as EXPAND_KEY
-from distmoe.model.expand import base_experts, experts_in, resize_to
 from distmoe.model.build import ModelError, describe, param_count
 from distmoe.model.device import Runtime, resolve_runtime
+from distmoe.model.expand import KEY as EXPAND_KEY
+from distmoe.model.expand import base_experts, experts_in, resize_to
 from distmoe.model.trainable import load_trainable, spec_of, trainable_state
 from distmoe.party.retention import round_retention
 from distmoe.routing.stats import per_sequence_stats
