@@ -108,12 +108,12 @@ def expand_experts(model: nn.Module, sources: list[list[int]]) -> int:
             setattr(experts, t, nn.Parameter(torch.cat([p.data, p.data[idx]], 0), requires_grad=p.requires_grad))
         w = router.weight  # [E, H]
         router.weight = nn.Parameter(torch.cat([w.data, w.data[idx]], 0), requires_grad=w.requires_grad)
-        e_new = router.weight.shape[0]
-        for mod in (experts, router):
-            if hasattr(mod, "num_experts"):
-                mod.num_experts = e_new
-    model.config.num_experts = e_old + len(sources[0])
-    return int(model.config.num_experts)
+    e_new = e_old + len(sources[0])
+    for mod in model.modules():  # the experts, the router, and the causal LM's own (its aux loss reads it)
+        if isinstance(getattr(mod, "num_experts", None), int) and mod.num_experts == e_old:
+            mod.num_experts = e_new
+    model.config.num_experts = e_new
+    return e_new
 
 
 def base_experts(model: nn.Module) -> int:

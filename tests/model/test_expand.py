@@ -37,6 +37,9 @@ def test_surgery_adds_copied_experts_and_router_rows_to_every_moe_layer(make_cfg
     assert expand_experts(model, sources) == 6
     after = trainable_state(model)
     assert describe(model).num_experts == 6 and model.config.num_experts == 6 and base_experts(model) == 4
+    assert model.num_experts == 6  # the causal LM's own count (transformers' aux loss reads it)
+    ids = torch.randint(0, 100, (2, 5))
+    assert model(input_ids=ids, output_router_logits=True).router_logits[0].shape == (10, 6)
     for li, layer in enumerate(ms.moe_layers):
         mlp = model.model.layers[layer].mlp
         assert mlp.gate.num_experts == 6 and mlp.experts.num_experts == 6
