@@ -30,7 +30,8 @@ from distmoe.privacy.plan import stats_spec, threshold_for
 from distmoe.privacy.ring import WrapError
 from distmoe.privacy.vectors import UpdateLayout
 from distmoe.wire.at_rest import check_allow_list
-from distmoe.wire.server_guard import ServerGuard, build_policy, merge_policies, policy_digest
+from distmoe.wire.server_guard import ServerGuard, build_policy, policy_digest
+from distmoe.wire.stages import merge_policies
 
 if TYPE_CHECKING:
     from distmoe.coordinator.loop import Coordinator
