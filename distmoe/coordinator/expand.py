@@ -13,7 +13,7 @@ resumed run replays the same surgery (``replay``) before loading its weights.
 The parties see the expert count in the shapes of the global weights every instruction carries; each party
 grows its own base to that count before loading them (``party/work.py``), and in ``sft`` rounds freezes every
 expert but the ``k`` newest (``party/retention.py``). The count can only grow along the schedule, so the
-run's allow-list and secure-aggregation setup are sized up front for every stage (``stages``).
+run's allow-list and secure-aggregation setup are sized up front for every stage (``model.expand.stages``).
 
 Must not: import ``flwr``, or see one party's values.
 """
@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from distmoe.config import RunConfig
 from distmoe.model.build import describe
 from distmoe.model.expand import default_sources, expand_experts, pad_anchor, per_expert
 from distmoe.model.trainable import load_trainable, spec_of, trainable_state
@@ -35,21 +34,9 @@ if TYPE_CHECKING:
     from distmoe.coordinator.loop import Coordinator
 
 
-def stages(cfg: RunConfig, experts: int) -> list[int]:
-    """The expert counts the run goes through, in order (``[experts]`` when expansion is off): the rule of ``due``
-    applied along the schedule."""
-    k = cfg.retention.expand_experts
-    out, trained = [experts], []
-    for ph in cfg.schedule.phases:
-        if k and ph.kind == "sft" and ph.task and ph.task not in trained and trained:
-            out.append(out[-1] + k)
-        if ph.kind in ("sft", "dpo", "rl") and ph.task and ph.task not in trained:
-            trained.append(ph.task)
-    return out
-
-
 def due(co: Coordinator, task: str) -> bool:
-    """Whether an ``sft`` phase of ``task`` starting now expands the model (``stages`` mirrors this rule)."""
+    """Whether an ``sft`` phase of ``task`` starting now expands the model (``model.expand.stages`` mirrors this
+    rule along the schedule)."""
     s = co.s
     return bool(co.cfg.retention.expand_experts) and task not in s.trained_tasks and bool(s.trained_tasks)
 

@@ -17,14 +17,14 @@ import functools
 import hashlib
 from typing import TYPE_CHECKING
 
-from distmoe.coordinator import expand, resume
+from distmoe.coordinator import resume
 from distmoe.coordinator.aggregator import PlaintextAggregator
 from distmoe.coordinator.errors import RunFailed
 from distmoe.coordinator.secagg import SecureRounds
 from distmoe.coordinator.secure import SecureAggregator
 from distmoe.io import write_text_atomic
 from distmoe.ledger import Ledger, canonical_json, generate_signing_key, public_key_hex
-from distmoe.model.expand import per_expert
+from distmoe.model.expand import per_expert, stages
 from distmoe.privacy.metric_noise import EvalSpec
 from distmoe.privacy.plan import stats_spec, threshold_for
 from distmoe.privacy.ring import WrapError
@@ -39,10 +39,10 @@ if TYPE_CHECKING:
 
 def stage_shapes(co: Coordinator) -> list[tuple[dict[str, tuple[int, ...]], int]]:
     """``(trainable shapes, experts)`` of every expert count the run goes through (one stage unless
-    ``retention.expand-experts``: ``coordinator/expand.stages``, counted from the model before any expansion)."""
+    ``retention.expand-experts``: ``model/expand.stages``, counted from the model before any expansion)."""
     first = int(co.s.expansions[0]["from"]) if co.s.expansions else co.mspec.num_experts
     return [({k: ((e, *sh[1:]) if per_expert(k) else sh) for k, sh in co.tspec.shapes}, e)
-            for e in expand.stages(co.cfg, first)]
+            for e in stages(co.cfg, first)]
 
 
 def layout_facts(co: Coordinator, n: int, shapes=None, experts: int | None = None) -> dict[str, int]:

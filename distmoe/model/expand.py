@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from distmoe.config import RunConfig
 from distmoe.model.balance import BIAS_NAME
 from distmoe.model.build import ModelError, describe, router_modules
 
@@ -67,6 +68,20 @@ def _moe_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
             raise ModelError(f"config key '{KEY}': MoE layer {name!r} is not fused experts "
                              f"({'/'.join(EXPERT_TENSORS)}) with a bias-free router; cannot expand it")
         out.append((experts, router))
+    return out
+
+
+def stages(cfg: RunConfig, experts: int) -> list[int]:
+    """The expert counts the run goes through, in order (``[experts]`` when expansion is off): the rule of
+    ``coordinator.expand.due`` applied along the schedule: at each ``sft`` phase of a task not trained before, once
+    some task was (``sft``, ``dpo`` and ``rl`` phases train a task)."""
+    k = cfg.retention.expand_experts
+    out, trained = [experts], []
+    for ph in cfg.schedule.phases:
+        if k and ph.kind == "sft" and ph.task and ph.task not in trained and trained:
+            out.append(out[-1] + k)
+        if ph.kind in ("sft", "dpo", "rl") and ph.task and ph.task not in trained:
+            trained.append(ph.task)
     return out
 
 

@@ -25,7 +25,7 @@ from distmoe.model.base import base_fingerprint, clear_cache, is_cached, prepare
 from distmoe.model.build import ModelError, describe, param_count
 from distmoe.model.device import Runtime, resolve_runtime
 from distmoe.model.expand import KEY as EXPAND_KEY
-from distmoe.model.expand import base_experts, experts_in, resize_to
+from distmoe.model.expand import base_experts, experts_in, resize_to, stages
 from distmoe.model.trainable import load_trainable, spec_of, trainable_state
 from distmoe.party.retention import round_retention
 from distmoe.routing.stats import per_sequence_stats
@@ -88,14 +88,19 @@ def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarra
 
 
 def _fit_experts(cfg: RunConfig, node: NodeConfig, rt, model, tok, weights: dict[str, np.ndarray]):
-    """The (cached) base grown to the expert count of the received weights (``retention.expand-experts``): the
-    surgery only sets the shape, the received expert and router tensors then replace every value. A cached base
+    """The (cached) base grown to the expert count of the received weights (``retention.expand-experts``), which
+    must be one of the counts this run's schedule goes through (``model.expand.stages``): the surgery only sets the
+    shape, the received expert and router tensors then replace every value. A cached base
     that has more experts (an earlier run in this process) is rebuilt first."""
     try:
         want = experts_in({k: v.shape for k, v in weights.items()})
         if want is None:
             raise ModelError(f"config key '{EXPAND_KEY}': no expert or router tensor travels "
                              f"(model.trainable = {cfg.model.trainable!r})")
+        allowed = stages(cfg, base_experts(model))
+        if want not in allowed:  # the count can only be one this run's schedule reaches
+            raise ModelError(f"config key '{EXPAND_KEY}': the server's weights have {want} experts per MoE layer; "
+                             f"this run's schedule grows the model through {allowed} only")
         if not resize_to(model, want):
             clear_cache()
             model, tok = prepared_model(cfg.model, node.model_path, rt, node.base_cache)

@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 from distmoe.audit import audit_run
 from distmoe.config import parse_run_config
 from distmoe.coordinator import Coordinator
-from distmoe.coordinator.expand import stages
 from distmoe.inprocess import LocalTransport
 
 SCHEDULE = "sft:arith, stats:arith, sft:lookup*2, eval"  # the expansion is at round 3 (task lookup)
@@ -61,12 +60,6 @@ def crashed_and_resumed(tmp_path_factory, lay_out_run):
     record = coord2.run()
     return {"cfg": cfg, "run_dir": run_dir, "coord": coord2, "record": record, "crashed": crashed,
             "lines": lines, "lines2": lines2}
-
-
-def test_stages_follow_the_new_sft_tasks(make_cfg):
-    cfg = make_cfg(**{"retention.expand-experts": 3, "schedule.phases": "sft:a, stats:a, sft:b, eval, sft:b, sft:c"})
-    assert stages(cfg, 4) == [4, 7, 10]  # b and c are new tasks after the first; b again is not
-    assert stages(make_cfg(**{"schedule.phases": "sft:a, sft:b"}), 4) == [4]  # off
 
 
 @pytest.mark.integration

@@ -17,6 +17,7 @@ from distmoe.model.expand import (
     frozen_set,
     pad_anchor,
     resize_to,
+    stages,
 )
 from distmoe.model.trainable import apply_trainable, spec_of, trainable_state
 from distmoe.train.retention import ProtectedUpdate, frozen_masks
@@ -141,3 +142,10 @@ def test_frozen_masks_keep_the_earlier_experts_and_router_rows_through_an_optimi
             assert torch.equal(after[name][:4], old[:4]), name  # frozen: bit-for-bit
             moved += int(not torch.equal(after[name][4:], old[4:]))
     assert moved >= 4  # the new experts and router rows did train
+
+
+def test_stages_follow_the_new_sft_tasks(make_cfg):
+    cfg = make_cfg(**{"retention.expand-experts": 3, "schedule.phases": "sft:a, stats:a, sft:b, eval, sft:b, sft:c"})
+    assert stages(cfg, 4) == [4, 7, 10]  # b and c are new tasks after the first; b again is not
+    assert stages(make_cfg(**{"schedule.phases": "rl:b, sft:b"}), 4) == [4]  # b was trained (rl) before its sft
+    assert stages(make_cfg(**{"schedule.phases": "sft:a, sft:b"}), 4) == [4]  # off
