@@ -738,6 +738,19 @@ def parse_schedule(text: str, default_rounds: int, key: str = "schedule.phases")
     return tuple(phases)
 
 
+def expansion_tasks(phases: tuple[Phase, ...]) -> list[str]:
+    """The tasks whose first ``sft`` phase grows the model under ``retention.expand-experts`` (in schedule order): an
+    ``sft`` phase of a task not trained before (by an ``sft``, ``dpo`` or ``rl`` phase), once some task was."""
+    out: list[str] = []
+    trained: list[str] = []
+    for ph in phases:
+        if ph.kind == "sft" and ph.task and ph.task not in trained and trained:
+            out.append(ph.task)
+        if ph.kind in ("sft", "dpo", "rl") and ph.task and ph.task not in trained:
+            trained.append(ph.task)
+    return out
+
+
 def with_eval_cadence(phases: tuple[Phase, ...], every: int) -> tuple[Phase, ...]:
     """``eval.every = n``: each ``sft``/``rl`` phase split into runs of ``n`` rounds with an ``eval`` round after
     each full run, except where the schedule already evaluates next (the phase's last run followed by an
@@ -857,8 +870,11 @@ def _check_across(fed: FederationConfig, p: PrivacyConfig) -> None:
 
 
 def _check_retention(r: RetentionConfig, schedule: ScheduleConfig) -> None:
-    """Per-task anchors and expert protection read the anchors of ``stats:<task>`` phases: refuse a schedule
-    without one rather than run with the mechanism silently off."""
+    """Per-task anchors and expert protection read the anchors of ``stats:<task>`` phases, expert expansion needs a
+    second ``sft`` task: refuse a schedule without them rather than run with the mechanism silently off."""
+    if r.expand_experts and not expansion_tasks(schedule.phases):
+        raise ConfigError("config key 'retention.expand-experts' is on, but schedule.phases never starts an `sft` "
+                          "phase of a new task after a first one: the model would never grow")
     if any(p.kind == "stats" and p.task for p in schedule.phases):
         return
     for key, on in (("retention.task-anchors", r.task_anchors != "off"), ("retention.protect-mass", r.protect)):

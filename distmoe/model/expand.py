@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from distmoe.config import RunConfig
+from distmoe.config import RunConfig, expansion_tasks
 from distmoe.model.balance import BIAS_NAME
 from distmoe.model.build import ModelError, describe, router_modules
 
@@ -72,17 +72,10 @@ def _moe_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
 
 
 def stages(cfg: RunConfig, experts: int) -> list[int]:
-    """The expert counts the run goes through, in order (``[experts]`` when expansion is off): the rule of
-    ``coordinator.expand.due`` applied along the schedule: at each ``sft`` phase of a task not trained before, once
-    some task was (``sft``, ``dpo`` and ``rl`` phases train a task)."""
+    """The expert counts the run goes through, in order (``[experts]`` when expansion is off): one more stage for each
+    task of ``config.expansion_tasks`` (the rule ``coordinator.expand.due`` applies as the run goes)."""
     k = cfg.retention.expand_experts
-    out, trained = [experts], []
-    for ph in cfg.schedule.phases:
-        if k and ph.kind == "sft" and ph.task and ph.task not in trained and trained:
-            out.append(out[-1] + k)
-        if ph.kind in ("sft", "dpo", "rl") and ph.task and ph.task not in trained:
-            trained.append(ph.task)
-    return out
+    return [experts + i * k for i in range(1 + (len(expansion_tasks(cfg.schedule.phases)) if k else 0))]
 
 
 def default_sources(anchor: np.ndarray | None, layers: int, experts: int, k: int) -> list[list[int]]:

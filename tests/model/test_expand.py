@@ -147,5 +147,8 @@ def test_frozen_masks_keep_the_earlier_experts_and_router_rows_through_an_optimi
 def test_stages_follow_the_new_sft_tasks(make_cfg):
     cfg = make_cfg(**{"retention.expand-experts": 3, "schedule.phases": "sft:a, stats:a, sft:b, eval, sft:b, sft:c"})
     assert stages(cfg, 4) == [4, 7, 10]  # b and c are new tasks after the first; b again is not
-    assert stages(make_cfg(**{"schedule.phases": "rl:b, sft:b"}), 4) == [4]  # b was trained (rl) before its sft
+    assert stages(make_cfg(**{"retention.expand-experts": 1, "schedule.phases": "sft:a, rl:b, sft:b, sft:c"}),
+                  4) == [4, 5]  # b was trained (rl) before its sft: only c grows the model
     assert stages(make_cfg(**{"schedule.phases": "sft:a, sft:b"}), 4) == [4]  # off
+    with pytest.raises(ConfigError, match="would never grow"):
+        make_cfg(**{"retention.expand-experts": 1, "schedule.phases": "sft:a, eval, sft:a"})
