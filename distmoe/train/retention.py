@@ -31,6 +31,8 @@ same update scaling with ``s = 0`` on every expert but the newest ``k``, and on 
 
     theta_e <- theta_e^old,  R[e, :] <- R^old[e, :]          for every e < E - k, every MoE layer
 
+and their gradients are zeroed before clipping, so the clip norm is that of the slices that train.
+
 Must not: read data, talk to the wire, or decide which tensors travel (``model/trainable.py``).
 """
 
