@@ -330,7 +330,8 @@ class RetentionConfig(_Section):
                               "MoE layer at each new `sft` task after the first, copies of the experts with the most "
                               "routing mass in the latest anchor; every earlier expert and its router row is frozen "
                               "while the new task trains. Needs `model.trainable` = `all` or `router+experts` and "
-                              "the `qwen3_moe` family; 0 = off", lo=0, hi=256)
+                              "a family with fused experts and a bias-free router (qwen3_moe, qwen2_moe, olmoe, "
+                              "flex_olmo, mixtral); 0 = off", lo=0, hi=256)
 
     @property
     def protect(self) -> bool:

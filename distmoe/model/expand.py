@@ -21,7 +21,8 @@ multiplier 0 on those experts' slices of the fused tensors and on their router r
 ``train.retention.frozen_masks``, applied around each optimizer step by ``ProtectedUpdate``).
 
 Supported: the families whose MoE layers hold fused experts ``gate_up_proj [E, 2I, H]`` / ``down_proj
-[E, H, I]`` and a bias-free ``TopKRouter`` ``weight [E, H]`` (``EXPANDABLE``), in ``model.trainable`` = ``all``
+[E, H, I]`` and a bias-free ``TopKRouter`` ``weight [E, H]`` (``EXPANDABLE``: qwen3_moe, qwen2_moe, olmoe,
+flex_olmo, mixtral; not gpt_oss, whose router has a bias, nor deepseek_v2, untested), in ``model.trainable`` = ``all``
 or ``router+experts`` (both send the whole expert and router tensors). ``lora`` adapters of fused experts are
 laid out per expert count and a routing bias (``routing.balance`` "bias") has a slot per expert: both refused.
 
@@ -40,7 +41,9 @@ from distmoe.model.balance import BIAS_NAME
 from distmoe.model.build import ModelError, describe, router_modules
 
 KEY = "retention.expand-experts"
-EXPANDABLE = ("qwen3_moe",)
+# family -> the config field that holds its routed expert count (saved with the expanded model's config.json)
+EXPANDABLE = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts", "olmoe": "num_experts",
+              "flex_olmo": "num_experts", "mixtral": "num_local_experts"}
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 BASE_ATTR = "_distmoe_base_experts"
 
@@ -49,7 +52,7 @@ def _moe_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     """``(experts, router)`` per MoE layer, in layer order; ``ModelError`` naming the key when unsupported."""
     family = model.config.model_type
     if family not in EXPANDABLE:
-        raise ModelError(f"config key '{KEY}': expert expansion supports the {', '.join(EXPANDABLE)} family, "
+        raise ModelError(f"config key '{KEY}': expert expansion supports the {', '.join(EXPANDABLE)} families, "
                          f"not {family!r}")
     if getattr(model, "peft_config", None) is not None:
         raise ModelError(f"config key '{KEY}': expert expansion needs model.trainable = all or router+experts "
@@ -76,6 +79,11 @@ def stages(cfg: RunConfig, experts: int) -> list[int]:
     task of ``config.expansion_tasks`` (the rule ``coordinator.expand.due`` applies as the run goes)."""
     k = cfg.retention.expand_experts
     return [experts + i * k for i in range(1 + (len(expansion_tasks(cfg.schedule.phases)) if k else 0))]
+
+
+def check_expandable(model: nn.Module) -> None:
+    """``ModelError`` naming the key unless ``model`` can be expanded (checked when a run starts)."""
+    _moe_blocks(model)
 
 
 def default_sources(anchor: np.ndarray | None, layers: int, experts: int, k: int) -> list[list[int]]:
@@ -120,7 +128,7 @@ def expand_experts(model: nn.Module, sources: list[list[int]]) -> int:
     for mod in model.modules():  # the experts, the router, and the causal LM's own (its aux loss reads it)
         if isinstance(getattr(mod, "num_experts", None), int) and mod.num_experts == e_old:
             mod.num_experts = e_new
-    model.config.num_experts = e_new
+    setattr(model.config, EXPANDABLE[model.config.model_type], e_new)
     return e_new
 
 

@@ -98,3 +98,16 @@ def test_expansion_run_crashes_resumes_and_keeps_the_earlier_experts(crashed_and
     assert [e["payload_type"] for e in ledger].count("run-resume") == 1
     failures = [f"{c.name}: {c.details}" for c in audit_run(run_dir).checks if c.status == "fail"]
     assert failures == []
+
+
+def test_an_unsupported_family_is_refused_when_the_run_starts(tmp_path):
+    from distmoe.coordinator import RunFailed
+    from distmoe.model.fabricate import write_checkpoint
+
+    path = write_checkpoint("gpt_oss", tmp_path / "ckpt")  # its router has a bias
+    cfg = parse_run_config({"model.path": str(path), "model.trainable": "router+experts",
+                            "retention.expand-experts": 1})
+    lines: list[str] = []
+    with pytest.raises(RunFailed, match=r"retention.expand-experts.*not 'gpt_oss'"):
+        Coordinator(cfg, tmp_path / "run", LocalTransport(cfg, {}, "x"), "x", log=lines.append).run()
+    assert not (tmp_path / "run" / "checkpoints").exists()  # before round 0 was saved or anyone was contacted

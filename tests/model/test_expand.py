@@ -152,3 +152,31 @@ def test_stages_follow_the_new_sft_tasks(make_cfg):
     assert stages(make_cfg(**{"schedule.phases": "sft:a, sft:b"}), 4) == [4]  # off
     with pytest.raises(ConfigError, match="would never grow"):
         make_cfg(**{"retention.expand-experts": 1, "schedule.phases": "sft:a, eval, sft:a"})
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "flex_olmo", "mixtral", "gpt_oss"])
+def test_other_families_expand_and_save_with_their_own_expert_count(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from distmoe.model.fabricate import build_bpe_tokenizer, family_config
+
+    tok = build_bpe_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(family, len(tok), None, tok)).eval()
+    ms = describe(model)
+    if family == "gpt_oss":  # its router has a bias: refused, naming the key
+        with pytest.raises(ModelError, match="retention.expand-experts"):
+            expand_experts(model, [[0] for _ in ms.moe_layers])
+        return
+    ids = torch.randint(3, len(tok), (2, 7))
+    with torch.no_grad():
+        before = model(input_ids=ids, output_router_logits=True).router_logits[0]
+    expand_experts(model, [[1] for _ in ms.moe_layers])
+    with torch.no_grad():
+        after = model(input_ids=ids, output_router_logits=True).router_logits[0]
+    assert after.shape == (14, ms.num_experts + 1)
+    assert torch.allclose(after[:, :ms.num_experts], before, atol=1e-6)  # one matmul wider: equal to rounding
+    assert torch.allclose(after[:, -1], before[:, 1], atol=1e-6)  # the copied router row
+    model.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert describe(back).num_experts == ms.num_experts + 1
