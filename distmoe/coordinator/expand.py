@@ -13,7 +13,8 @@ resumed run replays the same surgery (``replay``) before loading its weights.
 The parties see the expert count in the shapes of the global weights every instruction carries; each party
 grows its own base to that count before loading them (``party/work.py``), and in ``sft`` rounds freezes every
 expert but the ``k`` newest (``party/retention.py``). The count can only grow along the schedule, so the
-run's allow-list and secure-aggregation setup are sized up front for every stage (``model.expand.stages``).
+run's allow-list and secure-aggregation setup are sized up front for every stage (``model.expand.stages``, from
+``config.expansion_tasks``).
 
 Must not: import ``flwr``, or see one party's values.
 """
@@ -35,8 +36,8 @@ if TYPE_CHECKING:
 
 
 def due(co: Coordinator, task: str) -> bool:
-    """Whether an ``sft`` phase of ``task`` starting now expands the model (``model.expand.stages`` mirrors this
-    rule along the schedule)."""
+    """Whether an ``sft`` phase of ``task`` starting now expands the model (``config.expansion_tasks`` is this rule
+    applied along the schedule; the allow-list is sized from it)."""
     s = co.s
     return bool(co.cfg.retention.expand_experts) and task not in s.trained_tasks and bool(s.trained_tasks)
 
