@@ -12,9 +12,11 @@ there is no anchor)::
     W'^l = [W^l ; W^l[s^l_1] ; ... ; W^l[s^l_k]]            [E + k, ...]   (new experts copy their sources)
     R'^l = [R^l ; R^l[s^l_1] ; ... ; R^l[s^l_k]]            [E + k, H]     (new router rows copy theirs)
 
-Old experts' weights and router rows are unchanged, so a token whose top-k stays among the old experts gets
-the same expert outputs; with ``norm_topk_prob`` its routing weights are unchanged too (renormalised over the
-chosen experts), without it they shrink by the new experts' softmax mass (zero as their logits go to -inf).
+Old experts' weights and router rows are unchanged. A copy ties with its source, so a token whose top-k holds a
+source gets the copy in place of its k-th expert (its output changes at the expansion); a token whose top-k stays
+among the old experts gets the same expert outputs; with ``norm_topk_prob`` its routing weights are unchanged too
+(renormalised over the chosen experts), without it they shrink by the new experts' softmax mass (zero as their
+logits go to -inf).
 
 While a task trains after an expansion, every expert but the ``k`` newest is frozen (``frozen_set``; the update
 multiplier 0 on those experts' slices of the fused tensors and on their router rows is
