@@ -73,11 +73,11 @@ def start(co: Coordinator, nodes: list[int]) -> None:
         write_text_atomic(lpath.with_suffix(".pub"), public_key_hex(key) + "\n")
     n = len(nodes)
     L = co.mspec.num_moe_layers
-    stages = stage_shapes(co)  # one, unless the model grows along the schedule (retention.expand-experts)
-    facts = [layout_facts(co, n, sh, E) for sh, E in stages]
+    staged = stage_shapes(co)  # one, unless the model grows along the schedule (retention.expand-experts)
+    facts = [layout_facts(co, n, sh, E) for sh, E in staged]
     if p.secure and co.plan.stats_releases:  # fail before anything is sent, naming the bound
         try:
-            stats_spec(p, co.plan.noise_multiplier, L, stages[-1][1], n,
+            stats_spec(p, co.plan.noise_multiplier, L, staged[-1][1], n,
                        threshold_for(n, p.min_parties, p.secagg_graph))
         except WrapError as exc:
             raise RunFailed(f"router statistics of {n} parties cannot be summed in Z_2^64: {exc}; lower "
@@ -85,7 +85,7 @@ def start(co: Coordinator, nodes: list[int]) -> None:
     policy = merge_policies([build_policy(secure=p.secure, n_parties=n, trainable=sh, layers=L, experts=E,
                                           tasks=cfg.schedule.tasks, probe_prompts=co.probe_prompts,
                                           probe_tokens=len(co.probe_prompts) * cfg.model.max_seq_len, **f)
-                             for (sh, E), f in zip(stages, facts, strict=True)])
+                             for (sh, E), f in zip(staged, facts, strict=True)])
     problems = check_allow_list(policy)  # the pre-run privacy check of the allow-list (distmoe.wire.at_rest)
     if problems:
         raise RunFailed("privacy check before the run failed: " + "; ".join(problems))
