@@ -326,6 +326,12 @@ class RetentionConfig(_Section):
                                 "model's to the current model's token distribution on the new task's data; 0 = off",
                                 lo=0.0, hi=1000.0)
     distill_temperature: float = key(2.0, "temperature of the output distillation", lo=0.0, hi=100.0, lo_open=True)
+    expand_experts: int = key(0, "dynamic expert expansion (Lifelong-MoE): experts (and router rows) added to every "
+                              "MoE layer at each new `sft` task after the first, copies of the experts with the most "
+                              "routing mass in the latest anchor; every earlier expert and its router row is frozen "
+                              "while the new task trains. Needs `model.trainable` = `all` or `router+experts` and "
+                              "a family with fused experts and a bias-free router (qwen3_moe, qwen2_moe, olmoe, "
+                              "flex_olmo, mixtral); 0 = off", lo=0, hi=256)
 
     @property
     def protect(self) -> bool:
@@ -733,6 +739,19 @@ def parse_schedule(text: str, default_rounds: int, key: str = "schedule.phases")
     return tuple(phases)
 
 
+def expansion_tasks(phases: tuple[Phase, ...]) -> list[str]:
+    """The tasks whose first ``sft`` phase grows the model under ``retention.expand-experts`` (in schedule order): an
+    ``sft`` phase of a task not trained before (by an ``sft``, ``dpo`` or ``rl`` phase), once some task was."""
+    out: list[str] = []
+    trained: list[str] = []
+    for ph in phases:
+        if ph.kind == "sft" and ph.task and ph.task not in trained and trained:
+            out.append(ph.task)
+        if ph.kind in ("sft", "dpo", "rl") and ph.task and ph.task not in trained:
+            trained.append(ph.task)
+    return out
+
+
 def with_eval_cadence(phases: tuple[Phase, ...], every: int) -> tuple[Phase, ...]:
     """``eval.every = n``: each ``sft``/``rl`` phase split into runs of ``n`` rounds with an ``eval`` round after
     each full run, except where the schedule already evaluates next (the phase's last run followed by an
@@ -822,6 +841,12 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
     if parts["model"].warmup_steps and parts["run"].init_from:
         raise ConfigError("config key 'run.init-from': a run starts from one checkpoint: set it or "
                           "model.warmup-steps, not both")
+    if parts["retention"].expand_experts and parts["model"].trainable == "lora":
+        raise ConfigError("config key 'retention.expand-experts': expert expansion needs model.trainable = all or "
+                          "router+experts (lora adapters of the fused experts are laid out per expert count)")
+    if parts["retention"].expand_experts and parts["model"].balance_bias:
+        raise ConfigError("config key 'retention.expand-experts': cannot be combined with a routing bias "
+                          f"(routing.balance = {parts['routing'].balance!r} keeps one bias slot per expert)")
     if parts["model"].balance_bias and parts["model"].trainable == "lora":
         raise ConfigError(f"config key 'routing.balance': value {parts['routing'].balance!r} needs the routers "
                           "trained and sent (model.trainable = all or router+experts): in lora mode the routing bias "
@@ -846,8 +871,11 @@ def _check_across(fed: FederationConfig, p: PrivacyConfig) -> None:
 
 
 def _check_retention(r: RetentionConfig, schedule: ScheduleConfig) -> None:
-    """Per-task anchors and expert protection read the anchors of ``stats:<task>`` phases: refuse a schedule
-    without one rather than run with the mechanism silently off."""
+    """Per-task anchors and expert protection read the anchors of ``stats:<task>`` phases, expert expansion needs a
+    second ``sft`` task: refuse a schedule without them rather than run with the mechanism silently off."""
+    if r.expand_experts and not expansion_tasks(schedule.phases):
+        raise ConfigError("config key 'retention.expand-experts' is on, but schedule.phases never starts an `sft` "
+                          "phase of a new task after a first one: the model would never grow")
     if any(p.kind == "stats" and p.task for p in schedule.phases):
         return
     for key, on in (("retention.task-anchors", r.task_anchors != "off"), ("retention.protect-mass", r.protect)):

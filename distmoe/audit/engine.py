@@ -481,6 +481,9 @@ def _check_allow_list(run: _Run) -> Check:
             for k, shape in rule["shapes"].items():
                 if k in keys and shapes.get(k) != shape:
                     c.fail(f"{w}: {k} has shape {shapes.get(k)}, allowed {shape}")
+            for k, allowed in rule["shape_choices"].items():  # a run whose shapes change (expert expansion)
+                if k in keys and shapes.get(k) not in allowed:
+                    c.fail(f"{w}: {k} has shape {shapes.get(k)}, allowed one of {allowed}")
             nbytes = e.get("bytes")
             if not isinstance(nbytes, int) or nbytes > rule["max_bytes"]:
                 c.fail(f"{w}: {nbytes} bytes > max_bytes {rule['max_bytes']}")
@@ -493,7 +496,8 @@ def _policy(run: _Run, c: Check) -> dict[str, dict[str, Any]] | None:
     """The allow-list from the coordinator's run-start entry, checked against its recorded digest.
 
     Per payload type: ``keys`` (allowed), ``required`` (default: all of ``keys``, i.e. set equality),
-    optional ``keys_pattern`` (``"prefix*"``: further allowed keys), ``shapes`` (fixed-shape arrays) and
+    optional ``keys_pattern`` (``"prefix*"``: further allowed keys), ``shapes`` (fixed-shape arrays), optional
+    ``shape_choices`` (arrays whose shape is one of a list: a run with expert expansion) and
     ``max_bytes``, as ``distmoe.wire.server_guard.build_policy`` writes them.
     """
     e0 = run.start
@@ -508,7 +512,8 @@ def _policy(run: _Run, c: Check) -> dict[str, dict[str, Any]] | None:
     for pt, rule in pol.items():
         ok = (isinstance(rule, dict) and isinstance(rule.get("keys"), list)
               and isinstance(rule.get("required", []), list) and isinstance(rule.get("shapes", {}), dict)
-              and isinstance(rule.get("max_bytes"), int) and isinstance(rule.get("keys_pattern", ""), str))
+              and isinstance(rule.get("max_bytes"), int) and isinstance(rule.get("keys_pattern", ""), str)
+              and isinstance(rule.get("shape_choices", {}), dict))
         if not ok:
             c.fail(f"policy entry {pt!r} is malformed (needs keys, shapes, max_bytes)")
             continue
@@ -518,8 +523,9 @@ def _policy(run: _Run, c: Check) -> dict[str, dict[str, Any]] | None:
             c.fail(f"policy entry {pt!r}: keys_pattern {pattern!r} is not a 'prefix*' pattern")
             pattern = ""
         shapes = {str(k): [int(d) for d in v] for k, v in rule.get("shapes", {}).items()}
+        choices = {str(k): [[int(d) for d in s] for s in v] for k, v in rule.get("shape_choices", {}).items()}
         out[str(pt)] = {"keys": keys, "required": [str(k) for k in rule.get("required", keys)], "shapes": shapes,
-                        "max_bytes": rule["max_bytes"], "pattern": pattern[:-1]}
+                        "shape_choices": choices, "max_bytes": rule["max_bytes"], "pattern": pattern[:-1]}
     return out
 
 

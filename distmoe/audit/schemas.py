@@ -151,6 +151,8 @@ EVENTS: dict[str, dict[str, Kind]] = {
     "probe": {**ROUND, "phase_label": _phase, "parties": _int, "disagreeing": _int, "routing_kl": _num,
               "load_cv": _num, "top1_consistency": _num, "expert_counts": _list_of(_list_of(_int))},
     "routing_warning": {"round": _int, "kind": _one_of("load_cv", "kl_rise", "probe"), "detail": _text},
+    # a dynamic expert expansion (distmoe.coordinator.expand): public facts of the model's shape
+    "expand": {**ROUND, "task": _task, "from": _int, "to": _int, "sources": _list_of(_list_of(_int))},
     "run_end": {"status": _one_of("completed", "failed", "stopped", "interrupted"), "rounds": _int,
                 "error": _text},
 }

@@ -41,7 +41,8 @@ from distmoe.coordinator.transport import Transport
 from distmoe.io import write_text_atomic
 from distmoe.ledger import Ledger
 from distmoe.model.adapters import ServerModel, server_model
-from distmoe.model.build import hash_tensors
+from distmoe.model.build import ModelError, hash_tensors
+from distmoe.model.expand import check_expandable
 from distmoe.privacy.plan import plan_privacy
 from distmoe.report.metrics_log import MetricsLog
 from distmoe.routing.health import RoutingWatch
@@ -202,6 +203,11 @@ class Coordinator:
         cfg = self.cfg
         self.probe_prompts = probe.prompts_for(cfg)  # a bad routing.probe-path fails here, before any round
         self.model = server_model(cfg.model)
+        if cfg.retention.expand_experts:  # refuse an unsupported family now, not at the task boundary
+            try:
+                check_expandable(self.model.module)
+            except ModelError as exc:
+                raise RunFailed(str(exc)) from None
         self.tspec, self.mspec = self.model.tspec, self.model.mspec
         self.s.weights = dict(self.model.weights)
         n_params = self.model.n_params

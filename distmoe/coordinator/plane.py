@@ -2,10 +2,10 @@
 the secure-aggregation setup; and the ``run-end`` entry that closes the ledger.
 
 Owns: ``start`` (a new signed ledger ``ledger/coordinator.jsonl`` + ``.pub`` whose first entry is the
-run's allow-list with the privacy settings and plan; or, on resume, the interrupted run's ledger
-continued with a ``run-resume`` entry), the check that router statistics of this many parties cannot
-wrap Z_2^64 (before anything is sent), the ``ServerGuard`` attached to the transport, and the choice of
-aggregator: ``SecureAggregator`` after a ``SecureRounds.setup`` in ``privacy.mode = "secagg"``,
+run's allow-list with the privacy settings and plan, sized for every expert count the run goes through; or, on
+resume, the interrupted run's ledger continued with a ``run-resume`` entry), the check that router statistics of
+this many parties cannot wrap Z_2^64 (before anything is sent), the ``ServerGuard`` attached to the transport,
+and the choice of aggregator: ``SecureAggregator`` after a ``SecureRounds.setup`` in ``privacy.mode = "secagg"``,
 ``PlaintextAggregator`` in the benchmark baseline; ``close`` writes ``run-end`` with the epsilon spent.
 
 Must not: import ``flwr``, or send anything before the allow-list is signed.
@@ -24,22 +24,34 @@ from distmoe.coordinator.secagg import SecureRounds
 from distmoe.coordinator.secure import SecureAggregator
 from distmoe.io import write_text_atomic
 from distmoe.ledger import Ledger, canonical_json, generate_signing_key, public_key_hex
+from distmoe.model.expand import per_expert, stages
 from distmoe.privacy.metric_noise import EvalSpec
 from distmoe.privacy.plan import stats_spec, threshold_for
 from distmoe.privacy.ring import WrapError
 from distmoe.privacy.vectors import UpdateLayout
 from distmoe.wire.at_rest import check_allow_list
 from distmoe.wire.server_guard import ServerGuard, build_policy, policy_digest
+from distmoe.wire.stages import merge_policies
 
 if TYPE_CHECKING:
     from distmoe.coordinator.loop import Coordinator
 
 
-def layout_facts(co: Coordinator, n: int) -> dict[str, int]:
-    """The public vector lengths of each release for ``n`` parties (they size the allow-list)."""
+def stage_shapes(co: Coordinator) -> list[tuple[dict[str, tuple[int, ...]], int]]:
+    """``(trainable shapes, experts)`` of every expert count the run goes through (one stage unless
+    ``retention.expand-experts``: ``model/expand.stages``, counted from the model before any expansion)."""
+    first = int(co.s.expansions[0]["from"]) if co.s.expansions else co.mspec.num_experts
+    return [({k: ((e, *sh[1:]) if per_expert(k) else sh) for k, sh in co.tspec.shapes}, e)
+            for e in stages(co.cfg, first)]
+
+
+def layout_facts(co: Coordinator, n: int, shapes=None, experts: int | None = None) -> dict[str, int]:
+    """The public vector lengths of each release for ``n`` parties (they size the allow-list); ``shapes`` /
+    ``experts``: of one stage (default: the model now)."""
     cfg, p = co.cfg, co.cfg.privacy
-    L, E = co.mspec.num_moe_layers, co.mspec.num_experts
-    update = UpdateLayout.build(co.tspec.shapes, n, p.update_clip, private=co.plan.update_noise_multiplier > 0)
+    L, E = co.mspec.num_moe_layers, experts or co.mspec.num_experts
+    shapes = tuple(shapes.items()) if shapes is not None else co.tspec.shapes
+    update = UpdateLayout.build(shapes, n, p.update_clip, private=co.plan.update_noise_multiplier > 0)
     return dict(
         update_length=update.length,
         rl_update_length=update.length,  # the same layout
@@ -60,17 +72,20 @@ def start(co: Coordinator, nodes: list[int]) -> None:
         co.ledger = Ledger(lpath, key)
         write_text_atomic(lpath.with_suffix(".pub"), public_key_hex(key) + "\n")
     n = len(nodes)
-    L, E = co.mspec.num_moe_layers, co.mspec.num_experts
-    facts = layout_facts(co, n)
+    L = co.mspec.num_moe_layers
+    staged = stage_shapes(co)  # one, unless the model grows along the schedule (retention.expand-experts)
+    facts = [layout_facts(co, n, sh, E) for sh, E in staged]
     if p.secure and co.plan.stats_releases:  # fail before anything is sent, naming the bound
         try:
-            stats_spec(p, co.plan.noise_multiplier, L, E, n, threshold_for(n, p.min_parties, p.secagg_graph))
+            stats_spec(p, co.plan.noise_multiplier, L, staged[-1][1], n,
+                       threshold_for(n, p.min_parties, p.secagg_graph))
         except WrapError as exc:
             raise RunFailed(f"router statistics of {n} parties cannot be summed in Z_2^64: {exc}; lower "
                             "privacy.num-sequences-max or privacy.scale") from None
-    policy = build_policy(secure=p.secure, n_parties=n, trainable=dict(co.tspec.shapes), layers=L, experts=E,
-                          tasks=cfg.schedule.tasks, probe_prompts=co.probe_prompts,
-                          probe_tokens=len(co.probe_prompts) * cfg.model.max_seq_len, **facts)
+    policy = merge_policies([build_policy(secure=p.secure, n_parties=n, trainable=sh, layers=L, experts=E,
+                                          tasks=cfg.schedule.tasks, probe_prompts=co.probe_prompts,
+                                          probe_tokens=len(co.probe_prompts) * cfg.model.max_seq_len, **f)
+                             for (sh, E), f in zip(staged, facts, strict=True)])
     problems = check_allow_list(policy)  # the pre-run privacy check of the allow-list (distmoe.wire.at_rest)
     if problems:
         raise RunFailed("privacy check before the run failed: " + "; ".join(problems))
@@ -93,7 +108,8 @@ def start(co: Coordinator, nodes: list[int]) -> None:
     co.secure = SecureRounds(cfg, co.plan, co.transport, co.run_dir, co.say, co.report_errors)
     if continuing:
         resume.restore_accountants(co, entries)
-    co.secure.setup(nodes, max(facts.values()), first_round=co.s.round + 1, logical_run=co.run_id, epoch=co.epoch)
+    co.secure.setup(nodes, max(max(f.values()) for f in facts), first_round=co.s.round + 1, logical_run=co.run_id,
+                    epoch=co.epoch)
     co.aggregator = SecureAggregator(co, co.secure)
     guard = co.guard
     co.record.update(parties={**(co.record.get("parties") or {}),

@@ -32,6 +32,7 @@ import torch
 
 from distmoe.checkpoint import CheckpointError, load_checkpoint, resumable
 from distmoe.config import DEFAULTS, RENAMED, RETIRED, RunConfig
+from distmoe.coordinator import expand
 from distmoe.coordinator.errors import RunFailed
 from distmoe.coordinator.state import StateError, from_checkpoint
 from distmoe.io import sanitize, write_text_atomic
@@ -163,11 +164,14 @@ def restore(co: Coordinator) -> bool:
     weights = {k: v.to(torch.float32) for k, v in weights.items()}
     try:
         s = from_checkpoint(state, weights, extra, run_id=co.run_id, where=str(path))
+        expand.replay(co, s.expansions)  # the checkpoint's shape (retention.expand-experts)
         check_trainable(weights, co.tspec)
     except StateError as exc:
         raise RunFailed(str(exc)) from None
     except TrainableError as exc:
         raise RunFailed(f"{path}: the checkpoint does not fit this model: {exc}") from None
+    except ValueError as exc:  # its recorded expert expansions do not fit this model
+        raise RunFailed(f"{path}: {exc}") from None
     if hash_tensors(weights) != manifest.get("trainable_hash"):
         raise RunFailed(f"{path}: trainable weights do not match the manifest's trainable_hash")
     if manifest.get("base_fingerprint", co.model.base_fingerprint) != co.model.base_fingerprint:

@@ -2,8 +2,8 @@
 
 Owns: ``RoundState`` (round counter, hence the schedule position; the global trainable weights; the
 router anchor and its version count; the per-task anchors; the current and trained tasks; the reference weights and the
-evaluation baseline for retention; the last evaluation; the anomaly history), ``position`` (where a round
-sits in the schedule) and the round trip through a checkpoint: ``to_checkpoint`` gives ``state.json``
+evaluation baseline for retention; the last evaluation; the anomaly history; the expert expansions), ``position``
+(where a round sits in the schedule) and the round trip through a checkpoint: ``to_checkpoint`` gives ``state.json``
 and its tensors, ``from_checkpoint`` rebuilds the state from what ``distmoe.checkpoint`` loaded
 (``docs/operations.md``, Resume).
 
@@ -42,6 +42,7 @@ class RoundState:
     last_eval: dict[str, dict[str, float]] = field(default_factory=dict)  # party -> metrics
     baseline: dict[str, dict[str, float]] = field(default_factory=dict)  # eval before the current task
     anomaly_history: dict[str, list[float]] = field(default_factory=dict)  # "event/key" -> aggregate values
+    expansions: list[dict] = field(default_factory=list)  # expert expansions so far (coordinator/expand.py)
 
     def begin_task(self, task: str) -> None:
         """A new task starts: remember the model and the evaluation before it (for retention)."""
@@ -97,7 +98,8 @@ def to_checkpoint(s: RoundState, phases: tuple[Phase, ...], *, run_id: str, sess
              "task_anchors": {t: asdict(a.meta) for t, a in s.task_anchors.items()},
              "current_task": s.current_task, "trained_tasks": list(s.trained_tasks),
              "last_eval": sanitize(s.last_eval), "baseline": sanitize(s.baseline),
-             "anomaly_history": sanitize(s.anomaly_history)}
+             "anomaly_history": sanitize(s.anomaly_history),
+             **({"expansions": s.expansions} if s.expansions else {})}
     return state, tensors
 
 
@@ -130,4 +132,5 @@ def from_checkpoint(state: object, weights: dict[str, torch.Tensor], extra: dict
         current_task=state.get("current_task"), trained_tasks=list(state.get("trained_tasks") or []),
         ref_weights=({k: v.to(torch.float32) for k, v in extra["ref"].items()} if "ref" in extra else None),
         last_eval=_as_float(state.get("last_eval")), baseline=_as_float(state.get("baseline")),
-        anomaly_history={k: [float(x) for x in v] for k, v in (state.get("anomaly_history") or {}).items()})
+        anomaly_history={k: [float(x) for x in v] for k, v in (state.get("anomaly_history") or {}).items()},
+        expansions=[dict(e) for e in (state.get("expansions") or [])])

@@ -7,6 +7,9 @@ as received), the party writes them to ``<work-dir>/retention/pretask-<hash>.saf
 replacing the previous task's) and uses them for the rest of the task. A party that missed that round
 has no pre-task model of the task and trains without distillation (its progress line says so).
 
+After a dynamic expert expansion (``retention.expand-experts``) the context freezes every expert but the newest
+``k`` (and their router rows) for the round (``train/retention.frozen_masks``).
+
 Must not: import ``flwr``, read another party's directory, or send anything (the context stays local).
 """
 
@@ -20,6 +23,7 @@ import torch
 from distmoe.config import RunConfig
 from distmoe.io import write_text_atomic
 from distmoe.model.build import hash_tensors
+from distmoe.model.expand import frozen_set
 from distmoe.routing.retention import check_task_anchors, protected_experts
 from distmoe.train.retention import Retention
 from distmoe.wire.schema import SftInstruction
@@ -42,9 +46,11 @@ def _pretask(work_dir: Path, instr: SftInstruction, weights: dict[str, torch.Ten
     return {k: v.clone() for k, v in weights.items()}
 
 
-def round_retention(cfg: RunConfig, work_dir: Path, instr: SftInstruction, layers: int, experts: int
-                    ) -> Retention | None:
-    """The round's ``Retention`` (None when no mechanism is on); ``ValueError`` on anchors that do not fit."""
+def round_retention(cfg: RunConfig, work_dir: Path, instr: SftInstruction, layers: int, experts: int,
+                    base_experts: int | None = None) -> Retention | None:
+    """The round's ``Retention`` (None when no mechanism is on); ``ValueError`` on anchors that do not fit.
+    ``base_experts``: the model's expert count before any expansion (``retention.expand-experts``: once the model
+    has grown, every expert but the newest ``k`` is frozen)."""
     ret, train = cfg.retention, cfg.train
     r = Retention(task_anchor_reduce=ret.task_anchors, protect_lr_scale=ret.protect_lr_scale,
                   distill_weight=ret.distill_weight, distill_temperature=ret.distill_temperature,
@@ -62,6 +68,10 @@ def round_retention(cfg: RunConfig, work_dir: Path, instr: SftInstruction, layer
         r.ref_state = _pretask(work_dir, instr, weights)
         if r.ref_state is None:
             r.notes.append("no pre-task model (missed the task's first round): no distillation")
+    k = ret.expand_experts
+    if k and base_experts is not None and experts > base_experts:
+        r.frozen = frozen_set(layers, experts, k)  # [L, E]
+        r.notes.append(f"{experts - k} of {experts} experts frozen (expansion)")
     on = (r.task_anchors is not None and r.task_anchor_reduce != "off") or r.protected is not None \
-        or r.ref_state is not None or r.router_warmup_steps > 0
+        or r.ref_state is not None or r.router_warmup_steps > 0 or r.frozen is not None
     return r if on else None

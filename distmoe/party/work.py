@@ -21,9 +21,11 @@ import torch
 from distmoe.config import NodeConfig, RunConfig
 from distmoe.data.party import PartyData, load_party
 from distmoe.data.template import collate, encode_example
-from distmoe.model.base import base_fingerprint, is_cached, prepared_model
-from distmoe.model.build import describe, param_count
+from distmoe.model.base import base_fingerprint, clear_cache, is_cached, prepared_model
+from distmoe.model.build import ModelError, describe, param_count
 from distmoe.model.device import Runtime, resolve_runtime
+from distmoe.model.expand import KEY as EXPAND_KEY
+from distmoe.model.expand import base_experts, experts_in, resize_to, stages
 from distmoe.model.trainable import load_trainable, spec_of, trainable_state
 from distmoe.party.retention import round_retention
 from distmoe.routing.stats import per_sequence_stats
@@ -78,9 +80,34 @@ def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarra
     if fresh:  # the SuperNode's log: what this owner's hardware runs
         print(f"distmoe party {node.party}: base {model.config.model_type} ({param_count(model) / 1e6:.1f}M "
               f"parameters) on {rt.describe()}, loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    if cfg.retention.expand_experts:  # the global weights' shapes declare the expert count (model/expand.py)
+        model, tok = _fit_experts(cfg, node, rt, model, tok, weights)
     spec = spec_of(model, cfg.model.trainable, fingerprint)
     load_trainable(model, _to_torch(weights), spec)
     return model, tok, spec
+
+
+def _fit_experts(cfg: RunConfig, node: NodeConfig, rt, model, tok, weights: dict[str, np.ndarray]):
+    """The (cached) base grown to the expert count of the received weights (``retention.expand-experts``), which
+    must be one of the counts this run's schedule goes through (``model.expand.stages``): the surgery only sets the
+    shape, the received expert and router tensors then replace every value. A cached base
+    that has more experts (an earlier run in this process) is rebuilt first."""
+    try:
+        want = experts_in({k: v.shape for k, v in weights.items()})
+        if want is None:
+            raise ModelError(f"config key '{EXPAND_KEY}': no expert or router tensor travels "
+                             f"(model.trainable = {cfg.model.trainable!r})")
+        allowed = stages(cfg, base_experts(model))
+        if want not in allowed:  # the count can only be one this run's schedule reaches
+            raise ModelError(f"config key '{EXPAND_KEY}': the server's weights have {want} experts per MoE layer; "
+                             f"this run's schedule grows the model through {allowed} only")
+        if not resize_to(model, want):
+            clear_cache()
+            model, tok = prepared_model(cfg.model, node.model_path, rt, node.base_cache)
+            resize_to(model, want)
+    except ModelError as exc:
+        raise PartyError(f"party {node.party}: {exc}", ErrorCode.MODEL) from None
+    return model, tok
 
 
 def _party_seed(base: int, party: str) -> int:
@@ -114,7 +141,8 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
             raise PartyError(f"anchor shape {tuple(anchor.shape)} does not fit the model "
                              f"({ms.num_moe_layers} MoE layers x {ms.num_experts} experts)", ErrorCode.MODEL)
     try:
-        retention = round_retention(cfg, node.work_dir, instr, ms.num_moe_layers, ms.num_experts)
+        retention = round_retention(cfg, node.work_dir, instr, ms.num_moe_layers, ms.num_experts,
+                                    base_experts=base_experts(model))
     except ValueError as exc:
         raise PartyError(f"party {node.party}: {exc}", ErrorCode.MODEL) from None
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}

@@ -25,6 +25,14 @@ logits ``z``, temperature ``tau`` and the attention mask ``m: [B, S]``::
 counted across the task's rounds) only the router's gradients are kept (the others are dropped before
 clipping, so AdamW leaves those tensors and their moments untouched).
 
+**Frozen experts after an expansion** (``retention.expand-experts``, Lifelong-MoE: ``model/expand.py``): the
+same update scaling with ``s = 0`` on every expert but the newest ``k``, and on those experts' router rows
+(``frozen_masks``)::
+
+    theta_e <- theta_e^old,  R[e, :] <- R^old[e, :]          for every e < E - k, every MoE layer
+
+and their gradients are zeroed before clipping, so the clip norm is that of the slices that train.
+
 Must not: read data, talk to the wire, or decide which tensors travel (``model/trainable.py``).
 """
 
@@ -37,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distmoe.model.build import describe
+from distmoe.model.build import describe, router_modules
 from distmoe.model.device import autocast_for, device_of
 from distmoe.model.trainable import grouped_parameters
 
@@ -59,6 +67,7 @@ class Retention:
     distill_temperature: float = 2.0
     router_warmup_steps: int = 0
     task_step_offset: int = 0  # local steps of this task done in earlier rounds
+    frozen: torch.Tensor | None = None  # [L, E] bool: experts (and router rows) frozen after an expansion
     notes: list[str] = field(default_factory=list)
 
 
@@ -99,6 +108,22 @@ def expert_slice_masks(model: nn.Module, protected: torch.Tensor, scale: float
                                  f"(shape {tuple(p.shape)})")
         if bool((mult != 1).any()):
             out.append((p, mult))
+    return out
+
+
+def frozen_masks(model: nn.Module, frozen: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Dynamic expert expansion (``model/expand.py``): ``(parameter, multiplier)`` that freeze the experts
+    ``frozen: [L, E]`` (bool), 0 on their slices of every expert tensor and on their rows of every router weight
+    ``[E, H]``, 1 elsewhere."""
+    out = expert_slice_masks(model, frozen, 0.0)
+    for li, (_, router) in enumerate(router_modules(model)):
+        w = router.weight  # [E, H]
+        rows = frozen[li].to(torch.bool)
+        if not w.requires_grad or not bool(rows.any()):
+            continue
+        mult = torch.ones_like(w, dtype=torch.float32)
+        mult[rows.to(w.device)] = 0.0
+        out.append((w, mult))
     return out
 
 

@@ -35,6 +35,7 @@ from distmoe.train.retention import (
     distill_loss,
     drop_non_router_grads,
     expert_slice_masks,
+    frozen_masks,
     reference_logits,
     router_params,
 )
@@ -160,8 +161,12 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
             r.task_anchors = r.task_anchors.to(device)
         if r.ref_state is not None:
             r.ref_state = {k: v.to(device) for k, v in r.ref_state.items()}
-    protect = (ProtectedUpdate(expert_slice_masks(model, r.protected, r.protect_lr_scale))
-               if r is not None and r.protected is not None and bool(r.protected.any()) else None)
+    masks = (expert_slice_masks(model, r.protected, r.protect_lr_scale)
+             if r is not None and r.protected is not None and bool(r.protected.any()) else [])
+    frozen = ([(p, m.to(p.device)) for p, m in frozen_masks(model, r.frozen)]
+              if r is not None and r.frozen is not None and bool(r.frozen.any()) else [])
+    masks += frozen  # applied after the protection's (the multipliers compose)
+    protect = ProtectedUpdate(masks) if masks else None
     warm_router = router_params(model) if r is not None and r.router_warmup_steps > 0 else None
     res = SFTResult(steps=0, skipped_steps=0, num_examples=len(encoded))
     t0 = time.perf_counter()
@@ -190,6 +195,9 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
                 drop_non_router_grads(model, warm_router)  # router-only warm-up step
                 res.router_only_steps += 1
             scaler.unscale_(opt)
+            for p, m in frozen:  # frozen after an expansion: no gradient, so the clip norm is the trained slices'
+                if p.grad is not None:
+                    p.grad.mul_(m.to(p.grad.dtype))
             # the pre-clip total norm is NaN/Inf iff some gradient is: skip the step, naming those tensors
             _, bad = guard_gradients(named, train.grad_clip, train.winsorize)
             if bad is not None:

@@ -188,6 +188,9 @@ def check_against_policy(policy: Mapping, ptype: str, desc: Mapping) -> str | No
     for k, shape in ent["shapes"].items():
         if k in desc["shapes"] and list(desc["shapes"][k]) != list(shape):
             return f"{ptype}: {k} has shape {desc['shapes'][k]}, the declared spec is {shape}"
+    for k, choices in ent.get("shape_choices", {}).items():
+        if k in desc["shapes"] and list(desc["shapes"][k]) not in [list(c) for c in choices]:
+            return f"{ptype}: {k} has shape {desc['shapes'][k]}, the declared specs are {choices}"
     if desc["bytes"] > ent["max_bytes"]:
         return f"{ptype}: {desc['bytes']} bytes exceed the byte budget of {ent['max_bytes']}"
     return None

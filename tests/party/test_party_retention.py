@@ -57,3 +57,39 @@ def test_the_pre_task_model_is_kept_from_the_weights_the_coordinator_named(make_
     assert [p.name for p in (tmp_path / "retention").glob("pretask-*")] == [f"pretask-{ref2[:32]}.safetensors"]
     # no hash named (the first task, or distillation off at the coordinator): nothing kept or used
     assert round_retention(cfg, tmp_path, _instr(W), 2, 4) is None
+
+
+def test_after_an_expansion_every_expert_but_the_newest_k_is_frozen(make_cfg, tmp_path):
+    cfg = make_cfg(**{"retention.expand-experts": 2})
+    assert round_retention(cfg, tmp_path, _instr(), 2, 4, base_experts=4) is None  # not expanded (yet)
+    r = round_retention(cfg, tmp_path, _instr(), 2, 8, base_experts=4)  # two expansions: 4 -> 6 -> 8
+    assert r.frozen.tolist() == [[True] * 6 + [False] * 2] * 2 and "6 of 8 experts frozen" in r.notes[0]
+
+
+def test_a_party_grows_its_base_to_the_weights_and_refuses_a_count_off_the_schedule(make_cfg, tmp_path):
+    from distmoe.config import parse_node_config
+    from distmoe.model.base import clear_cache
+    from distmoe.model.build import build_model, describe
+    from distmoe.model.expand import expand_experts
+    from distmoe.model.trainable import apply_trainable, trainable_state
+    from distmoe.party.work import PartyError, prepare_model
+
+    cfg = make_cfg(**{"retention.expand-experts": 2, "schedule.phases": "sft:a, sft:b"})
+    node = parse_node_config({"data-path": str(tmp_path), "party-name": "p", "work-dir": str(tmp_path / "w")}, cfg.sim)
+    server, _ = build_model(cfg.model)
+    server = apply_trainable(server, cfg.model)
+    expand_experts(server, [[1, 2], [0, 3]])
+    weights = {k: v.numpy() for k, v in trainable_state(server).items()}
+    clear_cache()
+    try:
+        model, _, spec = prepare_model(cfg, node, weights, "")
+        assert describe(model).num_experts == 6 and dict(spec.shapes) == {k: v.shape for k, v in weights.items()}
+        for k, v in trainable_state(model).items():
+            assert np.array_equal(v.numpy(), weights[k])  # the server's values, not the party's own copies
+        # 8 experts: a count this run's schedule (4 -> 6) never reaches
+        expand_experts(server, [[0, 0], [0, 0]])
+        bad = {k: v.numpy() for k, v in trainable_state(server).items()}
+        with pytest.raises(PartyError, match=r"retention.expand-experts.*\[4, 6\]"):
+            prepare_model(cfg, node, bad, "")
+    finally:
+        clear_cache()

@@ -1,5 +1,6 @@
 """Unit tests: the retention mechanisms inside the local SFT loop (per-task anchor KL, expert protection in
-every trainable mode, output distillation, router-only warm-up) and the per-group learning-rate schedules."""
+every trainable mode, the experts frozen after an expansion, output distillation, router-only warm-up) and the
+per-group learning-rate schedules."""
 
 from __future__ import annotations
 
@@ -122,6 +123,23 @@ def test_protected_expert_slices_are_frozen_or_scaled_in_every_trainable_mode(ma
         assert torch.allclose(frozen[n][~sel], free[n][~sel], atol=1e-7)  # the other experts train as before
     routers = [k for k in base if ".mlp.gate." in k]
     assert routers and any(frozen[k].abs().sum() > 0 for k in routers)  # the router is not protected
+
+
+def test_after_an_expansion_the_local_loop_trains_only_the_newest_experts_and_router_rows(make_cfg, party):
+    from distmoe.model.expand import expand_experts, frozen_set
+
+    cfg, model, tok, encoded = _setup(make_cfg, party, **{"model.trainable": "all", "train.grad-clip": 1e-3})
+    expand_experts(model, [[0, 1], [2, 3]])  # 4 -> 6 experts per MoE layer
+    base = trainable_state(model)
+    res = _run(cfg, model, tok, encoded, Retention(frozen=frozen_set(2, 6, 2)))
+    assert res.steps == 4
+    after = trainable_state(model)
+    per_expert = [k for k in base if ".mlp.experts." in k or k.endswith(".mlp.gate.weight")]
+    assert len(per_expert) == 6
+    for k in per_expert:
+        assert torch.equal(after[k][:4], base[k][:4]), k  # frozen: bit for bit, weight decay included
+        assert not torch.equal(after[k][4:], base[k][4:]), k  # the two new experts / router rows train
+    assert any(not torch.equal(after[k], base[k]) for k in base if k not in per_expert)  # `all`: the rest trains
 
 
 # ------------------------------------------------------------------------------ output distillation

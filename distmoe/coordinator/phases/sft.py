@@ -1,7 +1,8 @@
 """The ``sft`` phase: local supervised tuning at every party, then the aggregated update.
 
 ``configure`` starts a new task when the phase's task changes (the model and evaluation before it are
-kept for retention) and sends the global weights with the router anchor when one exists and
+kept for retention; with ``retention.expand-experts`` a task not trained before first grows the model,
+``coordinator/expand.py``) and sends the global weights with the router anchor when one exists and
 ``routing.anchor-kl-coef`` > 0 (the party's loss is then task loss + aux load balance + anchor KL:
 ``docs/algorithms.md``), and the retention fields (``coordinator/retention.py``). ``aggregate`` adds the
 aggregated update to the global model.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from distmoe.coordinator import expand
 from distmoe.coordinator.phases.update import apply_update
 from distmoe.coordinator.retention import anchor_version, sends_latest_anchor, sft_fields
 from distmoe.wire.schema import SftInstruction
@@ -21,6 +23,8 @@ from distmoe.wire.schema import SftInstruction
 def configure(co, phase) -> SftInstruction:
     s, cfg = co.s, co.cfg
     if phase.task != s.current_task:
+        if expand.due(co, phase.task):  # retention.expand-experts: a new task grows the model first
+            co.say(f"round {s.round}: " + expand.expand(co, phase.task))
         s.begin_task(phase.task)
     use_anchor = s.anchor is not None and cfg.routing.anchor_kl_coef > 0 and sends_latest_anchor(co)
     return SftInstruction(round=s.round, task=phase.task, weights=co.np_weights(s.weights),

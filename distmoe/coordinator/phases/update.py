@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from distmoe.coordinator import expand
 from distmoe.coordinator.aggregator import Skip, UpdateSum
 from distmoe.coordinator.divergence import check_update
 
@@ -25,6 +26,8 @@ def apply_update(co: Coordinator, out: UpdateSum | Skip, event: dict) -> UpdateS
         co.metrics.append({**event, "party": "all", "num_examples": 0, "skipped": True})
         return text
     s = co.s
+    if event["event"] == "train":  # sft / dpo: the experts frozen after an expansion stay exact
+        expand.freeze_delta(co, out.delta)
     for k, d in out.delta.items():
         s.weights[k] = s.weights[k] + torch.from_numpy(d)
     # secure aggregation: the weight sum is the number of contributing parties (uniform weights), not examples
