@@ -4,6 +4,7 @@ measured in one run for each party count.
 
     python bench/secagg.py [--parties 3 5 10] [--quick] [--repeats 3] [--no-protocol] [--no-flower]
                            [--exec inproc procs] [--warmup 1] [--local-steps 2] [--batch-size 4]
+                           [--work stress default] [--default-repeats 1]
                            [--examples 24] [--threads 1] [--verbose]
 
 Setup: the default model (no ``model.*`` overrides: 7.12M parameters, all trainable), synthetic party data
@@ -72,6 +73,8 @@ from distmoe.privacy.vectors import UpdateLayout
 from distmoe.report.metrics_log import read_metrics
 
 SCHEDULE = "sft:lookup, stats:lookup, eval"
+_DEFAULTS = parse_run_config({}).train
+DEFAULT_WORK = (_DEFAULTS.local_steps, _DEFAULTS.batch_size)  # the default local work (40 x 16), from train.*
 KINDS = ("sft", "stats", "eval")
 MODES = ("plaintext", "secagg")
 MB = 1e6
@@ -235,11 +238,13 @@ def _bytes_per_round(run_dir: Path, work_dirs: list[Path], n: int) -> tuple[dict
     return up, down
 
 
-def one_run(mode: str, n: int, data_dirs: list[Path], root: Path, args, log, procs: PartyProcesses | None = None
-            ) -> dict:
-    """One run; the parties in this process one after another, or (``procs``) each in its own process."""
-    overrides = {"schedule.phases": SCHEDULE, "schedule.sft-rounds": 1, "train.local-steps": args.local_steps,
-                 "train.batch-size": args.batch, "train.threads": args.threads, "data.max-eval-examples": 4,
+def one_run(mode: str, n: int, data_dirs: list[Path], root: Path, args, log, procs: PartyProcesses | None = None,
+            work: tuple[int, int] | None = None) -> dict:
+    """One run; the parties in this process one after another, or (``procs``) each in its own process.
+    ``work``: (local steps, batch size), default ``--local-steps`` x ``--batch-size``."""
+    steps, batch = work or (args.local_steps, args.batch)
+    overrides = {"schedule.phases": SCHEDULE, "schedule.sft-rounds": 1, "train.local-steps": steps,
+                 "train.batch-size": batch, "train.threads": args.threads, "data.max-eval-examples": 4,
                  "data.synth-examples": args.examples, "eval.max-new-tokens": 2, "federation.wait-timeout": 1.0,
                  "checkpoint.keep": 1, "privacy.mode": mode}
     cfg = parse_run_config(overrides)
@@ -361,6 +366,10 @@ def main() -> None:
     ap.add_argument("--exec", nargs="+", choices=EXECS, default=list(EXECS),
                     help="inproc: the parties one after another in this process; procs: each party its own OS "
                          "process, served concurrently, messages as Flower protobuf bytes over pipes")
+    ap.add_argument("--work", nargs="+", choices=("stress", "default"), default=["stress"],
+                    help="stress: --local-steps x --batch-size (2 x 4: the protocol dominates); default: the default "
+                         "local work of train.* (40 x 16); both in one invocation with --work stress default")
+    ap.add_argument("--default-repeats", type=int, default=1, help="runs per mode for the default-work cells")
     ap.add_argument("--warmup", type=int, default=1, help="unrecorded runs before each cell's first (cold start)")
     ap.add_argument("--no-flower", action="store_true", help="skip Flower's own SecAgg+ (bench/flower_secaggplus.py)")
     ap.add_argument("--no-protocol", action="store_true", help="skip the SecAgg-only measurement")
@@ -377,7 +386,9 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     log = print if args.verbose else (lambda _s: None)
 
-    res: dict[tuple[int, str, str], list[dict]] = defaultdict(list)
+    works = {"stress": (args.local_steps, args.batch), "default": DEFAULT_WORK}
+    works = {w: works[w] for w in ("stress", "default") if w in args.work}
+    res: dict[tuple[int, str, str, str], list[dict]] = defaultdict(list)
     flower: dict[tuple[int, bool], list[dict]] = defaultdict(list)
     t_all = time.perf_counter()
     try:
@@ -389,13 +400,14 @@ def main() -> None:
                 try:
                     for _ in range(args.warmup):  # not recorded: builds each process's base, warms torch
                         one_run("plaintext", n, data, root, args, log, procs)
-                    for rep in range(args.repeats):
-                        for mode in (MODES if rep % 2 == 0 else MODES[::-1]):  # alternate which mode goes first
-                            r = one_run(mode, n, data, root, args, log, procs)
-                            res[(n, ex, mode)].append(r)
-                            print(f"  {n:2d} parties, {EXEC_TEXT[ex]:10s}, {mode:9s} run {rep + 1}: "
-                                  f"{r['total_s']:.1f} s (sft {r['sft']['wall_s']:.2f} s, stats "
-                                  f"{r['stats']['wall_s']:.2f} s, eval {r['eval']['wall_s']:.2f} s)", flush=True)
+                    for w, wk in works.items():
+                        for rep in range(args.repeats if w == "stress" else args.default_repeats):
+                            for mode in (MODES if rep % 2 == 0 else MODES[::-1]):  # alternate which mode goes first
+                                r = one_run(mode, n, data, root, args, log, procs, wk)
+                                res[(n, ex, mode, w)].append(r)
+                                print(f"  {n:2d} parties, {EXEC_TEXT[ex]:10s}, {w:7s} work, {mode:9s} run {rep + 1}: "
+                                      f"{r['total_s']:.1f} s (sft {r['sft']['wall_s']:.2f} s, stats "
+                                      f"{r['stats']['wall_s']:.2f} s, eval {r['eval']['wall_s']:.2f} s)", flush=True)
                 finally:
                     if procs is not None:
                         procs.close()
@@ -422,9 +434,11 @@ def main() -> None:
         if not args.dir and not args.keep:
             shutil.rmtree(root, ignore_errors=True)
 
-    def med(n: int, ex: str, mode: str, *path: str) -> float:
+    w0 = next(iter(works))  # the wire start and the bytes do not depend on the local work
+
+    def med(n: int, ex: str, mode: str, *path: str, work: str = "") -> float:
         vals = []
-        for r in res[(n, ex, mode)]:
+        for r in res[(n, ex, mode, work or w0)]:
             v = r
             for p in path:
                 v = v[p]
@@ -434,23 +448,26 @@ def main() -> None:
     def fmed(n: int, secure: bool, key: str) -> float:
         return statistics.median(r[key] for r in flower[(n, secure)])
 
-    first = res[(parties[0], execs[0], "secagg")][0]
+    first = res[(parties[0], execs[0], "secagg", w0)][0]
     print()
     print(f"model {first['params'] / 1e6:.2f}M params ({first['trainable'] / 1e6:.2f}M trainable), schedule "
-          f"'{SCHEDULE}', {args.local_steps} local steps x batch {args.batch}, {args.threads} thread(s) per party, "
-          f"{args.repeats} run(s) per cell (median), {os.cpu_count()} CPU(s), "
+          f"'{SCHEDULE}', local work " + ", ".join(f"{w} {st} steps x batch {b}" for w, (st, b) in works.items())
+          + f", {args.threads} thread(s) per party, {args.repeats} run(s) per stress cell and {args.default_repeats} "
+          f"per default-work cell (median), {os.cpu_count()} CPU(s), "
           f"total {time.perf_counter() - t_all:.0f} s")
     print("\nWall time per round (s); 'in parties' = in process: the sum of the parties' serve calls (one after "
           "another); processes: from the first send to the last reply (the parties concurrently)")
-    print(f"{'round':6s} {'parties':>7s} {'exec':>10s} {'plaintext':>10s} {'secagg':>8s} {'ratio':>7s} "
+    print(f"{'round':6s} {'work':>7s} {'parties':>7s} {'exec':>10s} {'plaintext':>10s} {'secagg':>8s} {'ratio':>7s} "
           f"{'plain in parties':>17s} {'secagg in parties':>18s} {'extra s':>8s}")
-    for kind in KINDS:
-        for n in parties:
-            for ex in execs:
-                p, s = med(n, ex, "plaintext", kind, "wall_s"), med(n, ex, "secagg", kind, "wall_s")
-                pp, sp = med(n, ex, "plaintext", kind, "party_s"), med(n, ex, "secagg", kind, "party_s")
-                print(f"{kind:6s} {n:7d} {EXEC_TEXT[ex]:>10s} {p:10.2f} {s:8.2f} {_ratio(s, p):>7s} {pp:17.2f} "
-                      f"{sp:18.2f} {s - p:8.2f}")
+    for w in works:
+        for kind in KINDS:
+            for n in parties:
+                for ex in execs:
+                    p, s = med(n, ex, "plaintext", kind, "wall_s", work=w), med(n, ex, "secagg", kind, "wall_s", work=w)
+                    pp = med(n, ex, "plaintext", kind, "party_s", work=w)
+                    sp = med(n, ex, "secagg", kind, "party_s", work=w)
+                    print(f"{kind:6s} {w:>7s} {n:7d} {EXEC_TEXT[ex]:>10s} {p:10.2f} {s:8.2f} {_ratio(s, p):>7s} "
+                          f"{pp:17.2f} {sp:18.2f} {s - p:8.2f}")
     if flower:
         print("\nPeer: Flower's own SecAgg+ (flwr 1.42 SecAggPlusWorkflow + secaggplus_mod, complete graph: "
               "num_shares = n, threshold n//2+1), one fit round over a float32 vector of the SFT update's length, "

@@ -11,13 +11,12 @@ threshold n // 2 + 1), one update vector of ``--length`` elements (default: the 
 bound fits: ``docs/privacy.md``). Every stage runs the library's own function on that data; best of
 ``--repeats`` (the machine is shared: the fastest call is the closest to the stage's own cost).
 
-Stages of one party: encode (``UpdateLayout.encode``, and inside it the flatten/copy to float64, the clip's
-norm and the fixed-point quantisation), key agreement (X25519 + HKDF of the n - 1 pair keys and the self-mask
-key), pairwise mask expansion (n - 1 ChaCha20 streams combined into the vector), self mask, Shamir (split of
-b and s_sk to n - 1 holders), encryption (n - 1 ChaCha20-Poly1305 share envelopes), the input copy, the whole
-``masked_input`` call, the codec (``MaskedReply`` into Flower records) and the ledger hash (``inspect.digest``
-over those records). Server: ``receive_masked`` (n adds), ``finish`` (reconstruction + n self masks) and the
-decode.
+Stages of one party: encode (``UpdateLayout.encode``, and inside it the clip's float64 norm pass and the fixed-
+point quantisation of each tensor into its words), key agreement (X25519 + HKDF of the n - 1 pair keys and the
+self-mask key), pairwise mask expansion (n - 1 ChaCha20 streams combined into the vector), self mask, Shamir (split
+of b and s_sk to n - 1 holders), encryption (n - 1 ChaCha20-Poly1305 share envelopes), the input copy, the whole
+``masked_input`` call, the codec (``MaskedReply`` into Flower records) and the ledger hash (``inspect.digest`` over
+those records). Server: ``receive_masked`` (n adds), ``finish`` (reconstruction + n self masks) and the decode.
 
 Limits, measured at the start and at the end of the same process (the better of the two): ChaCha20
 keystream bytes/s from ``cryptography`` on one core
@@ -146,21 +145,29 @@ def profile(n: int, length: int, ring_mode: str, repeats: int, threads: int) -> 
     def streams(k: int):  # k mask streams: keystream at the ChaCha20 rate plus one in-place add pass each
         return lambda: k * (vec_bytes / lim["chacha_Bps"] + 3 * vec_bytes / lim["add_Bps"])
 
-    # ---- encode: flatten/copy, clip norm, quantise (the parts of UpdateLayout.encode), and the whole call
+    # ---- encode: the whole call, and (where the tree has it) its two passes: the float64 sum of squares of the
+    # float32 tensors (clip norm) and the quantisation of each tensor straight into its words
     t_enc, (vec, _) = _timed(lambda: lay.encode(delta, 1), repeats)
-    t_flat, flat = _timed(lambda: np.concatenate([np.asarray(delta[k], np.float64).ravel() for k, _ in lay.shapes]),
-                          repeats)
-    t_norm, _ = _timed(lambda: np.linalg.norm(flat), repeats)
     scale = 2.0 ** lay.frac_bits
-    if bits == 32:
-        t_q, _ = _timed(lambda: ring.encode_fixed(flat, scale, 32, np.random.default_rng(1)), repeats)
-    else:
-        t_q, _ = _timed(lambda: ring.encode_fixed(flat, scale), repeats)
-    f64 = numel * 8  # a stage's floor: the bytes it must read and write at copy bandwidth (evaluated at the end)
     st["encode (UpdateLayout.encode)"] = (t_enc, lambda: (numel * 4 + vec_bytes) / lim["copy_Bps"])
-    st["  flatten to float64 (copies)"] = (t_flat, lambda: (numel * 4 + f64) / lim["copy_Bps"])
-    st["  clip: L2 norm"] = (t_norm, lambda: f64 / lim["copy_Bps"])
-    st["  quantise (fixed point)"] = (t_q, lambda: (f64 + vec_bytes) / lim["copy_Bps"])
+    from distmoe.privacy import vectors as V
+
+    if hasattr(V, "_sum_squares") and hasattr(ring, "encode_fixed_into"):
+        buf = np.empty(1 << 15, np.float64)
+        flats = [np.asarray(delta[k]).reshape(-1) for k, _ in lay.shapes]
+        t_norm, _ = _timed(lambda: sum(V._sum_squares(f, buf) for f in flats), repeats)
+        out = np.empty(length, word)
+
+        def quantise():
+            off = 0
+            for f in flats:
+                ring.encode_fixed_into(f, scale, out[off:off + f.size], np.random.default_rng(1) if bits == 32
+                                       else None, buf=buf, bound=float(np.sqrt(numel)))
+                off += f.size
+
+        t_q, _ = _timed(quantise, repeats)
+        st["  clip: L2 norm (float64 sum of squares)"] = (t_norm, lambda: numel * 4 / lim["copy_Bps"])
+        st["  quantise into words"] = (t_q, lambda: (numel * 4 + vec_bytes) / lim["copy_Bps"])
 
     # ---- protocol, client 1 of n
     params, server, clients = _federation(n, length)

@@ -248,7 +248,7 @@ class UpdateLayout:
         scale, pre, off = 2.0**self.frac_bits, factor * w, 0
         for flat in flats:  # in layout order; the stochastic draws are consumed in element order
             ring.encode_fixed_into(flat, scale, out[off:off + flat.size], rng if bits == 32 else None, pre=pre,
-                                   buf=buf)
+                                   buf=buf, bound=norm * pre)  # |pre * x_i| <= pre * ||x||: no chunk can wrap
             off += flat.size
         tail = np.array([float(w), 0.0][:self.length - off], np.float64)  # the weight, the skipped-step slot (0)
         ring.encode_fixed_into(tail, scale, out[off:], rng if bits == 32 else None, buf=buf)
