@@ -26,7 +26,7 @@ def _driver():
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = {"prompts": 4, "group": 2, "tokens": 4, "lr": 3e-4, "iters": 3, "chunk": 2}
+    base = {"prompts": 4, "group": 2, "tokens": 4, "lr": 3e-4, "minibatches": 1, "iters": 3, "chunk": 2}
     return argparse.Namespace(**{**base, **kw})
 
 
