@@ -93,12 +93,14 @@ def mix_replay(party_dir: Path, old: str, new: str, data: DataConfig) -> dict[st
             "new_train": len(train) - len(extra)}
 
 
-def overrides_of(arm: str, seed: int, order: str, extra: str) -> dict:
-    """The run's overrides: the arm's config file, the order's schedule, the arm's switches, then ``extra``."""
+def overrides_of(arm: str, seed: int, order: str, extra: str, rounds: tuple[int, int] | None = None) -> dict:
+    """The run's overrides: the arm's config file, the order's schedule (``rounds``: sft rounds of task A and
+    task B; None = ``schedule.sft-rounds`` each), the arm's switches, then ``extra``."""
     base, own = RETENTION_ARMS.get(arm, (arm, ""))
     out = dict(load_override_file(ROOT / ARMS[base]))
     a, b = ORDERS[order]
-    out["schedule.phases"] = f"sft:{a}, eval, stats:{a}, sft:{b}, eval"
+    ra, rb = (f"*{rounds[0]}", f"*{rounds[1]}") if rounds else ("", "")
+    out["schedule.phases"] = f"sft:{a}{ra}, eval, stats:{a}, sft:{b}{rb}, eval"
     for text in (f"run.seed={seed}", own, extra):
         if text.strip():
             out.update(parse_kv_pairs(text))
@@ -123,13 +125,14 @@ def _replay_data(arm: str, order: str, cfg, parties: list[Path], log) -> None:
         log(f"replay {p.name}: {mix_replay(p, a, b, cfg.data)}")
 
 
-def run_inproc(arm: str, seed: int, order: str, runs_dir: Path, run_id: str, extra: str) -> None:
+def run_inproc(arm: str, seed: int, order: str, runs_dir: Path, run_id: str, extra: str, rounds) -> None:
     from distmoe.coordinator import Coordinator
     from distmoe.inprocess import LocalTransport
     from distmoe.simulate import SimOptions, prepare
 
-    run_dir, parties, overrides = prepare(SimOptions(overrides=overrides_of(arm, seed, order, extra), run_id=run_id,
-                                                     runs_dir=runs_dir, echo=False))
+    opts = SimOptions(overrides=overrides_of(arm, seed, order, extra, rounds), run_id=run_id, runs_dir=runs_dir,
+                      echo=False)
+    run_dir, parties, overrides = prepare(opts)
     cfg = parse_run_config(overrides)
     _replay_data(arm, order, cfg, parties, print)
     nodes = {100 + i: parse_node_config(tomllib.loads((run_dir / "nodes" / f"node-{i}.toml").read_text()), cfg.sim)
@@ -144,8 +147,8 @@ def run_inproc(arm: str, seed: int, order: str, runs_dir: Path, run_id: str, ext
         raise RuntimeError(f"{run_dir}: run did not complete: {rec.get('error')}")
 
 
-def run_simulate(arm: str, seed: int, order: str, runs_dir: Path, run_id: str, extra: str) -> None:
-    over = overrides_of(arm, seed, order, extra)
+def run_simulate(arm: str, seed: int, order: str, runs_dir: Path, run_id: str, extra: str, rounds) -> None:
+    over = overrides_of(arm, seed, order, extra, rounds)
     cmd = [sys.executable, "-m", "distmoe.cli", "simulate", "--run-config",
            " ".join(f"{k}={json.dumps(v)}" for k, v in over.items()), "--run-id", run_id, "--runs-dir", str(runs_dir)]
     if arm == "replay":  # the parties' data, written as simulate would, then mixed; passed with --data
@@ -165,7 +168,8 @@ def run_simulate(arm: str, seed: int, order: str, runs_dir: Path, run_id: str, e
     subprocess.run(cmd, check=True)
 
 
-def run_one(arm: str, seed: int, order: str, runs_dir: Path, extra: str, exec_: str, quiet: Path | None) -> Path:
+def run_one(arm: str, seed: int, order: str, runs_dir: Path, extra: str, exec_: str, quiet: Path | None,
+            rounds: tuple[int, int] | None = None) -> Path:
     run_id = f"{arm}-s{seed}" if order == "lookup-arith" else f"{arm}-{order}-s{seed}"
     run_dir = runs_dir / run_id
     if _completed(run_dir):
@@ -175,7 +179,7 @@ def run_one(arm: str, seed: int, order: str, runs_dir: Path, extra: str, exec_: 
     if run_dir.exists():  # an unfinished run: start it again
         shutil.rmtree(run_dir)
     t = time.perf_counter()
-    (run_inproc if exec_ == "inproc" else run_simulate)(arm, seed, order, runs_dir, run_id, extra)
+    (run_inproc if exec_ == "inproc" else run_simulate)(arm, seed, order, runs_dir, run_id, extra, rounds)
     wall = time.perf_counter() - t
     (run_dir / "bench.json").write_text(json.dumps({"arm": arm, "order": order, "seed": seed, "exec": exec_,
                                                     "wall_s": round(wall, 1)}) + "\n")
@@ -218,6 +222,8 @@ def probe_rows(run_dir: Path, b: str) -> dict[str, float]:
 
 
 def row_of(run_dir: Path) -> dict[str, float]:
+    if (run_dir / "row.json").exists():  # kept when --prune removed the checkpoints
+        return json.loads((run_dir / "row.json").read_text())
     s = summarise(run_dir)
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     evals = [e for e in events if e.get("event") == "eval" and e.get("party") == "all"]
@@ -286,6 +292,10 @@ def main() -> None:
                          "simulate: `distmoe simulate` on Flower's Simulation Engine")
     ap.add_argument("--quiet-file", default="/work/wt/QUIET", help="wait before each run while this file exists "
                     "('' = never)")
+    ap.add_argument("--rounds", type=int, nargs=2, metavar=("A", "B"),
+                    help="sft rounds of task A and of task B (default: schedule.sft-rounds each)")
+    ap.add_argument("--prune", action="store_true", help="after each run, keep its table row (row.json) and remove "
+                    "its checkpoints (about 300 MB a run)")
     ap.add_argument("--dry", action="store_true", help="print each run's overrides and exit")
     args = ap.parse_args()
     quiet = Path(args.quiet_file) if args.quiet_file else None
@@ -297,14 +307,19 @@ def main() -> None:
             r = row_of(d)
             rows.setdefault(_arm_of(d, r), []).append(r)
     else:
-        for seed in args.seeds:  # seed-major: an interrupted sweep leaves whole seeds of every arm
-            for order in args.order:
-                for arm in args.arms:
+        rounds = tuple(args.rounds) if args.rounds else None
+        for arm in args.arms:  # arm-major, in the given order: an interrupted sweep leaves whole arms
+            for seed in args.seeds:
+                for order in args.order:
                     if args.dry:
-                        print(arm, order, seed, overrides_of(arm, seed, order, args.run_config))
+                        print(arm, order, seed, overrides_of(arm, seed, order, args.run_config, rounds))
                         continue
-                    d = run_one(arm, seed, order, Path(args.runs_dir), args.run_config, args.exec_, quiet)
-                    rows.setdefault((arm, order), []).append(row_of(d))
+                    d = run_one(arm, seed, order, Path(args.runs_dir), args.run_config, args.exec_, quiet, rounds)
+                    row = row_of(d)
+                    if args.prune:
+                        (d / "row.json").write_text(json.dumps(row) + "\n")
+                        shutil.rmtree(d / "checkpoints", ignore_errors=True)
+                    rows.setdefault((arm, order), []).append(row)
     for order in ORDERS:
         sub = {arm: r for (arm, o), r in rows.items() if o == order}
         if sub:
