@@ -247,7 +247,25 @@ def row_of(run_dir: Path) -> dict[str, float]:
             "seed": float(cfg["run.seed"]), "anchor-kl-coef": float(cfg["routing.anchor-kl-coef"])}
 
 
+def paired(rows: dict[str, list[dict[str, float]]], base: str = "no-anchor") -> dict[str, list[dict[str, float]]]:
+    """Each arm's per-seed difference from ``base`` (same seed, hence the same data and, for the arms that leave
+    task A's training alone, the same model before B) in retention of A and accuracy of B: rows ``Δ ... vs none``."""
+    if base not in rows:
+        return rows
+    ref = {r["seed"]: r for r in rows[base]}
+    out = {}
+    for arm, rs in rows.items():
+        new = []
+        for r in rs:
+            keys = [k for k in r if k.startswith(("retention of A", "accuracy B"))]
+            b = ref.get(r["seed"]) if arm != base else None
+            new.append({**r, **{f"Δ {k} vs none (paired)": r[k] - b[k] if b else math.nan for k in keys}})
+        out[arm] = new
+    return out
+
+
 def table(rows: dict[str, list[dict[str, float]]]) -> str:
+    rows = paired(rows)
     metrics = [k for k in next(iter(rows.values()))[0] if k not in ("seed", "anchor-kl-coef")]
     head = "| metric | " + " | ".join(f"{arm} (n={len(r)})" for arm, r in rows.items()) + " |"
     lines = [head, "|---|" + "---|" * len(rows)]
