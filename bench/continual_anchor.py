@@ -1,17 +1,25 @@
-"""The DistMoE experiment: the continual two-task schedule with the router anchor on and off,
-same seeds and same data per pair, several seeds per arm; prints the Markdown table for
-docs/results.md (mean ± sample std over seeds, and every seed's value).
+"""The DistMoE continual experiment (issue 13, Part A item 6): a two-task schedule (task A, eval, router statistics
+of A, task B, eval) run federated, per arm, seed and task order, on the same coordinator and party code; prints the
+Markdown tables for docs/results.md (mean ± sample std over seeds, and every seed's value).
 
-    python bench/continual_anchor.py --seeds 0 1 2            # runs 2 x 3 simulations
-    python bench/continual_anchor.py --collect runs/anchor-*  # tabulate existing run dirs
-    python bench/continual_anchor.py --arms no-anchor protection distillation --seeds 0 1 2
+    python bench/continual_anchor.py --seeds 0 1 2                       # anchor vs no-anchor, lookup -> arith
+    python bench/continual_anchor.py --arms no-anchor distillation replay --order lookup-arith arith-lookup
+    python bench/continual_anchor.py --collect runs/anchor-*             # tabulate existing run dirs
 
-Arms: ``anchor`` / ``no-anchor`` (the two configs), and the retention mechanisms of ``docs/algorithms.md``
-(Retention), each on one of them with its switch (``RETENTION_ARMS``). With this two-task schedule the
-per-task anchor equals the latest anchor (one earlier task); it differs from three tasks on. The
-protection threshold 0.2 is above the uniform 1/8 of the tiny default's 8 experts.
+``--exec inproc`` (the default): each run is ``distmoe simulate``'s run directory (same data, node files,
+overrides) driven by the coordinator in this process over ``distmoe.inprocess.LocalTransport``: the exact
+coordinator and party code path (wire guards, ledgers, secure aggregation, DP), the parties served one after
+another in this process, without Ray or Flower. ``--exec simulate``: each run is a real ``distmoe simulate``
+(Flower Simulation Engine), minutes slower per run. Finished runs (``run.json`` status ``completed``) are reused,
+an unfinished run directory is started again; before each run the driver waits while ``--quiet-file`` exists.
 
-Each run is a real `distmoe simulate` (Flower Simulation Engine).
+Arms: ``anchor`` / ``no-anchor`` / ``anchor-token`` (the three configs), the retention mechanisms of
+``docs/algorithms.md`` (Retention), each on one of them with its switch (``RETENTION_ARMS``), ``combined``
+(anchor + protection + distillation) and ``replay``: no anchor, and each party replays ITS OWN task-A training
+examples during task B (its task-B file is rewritten to hold them too, ``mix_replay``): an upper reference for
+scale only, since it replays data, which the mechanisms do not. With this two-task schedule the per-task anchor
+equals the latest anchor (one earlier task); it differs from three tasks on. The protection threshold 0.2 is
+above the uniform 1/8 of the tiny default's 8 experts.
 """
 
 from __future__ import annotations
@@ -19,44 +27,203 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import time
+import tomllib
 from pathlib import Path
 
+from distmoe.config import DataConfig, load_override_file, parse_kv_pairs, parse_node_config, parse_run_config
+from distmoe.data.formats import DataError, read_jsonl
+from distmoe.data.party import load_party, split_examples, split_key
 from distmoe.report.report import summarise
 
-ARMS = {"anchor": "configs/continual.toml", "no-anchor": "configs/continual-no-anchor.toml"}
+ARMS = {"anchor": "configs/continual.toml", "no-anchor": "configs/continual-no-anchor.toml",
+        "anchor-token": "configs/continual-token.toml"}
+PROTECT = "retention.protect-mass=0.2 retention.protect-lr-scale=0.0"
+DISTILL = "retention.distill-weight=1.0 retention.distill-temperature=2.0"
 # arm -> (base arm, run-config overrides)
 RETENTION_ARMS = {
     "per-task-anchor": ("anchor", "retention.task-anchors='mean'"),
-    "protection": ("no-anchor", "retention.protect-mass=0.2 retention.protect-lr-scale=0.0"),
-    "distillation": ("no-anchor", "retention.distill-weight=1.0 retention.distill-temperature=2.0"),
+    "protection": ("no-anchor", PROTECT),
+    "distillation": ("no-anchor", DISTILL),
+    "combined": ("anchor", f"{PROTECT} {DISTILL}"),
     "router-warmup": ("no-anchor", "train.router-warmup-steps=20 train.expert-schedule='cosine' "
                       "train.router-lr-scale=0.1"),
     "retention-all": ("anchor", "retention.task-anchors='mean' retention.protect-mass=0.2 "
                       "retention.protect-lr-scale=0.0 retention.distill-weight=1.0 train.router-warmup-steps=20 "
                       "train.expert-schedule='cosine' train.router-lr-scale=0.1"),
+    "replay": ("no-anchor", ""),  # + mix_replay on every party's task-B file
 }
+ORDERS = {"lookup-arith": ("lookup", "arith"), "arith-lookup": ("arith", "lookup")}
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_one(arm: str, seed: int, runs_dir: Path, extra: str) -> Path:
-    run_id = f"{arm}-s{seed}"
-    if (runs_dir / run_id / "run.json").exists():
-        rec = json.loads((runs_dir / run_id / "run.json").read_text())
-        if rec.get("status") == "completed":
-            print(f"reusing {runs_dir / run_id}", flush=True)
-            return runs_dir / run_id
+def mix_replay(party_dir: Path, old: str, new: str, data: DataConfig) -> dict[str, int]:
+    """Rewrite ``party_dir/<new>.jsonl`` to hold its own examples plus this party's TRAINING examples of ``old``
+    (local replay: the party's own data, nothing leaves it), such that no held-out example of either task is
+    trained on and the evaluated held-out set of ``new`` is unchanged.
+
+    The split (``distmoe.data.party``) holds out the examples with the smallest split keys, so an ``old`` example
+    that would fall into the mixed file's held-out part is dropped (repeated until none does; the file's own
+    examples that now fall there are not trained on). Returns the counts: ``replayed`` (old examples added),
+    ``dropped`` (old training examples left out), ``new_train`` (new examples trained on, before: ``new_train_before``).
+    Raises ``DataError`` if the evaluated held-out set of ``new`` would change."""
+    path = party_dir / f"{new}.jsonl"
+    party = load_party(party_dir, data)
+    own = read_jsonl(path)
+    eval_before = [split_key(e, data.seed) for e in party.heldout(new)]
+    old_train = party.train(old)
+    extra = list(old_train)
+    while True:
+        train, held = split_examples(own + extra, data.eval_fraction, data.seed)
+        held_keys = {split_key(e, data.seed) for e in held}
+        keep = [e for e in extra if split_key(e, data.seed) not in held_keys]
+        if len(keep) == len(extra):
+            break
+        extra = keep
+    evaluated = held[: data.max_eval_examples] if data.max_eval_examples > 0 else held
+    if [split_key(e, data.seed) for e in evaluated] != eval_before:
+        raise DataError(f"{path}: replay of {old!r} would change the evaluated held-out set of {new!r}")
+    path.write_text("".join(e.to_json() + "\n" for e in own + extra), encoding="utf-8")
+    return {"replayed": len(extra), "dropped": len(old_train) - len(extra), "new_train_before": len(party.train(new)),
+            "new_train": len(train) - len(extra)}
+
+
+def overrides_of(arm: str, seed: int, order: str, extra: str, rounds: tuple[int, int] | None = None) -> dict:
+    """The run's overrides: the arm's config file, the order's schedule (``rounds``: sft rounds of task A and
+    task B; None = ``schedule.sft-rounds`` each), the arm's switches, then ``extra``."""
     base, own = RETENTION_ARMS.get(arm, (arm, ""))
-    cmd = [sys.executable, "-m", "distmoe.cli", "simulate", "--config", str(ROOT / ARMS[base]),
-           "--run-config", f"run.seed={seed} {own} {extra}".strip(), "--run-id", run_id, "--runs-dir", str(runs_dir)]
+    out = dict(load_override_file(ROOT / ARMS[base]))
+    a, b = ORDERS[order]
+    ra, rb = (f"*{rounds[0]}", f"*{rounds[1]}") if rounds else ("", "")
+    out["schedule.phases"] = f"sft:{a}{ra}, eval, stats:{a}, sft:{b}{rb}, eval"
+    for text in (f"run.seed={seed}", own, extra):
+        if text.strip():
+            out.update(parse_kv_pairs(text))
+    return out
+
+
+def wait_quiet(quiet: Path | None) -> None:
+    while quiet is not None and quiet.exists():
+        time.sleep(15)
+
+
+def _completed(run_dir: Path) -> bool:
+    rec = run_dir / "run.json"
+    return rec.exists() and json.loads(rec.read_text()).get("status") == "completed"
+
+
+def _replay_data(arm: str, order: str, cfg, parties: list[Path], log) -> None:
+    if arm != "replay":
+        return
+    a, b = ORDERS[order]
+    for p in parties:
+        log(f"replay {p.name}: {mix_replay(p, a, b, cfg.data)}")
+
+
+def run_inproc(arm: str, seed: int, order: str, runs_dir: Path, run_id: str, extra: str, rounds) -> None:
+    from distmoe.coordinator import Coordinator
+    from distmoe.inprocess import LocalTransport
+    from distmoe.simulate import SimOptions, prepare
+
+    opts = SimOptions(overrides=overrides_of(arm, seed, order, extra, rounds), run_id=run_id, runs_dir=runs_dir,
+                      echo=False)
+    run_dir, parties, overrides = prepare(opts)
+    cfg = parse_run_config(overrides)
+    _replay_data(arm, order, cfg, parties, print)
+    nodes = {100 + i: parse_node_config(tomllib.loads((run_dir / "nodes" / f"node-{i}.toml").read_text()), cfg.sim)
+             for i in range(len(parties))}
+    log = (run_dir / "coordinator.log").open("w")
+    try:
+        rec = Coordinator(cfg, run_dir, LocalTransport(cfg, nodes, run_id), run_id,
+                          log=lambda s: print(s, file=log, flush=True)).run()
+    finally:
+        log.close()
+    if rec.get("status") != "completed":
+        raise RuntimeError(f"{run_dir}: run did not complete: {rec.get('error')}")
+
+
+def run_simulate(arm: str, seed: int, order: str, runs_dir: Path, run_id: str, extra: str, rounds) -> None:
+    over = overrides_of(arm, seed, order, extra, rounds)
+    cmd = [sys.executable, "-m", "distmoe.cli", "simulate", "--run-config",
+           " ".join(f"{k}={json.dumps(v)}" for k, v in over.items()), "--run-id", run_id, "--runs-dir", str(runs_dir)]
+    if arm == "replay":  # the parties' data, written as simulate would, then mixed; passed with --data
+        from distmoe.data.synth import synth_tasks, write_synthetic
+
+        cfg = parse_run_config(over)
+        data = runs_dir / f"{run_id}-data"
+        old = os.umask(0o077)  # party data is private to its owner (simulate refuses it otherwise)
+        try:
+            parties = write_synthetic(data, 3, cfg.data.synth_examples, cfg.run.seed, canaries=1, overwrite=True,
+                                      tasks=synth_tasks(cfg.schedule.tasks))
+        finally:
+            os.umask(old)
+        _replay_data(arm, order, cfg, parties, print)
+        cmd += ["--data", str(data)]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
-    return runs_dir / run_id
+
+
+def run_one(arm: str, seed: int, order: str, runs_dir: Path, extra: str, exec_: str, quiet: Path | None,
+            rounds: tuple[int, int] | None = None) -> Path:
+    run_id = f"{arm}-s{seed}" if order == "lookup-arith" else f"{arm}-{order}-s{seed}"
+    run_dir = runs_dir / run_id
+    if _completed(run_dir):
+        print(f"reusing {run_dir}", flush=True)
+        return run_dir
+    wait_quiet(quiet)
+    if run_dir.exists():  # an unfinished run: start it again
+        shutil.rmtree(run_dir)
+    t = time.perf_counter()
+    (run_inproc if exec_ == "inproc" else run_simulate)(arm, seed, order, runs_dir, run_id, extra, rounds)
+    wall = time.perf_counter() - t
+    (run_dir / "bench.json").write_text(json.dumps({"arm": arm, "order": order, "seed": seed, "exec": exec_,
+                                                    "wall_s": round(wall, 1)}) + "\n")
+    print(f"{run_id}: {wall:.0f} s", flush=True)
+    return run_dir
+
+
+def probe_rows(run_dir: Path, b: str) -> dict[str, float]:
+    """Routing metrics on the public routing probe (what the federation releases under secure aggregation, where
+    the held-out routing metrics stay at the parties): the last probe's routing KL to the anchor and expert-load
+    CV, and the top-1 consistency of the final model with the model kept before task ``b`` (checkpoint manifest
+    ``kept = "before task <b>"``) on the probe prompts: the share of (layer, prompt token) pairs whose top-1
+    expert is the same."""
+    import numpy as np
+
+    from distmoe.coordinator.phases.probe import prompts_for
+    from distmoe.model.build import build_model
+    from distmoe.routing.probe import probe_routing
+
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    probes = [e for e in events if e.get("event") == "probe"]
+    last = probes[-1] if probes else {}
+    out = {"routing KL after B": float(last.get("routing_kl", math.nan)), "top-1 consistency": math.nan,
+           "load CV": float(last.get("load_cv", math.nan))}
+    ckpts = {}
+    for m in (run_dir / "checkpoints").glob("round-*/manifest.json"):
+        man = json.loads(m.read_text())
+        ckpts[man["round"]] = (man.get("kept", ""), m.parent)
+    before = [d for _r, (kept, d) in sorted(ckpts.items()) if kept == f"before task {b}"]
+    if not before or not (ckpts[max(ckpts)][1] / "model").is_dir():
+        return out
+    cfg = parse_run_config(json.loads((run_dir / "run.json").read_text())["config"])
+    prompts = prompts_for(cfg)
+    tops = []
+    for d in (before[-1], ckpts[max(ckpts)][1]):
+        model, tok = build_model(cfg.model, str(d / "model"))
+        tops.append(probe_routing(model, tok, prompts, cfg.model.max_seq_len, cfg.eval.batch_size)[1])  # [L, N]
+    out["top-1 consistency"] = float(np.mean(tops[0] == tops[1]))
+    return out
 
 
 def row_of(run_dir: Path) -> dict[str, float]:
+    if (run_dir / "row.json").exists():  # kept when --prune removed the checkpoints
+        return json.loads((run_dir / "row.json").read_text())
     s = summarise(run_dir)
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     evals = [e for e in events if e.get("event") == "eval" and e.get("party") == "all"]
@@ -68,15 +235,37 @@ def row_of(run_dir: Path) -> dict[str, float]:
     num = lambda k: float(s[k]) if s.get(k) is not None else math.nan  # noqa: E731
     before = evals[0] if len(evals) > 1 else {}
     num0 = lambda k: float(before[k]) if before.get(k) is not None else math.nan  # noqa: E731
-    return {f"accuracy A ({a}) before B": num0(f"acc/{a}"), "answer loss A before B": num0(f"loss/{a}"),
-            "answer loss A after B": num(f"loss/{a}"), "routing KL after B": num("routing_kl"),
-            "top-1 consistency": num("top1_consistency"),
-            f"retention of A ({a})": num(f"retention/{a}"), f"accuracy A ({a}) after B": num(f"acc/{a}"),
-            f"accuracy B ({b})": num(f"acc/{b}"), "load CV": num("load_cv"),
+    bench = json.loads((run_dir / "bench.json").read_text()) if (run_dir / "bench.json").exists() else {}
+    names = (("routing KL after B", "routing_kl"), ("top-1 consistency", "top1_consistency"), ("load CV", "load_cv"))
+    routing = {k: num(k2) for k, k2 in names}
+    if all(math.isnan(v) for v in routing.values()):  # secure aggregation: the public probe's figures
+        routing = probe_rows(run_dir, b)
+    return {f"retention of A ({a})": num(f"retention/{a}"), f"accuracy A ({a}) before B": num0(f"acc/{a}"),
+            f"accuracy A ({a}) after B": num(f"acc/{a}"), f"accuracy B ({b})": num(f"acc/{b}"),
+            **routing, "answer loss A before B": num0(f"loss/{a}"),
+            "answer loss A after B": num(f"loss/{a}"), "wall time (s)": float(bench.get("wall_s", math.nan)),
             "seed": float(cfg["run.seed"]), "anchor-kl-coef": float(cfg["routing.anchor-kl-coef"])}
 
 
+def paired(rows: dict[str, list[dict[str, float]]], base: str = "no-anchor") -> dict[str, list[dict[str, float]]]:
+    """Each arm's per-seed difference from ``base`` (same seed, hence the same data and, for the arms that leave
+    task A's training alone, the same model before B) in retention of A and accuracy of B: rows ``Δ ... vs none``."""
+    if base not in rows:
+        return rows
+    ref = {r["seed"]: r for r in rows[base]}
+    out = {}
+    for arm, rs in rows.items():
+        new = []
+        for r in rs:
+            keys = [k for k in r if k.startswith(("retention of A", "accuracy B"))]
+            b = ref.get(r["seed"]) if arm != base else None
+            new.append({**r, **{f"Δ {k} vs none (paired)": r[k] - b[k] if b else math.nan for k in keys}})
+        out[arm] = new
+    return out
+
+
 def table(rows: dict[str, list[dict[str, float]]]) -> str:
+    rows = paired(rows)
     metrics = [k for k in next(iter(rows.values()))[0] if k not in ("seed", "anchor-kl-coef")]
     head = "| metric | " + " | ".join(f"{arm} (n={len(r)})" for arm, r in rows.items()) + " |"
     lines = [head, "|---|" + "---|" * len(rows)]
@@ -87,32 +276,72 @@ def table(rows: dict[str, list[dict[str, float]]]) -> str:
             if not vals:
                 cells.append("–")
                 continue
+            if m.startswith("wall"):
+                cells.append(f"{statistics.mean(vals):.0f}")
+                continue
             sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
             cells.append(f"{statistics.mean(vals):.3f} ± {sd:.3f} ({', '.join(f'{v:.3f}' for v in vals)})")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def _arm_of(run_dir: Path, r: dict[str, float]) -> tuple[str, str]:
+    """(arm, order) of a run directory: from its bench.json, else from its name (``<arm>-s<seed>``) and config."""
+    if (run_dir / "bench.json").exists():
+        b = json.loads((run_dir / "bench.json").read_text())
+        return b["arm"], b["order"]
+    arm = run_dir.name.rsplit("-s", 1)[0]
+    arm = arm if arm in RETENTION_ARMS else "anchor" if r["anchor-kl-coef"] > 0 else "no-anchor"
+    return arm, "lookup-arith"
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--runs-dir", default="runs")
-    ap.add_argument("--run-config", default="", help="extra overrides for every run")
+    ap.add_argument("--run-config", default="", help="extra overrides for every run (after the arm's)")
     ap.add_argument("--collect", nargs="*", help="existing run directories to tabulate instead of running")
-    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=[*ARMS, *RETENTION_ARMS])
+    ap.add_argument("--arms", nargs="*", default=["anchor", "no-anchor"], choices=[*ARMS, *RETENTION_ARMS])
+    ap.add_argument("--order", nargs="*", default=["lookup-arith"], choices=list(ORDERS),
+                    help="task orders (task A -> task B)")
+    ap.add_argument("--exec", dest="exec_", default="inproc", choices=("inproc", "simulate"),
+                    help="inproc: the coordinator and parties in this process over LocalTransport (no Ray); "
+                         "simulate: `distmoe simulate` on Flower's Simulation Engine")
+    ap.add_argument("--quiet-file", default="/work/wt/QUIET", help="wait before each run while this file exists "
+                    "('' = never)")
+    ap.add_argument("--rounds", type=int, nargs=2, metavar=("A", "B"),
+                    help="sft rounds of task A and of task B (default: schedule.sft-rounds each)")
+    ap.add_argument("--prune", action="store_true", help="after each run, keep its table row (row.json) and remove "
+                    "its checkpoints (about 300 MB a run)")
+    ap.add_argument("--dry", action="store_true", help="print each run's overrides and exit")
     args = ap.parse_args()
-    rows: dict[str, list[dict[str, float]]] = {arm: [] for arm in args.arms}
+    quiet = Path(args.quiet_file) if args.quiet_file else None
+    rows: dict[tuple[str, str], list[dict[str, float]]] = {}
     if args.collect:
         for d in map(Path, args.collect):
+            if not _completed(d):
+                continue
             r = row_of(d)
-            arm = d.name.rsplit("-s", 1)[0]  # run_one names runs <arm>-s<seed>
-            arm = arm if arm in RETENTION_ARMS else "anchor" if r["anchor-kl-coef"] > 0 else "no-anchor"
-            rows.setdefault(arm, []).append(r)
+            rows.setdefault(_arm_of(d, r), []).append(r)
     else:
-        for seed in args.seeds:
-            for arm in args.arms:
-                rows[arm].append(row_of(run_one(arm, seed, Path(args.runs_dir), args.run_config)))
-    print(table({a: r for a, r in rows.items() if r}))
+        rounds = tuple(args.rounds) if args.rounds else None
+        for arm in args.arms:  # arm-major, in the given order: an interrupted sweep leaves whole arms
+            for seed in args.seeds:
+                for order in args.order:
+                    if args.dry:
+                        print(arm, order, seed, overrides_of(arm, seed, order, args.run_config, rounds))
+                        continue
+                    d = run_one(arm, seed, order, Path(args.runs_dir), args.run_config, args.exec_, quiet, rounds)
+                    row = row_of(d)
+                    if args.prune:
+                        (d / "row.json").write_text(json.dumps(row) + "\n")
+                        shutil.rmtree(d / "checkpoints", ignore_errors=True)
+                    rows.setdefault((arm, order), []).append(row)
+    for order in ORDERS:
+        sub = {arm: r for (arm, o), r in rows.items() if o == order}
+        if sub:
+            print(f"\n### {order.replace('-', ' -> ')}\n\n{table(sub)}")
 
 
 if __name__ == "__main__":

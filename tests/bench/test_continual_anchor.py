@@ -1,0 +1,53 @@
+"""``bench/continual_anchor.py``'s local-replay data mixer: the party's own task-A training examples join its
+task-B file, no held-out example of either task is trained on, and the evaluated task-B set is unchanged.
+
+Must not: run the experiment (the bench does that).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from distmoe.config import parse_run_config
+from distmoe.data.formats import DataError, read_jsonl
+from distmoe.data.party import load_party
+from distmoe.data.synth import write_synthetic
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "continual_anchor.py"
+_spec = importlib.util.spec_from_file_location("continual_anchor_bench", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+@pytest.mark.parametrize(("old", "new", "seed", "n", "max_eval"),
+                         [("lookup", "arith", 0, 240, 48), ("arith", "lookup", 3, 120, 10)])
+def test_mix_replay_adds_only_own_training_examples(tmp_path, old, new, seed, n, max_eval):
+    data = parse_run_config({"run.seed": seed, "data.max-eval-examples": max_eval}).data
+    party = write_synthetic(tmp_path, parties=2, examples_per_task=n, seed=seed, canaries=1)[1]
+    before = load_party(party, data)
+    own_lines = read_jsonl(party / f"{new}.jsonl")
+    counts = bench.mix_replay(party, old, new, data)
+    after = load_party(party, data)
+    assert after.heldout(new) == before.heldout(new)  # the evaluated task-B set is the same examples
+    assert after.heldout(old) == before.heldout(old)  # task A's file is untouched
+    mixed = read_jsonl(party / f"{new}.jsonl")
+    assert mixed[: len(own_lines)] == own_lines
+    added = mixed[len(own_lines):]
+    old_train = set(before.train(old))
+    assert added and set(added) <= old_train  # only this party's own task-A training examples
+    assert counts["replayed"] == len(added) and counts["dropped"] == len(before.train(old)) - len(added)
+    trained = set(after.train(new))
+    assert not trained & set(before.heldout(old)) and not trained & set(before.heldout(new))  # nothing held out trained
+    own = set(own_lines)  # examples may repeat within a task: count lines
+    assert counts["new_train"] == sum(e in own for e in after.train(new)) <= counts["new_train_before"]
+    assert sum(e in old_train for e in after.train(new)) == len(added)  # every replayed example is trained on
+
+
+def test_mix_replay_refuses_a_changed_eval_set(tmp_path):
+    data = parse_run_config({"run.seed": 0, "data.max-eval-examples": 1000}).data  # every held-out example counts
+    party = write_synthetic(tmp_path, parties=1, examples_per_task=120, seed=0)[0]
+    with pytest.raises(DataError, match="would change the evaluated held-out set"):
+        bench.mix_replay(party, "lookup", "arith", data)
