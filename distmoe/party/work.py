@@ -82,6 +82,9 @@ def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarra
               f"parameters) on {rt.describe()}, loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     if cfg.retention.expand_experts:  # the global weights' shapes declare the expert count (model/expand.py)
         model, tok = _fit_experts(cfg, node, rt, model, tok, weights)
+    elif describe(model).num_experts != base_experts(model):  # grown by an earlier run in this process: rebuild
+        clear_cache()
+        model, tok = prepared_model(cfg.model, node.model_path, rt, node.base_cache)
     spec = spec_of(model, cfg.model.trainable, fingerprint)
     load_trainable(model, _to_torch(weights), spec)
     return model, tok, spec

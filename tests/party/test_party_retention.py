@@ -91,5 +91,12 @@ def test_a_party_grows_its_base_to_the_weights_and_refuses_a_count_off_the_sched
         bad = {k: v.numpy() for k, v in trainable_state(server).items()}
         with pytest.raises(PartyError, match=r"retention.expand-experts.*\[4, 6\]"):
             prepare_model(cfg, node, bad, "")
+        # the next run in this process, without expansion, gets the base as built, not the grown cached one
+        plain = make_cfg(**{"schedule.phases": "sft:a, sft:b"})
+        base, _ = build_model(plain.model)
+        base = apply_trainable(base, plain.model)
+        orig = {k: v.numpy() for k, v in trainable_state(base).items()}
+        model, _, spec = prepare_model(plain, node, orig, "")
+        assert describe(model).num_experts == 4 and dict(spec.shapes) == {k: v.shape for k, v in orig.items()}
     finally:
         clear_cache()
