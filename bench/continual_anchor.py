@@ -308,7 +308,7 @@ def main() -> None:
     ap.add_argument("--exec", dest="exec_", default="inproc", choices=("inproc", "simulate"),
                     help="inproc: the coordinator and parties in this process over LocalTransport (no Ray); "
                          "simulate: `distmoe simulate` on Flower's Simulation Engine")
-    ap.add_argument("--quiet-file", default="/work/wt/QUIET", help="wait before each run while this file exists "
+    ap.add_argument("--quiet-file", default="", help="wait before each run while this file exists "
                     "('' = never)")
     ap.add_argument("--rounds", type=int, nargs=2, metavar=("A", "B"),
                     help="sft rounds of task A and of task B (default: schedule.sft-rounds each)")

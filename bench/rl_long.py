@@ -347,7 +347,7 @@ def main() -> None:
     ap.add_argument("--win-samples", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="runs/rl-long")
-    ap.add_argument("--quiet-file", default="/work/wt/QUIET")
+    ap.add_argument("--quiet-file", default="", help="wait before each run while this file exists (none by default)")
     ap.add_argument("--check", action="store_true", help="print the reward curve in 50-iteration means")
     ap.add_argument("--table", action="store_true", help="only print the tables of finished runs and draw plots")
     ap.add_argument("--img-dir", default="docs/img")

@@ -285,11 +285,14 @@ def _session_of(stat: bytes) -> int:
     return int(stat[stat.rindex(b")") + 2:].split()[3])
 
 
-def processes_with_token(token: str, session: int | None = None) -> list[int]:
+def processes_with_token(token: str, session: int | None = None, ray_dir: str | None = None) -> list[int]:
     """PIDs of every process whose environment carries this run's token, or that belongs to ``session``
-    (the session ``flwr run`` was started in: Ray's dashboard and runtime-env agents keep it but start
-    with an environment of their own, which their process title may overwrite)."""
-    needle = f"{TOKEN_ENV}={token}".encode()
+    (the session ``flwr run`` was started in), or whose ``RAY_TMPDIR`` is this run's own Ray directory
+    (``ray_dir``: Ray's dashboard and runtime-env agents start in a session of their own with an environment
+    that keeps Ray's variables but not the token; measured: both outlived a run matched by token and session)."""
+    needles = {f"{TOKEN_ENV}={token}".encode()}
+    if ray_dir:
+        needles.add(f"RAY_TMPDIR={ray_dir}".encode())
     me = os.getpid()
     pids = []
     for entry in Path("/proc").iterdir():
@@ -300,24 +303,25 @@ def processes_with_token(token: str, session: int | None = None) -> list[int]:
             sid = _session_of((entry / "stat").read_bytes()) if session is not None else None
         except (OSError, ValueError, IndexError):
             continue
-        if needle in env.split(b"\0") or (session is not None and sid == session):
+        if needles.intersection(env.split(b"\0")) or (session is not None and sid == session):
             pids.append(int(entry.name))
     return pids
 
 
-def stop_processes(token: str, grace: float = 5.0, session: int | None = None) -> list[int]:
+def stop_processes(token: str, grace: float = 5.0, session: int | None = None, ray_dir: str | None = None
+                   ) -> list[int]:
     """SIGTERM, then SIGKILL after ``grace`` seconds, every process of this run (``processes_with_token``).
     Returns the PIDs."""
-    pids = processes_with_token(token, session)
+    pids = processes_with_token(token, session, ray_dir)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and processes_with_token(token, session):
+    while time.monotonic() < deadline and processes_with_token(token, session, ray_dir):
         time.sleep(0.2)
-    for pid in processes_with_token(token, session):
+    for pid in processes_with_token(token, session, ray_dir):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -636,18 +640,19 @@ def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides:
         stop = exc
     finally:
         if proc is not None:
-            stopped = stop_processes(token, session=proc.pid)  # start_new_session: its session id is its pid
+            stopped = stop_processes(token, session=proc.pid, ray_dir=env["RAY_TMPDIR"])  # session id = its pid
             if proc.poll() is None:
                 proc.kill()
         else:
-            stopped = stop_processes(token)
+            stopped = stop_processes(token, ray_dir=env["RAY_TMPDIR"])
         if short_ray is not None:
             shutil.rmtree(short_ray, ignore_errors=True)
     elapsed = time.monotonic() - t0
     session = proc.pid if proc is not None else None
     (run_dir / "simulate.json").write_text(json.dumps(
         {"token": token, "port": port, "command": cmd, "stopped_pids": stopped, "wall_s": elapsed,
-         "session": session, "remaining": processes_with_token(token, session),
+         "session": session, "ray_dir": env["RAY_TMPDIR"],
+         "remaining": processes_with_token(token, session, env["RAY_TMPDIR"]),
          "signal": stop.args[0] if stop is not None else None}, indent=2))
     say(f"  stopped {len(stopped)} Flower/Ray processes; wall time {elapsed:.0f} s; log: {log_path}")
     if stop is not None:

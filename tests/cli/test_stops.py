@@ -132,3 +132,23 @@ def test_failed_start_leaves_no_half_made_run_directory(tmp_path: Path):
             )
         )
     assert not (runs / "half").exists()
+
+
+def test_a_process_with_only_the_runs_ray_dir_is_found_and_stopped(tmp_path):
+    """Ray's dashboard and runtime-env agents keep RAY_TMPDIR but neither the run token nor the session of
+    ``flwr run`` (both outlived a quick-start run before): the run's own Ray directory finds them."""
+    from distmoe.simulate import TOKEN_ENV, processes_with_token, stop_processes
+
+    ray_dir = str(tmp_path / "ray")
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    env["RAY_TMPDIR"] = ray_dir
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env, start_new_session=True)
+    try:
+        assert processes_with_token("no-such-token") == []  # neither token nor session finds it
+        assert processes_with_token("no-such-token", ray_dir=ray_dir) == [proc.pid]
+        assert stop_processes("no-such-token", grace=2.0, ray_dir=ray_dir) == [proc.pid]
+        assert proc.wait(timeout=10) is not None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

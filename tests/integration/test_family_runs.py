@@ -58,7 +58,7 @@ def test_family_end_to_end_on_flower(family: str, tmp_path: Path, monkeypatch):
     assert list((run_dir / "anchors").glob("round-*.npz"))
 
     sim = json.loads((run_dir / "simulate.json").read_text())
-    assert processes_with_token(sim["token"], sim["session"]) == [] and sim["remaining"] == []
+    assert processes_with_token(sim["token"], sim["session"], sim["ray_dir"]) == [] and sim["remaining"] == []
     assert not (tmp_path / "outer-home" / ".flwr").exists()
     assert "Traceback" not in log, log[-3000:]
 
