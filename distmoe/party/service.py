@@ -175,7 +175,7 @@ class PartyService:
         layout = sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()})
         vec, facts = layout.encode(upd.delta, upd.num_examples)
         skipped = upd.metrics.get("skipped_steps", 0.0)  # NaN for a party without data for the task
-        vec = layout.count_skipped(vec, int(skipped) if skipped == skipped else 0)
+        vec = layout.count_skipped(vec, int(skipped) if skipped == skipped else 0, inplace=True)
         self._log_metrics(instr, {**upd.metrics, **local}, {**facts, **notes})
         contributed = upd.num_examples > 0  # any of this party's examples went into the update
         z_u = sess.facts.update_noise_multiplier

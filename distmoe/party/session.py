@@ -306,7 +306,8 @@ class PartySession:
 
     def masked(self, start, vec, *, contributed: bool) -> sa.MaskedInput:
         """``contributed``: whether ``vec`` holds any of this party's data (its contributor bit, securely
-        counted in the consistency check; the release needs ``privacy.min-parties`` contributors)."""
+        counted in the consistency check; the release needs ``privacy.min-parties`` contributors). ``vec`` is
+        consumed: masked in place where it is an array of the round's words (its plaintext words are gone)."""
         if self.client is None:
             raise SessionError(f"party {self.node.party}: no SecAgg state for run {self.run_id}")
         if start.recipient != self._need().node_id:
@@ -314,7 +315,7 @@ class PartySession:
         if (why := prg_known_answer()) is not None:
             raise SessionError(f"party {self.node.party}: {why}; its masks would not hide its inputs: refused")
         try:
-            m = self.client.masked_input(start, vec, contributed=contributed)
+            m = self.client.masked_input(start, vec, contributed=contributed, consume=True)
         except sa.SecAggAbort as exc:
             raise SessionError(f"party {self.node.party}: round {start.round}: {exc}") from None
         finally:

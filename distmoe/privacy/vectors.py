@@ -276,14 +276,15 @@ class UpdateLayout:
             off += size
         return out, w
 
-    def count_skipped(self, vec: np.ndarray, skipped: int) -> np.ndarray:
+    def count_skipped(self, vec: np.ndarray, skipped: int, *, inplace: bool = False) -> np.ndarray:
         """``vec`` (an ``encode`` output, before noise or masks) with the party's skipped NaN/Inf steps, clamped to
-        ``[0, SKIPPED_MAX]``, in the count slot; unchanged where the layout has none (``private``)."""
+        ``[0, SKIPPED_MAX]``, in the count slot; unchanged where the layout has none (``private``). ``inplace``:
+        write the slot into ``vec`` itself (its owner's fresh ``encode`` output) instead of a copy."""
         if not self.counts_skipped:
             return vec
         if vec.shape != (self.length,):
             raise LayoutError(f"input has shape {vec.shape}, layout length {self.length}")
-        out = vec.copy()  # the count is an integer: scale 1, exact in either word width
+        out = vec if inplace else vec.copy()  # the count is an integer: scale 1, exact in either word width
         out[self.numel + 1] = ring.to_ring(np.array([min(max(int(skipped), 0), SKIPPED_MAX)], np.int64), self.bits)[0]
         return out
 

@@ -12,6 +12,7 @@ Must not: know about models, data or training, or be used outside ``distmoe.wire
 
 from __future__ import annotations
 
+import io
 import math
 import re
 from collections.abc import Callable
@@ -43,17 +44,34 @@ class WireError(ValueError):
         self.reason = reason
 
 
+def npy_bytes(a: np.ndarray) -> bytes:
+    """Exactly ``np.save``'s bytes of the C-contiguous ``a`` (format 1.0 header + data) in one allocation and one
+    copy. Flower's ``Array(ndarray)`` runs ``np.save`` into a ``BytesIO``, which writes 16 MiB pieces into a
+    growing buffer: 25 ms instead of 3 ms for a 28.5 MB update vector, most of it fresh memory (a test pins the
+    bytes to ``np.save``'s)."""
+    hdr = io.BytesIO()
+    np.lib.format.write_array_header_1_0(hdr, np.lib.format.header_data_from_array_1_0(a))
+    return b"".join((hdr.getvalue(), a.reshape(-1).view(np.uint8) if a.size else b""))
+
+
+def _array(v: np.ndarray) -> Array:
+    a = np.ascontiguousarray(v)
+    return Array(dtype=str(a.dtype), shape=tuple(a.shape), stype=inspect.STYPE, data=npy_bytes(a))
+
+
 def _arrays(d: dict[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord(array_dict={k: Array(np.ascontiguousarray(v)) for k, v in sorted(d.items())})
+    return ArrayRecord(array_dict={k: _array(v) for k, v in sorted(d.items())})
 
 
-def _read_arrays(rec: ArrayRecord, what: str) -> dict[str, np.ndarray]:
+def _read_arrays(rec: ArrayRecord, what: str, copy: bool = True) -> dict[str, np.ndarray]:
     """Every array parsed strictly (``inspect.check_array``: header equal to metadata, no trailing bytes,
-    numeric dtypes only, finite floats) and copied out of the record."""
+    numeric dtypes only, finite floats) and copied out of the record; ``copy=False``: read-only views of the
+    record's bytes instead (for a large vector its readers only read: no copy into fresh memory per decode)."""
     out = {}
     for k, arr in rec.items():
         try:
-            out[k] = np.array(inspect.check_array(arr, f"{what}: array {k!r}"))
+            view = inspect.check_array(arr, f"{what}: array {k!r}")
+            out[k] = np.array(view) if copy else view
         except inspect.InspectError as exc:
             raise WireError(str(exc)) from None
     return out
@@ -167,11 +185,11 @@ class In:
         self.used[name].add(key)
         return rec[key]
 
-    def arrays(self, name: str, keys: set[str] | None = None) -> dict[str, np.ndarray]:
+    def arrays(self, name: str, keys: set[str] | None = None, *, copy: bool = True) -> dict[str, np.ndarray]:
         rec = self.record(name)
         if not isinstance(rec, ArrayRecord):
             raise WireError(f"{self.tag}: record {name!r} is not an ArrayRecord")
-        out = _read_arrays(rec, self.tag if name in ("arrays", "ref") else f"{self.tag}: {name}")
+        out = _read_arrays(rec, self.tag if name in ("arrays", "ref") else f"{self.tag}: {name}", copy)
         if keys is not None and set(out) != keys:
             raise WireError(f"{self.tag}: {name} arrays {sorted(out)} != {sorted(keys)}")
         return out

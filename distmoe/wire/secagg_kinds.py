@@ -159,7 +159,7 @@ def _take_masked(inp: In, at: str, got: dict):
     if not bool(inp.value("meta.has_masked")):
         return None
     sender, rnd = int(inp.value(f"{at}.sender")), int(inp.value(f"{at}.round"))
-    y = inp.arrays(f"{at}_y", {"y"})["y"]
+    y = inp.arrays(f"{at}_y", {"y"}, copy=False)["y"]  # [length] read-only: summed and checked, never written
     if y.dtype not in (np.uint32, np.uint64) or y.ndim != 1:
         raise WireError(f"{inp.tag}: y must be uint32 or uint64 [length], got {y.dtype} {y.shape}")
     nxt = _take_share_keys(inp, "next") if inp.has("next") else None

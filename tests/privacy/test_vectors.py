@@ -154,3 +154,13 @@ def test_stochastic_quantisation_is_unbiased_and_bounded():
     std = 2.0**-f * np.sqrt(0.3 * 0.7 / 4)  # per coordinate of the mean of 4 independent roundings
     assert abs(err.mean()) < 5 * std / np.sqrt(err.size)  # unbiased
     assert err.std() == pytest.approx(std, rel=0.05)
+
+
+def test_count_skipped_in_place_writes_the_same_slot_into_the_vector_itself():
+    rng = np.random.default_rng(3)
+    lay = UpdateLayout.build({"w": (4, 3)}, 3, clip=1.0)
+    vec, _ = lay.encode({"w": rng.standard_normal((4, 3)).astype(np.float32)}, 5)
+    copied = lay.count_skipped(vec, 2)
+    assert copied is not vec and lay.decode_skipped(copied) == 2 and lay.decode_skipped(vec) == 0
+    same = lay.count_skipped(vec, 2, inplace=True)
+    assert same is vec and np.array_equal(same, copied)

@@ -316,15 +316,18 @@ class SecAggClient:
 
     # ---- stage 2: masked input ----------------------------------------------------------------
     def masked_input(self, start: RoundStart, x: np.ndarray, *, share_next: bool = True,
-                     contributed: bool = True) -> MaskedInput:
+                     contributed: bool = True, consume: bool = False) -> MaskedInput:
         """``x``: ``[start.length]`` integers in [0, 2^bits), ``bits`` = ``start.bits`` or ``params.bits``
         (``distmoe.privacy.ring.encode_fixed``/``to_ring`` in that width). With
         ``share_next`` the share keys of round + 1 ride along, so the next round needs no extra
         exchange. ``contributed``: whether ``x`` holds any of this party's data (its contributor bit c_u,
-        Shamir-shared to every other member of U1, encrypted under the pairwise c-keys)."""
+        Shamir-shared to every other member of U1, encrypted under the pairwise c-keys). ``consume``: the
+        caller hands ``x`` over; when it already is a writeable contiguous array of the ring's words it is
+        masked in place and returned as ``y`` (no copy of the vector, and the unmasked words are gone from
+        memory once masked); otherwise, and by default, ``x`` is left untouched."""
         st = self._state(start.round, Phase.SHARED, "masked input")
         try:
-            y = self._mask(st, start, x)
+            y = self._mask(st, start, x, consume)
         except SecAggAbort:
             self._abort(st)
             raise
@@ -351,7 +354,7 @@ class SecAggClient:
         st.own_count = sh[shamir.holder_x(self.cid)]
         return tuple(out)
 
-    def _mask(self, st: _Round, start: RoundStart, x: np.ndarray) -> np.ndarray:
+    def _mask(self, st: _Round, start: RoundStart, x: np.ndarray, consume: bool = False) -> np.ndarray:
         p, r = self.params, st.round
         if start.recipient != self.cid:
             raise ProtocolViolation(f"round {r}: round start addressed to client {start.recipient}")
@@ -385,7 +388,7 @@ class SecAggClient:
         bits = start.bits or p.bits
         if not 1 <= bits <= p.bits:
             raise ProtocolViolation(f"round {r}: ring width {bits} outside [1, {p.bits}] (params.bits)")
-        v_arr = self._check_input(x, r, length, bits)
+        v_arr = self._check_input(x, r, length, bits, consume)
         held = {}
         for v in sorted(got):  # decrypt everything before any mask is computed
             e = got[v]
@@ -399,7 +402,7 @@ class SecAggClient:
             except ValueError as exc:
                 raise ProtocolViolation(f"round {r}: malformed share from client {v}: {exc}") from None
         # y = x + PRG(b) + sum_{v>u} PRG(s_uv) - sum_{v<u} PRG(s_uv)  mod 2^bits (this round's bits), all [length]
-        # expanded chunk by chunk into y itself (a fresh copy of x), no per-mask vector (P.combine_masks)
+        # expanded chunk by chunk into y itself (a fresh copy of x, or x when consumed), no per-mask vector
         terms = [(P.self_mask_key(p.run_id, r, self.cid, st.b), 1)]
         terms += [(P.pair_mask_key(p.run_id, r, self.cid, v, st.s_sk, s_pks[v]), 1 if v > self.cid else -1)
                   for v in sorted(mine - {self.cid})]
@@ -410,13 +413,15 @@ class SecAggClient:
         st.s_sk = st.b = b""  # only the shares are needed from here on
         return y
 
-    def _check_input(self, x: np.ndarray, r: int, length: int, bits: int) -> np.ndarray:
+    def _check_input(self, x: np.ndarray, r: int, length: int, bits: int, consume: bool = False) -> np.ndarray:
         x = np.asarray(x)
         if x.shape != (length,) or not np.issubdtype(x.dtype, np.integer):
             raise ValueError(f"round {r}: input must be [{length}] integers, got {x.shape} {x.dtype}")
         full = bits in (32, 64) and x.dtype == P.word_dtype(bits)  # every word is in range: no pass needed
         if x.size and not full and (int(x.min()) < 0 or int(x.max()) > P.ring_mask(bits)):
             raise ValueError(f"round {r}: input outside [0, 2^{bits}); encode with ring.encode_fixed/to_ring")
+        if consume and full and x.flags.c_contiguous and x.flags.writeable and x.base is None:
+            return x  # [length] the caller's own array: masked in place
         return np.array(x, dtype=P.word_dtype(bits), order="C", copy=True)  # [length], becomes y in place
 
     # ---- stage 3: consistency check (Bonawitz et al. CCS 2017 §4) ------------------------------

@@ -590,3 +590,32 @@ def test_round_length_is_declared_per_round_and_bounded():
         assert res.total.shape == (n,) and np.array_equal(res.total, want)
     with pytest.raises(ValueError, match="length"):
         fed.server.begin_round(4, 51)
+
+
+def test_a_consumed_input_is_masked_in_place_and_sums_the_same():
+    """``consume=True`` (what a party's session passes: its fresh update vector) masks the caller's words in
+    place, with exactly the words of the default copying path; a copy is made for anything not owned as words
+    of the ring (a read-only or wrong-width array), and without ``consume`` the input is left untouched."""
+    fed = fed_of(3, 2, bits=32, seed=4)
+    twin = fed_of(3, 2, bits=32, seed=4)  # the same keys: the same masks
+    starts, starts2 = fed.server.begin_round(1, None, 32), twin.server.begin_round(1, None, 32)
+    xs = {i: np.full(L, 10 * i, np.uint32) for i in starts}
+    kept = {i: x.copy() for i, x in xs.items()}
+    consumed = {i: fed.clients[i].masked_input(s, xs[i], consume=True) for i, s in starts.items()}
+    copied = {i: twin.clients[i].masked_input(s, kept[i].copy()) for i, s in starts2.items()}
+    for i in starts:
+        assert np.shares_memory(consumed[i].y, xs[i])  # masked in place: the plaintext words are gone
+        np.testing.assert_array_equal(xs[i], copied[i].y)
+        np.testing.assert_array_equal(consumed[i].y, copied[i].y)
+        assert not np.array_equal(consumed[i].y, kept[i])
+    fed3 = fed_of(3, 2, bits=32, seed=5)
+    s3 = fed3.server.begin_round(1, None, 32)
+    frozen = np.full(L, 3, np.uint32)
+    frozen.flags.writeable = False
+    wide = np.full(L, 3, np.uint64)
+    plain = np.full(L, 3, np.uint32)
+    ys = [fed3.clients[1].masked_input(s3[1], frozen, consume=True).y,
+          fed3.clients[2].masked_input(s3[2], wide, consume=True).y,
+          fed3.clients[3].masked_input(s3[3], plain).y]
+    assert not any(np.shares_memory(y, x) for y, x in zip(ys, (frozen, wide, plain), strict=True))
+    assert (frozen == 3).all() and (wide == 3).all() and (plain == 3).all()
