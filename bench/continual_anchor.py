@@ -19,7 +19,8 @@ Arms: ``anchor`` / ``no-anchor`` / ``anchor-token`` (the three configs), the ret
 examples during task B (its task-B file is rewritten to hold them too, ``mix_replay``): an upper reference for
 scale only, since it replays data, which the mechanisms do not. With this two-task schedule the per-task anchor
 equals the latest anchor (one earlier task); it differs from three tasks on. The protection threshold 0.2 is
-above the uniform 1/8 of the tiny default's 8 experts.
+above the uniform 1/8 of the tiny default's 8 experts; ``expansion`` adds 2 experts per MoE layer for task B (8 ->
+10, copies of the two with the most mass in task A's anchor) and freezes the 8 earlier ones and their router rows.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ RETENTION_ARMS = {
     "retention-all": ("anchor", "retention.task-anchors='mean' retention.protect-mass=0.2 "
                       "retention.protect-lr-scale=0.0 retention.distill-weight=1.0 train.router-warmup-steps=20 "
                       "train.expert-schedule='cosine' train.router-lr-scale=0.1"),
+    "expansion": ("no-anchor", "retention.expand-experts=2"),  # task B gets 2 new experts per layer, old frozen
     "replay": ("no-anchor", ""),  # + mix_replay on every party's task-B file
 }
 ORDERS = {"lookup-arith": ("lookup", "arith"), "arith-lookup": ("arith", "lookup")}

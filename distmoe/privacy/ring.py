@@ -128,6 +128,7 @@ def encode_fixed_into(x: np.ndarray, scale: float, out: np.ndarray, rng: np.rand
         buf = np.empty(min(src.size, _CHUNK), np.float64)  # [chunk] scratch, cache-resident
     lim = 2.0 ** (bits - 1)
     proven = bound is not None and math.isfinite(bound) and bound * scale + 1.0 < lim
+    draws = np.empty(min(src.size, _CHUNK), np.float64) if rng is not None else None  # [chunk] reused U draws
     for a in range(0, src.size, _CHUNK):
         b = min(a + _CHUNK, src.size)
         y = buf[:b - a]
@@ -140,7 +141,9 @@ def encode_fixed_into(x: np.ndarray, scale: float, out: np.ndarray, rng: np.rand
         if rng is None:
             np.rint(y, out=y)
         else:
-            np.floor(np.add(y, rng.random(b - a), out=y), out=y)
+            u = draws[:b - a]
+            rng.random(out=u)  # the same stream, in the same order, as rng.random(b - a)
+            np.floor(np.add(y, u, out=y), out=y)
         if not proven:
             lo, hi = float(y.min()), float(y.max())
             if not (math.isfinite(lo) and math.isfinite(hi)):

@@ -82,20 +82,42 @@ def sign_run(y: np.ndarray) -> int:
     into its high and low halves, since float64 rounds above 2^53). Chunked so that a 7M-word update costs
     about 10 ms instead of 0.6 s (``tests/privacy/test_selftest.py`` pins it to the bit-by-bit definition)."""
     a = np.asarray(y).ravel()
-    if a.dtype != np.uint32:
-        a = a.astype(np.uint64, copy=False)
-    top = 31 if a.dtype == np.uint32 else 63
+    if a.dtype == np.uint32:
+        return _sign_run32(a)
+    a = a.astype(np.uint64, copy=False)
+    top = 63
     dt = a.dtype.type
     total = 0
     for lo in range(0, a.size, SIGN_RUN_CHUNK):
         c = a[lo:lo + SIGN_RUN_CHUNK]  # [c]
         v = c ^ (dt(0) - (c >> dt(top)))  # [c] negative words flipped: top bit 0
-        if top == 31:
-            bl = _bit_lengths(v)
-        else:
-            hi = (v >> dt(32)).astype(np.uint32)  # [c]
-            bl = np.where(hi > 0, _bit_lengths(hi) + 32, _bit_lengths(v.astype(np.uint32)))  # low half when hi = 0
+        hi = (v >> dt(32)).astype(np.uint32)  # [c]
+        bl = np.where(hi > 0, _bit_lengths(hi) + 32, _bit_lengths(v.astype(np.uint32)))  # low half when hi = 0
         total += c.size * top - int(bl.sum(dtype=np.int64))
+    return total
+
+
+def _sign_run32(a: np.ndarray) -> int:
+    """:func:`sign_run` of ``[n]`` uint32 words (the SFT update's ring) through two reused L2-sized scratch
+    buffers: the flipped word ``v`` is widened to float64 (exact), whose biased exponent field is
+    ``bit_length(v) + 1022`` for ``v > 0`` and 0 for ``v = 0``; so the chunk's bit lengths sum to the exponent
+    fields' sum minus 1022 per non-zero word. No ``frexp`` (its mantissa output is a wasted pass): ~6 ms for
+    7.1M words."""
+    total = 0
+    n = min(a.size, SIGN_RUN_CHUNK)
+    flipped = np.empty(n, np.uint32)  # [chunk]
+    wide = np.empty(n, np.float64)  # [chunk]
+    for lo in range(0, a.size, SIGN_RUN_CHUNK):
+        c = a[lo:lo + SIGN_RUN_CHUNK]  # [c]
+        k = c.size
+        v, f = flipped[:k], wide[:k]
+        np.right_shift(c, np.uint32(31), out=v)  # the top bit
+        np.subtract(np.uint32(0), v, out=v)  # all ones for a negative word, else 0
+        np.bitwise_xor(c, v, out=v)  # negative words flipped: top bit 0
+        np.copyto(f, v, casting="unsafe")
+        e = f.view(np.uint64)
+        np.right_shift(e, np.uint64(52), out=e)  # the biased exponent (sign bit 0)
+        total += k * 31 - (int(e.sum(dtype=np.uint64)) - 1022 * int(np.count_nonzero(v)))
     return total
 
 
