@@ -39,7 +39,7 @@ Measured:
   round against Flower's plaintext fit round, and its bytes per party (Flower's protobuf messages);
 - (unless ``--no-protocol``) the pure protocol cost for a vector of the SFT update's length in Z_2^64 with
   ``SecAggClient`` / ``SecAggServer`` driven stage by stage as in ``distmoe.privacy.secagg.LocalFederation``:
-  the setup, one client's ``masked_input`` (n ChaCha20 mask expansions), the server's ``receive_masked`` +
+  the setup, one client's ``masked_input`` (n PRG mask expansions), the server's ``receive_masked`` +
   ``finish`` (sum + n self-mask expansions), next to a plain float32 sum of n updates.
 
 Prints the tables and ratios; no timing is asserted.

@@ -13,16 +13,17 @@ bound fits: ``docs/privacy.md``). Every stage runs the library's own function on
 
 Stages of one party: encode (``UpdateLayout.encode``, and inside it the clip's float64 norm pass and the fixed-
 point quantisation of each tensor into its words), key agreement (X25519 + HKDF of the n - 1 pair keys and the
-self-mask key), pairwise mask expansion (n - 1 ChaCha20 streams combined into the vector), self mask, Shamir (split
+self-mask key), pairwise mask expansion (n - 1 PRG streams combined into the vector), self mask, Shamir (split
 of b and s_sk to n - 1 holders), encryption (n - 1 ChaCha20-Poly1305 share envelopes), the input copy, the whole
 ``masked_input`` call, the codec (``MaskedReply`` into Flower records) and the ledger hash (``inspect.digest`` over
 those records). Server: ``receive_masked`` (n adds), ``finish`` (reconstruction + n self masks) and the decode.
 
-Limits, measured at the start and at the end of the same process (the better of the two): ChaCha20
+Limits, measured at the start and at the end of the same process (the better of the two): the PRG's
 keystream bytes/s from ``cryptography`` on one core
 (``update_into`` of a cache-resident 256 KiB chunk), the memory bandwidth of a numpy in-place add (3 x the
 vector bytes moved per add), of a copy (2 x) and SHA-256 bytes/s. Each stage's "limit" is the time its bytes
-would take at those rates (mask stages: keystream bytes at the ChaCha20 rate plus one add pass each).
+would take at those rates (mask stages: keystream bytes at the PRG's one-core rate plus one add pass each;
+the library expands on ``primitives.MASK_THREADS`` threads, so a stage can beat the one-core limit).
 
 Runs against any version of the library on ``PYTHONPATH`` (the "before" figures in ``docs/results.md`` come
 from the commit before issue 14 with this same file). No timing is asserted.
@@ -65,10 +66,12 @@ def _timed(fn, repeats: int):
 
 # ------------------------------------------------------------------------------------------------ limits
 def limits(nbytes: int, repeats: int) -> dict[str, float]:
-    """Bytes/s of the ChaCha20 keystream (one core), a numpy add, a copy and SHA-256 on this machine now."""
+    """Bytes/s of the masks' PRG keystream (one core: the library's own positioned stream, AES-256-CTR from
+    protocol v2; ChaCha20 for an older library), a numpy add, a copy and SHA-256 on this machine now."""
     chunk = 1 << 18
     src, buf = bytes(chunk), bytearray(chunk)
-    enc = Cipher(algorithms.ChaCha20(bytes(32), bytes(16)), mode=None).encryptor()
+    enc = (P._stream_at(bytes(32), 0) if hasattr(P, "_stream_at")
+           else Cipher(algorithms.ChaCha20(bytes(32), bytes(16)), mode=None).encryptor())
     total = 1 << 26
 
     def chacha():
@@ -142,7 +145,7 @@ def profile(n: int, length: int, ring_mode: str, repeats: int, threads: int) -> 
     lim = limits(vec_bytes, repeats)
     st: dict = {}  # stage -> (seconds, () -> limit seconds at the final limits)
 
-    def streams(k: int):  # k mask streams: keystream at the ChaCha20 rate plus one in-place add pass each
+    def streams(k: int):  # k mask streams: keystream at the PRG's rate plus one in-place add pass each
         return lambda: k * (vec_bytes / lim["chacha_Bps"] + 3 * vec_bytes / lim["add_Bps"])
 
     # ---- encode: the whole call, and (where the tree has it) its two passes: the float64 sum of squares of the
@@ -257,7 +260,7 @@ def main() -> None:
     lim = r["limits"]
     print(f"# {r['parties']} parties, {r['length']:,} elements in Z_2^{r['bits']} (frac bits {r['frac_bits']}), "
           f"fast expansion: {r['fast']}, threads {r['threads']}")
-    print(f"# limits: ChaCha20 {lim['chacha_Bps'] / MB:.0f} MB/s (1 core), add {lim['add_Bps'] / MB:.0f} MB/s, "
+    print(f"# limits: PRG keystream {lim['chacha_Bps'] / MB:.0f} MB/s (1 core), add {lim['add_Bps'] / MB:.0f} MB/s, "
           f"copy {lim['copy_Bps'] / MB:.0f} MB/s, sha256 {lim['sha256_Bps'] / MB:.0f} MB/s")
     print("| stage | s | limit s | x limit |\n|---|---|---|---|")
     for name, (s, lo) in r["stages"].items():

@@ -15,7 +15,7 @@ of the key (flwrlabs/flower#7522); a dropout before key sharing kills the round;
 both shares of a peer when asked (unmasking that peer); metrics and ``num_examples`` travel in clear.
 
 Primitives: X25519 (share-encryption key c once per run; mask key s fresh every round), HKDF-SHA256
-with info bound to (run, round, ordered ids, purpose), ChaCha20 keystream as PRG (exactly uniform
+with info bound to (run, round, ordered ids, purpose), AES-256-CTR keystream as PRG (exactly uniform
 over Z_{2^bits}), ChaCha20-Poly1305 for the shares with associated data binding run, round, sender,
 recipient and the sender's mask key, Shamir over GF(2^521 - 1) with threshold t (2t > holders).
 

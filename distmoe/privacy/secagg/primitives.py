@@ -1,7 +1,7 @@
 """Cryptographic primitives of the secure aggregation, all from ``cryptography`` (OpenSSL).
 
 Owns: X25519 key pairs and agreement, HKDF-SHA256 key derivation with context-bound ``info``, the
-ChaCha20-keystream PRG that expands a 32-byte seed into a mask vector uniform over Z_{2^bits}, the
+AES-256-CTR keystream PRG that expands a 32-byte seed into a mask vector uniform over Z_{2^bits}, the
 ChaCha20-Poly1305 envelope for Shamir shares, and the commitment to a self-mask seed.
 
 Must not: use a non-cryptographic generator (``random``, ``numpy.random``) for anything secret, fold a
@@ -23,13 +23,13 @@ from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from distmoe.privacy.secagg.errors import ProtocolViolation
 
-PROTOCOL = b"distmoe-secagg/v1"
+PROTOCOL = b"distmoe-secagg/v2"  # v2: the masks' PRG is AES-256-CTR (v1: ChaCha20)
 KEY_BYTES = 32
 NONCE_BYTES = 12
 SIG_BYTES = 64  # Ed25519 signature
@@ -120,14 +120,17 @@ def ring_mask(bits: int) -> int:
 def prg(key: bytes, length: int, bits: int) -> np.ndarray:
     """Expand a 32-byte key into ``[length]`` words uniform over Z_{2^bits}.
 
-    ChaCha20 keystream (counter 0, zero nonce: every key is used for exactly one expansion), read as
-    little-endian words and masked to ``bits``. Keeping the low bits of a uniform word is exactly
-    uniform because 2^bits divides the word range.
+    AES-256-CTR keystream (the 128-bit big-endian counter block starts at 0: every key is used for exactly
+    one expansion), read as little-endian words and masked to ``bits``. Keeping the low bits of a uniform
+    word is exactly uniform because 2^bits divides the word range. AES-CTR is the PRG of Google's SecAgg
+    implementation (fcp's ``AesCtrPrngFactory``); it replaced ChaCha20 in protocol v2 because its keystream is
+    1.56x ChaCha20's with AES instructions (8.2 vs 5.3 GB/s on one core of the benchmark machine,
+    ``docs/results.md``), and the masks are most of the protocol's cost.
     """
     if len(key) != KEY_BYTES:
         raise ValueError("PRG key must be 32 bytes")
     dt = word_dtype(bits)
-    enc = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+    enc = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
     stream = enc.update(bytes(length * dt.itemsize))  # [length * itemsize] bytes
     words = np.frombuffer(stream, dtype=dt.newbyteorder("<")).astype(dt, copy=True)  # [length]
     if bits not in (32, 64):
@@ -136,23 +139,36 @@ def prg(key: bytes, length: int, bits: int) -> np.ndarray:
 
 
 # Fast expansion (issue 14 item 3): the same keystream as ``prg``, written chunk by chunk straight into a
-# preallocated word buffer and added/subtracted in place. ChaCha20 (RFC 8439 layout in OpenSSL: the 16-byte IV
-# is a little-endian 32-bit block counter then a 12-byte nonce) can start at any 64-byte block, so disjoint
+# preallocated word buffer and added/subtracted in place. AES-CTR's counter block is the block index, so the
+# stream can start at any 16-byte block (``_stream_at``): disjoint
 # ranges of one stream can be expanded independently (threads) and still equal ``prg`` exactly.
 CHUNK_BYTES = 1 << 18  # 256 KiB: the zero source and the scratch chunk stay in L2 while a range is combined
 _ZEROS = bytes(CHUNK_BYTES)
 _LITTLE = sys.byteorder == "little"
-MASK_THREADS = 1  # threads per mask combination: 2 was not faster on the 2-core machine (docs/results.md)
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+# threads per mask combination: this process's cores, at most 4 (``update_into`` releases the GIL; on the idle
+# 2-core machine 9 pairwise 32-bit streams took 0.046 s on 2 threads vs 0.067 s on 1, docs/results.md); 1 core: 1
+MASK_THREADS = max(1, min(4, _usable_cores()))
 
 
 def _stream_at(key: bytes, offset_bytes: int):
-    """A ChaCha20 encryptor of ``key`` positioned at byte ``offset_bytes`` (a multiple of 64) of the keystream."""
+    """An AES-256-CTR encryptor of ``key`` positioned at byte ``offset_bytes`` (a multiple of 16) of the keystream
+    ``prg`` expands: its initial counter block is the block index, 128-bit big-endian (NIST SP 800-38A's
+    standard incrementing function, so block i of the stream is AES_k(i))."""
     if len(key) != KEY_BYTES:
         raise ValueError("PRG key must be 32 bytes")
-    block = offset_bytes // 64
-    if offset_bytes % 64 or block >= 2**32:
-        raise ValueError(f"keystream offset {offset_bytes} is not a 64-byte block below 2^32 blocks")
-    return Cipher(algorithms.ChaCha20(key, block.to_bytes(4, "little") + bytes(12)), mode=None).encryptor()
+    block = offset_bytes // 16
+    if offset_bytes % 16 or not 0 <= block < 2**128:
+        raise ValueError(f"keystream offset {offset_bytes} is not a 16-byte block below 2^128 blocks")
+    return Cipher(algorithms.AES(key), modes.CTR(block.to_bytes(16, "big"))).encryptor()
 
 
 def prg_into(key: bytes, out: np.ndarray, bits: int) -> np.ndarray:
@@ -162,7 +178,8 @@ def prg_into(key: bytes, out: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _combine_range(out: np.ndarray, terms: list[tuple[bytes, int]], bits: int, lo: int, hi: int) -> None:
-    """Words ``[lo, hi)`` of ``out`` (``lo`` at a 64-byte keystream boundary): apply every term in place.
+    """Words ``[lo, hi)`` of ``out`` (``lo`` at a 64-byte boundary of the keystream, a multiple of AES's 16-byte
+    block): apply every term in place.
     Sign 0 writes the keystream (the first term only), +1 adds it, -1 subtracts it, all mod 2^word."""
     dt = out.dtype
     per = CHUNK_BYTES // dt.itemsize  # words per chunk
@@ -190,16 +207,16 @@ def combine_masks(out: np.ndarray, terms: list[tuple[bytes, int]], bits: int, *,
     overwrites ``out`` with ``PRG(k)`` instead (so no zero-fill is needed). ``out``: C-contiguous
     ``word_dtype(bits)`` ``[length]``. Equal to the reference ``prg`` arithmetic word for word (a test checks
     it). ``threads > 1`` splits the words into contiguous ranges, each expanded by its own positioned
-    encryptors; it pays only where ``cryptography`` releases the GIL in ``update_into`` (numpy's ufuncs do)
-    and cores are free, which the 2-core benchmark machine could not show (``MASK_THREADS = 1``;
-    ``docs/results.md``)."""
+    encryptors; it pays where cores are free (``cryptography`` releases the GIL in ``update_into``, numpy's ufuncs
+    do): 1.46x for 9 pairwise streams on 2 threads of the idle 2-core machine, nothing under full load
+    (``MASK_THREADS``: this process's cores, at most 4; ``docs/results.md``)."""
     dt = word_dtype(bits)
     if out.dtype != dt or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(f"out must be a writeable contiguous [length] {dt} array, got {out.dtype} {out.shape}")
     if any(sign not in (-1, 0, 1) for _, sign in terms) or any(sign == 0 for _, sign in terms[1:]):
         raise ValueError("term signs must be +1/-1, with 0 (overwrite) allowed only first")
     n = out.shape[0]
-    step = 64 // dt.itemsize  # words per ChaCha20 block
+    step = 64 // dt.itemsize  # words per 64 bytes (4 AES blocks): thread ranges start on a block
     parts = max(1, min(int(threads), n // (CHUNK_BYTES // dt.itemsize)))
     if parts == 1:
         _combine_range(out, list(terms), bits, 0, n)

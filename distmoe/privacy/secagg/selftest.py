@@ -2,7 +2,7 @@
 every masked input it sends.
 
 Owns: ``prg_known_answer()`` (expands fixed keys with ``primitives.prg`` and ``primitives.derive_key`` and
-compares the bytes with outputs pinned here, computed once from the real ChaCha20 implementation: a PRG
+compares the bytes with outputs pinned here, computed once from the real AES-256-CTR implementation: a PRG
 that was patched, stubbed or broken returns ``False``) and the mask statistic of a masked input
 (``mask_statistic(y)`` -> the facts a party records in its ledger ``out`` entry, ``mask_check_failure(facts)``
 -> why they fail, or ``None``; the audit recomputes the verdict from the recorded counts).
@@ -36,10 +36,10 @@ from distmoe.privacy.secagg import primitives as P
 ALPHA_LOG2 = -40  # the per-vector false-alarm level of the statistic: 2^-40
 TEST = "sign-run"
 LOG2_P_FLOOR = -1e6  # p-values below 2^-1e6 are recorded as that (JSON has no -inf)
-# Known answers, computed once from the real implementation (cryptography's ChaCha20, HKDF-SHA256).
+# Known answers, computed once from the real implementation (cryptography's AES-256-CTR, HKDF-SHA256; protocol v2).
 KAT_KEY = bytes(range(32))
-KAT_PRG64 = "39fd2b7dd9c5196a8dbd0377b8dc4a498a35d86fbcde6accb2cc7d4cd8ea2492"  # prg(KAT_KEY, 4, 64)
-KAT_PRG20 = "39fd0b00d9c509008dbd0300b8dc0a00"  # prg(KAT_KEY, 4, 20): uint32 words masked to 20 bits
+KAT_PRG64 = "f29000b62a499fd0a9f39a6add2e7780f05d76ae4ab99fe5a6f69b3148c2363d"  # prg(KAT_KEY, 4, 64), AES-256-CTR
+KAT_PRG20 = "f29000002a490f00a9f30a00dd2e0700"  # prg(KAT_KEY, 4, 20): uint32 words masked to 20 bits
 KAT_DERIVED = "21d18c3e382206fa897b2a6624c389b639b2a36f63e9c54fe7642c91b5734611"  # derive_key(KAT_KEY, b"distmoe-kat")
 
 

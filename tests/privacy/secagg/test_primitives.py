@@ -43,7 +43,7 @@ def test_prg_into_equals_prg(bits: int) -> None:
     P.prg_into(KEYS[4], out, bits)
     assert np.array_equal(out, P.prg(KEYS[4], n, bits))
     # a positioned stream (what a thread starts from) continues the keystream exactly
-    start = 64 // P.word_dtype(bits).itemsize * 3  # three ChaCha20 blocks in
+    start = 64 // P.word_dtype(bits).itemsize * 3  # 192 bytes (twelve AES blocks) in
     full = np.zeros(n, P.word_dtype(bits))
     P._combine_range(full, [(KEYS[4], 0)], bits, start, n)
     ref = P.prg(KEYS[4], n, bits)
@@ -59,3 +59,18 @@ def test_combine_rejects_bad_buffers() -> None:
         P.combine_masks(np.zeros(8, np.uint32)[::2], [(KEYS[0], 1)], 32)
     with pytest.raises(ValueError, match="signs"):
         P.combine_masks(np.zeros(4, np.uint32), [(KEYS[0], 1), (KEYS[1], 0)], 32)
+
+
+def test_the_positioned_keystream_is_nist_aes256_ctr():
+    """NIST SP 800-38A F.5.5 (CTR-AES256.Encrypt), independent of this code: the keystream block at counter c is
+    plaintext XOR ciphertext; ``_stream_at(key, 16 * c)`` must give it, and the next block at c + 1 (the
+    protocol's counter layout: block index as the 128-bit big-endian counter)."""
+    key = bytes.fromhex("603deb1015ca71be2b73aef0857d77811f352c073b6108d72d9810a30914dff4")
+    counter = int("f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff", 16)
+    pts = ["6bc1bee22e409f96e93d7e117393172a", "ae2d8a571e03ac9c9eb76fac45af8e51"]
+    cts = ["601ec313775789a5b7a7f504bbf3d228", "f443e3ca4d62b59aca84e990cacaf5c5"]
+    want = b"".join(bytes(a ^ b for a, b in zip(bytes.fromhex(p), bytes.fromhex(c), strict=True))
+                    for p, c in zip(pts, cts, strict=True))
+    assert P._stream_at(key, 16 * counter).update(bytes(32)) == want
+    with pytest.raises(ValueError, match="16-byte block"):
+        P._stream_at(key, 8)
