@@ -74,18 +74,18 @@ def limits(nbytes: int, repeats: int) -> dict[str, float]:
            else Cipher(algorithms.ChaCha20(bytes(32), bytes(16)), mode=None).encryptor())
     total = 1 << 26
 
-    def chacha():
+    def keystream():
         for _ in range(total // chunk):
             enc.update_into(src, buf)
 
-    t_cc, _ = _timed(chacha, repeats)
+    t_cc, _ = _timed(keystream, repeats)
     a = np.ones(nbytes // 8, np.uint64)
     b = np.ones(nbytes // 8, np.uint64)
     t_add, _ = _timed(lambda: np.add(a, b, out=a), repeats)
     t_cp, _ = _timed(lambda: np.copyto(b, a), repeats)
     raw = a.view(np.uint8)
     t_sha, _ = _timed(lambda: hashlib.sha256(raw).digest(), repeats)
-    return {"chacha_Bps": total / t_cc, "add_Bps": 3 * a.nbytes / t_add, "copy_Bps": 2 * a.nbytes / t_cp,
+    return {"prg_Bps": total / t_cc, "add_Bps": 3 * a.nbytes / t_add, "copy_Bps": 2 * a.nbytes / t_cp,
             "sha256_Bps": a.nbytes / t_sha}
 
 
@@ -146,7 +146,7 @@ def profile(n: int, length: int, ring_mode: str, repeats: int, threads: int) -> 
     st: dict = {}  # stage -> (seconds, () -> limit seconds at the final limits)
 
     def streams(k: int):  # k mask streams: keystream at the PRG's rate plus one in-place add pass each
-        return lambda: k * (vec_bytes / lim["chacha_Bps"] + 3 * vec_bytes / lim["add_Bps"])
+        return lambda: k * (vec_bytes / lim["prg_Bps"] + 3 * vec_bytes / lim["add_Bps"])
 
     # ---- encode: the whole call, and (where the tree has it) its two passes: the float64 sum of squares of the
     # float32 tensors (clip norm) and the quantisation of each tensor straight into its words
@@ -260,7 +260,7 @@ def main() -> None:
     lim = r["limits"]
     print(f"# {r['parties']} parties, {r['length']:,} elements in Z_2^{r['bits']} (frac bits {r['frac_bits']}), "
           f"fast expansion: {r['fast']}, threads {r['threads']}")
-    print(f"# limits: PRG keystream {lim['chacha_Bps'] / MB:.0f} MB/s (1 core), add {lim['add_Bps'] / MB:.0f} MB/s, "
+    print(f"# limits: PRG keystream {lim['prg_Bps'] / MB:.0f} MB/s (1 core), add {lim['add_Bps'] / MB:.0f} MB/s, "
           f"copy {lim['copy_Bps'] / MB:.0f} MB/s, sha256 {lim['sha256_Bps'] / MB:.0f} MB/s")
     print("| stage | s | limit s | x limit |\n|---|---|---|---|")
     for name, (s, lo) in r["stages"].items():

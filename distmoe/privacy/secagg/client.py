@@ -420,7 +420,7 @@ class SecAggClient:
         full = bits in (32, 64) and x.dtype == P.word_dtype(bits)  # every word is in range: no pass needed
         if x.size and not full and (int(x.min()) < 0 or int(x.max()) > P.ring_mask(bits)):
             raise ValueError(f"round {r}: input outside [0, 2^{bits}); encode with ring.encode_fixed/to_ring")
-        if consume and full and x.flags.c_contiguous and x.flags.writeable and x.base is None:
+        if consume and full and x.flags.c_contiguous and x.flags.writeable:
             return x  # [length] the caller's own array: masked in place
         return np.array(x, dtype=P.word_dtype(bits), order="C", copy=True)  # [length], becomes y in place
 
