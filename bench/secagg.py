@@ -5,7 +5,7 @@ measured in one run for each party count.
     python bench/secagg.py [--parties 3 5 10] [--quick] [--repeats 3] [--no-protocol] [--no-flower]
                            [--exec inproc procs] [--warmup 1] [--local-steps 2] [--batch-size 4]
                            [--work stress default] [--default-repeats 1]
-                           [--examples 24] [--threads 1] [--verbose]
+                           [--examples 24] [--threads 1] [--no-premask] [--verbose]
 
 Setup: the default model (no ``model.*`` overrides: 7.12M parameters, all trainable), synthetic party data
 (``write_synthetic``, ``--examples`` per task per party), the schedule ``sft:lookup, stats:lookup, eval`` with one
@@ -29,6 +29,9 @@ Measured:
 - wall time of each round kind (sft / stats / eval), timed around the coordinator's round methods, per mode, and
   the ratio secagg / plaintext; the share spent inside the parties' ``serve`` calls (training, encoding, masking)
   is timed in the transport (the rest is the coordinator: guards, codec, unmasking, aggregation, checkpoint);
+  and the parties' CPU seconds in those calls (``time.process_time``, every thread of the party's process: the
+  masks expanded in a second thread while it trains, ``privacy.secagg-premask``, are counted), whose secagg /
+  plaintext ratio is what the wall ratio tends to where the parties saturate the cores (10 processes on 2);
 - the one-off setup of secagg mode (key adverts, directory, first share keys: ``SecureRounds.setup``, before
   round 1), timed around the coordinator's wire start (which in plaintext mode only builds the allow-list);
 - bytes per party per round from the ledgers: up = the ``bytes`` of every "out" entry of a party's ledger in that
@@ -87,6 +90,7 @@ class TimedTransport(LocalTransport):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.party_s: dict[int, float] = defaultdict(float)
+        self.party_cpu_s: dict[int, float] = defaultdict(float)  # the parties' CPU seconds, all their threads
         self._rnd = 0
 
     def exchange(self, instructions, expected, timeout, *, rnd=None, phase="", lengths=None):
@@ -94,11 +98,12 @@ class TimedTransport(LocalTransport):
         return super().exchange(instructions, expected, timeout, rnd=rnd, phase=phase, lengths=lengths)
 
     def _send(self, out, timeout):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()  # in process: nothing else runs during the parties' calls
         try:
             return super()._send(out, timeout)
         finally:
             self.party_s[self._rnd] += time.perf_counter() - t
+            self.party_cpu_s[self._rnd] += time.process_time() - c
 
 
 class TimedCoordinator(Coordinator):
@@ -136,15 +141,16 @@ def _party_worker(conn, threads: int) -> None:
     torch.set_num_threads(threads)
     while (job := conn.recv()) is not None:
         cfg, node_cfg, node, run_id, mtype, blob = job
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         try:
             content = recorddict_from_proto(ProtoRecordDict.FromString(blob))
             reply = serve(mtype, content, PartyService(cfg, node_cfg, node, run_id), run_id)
-            conn.send(("ok", recorddict_to_proto(reply).SerializeToString(), time.perf_counter() - t))
+            status, body = "ok", recorddict_to_proto(reply).SerializeToString()
         except Refused as exc:
-            conn.send(("error", (str(exc), int(exc.code)), time.perf_counter() - t))
+            status, body = "error", (str(exc), int(exc.code))
         except Exception:  # as the ClientApp does: an error reply without text
-            conn.send(("error", (reason_text(ErrorCode.INTERNAL), int(ErrorCode.INTERNAL)), time.perf_counter() - t))
+            status, body = "error", (reason_text(ErrorCode.INTERNAL), int(ErrorCode.INTERNAL))
+        conn.send((status, body, time.perf_counter() - t, time.process_time() - c))
 
 
 class PartyProcesses:
@@ -206,8 +212,9 @@ class ProcessTransport(TimedTransport):
             self.procs.conns[self.index[node]].send((self.cfg, self.nodes[node], node, self.run_id, mtype, blob))
         got = {}
         for node in out:
-            status, body, served = self.procs.conns[self.index[node]].recv()
+            status, body, served, cpu = self.procs.conns[self.index[node]].recv()
             self.serve_s[self._rnd] += served
+            self.party_cpu_s[self._rnd] += cpu
             got[node] = (recorddict_from_proto(ProtoRecordDict.FromString(body)) if status == "ok"
                          else codec.ErrorReply(*body))
         self.party_s[self._rnd] += time.perf_counter() - t
@@ -246,7 +253,7 @@ def one_run(mode: str, n: int, data_dirs: list[Path], root: Path, args, log, pro
     overrides = {"schedule.phases": SCHEDULE, "schedule.sft-rounds": 1, "train.local-steps": steps,
                  "train.batch-size": batch, "train.threads": args.threads, "data.max-eval-examples": 4,
                  "data.synth-examples": args.examples, "eval.max-new-tokens": 2, "federation.wait-timeout": 1.0,
-                 "checkpoint.keep": 1, "privacy.mode": mode}
+                 "checkpoint.keep": 1, "privacy.mode": mode, "privacy.secagg-premask": not args.no_premask}
     cfg = parse_run_config(overrides)
     run_id = f"bench-secagg-{mode}-{n}-{uuid.uuid4().hex[:8]}"
     base = root / run_id
@@ -273,6 +280,7 @@ def one_run(mode: str, n: int, data_dirs: list[Path], root: Path, args, log, pro
            "trainable": record["model"]["trainable_numel"]}
     for r, kind in enumerate(kinds, start=1):
         out[kind] = {"wall_s": coord.round_s[r], "party_s": transport.party_s.get(r, 0.0),
+                     "cpu_s": transport.party_cpu_s.get(r, 0.0),
                      "up": up.get(r, 0.0), "down": down.get(r, 0.0)}
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)
@@ -373,6 +381,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="unrecorded runs before each cell's first (cold start)")
     ap.add_argument("--no-flower", action="store_true", help="skip Flower's own SecAgg+ (bench/flower_secaggplus.py)")
     ap.add_argument("--no-protocol", action="store_true", help="skip the SecAgg-only measurement")
+    ap.add_argument("--no-premask", action="store_true",
+                    help="privacy.secagg-premask = false: expand the update's masks after training, not during it")
     ap.add_argument("--keep", action="store_true", help="keep the run and work directories")
     ap.add_argument("--dir", default="", help="where to put data and runs (default: a temporary directory)")
     ap.add_argument("--verbose", action="store_true", help="print the coordinator's log lines")
@@ -456,9 +466,12 @@ def main() -> None:
           f"per default-work cell (median), {os.cpu_count()} CPU(s), "
           f"total {time.perf_counter() - t_all:.0f} s")
     print("\nWall time per round (s); 'in parties' = in process: the sum of the parties' serve calls (one after "
-          "another); processes: from the first send to the last reply (the parties concurrently)")
+          "another); processes: from the first send to the last reply (the parties concurrently). 'parties CPU s' "
+          "= plaintext/secagg CPU seconds of the parties' serve calls, all their threads (on cores the parties "
+          "saturate, the wall ratio tends to this ratio)")
     print(f"{'round':6s} {'work':>7s} {'parties':>7s} {'exec':>10s} {'plaintext':>10s} {'secagg':>8s} {'ratio':>7s} "
-          f"{'plain in parties':>17s} {'secagg in parties':>18s} {'extra s':>8s}")
+          f"{'plain in parties':>17s} {'secagg in parties':>18s} {'extra s':>8s} {'parties CPU s':>15s} "
+          f"{'CPU ratio':>9s}")
     for w in works:
         for kind in KINDS:
             for n in parties:
@@ -466,8 +479,10 @@ def main() -> None:
                     p, s = med(n, ex, "plaintext", kind, "wall_s", work=w), med(n, ex, "secagg", kind, "wall_s", work=w)
                     pp = med(n, ex, "plaintext", kind, "party_s", work=w)
                     sp = med(n, ex, "secagg", kind, "party_s", work=w)
+                    pc = med(n, ex, "plaintext", kind, "cpu_s", work=w)
+                    sc = med(n, ex, "secagg", kind, "cpu_s", work=w)
                     print(f"{kind:6s} {w:>7s} {n:7d} {EXEC_TEXT[ex]:>10s} {p:10.2f} {s:8.2f} {_ratio(s, p):>7s} "
-                          f"{pp:17.2f} {sp:18.2f} {s - p:8.2f}")
+                          f"{pp:17.2f} {sp:18.2f} {s - p:8.2f} {f'{pc:.2f}/{sc:.2f}':>15s} {_ratio(sc, pc):>9s}")
     if flower:
         print("\nPeer: Flower's own SecAgg+ (flwr 1.42 SecAggPlusWorkflow + secaggplus_mod, complete graph: "
               "num_shares = n, threshold n//2+1), one fit round over a float32 vector of the SFT update's length, "

@@ -552,6 +552,9 @@ class PrivacyConfig(_Section):
                          "(quantisation step <= 2^-20, stochastic rounding, unbiased), else 64; `32` refuses a "
                          "release that does not fit; `64` always 64-bit words (router statistics and evaluation "
                          "sums are always 64-bit); see `docs/privacy.md` §3", choices=("auto", "32", "64"))
+    secagg_premask: bool = key(True, "expand a model-update round's masks in a second thread while the party "
+                               "trains (they do not depend on the update; one update-sized buffer more), then add "
+                               "them in one pass; only where the process has more than one core")
     update_noise_multiplier: float = key(0.0, "> 0: client-level DP on model updates (distributed Skellam): noise "
                                          "`z_u * update-clip` in the sum, uniform weights and training metrics "
                                          "withheld (they stay in each party's log), accounted per party",

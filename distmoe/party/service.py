@@ -128,7 +128,7 @@ class PartyService:
         if bits != own:  # checked before any work or any privacy is spent
             raise Refused(f"round {instr.round}: the server declared Z_2^{bits} for {si.release}, this party's layout "
                           f"uses Z_2^{own}: refused (mismatched privacy.ring-bits or config?)", ErrorCode.MODEL)
-        dp = None
+        dp, premask = None, None
         if isinstance(instr, StatsInstruction):
             per_seq = P.router_stats_per_sequence(cfg, node, instr, cfg.privacy.num_sequences_max)  # [N, L, E]
             contributed = per_seq.shape[0] > 0
@@ -142,7 +142,13 @@ class PartyService:
             dp = {**spec.dp_params(n_active=t), "epsilon": eps, "budget": sess.accountant.epsilon_budget,
                   "canary_seed": seed.hex()}
         elif isinstance(instr, (SftInstruction, RlInstruction)):
-            vec, dp, contributed = self._update_vector(instr, sess)
+            # the masks do not depend on the update: expanded on a spare core while this party trains
+            join = (sess.start_premask(st) if cfg.privacy.secagg_premask and sa.primitives.MASK_THREADS > 1
+                    else (lambda: None))
+            try:
+                vec, dp, contributed = self._update_vector(instr, sess)
+            finally:
+                premask = join()  # never left running past this message, also when training failed
         else:  # per-example sums of each task + a Skellam share, charged at t survivors before anything is sent
             spec = sess.eval_spec(instr.tasks)
             sums = spec.sums(P.eval_scores(cfg, node, instr))  # [3T] int64
@@ -159,7 +165,7 @@ class PartyService:
             raise Refused(f"round {instr.round}: the server declared a {length}-element vector, this party's layout "
                           f"for {si.release} has {vec.shape[0]}: refused (mismatched model or config?)",
                           ErrorCode.MODEL)
-        return MaskedReply(si.release, sess.masked(st, vec, contributed=contributed), None), dp
+        return MaskedReply(si.release, sess.masked(st, vec, contributed=contributed, premask=premask), None), dp
 
     def _update_vector(self, instr: SftInstruction | RlInstruction, sess: PartySession):
         """Train locally; the update as this round's ``[D]`` vector (noised under client-level DP). Its training

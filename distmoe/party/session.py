@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,10 +306,35 @@ class PartySession:
                                ErrorCode.BUDGET) from None
         return eps
 
-    def masked(self, start, vec, *, contributed: bool) -> sa.MaskedInput:
+    def start_premask(self, start) -> Callable[[], sa.PreMask | None]:
+        """Expand this round's masks (``SecAggClient.premask``: they do not depend on the input) in a second
+        thread while the caller trains; returns ``join() -> PreMask | None`` (None: it failed, ``masked``
+        then expands them itself and raises whatever is wrong with the start). The thread only reads the
+        client's state; the caller must ``join()`` before the client changes (``masked``), also on error."""
+        if self.client is None:
+            return lambda: None
+        box: dict[str, sa.PreMask | None] = {}
+
+        def work() -> None:
+            try:
+                box["pm"] = self.client.premask(start)
+            except Exception:  # noqa: BLE001  any failure: masked() expands the masks itself and names it
+                box["pm"] = None
+
+        thread = threading.Thread(target=work, name=f"distmoe-premask-{self.node.party}", daemon=True)
+        thread.start()
+
+        def join() -> sa.PreMask | None:
+            thread.join()
+            return box.get("pm")
+
+        return join
+
+    def masked(self, start, vec, *, contributed: bool, premask: sa.PreMask | None = None) -> sa.MaskedInput:
         """``contributed``: whether ``vec`` holds any of this party's data (its contributor bit, securely
         counted in the consistency check; the release needs ``privacy.min-parties`` contributors). ``vec`` is
-        consumed: masked in place where it is an array of the round's words (its plaintext words are gone)."""
+        consumed: masked in place where it is an array of the round's words (its plaintext words are gone).
+        ``premask``: this round's masks expanded ahead (``start_premask``), added in one pass."""
         if self.client is None:
             raise SessionError(f"party {self.node.party}: no SecAgg state for run {self.run_id}")
         if start.recipient != self._need().node_id:
@@ -315,7 +342,7 @@ class PartySession:
         if (why := prg_known_answer()) is not None:
             raise SessionError(f"party {self.node.party}: {why}; its masks would not hide its inputs: refused")
         try:
-            m = self.client.masked_input(start, vec, contributed=contributed, consume=True)
+            m = self.client.masked_input(start, vec, contributed=contributed, consume=True, premask=premask)
         except sa.SecAggAbort as exc:
             raise SessionError(f"party {self.node.party}: round {start.round}: {exc}") from None
         finally:

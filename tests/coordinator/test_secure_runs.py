@@ -580,3 +580,34 @@ def test_single_holder_task_is_refused_by_the_parties_when_the_coordinator_skips
         assert not any(e["payload_type"] == "unmask-response" for e in entries)
         log = (run_dir / "work" / d.name / "party.log").read_text()
         assert "contributed data, below privacy.min-parties = 2" in log
+
+
+# ------------------------------------------- issue 14: the update's masks expanded while the party trains
+@pytest.mark.parametrize("premask", [True, False])
+def test_update_masks_expanded_while_training_sum_to_the_same_release(tmp_path, monkeypatch, make_run, premask):
+    """With ``privacy.secagg-premask`` each party expands its model-update masks in a second thread while it
+    trains (``SecAggClient.premask``) and adds them after; the release decodes to exactly the contributing
+    parties (a mask that did not cancel would make the decoded weight sum garbage) and the audit passes.
+    Off, the masks are expanded after training, as before."""
+    import threading
+
+    from distmoe.privacy.secagg import primitives
+    from distmoe.privacy.secagg.client import SecAggClient
+
+    monkeypatch.setattr(primitives, "MASK_THREADS", 2)  # as on a 2-core machine, whatever this one has
+    calls: list[str] = []
+    orig = SecAggClient.premask
+
+    def spy(self, start):
+        calls.append(threading.current_thread().name)
+        return orig(self, start)
+
+    monkeypatch.setattr(SecAggClient, "premask", spy)
+    coord, _, run_dir, _, _ = make_run(tmp_path, {"privacy.secagg-premask": premask})
+    coord.run()
+    assert len(calls) == (3 if premask else 0)  # one sft round, three parties
+    assert all(name.startswith("distmoe-premask-") for name in calls)
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    (train,) = [e for e in events if e.get("event") == "train" and e.get("party") == "all"]
+    assert train["contributors"] == 3 and train["parties"] == 3
+    assert audit_run(run_dir).verdict == "pass"

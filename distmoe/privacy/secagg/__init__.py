@@ -88,7 +88,7 @@ Example, 3 of 4 clients survive, t = 3:
     ring.decode_fixed(res.total, 64)    # == x[1] + x[2] + x[3] to 3/128
 """
 
-from distmoe.privacy.secagg.client import Phase, SecAggClient
+from distmoe.privacy.secagg.client import Phase, PreMask, SecAggClient
 from distmoe.privacy.secagg.errors import (
     AlreadyDead,
     BelowThreshold,
@@ -146,7 +146,7 @@ __all__ = [
     "GRAPHS", "AggregateResult", "AlreadyDead", "BelowThreshold", "BothSharesRequested", "ConsistencyFailure",
     "ConsistencyRequest", "ConsistencyResponse", "CountShare", "DuplicateClient",
     "EncryptedShares", "InconsistentLists", "InsecureThreshold", "KeyAdvert", "KeyDirectory", "KeySubstitution",
-    "ListedAsDead", "LocalFederation", "MaskedInput", "PeerGraph", "Phase", "ProtocolViolation",
+    "ListedAsDead", "LocalFederation", "MaskedInput", "PeerGraph", "Phase", "PreMask", "ProtocolViolation",
     "ReconstructionFailed", "RepeatedRequest", "RepeatedUnmask", "RoundStart", "SecAggAbort", "SecAggClient",
     "SecAggParams", "SecAggServer", "ShareKeys", "StateCorrupt", "StateError", "StateMismatch",
     "TamperedShare", "TooFewContributors", "TooFewSurvivors", "UnknownClient",

@@ -34,6 +34,7 @@ them, so two different sets cannot both collect enough.
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -104,6 +105,25 @@ class _Round:
         self.s_sk = self.b = b""
         self.held.clear()
         self.own_count = None
+
+
+@dataclass(frozen=True)
+class PreMask:
+    """A round's combined mask, expanded ahead of the input (``SecAggClient.premask``): ``words`` ``[length]``
+    in Z_2^bits; ``digest`` binds it to the round's mask terms (keys and signs), so ``masked_input`` can check
+    that it is the mask that round needs."""
+
+    round: int
+    bits: int
+    digest: bytes
+    words: np.ndarray
+
+
+def _terms_digest(terms: list[tuple[bytes, int]]) -> bytes:
+    h = hashlib.sha256(b"distmoe-premask")
+    for key, sign in terms:
+        h.update(key + sign.to_bytes(1, "big", signed=True))
+    return h.digest()
 
 
 class SecAggClient:
@@ -315,8 +335,25 @@ class SecAggClient:
         return ShareKeys(self.cid, round_, s_pk, commit, tuple(out))
 
     # ---- stage 2: masked input ----------------------------------------------------------------
+    def premask(self, start: RoundStart) -> PreMask | None:
+        """This round's combined mask ``M = PRG(b) + sum_{v>u} PRG(s_uv) - sum_{v<u} PRG(s_uv)  mod 2^bits``
+        (``[length]`` words), expanded before the input exists: it does not depend on it, so a party can expand
+        it on a spare core while it trains, and ``masked_input(..., premask=M)`` then costs one add. Reads this
+        round's state and changes nothing (safe in a second thread while the caller trains); None where the
+        start would not be accepted (``masked_input`` without it raises the reason and aborts the round)."""
+        try:
+            st = self._state(start.round, Phase.SHARED, "premask")
+            terms, _held, _u1, length, bits = self._terms(st, start)
+        except SecAggAbort:
+            return None
+        words = np.empty(length, P.word_dtype(bits))  # [length]
+        threads = max(1, P.MASK_THREADS - 1)  # the caller's work keeps one core
+        P.combine_masks(words, [(terms[0][0], 0), *terms[1:]], bits, threads=threads)
+        return PreMask(start.round, bits, _terms_digest(terms), words)
+
     def masked_input(self, start: RoundStart, x: np.ndarray, *, share_next: bool = True,
-                     contributed: bool = True, consume: bool = False) -> MaskedInput:
+                     contributed: bool = True, consume: bool = False, premask: PreMask | None = None
+                     ) -> MaskedInput:
         """``x``: ``[start.length]`` integers in [0, 2^bits), ``bits`` = ``start.bits`` or ``params.bits``
         (``distmoe.privacy.ring.encode_fixed``/``to_ring`` in that width). With
         ``share_next`` the share keys of round + 1 ride along, so the next round needs no extra
@@ -324,10 +361,12 @@ class SecAggClient:
         Shamir-shared to every other member of U1, encrypted under the pairwise c-keys). ``consume``: the
         caller hands ``x`` over; when it already is a writeable contiguous array of the ring's words it is
         masked in place and returned as ``y`` (no copy of the vector, and the unmasked words are gone from
-        memory once masked); otherwise, and by default, ``x`` is left untouched."""
+        memory once masked); otherwise, and by default, ``x`` is left untouched. ``premask``: this round's
+        ``premask(start)``, added instead of expanding the masks here (the same words; one computed for
+        another round or start is refused with ``ValueError``)."""
         st = self._state(start.round, Phase.SHARED, "masked input")
         try:
-            y = self._mask(st, start, x, consume)
+            y = self._mask(st, start, x, consume, premask)
         except SecAggAbort:
             self._abort(st)
             raise
@@ -354,7 +393,32 @@ class SecAggClient:
         st.own_count = sh[shamir.holder_x(self.cid)]
         return tuple(out)
 
-    def _mask(self, st: _Round, start: RoundStart, x: np.ndarray, consume: bool = False) -> np.ndarray:
+    def _mask(self, st: _Round, start: RoundStart, x: np.ndarray, consume: bool = False,
+              premask: PreMask | None = None) -> np.ndarray:
+        r = st.round
+        terms, held, u1, length, bits = self._terms(st, start)
+        v_arr = self._check_input(x, r, length, bits, consume)
+        # y = x + PRG(b) + sum_{v>u} PRG(s_uv) - sum_{v<u} PRG(s_uv)  mod 2^bits (this round's bits), all [length]
+        # expanded chunk by chunk into y itself (a fresh copy of x, or x when consumed), no per-mask vector
+        if premask is None:
+            y = P.combine_masks(v_arr, terms, bits, threads=P.MASK_THREADS)
+        else:
+            if (premask.round, premask.bits, premask.digest) != (r, bits, _terms_digest(terms)):
+                raise ValueError(f"round {r}: a premask computed for another round, width or participant list")
+            if premask.words.shape != (length,) or premask.words.dtype != P.word_dtype(bits):
+                raise ValueError(f"round {r}: premask of {premask.words.shape} {premask.words.dtype} words")
+            y = np.add(v_arr, premask.words, out=v_arr)  # mod 2^word: the masks were expanded ahead of x
+            if bits not in (32, 64):
+                y &= y.dtype.type(P.ring_mask(bits))
+        st.held.update(held)
+        st.u1 = tuple(sorted(u1))
+        st.phase = Phase.MASKED
+        st.s_sk = st.b = b""  # only the shares are needed from here on
+        return y
+
+    def _terms(self, st: _Round, start: RoundStart):
+        """Check a round start against this round's state; decrypt the shares it carries. Returns (mask terms
+        ``[(key, sign)]``, self mask first; the decrypted shares by sender; U1; length; bits). Changes nothing."""
         p, r = self.params, st.round
         if start.recipient != self.cid:
             raise ProtocolViolation(f"round {r}: round start addressed to client {start.recipient}")
@@ -388,7 +452,6 @@ class SecAggClient:
         bits = start.bits or p.bits
         if not 1 <= bits <= p.bits:
             raise ProtocolViolation(f"round {r}: ring width {bits} outside [1, {p.bits}] (params.bits)")
-        v_arr = self._check_input(x, r, length, bits, consume)
         held = {}
         for v in sorted(got):  # decrypt everything before any mask is computed
             e = got[v]
@@ -401,17 +464,10 @@ class SecAggClient:
                 held[v] = (shamir.decode_share(pt[:shamir.SHARE_BYTES]), shamir.decode_share(pt[shamir.SHARE_BYTES:]))
             except ValueError as exc:
                 raise ProtocolViolation(f"round {r}: malformed share from client {v}: {exc}") from None
-        # y = x + PRG(b) + sum_{v>u} PRG(s_uv) - sum_{v<u} PRG(s_uv)  mod 2^bits (this round's bits), all [length]
-        # expanded chunk by chunk into y itself (a fresh copy of x, or x when consumed), no per-mask vector
         terms = [(P.self_mask_key(p.run_id, r, self.cid, st.b), 1)]
         terms += [(P.pair_mask_key(p.run_id, r, self.cid, v, st.s_sk, s_pks[v]), 1 if v > self.cid else -1)
                   for v in sorted(mine - {self.cid})]
-        y = P.combine_masks(v_arr, terms, bits, threads=P.MASK_THREADS)
-        st.held.update(held)
-        st.u1 = tuple(sorted(u1))
-        st.phase = Phase.MASKED
-        st.s_sk = st.b = b""  # only the shares are needed from here on
-        return y
+        return terms, held, u1, length, bits
 
     def _check_input(self, x: np.ndarray, r: int, length: int, bits: int, consume: bool = False) -> np.ndarray:
         x = np.asarray(x)

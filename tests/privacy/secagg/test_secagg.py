@@ -32,6 +32,7 @@ from distmoe.privacy.secagg import (
     KeySubstitution,
     ListedAsDead,
     LocalFederation,
+    PreMask,
     ProtocolViolation,
     ReconstructionFailed,
     RepeatedRequest,
@@ -590,6 +591,37 @@ def test_round_length_is_declared_per_round_and_bounded():
         assert res.total.shape == (n,) and np.array_equal(res.total, want)
     with pytest.raises(ValueError, match="length"):
         fed.server.begin_round(4, 51)
+
+
+@pytest.mark.parametrize("bits", [32, 64, 12])
+def test_a_premask_gives_the_same_words_and_is_bound_to_its_round(bits):
+    """``premask`` (the masks expanded while the party trains) gives exactly the masked words of expanding them
+    in ``masked_input``, and the round still sums; one computed for another round or width is refused before
+    anything changes; a round without keys gets none."""
+    fed, twin = fed_of(3, 2, bits=bits, seed=7), fed_of(3, 2, bits=bits, seed=7)
+    starts, starts2 = fed.server.begin_round(1, None, bits), twin.server.begin_round(1, None, bits)
+    g = np.random.default_rng(3)
+    xs = {i: g.integers(0, 2**bits, L, dtype=np.uint64).astype(P.word_dtype(bits)) for i in starts}
+    pre = {i: fed.clients[i].premask(s) for i, s in starts.items()}
+    assert all(isinstance(p, PreMask) and p.words.shape == (L,) for p in pre.values())
+    got = [fed.clients[i].masked_input(s, xs[i].copy(), premask=pre[i], consume=True) for i, s in starts.items()]
+    want = [twin.clients[i].masked_input(s, xs[i].copy()) for i, s in starts2.items()]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a.y, b.y)
+    checks = fed.server.receive_masked(1, got)
+    req = fed.check(1, checks)
+    total = fed.server.finish(1, [fed.clients[i].unmask(req) for i, _, _ in req.signatures]).total
+    want_total = sum(int(x.astype(np.uint64)[0]) for x in xs.values()) % (1 << bits)
+    assert int(total[0]) == want_total
+    # round 2: a premask from round 1 (or for another width) is refused, the round is untouched and then masks
+    s2 = fed.server.begin_round(2, None, bits)
+    with pytest.raises(ValueError, match="another round"):
+        fed.clients[1].masked_input(s2[1], xs[1].copy(), premask=pre[1])
+    other = PreMask(2, bits, pre[1].digest, pre[1].words)
+    with pytest.raises(ValueError, match="another round"):
+        fed.clients[1].masked_input(s2[1], xs[1].copy(), premask=other)
+    assert fed.clients[1].masked_input(s2[1], xs[1].copy(), premask=fed.clients[1].premask(s2[1])).round == 2
+    assert fed.clients[2].premask(starts[2]) is None  # round 1 is closed for it: masked_input names why
 
 
 def test_a_consumed_input_is_masked_in_place_and_sums_the_same():
