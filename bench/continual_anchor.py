@@ -5,6 +5,7 @@ Markdown tables for docs/results.md (mean ± sample std over seeds, and every se
     python bench/continual_anchor.py --seeds 0 1 2                       # anchor vs no-anchor, lookup -> arith
     python bench/continual_anchor.py --arms no-anchor distillation replay --order lookup-arith arith-lookup
     python bench/continual_anchor.py --collect runs/anchor-*             # tabulate existing run dirs
+    python bench/continual_anchor.py --collect bench/results/continual13/*   # the kept rows in the repository
 
 ``--exec inproc`` (the default): each run is ``distmoe simulate``'s run directory (same data, node files,
 overrides) driven by the coordinator in this process over ``distmoe.inprocess.LocalTransport``: the exact
@@ -115,8 +116,12 @@ def wait_quiet(quiet: Path | None) -> None:
 
 
 def _completed(run_dir: Path) -> bool:
+    """A completed run directory, or the kept table row of one (``row.json`` and ``bench.json``: what
+    ``--keep-rows`` copies into ``bench/results/``)."""
     rec = run_dir / "run.json"
-    return rec.exists() and json.loads(rec.read_text()).get("status") == "completed"
+    if not rec.exists():
+        return (run_dir / "row.json").exists() and (run_dir / "bench.json").exists()
+    return json.loads(rec.read_text()).get("status") == "completed"
 
 
 def _replay_data(arm: str, order: str, cfg, parties: list[Path], log) -> None:
@@ -287,6 +292,15 @@ def table(rows: dict[str, list[dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+def keep_row(run_dir: Path, row: dict[str, float], dest: Path) -> Path:
+    """Copy a finished run's table row and its bench.json to ``dest/<run name>/`` (a few hundred bytes)."""
+    out = dest / run_dir.name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "row.json").write_text(json.dumps(row) + "\n")
+    shutil.copyfile(run_dir / "bench.json", out / "bench.json")
+    return out
+
+
 def _arm_of(run_dir: Path, r: dict[str, float]) -> tuple[str, str]:
     """(arm, order) of a run directory: from its bench.json, else from its name (``<arm>-s<seed>``) and config."""
     if (run_dir / "bench.json").exists():
@@ -317,6 +331,9 @@ def main() -> None:
     ap.add_argument("--prune", action="store_true", help="after each run, keep its table row (row.json) and remove "
                     "its checkpoints (about 300 MB a run)")
     ap.add_argument("--dry", action="store_true", help="print each run's overrides and exit")
+    ap.add_argument("--keep-rows", default="", help="also copy each finished run's table row (row.json, bench.json) "
+                    "into DIR/<run name>/, e.g. bench/results/continual13, so that --collect can rebuild the tables "
+                    "from the repository")
     args = ap.parse_args()
     quiet = Path(args.quiet_file) if args.quiet_file else None
     rows: dict[tuple[str, str], list[dict[str, float]]] = {}
@@ -339,6 +356,8 @@ def main() -> None:
                     if args.prune:
                         (d / "row.json").write_text(json.dumps(row) + "\n")
                         shutil.rmtree(d / "checkpoints", ignore_errors=True)
+                    if args.keep_rows:
+                        keep_row(d, row, Path(args.keep_rows))
                     rows.setdefault((arm, order), []).append(row)
     for order in ORDERS:
         sub = {arm: r for (arm, o), r in rows.items() if o == order}

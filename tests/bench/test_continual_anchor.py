@@ -51,3 +51,27 @@ def test_mix_replay_refuses_a_changed_eval_set(tmp_path):
     party = write_synthetic(tmp_path, parties=1, examples_per_task=120, seed=0)[0]
     with pytest.raises(DataError, match="would change the evaluated held-out set"):
         bench.mix_replay(party, "lookup", "arith", data)
+
+
+def test_kept_rows_in_the_repository_rebuild_the_table(tmp_path):
+    """``keep_row`` copies a finished run's row and bench.json; ``--collect`` over the kept rows tabulates them
+    under their own arm and order, and a directory holding only a row (no bench.json) is not taken."""
+    import json
+
+    rows = {}
+    for seed, ret in ((0, 0.25), (1, 0.75)):
+        run = tmp_path / "runs" / f"expansion-arith-lookup-s{seed}"
+        run.mkdir(parents=True)
+        row = {"retention of A (arith)": ret, "accuracy B (lookup)": 0.5, "wall time (s)": 90.0, "seed": float(seed),
+               "anchor-kl-coef": 0.0}
+        (run / "bench.json").write_text(json.dumps({"arm": "expansion", "order": "arith-lookup", "seed": seed}))
+        kept = bench.keep_row(run, row, tmp_path / "kept")
+        assert kept == tmp_path / "kept" / run.name and bench._completed(kept)
+        rows.setdefault(bench._arm_of(kept, bench.row_of(kept)), []).append(bench.row_of(kept))
+    lone = tmp_path / "kept" / "lone-s0"
+    lone.mkdir()
+    (lone / "row.json").write_text("{}")
+    assert not bench._completed(lone)
+    assert list(rows) == [("expansion", "arith-lookup")]
+    text = bench.table({"expansion": rows[("expansion", "arith-lookup")]})
+    assert "| retention of A (arith) | 0.500 ± 0.354 (0.250, 0.750) |" in text
