@@ -22,6 +22,8 @@ scale only, since it replays data, which the mechanisms do not. With this two-ta
 equals the latest anchor (one earlier task); it differs from three tasks on. The protection threshold 0.2 is
 above the uniform 1/8 of the tiny default's 8 experts; ``expansion`` adds 2 experts per MoE layer for task B (8 ->
 10, copies of the two with the most mass in task A's anchor) and freezes the 8 earlier ones and their router rows.
+``balance-bias`` is no-anchor with ``routing.balance = "bias"`` (auxiliary-loss-free balancing, no aux loss): its
+load CV and accuracies against no-anchor's are item 3's federated measurement.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ RETENTION_ARMS = {
                       "train.expert-schedule='cosine' train.router-lr-scale=0.1"),
     "expansion": ("no-anchor", "retention.expand-experts=2"),  # task B gets 2 new experts per layer, old frozen
     "replay": ("no-anchor", ""),  # + mix_replay on every party's task-B file
+    # distillation at 4x the weight: the lambda = 1 arm kept A's answers likelier, not its accuracy
+    "distillation-4": ("no-anchor", "retention.distill-weight=4.0 retention.distill-temperature=2.0"),
+    # issue 13 item 3: the auxiliary-loss-free routing bias instead of the aux loss, federated (biases FedAvg'd)
+    "balance-bias": ("no-anchor", "routing.balance='bias'"),
 }
 ORDERS = {"lookup-arith": ("lookup", "arith"), "arith-lookup": ("arith", "lookup")}
 ROOT = Path(__file__).resolve().parent.parent

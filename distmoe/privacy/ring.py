@@ -28,12 +28,13 @@ import anything of distmoe.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import numpy as np
 
 __all__ = ["RING_BITS", "RING_WIDTHS", "WrapError", "check_fits_ring", "check_fits_ring64", "choose_bits",
            "decode_fixed", "encode_fixed", "encode_fixed_into", "from_ring", "from_ring64", "required_bits", "to_ring",
-           "to_ring64"]
+           "to_ring64", "UniformSource"]
 
 RING_BITS = 64  # the widest ring (statistics and evaluation sums; updates whose bound needs it)
 RING_WIDTHS = (32, 64)  # the word sizes a release may declare
@@ -41,6 +42,12 @@ MAX_ABS = 2**63 - 1  # the largest |sum| that fits 64 bits: 63 magnitude bits an
 _UNSIGNED = {32: np.uint32, 64: np.uint64}
 _CHUNK = 1 << 15  # elements per encoding chunk (256 KiB of float64 scratch)
 _SIGNED = {32: np.int32, 64: np.int64}
+
+
+class UniformSource(Protocol):
+    """What stochastic rounding draws from: a numpy Generator, or ``distmoe.privacy.dp.KeystreamUniform``."""
+
+    def random(self, size: int | None = None, dtype=np.float64, out: np.ndarray | None = None) -> np.ndarray: ...
 
 
 class WrapError(ValueError):
@@ -90,7 +97,7 @@ def from_ring64(v: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(v, np.uint64)).view(np.int64)
 
 
-def encode_fixed(x: np.ndarray, scale: float, bits: int = 64, rng: np.random.Generator | None = None) -> np.ndarray:
+def encode_fixed(x: np.ndarray, scale: float, bits: int = 64, rng: UniformSource | None = None) -> np.ndarray:
     """Reals ``[...]`` -> words ``[...]`` of Z_2^bits: ``rint(x * scale)``, or with ``rng`` the stochastic rounding
     ``floor(x * scale + U)``, ``U ~ Uniform[0, 1)`` (unbiased: ``E[q] = x * scale``), in two's complement.
 
@@ -107,14 +114,15 @@ def encode_fixed(x: np.ndarray, scale: float, bits: int = 64, rng: np.random.Gen
     return out.reshape(shape)
 
 
-def encode_fixed_into(x: np.ndarray, scale: float, out: np.ndarray, rng: np.random.Generator | None = None, *,
+def encode_fixed_into(x: np.ndarray, scale: float, out: np.ndarray, rng: UniformSource | None = None, *,
                       pre: float = 1.0, buf: np.ndarray | None = None, bound: float | None = None) -> np.ndarray:
     """:func:`encode_fixed` of ``pre * x`` written into ``out`` (``[N]`` uint32 or uint64 words, its width is the
     ring's): one read of ``x`` (any real dtype, ``[N]`` contiguous) and one write of the words, chunk by chunk
     through ``buf`` (float64 scratch of at least one chunk, allocated when not given). The arithmetic is
     ``(float64(x) * pre) * scale`` then rounding, exactly as scaling a float64 copy first would give; the
-    stochastic draws are consumed in element order (one ``rng.random`` double per element), so splitting a
-    vector into consecutive pieces encodes it to the same words as one call. ``bound``: a caller's proof that
+    stochastic draws are consumed in element order (one ``rng.random`` double per element; ``rng`` is any
+    :class:`UniformSource`), so splitting a vector into consecutive pieces encodes it to the same words as one
+    call. ``bound``: a caller's proof that
     ``|pre * x| <= bound`` elementwise and every value is finite (e.g. a finite L2 norm of the clipped vector);
     when ``bound * scale + 1`` fits the signed range, the per-chunk range check is skipped (it cannot fail)."""
     bits = {np.dtype(np.uint32): 32, np.dtype(np.uint64): 64}.get(out.dtype)

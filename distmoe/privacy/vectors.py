@@ -211,11 +211,12 @@ class UpdateLayout:
         """1 for a party that trained on data (or any party when private), else 0: never the example count."""
         return 1 if self.private or num_examples > 0 else 0
 
-    def encode(self, delta: Mapping[str, np.ndarray], num_examples: int, rng: np.random.Generator | None = None
+    def encode(self, delta: Mapping[str, np.ndarray], num_examples: int, rng: ring.UniformSource | None = None
                ) -> tuple[np.ndarray, dict[str, float]]:
         """One party's input ``[length]`` (uint32 at 32 bits, stochastically rounded with ``rng`` or a fresh
-        ``dp.crypto_rng()``; uint64 at 64) and facts for its own log (norm before clipping, clipped?); the
-        skipped-step slot, where the layout has one, holds 0 until ``count_skipped`` fills it."""
+        ``dp.KeystreamUniform()`` (AES-256-CTR draws); uint64 at 64) and facts for its own log (norm before
+        clipping, clipped?); the skipped-step slot, where the layout has one, holds 0 until ``count_skipped``
+        fills it."""
         want = dict(self.shapes)
         if set(delta) != set(want):
             raise LayoutError(f"update keys differ from the trainable spec: extra {sorted(set(delta) - set(want))[:3]}"
@@ -244,7 +245,7 @@ class UpdateLayout:
         bits = self.bits
         out = np.empty(self.length, np.uint32 if bits == 32 else np.uint64)  # [length]
         if bits == 32 and rng is None:
-            rng = dp.crypto_rng()
+            rng = dp.KeystreamUniform()
         scale, pre, off = 2.0**self.frac_bits, factor * w, 0
         for flat in flats:  # in layout order; the stochastic draws are consumed in element order
             ring.encode_fixed_into(flat, scale, out[off:off + flat.size], rng if bits == 32 else None, pre=pre,

@@ -9,6 +9,7 @@ import pytest
 
 from distmoe.privacy import ring
 from distmoe.privacy.dp import (
+    KeystreamUniform,
     SkellamSpec,
     WrapError,
     canary_chi2_test,
@@ -197,6 +198,29 @@ def test_client_share_refuses_more_sequences_than_planned():
 def test_crypto_rng_is_fresh_each_time():
     a, b = crypto_rng().integers(0, 2**63, 4), crypto_rng().integers(0, 2**63, 4)
     assert not np.array_equal(a, b)
+
+
+def test_keystream_uniform_is_aes_ctr_read_as_numpy_doubles_and_consumed_in_order():
+    """The stochastic rounding's draws: (w >> 11) * 2^-53 of the AES-256-CTR keystream words, in order across
+    calls and chunk edges, uniform on [0, 1), a fresh key per instance."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    key, n = bytes(range(32)), 70_001  # across the 32768-draw chunk edges
+    ks = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor().update(bytes(8 * n))
+    want = (np.frombuffer(ks, np.uint64) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [n]
+    u = KeystreamUniform(key)
+    parts = [u.random(1), u.random(out=np.empty(40_000)), u.random(n - 40_001)]
+    got = np.concatenate(parts)
+    assert np.array_equal(got, want)
+    assert got.min() >= 0.0 and got.max() < 1.0
+    assert abs(got.mean() - 0.5) < 5 * np.sqrt(1 / 12 / n) and got.var() == pytest.approx(1 / 12, rel=0.02)
+    assert not np.array_equal(KeystreamUniform().random(8), KeystreamUniform().random(8))
+    with pytest.raises(TypeError, match="float64"):
+        u.random(4, dtype=np.float32)
+    with pytest.raises(ValueError, match="float64"):
+        u.random(out=np.empty(4, np.float32))
+    with pytest.raises(ValueError, match="32-byte"):
+        KeystreamUniform(b"short")
 
 
 # ------------------------------------------------------------------------------ mass-preserving rounding
