@@ -1,5 +1,6 @@
 """``bench/continual_anchor.py``'s local-replay data mixer: the party's own task-A training examples join its
-task-B file, no held-out example of either task is trained on, and the evaluated task-B set is unchanged.
+task-B file, no held-out example of either task is trained on, and the evaluated task-B set is unchanged; its
+kept rows rebuild the table; every arm is a valid run config.
 
 Must not: run the experiment (the bench does that).
 """
@@ -75,3 +76,20 @@ def test_kept_rows_in_the_repository_rebuild_the_table(tmp_path):
     assert list(rows) == [("expansion", "arith-lookup")]
     text = bench.table({"expansion": rows[("expansion", "arith-lookup")]})
     assert "| retention of A (arith) | 0.500 ± 0.354 (0.250, 0.750) |" in text
+
+
+@pytest.mark.parametrize("arm", sorted({*bench.ARMS, *bench.RETENTION_ARMS}))
+def test_every_arm_is_a_valid_run_config_in_both_orders(arm):
+    """Each arm's overrides (config file, schedule, switches, the sweep's extra settings) parse into a run config,
+    with the arm's switch in it: a typo in an arm fails here, not after an hour of sweep."""
+    extra = "train.local-steps=20 train.batch-size=16 train.threads=1"
+    for order in bench.ORDERS:
+        over = bench.overrides_of(arm, 0, order, extra, (3, 3))
+        cfg = parse_run_config(over)
+        a, b = bench.ORDERS[order]
+        sft = [(ph.task, ph.rounds) for ph in cfg.schedule.phases if ph.kind == "sft"]
+        assert sft == [(a, 3), (b, 3)]
+        if arm == "balance-bias":
+            assert cfg.routing.balance == "bias"
+        if arm == "distillation-4":
+            assert cfg.retention.distill_weight == 4.0
