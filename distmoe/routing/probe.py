@@ -8,7 +8,7 @@ Owns:
   or ``read_probe_file(path)`` (a user's JSONL file of ``{"prompt": "..."}`` lines, validated with file and line);
 - ``probe_routing(model, tok, prompts, ...)``: the model's routing on the prompts, ``(R [L, E], T [L, N])``,
   ``R`` the mean over prompts of each prompt's mean routing distribution (``routing.stats``), ``T`` the top-1
-  expert of every valid prompt token per MoE layer;
+  expert the router chooses (balancing bias included) for every valid prompt token per MoE layer;
 - ``combine(replies)``: the element-wise median of the parties' ``(R, T)`` and which parties disagree with it;
 - ``probe_metrics(R, T, anchor, prev_T)``: routing KL to the anchor, load CV, top-1 consistency with the previous
   probe, per-layer per-expert top-1 counts (the formulas of ``distmoe.routing.metrics``)::
@@ -37,6 +37,7 @@ from torch import nn
 from distmoe.data.formats import DataError
 from distmoe.data.synth import TASK_FAMILIES, generate
 from distmoe.data.template import chat_ids, collate_prompts
+from distmoe.model.balance import selection_scores
 from distmoe.model.device import device_of
 from distmoe.model.router import forward_with_router
 from distmoe.routing import metrics as rm
@@ -111,7 +112,9 @@ def read_probe_file(path: str | Path) -> tuple[str, ...]:
 def probe_routing(model: nn.Module, tok, prompts: tuple[str, ...], max_len: int, batch_size: int
                   ) -> tuple[np.ndarray, np.ndarray]:
     """``(R [L, E] float64, T [L, N] int32)`` of ``model`` on the prompts (eval mode, no gradients; each prompt
-    rendered as one user turn with the generation prompt, left-truncated to ``max_len``)."""
+    rendered as one user turn with the generation prompt, left-truncated to ``max_len``). ``T`` is the expert the
+    router chooses first: with a balancing bias (``routing.balance = "bias"``) the top-1 of ``z + b``, as the
+    layer dispatches, not of the plain logits; ``R`` is the plain softmax's mean, as the anchor statistics."""
     ids = [chat_ids(tok, [{"role": "user", "content": p}], add_generation_prompt=True)[-max_len:] for p in prompts]
     if any(not x for x in ids):
         raise DataError("a probe prompt encodes to no tokens")
@@ -125,7 +128,8 @@ def probe_routing(model: nn.Module, tok, prompts: tuple[str, ...], max_len: int,
             out = forward_with_router(model, batch["input_ids"], mask)
             s = per_sequence_mean_routing(out.router_logits, mask).sum(0).double().cpu()  # [L, E]
             total = s if total is None else total + s
-            tops.append(torch.stack([z.argmax(-1) for z in rm.select_valid(out.router_logits, mask)]).cpu())  # [L, n]
+            chosen = selection_scores(model, rm.select_valid(out.router_logits, mask))  # L x [n, E], bias included
+            tops.append(torch.stack([z.argmax(-1) for z in chosen]).cpu())  # [L, n]
     finally:
         model.train(was_training)
     return (total / len(ids)).numpy(), torch.cat(tops, 1).to(torch.int32).numpy()

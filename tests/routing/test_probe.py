@@ -103,3 +103,22 @@ def test_probe_routing_of_the_tiny_model(cfg):
                 p.copy_(torch.randn_like(p) * 5)
     R3, T3 = probe_routing(model, tok, prompts, cfg.model.max_seq_len, batch_size=2)
     assert rm.load_cv(torch.from_numpy(expert_counts(T3, E))) >= 0 and not np.array_equal(T3, T)
+
+
+def test_probe_top1_is_the_expert_the_router_chooses_with_a_balancing_bias(cfg):
+    """With ``routing.balance = "bias"`` the router dispatches on ``z + b``: the probe's top-1 (and so its load CV
+    and top-1 consistency) follows the bias, while ``R`` stays the plain softmax (as the anchor statistics)."""
+    from distmoe.model.balance import biases, install_bias
+
+    model, tok = build_model(cfg.model)
+    prompts = default_probe_prompts(0, 5)
+    R0, T0 = probe_routing(model, tok, prompts, cfg.model.max_seq_len, batch_size=2)
+    install_bias(model)
+    E = R0.shape[1]
+    with torch.no_grad():
+        for b in biases(model):
+            b.fill_(-1e4)
+            b[E - 1] = 1e4  # every token's first choice is the last expert
+    R1, T1 = probe_routing(model, tok, prompts, cfg.model.max_seq_len, batch_size=2)
+    assert np.all(T1 == E - 1) and not np.all(T0 == E - 1)
+    np.testing.assert_allclose(R1[0], R0[0], atol=1e-5)  # the first MoE layer's input is unchanged: same softmax
