@@ -23,7 +23,8 @@ equals the latest anchor (one earlier task); it differs from three tasks on. The
 above the uniform 1/8 of the tiny default's 8 experts; ``expansion`` adds 2 experts per MoE layer for task B (8 ->
 10, copies of the two with the most mass in task A's anchor) and freezes the 8 earlier ones and their router rows.
 ``balance-bias`` is no-anchor with ``routing.balance = "bias"`` (auxiliary-loss-free balancing, no aux loss): its
-load CV and accuracies against no-anchor's are item 3's federated measurement.
+load CV and accuracies against no-anchor's are item 3's federated measurement; ``balance-first`` counts each
+token's first choice only (``routing.balance-count = "first"``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ RETENTION_ARMS = {
     "distillation-4": ("no-anchor", "retention.distill-weight=4.0 retention.distill-temperature=2.0"),
     # issue 13 item 3: the auxiliary-loss-free routing bias instead of the aux loss, federated (biases FedAvg'd)
     "balance-bias": ("no-anchor", "routing.balance='bias'"),
+    # the same bias balancing each token's first choice (the top-1 load the probe's load CV measures)
+    "balance-first": ("no-anchor", "routing.balance='bias' routing.balance-count='first'"),
 }
 ORDERS = {"lookup-arith": ("lookup", "arith"), "arith-lookup": ("arith", "lookup")}
 ROOT = Path(__file__).resolve().parent.parent

@@ -142,6 +142,7 @@ HARDWARE_KEYS = {"device": "device", "dtype": "dtype", "gradient-checkpointing":
                  "micro-batch-size": "micro_batch_size", "quantize": "quantize"}
 GRANULARITIES = ("batch", "token")
 BALANCE_MODES = ("aux", "bias", "aux+bias")
+BALANCE_COUNTS = ("topk", "first")  # routing.balance-count: what the bias update counts
 PHASE_KINDS = ("sft", "stats", "eval", "rl", "dpo")
 UPDATE_KINDS = ("sft", "rl", "dpo")  # the phases that train and release a model update (a task, '*rounds')
 DPO_REFERENCES = ("phase", "round")
@@ -295,6 +296,9 @@ class RoutingConfig(_Section):
                        choices=BALANCE_MODES)
     balance_rate: float = key(0.05, "u: the routing bias moves by u * sign(mean load - expert load) per local step",
                               lo=0.0, hi=1.0)
+    balance_count: str = key("topk", "what the routing bias balances: `topk` every chosen expert of each token (the "
+                             "paper's load), `first` each token's first choice only (the expert it weighs most: the "
+                             "top-1 load the probe's load CV measures)", choices=BALANCE_COUNTS)
     anchor_kl_coef: float = key(0.5, "anchor-KL weight; 0 turns the anchor off", lo=0.0, hi=1000.0)
     anchor_granularity: str = key("batch", "where the anchor KL is taken; see `docs/algorithms.md`",
                                   choices=GRANULARITIES)

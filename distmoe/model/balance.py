@@ -9,6 +9,7 @@ token::
     s   = softmax(z)[I]                  [N, k]   (renormalised over the k chosen with norm_topk_prob,
                                                    times the family's scale: ``build.topk_weighting``)
     c_e = sum over valid tokens of [e in I_t]      [E]   after each optimizer step, per layer
+          (``routing.balance-count = "first"``: [e = I_t,1], the first choice only)
     b_e <- b_e + u * sign(mean_e(c) - c_e)         [E]
 
 so an expert chosen less than the mean becomes more likely to be chosen; the gating weights ``s`` and
@@ -99,9 +100,12 @@ class BalanceTracker:
     """Counts, per MoE layer, how often each expert is chosen on valid tokens during local training, and
     applies the bias update after each optimizer step. A no-op on a model without the bias."""
 
-    def __init__(self, model: nn.Module, rate: float):
+    def __init__(self, model: nn.Module, rate: float, count: str = "topk"):
+        if count not in ("topk", "first"):
+            raise ValueError(f"routing.balance-count must be 'topk' or 'first', got {count!r}")
         self.model = model
         self.rate = float(rate)
+        self.first_only = count == "first"  # count each token's first choice only (its top-1 load)
         self.active = has_bias(model) and self.rate > 0
         self._calls: dict[int, list[torch.Tensor]] = {}
         self.counts: torch.Tensor | None = None  # [L, E] since the last step
@@ -131,7 +135,9 @@ class BalanceTracker:
         e = biases(self.model)[0].shape[0]
         rows = []
         for li in sorted(self._calls):
-            idx = self._calls[li][0]  # [B*S, k] the first call of this forward
+            idx = self._calls[li][0]  # [B*S, k] the first call of this forward, choices in descending score
+            if self.first_only:
+                idx = idx[:, :1]  # [B*S, 1] the first choice: argmax of z + b
             rows.append(torch.bincount(idx[keep.to(idx.device)].reshape(-1).cpu(), minlength=e))  # [E]
         c = torch.stack(rows).to(torch.float64)  # [L, E]
         self.counts = c if self.counts is None else self.counts + c

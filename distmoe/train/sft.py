@@ -170,7 +170,8 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
     warm_router = router_params(model) if r is not None and r.router_warmup_steps > 0 else None
     res = SFTResult(steps=0, skipped_steps=0, num_examples=len(encoded))
     t0 = time.perf_counter()
-    with BalanceTracker(model, routing.balance_rate) as balance:  # a no-op without routing.balance "bias"
+    # a no-op without routing.balance "bias"
+    with BalanceTracker(model, routing.balance_rate, routing.balance_count) as balance:
         for it, raw in enumerate(batch_iterator(encoded, train.batch_size, train.local_steps, seed)):
             opt.zero_grad(set_to_none=True)
             loss_value, parts_sum, finite = 0.0, {}, True

@@ -107,6 +107,36 @@ def test_update_moves_the_bias_by_the_sign_rule(make_cfg):
     assert tracker2.counts.sum(-1).tolist() == [4 * 5 * 2] * 2  # valid tokens x k, per layer
 
 
+def test_first_choice_count_balances_the_top1_load(make_cfg):
+    """``routing.balance-count = "first"``: the tracker counts each valid token's first choice only (argmax of
+    z + b, the probe's top-1), one per token, and the sign rule moves the bias against that load."""
+    _, model, _ = _model(make_cfg)
+    with torch.no_grad():
+        for b in balance.biases(model):
+            b.copy_(torch.tensor([0.0, 0.0, 5.0, 0.0]))  # expert 2 first for most tokens, not for all
+    x, m = _ids(4, 10)
+    with RouterRecorder(model) as rec, torch.no_grad():
+        model(input_ids=x, attention_mask=m)
+    bias = torch.tensor([0.0, 0.0, 5.0, 0.0])
+    first = torch.stack([torch.bincount((z[0].float() + bias).argmax(-1), minlength=4)
+                         for _, z in sorted(rec.calls.items())]).double()  # [L, E]
+    tracker = balance.BalanceTracker(model, 0.01, "first")
+    with tracker:
+        tracker.start_forward()
+        with torch.no_grad():
+            model(input_ids=x, attention_mask=m)
+        tracker.count(m)
+        torch.testing.assert_close(tracker.counts, first)
+        assert tracker.counts.sum(-1).tolist() == [4 * 10] * 2  # one choice per valid token
+        tracker.step()
+    want = bias + torch.sign(first.mean(-1, keepdim=True) - first) * 0.01  # [L, E]
+    torch.testing.assert_close(torch.stack([b.detach().double() for b in balance.biases(model)]), want.double())
+    with pytest.raises(ValueError, match="balance-count"):
+        balance.BalanceTracker(model, 0.01, "top1")
+    with pytest.raises(ConfigError, match="balance-count"):
+        make_cfg(**{"routing.balance": "bias", "routing.balance-count": "top1"})
+
+
 def test_train_sft_moves_the_bias_and_skips_the_aux_loss(make_cfg, synth_dirs):
     from distmoe.data.formats import read_jsonl
 
@@ -119,6 +149,22 @@ def test_train_sft_moves_the_bias_and_skips_the_aux_loss(make_cfg, synth_dirs):
     for b in balance.biases(model):  # 3 steps of +-u each: a multiple of u, at most 3u
         assert b.abs().max() <= 0.03 + 1e-6 and b.abs().max() > 0
         assert torch.allclose(b / 0.01, (b / 0.01).round(), atol=1e-4)
+    import distmoe.train.sft as sft_mod  # the key reaches the tracker the loop uses
+    made = []
+
+    class Spy(balance.BalanceTracker):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self.first_only)
+
+    cfg1, model1, _ = _model(make_cfg, **{"routing.balance-count": "first", "train.local-steps": 1,
+                                          "train.batch-size": 4})
+    orig, sft_mod.BalanceTracker = sft_mod.BalanceTracker, Spy
+    try:
+        train_sft(model1, enc, tok.pad_token_id, cfg1.train, cfg1.routing, ms.num_experts, ms.top_k, None, 0)
+    finally:
+        sft_mod.BalanceTracker = orig
+    assert made == [True]
     cfg2, model2, _ = _model(make_cfg, mode="aux+bias", **{"train.local-steps": 2, "train.batch-size": 4})
     res2 = train_sft(model2, enc, tok.pad_token_id, cfg2.train, cfg2.routing, ms.num_experts, ms.top_k, None, 0)
     assert len(res2.aux_losses) == 2
