@@ -211,6 +211,7 @@ def probe_rows(run_dir: Path, b: str) -> dict[str, float]:
     expert is the same."""
     import numpy as np
 
+    from distmoe.checkpoint import load_trainable_file
     from distmoe.coordinator.phases.probe import prompts_for
     from distmoe.model.build import build_model
     from distmoe.routing.probe import probe_routing
@@ -232,6 +233,12 @@ def probe_rows(run_dir: Path, b: str) -> dict[str, float]:
     tops = []
     for d in (before[-1], ckpts[max(ckpts)][1]):
         model, tok = build_model(cfg.model, str(d / "model"))
+        # the round's trainable tensors: the routing bias (routing.balance "bias") lives only there
+        trainable = load_trainable_file(d)
+        missing = set(trainable) - set(dict(model.named_parameters()))
+        if missing:
+            raise ValueError(f"{d}: trainable tensors the model does not have: {sorted(missing)[:3]}")
+        model.load_state_dict(trainable, strict=False)
         tops.append(probe_routing(model, tok, prompts, cfg.model.max_seq_len, cfg.eval.batch_size)[1])  # [L, N]
     out["top-1 consistency"] = float(np.mean(tops[0] == tops[1]))
     return out
