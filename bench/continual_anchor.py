@@ -69,6 +69,9 @@ RETENTION_ARMS = {
     "balance-bias": ("no-anchor", "routing.balance='bias'"),
     # the same bias balancing each token's first choice (the top-1 load the probe's load CV measures)
     "balance-first": ("no-anchor", "routing.balance='bias' routing.balance-count='first'"),
+    # the same at 4x the rate: u * steps = 12 logits over a task's 60 steps, enough to overturn a peaked router
+    "balance-first-fast": ("no-anchor", "routing.balance='bias' routing.balance-count='first' "
+                           "routing.balance-rate=0.2"),
 }
 ORDERS = {"lookup-arith": ("lookup", "arith"), "arith-lookup": ("arith", "lookup")}
 ROOT = Path(__file__).resolve().parent.parent
