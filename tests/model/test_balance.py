@@ -27,6 +27,19 @@ def _ids(n=2, s=12):
     return x, torch.ones_like(x)
 
 
+def _one_step(model, x, m, tracker, step=True):
+    """One forward counted by ``tracker`` (its counts kept as ``tracker.last``), then its bias step."""
+    with tracker:
+        tracker.start_forward()
+        with torch.no_grad():
+            model(input_ids=x, attention_mask=m)
+        tracker.count(m)
+        tracker.last = tracker.counts.clone()
+        if step:
+            tracker.step()
+    return tracker
+
+
 def test_bias_is_a_travelling_tensor_without_gradient(make_cfg):
     cfg, model, _ = _model(make_cfg)
     names = [n for n in trainable_names(model) if n.endswith(balance.BIAS_NAME)]
@@ -85,26 +98,15 @@ def test_update_moves_the_bias_by_the_sign_rule(make_cfg):
         model(input_ids=x, attention_mask=m)
     counts = torch.stack([torch.bincount(torch.topk(torch.softmax(z[0], -1), 2, -1).indices.reshape(-1),
                                          minlength=4) for _, z in sorted(rec.calls.items())]).double()  # [L, E]
-    tracker = balance.BalanceTracker(model, 0.01)
-    with tracker:
-        tracker.start_forward()
-        with torch.no_grad():
-            model(input_ids=x, attention_mask=m)
-        tracker.count(m)
-        torch.testing.assert_close(tracker.counts, counts)
-        tracker.step()
+    tracker = _one_step(model, x, m, balance.BalanceTracker(model, 0.01))
+    torch.testing.assert_close(tracker.last, counts)
     want = torch.sign(counts.mean(-1, keepdim=True) - counts) * 0.01  # [L, E]
     torch.testing.assert_close(torch.stack([b.detach().double() for b in balance.biases(model)]), want)
     # padding tokens are not counted
-    tracker2 = balance.BalanceTracker(model, 0.01)
     pad = m.clone()
     pad[:, 5:] = 0
-    with tracker2:
-        tracker2.start_forward()
-        with torch.no_grad():
-            model(input_ids=x, attention_mask=pad)
-        tracker2.count(pad)
-    assert tracker2.counts.sum(-1).tolist() == [4 * 5 * 2] * 2  # valid tokens x k, per layer
+    tracker2 = _one_step(model, x, pad, balance.BalanceTracker(model, 0.01), step=False)
+    assert tracker2.last.sum(-1).tolist() == [4 * 5 * 2] * 2  # valid tokens x k, per layer
 
 
 def test_first_choice_count_balances_the_top1_load(make_cfg):
@@ -120,15 +122,9 @@ def test_first_choice_count_balances_the_top1_load(make_cfg):
     bias = torch.tensor([0.0, 0.0, 5.0, 0.0])
     first = torch.stack([torch.bincount((z[0].float() + bias).argmax(-1), minlength=4)
                          for _, z in sorted(rec.calls.items())]).double()  # [L, E]
-    tracker = balance.BalanceTracker(model, 0.01, "first")
-    with tracker:
-        tracker.start_forward()
-        with torch.no_grad():
-            model(input_ids=x, attention_mask=m)
-        tracker.count(m)
-        torch.testing.assert_close(tracker.counts, first)
-        assert tracker.counts.sum(-1).tolist() == [4 * 10] * 2  # one choice per valid token
-        tracker.step()
+    tracker = _one_step(model, x, m, balance.BalanceTracker(model, 0.01, "first"))
+    torch.testing.assert_close(tracker.last, first)
+    assert tracker.last.sum(-1).tolist() == [4 * 10] * 2  # one choice per valid token
     want = bias + torch.sign(first.mean(-1, keepdim=True) - first) * 0.01  # [L, E]
     torch.testing.assert_close(torch.stack([b.detach().double() for b in balance.biases(model)]), want.double())
     with pytest.raises(ValueError, match="balance-count"):
