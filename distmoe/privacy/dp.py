@@ -94,6 +94,7 @@ from distmoe.privacy import ring
 
 __all__ = [
     "CanaryTest",
+    "KeystreamUniform",
     "RowNoiseTest",
     "SkellamSpec",
     "WrapError",
@@ -101,7 +102,6 @@ __all__ = [
     "canary_positions",
     "canary_seed",
     "client_share",
-    "KeystreamUniform",
     "crypto_rng",
     "decode_stats",
     "encode_per_sequence",

@@ -122,9 +122,9 @@ def encode_fixed_into(x: np.ndarray, scale: float, out: np.ndarray, rng: Uniform
     ``(float64(x) * pre) * scale`` then rounding, exactly as scaling a float64 copy first would give; the
     stochastic draws are consumed in element order (one ``rng.random`` double per element; ``rng`` is any
     :class:`UniformSource`), so splitting a vector into consecutive pieces encodes it to the same words as one
-    call. ``bound``: a caller's proof that
-    ``|pre * x| <= bound`` elementwise and every value is finite (e.g. a finite L2 norm of the clipped vector);
-    when ``bound * scale + 1`` fits the signed range, the per-chunk range check is skipped (it cannot fail)."""
+    call. ``bound``: a caller's proof that ``|pre * x| <= bound`` elementwise and every value is finite (e.g. a
+    finite L2 norm of the clipped vector); when ``bound * scale + 1`` fits the signed range, the per-chunk range
+    check is skipped (it cannot fail)."""
     bits = {np.dtype(np.uint32): 32, np.dtype(np.uint64): 64}.get(out.dtype)
     if bits is None:
         raise TypeError(f"ring words must be uint32 or uint64, got {out.dtype}")
