@@ -24,7 +24,7 @@ above the uniform 1/8 of the tiny default's 8 experts; ``expansion`` adds 2 expe
 10, copies of the two with the most mass in task A's anchor) and freezes the 8 earlier ones and their router rows.
 ``balance-bias`` is no-anchor with ``routing.balance = "bias"`` (auxiliary-loss-free balancing, no aux loss): its
 load CV and accuracies against no-anchor's are item 3's federated measurement; ``balance-first`` counts each
-token's first choice only (``routing.balance-count = "first"``).
+token's first choice only (``routing.balance-count = "first"``), ``balance-first-fast`` at u = 0.2.
 """
 
 from __future__ import annotations
@@ -63,8 +63,6 @@ RETENTION_ARMS = {
                       "train.expert-schedule='cosine' train.router-lr-scale=0.1"),
     "expansion": ("no-anchor", "retention.expand-experts=2"),  # task B gets 2 new experts per layer, old frozen
     "replay": ("no-anchor", ""),  # + mix_replay on every party's task-B file
-    # distillation at 4x the weight: the lambda = 1 arm kept A's answers likelier, not its accuracy
-    "distillation-4": ("no-anchor", "retention.distill-weight=4.0 retention.distill-temperature=2.0"),
     # issue 13 item 3: the auxiliary-loss-free routing bias instead of the aux loss, federated (biases FedAvg'd)
     "balance-bias": ("no-anchor", "routing.balance='bias'"),
     # the same bias balancing each token's first choice (the top-1 load the probe's load CV measures)
@@ -217,6 +215,7 @@ def probe_rows(run_dir: Path, b: str) -> dict[str, float]:
     from distmoe.checkpoint import load_trainable_file
     from distmoe.coordinator.phases.probe import prompts_for
     from distmoe.model.build import build_model
+    from distmoe.model.trainable import apply_trainable, load_trainable, spec_of
     from distmoe.routing.probe import probe_routing
 
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
@@ -236,12 +235,9 @@ def probe_rows(run_dir: Path, b: str) -> dict[str, float]:
     tops = []
     for d in (before[-1], ckpts[max(ckpts)][1]):
         model, tok = build_model(cfg.model, str(d / "model"))
-        # the round's trainable tensors: the routing bias (routing.balance "bias") lives only there
-        trainable = load_trainable_file(d)
-        missing = set(trainable) - set(dict(model.named_parameters()))
-        if missing:
-            raise ValueError(f"{d}: trainable tensors the model does not have: {sorted(missing)[:3]}")
-        model.load_state_dict(trainable, strict=False)
+        # the round's trainable tensors (the routing bias of routing.balance "bias" lives only there)
+        model = apply_trainable(model, cfg.model)
+        load_trainable(model, load_trainable_file(d), spec_of(model, cfg.model.trainable))
         tops.append(probe_routing(model, tok, prompts, cfg.model.max_seq_len, cfg.eval.batch_size)[1])  # [L, N]
     out["top-1 consistency"] = float(np.mean(tops[0] == tops[1]))
     return out

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from distmoe.config import BALANCE_COUNTS
 from distmoe.model.build import router_modules, topk_weighting
 
 BIAS_NAME = "balance_bias"
@@ -101,7 +102,7 @@ class BalanceTracker:
     applies the bias update after each optimizer step. A no-op on a model without the bias."""
 
     def __init__(self, model: nn.Module, rate: float, count: str = "topk"):
-        if count not in ("topk", "first"):
+        if count not in BALANCE_COUNTS:
             raise ValueError(f"routing.balance-count must be 'topk' or 'first', got {count!r}")
         self.model = model
         self.rate = float(rate)

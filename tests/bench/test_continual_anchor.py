@@ -92,5 +92,3 @@ def test_every_arm_is_a_valid_run_config_in_both_orders(arm):
         if arm.startswith("balance-"):
             assert cfg.routing.balance == "bias"
             assert cfg.routing.balance_count == ("first" if arm.startswith("balance-first") else "topk")
-        if arm == "distillation-4":
-            assert cfg.retention.distill_weight == 4.0

@@ -133,7 +133,7 @@ def test_first_choice_count_balances_the_top1_load(make_cfg):
         make_cfg(**{"routing.balance": "bias", "routing.balance-count": "top1"})
 
 
-def test_train_sft_moves_the_bias_and_skips_the_aux_loss(make_cfg, synth_dirs):
+def test_train_sft_moves_the_bias_and_skips_the_aux_loss(make_cfg, synth_dirs, monkeypatch):
     from distmoe.data.formats import read_jsonl
 
     cfg, model, tok = _model(make_cfg, **{"routing.balance-rate": 0.01, "train.local-steps": 3,
@@ -145,8 +145,7 @@ def test_train_sft_moves_the_bias_and_skips_the_aux_loss(make_cfg, synth_dirs):
     for b in balance.biases(model):  # 3 steps of +-u each: a multiple of u, at most 3u
         assert b.abs().max() <= 0.03 + 1e-6 and b.abs().max() > 0
         assert torch.allclose(b / 0.01, (b / 0.01).round(), atol=1e-4)
-    import distmoe.train.sft as sft_mod  # the key reaches the tracker the loop uses
-    made = []
+    made = []  # the balance-count key reaches the tracker the loop uses
 
     class Spy(balance.BalanceTracker):
         def __init__(self, *a, **k):
@@ -155,11 +154,9 @@ def test_train_sft_moves_the_bias_and_skips_the_aux_loss(make_cfg, synth_dirs):
 
     cfg1, model1, _ = _model(make_cfg, **{"routing.balance-count": "first", "train.local-steps": 1,
                                           "train.batch-size": 4})
-    orig, sft_mod.BalanceTracker = sft_mod.BalanceTracker, Spy
-    try:
-        train_sft(model1, enc, tok.pad_token_id, cfg1.train, cfg1.routing, ms.num_experts, ms.top_k, None, 0)
-    finally:
-        sft_mod.BalanceTracker = orig
+    monkeypatch.setattr("distmoe.train.sft.BalanceTracker", Spy)
+    train_sft(model1, enc, tok.pad_token_id, cfg1.train, cfg1.routing, ms.num_experts, ms.top_k, None, 0)
+    monkeypatch.undo()
     assert made == [True]
     cfg2, model2, _ = _model(make_cfg, mode="aux+bias", **{"train.local-steps": 2, "train.batch-size": 4})
     res2 = train_sft(model2, enc, tok.pad_token_id, cfg2.train, cfg2.routing, ms.num_experts, ms.top_k, None, 0)
