@@ -1,15 +1,20 @@
 """Forgetting and expert load of the tiny model on the continual pair lookup -> arith, centralised on one
 party's data (the same local SFT loop the parties run, ``distmoe.train.sft.train_sft``; no federation, so it
 runs in minutes on a CPU): the arms differ in the starting point (random initialisation vs the cached warm-up
-base, ``distmoe.train.warmup``) and in the load balancing (``routing.balance``).
+base, ``distmoe.train.warmup``) and in the load balancing (``routing.balance``, ``routing.aux-loss-coef``,
+``routing.balance-count``).
 
     python bench/retain.py --seeds 0 1 2 --arms random warm random-bias warm-bias --steps-a 200 --steps-b 200
+    python bench/retain.py --seeds 0 1 2 --arms random random-aux-0.1 random-aux-1 random-bias random-bias-first \
+        random-aux-0.1+bias-first --steps-a 200 --steps-b 200        # where the load CV comes from
 
 Per arm and seed: accuracy on task A's held-out set after A and after B (retention = after / before), accuracy
 on B after B, and the expert-load CV (std/mean of the top-1 loads of the experts the router chooses, bias
 included, over every held-out example of A and B; < 0.2 is healthy) after A and after B, and the CV of the
-top-k loads (what the bias balances) on the trained task's held-out set. Prints a Markdown table (mean ±
-sample std over seeds, and every seed's value) and writes the rows as JSON (``--out``).
+top-k loads (what the bias balances) and the top-1 load CV on the trained task's held-out set alone, and the
+run's own metric: the top-1 load CV on the default public probe (``--probe`` prompts of every synthetic family,
+prompt tokens only: ``distmoe.routing.probe``), and on a larger probe (``--probe-large``). Prints a Markdown
+table (mean ± sample std over seeds, and every seed's value) and writes the rows as JSON (``--out``).
 """
 
 from __future__ import annotations
@@ -33,19 +38,27 @@ from distmoe.data.template import encode_example
 from distmoe.model.build import build_model, describe
 from distmoe.model.trainable import apply_trainable, load_trainable, spec_of
 from distmoe.routing import metrics as rm
+from distmoe.routing.probe import default_probe_prompts, expert_counts, probe_routing
 from distmoe.train.evaluate import routing_on, task_accuracy
 from distmoe.train.sft import train_sft
 from distmoe.train.warmup import build_base
 
-ARMS = {  # arm -> (warm base, routing.balance)
-    "random": (False, "aux"), "warm": (True, "aux"), "random-bias": (False, "bias"), "warm-bias": (True, "bias"),
+ARMS = {  # arm -> (warm base, the arm's routing.* keys; the bias arms also take --rate)
+    "random": (False, {"routing.balance": "aux"}),
+    "warm": (True, {"routing.balance": "aux"}),
+    "random-bias": (False, {"routing.balance": "bias"}),
+    "warm-bias": (True, {"routing.balance": "bias"}),
+    "random-aux-0.1": (False, {"routing.balance": "aux", "routing.aux-loss-coef": 0.1}),
+    "random-aux-1": (False, {"routing.balance": "aux", "routing.aux-loss-coef": 1.0}),
+    "random-bias-first": (False, {"routing.balance": "bias", "routing.balance-count": "first"}),
+    "random-aux-0.1+bias-first": (False, {"routing.balance": "aux+bias", "routing.aux-loss-coef": 0.1,
+                                          "routing.balance-count": "first"}),
 }
 
 
 def run_arm(arm: str, seed: int, args, data_root: Path) -> dict[str, float]:
-    warm, balance = ARMS[arm]
-    over = {"run.seed": seed, "routing.balance": balance, "routing.balance-rate": args.rate,
-            "train.threads": args.threads}
+    warm, routing = ARMS[arm]
+    over = {"run.seed": seed, **routing, "routing.balance-rate": args.rate, "train.threads": args.threads}
     cfg = parse_run_config(over)
     torch.set_num_threads(args.threads)
     model, tok = build_model(cfg.model)
@@ -71,6 +84,16 @@ def run_arm(arm: str, seed: int, args, data_root: Path) -> dict[str, float]:
         _, valid = routing_on(model, tok, fixed, max_len, cfg.eval.batch_size)
         return rm.load_cv(rm.top1_counts(valid, ms.num_experts))
 
+    def cv_on(task: str) -> float:
+        """Top-1 load CV on ``task``'s held-out set alone (the distribution just trained on)."""
+        _, valid = routing_on(model, tok, held[task], max_len, cfg.eval.batch_size)
+        return rm.load_cv(rm.top1_counts(valid, ms.num_experts))
+
+    def cv_probe(n: int) -> float:
+        """The run's own metric: top-1 load CV on the public probe (``n`` prompts; the default run has 16)."""
+        _, top1 = probe_routing(model, tok, default_probe_prompts(seed, n), max_len, cfg.eval.batch_size)
+        return rm.load_cv(torch.from_numpy(expert_counts(top1, ms.num_experts)))
+
     def cv_k(task: str) -> float:
         """CV of the top-k loads (what the bias balances) on ``task``'s held-out set."""
         _, valid = routing_on(model, tok, held[task], max_len, cfg.eval.batch_size)
@@ -84,9 +107,12 @@ def run_arm(arm: str, seed: int, args, data_root: Path) -> dict[str, float]:
         train = dataclasses.replace(cfg.train, local_steps=steps)
         train_sft(model, enc, tok.pad_token_id, train, cfg.routing, ms.num_experts, ms.top_k, None, seed)
         if task == a:
-            row.update({"acc A after A": acc(a), "load CV after A": cv(), "top-k load CV on A after A": cv_k(a)})
+            row.update({"acc A after A": acc(a), "load CV after A": cv(), "top-1 load CV on A after A": cv_on(a),
+                        "top-k load CV on A after A": cv_k(a), "probe load CV after A": cv_probe(args.probe)})
     row.update({"acc A after B": acc(a), "acc B after B": acc(b), "load CV after B": cv(),
-                "top-k load CV on B after B": cv_k(b)})
+                "top-1 load CV on B after B": cv_on(b), "top-k load CV on B after B": cv_k(b),
+                "probe load CV after B": cv_probe(args.probe),
+                f"probe load CV after B, {args.probe_large} prompts": cv_probe(args.probe_large)})
     before = row["acc A after A"]
     row["retention A"] = row["acc A after B"] / before if before > 0 else math.nan
     return row
@@ -118,6 +144,8 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=600)
     ap.add_argument("--rate", type=float, default=0.05, help="routing.balance-rate of the bias arms")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--probe", type=int, default=16, help="probe prompts, as routing.probe-prompts (default 16)")
+    ap.add_argument("--probe-large", type=int, default=240, help="a larger probe, to separate sampling noise")
     ap.add_argument("--cache", default="runs/base-cache")
     ap.add_argument("--out", default="", help="write the rows as JSON here")
     args = ap.parse_args()

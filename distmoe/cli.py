@@ -102,7 +102,8 @@ def cmd_export(args) -> int:
     from distmoe.export import ExportError, export_run
 
     try:
-        out = export_run(args.run_dir, round_num=args.round, out=args.out, model_path=args.model_path or "")
+        out = export_run(args.run_dir, round_num=args.round, out=args.out, model_path=args.model_path or "",
+                         drop_routing_bias=args.drop_routing_bias)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -391,6 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", metavar="DIR", help="output directory (default: RUN_DIR/export/round-<n>)")
     e.add_argument("--model-path", metavar="BASE",
                    help="the base checkpoint the adapters are merged into (default: model.path of the run's config)")
+    e.add_argument("--drop-routing-bias", action="store_true",
+                   help="export a run trained with routing.balance = bias without its routing bias (refused "
+                        "otherwise: Hugging Face model classes cannot hold it, so the exported model routes "
+                        "differently)")
     e.set_defaults(fn=cmd_export)
 
     rb = sub.add_parser("rollback", help="name (or copy) a kept checkpoint of a run as a new run's starting point")

@@ -9,7 +9,12 @@ Owns: reading the run's config (``RUN_DIR/config.toml``), picking the checkpoint
   (the base the run trained on), the adapters applied with ``peft`` and merged
   (``distmoe.model.adapters.merge_adapters``); written in the dtype the base's ``config.json`` declares,
   with the base's tokenizer;
-- a full checkpoint (``all``, ``router+experts``: ``model/``): that directory, copied.
+- a full checkpoint (``all``, ``router+experts``: ``model/``): that directory, copied. A run with a routing bias
+  (``routing.balance`` ``bias`` / ``aux+bias``) is refused unless ``drop_routing_bias``: the bias
+  (``<router>.balance_bias``, ``distmoe.model.balance``) chooses the experts and no Hugging Face MoE class of the
+  supported families has a slot for it, so ``from_pretrained`` would silently drop it (a report line) and the
+  exported model would route differently from the one trained and evaluated. With the flag the bias tensors are
+  removed from the weight files (and the shard index), so the load is clean and the difference is explicit.
 
 The result loads with ``AutoModelForCausalLM.from_pretrained(out)`` (and as ``model.path`` of a new run).
 
@@ -23,9 +28,13 @@ import os
 import shutil
 from pathlib import Path
 
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
 from distmoe.checkpoint import CheckpointError, latest, verify_checkpoint
 from distmoe.config import RENAMED, RETIRED, ConfigError, RunConfig, load_override_file, parse_run_config
 from distmoe.model.adapters import ADAPTER_DIR, MODEL_DIR, merge_adapters
+from distmoe.model.balance import BIAS_NAME
 from distmoe.model.base import base_fingerprint
 from distmoe.model.build import ModelError
 
@@ -78,9 +87,39 @@ def _declared_dtype(model_path: str) -> str:
     return dtype if dtype in DTYPES else "float32"
 
 
+def _bias_keys(model_dir: Path) -> dict[str, list[str]]:
+    """``{weight file name: [routing-bias tensor names]}`` of a ``model/`` directory (files without one left out)."""
+    found = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            keys = [k for k in sf.keys() if k.endswith("." + BIAS_NAME)]
+        if keys:
+            found[f.name] = keys
+    return found
+
+
+def _drop_bias(model_dir: Path, found: dict[str, list[str]]) -> None:
+    """Rewrite the weight files of ``found`` without their routing-bias tensors, and the shard index's map."""
+    for name, keys in found.items():
+        path = model_dir / name
+        with safe_open(str(path), framework="pt") as sf:
+            meta = sf.metadata() or {}
+        tensors = {k: v for k, v in load_file(str(path)).items() if k not in keys}
+        save_file(tensors, str(path), metadata={**meta, "format": meta.get("format", "pt")})
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        dropped = {k for keys in found.values() for k in keys}
+        data["weight_map"] = {k: v for k, v in data.get("weight_map", {}).items() if k not in dropped}
+        index.write_text(json.dumps(data, indent=2))
+
+
 def export_run(run_dir: str | Path, round_num: int | None = None, out: str | Path | None = None,
-               model_path: str = "") -> Path:
-    """Write the checkpoint of ``run_dir`` as a standalone Hugging Face directory; returns it."""
+               model_path: str = "", drop_routing_bias: bool = False) -> Path:
+    """Write the checkpoint of ``run_dir`` as a standalone Hugging Face directory; returns it.
+
+    A ``model/`` checkpoint with a routing bias raises ``ExportError`` unless ``drop_routing_bias`` (module
+    docstring)."""
     import torch
 
     run_dir = Path(run_dir)
@@ -97,7 +136,19 @@ def export_run(run_dir: str | Path, round_num: int | None = None, out: str | Pat
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         if f"{MODEL_DIR}/config.json" in files:
+            found = _bias_keys(ck / MODEL_DIR)
+            if found and not drop_routing_bias:
+                n = sum(len(k) for k in found.values())
+                raise ExportError(f"{ck / MODEL_DIR}: the run trained with a routing bias (routing.balance = "
+                                  f"{cfg.routing.balance!r}: {n} '{BIAS_NAME}' tensors, one per MoE layer), which "
+                                  "chooses the experts and has no slot in the Hugging Face model class; "
+                                  "from_pretrained would drop it and the exported model would route differently "
+                                  "from the one trained. Start new runs from the checkpoint itself (run.init-from, "
+                                  "with the same routing.balance, keeps the bias), or pass --drop-routing-bias to "
+                                  "export the model without it")
             shutil.copytree(ck / MODEL_DIR, tmp)
+            if found:
+                _drop_bias(tmp, found)
         elif f"{ADAPTER_DIR}/adapter_config.json" in files:
             base = model_path or cfg.model.path
             want = manifest.get("base_fingerprint")

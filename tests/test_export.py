@@ -118,6 +118,38 @@ def test_export_of_the_tiny_default_and_of_a_full_model_run(tmp_path, run):
                                _logits(_adapted(cfg.model, weights[1])))
 
 
+def test_a_routing_bias_run_is_refused_unless_the_bias_is_dropped_explicitly(tmp_path, capsys, run):
+    """A ``model/`` checkpoint of a ``routing.balance = "bias"`` run holds one ``balance_bias`` per router, which
+    the Hugging Face class cannot hold: export refuses, and with the flag writes weight files without it."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from distmoe.model.balance import install_bias
+
+    cfg, sm, weights = run(tmp_path / "bias", {"routing.balance": "bias"}, rounds=(1,))
+    bias_keys = [k for k in weights[1] if k.endswith("balance_bias")]
+    assert len(bias_keys) == 2 and all(weights[1][k].abs().sum() > 0 for k in bias_keys)  # moved from zero
+    with pytest.raises(ExportError, match=r"routing bias \(routing.balance = 'bias': 2 'balance_bias' tensors.*"
+                                          r"--drop-routing-bias"):
+        export_run(tmp_path / "bias")
+    assert not (tmp_path / "bias" / "export").exists() or not any((tmp_path / "bias" / "export").iterdir())
+    assert main(["export", str(tmp_path / "bias")]) == 2
+    assert "--drop-routing-bias" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "bias"), "--drop-routing-bias"]) == 0
+    out = Path(capsys.readouterr().out.strip())
+    with safe_open(str(out / "model.safetensors"), framework="pt") as sf:
+        keys = list(sf.keys())
+    assert keys and not any(k.endswith("balance_bias") for k in keys)
+    # the export is the trained model without its bias: the same logits as the trained weights with a zero bias
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    trained = _adapted(cfg.model, weights[1])
+    install_bias(trained)
+    with torch.no_grad():
+        for k in bias_keys:
+            trained.get_parameter(k).zero_()
+    torch.testing.assert_close(_logits(loaded), _logits(trained))
+
+
 def test_export_errors_say_what_is_wrong(tmp_path, capsys, base, run):
     with pytest.raises(ExportError, match="no such run directory"):
         export_run(tmp_path / "missing")
