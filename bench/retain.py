@@ -13,7 +13,8 @@ on B after B, and the expert-load CV (std/mean of the top-1 loads of the experts
 included, over every held-out example of A and B; < 0.2 is healthy) after A and after B, and the CV of the
 top-k loads (what the bias balances) and the top-1 load CV on the trained task's held-out set alone, and the
 run's own metric: the top-1 load CV on the default public probe (``--probe`` prompts of every synthetic family,
-prompt tokens only: ``distmoe.routing.probe``), and on a larger probe (``--probe-large``). Prints a Markdown
+prompt tokens only: ``distmoe.routing.probe``), on a larger probe (``--probe-large``) and on 80 probe prompts of
+each family alone (which distribution the imbalance comes from). Prints a Markdown
 table (mean ± sample std over seeds, and every seed's value) and writes the rows as JSON (``--out``).
 """
 
@@ -33,12 +34,12 @@ import torch
 from distmoe.checkpoint import load_checkpoint
 from distmoe.config import parse_run_config
 from distmoe.data.party import load_party
-from distmoe.data.synth import write_synthetic
+from distmoe.data.synth import TASK_FAMILIES, write_synthetic
 from distmoe.data.template import encode_example
 from distmoe.model.build import build_model, describe
 from distmoe.model.trainable import apply_trainable, load_trainable, spec_of
 from distmoe.routing import metrics as rm
-from distmoe.routing.probe import default_probe_prompts, expert_counts, probe_routing
+from distmoe.routing.probe import default_probe_prompts, expert_counts, family_probe_prompts, probe_routing
 from distmoe.train.evaluate import routing_on, task_accuracy
 from distmoe.train.sft import train_sft
 from distmoe.train.warmup import build_base
@@ -53,6 +54,8 @@ ARMS = {  # arm -> (warm base, the arm's routing.* keys; the bias arms also take
     "random-bias-first": (False, {"routing.balance": "bias", "routing.balance-count": "first"}),
     "random-aux-0.1+bias-first": (False, {"routing.balance": "aux+bias", "routing.aux-loss-coef": 0.1,
                                           "routing.balance-count": "first"}),
+    "random-bias-first-slow-router": (False, {"routing.balance": "bias", "routing.balance-count": "first",
+                                              "train.lr-router": 1e-4}),
 }
 
 
@@ -89,9 +92,11 @@ def run_arm(arm: str, seed: int, args, data_root: Path) -> dict[str, float]:
         _, valid = routing_on(model, tok, held[task], max_len, cfg.eval.batch_size)
         return rm.load_cv(rm.top1_counts(valid, ms.num_experts))
 
-    def cv_probe(n: int) -> float:
-        """The run's own metric: top-1 load CV on the public probe (``n`` prompts; the default run has 16)."""
-        _, top1 = probe_routing(model, tok, default_probe_prompts(seed, n), max_len, cfg.eval.batch_size)
+    def cv_probe(n: int, family: str = "") -> float:
+        """The run's own metric: top-1 load CV on the public probe (``n`` prompts; the default run has 16), or on
+        ``n`` probe prompts of one synthetic family alone."""
+        prompts = tuple(family_probe_prompts(family, seed, n)) if family else default_probe_prompts(seed, n)
+        _, top1 = probe_routing(model, tok, prompts, max_len, cfg.eval.batch_size)
         return rm.load_cv(torch.from_numpy(expert_counts(top1, ms.num_experts)))
 
     def cv_k(task: str) -> float:
@@ -112,7 +117,8 @@ def run_arm(arm: str, seed: int, args, data_root: Path) -> dict[str, float]:
     row.update({"acc A after B": acc(a), "acc B after B": acc(b), "load CV after B": cv(),
                 "top-1 load CV on B after B": cv_on(b), "top-k load CV on B after B": cv_k(b),
                 "probe load CV after B": cv_probe(args.probe),
-                f"probe load CV after B, {args.probe_large} prompts": cv_probe(args.probe_large)})
+                f"probe load CV after B, {args.probe_large} prompts": cv_probe(args.probe_large),
+                **{f"probe load CV after B, {f} prompts only": cv_probe(80, f) for f in TASK_FAMILIES}})
     before = row["acc A after A"]
     row["retention A"] = row["acc A after B"] / before if before > 0 else math.nan
     return row

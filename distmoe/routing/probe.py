@@ -61,12 +61,17 @@ def _prompt_text(obj: dict) -> str:
     return obj["instruction"] + (f"\n{obj['input']}" if obj.get("input") else "")
 
 
+def family_probe_prompts(family: str, seed: int, n: int) -> list[str]:
+    """The first ``n`` probe prompts of one synthetic family (the pool ``default_probe_prompts`` draws from)."""
+    return [_prompt_text(o) for o in generate(family, PROBE_GENERATOR_INDEX, n, seed + 7919)]
+
+
 def default_probe_prompts(seed: int, n: int) -> tuple[str, ...]:
     """``n`` prompts cycling over the synthetic task families (deterministic in ``seed`` and ``n``)."""
     if not 1 <= n <= MAX_PROBE_PROMPTS:
         raise ProbeError(f"routing.probe-prompts = {n}: expected 1..{MAX_PROBE_PROMPTS}")
     per = -(-n // len(TASK_FAMILIES))
-    pools = [[_prompt_text(o) for o in generate(f, PROBE_GENERATOR_INDEX, per, seed + 7919)] for f in TASK_FAMILIES]
+    pools = [family_probe_prompts(f, seed, per) for f in TASK_FAMILIES]
     return tuple(pools[i % len(pools)][i // len(pools)] for i in range(n))
 
 
