@@ -68,7 +68,8 @@ ARMS: dict[str, dict[str, object]] = {
     "replay": {"correction": "none", "routing_replay": True},
 }
 LOGGED = ("reward", "logp_diff_mean", "logp_diff_max", "k3", "masked_frac", "weight_mean", "skipped_steps",
-          "updates", "response_len", "time_s", "sim_trusted", "sim_r2", "sim_recal_triggered",
+          "updates", "response_len", "time_s", "sim_trusted", "sim_r2", "sim_recal_triggered", "sim_route_shift",
+          "sim_err_shift",
           "replay_override_frac", "logp_diff_mean_native")
 COLLAPSE_WINDOW, COLLAPSE_FRAC, COLLAPSE_LEN = 50, 0.5, 100
 

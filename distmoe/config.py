@@ -384,7 +384,8 @@ class RLConfig(_Section):
     simulator_error_shift: float = key(0.5, "full recalibration when the held-out mean abs(δ̂ - δ) exceeds its value "
                                        "after the last full fit by this relative amount", lo=0.0, lo_open=True)
     simulator_route_shift: float = key(0.1, "full recalibration when the policy's expert usage (mean over MoE layers "
-                                       "of the total-variation distance) moved this far from the last full fit",
+                                       "of the total-variation distance, on the last full fit's calibration "
+                                       "tokens) moved this far from the last full fit",
                                        lo=0.0, hi=1.0, lo_open=True)
     simulator_clip: bool = key(False, "clip δ̂ to ±`rl.simulator-bound` (the seed's form) instead of masking the "
                                "tokens beyond it (the default)")

@@ -420,7 +420,7 @@ def _simulate(st: _SimState, step: int, cfg: RLConfig, model: nn.Module, engine,
     full = step % cfg.simulator_recalibrate_every == 0 or not sim.calibrated
     triggered, held_m, t_cal, shift, err_shift = 0.0, {}, 0.0, math.nan, math.nan
     if not full:
-        shift = sim.route_shift(tf_old.router, mask)
+        shift = sim.route_shift(model)  # on the last fit's own tokens: the policy's drift only
         held_m = heldout()
         err_shift = held_m["abs_err"] / st.ref_err - 1.0 if held_m and st.ref_err > 0 else math.nan
         if shift > cfg.simulator_route_shift or err_shift > cfg.simulator_error_shift:

@@ -16,6 +16,9 @@ itself is the ICEPOP seed's idea and has no paper. With ``N`` rollouts of ``T`` 
     last layer : (w, b) = argmin |H w + b - delta|^2 + lam |w|^2, H = relu(W1 x_std + b1)      [h], []
                  (ridge on the buffer, first layer and standardisation fixed)
     route shift: mean_l 1/2 sum_e |u_le - u_le^fit|, u = share of the policy's top-k picks     []
+                 on the last full fit's own calibration tokens (u^fit: at the fit; u: the policy now), so
+                 only the policy's drift moves it: two different batches of 64 response tokens differ by
+                 ~0.1-0.3 from sampling alone (measured), above the default threshold
 
 Owns: ``InferenceSimulator`` (a route-offset table ``o [L, E]`` plus a small error MLP, calibrated on rollouts
 sampled from the inference engine, with a bounded buffer of calibration tokens accumulated across steps, the
@@ -308,6 +311,7 @@ class InferenceSimulator:
         self.buffer_tokens, self.ridge = int(buffer_tokens), float(ridge)
         self.buffer: list[_Chunk] = []  # oldest first; bounded by buffer_tokens (0: the latest calibration only)
         self.usage_fit: torch.Tensor | None = None  # [L, E] the policy's expert usage at the last full fit
+        self.fit_tokens: list[tuple[Rollouts, torch.Tensor]] = []  # the last full fit's (rollouts, [N, T] fit rows)
         self.refits = 0  # incremental last-layer refits
 
     @classmethod
@@ -407,6 +411,7 @@ class InferenceSimulator:
         # offset table: every buffered calibration token with the engine's router logits
         self.offset = torch.cat([c.diff for c in self.buffer if c.diff is not None], 1).mean(1)  # [L, E]
         self.usage_fit = expert_usage(torch.cat([c.router for c in new], 1), None, self.top_k)  # [L, E]
+        self.fit_tokens = [(ro, ro.response_mask & rf[:, None]) for ro, rf in zip(batches, fit_rows, strict=True)]
         # the MLP on delta, every buffered token, features at the new offset
         x_fit, y_fit = self._buffer_xy()  # [n, F], [n]
         self.feat_mean = x_fit.mean(0)
@@ -485,12 +490,20 @@ class InferenceSimulator:
         after = float(((self._mlp(x) - y) ** 2).mean())
         return {"mse_before": before, "mse_after": after, "tokens": float(y.numel())}
 
-    def route_shift(self, router: torch.Tensor, mask: torch.Tensor) -> float:
-        """Mean over layers of the total-variation distance between the policy's expert usage on ``router``
-        ``[L, N, T, E]`` (valid tokens of ``mask`` ``[N, T]``) and the usage at the last full fit."""
-        if self.usage_fit is None:
+    @torch.no_grad()
+    def route_shift(self, policy: nn.Module) -> float:
+        """Mean over layers of the total-variation distance between ``policy``'s expert usage and the usage at
+        the last full fit, both on that fit's calibration tokens (one teacher-forced pass; NaN before a fit).
+        On the same tokens the measure is 0 until the policy's routing changes: no sampling noise."""
+        if self.usage_fit is None or not self.fit_tokens:
             return math.nan
-        u = expert_usage(router, mask, self.top_k)  # [L, E]
+        was = policy.training
+        policy.eval()
+        try:
+            z = torch.cat([capture(policy, ro, lm_logits=False).router[:, m] for ro, m in self.fit_tokens], 1)
+        finally:
+            policy.train(was)
+        u = expert_usage(z, None, self.top_k)  # [L, E]
         return float(0.5 * (u - self.usage_fit.to(u.device)).abs().sum(-1).mean())
 
     @torch.no_grad()
