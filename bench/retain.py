@@ -7,6 +7,8 @@ base, ``distmoe.train.warmup``) and in the load balancing (``routing.balance``, 
     python bench/retain.py --seeds 0 1 2 --arms random warm random-bias warm-bias --steps-a 200 --steps-b 200
     python bench/retain.py --seeds 0 1 2 --arms random random-aux-0.1 random-aux-1 random-bias random-bias-first \
         random-aux-0.1+bias-first --steps-a 200 --steps-b 200        # where the load CV comes from
+    python bench/retain.py --seeds 0 1 2 --arms random random-bias-first random-bias-first-slow-router \
+        --steps-a 200 --steps-b 200                                   # the same, with the per-family probe rows
 
 Per arm and seed: accuracy on task A's held-out set after A and after B (retention = after / before), accuracy
 on B after B, and the expert-load CV (std/mean of the top-1 loads of the experts the router chooses, bias
@@ -14,8 +16,8 @@ included, over every held-out example of A and B; < 0.2 is healthy) after A and 
 top-k loads (what the bias balances) and the top-1 load CV on the trained task's held-out set alone, and the
 run's own metric: the top-1 load CV on the default public probe (``--probe`` prompts of every synthetic family,
 prompt tokens only: ``distmoe.routing.probe``), on a larger probe (``--probe-large``) and on 80 probe prompts of
-each family alone (which distribution the imbalance comes from). Prints a Markdown
-table (mean ± sample std over seeds, and every seed's value) and writes the rows as JSON (``--out``).
+each family alone (which distribution the imbalance comes from). Prints a Markdown table (mean ± sample std
+over seeds, and every seed's value) and writes the rows as JSON (``--out``).
 """
 
 from __future__ import annotations
