@@ -204,6 +204,7 @@ def summarize(rows: list[dict], tail: int) -> dict[str, float]:
             "skipped": sum(r["skipped_steps"] for r in rows),
             "collapse_iter": math.nan if c is None else float(c),
             "sim_trusted_frac": mean("sim_trusted", rows),
+            "sim_triggered_frac": mean("sim_recal_triggered", rows),
             "iter_s": mean("time_s", rows)}
 
 
@@ -240,6 +241,7 @@ TABLE = (("reward (engine), first 100 iterations", "reward_first", "f"),
          ("held-out reward (engine), start model", "heldout_reward_start", "f"),
          ("held-out reward (engine), final policy", "heldout_reward_final", "f"),
          ("simulator trusted share of iterations", "sim_trusted_frac", "f"),
+         ("simulator full fits triggered by a shift (share of iterations)", "sim_triggered_frac", "f"),
          ("seconds per iteration", "iter_s", "f"),
          ("wall time of the run, s", "wall_s", "f0"))
 
@@ -270,7 +272,7 @@ def table(outdir: Path, engines: list[str], arms: list[str]) -> str:
         for label, key, kind in TABLE:
             cells = []
             for rs in runs.values():
-                vals = [float(r[key]) for r in rs]
+                vals = [float(r.get(key, math.nan)) for r in rs]  # a key added later: "–" in older summaries
                 fin = [v for v in vals if math.isfinite(v)]
                 if key == "collapse_iter":
                     cells.append(f"{len(fin)} of {len(vals)} collapsed ({', '.join(_fmt(v, kind) for v in vals)})")
