@@ -85,13 +85,9 @@ def run_arm(arm: str, seed: int, args, data_root: Path) -> dict[str, float]:
     def acc(task: str) -> float:
         return task_accuracy(model, tok, task, held[task], max_len, cfg.eval)
 
-    def cv() -> float:
-        _, valid = routing_on(model, tok, fixed, max_len, cfg.eval.batch_size)
-        return rm.load_cv(rm.top1_counts(valid, ms.num_experts))
-
-    def cv_on(task: str) -> float:
-        """Top-1 load CV on ``task``'s held-out set alone (the distribution just trained on)."""
-        _, valid = routing_on(model, tok, held[task], max_len, cfg.eval.batch_size)
+    def cv(task: str = "") -> float:
+        """Top-1 load CV on both tasks' held-out examples, or on ``task``'s alone (the distribution just trained)."""
+        _, valid = routing_on(model, tok, held[task] if task else fixed, max_len, cfg.eval.batch_size)
         return rm.load_cv(rm.top1_counts(valid, ms.num_experts))
 
     def cv_probe(n: int, family: str = "") -> float:
@@ -114,10 +110,10 @@ def run_arm(arm: str, seed: int, args, data_root: Path) -> dict[str, float]:
         train = dataclasses.replace(cfg.train, local_steps=steps)
         train_sft(model, enc, tok.pad_token_id, train, cfg.routing, ms.num_experts, ms.top_k, None, seed)
         if task == a:
-            row.update({"acc A after A": acc(a), "load CV after A": cv(), "top-1 load CV on A after A": cv_on(a),
+            row.update({"acc A after A": acc(a), "load CV after A": cv(), "top-1 load CV on A after A": cv(a),
                         "top-k load CV on A after A": cv_k(a), "probe load CV after A": cv_probe(args.probe)})
     row.update({"acc A after B": acc(a), "acc B after B": acc(b), "load CV after B": cv(),
-                "top-1 load CV on B after B": cv_on(b), "top-k load CV on B after B": cv_k(b),
+                "top-1 load CV on B after B": cv(b), "top-k load CV on B after B": cv_k(b),
                 "probe load CV after B": cv_probe(args.probe),
                 f"probe load CV after B, {args.probe_large} prompts": cv_probe(args.probe_large),
                 **{f"probe load CV after B, {f} prompts only": cv_probe(80, f) for f in TASK_FAMILIES}})

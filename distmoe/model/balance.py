@@ -103,7 +103,7 @@ class BalanceTracker:
 
     def __init__(self, model: nn.Module, rate: float, count: str = "topk"):
         if count not in BALANCE_COUNTS:
-            raise ValueError(f"routing.balance-count must be 'topk' or 'first', got {count!r}")
+            raise ValueError(f"routing.balance-count must be one of {', '.join(BALANCE_COUNTS)}, got {count!r}")
         self.model = model
         self.rate = float(rate)
         self.first_only = count == "first"  # count each token's first choice only (its top-1 load)
