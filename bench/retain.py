@@ -46,18 +46,27 @@ from distmoe.train.evaluate import routing_on, task_accuracy
 from distmoe.train.sft import train_sft
 from distmoe.train.warmup import build_base
 
+POOLED = {"routing.aux-loss-scope": "pooled"}  # the aux loss as transformers pools it (the default before 2026-12-03)
 ARMS = {  # arm -> (warm base, the arm's routing.* keys; the bias arms also take --rate)
-    "random": (False, {"routing.balance": "aux"}),
-    "warm": (True, {"routing.balance": "aux"}),
+    "random": (False, {"routing.balance": "aux", **POOLED}),
+    "warm": (True, {"routing.balance": "aux", **POOLED}),
     "random-bias": (False, {"routing.balance": "bias"}),
     "warm-bias": (True, {"routing.balance": "bias"}),
-    "random-aux-0.1": (False, {"routing.balance": "aux", "routing.aux-loss-coef": 0.1}),
-    "random-aux-1": (False, {"routing.balance": "aux", "routing.aux-loss-coef": 1.0}),
+    "random-aux-0.1": (False, {"routing.balance": "aux", "routing.aux-loss-coef": 0.1, **POOLED}),
+    "random-aux-1": (False, {"routing.balance": "aux", "routing.aux-loss-coef": 1.0, **POOLED}),
     "random-bias-first": (False, {"routing.balance": "bias", "routing.balance-count": "first"}),
     "random-aux-0.1+bias-first": (False, {"routing.balance": "aux+bias", "routing.aux-loss-coef": 0.1,
-                                          "routing.balance-count": "first"}),
+                                          "routing.balance-count": "first", **POOLED}),
     "random-bias-first-slow-router": (False, {"routing.balance": "bias", "routing.balance-count": "first",
                                               "train.lr-router": 1e-4}),
+    # the aux loss per MoE layer (routing.aux-loss-scope = layer, the default since 2026-12-03)
+    "random-layer-aux": (False, {"routing.balance": "aux", "routing.aux-loss-scope": "layer"}),
+    "random-layer-aux-0.1": (False, {"routing.balance": "aux", "routing.aux-loss-scope": "layer",
+                                     "routing.aux-loss-coef": 0.1}),
+    "random-layer-aux-1": (False, {"routing.balance": "aux", "routing.aux-loss-scope": "layer",
+                                   "routing.aux-loss-coef": 1.0}),
+    "random-layer-aux-0.1+bias-first": (False, {"routing.balance": "aux+bias", "routing.aux-loss-scope": "layer",
+                                                "routing.aux-loss-coef": 0.1, "routing.balance-count": "first"}),
 }
 
 

@@ -142,6 +142,7 @@ HARDWARE_KEYS = {"device": "device", "dtype": "dtype", "gradient-checkpointing":
                  "micro-batch-size": "micro_batch_size", "quantize": "quantize"}
 GRANULARITIES = ("batch", "token")
 BALANCE_MODES = ("aux", "bias", "aux+bias")
+AUX_SCOPES = ("layer", "pooled")  # routing.aux-loss-scope (distmoe.routing.losses)
 BALANCE_COUNTS = ("topk", "first")  # routing.balance-count: what the bias update counts
 PHASE_KINDS = ("sft", "stats", "eval", "rl", "dpo")
 UPDATE_KINDS = ("sft", "rl", "dpo")  # the phases that train and release a model update (a task, '*rounds')
@@ -289,6 +290,10 @@ class TrainConfig(_Section):
 class RoutingConfig(_Section):
     aux_loss_coef: float = key(0.01, "aux load-balance loss weight (`routing.balance` `aux` or `aux+bias`)",
                                lo=0.0, hi=100.0)
+    aux_loss_scope: str = key("layer", "where the aux loss is taken: `layer` one Switch loss per MoE layer, "
+                              "averaged (the paper's), `pooled` transformers' `load_balancing_loss_func`, whose "
+                              "expert counts are summed over layers first (`docs/algorithms.md`, Load balancing)",
+                              choices=AUX_SCOPES)
     balance: str = key("aux", "expert load balancing: `aux` the aux loss (Switch Transformer), `bias` a per-expert "
                        "routing bias for the top-k choice only, updated after each local step, no aux loss "
                        "(auxiliary-loss-free balancing, Wang et al. 2024), `aux+bias` both; the bias travels and "

@@ -85,7 +85,8 @@ def sft_loss(model: nn.Module, batch: dict[str, torch.Tensor], routing: RoutingC
     total = task
     parts = {"task_loss": float(task.detach())}
     if routing.aux_loss_coef > 0 and "aux" in routing.balance:
-        aux = aux_load_balance_loss(out.router_logits, num_experts, top_k, batch["attention_mask"])
+        aux = aux_load_balance_loss(out.router_logits, num_experts, top_k, batch["attention_mask"],
+                                    routing.aux_loss_scope)
         total = total + routing.aux_loss_coef * aux
         parts["aux_loss"] = float(aux.detach())
     if anchor is not None and routing.anchor_kl_coef > 0:

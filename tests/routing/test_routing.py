@@ -81,6 +81,41 @@ def test_aux_loss_ignores_padding():
     assert abs(float(c) - float(a)) > 1e-4
 
 
+@pytest.mark.parametrize("scope", ["layer", "pooled"])
+def test_aux_loss_scopes_agree_where_every_layer_has_the_same_loads(scope):
+    """Both scopes read k on uniform routing and the same value when the layers' routing is identical."""
+    z = _logits()[0]
+    same = (z, z.clone())
+    ref = aux_load_balance_loss((z,), E, K, None, scope)
+    torch.testing.assert_close(aux_load_balance_loss(same, E, K, None, scope), ref)
+    zeros = tuple(torch.zeros(12, E) for _ in range(L))
+    assert float(aux_load_balance_loss(zeros, E, K, _mask(), scope)) == pytest.approx(K, abs=1e-5)
+
+
+def test_aux_loss_per_layer_sees_imbalances_that_cancel_across_layers():
+    """Layer 0 sends every token to experts {0, 1}, layer 1 to {2, 3}: pooled over layers the counts are even
+    (transformers' form reads about k, balanced), per layer each layer is collapsed onto half the experts."""
+    z0 = torch.full((12, E), -5.0)
+    z0[:, :2] = 5.0
+    z1 = torch.full((12, E), -5.0)
+    z1[:, 2:] = 5.0
+    pooled = float(aux_load_balance_loss((z0, z1), E, K, None, "pooled"))
+    layer = float(aux_load_balance_loss((z0, z1), E, K, None, "layer"))
+    assert pooled == pytest.approx(K, abs=1e-3)
+    assert layer == pytest.approx(2 * K, abs=1e-3)  # E * (2 experts * 1 * 1/2): twice the balanced value
+    with pytest.raises(ValueError, match="scope"):
+        aux_load_balance_loss((z0, z1), E, K, None, "bogus")
+
+
+def test_aux_loss_per_layer_gradient_pushes_each_layer_towards_its_idle_experts():
+    z = torch.zeros(12, E)
+    z[:, 0] = 3.0
+    layers = (z.clone().requires_grad_(), torch.zeros(12, E, requires_grad=True))
+    aux_load_balance_loss(layers, E, 1, None, "layer").backward()
+    g = layers[0].grad.sum(0)  # [E]: descending the loss lowers the overloaded expert's logit
+    assert g[0] > 0 and (g[1:] < 0).all()
+
+
 # ------------------------------------------------------------------------------------------ anchor KL
 def test_anchor_kl_batch_zero_at_batch_mean():
     mask = _mask()
