@@ -25,6 +25,9 @@ above the uniform 1/8 of the tiny default's 8 experts; ``expansion`` adds 2 expe
 ``balance-bias`` is no-anchor with ``routing.balance = "bias"`` (auxiliary-loss-free balancing, no aux loss): its
 load CV and accuracies against no-anchor's are item 3's federated measurement; ``balance-first`` counts each
 token's first choice only (``routing.balance-count = "first"``), ``balance-first-fast`` at u = 0.2.
+``default-aux-pooled`` / ``default-aux-layer`` are the default run (``anchor``'s config is the default) with the aux
+loss pooled over layers (transformers' form) or per layer (``routing.aux-loss-scope``);
+``default-aux-layer-0.1-bias-first`` adds the first-choice bias to the per-layer loss at 0.1.
 """
 
 from __future__ import annotations
@@ -70,6 +73,13 @@ RETENTION_ARMS = {
     # the same at 4x the rate: u * steps = 12 logits over a task's 60 steps, enough to overturn a peaked router
     "balance-first-fast": ("no-anchor", "routing.balance='bias' routing.balance-count='first' "
                            "routing.balance-rate=0.2"),
+    # the default run (configs/continual.toml is the default config) with the aux loss pooled over layers as
+    # transformers computes it (distmoe's default before 2026-12-03) or per layer (the default since)
+    "default-aux-pooled": ("anchor", "routing.aux-loss-scope='pooled'"),
+    "default-aux-layer": ("anchor", "routing.aux-loss-scope='layer'"),
+    # and the best centralised balancing (bench/retain.py): per-layer aux at 0.1 plus the first-choice bias
+    "default-aux-layer-0.1-bias-first": ("anchor", "routing.aux-loss-scope='layer' routing.aux-loss-coef=0.1 "
+                                         "routing.balance='aux+bias' routing.balance-count='first'"),
 }
 ORDERS = {"lookup-arith": ("lookup", "arith"), "arith-lookup": ("arith", "lookup")}
 ROOT = Path(__file__).resolve().parent.parent

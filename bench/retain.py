@@ -2,13 +2,16 @@
 party's data (the same local SFT loop the parties run, ``distmoe.train.sft.train_sft``; no federation, so it
 runs in minutes on a CPU): the arms differ in the starting point (random initialisation vs the cached warm-up
 base, ``distmoe.train.warmup``) and in the load balancing (``routing.balance``, ``routing.aux-loss-coef``,
-``routing.balance-count``).
+``routing.balance-count``, ``routing.aux-loss-scope``: the arms named before 2026-12-03 pin the aux loss pooled over
+layers, as it was then).
 
     python bench/retain.py --seeds 0 1 2 --arms random warm random-bias warm-bias --steps-a 200 --steps-b 200
     python bench/retain.py --seeds 0 1 2 --arms random random-aux-0.1 random-aux-1 random-bias random-bias-first \
         random-aux-0.1+bias-first --steps-a 200 --steps-b 200        # where the load CV comes from
     python bench/retain.py --seeds 0 1 2 --arms random random-bias-first random-bias-first-slow-router \
         --steps-a 200 --steps-b 200                                   # the same, with the per-family probe rows
+    python bench/retain.py --seeds 0 1 2 --arms random-layer-aux random-layer-aux-0.1 random-layer-aux-1 \
+        random-layer-aux-0.1+bias-first --steps-a 200 --steps-b 200   # the aux loss per MoE layer
 
 Per arm and seed: accuracy on task A's held-out set after A and after B (retention = after / before), accuracy
 on B after B, and the expert-load CV (std/mean of the top-1 loads of the experts the router chooses, bias

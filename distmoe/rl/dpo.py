@@ -256,7 +256,7 @@ def train_dpo(model: nn.Module, pairs: list[Pair], ref: Reference, pad_id: int, 
             step_parts = {"dpo_loss": st["dpo_loss"], "margin": st["margin"], "pref_acc": st["pref_acc"]}
             if routing.aux_loss_coef > 0 and "aux" in routing.balance:
                 aux = aux_load_balance_loss(out.router_logits, num_experts, top_k, batch["attention_mask"],
-                                    routing.aux_loss_scope)
+                                            routing.aux_loss_scope)
                 loss = loss + routing.aux_loss_coef * aux
                 step_parts["aux_loss"] = float(aux.detach())
             if anchor is not None and routing.anchor_kl_coef > 0:

@@ -167,7 +167,8 @@ def lb_loss_simulated(router_logits_train, offset: torch.Tensor, mask: torch.Ten
 
     ``router_logits_train``: L x ``[B*S, E]`` (a tuple, as ``out.router_logits``) or a ``[L, B*S, E]`` tensor;
     ``offset`` ``[L, E]`` is a constant (detached); gradients flow through ``z_train``. ``mask`` ``[B, S]``
-    excludes padding (None: every row counts). With ``offset == 0`` it is the ordinary aux loss.
+    excludes padding (None: every row counts). With ``offset == 0`` it is the SFT aux loss with
+    ``routing.aux-loss-scope = pooled`` (kept pooled so that the long-run simulator results stay reproducible).
     """
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 

@@ -19,7 +19,7 @@ layers before the product, ``E * sum_e (1/L sum_l f_{l,e}) (1/L sum_l P_{l,e})``
 expert ``e`` of layer 1 count as one expert, and layers whose imbalances fall on different experts cancel
 (transformers issue #28255). Why distmoe computes the per-layer form itself rather than calling the library:
 transformers has no per-layer variant, and the pooled one leaves the load CV at 1.5 even at 100× the coefficient
-(``docs/results.md``, where the load CV comes from).
+(``docs/results.md``, the aux loss per MoE layer).
 
 Anchor KL (DistMoE): ``KL(a_l || p)`` per MoE layer ``l``, averaged over layers, where ``a_l`` is
 the global anchor's routing distribution (a row of ``[L, E]``) and ``p`` is the current routing:
@@ -50,9 +50,6 @@ def _flat_mask(attention_mask: torch.Tensor | None, n: int, device) -> torch.Ten
     return attention_mask.reshape(-1).to(torch.float32)  # [B*S]
 
 
-AUX_SCOPES = ("layer", "pooled")
-
-
 def aux_load_balance_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
                           attention_mask: torch.Tensor | None, scope: str = "layer") -> torch.Tensor:
     """Switch-Transformer load-balance loss (balanced value = top_k): per layer and averaged (``layer``), or
@@ -62,7 +59,7 @@ def aux_load_balance_loss(router_logits: tuple[torch.Tensor, ...], num_experts: 
 
         return load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)
     if scope != "layer":
-        raise ValueError(f"unknown aux-loss scope {scope!r} ({', '.join(AUX_SCOPES)})")
+        raise ValueError(f"unknown aux-loss scope {scope!r} (layer, pooled)")
     mask = _flat_mask(attention_mask, router_logits[0].shape[0], router_logits[0].device)  # [N]
     denom = mask.sum().clamp_min(1.0)
     total = router_logits[0].new_zeros((), dtype=torch.float32)
