@@ -42,7 +42,8 @@ def _run(tiny, pref_dirs, tmp_path: Path, mode: str, **over):
 
 def test_dpo_phase_under_secure_aggregation(tiny, pref_dirs, tmp_path: Path):
     # β = 1 (not the default 0.1): round 2's training then moves round 3's first loss decisively off log 2 (at
-    # β = 0.1 it lands 5e-5 to 3e-3 from log 2, by machine, too close to tell from "reference = this round")
+    # β = 0.1 it landed 5e-5 to 1e-2 from log 2, too close to tell from "reference = this round"); the direction
+    # varies (the secure sum's stochastic rounding is fresh each run: 0.595 to 0.734 seen), so the test takes |Δ|
     cfg, run_dir, events = _run(tiny, pref_dirs, tmp_path, "secagg", **{"dpo.beta": 1.0})
     assert next(e for e in events if e["event"] == "run_end")["status"] == "completed"
     train = [e for e in events if e["event"] == "train"]
@@ -56,6 +57,7 @@ def test_dpo_phase_under_secure_aggregation(tiny, pref_dirs, tmp_path: Path):
     assert any((w[0][k] != w[1][k]).any() for k in w[0]) and any((w[1][k] != w[2][k]).any() for k in w[0])
     # each party's own log has its DPO figures; the second round's reference is the phase start, so its held-out
     # margin over the reference starts where the first round's training left the global model, not at 0
+    off = []
     for d in pref_dirs:
         own = [json.loads(x) for x in (tmp_path / "w" / "metrics" / f"{d.name}.jsonl").read_text().splitlines()]
         rows = [x for x in own if x.get("objective") == "dpo"]
@@ -63,8 +65,9 @@ def test_dpo_phase_under_secure_aggregation(tiny, pref_dirs, tmp_path: Path):
         for x in rows:
             assert x["steps"] == 3 and math.isfinite(x["task_loss"]) and x["dpo_ref_masked_frac"] == 0.0
             assert 0.0 <= x["dpo_heldout_after_acc"] <= 1.0
-        assert rows[0]["loss_first"] == pytest.approx(math.log(2), abs=1e-5)  # policy = reference at the start
-        assert rows[1]["loss_first"] < math.log(2) - 0.01  # reference: the phase's start, which round 2 trained past
+        assert rows[0]["loss_first"] == pytest.approx(math.log(2), abs=5e-5)  # policy = reference at the start
+        off.append(abs(rows[1]["loss_first"] - math.log(2)))
+    assert max(off) > 1e-3, off  # reference: the phase's start, which round 2 trained past (per round: < 1e-5)
     # the audit's file schemas accept what the server wrote, and schedule coverage finds every release
     from distmoe.audit.coverage import check_schedule, planned_rounds
     from distmoe.audit.schemas import check_server_files

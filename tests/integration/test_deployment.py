@@ -383,7 +383,8 @@ def test_unregistered_and_insecure_supernodes_refused(deployment: Deployment, tm
     log = dep.logs["supernode-insecure"].read_text(errors="replace")
     assert insecure.returncode != 0 and "Exit Code: 305" in log, f"insecure SuperNode: rc {insecure.returncode}" \
         + dep.diag()
-    assert "Server disconnected without sending a response" in log, dep.diag()
+    # the TLS listener drops the plaintext request: reported as one or the other, by TCP timing
+    assert ("Server disconnected without sending a response" in log or "Connection reset by peer" in log), dep.diag()
     assert "SuperNode ID:" not in log, "the insecure SuperNode got a node ID" + dep.diag()
 
 
