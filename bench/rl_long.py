@@ -55,6 +55,7 @@ from distmoe.rl.rollout import generate_rollouts
 from distmoe.train.sft import train_sft
 
 TASK = "lookup"
+_RL = RLConfig()  # the defaults the runs use for the simulator's trigger thresholds
 N_PROMPTS, N_HELDOUT = 240, 40  # 240 distinct lookup prompts (40 keys x 6 phrasings); the last 40 held out
 SMALL = {"model.hidden-size": 128, "model.moe-intermediate-size": 128, "model.layers": 2, "model.heads": 2,
          "model.kv-heads": 1, "model.head-dim": 64, "train.batch-size": 16,
@@ -188,6 +189,13 @@ def win_rate(final, start, tok, heldout: list[Example], engine: str, samples: in
             "heldout_reward_start": float(rs.mean())}
 
 
+def _share(rows: list[dict], key: str, threshold: float) -> float:
+    """Share of the iterations whose ``key`` exceeded ``threshold`` (NaN when no row has the key)."""
+    if not any(key in r for r in rows):
+        return math.nan
+    return sum(1 for r in rows if r.get(key, math.nan) > threshold) / len(rows)
+
+
 def summarize(rows: list[dict], tail: int) -> dict[str, float]:
     """Per-run figures: early / late reward and mismatch, collapse, simulator trust."""
     def mean(key: str, part: list[dict]) -> float:
@@ -205,6 +213,9 @@ def summarize(rows: list[dict], tail: int) -> dict[str, float]:
             "collapse_iter": math.nan if c is None else float(c),
             "sim_trusted_frac": mean("sim_trusted", rows),
             "sim_triggered_frac": mean("sim_recal_triggered", rows),
+            # which trigger saw a shift beyond the default thresholds (both may; NaN rows: scheduled fits)
+            "sim_err_fired_frac": _share(rows, "sim_err_shift", _RL.simulator_error_shift),
+            "sim_route_fired_frac": _share(rows, "sim_route_shift", _RL.simulator_route_shift),
             "iter_s": mean("time_s", rows)}
 
 
@@ -242,6 +253,9 @@ TABLE = (("reward (engine), first 100 iterations", "reward_first", "f"),
          ("held-out reward (engine), final policy", "heldout_reward_final", "f"),
          ("simulator trusted share of iterations", "sim_trusted_frac", "f"),
          ("simulator full fits triggered by a shift (share of iterations)", "sim_triggered_frac", "f"),
+         (f"… held-out error shift beyond {_RL.simulator_error_shift:g} (share of iterations)", "sim_err_fired_frac",
+          "f"),
+         (f"… routing shift beyond {_RL.simulator_route_shift:g} (share of iterations)", "sim_route_fired_frac", "f"),
          ("seconds per iteration", "iter_s", "f"),
          ("wall time of the run, s", "wall_s", "f0"))
 

@@ -387,7 +387,8 @@ class RLConfig(_Section):
     simulator_incremental: bool = key(True, "between full fits, refit the error MLP's last layer (ridge) on the "
                                       "buffer after every step")
     simulator_error_shift: float = key(0.5, "full recalibration when the held-out mean abs(δ̂ - δ) exceeds its value "
-                                       "after the last full fit by this relative amount", lo=0.0, lo_open=True)
+                                       "after the last full fit by this relative amount (on the held-out "
+                                       "rollouts drawn at that fit, re-scored each step)", lo=0.0, lo_open=True)
     simulator_route_shift: float = key(0.1, "full recalibration when the policy's expert usage (mean over MoE layers "
                                        "of the total-variation distance, on the last full fit's calibration "
                                        "tokens) moved this far from the last full fit",

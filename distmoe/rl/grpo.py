@@ -74,7 +74,7 @@ from distmoe.rl.engines import InferenceEngine, parse_profile
 from distmoe.rl.losses import get_policy_loss, mismatch_weights
 from distmoe.rl.replay import ReplayStats, replay_routes
 from distmoe.rl.rewards import compute_rewards
-from distmoe.rl.rollout import Rollouts, generate_rollouts, routing_disagreement, train_logprobs
+from distmoe.rl.rollout import Rollouts, engine_model, generate_rollouts, routing_disagreement, train_logprobs
 from distmoe.rl.simulator import InferenceSimulator, capture, compare, heldout_split, simulated_weights
 from distmoe.train.optim import build_optimizer
 from distmoe.train.stability import NonFinite, guard_gradients
@@ -394,6 +394,7 @@ class _SimState:
     train_pool: list[int]  # prompt indices the run trains and calibrates on
     held: list[int]  # held-out prompt indices (never trained on): the simulator's error is measured there
     ref_err: float = math.nan  # held-out mean |delta_hat - delta| right after the last full fit
+    held_ro: Rollouts | None = None  # the held-out rollouts drawn at the last full fit, re-scored every step
 
 
 def _simulate(st: _SimState, step: int, cfg: RLConfig, model: nn.Module, engine, tokenizer, prompt_ids: list, ro,
@@ -409,19 +410,26 @@ def _simulate(st: _SimState, step: int, cfg: RLConfig, model: nn.Module, engine,
     sim = st.sim
     mask = ro.response_mask  # [N, T]
 
-    def heldout() -> dict[str, float]:
+    def heldout(draw: bool) -> dict[str, float]:
+        """The metrics mode on the held-out rollouts: drawn from the engine at a full fit (``draw``), and between
+        fits the same tokens again, re-scored by the current engine and evaluated under the current policy, so
+        that the error trigger sees the policy's drift and not a fresh sample's (mirrors ``route_shift``)."""
         if not st.held:
             return {}
-        ro_h = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in st.held[:cfg.prompts_per_step]],
-                                 cfg.group_size, cfg.max_new_tokens, cfg.temperature,
-                                 seed=seed * 100_003 + 70_001 + step)
+        if draw or st.held_ro is None:
+            st.held_ro = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in st.held[:cfg.prompts_per_step]],
+                                           cfg.group_size, cfg.max_new_tokens, cfg.temperature,
+                                           seed=seed * 100_003 + 70_001 + step)
+        # the engine's teacher-forced log-probs of those tokens, at its current weights: at the fit and after it
+        # the same scoring, so err_shift compares like with like   [N, T]
+        ro_h = replace(st.held_ro, logp_infer=train_logprobs(engine_model(engine), st.held_ro))
         return sim.evaluate(model, ro_h)
 
     full = step % cfg.simulator_recalibrate_every == 0 or not sim.calibrated
     triggered, held_m, t_cal, shift, err_shift = 0.0, {}, 0.0, math.nan, math.nan
     if not full:
         shift = sim.route_shift(model)  # on the last fit's own tokens: the policy's drift only
-        held_m = heldout()
+        held_m = heldout(draw=False)
         err_shift = held_m["abs_err"] / st.ref_err - 1.0 if held_m and st.ref_err > 0 else math.nan
         if shift > cfg.simulator_route_shift or err_shift > cfg.simulator_error_shift:
             full, triggered = True, 1.0
@@ -431,7 +439,7 @@ def _simulate(st: _SimState, step: int, cfg: RLConfig, model: nn.Module, engine,
         ro_cal = generate_rollouts(engine, tokenizer, [prompt_ids[st.train_pool[i]] for i in pick], cfg.group_size,
                                    cfg.max_new_tokens, cfg.temperature, seed=seed * 100_003 + 50_021 + step)
         sim.calibrate(model, engine, ro_cal)
-        held_m = heldout()
+        held_m = heldout(draw=True)
         st.ref_err = held_m.get("abs_err", math.nan)
         t_cal = time.perf_counter() - t_cal
     cal_m = sim.last_metrics

@@ -60,7 +60,8 @@ def response_mask_from_tokens(response: torch.Tensor, eos_token_id: int | None) 
     return eos_before == 0
 
 
-def _model_of(engine) -> nn.Module:
+def engine_model(engine) -> nn.Module:
+    """The module an ``InferenceEngine`` generates with (a plain model is its own engine)."""
     return engine.model if hasattr(engine, "model") and isinstance(engine.model, nn.Module) else engine
 
 
@@ -81,7 +82,7 @@ def generate_rollouts(engine, tokenizer, prompts: list[list[int]], group_size: i
         temperature = float(getattr(engine, "temperature", 1.0))
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    model = _model_of(engine)
+    model = engine_model(engine)
     model.eval()
     rows = [list(p) for p in prompts for _ in range(group_size)]
     batch = collate_prompts(rows, tokenizer.pad_token_id)
@@ -167,14 +168,14 @@ def _record_routes(model: nn.Module, rollouts: Rollouts) -> list[torch.Tensor]:
     return [got[li].reshape(n, s, -1) for li in range(len(routers))]
 
 
-def routing_disagreement(policy: nn.Module, engine_model, rollouts: Rollouts) -> list[float]:
+def routing_disagreement(policy: nn.Module, engine, rollouts: Rollouts) -> list[float]:
     """Per MoE layer: share of valid response tokens whose top-k expert SET differs between models.
 
     Tokens are the positions whose outputs produce the response log-probs (``P-1+t`` for every valid
-    response token ``t``). ``engine_model`` may be an ``InferenceEngine`` or a model.
+    response token ``t``). ``engine`` may be an ``InferenceEngine`` or a model.
     """
     a = _record_routes(policy, rollouts)
-    b = _record_routes(_model_of(engine_model), rollouts)
+    b = _record_routes(engine_model(engine), rollouts)
     plen, t = rollouts.prompt_len, rollouts.response.shape[1]
     valid = rollouts.response_mask  # [N, T]
     n_valid = int(valid.sum())

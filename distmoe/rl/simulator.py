@@ -60,7 +60,7 @@ from torch import nn
 
 from distmoe.model.build import num_experts as experts_of
 from distmoe.model.build import router_modules
-from distmoe.rl.rollout import Rollouts, train_logprobs
+from distmoe.rl.rollout import Rollouts, engine_model, train_logprobs
 
 OFFSET_CLAMP = 30.0
 FEATURE_CLAMP = 10.0
@@ -73,10 +73,6 @@ class TeacherForced:
     logp: torch.Tensor  # [N, T] float32 log pi(response token) (0 on padding)
     logits: torch.Tensor | None  # [N, T, V] float32 temperature-scaled LM logits (None when not captured)
     router: torch.Tensor  # [L, N, T, E] float32 router logits as the routing saw them (after any prune hook)
-
-
-def _model_of(engine) -> nn.Module:
-    return engine.model if hasattr(engine, "model") and isinstance(engine.model, nn.Module) else engine
 
 
 @torch.no_grad()
@@ -386,7 +382,7 @@ class InferenceSimulator:
         policy.eval()
         try:
             tfs = [capture(policy, ro, lm_logits=True) for ro in batches]
-            infer = [capture(_model_of(engine), ro, lm_logits=False).router for ro in batches]  # [L, N, T, E]
+            infer = [capture(engine_model(engine), ro, lm_logits=False).router for ro in batches]  # [L, N, T, E]
         finally:
             policy.train(was)
         fit_rows, held_rows = [], []

@@ -76,6 +76,16 @@ def test_collapse_rule():
     assert rl.collapse_at(rows([0.5] * 200 + [0.1] * 60 + [0.5] * 200)) is None  # too short a dip
 
 
+def test_trigger_shares_count_the_iterations_beyond_each_default_threshold():
+    rl = _driver()
+    rows = [{"sim_err_shift": math.nan, "sim_route_shift": math.nan},  # a scheduled fit: neither trigger looked
+            {"sim_err_shift": 0.6, "sim_route_shift": 0.0}, {"sim_err_shift": 0.4, "sim_route_shift": 0.2},
+            {"sim_err_shift": 0.9, "sim_route_shift": 0.3}]
+    assert rl._share(rows, "sim_err_shift", rl._RL.simulator_error_shift) == 0.5  # 0.6 and 0.9 exceed 0.5
+    assert rl._share(rows, "sim_route_shift", rl._RL.simulator_route_shift) == 0.5  # 0.2 and 0.3 exceed 0.1
+    assert math.isnan(rl._share([{"reward": 1.0}], "sim_err_shift", 0.5))  # not a simulator run
+
+
 def test_win_rate(start):
     rl = _driver()
     w = rl.win_rate(start.model, start.model, start.tok, start.heldout[:8], "bf16", 4, 6, seed=3)

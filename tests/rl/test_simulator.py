@@ -442,6 +442,22 @@ def test_route_shift_measures_the_policys_drift_on_the_last_fits_own_tokens(env)
     assert sim.route_shift(model) > 0.2
 
 
+def test_heldout_error_trigger_sees_the_policys_drift_not_a_fresh_sample(env):
+    """Between full fits the held-out error is measured on the held-out rollouts drawn at the last fit, re-scored
+    by the current engine and policy: with a policy that does not move (a learning rate of 1e-12) and no
+    incremental refit, the error does not move either. Drawn afresh each step (before 2026-12-03) it moved by
+    sampling alone and fired the trigger on steps where nothing had changed."""
+    cfg = {**GRPO, "engine": "prune-1", "steps": 3, "simulator": True, "simulator_recalibrate_every": 100,
+           "simulator_incremental": False, "simulator_route_shift": 1.0, "simulator_error_shift": 1e9, "lr": 1e-12}
+    res = run_grpo(copy.deepcopy(env["model"]), env["tok"], env["examples"][:40], "lookup", RLConfig(**cfg))
+    assert [m["sim_full_fit"] for m in res.steps] == [1.0, 0.0, 0.0]
+    fit_err = res.steps[0]["sim_heldout_abs_err"]
+    assert fit_err > 0
+    for m in res.steps[1:]:
+        assert abs(m["sim_err_shift"]) < 1e-6, m["sim_err_shift"]
+        assert m["sim_heldout_abs_err"] == pytest.approx(fit_err, rel=1e-6)
+
+
 def test_grpo_simulator_heldout_triggers_and_trust_counts(env):
     prompts = env["examples"][:40]
     cfg = {**GRPO, "engine": "prune-1", "steps": 3, "simulator": True, "simulator_recalibrate_every": 100,
