@@ -80,6 +80,11 @@ RETENTION_ARMS = {
     # and the best centralised balancing (bench/retain.py): per-layer aux at 0.1 plus the first-choice bias
     "default-aux-layer-0.1-bias-first": ("anchor", "routing.aux-loss-scope='layer' routing.aux-loss-coef=0.1 "
                                          "routing.balance='aux+bias' routing.balance-count='first'"),
+    # the same from the warm-up base (model.warmup-steps: 300 steps on the public mix of every family, balanced
+    # the same way), so that the families no party trains start balanced
+    "default-warm-aux-layer-0.1-bias-first": ("anchor", "routing.aux-loss-scope='layer' routing.aux-loss-coef=0.1 "
+                                              "routing.balance='aux+bias' routing.balance-count='first' "
+                                              "model.warmup-steps=300"),
 }
 ORDERS = {"lookup-arith": ("lookup", "arith"), "arith-lookup": ("arith", "lookup")}
 ROOT = Path(__file__).resolve().parent.parent

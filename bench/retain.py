@@ -70,6 +70,8 @@ ARMS = {  # arm -> (warm base, the arm's routing.* keys; the bias arms also take
                                    "routing.aux-loss-coef": 1.0}),
     "random-layer-aux-0.1+bias-first": (False, {"routing.balance": "aux+bias", "routing.aux-loss-scope": "layer",
                                                 "routing.aux-loss-coef": 0.1, "routing.balance-count": "first"}),
+    "warm-layer-aux-0.1+bias-first": (True, {"routing.balance": "aux+bias", "routing.aux-loss-scope": "layer",
+                                             "routing.aux-loss-coef": 0.1, "routing.balance-count": "first"}),
 }
 
 
