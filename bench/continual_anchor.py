@@ -85,6 +85,22 @@ RETENTION_ARMS = {
     "default-warm-aux-layer-0.1-bias-first": ("anchor", "routing.aux-loss-scope='layer' routing.aux-loss-coef=0.1 "
                                               "routing.balance='aux+bias' routing.balance-count='first' "
                                               "model.warmup-steps=300"),
+    # public balance (train/public_balance.py): the router-only first-choice balance loss on public prompts
+    "default-public-0.3": ("anchor", "routing.public-balance-coef=0.3"),
+    "default-public-1": ("anchor", "routing.public-balance-coef=1.0"),
+    "default-public-3": ("anchor", "routing.public-balance-coef=3.0"),
+    "default-public-10": ("anchor", "routing.public-balance-coef=10.0"),
+    # a first-choice routing bias that counts the public balance batch (routing.balance-source = "public"),
+    # alone (the public batch only routed) and with the public balance gradient
+    "default-public-bias": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+                                      "routing.balance-source='public'"),
+    "default-public-10-bias": ("anchor", "routing.public-balance-coef=10.0 routing.balance='aux+bias' "
+                                         "routing.balance-count='first' routing.balance-source='public'"),
+    # the public-sourced bias moving 4x faster (routing.balance-rate 0.2), and from the balanced warm base
+    "default-public-bias-0.2": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+                                          "routing.balance-source='public' routing.balance-rate=0.2"),
+    "default-warm-public-bias": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+                                          "routing.balance-source='public' model.warmup-steps=300"),
 }
 ORDERS = {"lookup-arith": ("lookup", "arith"), "arith-lookup": ("arith", "lookup")}
 ROOT = Path(__file__).resolve().parent.parent

@@ -144,6 +144,7 @@ GRANULARITIES = ("batch", "token")
 BALANCE_MODES = ("aux", "bias", "aux+bias")
 AUX_SCOPES = ("layer", "pooled")  # routing.aux-loss-scope (distmoe.routing.losses)
 BALANCE_COUNTS = ("topk", "first")  # routing.balance-count: what the bias update counts
+BALANCE_SOURCES = ("party", "public")  # routing.balance-source: whose tokens the bias update counts
 PHASE_KINDS = ("sft", "stats", "eval", "rl", "dpo")
 UPDATE_KINDS = ("sft", "rl", "dpo")  # the phases that train and release a model update (a task, '*rounds')
 DPO_REFERENCES = ("phase", "round")
@@ -304,6 +305,18 @@ class RoutingConfig(_Section):
     balance_count: str = key("topk", "what the routing bias balances: `topk` every chosen expert of each token (the "
                              "paper's load), `first` each token's first choice only (the expert it weighs most: the "
                              "top-1 load the probe's load CV measures)", choices=BALANCE_COUNTS)
+    balance_source: str = key("party", "whose tokens the routing bias counts: `party` the party's training batch, "
+                              "`public` the public balance batch of each step (`routing.public-balance-*`; the bias "
+                              "then balances the public mixture, `docs/algorithms.md`, Public balance)",
+                              choices=BALANCE_SOURCES)
+    public_balance_coef: float = key(0.0, "public balance: each local step adds this times the gradient of the "
+                                     "first-choice Switch load-balance loss on a batch of public prompts, to the "
+                                     "router weights only (`docs/algorithms.md`, Public balance); 0 = off",
+                                     lo=0.0, hi=100.0)
+    public_balance_batch: int = key(16, "public prompts per local step of the public balance", lo=1, hi=256)
+    public_balance_path: str = key("", "a JSONL file of public prompts (`{\"prompt\": \"...\"}` per line), at "
+                                   "this path at every party, for the public balance; `\"\"` = 96 public "
+                                   "synthetic prompts drawn apart from the probe's")
     anchor_kl_coef: float = key(0.5, "anchor-KL weight; 0 turns the anchor off", lo=0.0, hi=1000.0)
     anchor_granularity: str = key("batch", "where the anchor KL is taken; see `docs/algorithms.md`",
                                   choices=GRANULARITIES)
@@ -861,6 +874,9 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
     if parts["retention"].expand_experts and parts["model"].balance_bias:
         raise ConfigError("config key 'retention.expand-experts': cannot be combined with a routing bias "
                           f"(routing.balance = {parts['routing'].balance!r} keeps one bias slot per expert)")
+    if parts["routing"].balance_source == "public" and not parts["model"].balance_bias:
+        raise ConfigError("config key 'routing.balance-source': value 'public' moves a routing bias: set "
+                          "routing.balance = \"bias\" or \"aux+bias\"")
     if parts["model"].balance_bias and parts["model"].trainable == "lora":
         raise ConfigError(f"config key 'routing.balance': value {parts['routing'].balance!r} needs the routers "
                           "trained and sent (model.trainable = all or router+experts): in lora mode the routing bias "

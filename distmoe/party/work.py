@@ -30,6 +30,7 @@ from distmoe.model.trainable import load_trainable, spec_of, trainable_state
 from distmoe.party.retention import round_retention
 from distmoe.routing.stats import per_sequence_stats
 from distmoe.train.evaluate import evaluate_party, example_scores, routing_on, routing_set
+from distmoe.train.public_balance import PublicBalance, PublicBalanceError, balance_prompts
 from distmoe.train.sft import train_sft
 from distmoe.wire.errors import ErrorCode
 from distmoe.wire.schema import (
@@ -148,9 +149,17 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
                                     base_experts=base_experts(model))
     except ValueError as exc:
         raise PartyError(f"party {node.party}: {exc}", ErrorCode.MODEL) from None
+    public = None
+    if cfg.routing.public_balance_coef > 0 or cfg.routing.balance_source == "public":
+        try:
+            public = PublicBalance(model, tok, balance_prompts(cfg.run.seed, cfg.routing.public_balance_path),
+                                   cfg.routing.public_balance_coef, cfg.routing.public_balance_batch,
+                                   cfg.model.max_seq_len)
+        except PublicBalanceError as exc:
+            raise PartyError(f"party {node.party}: {exc}", ErrorCode.MODEL) from None
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
     res = train_sft(model, encoded, tok.pad_token_id, node.train(cfg.train), cfg.routing, ms.num_experts, ms.top_k,
-                    anchor, seed=_party_seed(instr.seed, node.party), retention=retention)
+                    anchor, seed=_party_seed(instr.seed, node.party), retention=retention, public=public)
     after = trainable_state(model)
     delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
     s = res.summary()

@@ -44,6 +44,7 @@ from distmoe.routing import metrics as rm
 from distmoe.routing.stats import per_sequence_mean_routing
 
 PROBE_GENERATOR_INDEX = 1_000_003  # the synthetic generator's party index for probes: no party is numbered so
+BALANCE_GENERATOR_INDEX = 1_000_033  # and for the public balance set (routing.public-balance): disjoint from both
 MAX_PROBE_PROMPTS = 256
 MAX_PROMPT_CHARS = 2000
 DISAGREE_TOL = 1e-3  # max |R_party - R_median| above which a party's probe routing disagrees
@@ -61,17 +62,19 @@ def _prompt_text(obj: dict) -> str:
     return obj["instruction"] + (f"\n{obj['input']}" if obj.get("input") else "")
 
 
-def family_probe_prompts(family: str, seed: int, n: int) -> list[str]:
-    """The first ``n`` probe prompts of one synthetic family (the pool ``default_probe_prompts`` draws from)."""
-    return [_prompt_text(o) for o in generate(family, PROBE_GENERATOR_INDEX, n, seed + 7919)]
+def family_probe_prompts(family: str, seed: int, n: int, index: int = PROBE_GENERATOR_INDEX) -> list[str]:
+    """The first ``n`` probe prompts of one synthetic family (the pool ``default_probe_prompts`` draws from);
+    ``index`` = ``BALANCE_GENERATOR_INDEX`` gives the public balance set's pool instead."""
+    return [_prompt_text(o) for o in generate(family, index, n, seed + 7919)]
 
 
-def default_probe_prompts(seed: int, n: int) -> tuple[str, ...]:
-    """``n`` prompts cycling over the synthetic task families (deterministic in ``seed`` and ``n``)."""
+def default_probe_prompts(seed: int, n: int, index: int = PROBE_GENERATOR_INDEX) -> tuple[str, ...]:
+    """``n`` prompts cycling over the synthetic task families (deterministic in ``seed`` and ``n``); with
+    ``index = BALANCE_GENERATOR_INDEX`` the public balance set, a draw disjoint from the probe's."""
     if not 1 <= n <= MAX_PROBE_PROMPTS:
         raise ProbeError(f"routing.probe-prompts = {n}: expected 1..{MAX_PROBE_PROMPTS}")
     per = -(-n // len(TASK_FAMILIES))
-    pools = [family_probe_prompts(f, seed, per) for f in TASK_FAMILIES]
+    pools = [family_probe_prompts(f, seed, per, index) for f in TASK_FAMILIES]
     return tuple(pools[i % len(pools)][i // len(pools)] for i in range(n))
 
 

@@ -29,6 +29,7 @@ from distmoe.model.router import forward_with_router
 from distmoe.routing.losses import anchor_kl, aux_load_balance_loss
 from distmoe.routing.retention import task_anchor_kl
 from distmoe.train.optim import build_optimizer
+from distmoe.train.public_balance import PublicBalance
 from distmoe.train.retention import (
     ProtectedUpdate,
     Retention,
@@ -52,6 +53,7 @@ class SFTResult:
     aux_losses: list[float] = field(default_factory=list)
     anchor_kls: list[float] = field(default_factory=list)
     distills: list[float] = field(default_factory=list)
+    public_balances: list[float] = field(default_factory=list)  # L_pub per applied step (routing.public-balance)
     router_only_steps: int = 0
     time_s: float = 0.0
     nonfinite: NonFinite = field(default_factory=NonFinite)  # what the skipped steps' gradients were
@@ -60,6 +62,7 @@ class SFTResult:
         mean = lambda xs: float(sum(xs) / len(xs)) if xs else float("nan")  # noqa: E731
         return {"loss": mean(self.losses), "task_loss": mean(self.task_losses),
                 "aux_loss": mean(self.aux_losses), "anchor_kl": mean(self.anchor_kls),
+                "public_balance": mean(self.public_balances),
                 "loss_first": self.task_losses[0] if self.task_losses else float("nan"),
                 "loss_last": self.task_losses[-1] if self.task_losses else float("nan"),
                 "steps": self.steps, "skipped_steps": self.skipped_steps,
@@ -134,7 +137,8 @@ def set_checkpointing(model: nn.Module, on: bool) -> None:
 
 def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_id: int,
               train: TrainConfig, routing: RoutingConfig, num_experts: int, top_k: int,
-              anchor: torch.Tensor | None, seed: int, retention: Retention | None = None) -> SFTResult:
+              anchor: torch.Tensor | None, seed: int, retention: Retention | None = None,
+              public: PublicBalance | None = None) -> SFTResult:
     """Run ``train.local_steps`` optimizer steps on ``encoded`` (input_ids, labels) pairs.
 
     Each step of ``train.batch-size`` sequences runs as micro-batches of ``train.micro-batch-size``
@@ -143,7 +147,8 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
     the anchor KL, which are not sums over tokens, are averaged over micro-batches with the same
     weights (equal to the whole batch's when there is one micro-batch). On a model whose base is
     stored below float32 the forwards run under autocast (``model/device.py``); float16 adds a
-    gradient scaler.
+    gradient scaler. With ``public`` (``train/public_balance.py``) each step adds the router-only gradient of the
+    public balance loss after the micro-batches, before clipping.
     """
     if not encoded:
         raise ValueError("train_sft: no training examples")
@@ -171,6 +176,9 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
     warm_router = router_params(model) if r is not None and r.router_warmup_steps > 0 else None
     res = SFTResult(steps=0, skipped_steps=0, num_examples=len(encoded))
     t0 = time.perf_counter()
+    bias_on_public = routing.balance_source == "public"
+    if bias_on_public and public is None:
+        raise ValueError("routing.balance-source = \"public\" needs the public balance batches (PublicBalance)")
     # a no-op without routing.balance "bias"
     with BalanceTracker(model, routing.balance_rate, routing.balance_count) as balance:
         for it, raw in enumerate(batch_iterator(encoded, train.batch_size, train.local_steps, seed)):
@@ -179,7 +187,8 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
             for batch, weight in _micro_batches(raw, train.micro_batch_size, pad_id, device):
                 balance.start_forward()
                 loss, parts = sft_loss(model, batch, routing, num_experts, top_k, anchor, r)
-                balance.count(batch["attention_mask"])
+                if not bias_on_public:
+                    balance.count(batch["attention_mask"])
                 if not math.isfinite(float(loss.detach())):
                     finite = False
                     break
@@ -197,6 +206,11 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
                 drop_non_router_grads(model, warm_router)  # router-only warm-up step
                 res.router_only_steps += 1
             scaler.unscale_(opt)
+            if public is not None:  # router weights only; unscaled, as the gradients now are
+                balance.start_forward()
+                parts_sum["public_balance"] = public.add_grads()
+                if bias_on_public:  # the bias counts the public batch's choices (routing.balance-source)
+                    balance.count(public.mask)
             for p, m in frozen:  # frozen after an expansion: no gradient, so the clip norm is the trained slices'
                 if p.grad is not None:
                     p.grad.mul_(m.to(p.grad.dtype))
@@ -226,6 +240,8 @@ def train_sft(model: nn.Module, encoded: list[tuple[list[int], list[int]]], pad_
                 res.anchor_kls.append(parts_sum["anchor_kl"])
             if "distill" in parts_sum:
                 res.distills.append(parts_sum["distill"])
+            if "public_balance" in parts_sum:
+                res.public_balances.append(parts_sum["public_balance"])
     model.eval()
     res.time_s = time.perf_counter() - t0
     return res

@@ -5,8 +5,10 @@ A continual run that starts from random weights forgets everything (the whole mo
 pretrained LLM forgets partially. ``build_base`` gives the default model such a base before the
 continual tasks: ``model.warmup-steps`` optimizer steps of the ordinary local SFT loop
 (``distmoe.train.sft.train_sft``: ``train.batch-size``, ``train.lr*``, the routing balance of
-``routing.*``, no anchor) on a shuffled mix of all ``TASK_FAMILIES``, ``WARMUP_EXAMPLES`` examples per
-family and synthetic party window, generated with ``generate(task, party, n, seed + PUBLIC_SEED_OFFSET)``.
+``routing.*``, no anchor; its batches are already public, so a routing bias counts them and the public balance
+of ``routing.public-balance-*`` is not added) on a shuffled mix of all ``TASK_FAMILIES``,
+``WARMUP_EXAMPLES`` examples per family and synthetic party window, generated with
+``generate(task, party, n, seed + PUBLIC_SEED_OFFSET)``.
 The data is public and synthetic, never a party's: the lookup family draws its fact table from that
 offset seed, so the base knows the format of every family and the arithmetic facts, not the parties'
 lookup table. It runs once, at the coordinator (or ``distmoe base build``), before any party is contacted.
@@ -105,7 +107,10 @@ def build_base(cfg: RunConfig, steps: int, cache: Path, log=print) -> Path:
     log(f"base: warm-up of the tiny model, {steps} steps on {len(encoded)} public synthetic examples "
         f"({', '.join(TASK_FAMILIES)}) ...")
     torch.set_num_threads(cfg.train.threads)
-    res = train_sft(model, encoded, tok.pad_token_id, train, cfg.routing, spec.num_experts, spec.top_k,
+    # the warm-up's own batches are the public mix: a routing bias counts them (balance-source "public" names the
+    # public balance batch of a party's step, which the warm-up has no need of), and no public balance is added
+    routing = dataclasses.replace(cfg.routing, balance_source="party", public_balance_coef=0.0)
+    res = train_sft(model, encoded, tok.pad_token_id, train, routing, spec.num_experts, spec.top_k,
                     None, cfg.run.seed + PUBLIC_SEED_OFFSET)
     weights = trainable_state(model)
     meta = {"base": {"format": FORMAT, "key": base_key(cfg, steps), "steps": steps, "seed": cfg.run.seed,

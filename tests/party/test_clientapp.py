@@ -305,3 +305,32 @@ def test_a_deployed_party_logs_its_own_loss_per_round_and_a_simulated_one_does_n
     (line,) = capsys.readouterr().out.splitlines()
     assert line == (f"distmoe party {node.party}: round 3 sft:lookup: loss {upd.metrics['loss_first']:.4f} -> "
                     f"{upd.metrics['loss_last']:.4f} over 2 steps ({upd.num_examples} examples)")
+
+
+def test_a_party_with_public_balance_trains_with_it_and_names_an_unusable_prompt_file(tmp_path, synth_dirs,
+                                                                                         tiny_plain):
+    """routing.public-balance-coef at the party: the same round with it on moves the routers differently (the rest
+    only through the shared gradient clip); a public-balance-path it cannot use is refused, naming file and line."""
+    from distmoe.config import SimConfig, parse_node_config, parse_run_config
+    from distmoe.model import base as base_mod
+    from distmoe.party import work
+
+    over = {**tiny_plain, "train.local-steps": 1}
+    node = parse_node_config({"data-path": str(synth_dirs[0]), "work-dir": str(tmp_path / "w")}, SimConfig())
+    weights, spec = _global(over)
+    instr = SftInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash, seed=1, anchor=None,
+                           anchor_version=0)
+    base_mod.clear_cache()
+    plain = work.run_sft(parse_run_config(over), node, instr)
+    pub = work.run_sft(parse_run_config({**over, "routing.public-balance-coef": 10.0}), node, instr)
+    diff = {k: float(np.abs(plain.delta[k] - pub.delta[k]).max()) for k in plain.delta}
+    router = max(v for k, v in diff.items() if ".mlp.gate." in k)
+    rest = max(v for k, v in diff.items() if ".mlp.gate." not in k)
+    # only the routers get its gradient; the rest differ only through the shared clip norm (measured 3e-4 vs 3e-5)
+    assert router > 5 * rest, (router, rest)
+    bad = tmp_path / "public.jsonl"
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    cfg = parse_run_config({**over, "routing.public-balance-coef": 1.0, "routing.public-balance-path": str(bad)})
+    with pytest.raises(work.PartyError, match=r"public-balance-path.*public.jsonl:2"):
+        work.run_sft(cfg, node, instr)
+    base_mod.clear_cache()

@@ -71,6 +71,18 @@ def test_refused_for_checkpoints_and_lora(make_cfg, tmp_path):
         build_base(make_cfg(), 0, tmp_path)
 
 
+def test_a_public_sourced_bias_warms_up_on_its_own_public_batches(make_cfg, tmp_path):
+    """routing.balance-source = public names a party's public balance batch; the warm-up's batches are the public
+    mix itself, so its bias counts them (the same base as balance-source party) instead of refusing to build."""
+    bias = {**FAST, "routing.balance": "aux+bias", "routing.balance-count": "first"}
+    pub = build_base(make_cfg(**bias, **{"routing.balance-source": "public", "routing.public-balance-coef": 1.0}), 2,
+                     tmp_path / "a")
+    party = build_base(make_cfg(**bias), 2, tmp_path / "b")
+    got, want = (load_file(str(p / "trainable.safetensors")) for p in (pub, party))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert any(".bias" in k or "balance" in k for k in got), sorted(got)[:8]  # the bias is part of the base
+
+
 @pytest.mark.integration
 def test_run_starts_from_the_warm_base(synth_dirs, make_cfg, tmp_path):
     from distmoe.coordinator import Coordinator
