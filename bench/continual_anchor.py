@@ -27,7 +27,10 @@ load CV and accuracies against no-anchor's are item 3's federated measurement; `
 token's first choice only (``routing.balance-count = "first"``), ``balance-first-fast`` at u = 0.2.
 ``default-aux-pooled`` / ``default-aux-layer`` are the default run (``anchor``'s config is the default) with the aux
 loss pooled over layers (transformers' form) or per layer (``routing.aux-loss-scope``);
-``default-aux-layer-0.1-bias-first`` adds the first-choice bias to the per-layer loss at 0.1.
+``default-aux-layer-0.1-bias-first`` adds the first-choice bias to the per-layer loss at 0.1. ``default-public-*``
+balance on public prompts (``routing.public-balance-coef``, ``routing.balance-source = "public"``), and
+``default-public-bias-settle`` (= ``configs/continual-balanced.toml``) also settles the bias on every aggregated
+model (``routing.balance-settle-steps``); ``bench/probe_size.py`` re-measures a kept run's load CV on larger probes.
 """
 
 from __future__ import annotations
@@ -101,6 +104,14 @@ RETENTION_ARMS = {
                                           "routing.balance-source='public' routing.balance-rate=0.2"),
     "default-warm-public-bias": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
                                           "routing.balance-source='public' model.warmup-steps=300"),
+    # the public-counted bias settled on each aggregated model (routing.balance-settle-steps: 100 bias-only updates
+    # at u = 0.01 on public batches at every party, weights still; the median is the new global bias), from the
+    # default base and from the warm base
+    "default-public-bias-settle": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+                                             "routing.balance-source='public' routing.balance-settle-steps=100"),
+    "default-warm-public-bias-settle": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+                                                  "routing.balance-source='public' routing.balance-settle-steps=100 "
+                                                  "model.warmup-steps=300"),
 }
 ORDERS = {"lookup-arith": ("lookup", "arith"), "arith-lookup": ("arith", "lookup")}
 ROOT = Path(__file__).resolve().parent.parent

@@ -101,3 +101,8 @@ def unmask(msg: Message, context: Context) -> Message:
 @app.query("probe")
 def probe(msg: Message, context: Context) -> Message:
     return _handle(msg, context)
+
+
+@app.query("settle")
+def settle(msg: Message, context: Context) -> Message:
+    return _handle(msg, context)

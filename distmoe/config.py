@@ -309,6 +309,14 @@ class RoutingConfig(_Section):
                               "`public` the public balance batch of each step (`routing.public-balance-*`; the bias "
                               "then balances the public mixture, `docs/algorithms.md`, Public balance)",
                               choices=BALANCE_SOURCES)
+    balance_settle_steps: int = key(0, "after each aggregated update, every party makes this many bias-only "
+                                    "updates of the new global model's routing bias on public balance batches, "
+                                    "weights held still, and the coordinator keeps the median (`docs/algorithms.md`, "
+                                    "Settling the bias); needs `routing.balance-source = \"public\"`; 0 = off",
+                                    lo=0, hi=10000)
+    balance_settle_rate: float = key(0.01, "u of the settle updates (smaller than `routing.balance-rate`: the sign "
+                                     "update's jitter is u per update); a settle moves each bias entry by at most "
+                                     "steps x rate, and the coordinator refuses a reply beyond that", lo=0.0, hi=1.0)
     public_balance_coef: float = key(0.0, "public balance: each local step adds this times the gradient of the "
                                      "first-choice Switch load-balance loss on a batch of public prompts, to the "
                                      "router weights only (`docs/algorithms.md`, Public balance); 0 = off",
@@ -877,6 +885,10 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None) -> RunConfig:
     if parts["routing"].balance_source == "public" and not parts["model"].balance_bias:
         raise ConfigError("config key 'routing.balance-source': value 'public' moves a routing bias: set "
                           "routing.balance = \"bias\" or \"aux+bias\"")
+    if parts["routing"].balance_settle_steps and parts["routing"].balance_source != "public":
+        raise ConfigError("config key 'routing.balance-settle-steps': settles the routing bias on the public balance "
+                          "batches: set routing.balance-source = \"public\" (and routing.balance = \"aux+bias\" or "
+                          "\"bias\")")
     if parts["model"].balance_bias and parts["model"].trainable == "lora":
         raise ConfigError(f"config key 'routing.balance': value {parts['routing'].balance!r} needs the routers "
                           "trained and sent (model.trainable = all or router+experts): in lora mode the routing bias "

@@ -105,7 +105,7 @@ def _phase(v: Any, c: _Ctx) -> bool:
         return False
     head, _, tail = v.partition(" ")
     head = re.sub(r"\*\d+\Z", "", head)  # the schedule's own entries carry their round count: "sft:lookup*3"
-    return head in c.labels | {"sft", "rl", "stats", "probe"} and tail in ("", "consistency", "unmask")
+    return head in c.labels | {"sft", "rl", "stats", "probe", "settle"} and tail in ("", "consistency", "unmask")
 
 
 def _text(v: Any, _c: _Ctx) -> bool:
@@ -150,7 +150,9 @@ EVENTS: dict[str, dict[str, Kind]] = {
     # the routing probe on public prompts (distmoe.coordinator.phases.probe) and the routing-health warnings
     "probe": {**ROUND, "phase_label": _phase, "parties": _int, "disagreeing": _int, "routing_kl": _num,
               "load_cv": _num, "top1_consistency": _num, "expert_counts": _list_of(_list_of(_int))},
-    "routing_warning": {"round": _int, "kind": _one_of("load_cv", "kl_rise", "probe"), "detail": _text},
+    "routing_warning": {"round": _int, "kind": _one_of("load_cv", "kl_rise", "probe", "settle"), "detail": _text},
+    # the bias settle on public prompts after an update (distmoe.coordinator.phases.settle)
+    "settle": {**ROUND, "phase_label": _phase, "parties": _int, "disagreeing": _int, "moved": _num},
     # a dynamic expert expansion (distmoe.coordinator.expand): public facts of the model's shape
     "expand": {**ROUND, "task": _task, "from": _int, "to": _int, "sources": _list_of(_list_of(_int))},
     "run_end": {"status": _one_of("completed", "failed", "stopped", "interrupted"), "rounds": _int,

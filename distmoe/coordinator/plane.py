@@ -84,7 +84,8 @@ def start(co: Coordinator, nodes: list[int]) -> None:
                             "privacy.num-sequences-max or privacy.scale") from None
     policy = merge_policies([build_policy(secure=p.secure, n_parties=n, trainable=sh, layers=L, experts=E,
                                           tasks=cfg.schedule.tasks, probe_prompts=co.probe_prompts,
-                                          probe_tokens=len(co.probe_prompts) * cfg.model.max_seq_len, **f)
+                                          probe_tokens=len(co.probe_prompts) * cfg.model.max_seq_len,
+                                          settle=cfg.routing.balance_settle_steps > 0, **f)
                              for (sh, E), f in zip(staged, facts, strict=True)])
     problems = check_allow_list(policy)  # the pre-run privacy check of the allow-list (distmoe.wire.at_rest)
     if problems:

@@ -26,6 +26,7 @@ from distmoe.party import work as P
 from distmoe.party.dpo_work import run_dpo
 from distmoe.party.probe import run_probe
 from distmoe.party.session import PartySession, SessionError, open_ledger
+from distmoe.party.settle import run_settle
 from distmoe.privacy import secagg as sa
 from distmoe.privacy.dp import canary_seed
 from distmoe.privacy.plan import stats_event
@@ -42,6 +43,7 @@ from distmoe.wire.schema import (
     ProbeInstruction,
     RlInstruction,
     SecureInstruction,
+    SettleInstruction,
     SetupRequest,
     SftInstruction,
     ShareKeysReply,
@@ -91,6 +93,8 @@ class PartyService:
         cfg, node = self.cfg, self.node
         if isinstance(instr, ProbeInstruction):  # public inputs only, in the clear in both modes (docs/privacy.md §3)
             return run_probe(cfg, node, instr), None
+        if isinstance(instr, SettleInstruction):  # likewise public inputs only (docs/privacy.md §3, the bias settle)
+            return run_settle(cfg, node, instr), None
         if not self.secure and type(instr) in _PLAIN:
             return _PLAIN[type(instr)](cfg, node, instr), None
         if not self.secure:

@@ -30,12 +30,20 @@ With ``routing.balance-source = "public"`` the routing bias (``model/balance.py`
 choices instead of the party's training batch, so the bias too balances the public mixture (``coef`` may then be
 0: the public batch is only routed, not differentiated).
 
+**Settling** (``settle_bias``; ``routing.balance-settle-steps = K``, run by ``distmoe.party.settle`` on each
+aggregated global model, the coordinator keeping the median: ``distmoe.coordinator.phases.settle``): ``K``
+bias-only updates on public batches, with the weights held still (eval mode, no gradient) and a smaller rate
+``u_s = routing.balance-settle-rate``, fit the bias to the weights the federation holds::
+
+    repeat K times:  c = first-choice counts of the next public batch    [L, E]
+                     b_e <- b_e + u_s * sign(mean_e(c) - c_e)
+
 Privacy: only public prompts and the global weights are read; nothing new leaves the party (the effect travels
 inside the weight update like any gradient). Cost: one forward and a router-only backward of a small public
 batch per step.
 
-Owns: the public balance batches and the router-only gradient. Must not: read party data, step the optimizer
-or talk to the wire.
+Owns: the public balance batches, the router-only gradient and the settle updates. Must not: read party data,
+step the optimizer or talk to the wire.
 """
 
 from __future__ import annotations
@@ -90,6 +98,15 @@ class PublicBalance:
         self.batches = [collate_prompts(ids[i:i + size], tok.pad_token_id) for i in range(0, len(ids), size)]
         self.next = 0
 
+    def route(self) -> None:
+        """One public batch through the model without gradients (its choices are counted by the forward hooks of
+        a ``BalanceTracker``; ``mask`` is set for the count): the settle updates' forward."""
+        b = self.batches[self.next % len(self.batches)]
+        self.next += 1
+        self.mask = b["attention_mask"]
+        with torch.no_grad():
+            forward_with_router(self.model, b["input_ids"], b["attention_mask"])
+
     def add_grads(self) -> float:
         """One public batch: add the router-only gradient of ``coef * L_pub`` to ``.grad`` (with ``coef = 0`` only
         the forward, for a bias that counts the public batch: ``routing.balance-source``); returns ``L_pub``."""
@@ -111,3 +128,18 @@ class PublicBalance:
             else:
                 p.grad.add_(g.to(p.grad.dtype))
         return float(loss.detach())
+
+
+def settle_bias(model: nn.Module, public: PublicBalance, tracker, steps: int, rate: float) -> None:
+    """``steps`` bias-only updates at ``rate`` on the next public batches, weights held still (module docstring,
+    Settling). ``tracker``: the run's ``model.balance.BalanceTracker`` (its hooks count the choices)."""
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(steps):
+            tracker.start_forward()
+            public.route()
+            tracker.count(public.mask)
+            tracker.step(rate)
+    finally:
+        model.train(was_training)

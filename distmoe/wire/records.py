@@ -350,4 +350,5 @@ BASIC_KINDS: dict[str, Kind] = {
     "prompts": _scalar(lambda v, tag, key: list(_prompts(v, tag)), lambda v, tag, key: _prompts(v, tag), text=True),
     "probe-routing": _single("routing", np.float64),
     "probe-top1": _single("top1", np.int32),
+    "settle-bias": _single("bias", np.float64),
 }

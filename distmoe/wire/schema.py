@@ -18,6 +18,10 @@ benchmark baseline only, which the server warns about and the audit fails.
 public prompts down, the model's routing on those prompts up in the clear, a function of public inputs only
 (``docs/privacy.md`` §3).
 
+``SettleInstruction`` / ``SettleReply`` (``query.settle``, both modes, with ``routing.balance-settle-steps``): the
+aggregated global weights down, the routing bias settled on them over the public balance prompts up in the clear,
+likewise a function of public inputs only (``docs/privacy.md`` §3).
+
 ``PAYLOADS`` is the one table of payload types: per type its class, tag, direction, the Flower message
 type, reply, release and phase of an instruction, and every dataclass field with the record key it
 travels under and its kind (the converter in ``codec.KINDS``). The codec, the guards and the policy read
@@ -140,6 +144,25 @@ class ProbeReply:
     top1: np.ndarray  # [L, N] int32: top-1 expert of every valid probe token per MoE layer
 
 
+@dataclass(frozen=True)
+class SettleInstruction:
+    """Server -> party after an aggregated update, with ``routing.balance-settle-steps``: the new global weights
+    (routing bias included); the party settles the bias on the public balance prompts (``train/public_balance.py``)."""
+
+    round: int
+    base_hash: str
+    weights: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class SettleReply:
+    """Party -> server, in the clear in both modes: the routing bias settled on the global weights, a deterministic
+    function of public inputs (allow-listed with its reason in ``docs/privacy.md`` §3)."""
+
+    party: str
+    bias: np.ndarray  # [L, E] float64: each MoE layer's settled routing bias
+
+
 RELEASES = ("model-update", "rl-update", "router-stats", "eval")  # what a masked input carries
 
 
@@ -237,6 +260,7 @@ MSG_DIRECTORY = "query.directory"
 MSG_CONSISTENCY = "query.consistency"
 MSG_UNMASK = "query.unmask"
 MSG_PROBE = "query.probe"
+MSG_SETTLE = "query.settle"
 
 
 @dataclass(frozen=True)
@@ -282,7 +306,7 @@ class PayloadType:
 
 # kinds whose record holds float arrays: "weights"/"deltas" one per trainable tensor (float32 for deltas),
 # "probs" one [L, E] float32 array named "probs", "sums" one [L, E] float64 array named "sums"
-ARRAY_KINDS = ("weights", "deltas", "probs", "sums", "probe-routing", "probe-top1")
+ARRAY_KINDS = ("weights", "deltas", "probs", "sums", "probe-routing", "probe-top1", "settle-bias")
 
 
 def _meta(*specs: str) -> tuple[Field, ...]:
@@ -351,6 +375,11 @@ PAYLOADS: tuple[PayloadType, ...] = (
                 _meta("party:party")
                 + (Field("routing", "probe", "probe-routing"), Field("top1", "top1", "probe-top1")),
                 ("probe", "top1", "meta")),
+    PayloadType(SettleInstruction, "settle-instruction", "instruction",
+                _meta("round:int", "base_hash:str") + (Field("weights", "arrays", "weights"),),
+                ("arrays", "meta"), MSG_SETTLE, SettleReply, "", "settle"),
+    PayloadType(SettleReply, "settle-reply", "reply",
+                _meta("party:party") + (Field("bias", "bias", "settle-bias"),), ("bias", "meta")),
 )
 BY_CLASS = {pt.cls: pt for pt in PAYLOADS}
 BY_TAG = {pt.tag: pt for pt in PAYLOADS if pt.tag}

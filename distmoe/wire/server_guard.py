@@ -49,6 +49,8 @@ from distmoe.wire.schema import (
     RlInstruction,
     RouterStats,
     SecureInstruction,
+    SettleInstruction,
+    SettleReply,
     SetupRequest,
     SftInstruction,
     ShareKeysReply,
@@ -79,9 +81,11 @@ def _entry(contents: list[RecordDict], fixed: set[str], n: int) -> dict:
 
 def build_policy(*, secure: bool, n_parties: int, trainable: Mapping[str, tuple[int, ...]], layers: int,
                  experts: int, update_length: int, stats_length: int, rl_update_length: int, tasks: tuple[str, ...],
-                 eval_length: int, probe_prompts: tuple[str, ...] = (), probe_tokens: int = 0) -> dict:
+                 eval_length: int, probe_prompts: tuple[str, ...] = (), probe_tokens: int = 0,
+                 settle: bool = False) -> dict:
     """The allow-list for a run with these public facts (see the module docstring); with ``probe_prompts``, the
-    routing probe's instruction and its plaintext reply (``top1`` of at most ``probe_tokens`` tokens)."""
+    routing probe's instruction and its plaintext reply (``top1`` of at most ``probe_tokens`` tokens); with
+    ``settle`` (``routing.balance-settle-steps``), the bias settle's instruction and its ``[L, E]`` plaintext reply."""
     from distmoe.wire.schema import TRAIN_METRIC_KEYS, eval_metric_keys
 
     n = max(n_parties, 2)
@@ -161,6 +165,10 @@ def build_policy(*, secure: bool, n_parties: int, trainable: Mapping[str, tuple[
         policy["probe-reply"] = _entry([codec.encode(ProbeReply("p0", np.zeros((layers, experts)),
                                                                 np.zeros((layers, max(probe_tokens, 1)), np.int32)))],
                                        {"probe.routing"}, n)
+    if settle:  # public inputs only, in both modes (docs/privacy.md §3, the bias settle)
+        policy["settle-instruction"] = _entry([codec.encode(SettleInstruction(1, "h", w))], weight_keys, n)
+        policy["settle-reply"] = _entry([codec.encode(SettleReply("p0", np.zeros((layers, experts))))],
+                                        {"bias.bias"}, n)
     for tag in ("model-update", "eval-reply"):
         if tag in policy:  # the metric keys are checked exactly by the codec
             policy[tag]["required"] = [k for k in policy[tag]["required"] if not k.startswith("metrics.")]

@@ -145,3 +145,64 @@ def test_balance_source_public_without_a_routing_bias_is_a_config_error(make_cfg
         make_cfg(**{"routing.balance-source": "public"})
     assert make_cfg(**{"routing.balance-source": "public", "routing.balance": "aux+bias"}).routing.balance_source \
         == "public"
+
+
+def test_settle_updates_move_only_the_bias_by_the_sign_rule_on_the_next_public_batches(make_cfg):
+    """``settle_bias``: each update is ``u_s * sign(mean - c)`` of the next public batch's first choices under the
+    current bias (recomputed here independently, batch after batch); no weight moves."""
+    from distmoe.model.balance import BalanceTracker, biases
+    from distmoe.model.router import forward_with_router
+    from distmoe.train.public_balance import settle_bias
+
+    cfg = make_cfg(**{**TRAIN, "routing.balance": "bias", "routing.balance-count": "first",
+                      "routing.balance-source": "public"})
+    model, tok = _skewed_model(cfg)
+    e = describe(model).num_experts
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if "balance_bias" not in n}
+    pub = PublicBalance(model, tok, balance_prompts(0), 0.0, 16, cfg.model.max_seq_len)
+    want = torch.stack([b.detach().double().clone() for b in biases(model)])  # [L, E]
+    for i in range(3):
+        b = pub.batches[i]
+        with torch.no_grad():
+            out = forward_with_router(model.eval(), b["input_ids"], b["attention_mask"])
+            z = rm.select_valid(out.router_logits, b["attention_mask"])
+            chosen = [x.float() + bb.to(torch.float32) for x, bb in zip(z, want.unbind(0), strict=True)]
+        c = torch.stack([torch.bincount(x.argmax(-1), minlength=e) for x in chosen]).double()
+        want = want + 0.02 * torch.sign(c.mean(-1, keepdim=True) - c)
+    assert not torch.equal(want, torch.zeros_like(want))
+    model.train()
+    with BalanceTracker(model, 0.3, "first") as tracker:
+        settle_bias(model, pub, tracker, 3, 0.02)
+    assert model.training  # the mode is restored
+    got = torch.stack([x.detach().double() for x in biases(model)])
+    assert torch.allclose(got, want, atol=1e-6), (got, want)
+    for n, p in model.named_parameters():
+        if n in weights:
+            assert torch.equal(p.detach(), weights[n]), n
+
+
+def test_settling_lowers_the_held_out_probe_load_cv_of_a_skewed_router(make_cfg):
+    """The weights held still, settle updates alone balance a skewed router on public prompts the probe never
+    saw (the probe's own generator index, 64 prompts)."""
+    from distmoe.model.balance import BalanceTracker
+    from distmoe.train.public_balance import settle_bias
+
+    cfg = make_cfg(**{**TRAIN, "routing.balance": "bias", "routing.balance-count": "first",
+                      "routing.balance-source": "public"})
+    model, tok = _skewed_model(cfg)
+    before = _probe_cv(model, tok, cfg)
+    pub = PublicBalance(model, tok, balance_prompts(0), 0.0, 16, cfg.model.max_seq_len)
+    with BalanceTracker(model, 0.05, "first") as tracker:
+        settle_bias(model, pub, tracker, 150, 0.05)
+    after = _probe_cv(model, tok, cfg)
+    assert after < 0.5 * before, (before, after)
+
+
+def test_settle_steps_without_the_public_bias_is_a_config_error(make_cfg):
+    from distmoe.config import ConfigError
+
+    with pytest.raises(ConfigError, match="routing.balance-settle-steps"):
+        make_cfg(**{"routing.balance": "aux+bias", "routing.balance-settle-steps": 10})
+    c = make_cfg(**{"routing.balance": "aux+bias", "routing.balance-source": "public",
+                    "routing.balance-settle-steps": 10})
+    assert (c.routing.balance_settle_steps, c.routing.balance_settle_rate) == (10, 0.01)

@@ -22,6 +22,8 @@ from distmoe.wire.schema import (
     ProbeReply,
     RlInstruction,
     RouterStats,
+    SettleInstruction,
+    SettleReply,
     SftInstruction,
     StatsInstruction,
     eval_metric_keys,
@@ -55,6 +57,8 @@ def _payloads() -> list:
                     metrics={**{k: 0.5 for k in RL_METRIC_KEYS}, "route_disagree_l0": 0.1, "route_disagree_l1": 0.0}),
         ProbeInstruction(round=7, base_hash="ab", prompts=("Compute\n1+2", "Look up k3"), weights=W),
         ProbeReply(party="party-2", routing=ANCHOR.astype(np.float64), top1=np.array([[0, 1, 3], [2, 2, 0]], np.int32)),
+        SettleInstruction(round=8, base_hash="ab", weights=W),
+        SettleReply(party="party-1", bias=ANCHOR.astype(np.float64) - 0.25),
         SftInstruction(round=7, task="pref", weights=W, base_hash="cd", seed=0, anchor=None, anchor_version=0,
                        objective="dpo", ref_weights={k: v + 1 for k, v in W.items()}),  # a dpo round's reference
     ]

@@ -12,6 +12,7 @@ import torch
 from distmoe.coordinator import expand
 from distmoe.coordinator.aggregator import Skip, UpdateSum
 from distmoe.coordinator.divergence import check_update
+from distmoe.coordinator.phases import settle
 
 if TYPE_CHECKING:
     from distmoe.coordinator.loop import Coordinator
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 
 def apply_update(co: Coordinator, out: UpdateSum | Skip, event: dict) -> UpdateSum | str:
     """Add an aggregated update to the global weights, log it, watch it for anomalies and per-tensor divergence
-    (``divergence.py``) and checkpoint;
+    (``divergence.py``), settle the routing bias on the new weights when configured (``phases/settle.py``) and
+    checkpoint;
     or log a skipped round (``Skip``) and return its line."""
     if isinstance(out, Skip):
         text = co.round_failed(out.text, failed=out.failed)
@@ -35,5 +37,6 @@ def apply_update(co: Coordinator, out: UpdateSum | Skip, event: dict) -> UpdateS
     co.metrics.append({**event, "party": "all", **count, "parties": out.parties, **out.metrics})
     co.flag_anomalies(event["event"], out.metrics)
     check_update(co, event["event"], out.delta)  # federation.divergence-max: a warning, the update stays applied
+    settle.after_update(co)  # routing.balance-settle-steps: the bias settled on the new weights, before the checkpoint
     co.checkpoint()
     return out
