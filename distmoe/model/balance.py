@@ -144,13 +144,12 @@ class BalanceTracker:
         self.counts = c if self.counts is None else self.counts + c
         self._calls.clear()
 
-    def step(self, rate: float | None = None) -> None:
-        """``b_e += u * sign(mean(c) - c_e)`` per layer (``u`` = ``rate`` when given, else the tracker's), then
-        reset the counts."""
+    def step(self) -> None:
+        """``b_e += u * sign(mean(c) - c_e)`` per layer, then reset the counts."""
         if not self.active or self.counts is None:
             return
         c = self.counts  # [L, E]
-        delta = torch.sign(c.mean(-1, keepdim=True) - c) * (self.rate if rate is None else rate)  # [L, E]
+        delta = torch.sign(c.mean(-1, keepdim=True) - c) * self.rate  # [L, E]
         with torch.no_grad():
             for b, d in zip(biases(self.model), delta, strict=True):
                 b.add_(d.to(b.device, b.dtype))

@@ -37,6 +37,6 @@ def run_settle(cfg: RunConfig, node: NodeConfig, instr: SettleInstruction) -> Se
     except PublicBalanceError as exc:
         raise PartyError(f"party {node.party}: {exc}", ErrorCode.MODEL) from None
     with BalanceTracker(model, r.balance_settle_rate, r.balance_count) as tracker:
-        settle_bias(model, public, tracker, r.balance_settle_steps, r.balance_settle_rate)
+        settle_bias(model, public, tracker, r.balance_settle_steps)
     bias = np.stack([b.detach().double().cpu().numpy() for b in biases(model)])  # [L, E]
     return SettleReply(party=node.party, bias=bias)

@@ -98,21 +98,23 @@ class PublicBalance:
         self.batches = [collate_prompts(ids[i:i + size], tok.pad_token_id) for i in range(0, len(ids), size)]
         self.next = 0
 
-    def route(self) -> None:
-        """One public batch through the model without gradients (its choices are counted by the forward hooks of
-        a ``BalanceTracker``; ``mask`` is set for the count): the settle updates' forward."""
+    def _next_batch(self) -> dict[str, torch.Tensor]:
         b = self.batches[self.next % len(self.batches)]
         self.next += 1
         self.mask = b["attention_mask"]
+        return b
+
+    def route(self) -> None:
+        """One public batch through the model without gradients (its choices are counted by the forward hooks of
+        a ``BalanceTracker``; ``mask`` is set for the count): the settle updates' forward."""
+        b = self._next_batch()
         with torch.no_grad():
             forward_with_router(self.model, b["input_ids"], b["attention_mask"])
 
     def add_grads(self) -> float:
         """One public batch: add the router-only gradient of ``coef * L_pub`` to ``.grad`` (with ``coef = 0`` only
         the forward, for a bias that counts the public batch: ``routing.balance-source``); returns ``L_pub``."""
-        b = self.batches[self.next % len(self.batches)]
-        self.next += 1
-        self.mask = b["attention_mask"]
+        b = self._next_batch()
         with torch.set_grad_enabled(self.coef > 0):
             out = forward_with_router(self.model, b["input_ids"], b["attention_mask"])
             loss = aux_load_balance_loss(out.router_logits, self.num_experts, 1, b["attention_mask"].to(
@@ -130,9 +132,9 @@ class PublicBalance:
         return float(loss.detach())
 
 
-def settle_bias(model: nn.Module, public: PublicBalance, tracker, steps: int, rate: float) -> None:
-    """``steps`` bias-only updates at ``rate`` on the next public batches, weights held still (module docstring,
-    Settling). ``tracker``: the run's ``model.balance.BalanceTracker`` (its hooks count the choices)."""
+def settle_bias(model: nn.Module, public: PublicBalance, tracker, steps: int) -> None:
+    """``steps`` bias-only updates on the next public batches, weights held still (module docstring, Settling).
+    ``tracker``: a ``model.balance.BalanceTracker`` at the settle rate (its hooks count the choices)."""
     was_training = model.training
     model.eval()
     try:
@@ -140,6 +142,6 @@ def settle_bias(model: nn.Module, public: PublicBalance, tracker, steps: int, ra
             tracker.start_forward()
             public.route()
             tracker.count(public.mask)
-            tracker.step(rate)
+            tracker.step()
     finally:
         model.train(was_training)

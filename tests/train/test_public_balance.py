@@ -171,8 +171,8 @@ def test_settle_updates_move_only_the_bias_by_the_sign_rule_on_the_next_public_b
         want = want + 0.02 * torch.sign(c.mean(-1, keepdim=True) - c)
     assert not torch.equal(want, torch.zeros_like(want))
     model.train()
-    with BalanceTracker(model, 0.3, "first") as tracker:
-        settle_bias(model, pub, tracker, 3, 0.02)
+    with BalanceTracker(model, 0.02, "first") as tracker:
+        settle_bias(model, pub, tracker, 3)
     assert model.training  # the mode is restored
     got = torch.stack([x.detach().double() for x in biases(model)])
     assert torch.allclose(got, want, atol=1e-6), (got, want)
@@ -193,7 +193,7 @@ def test_settling_lowers_the_held_out_probe_load_cv_of_a_skewed_router(make_cfg)
     before = _probe_cv(model, tok, cfg)
     pub = PublicBalance(model, tok, balance_prompts(0), 0.0, 16, cfg.model.max_seq_len)
     with BalanceTracker(model, 0.05, "first") as tracker:
-        settle_bias(model, pub, tracker, 150, 0.05)
+        settle_bias(model, pub, tracker, 150)
     after = _probe_cv(model, tok, cfg)
     assert after < 0.5 * before, (before, after)
 

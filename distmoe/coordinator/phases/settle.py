@@ -49,14 +49,12 @@ def usable(bias: np.ndarray, current: np.ndarray, bound: float) -> bool:
             and float(np.abs(b - current).max(initial=0.0)) <= bound)
 
 
-def after_update(co: Coordinator) -> str:
-    """Settle the global bias after round ``co.s.round``'s update, if configured; the progress line's text."""
+def after_update(co: Coordinator) -> None:
+    """Settle the global bias after round ``co.s.round``'s update, if configured."""
     r, s = co.cfg.routing, co.s
-    if r.balance_settle_steps <= 0:
-        return ""
-    keys = bias_keys(s.weights)
+    keys = bias_keys(s.weights) if r.balance_settle_steps > 0 else []
     if not keys:
-        return ""
+        return
     current = np.stack([s.weights[k].detach().double().cpu().numpy() for k in keys])  # [L, E]
     bound = r.balance_settle_steps * r.balance_settle_rate * (1 + 1e-6) + 1e-6
     instr = SettleInstruction(round=s.round, base_hash=co.tspec.base_hash, weights=co.np_weights(s.weights))
@@ -64,13 +62,13 @@ def after_update(co: Coordinator) -> str:
     replies, errors = co.transport.exchange({n: instr for n in nodes}, SettleReply, co.cfg.federation.round_timeout,
                                             rnd=s.round, phase="settle")
     co.report_errors("settle", errors)
-    got = {co.guard.peer(n): np.asarray(rep.bias, np.float64) for n, rep in replies.items()
-           if usable(rep.bias, current, bound)}
-    bad = sorted(co.guard.peer(n) for n, rep in replies.items() if not usable(rep.bias, current, bound))
+    ok = {co.guard.peer(n): usable(rep.bias, current, bound) for n, rep in replies.items()}
+    got = {co.guard.peer(n): np.asarray(rep.bias, np.float64) for n, rep in replies.items() if ok[co.guard.peer(n)]}
+    bad = sorted(p for p, good in ok.items() if not good)
     if not got:
         _warn(co, f"round {s.round}: bias settle got no usable reply ({len(errors)} errors, {len(bad)} unusable); "
                   "the bias stays as aggregated")
-        return " | settle: no reply"
+        return
     med = np.median(np.stack(list(got.values())), 0)  # [L, E]
     disagree = sorted(p for p, b in got.items() if float(np.abs(b - med).max()) > DISAGREE_TOL)
     for party in sorted(set(disagree + bad) - co.settle_warned):
@@ -82,7 +80,6 @@ def after_update(co: Coordinator) -> str:
     moved = float(np.abs(med - current).max())
     co.metrics.append({"event": "settle", "round": s.round, "phase_label": co.phase_label, "parties": len(got),
                        "disagreeing": len(set(disagree + bad)), "moved": moved})
-    return f" | bias settled ({moved:.3f})"
 
 
 def _warn(co: Coordinator, text: str) -> None:
