@@ -28,9 +28,11 @@ token's first choice only (``routing.balance-count = "first"``), ``balance-first
 ``default-aux-pooled`` / ``default-aux-layer`` are the default run (``anchor``'s config is the default) with the aux
 loss pooled over layers (transformers' form) or per layer (``routing.aux-loss-scope``);
 ``default-aux-layer-0.1-bias-first`` adds the first-choice bias to the per-layer loss at 0.1. ``default-public-*``
-balance on public prompts (``routing.public-balance-coef``, ``routing.balance-source = "public"``), and
-``default-public-bias-settle`` (= ``configs/continual-balanced.toml``) also settles the bias on every aggregated
-model (``routing.balance-settle-steps``); ``bench/probe_size.py`` re-measures a kept run's load CV on larger probes.
+balance on public prompts (``routing.public-balance-coef``, ``routing.balance-source = "public"``);
+``default-public-bias-settle`` also settles the bias on every aggregated model (``routing.balance-settle-steps``) at a
+constant u, ``default-public-bias-settle-linear`` (= ``configs/continual-balanced.toml``, the settle's defaults) at
+a linearly decaying one, and ``default-public-bias-settle-only`` moves the bias by the settle alone;
+``bench/probe_size.py`` re-measures a kept run's load CV on larger probes.
 """
 
 from __future__ import annotations
@@ -108,10 +110,31 @@ RETENTION_ARMS = {
     # at u = 0.01 on public batches at every party, weights still; the median is the new global bias), from the
     # default base and from the warm base
     "default-public-bias-settle": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
-                                             "routing.balance-source='public' routing.balance-settle-steps=100"),
+                                             "routing.balance-source='public' routing.balance-settle-steps=100 "
+                                             "routing.balance-settle-rate=0.01 "
+                                             "routing.balance-settle-schedule='constant'"),
+    # the same settle with u decaying linearly from 0.02 (routing.balance-settle-schedule = "linear", the
+    # defaults): about the same bound sum(u_i) = 1.01 as the constant 0.01's 1.0
+    "default-public-bias-settle-linear": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+                                                    "routing.balance-source='public' routing.balance-settle-steps=100 "
+                                                    "routing.balance-settle-rate=0.02 "
+                                                    "routing.balance-settle-schedule='linear'"),
+    # the linear settle at half the rate (sum(u_i) = 0.5): less balance, less routing moved per round
+    "default-public-bias-settle-linear-0.01": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+                                                         "routing.balance-source='public' "
+                                                         "routing.balance-settle-steps=100 "
+                                                         "routing.balance-settle-rate=0.01 "
+                                                         "routing.balance-settle-schedule='linear'"),
+    # the bias held still during local training (routing.balance-rate = 0): the experts train under the settled
+    # bias, and only the settle on each aggregated model moves it
+    "default-public-bias-settle-only": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+                                                  "routing.balance-source='public' routing.balance-rate=0.0 "
+                                                  "routing.balance-settle-steps=100 routing.balance-settle-rate=0.02 "
+                                                  "routing.balance-settle-schedule='linear'"),
     "default-warm-public-bias-settle": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
                                                   "routing.balance-source='public' routing.balance-settle-steps=100 "
-                                                  "model.warmup-steps=300"),
+                                                  "routing.balance-settle-rate=0.01 "
+                                                  "routing.balance-settle-schedule='constant' model.warmup-steps=300"),
 }
 ORDERS = {"lookup-arith": ("lookup", "arith"), "arith-lookup": ("arith", "lookup")}
 ROOT = Path(__file__).resolve().parent.parent

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distmoe.config import BALANCE_COUNTS
+from distmoe.config import BALANCE_COUNTS, SETTLE_SCHEDULES
 from distmoe.model.build import router_modules, topk_weighting
 
 BIAS_NAME = "balance_bias"
@@ -95,6 +95,18 @@ def selection_scores(model: nn.Module, valid_logits: list[torch.Tensor]) -> list
     if not bs:
         return valid_logits
     return [z.float() + b.detach().to(z.device, torch.float32) for z, b in zip(valid_logits, bs, strict=True)]
+
+
+def settle_rates(steps: int, rate: float, schedule: str) -> list[float]:
+    """The u of each of the ``steps`` settle updates (``routing.balance-settle-schedule``): ``constant`` ``rate``
+    at each; ``linear`` ``rate * (1 - i / steps)`` at update ``i = 0 .. steps-1``. Their sum bounds how far a
+    settle moves any bias entry."""
+    if schedule not in SETTLE_SCHEDULES:
+        raise ValueError(f"routing.balance-settle-schedule must be one of {', '.join(SETTLE_SCHEDULES)}, "
+                         f"got {schedule!r}")
+    if schedule == "linear":
+        return [rate * (1.0 - i / steps) for i in range(steps)]
+    return [rate] * steps
 
 
 class BalanceTracker:

@@ -3,7 +3,8 @@ balance prompts (``routing.balance-settle-steps``; ``docs/algorithms.md``, Settl
 
 ``run_settle`` takes the instruction's global weights only: it loads the party's prepared base with them
 (``distmoe.party.work.prepare_model``, fingerprint-checked), makes ``K`` bias-only updates on the public balance
-batches from the first (``train.public_balance.settle_bias``; the prompts from ``run.seed`` or
+batches from the first at the rates of ``routing.balance-settle-schedule``
+(``train.public_balance.settle_bias``; the prompts from ``run.seed`` or
 ``routing.public-balance-path``, the same at every party) and returns the settled bias. It never opens the
 party's data directory and never sees weights after local training, so its reply is a deterministic function of
 public inputs, the same at every honest party on the same device type and precision: ``docs/privacy.md`` §3.
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from distmoe.config import NodeConfig, RunConfig
-from distmoe.model.balance import BalanceTracker, biases, has_bias
+from distmoe.model.balance import BalanceTracker, biases, has_bias, settle_rates
 from distmoe.party.work import PartyError, prepare_model
 from distmoe.train.public_balance import PublicBalance, PublicBalanceError, balance_prompts, settle_bias
 from distmoe.wire.errors import ErrorCode
@@ -37,6 +38,7 @@ def run_settle(cfg: RunConfig, node: NodeConfig, instr: SettleInstruction) -> Se
     except PublicBalanceError as exc:
         raise PartyError(f"party {node.party}: {exc}", ErrorCode.MODEL) from None
     with BalanceTracker(model, r.balance_settle_rate, r.balance_count) as tracker:
-        settle_bias(model, public, tracker, r.balance_settle_steps)
+        settle_bias(model, public, tracker,
+                    settle_rates(r.balance_settle_steps, r.balance_settle_rate, r.balance_settle_schedule))
     bias = np.stack([b.detach().double().cpu().numpy() for b in biases(model)])  # [L, E]
     return SettleReply(party=node.party, bias=bias)

@@ -35,8 +35,12 @@ aggregated global model, the coordinator keeping the median: ``distmoe.coordinat
 bias-only updates on public batches, with the weights held still (eval mode, no gradient) and a smaller rate
 ``u_s = routing.balance-settle-rate``, fit the bias to the weights the federation holds::
 
-    repeat K times:  c = first-choice counts of the next public batch    [L, E]
-                     b_e <- b_e + u_s * sign(mean_e(c) - c_e)
+    for i = 0 .. K-1:  c = first-choice counts of the next public batch    [L, E]
+                       b_e <- b_e + u_i * sign(mean_e(c) - c_e)
+    u_i = u_s (schedule "constant")   or   u_s * (1 - i/K) (schedule "linear", model.balance.settle_rates)
+
+A constant u leaves the bias jittering by about u around its fixed point, batch to batch; a decaying u averages
+that jitter out, as a decaying step size does for SGD.
 
 Privacy: only public prompts and the global weights are read; nothing new leaves the party (the effect travels
 inside the weight update like any gradient). Cost: one forward and a router-only backward of a small public
@@ -132,13 +136,14 @@ class PublicBalance:
         return float(loss.detach())
 
 
-def settle_bias(model: nn.Module, public: PublicBalance, tracker, steps: int) -> None:
-    """``steps`` bias-only updates on the next public batches, weights held still (module docstring, Settling).
-    ``tracker``: a ``model.balance.BalanceTracker`` at the settle rate (its hooks count the choices)."""
+def settle_bias(model: nn.Module, public: PublicBalance, tracker, rates: list[float]) -> None:
+    """One bias-only update per entry of ``rates`` (its u) on the next public batches, weights held still (module
+    docstring, Settling). ``tracker``: a ``model.balance.BalanceTracker`` (its hooks count the choices)."""
     was_training = model.training
     model.eval()
     try:
-        for _ in range(steps):
+        for u in rates:
+            tracker.rate = u
             tracker.start_forward()
             public.route()
             tracker.count(public.mask)

@@ -1,6 +1,6 @@
 """Whole in-process runs with the bias settle (``routing.balance-settle-steps``): every party settles the routing
 bias of each aggregated model on public prompts and the median becomes the global bias before the checkpoint;
-lying parties are outvoted or, beyond ``K * u_s``, refused.
+lying parties are outvoted or, beyond the schedule's total step ``U``, refused.
 
 The parties run in this process (``LocalTransport``) through the wire codec, both guards and the ledgers.
 """
@@ -18,6 +18,7 @@ from distmoe.report.metrics_log import read_metrics
 K, U = 20, 0.02
 SETTLE = {"schedule.phases": "sft:arith*2, eval", "routing.balance": "aux+bias", "routing.balance-count": "first",
           "routing.balance-source": "public", "routing.balance-settle-steps": K, "routing.balance-settle-rate": U,
+          "routing.balance-settle-schedule": "constant",
           "routing.probe-prompts": 4, "train.local-steps": 4, "checkpoint.keep": 10}
 
 
@@ -139,3 +140,16 @@ def test_the_settle_exchange_is_on_the_allow_list_only_when_configured():
     pol = build_policy(**facts, settle=True)
     assert pol["settle-reply"]["shapes"] == {"bias.bias": [2, 4]}
     assert set(pol["settle-instruction"]["keys"]) >= {"arrays.w", "meta.round", "meta.base_hash"}
+
+
+def test_the_bound_is_the_schedules_total_step(make_cfg):
+    """``U``: ``K u_s`` for the constant schedule, ``u_s (K + 1) / 2`` for the linear one, so a reply 0.75 K u_s
+    away (within reach of a constant settle, not of a linear one) is refused under the linear schedule."""
+    from distmoe.coordinator.phases.settle import move_bound, usable
+
+    keys = {**SETTLE, "routing.balance-settle-steps": 10, "routing.balance-settle-rate": 0.02}
+    const = make_cfg(**keys).routing
+    lin = make_cfg(**{**keys, "routing.balance-settle-schedule": "linear"}).routing
+    assert move_bound(const) == pytest.approx(0.2, abs=1e-5) and move_bound(lin) == pytest.approx(0.11, abs=1e-5)
+    cur, far = np.zeros((2, 4)), np.full((2, 4), 0.15)
+    assert usable(far, cur, move_bound(const)) and not usable(far, cur, move_bound(lin))

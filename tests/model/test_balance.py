@@ -166,3 +166,17 @@ def test_train_sft_moves_the_bias_and_skips_the_aux_loss(make_cfg, synth_dirs, m
 def test_lora_is_refused(make_cfg):
     with pytest.raises(ConfigError, match="routing.balance"):
         make_cfg(**{"routing.balance": "bias", "model.trainable": "lora"})
+
+
+def test_settle_rates_constant_and_linear_and_their_sum_bounds_the_move():
+    """``settle_rates``: ``constant`` u at each of K updates; ``linear`` u (1 - i/K), from u down to u/K; the sum
+    (the most a settle moves a bias entry, the coordinator's bound) is K u and u (K + 1) / 2."""
+    from distmoe.model.balance import settle_rates
+
+    assert settle_rates(4, 0.01, "constant") == [0.01] * 4
+    lin = settle_rates(4, 0.02, "linear")
+    assert lin == pytest.approx([0.02, 0.015, 0.01, 0.005])
+    assert sum(settle_rates(100, 0.02, "linear")) == pytest.approx(0.02 * 101 / 2)
+    assert settle_rates(0, 0.02, "linear") == []
+    with pytest.raises(ValueError, match="balance-settle-schedule"):
+        settle_rates(4, 0.01, "cosine")

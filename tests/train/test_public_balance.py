@@ -148,9 +148,10 @@ def test_balance_source_public_without_a_routing_bias_is_a_config_error(make_cfg
 
 
 def test_settle_updates_move_only_the_bias_by_the_sign_rule_on_the_next_public_batches(make_cfg):
-    """``settle_bias``: each update is ``u_s * sign(mean - c)`` of the next public batch's first choices under the
-    current bias (recomputed here independently, batch after batch); no weight moves."""
-    from distmoe.model.balance import BalanceTracker, biases
+    """``settle_bias``: update ``i`` is ``u_i * sign(mean - c)`` of the next public batch's first choices under the
+    current bias, ``u_i`` the linear schedule's ``u_s (1 - i/K)`` (recomputed here independently, batch after
+    batch); no weight moves."""
+    from distmoe.model.balance import BalanceTracker, biases, settle_rates
     from distmoe.model.router import forward_with_router
     from distmoe.train.public_balance import settle_bias
 
@@ -168,11 +169,11 @@ def test_settle_updates_move_only_the_bias_by_the_sign_rule_on_the_next_public_b
             z = rm.select_valid(out.router_logits, b["attention_mask"])
             chosen = [x.float() + bb.to(torch.float32) for x, bb in zip(z, want.unbind(0), strict=True)]
         c = torch.stack([torch.bincount(x.argmax(-1), minlength=e) for x in chosen]).double()
-        want = want + 0.02 * torch.sign(c.mean(-1, keepdim=True) - c)
+        want = want + 0.03 * (3 - i) / 3 * torch.sign(c.mean(-1, keepdim=True) - c)  # u_i = 0.03, 0.02, 0.01
     assert not torch.equal(want, torch.zeros_like(want))
     model.train()
-    with BalanceTracker(model, 0.02, "first") as tracker:
-        settle_bias(model, pub, tracker, 3)
+    with BalanceTracker(model, 0.5, "first") as tracker:  # the schedule's rates replace the tracker's
+        settle_bias(model, pub, tracker, settle_rates(3, 0.03, "linear"))
     assert model.training  # the mode is restored
     got = torch.stack([x.detach().double() for x in biases(model)])
     assert torch.allclose(got, want, atol=1e-6), (got, want)
@@ -193,7 +194,7 @@ def test_settling_lowers_the_held_out_probe_load_cv_of_a_skewed_router(make_cfg)
     before = _probe_cv(model, tok, cfg)
     pub = PublicBalance(model, tok, balance_prompts(0), 0.0, 16, cfg.model.max_seq_len)
     with BalanceTracker(model, 0.05, "first") as tracker:
-        settle_bias(model, pub, tracker, 150)
+        settle_bias(model, pub, tracker, [0.05] * 150)
     after = _probe_cv(model, tok, cfg)
     assert after < 0.5 * before, (before, after)
 
@@ -205,4 +206,5 @@ def test_settle_steps_without_the_public_bias_is_a_config_error(make_cfg):
         make_cfg(**{"routing.balance": "aux+bias", "routing.balance-settle-steps": 10})
     c = make_cfg(**{"routing.balance": "aux+bias", "routing.balance-source": "public",
                     "routing.balance-settle-steps": 10})
-    assert (c.routing.balance_settle_steps, c.routing.balance_settle_rate) == (10, 0.01)
+    r = c.routing
+    assert (r.balance_settle_steps, r.balance_settle_rate, r.balance_settle_schedule) == (10, 0.02, "linear")

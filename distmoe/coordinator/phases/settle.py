@@ -10,10 +10,11 @@ the aggregated model fixes the bias to the weights the federation actually holds
 Like the probe (``phases/probe.py``), the exchange carries public inputs only: the global weights down, the settled
 bias ``[L, E]`` up in the clear, a deterministic function of them (``distmoe.party.settle``; ``docs/privacy.md``
 §3). Honest parties return the same array; the median is theirs when they are a majority. Each reply must also
-lie within ``K * u_s`` of the global bias in every entry (``K`` updates of ``u_s`` each can move it no further) and
-be finite: a reply that does not is unusable, so even a dishonest majority moves the bias by at most ``K * u_s``
-per round. A party whose reply is unusable or differs from the median is named in a warning (once per party).
-With no usable reply the bias stays as aggregated and the round goes on (a warning, never a failure).
+lie within ``U = sum(u_i)`` of the global bias in every entry (``K`` updates at the schedule's rates ``u_i``,
+``model.balance.settle_rates``, can move it no further) and be finite: a reply that does not is unusable, so even a
+dishonest majority moves the bias by at most ``U`` per round. A party whose reply is unusable or differs from the
+median is named in a warning (once per party). With no usable reply the bias stays as aggregated and the round
+goes on (a warning, never a failure).
 
 Writes one ``settle`` row per exchange to ``metrics.jsonl`` (``parties``, ``disagreeing``, ``moved``: the largest
 |change| of a bias entry).
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from distmoe.model.balance import BIAS_NAME
+from distmoe.model.balance import BIAS_NAME, settle_rates
 from distmoe.wire.schema import SettleInstruction, SettleReply
 
 if TYPE_CHECKING:
@@ -40,6 +41,13 @@ DISAGREE_TOL = 1e-5  # max |b_party - b_median| above which a party's settled bi
 def bias_keys(weights: dict) -> list[str]:
     """The routing bias entries of the global weights, in MoE-layer order (the trainable spec's order)."""
     return [k for k in weights if k.rsplit(".", 1)[-1] == BIAS_NAME]
+
+
+def move_bound(routing) -> float:
+    """``U``: the most ``K`` settle updates at the schedule's rates move a bias entry (``routing``: the run's
+    ``RoutingConfig``), with room for float32 rounding."""
+    u = sum(settle_rates(routing.balance_settle_steps, routing.balance_settle_rate, routing.balance_settle_schedule))
+    return u * (1 + 1e-6) + 1e-6
 
 
 def usable(bias: np.ndarray, current: np.ndarray, bound: float) -> bool:
@@ -56,7 +64,7 @@ def after_update(co: Coordinator) -> None:
     if not keys:
         return
     current = np.stack([s.weights[k].detach().double().cpu().numpy() for k in keys])  # [L, E]
-    bound = r.balance_settle_steps * r.balance_settle_rate * (1 + 1e-6) + 1e-6
+    bound = move_bound(r)
     instr = SettleInstruction(round=s.round, base_hash=co.tspec.base_hash, weights=co.np_weights(s.weights))
     nodes = co.transport.node_ids()
     replies, errors = co.transport.exchange({n: instr for n in nodes}, SettleReply, co.cfg.federation.round_timeout,
