@@ -59,6 +59,9 @@ ARMS = {"anchor": "configs/continual.toml", "no-anchor": "configs/continual-no-a
 PROTECT = "retention.protect-mass=0.2 retention.protect-lr-scale=0.0"
 DISTILL = "retention.distill-weight=1.0 retention.distill-temperature=2.0"
 # arm -> (base arm, run-config overrides)
+# the public balance arms measured before the default public balance set spanned every style of the public families
+# (2026-12-04) keep the one-style set they ran with, so that their rows reproduce
+ONE_STYLE = "routing.public-balance-styles=1 "
 RETENTION_ARMS = {
     "per-task-anchor": ("anchor", "retention.task-anchors='mean'"),
     "protection": ("no-anchor", PROTECT),
@@ -91,50 +94,58 @@ RETENTION_ARMS = {
                                               "routing.balance='aux+bias' routing.balance-count='first' "
                                               "model.warmup-steps=300"),
     # public balance (train/public_balance.py): the router-only first-choice balance loss on public prompts
-    "default-public-0.3": ("anchor", "routing.public-balance-coef=0.3"),
-    "default-public-1": ("anchor", "routing.public-balance-coef=1.0"),
-    "default-public-3": ("anchor", "routing.public-balance-coef=3.0"),
-    "default-public-10": ("anchor", "routing.public-balance-coef=10.0"),
+    "default-public-0.3": ("anchor", ONE_STYLE + "routing.public-balance-coef=0.3"),
+    "default-public-1": ("anchor", ONE_STYLE + "routing.public-balance-coef=1.0"),
+    "default-public-3": ("anchor", ONE_STYLE + "routing.public-balance-coef=3.0"),
+    "default-public-10": ("anchor", ONE_STYLE + "routing.public-balance-coef=10.0"),
     # a first-choice routing bias that counts the public balance batch (routing.balance-source = "public"),
     # alone (the public batch only routed) and with the public balance gradient
-    "default-public-bias": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+    "default-public-bias": ("anchor", ONE_STYLE + "routing.balance='aux+bias' routing.balance-count='first' "
                                       "routing.balance-source='public'"),
-    "default-public-10-bias": ("anchor", "routing.public-balance-coef=10.0 routing.balance='aux+bias' "
+    "default-public-10-bias": ("anchor", ONE_STYLE + "routing.public-balance-coef=10.0 routing.balance='aux+bias' "
                                          "routing.balance-count='first' routing.balance-source='public'"),
     # the public-sourced bias moving 4x faster (routing.balance-rate 0.2), and from the balanced warm base
-    "default-public-bias-0.2": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+    "default-public-bias-0.2": ("anchor", ONE_STYLE + "routing.balance='aux+bias' routing.balance-count='first' "
                                           "routing.balance-source='public' routing.balance-rate=0.2"),
-    "default-warm-public-bias": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+    "default-warm-public-bias": ("anchor", ONE_STYLE + "routing.balance='aux+bias' routing.balance-count='first' "
                                           "routing.balance-source='public' model.warmup-steps=300"),
     # the public-counted bias settled on each aggregated model (routing.balance-settle-steps: 100 bias-only updates
     # at u = 0.01 on public batches at every party, weights still; the median is the new global bias), from the
     # default base and from the warm base
-    "default-public-bias-settle": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+    "default-public-bias-settle": ("anchor", ONE_STYLE + "routing.balance='aux+bias' routing.balance-count='first' "
                                              "routing.balance-source='public' routing.balance-settle-steps=100 "
                                              "routing.balance-settle-rate=0.01 "
                                              "routing.balance-settle-schedule='constant'"),
     # the same settle with u decaying linearly from 0.02 (routing.balance-settle-schedule = "linear", the
     # defaults): about the same bound sum(u_i) = 1.01 as the constant 0.01's 1.0
-    "default-public-bias-settle-linear": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+    "default-public-bias-settle-linear": ("anchor", ONE_STYLE
+                                                    + "routing.balance='aux+bias' routing.balance-count='first' "
                                                     "routing.balance-source='public' routing.balance-settle-steps=100 "
                                                     "routing.balance-settle-rate=0.02 "
                                                     "routing.balance-settle-schedule='linear'"),
     # the linear settle at half the rate (sum(u_i) = 0.5): less balance, less routing moved per round
-    "default-public-bias-settle-linear-0.01": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+    "default-public-bias-settle-linear-0.01": ("anchor", ONE_STYLE
+                                                         + "routing.balance='aux+bias' routing.balance-count='first' "
                                                          "routing.balance-source='public' "
                                                          "routing.balance-settle-steps=100 "
                                                          "routing.balance-settle-rate=0.01 "
                                                          "routing.balance-settle-schedule='linear'"),
     # the bias held still during local training (routing.balance-rate = 0): the experts train under the settled
     # bias, and only the settle on each aggregated model moves it
-    "default-public-bias-settle-only": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+    "default-public-bias-settle-only": ("anchor", ONE_STYLE
+                                                  + "routing.balance='aux+bias' routing.balance-count='first' "
                                                   "routing.balance-source='public' routing.balance-rate=0.0 "
                                                   "routing.balance-settle-steps=100 routing.balance-settle-rate=0.02 "
                                                   "routing.balance-settle-schedule='linear'"),
-    "default-warm-public-bias-settle": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+    "default-warm-public-bias-settle": ("anchor", ONE_STYLE
+                                                  + "routing.balance='aux+bias' routing.balance-count='first' "
                                                   "routing.balance-source='public' routing.balance-settle-steps=100 "
                                                   "routing.balance-settle-rate=0.01 "
                                                   "routing.balance-settle-schedule='constant' model.warmup-steps=300"),
+    # configs/continual-balanced.toml: the settle's defaults (linear from 0.02) and the default public balance set,
+    # which spans every style of the public families (routing.public-balance-styles = 12)
+    "default-balanced": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
+                                   "routing.balance-source='public' routing.balance-settle-steps=100"),
 }
 ORDERS = {"lookup-arith": ("lookup", "arith"), "arith-lookup": ("arith", "lookup")}
 ROOT = Path(__file__).resolve().parent.parent

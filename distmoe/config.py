@@ -330,7 +330,13 @@ class RoutingConfig(_Section):
     public_balance_batch: int = key(16, "public prompts per local step of the public balance", lo=1, hi=256)
     public_balance_path: str = key("", "a JSONL file of public prompts (`{\"prompt\": \"...\"}` per line), at "
                                    "this path at every party, for the public balance; `\"\"` = 96 public "
-                                   "synthetic prompts drawn apart from the probe's")
+                                   "synthetic prompts per style (`routing.public-balance-styles`) drawn apart "
+                                   "from the probe's")
+    public_balance_styles: int = key(12, "the default public balance set spans this many generator indices (styles) "
+                                     "of the public synthetic families, 96 prompts each: the generators vary "
+                                     "operations, number ranges and key windows with the index, with period 12, so "
+                                     "12 covers every variant; 1 = the one style used before 2026-12-04 "
+                                     "(`docs/algorithms.md`, Public balance)", lo=1, hi=64)
     anchor_kl_coef: float = key(0.5, "anchor-KL weight; 0 turns the anchor off", lo=0.0, hi=1000.0)
     anchor_granularity: str = key("batch", "where the anchor KL is taken; see `docs/algorithms.md`",
                                   choices=GRANULARITIES)

@@ -33,8 +33,8 @@ def run_settle(cfg: RunConfig, node: NodeConfig, instr: SettleInstruction) -> Se
         raise PartyError(f"party {node.party}: a bias settle for a model without a routing bias "
                          "(routing.balance must be \"bias\" or \"aux+bias\")", ErrorCode.CONFIG)
     try:
-        public = PublicBalance(model, tok, balance_prompts(cfg.run.seed, r.public_balance_path), 0.0,
-                               r.public_balance_batch, cfg.model.max_seq_len)
+        prompts = balance_prompts(cfg.run.seed, r.public_balance_path, r.public_balance_styles)
+        public = PublicBalance(model, tok, prompts, 0.0, r.public_balance_batch, cfg.model.max_seq_len)
     except PublicBalanceError as exc:
         raise PartyError(f"party {node.party}: {exc}", ErrorCode.MODEL) from None
     with BalanceTracker(model, r.balance_settle_rate, r.balance_count) as tracker:

@@ -152,7 +152,8 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
     public = None
     if cfg.routing.public_balance_coef > 0 or cfg.routing.balance_source == "public":
         try:
-            public = PublicBalance(model, tok, balance_prompts(cfg.run.seed, cfg.routing.public_balance_path),
+            public = PublicBalance(model, tok, balance_prompts(cfg.run.seed, cfg.routing.public_balance_path,
+                                                             cfg.routing.public_balance_styles),
                                    cfg.routing.public_balance_coef, cfg.routing.public_balance_batch,
                                    cfg.model.max_seq_len)
         except PublicBalanceError as exc:

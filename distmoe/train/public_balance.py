@@ -22,9 +22,10 @@ which expert a token goes to. The gradient joins the step's before clipping, so 
 treat it like the task's.
 
 The public set: ``routing.public-balance-path`` (a JSONL file of ``{"prompt": ...}`` lines at every party, as
-``routing.probe-path``), else ``PUBLIC_POOL`` prompts of the public synthetic families drawn for a generator index
-no party and not the probe has (``routing.probe.BALANCE_GENERATOR_INDEX``), from ``run.seed``: so the probe that
-measures the load CV never saw a balance prompt. Batches of ``routing.public-balance-batch`` prompts cycle over it.
+``routing.probe-path``), else 96 prompts of the public synthetic families for each of ``routing.public-balance-styles``
+generator indices no party and not the probe has (``routing.probe.balance_set_prompts``), from ``run.seed``: the
+generators vary with the index, so the set spans every variant of the families, while the probe that measures the
+load CV is a draw of its own index. Batches of ``routing.public-balance-batch`` prompts cycle over it.
 
 With ``routing.balance-source = "public"`` the routing bias (``model/balance.py``) counts this batch's expert
 choices instead of the party's training batch, so the bias too balances the public mixture (``coef`` may then be
@@ -60,23 +61,22 @@ from distmoe.model.build import describe
 from distmoe.model.router import forward_with_router
 from distmoe.model.trainable import grouped_parameters
 from distmoe.routing.losses import aux_load_balance_loss
-from distmoe.routing.probe import BALANCE_GENERATOR_INDEX, default_probe_prompts, read_probe_file
-
-PUBLIC_POOL = 96  # public synthetic prompts in the default balance set (32 per family)
+from distmoe.routing.probe import balance_set_prompts, read_probe_file
 
 
 class PublicBalanceError(ValueError):
     """The public balance cannot run (no trainable router, an unusable prompt file); the message says which."""
 
 
-def balance_prompts(seed: int, path: str = "") -> tuple[str, ...]:
-    """The public balance prompts: the file at ``path`` when given, else the default synthetic set."""
+def balance_prompts(seed: int, path: str = "", styles: int = 12) -> tuple[str, ...]:
+    """The public balance prompts: the file at ``path`` when given, else the default synthetic set of ``styles``
+    generator indices (``routing.public-balance-styles``; ``routing.probe.balance_set_prompts``)."""
     if path:
         try:
             return read_probe_file(path)
         except ValueError as exc:
             raise PublicBalanceError(f"routing.public-balance-path: {exc}") from None
-    return default_probe_prompts(seed, PUBLIC_POOL, BALANCE_GENERATOR_INDEX)
+    return balance_set_prompts(seed, styles)
 
 
 class PublicBalance:

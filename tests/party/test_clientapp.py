@@ -328,6 +328,20 @@ def test_a_party_with_public_balance_trains_with_it_and_names_an_unusable_prompt
     rest = max(v for k, v in diff.items() if ".mlp.gate." not in k)
     # only the routers get its gradient; the rest differ only through the shared clip norm (measured 3e-4 vs 3e-5)
     assert router > 5 * rest, (router, rest)
+    # routing.public-balance-styles reaches the party's training and its bias settle: other public batches
+    one = work.run_sft(parse_run_config({**over, "routing.public-balance-coef": 10.0,
+                                         "routing.public-balance-styles": 1}), node, instr)
+    assert any(not np.array_equal(one.delta[k], pub.delta[k]) for k in pub.delta)
+    from distmoe.party.settle import run_settle
+    from distmoe.wire.schema import SettleInstruction
+
+    settle = {**over, "routing.balance": "aux+bias", "routing.balance-source": "public",
+              "routing.balance-settle-steps": 5}
+    w, sp = _global(settle)
+    si = SettleInstruction(round=1, base_hash=sp.base_hash, weights=w)
+    b12 = run_settle(parse_run_config(settle), node, si).bias
+    b1 = run_settle(parse_run_config({**settle, "routing.public-balance-styles": 1}), node, si).bias
+    assert b12.shape == b1.shape and not np.array_equal(b12, b1)
     bad = tmp_path / "public.jsonl"
     bad.write_text('{"prompt": "ok"}\nnot json\n')
     cfg = parse_run_config({**over, "routing.public-balance-coef": 1.0, "routing.public-balance-path": str(bad)})
