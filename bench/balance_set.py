@@ -10,8 +10,8 @@ the top-1 load CV (``routing.metrics.load_cv``) on:
 - the set itself (its first 256 prompts): how well the bias fits what it was settled on;
 - 256 prompts of the probe's generator index (``default_probe_prompts(seed + 2000, 256)``, never balanced on): the
   run's metric with the 16-prompt sampling noise mostly gone;
-- 256 prompts spanning 12 other generator indices (``balance_set_prompts(seed + 5000, 12)`` shifted to indices no
-  set here uses): every variant of the families, held out.
+- 256 prompts spanning 12 other generator indices (``balance_set_prompts(seed + 5000, 12, 30, OTHER_INDEX)``, indices
+  no set here uses): every variant of the families, held out.
 
 Sets: ``styles`` generator indices from ``BALANCE_GENERATOR_INDEX`` on, ``per`` prompts per family and index
 (``routing.probe.balance_set_prompts``; styles 1 / per 32 is the set before 2026-12-04, 12 / 32 the default now).
@@ -68,11 +68,8 @@ def measure(run_dir: Path) -> list[dict]:
         e = len(start[0])
         return float(load_cv(torch.from_numpy(np.stack([np.bincount(t, minlength=e) for t in top1]))))
 
-    def other_styles(seed: int) -> tuple[str, ...]:
-        pools = [pr.family_probe_prompts(f, seed, 30, OTHER_INDEX + s) for s in range(12) for f in pr.TASK_FAMILIES]
-        return tuple(pools[i % len(pools)][i // len(pools)] for i in range(256))
-
-    probe_style, all_styles = pr.default_probe_prompts(cfg.run.seed + 2000, 256), other_styles(cfg.run.seed + 5000)
+    probe_style = pr.default_probe_prompts(cfg.run.seed + 2000, 256)
+    all_styles = pr.balance_set_prompts(cfg.run.seed + 5000, 12, 30, OTHER_INDEX)[:256]
     base = {"run": run_dir.name, "round": max(ckpts), "settle": f"{len(rates)} x {r.balance_settle_schedule} from "
             f"{r.balance_settle_rate}", "cv probe style (final bias)": round(cv(probe_style), 4),
             "cv all styles (final bias)": round(cv(all_styles), 4)}

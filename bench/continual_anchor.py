@@ -30,9 +30,10 @@ loss pooled over layers (transformers' form) or per layer (``routing.aux-loss-sc
 ``default-aux-layer-0.1-bias-first`` adds the first-choice bias to the per-layer loss at 0.1. ``default-public-*``
 balance on public prompts (``routing.public-balance-coef``, ``routing.balance-source = "public"``);
 ``default-public-bias-settle`` also settles the bias on every aggregated model (``routing.balance-settle-steps``) at a
-constant u, ``default-public-bias-settle-linear`` (= ``configs/continual-balanced.toml``, the settle's defaults) at
-a linearly decaying one, and ``default-public-bias-settle-only`` moves the bias by the settle alone;
-``bench/probe_size.py`` re-measures a kept run's load CV on larger probes.
+constant u, ``default-public-bias-settle-linear`` at a linearly decaying one, and ``default-public-bias-settle-only``
+moves the bias by the settle alone (all on the one-style balance set they ran with); ``default-balanced``
+(= ``configs/continual-balanced.toml``) is the settle's defaults on the default balance set of every style.
+``bench/probe_size.py`` re-measures a kept run's load CV on larger probes, ``bench/balance_set.py`` on other sets.
 """
 
 from __future__ import annotations

@@ -78,16 +78,17 @@ def default_probe_prompts(seed: int, n: int, index: int = PROBE_GENERATOR_INDEX)
     return tuple(pools[i % len(pools)][i // len(pools)] for i in range(n))
 
 
-def balance_set_prompts(seed: int, styles: int, per_family: int = 32) -> tuple[str, ...]:
+def balance_set_prompts(seed: int, styles: int, per_family: int = 32,
+                        first: int = BALANCE_GENERATOR_INDEX) -> tuple[str, ...]:
     """The default public balance set: ``per_family`` prompts of each family for each of ``styles`` generator
-    indices from ``BALANCE_GENERATOR_INDEX`` on, ordered family fastest, then style, so that any run of consecutive
-    prompts mixes families and styles (one style: ``default_probe_prompts(seed, 3 * per_family,
-    BALANCE_GENERATOR_INDEX)``). The synthetic generators vary their output with the index (string operations
-    ``p % 4``, arithmetic ranges ``p % 3`` and ``p % 2``, lookup windows ``20 p % 60``: period 12), so 12 styles
-    span every variant; no index is the probe's (``PROBE_GENERATOR_INDEX``) or a party's."""
+    indices from ``first`` on, ordered family fastest, then style, so that any run of consecutive prompts mixes
+    families and styles (one style: ``default_probe_prompts(seed, 3 * per_family, first)``). The synthetic
+    generators vary their output with the index (string operations ``p % 4``, arithmetic ranges ``p % 3`` and
+    ``p % 2``, lookup windows ``20 p % 60``: period 12), so 12 styles span every variant; from
+    ``BALANCE_GENERATOR_INDEX`` no index is the probe's (``PROBE_GENERATOR_INDEX``) or a party's."""
     if not 1 <= styles <= 64:
         raise ProbeError(f"routing.public-balance-styles = {styles}: expected 1..64")
-    pools = [family_probe_prompts(f, seed, per_family, BALANCE_GENERATOR_INDEX + s)
+    pools = [family_probe_prompts(f, seed, per_family, first + s)
              for s in range(styles) for f in TASK_FAMILIES]  # [styles * families] lists of per_family prompts
     return tuple(pools[i % len(pools)][i // len(pools)] for i in range(per_family * len(pools)))
 
