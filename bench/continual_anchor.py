@@ -31,8 +31,11 @@ loss pooled over layers (transformers' form) or per layer (``routing.aux-loss-sc
 balance on public prompts (``routing.public-balance-coef``, ``routing.balance-source = "public"``);
 ``default-public-bias-settle`` also settles the bias on every aggregated model (``routing.balance-settle-steps``) at a
 constant u, ``default-public-bias-settle-linear`` at a linearly decaying one, and ``default-public-bias-settle-only``
-moves the bias by the settle alone (all on the one-style balance set they ran with); ``default-balanced``
-(= ``configs/continual-balanced.toml``) is the settle's defaults on the default balance set of every style.
+moves the bias by the settle alone (all on the one-style balance set they ran with); ``default-balanced`` is the
+settle's defaults on the default balance set of every style, beside the per-layer aux loss (what
+``configs/continual-balanced.toml`` was until 2026-12-04); ``default-balanced-bias-only`` (=
+``configs/continual-balanced.toml`` now) the same without the aux loss, and ``default-no-aux`` its control: the
+default run with neither aux loss nor bias.
 ``bench/probe_size.py`` re-measures a kept run's load CV on larger probes, ``bench/balance_set.py`` on other sets.
 """
 
@@ -143,10 +146,17 @@ RETENTION_ARMS = {
                                                   "routing.balance-source='public' routing.balance-settle-steps=100 "
                                                   "routing.balance-settle-rate=0.01 "
                                                   "routing.balance-settle-schedule='constant' model.warmup-steps=300"),
-    # configs/continual-balanced.toml: the settle's defaults (linear from 0.02) and the default public balance set,
-    # which spans every style of the public families (routing.public-balance-styles = 12)
+    # the settle's defaults (linear from 0.02) and the default public balance set, which spans every style of the
+    # public families (routing.public-balance-styles = 12), beside the aux loss (configs/continual-balanced.toml
+    # until 2026-12-04)
     "default-balanced": ("anchor", "routing.balance='aux+bias' routing.balance-count='first' "
                                    "routing.balance-source='public' routing.balance-settle-steps=100"),
+    # configs/continual-balanced.toml: default-balanced without the aux loss (routing.balance = "bias",
+    # auxiliary-loss-free balancing, Wang et al. 2024)
+    "default-balanced-bias-only": ("anchor", "routing.balance='bias' routing.balance-count='first' "
+                                             "routing.balance-source='public' routing.balance-settle-steps=100"),
+    # the control for it: the default run without the aux loss and without a bias (no balancing at all)
+    "default-no-aux": ("anchor", "routing.aux-loss-coef=0.0"),
 }
 ORDERS = {"lookup-arith": ("lookup", "arith"), "arith-lookup": ("arith", "lookup")}
 ROOT = Path(__file__).resolve().parent.parent
