@@ -286,10 +286,11 @@ def _session_of(stat: bytes) -> int:
 
 
 def processes_with_token(token: str, session: int | None = None, ray_dir: str | None = None) -> list[int]:
-    """PIDs of every process whose environment carries this run's token, or that belongs to ``session``
+    """PIDs of every live process whose environment carries this run's token, or that belongs to ``session``
     (the session ``flwr run`` was started in), or whose ``RAY_TMPDIR`` is this run's own Ray directory
     (``ray_dir``: Ray's dashboard and runtime-env agents start in a session of their own with an environment
-    that keeps Ray's variables but not the token; measured: both outlived a run matched by token and session)."""
+    that keeps Ray's variables but not the token; measured: both outlived a run matched by token and session).
+    A zombie (exited, not yet reaped by its parent) is not listed: its ``environ`` can no longer be read (ESRCH)."""
     needles = {f"{TOKEN_ENV}={token}".encode()}
     if ray_dir:
         needles.add(f"RAY_TMPDIR={ray_dir}".encode())
@@ -308,10 +309,12 @@ def processes_with_token(token: str, session: int | None = None, ray_dir: str | 
     return pids
 
 
-def stop_processes(token: str, grace: float = 5.0, session: int | None = None, ray_dir: str | None = None
-                   ) -> list[int]:
-    """SIGTERM, then SIGKILL after ``grace`` seconds, every process of this run (``processes_with_token``).
-    Returns the PIDs."""
+def stop_processes(token: str, grace: float = 5.0, session: int | None = None, ray_dir: str | None = None,
+                   kill_wait: float = 10.0) -> list[int]:
+    """SIGTERM, then SIGKILL after ``grace`` seconds, every process of this run (``processes_with_token``), and
+    SIGKILL again until none is left (at most ``kill_wait`` seconds more): a killed process stays listed until
+    its exit completes, and one forked by a process of the run between the scan and that process's SIGKILL (Ray
+    starts workers while it stops) is in no earlier scan. Returns the PIDs signalled."""
     pids = processes_with_token(token, session, ray_dir)
     for pid in pids:
         try:
@@ -321,11 +324,15 @@ def stop_processes(token: str, grace: float = 5.0, session: int | None = None, r
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and processes_with_token(token, session, ray_dir):
         time.sleep(0.2)
-    for pid in processes_with_token(token, session, ray_dir):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    deadline = time.monotonic() + kill_wait
+    while (left := processes_with_token(token, session, ray_dir)) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pids += [p for p in left if p not in pids]
+        time.sleep(0.05)
     return pids
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,36 @@ def test_a_process_with_only_the_runs_ray_dir_is_found_and_stopped(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_stopping_waits_for_the_killed_and_does_not_wait_for_the_exited(tmp_path):
+    """A process of the run that ignores SIGTERM is SIGKILLed and gone, not merely signalled, when
+    ``stop_processes`` returns (before, the SIGKILL was sent and the stop returned while the process was still
+    exiting, so a check right after could list it: a whole Flower run's teardown check failed that way once). One
+    that exits on SIGTERM but is not yet reaped by its parent (a zombie, as ``flwr run``, the session leader, is
+    until ``simulate`` polls it) is not live, so a second stop finds nothing and does not wait out its grace."""
+    from distmoe.simulate import TOKEN_ENV, processes_with_token, stop_processes
+
+    env = {**os.environ, TOKEN_ENV: "zombie-test-token"}
+    code = "import signal, sys, time; {}; print('ready', flush=True); time.sleep(60)"
+    stubborn = subprocess.Popen([sys.executable, "-c", code.format("signal.signal(signal.SIGTERM, signal.SIG_IGN)")],
+                                env=env, start_new_session=True, stdout=subprocess.PIPE, text=True)
+    polite = subprocess.Popen([sys.executable, "-c", code.format("pass")], env=env, start_new_session=True,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert stubborn.stdout.readline().strip() == "ready" and polite.stdout.readline().strip() == "ready"
+        assert sorted(processes_with_token("zombie-test-token")) == sorted([stubborn.pid, polite.pid])
+        stopped = stop_processes("zombie-test-token", grace=1.0, session=stubborn.pid)
+        assert sorted(stopped) == sorted([stubborn.pid, polite.pid])
+        assert processes_with_token("zombie-test-token", session=stubborn.pid) == []
+        assert processes_with_token("zombie-test-token", session=polite.pid) == []  # a zombie leader: not live
+        t0 = time.monotonic()
+        assert stop_processes("zombie-test-token", grace=5.0, session=polite.pid) == []
+        assert time.monotonic() - t0 < 2.0
+        assert stubborn.poll() == -9 and polite.poll() == -15  # SIGKILLed and SIGTERMed, reaped only now
+    finally:
+        for p in (stubborn, polite):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stdout.close()
