@@ -85,6 +85,7 @@ def checked_installer(pin_file: Path, install):
         if problems:
             _refuse(pin_file, problems, f"installed {app_dir}")
         print(f"{PASSED} {pin['digest']}", file=sys.stderr, flush=True)
+        code_pin.set_active_digest(pin["digest"])  # recorded in the party's ledger at setup
         return app_dir
 
     return install_checked

@@ -717,6 +717,9 @@ class NodeConfig:
     # print this party's own training progress (loss per round) to its stdout: on in a deployment, where
     # stdout is the SuperNode's log on the owner's machine; off in simulation (clients/app.py decides)
     progress_stdout: bool = False
+    # the data owner's policy: node-config keys ``policy`` and ``policy-*`` as given (parsed and checked by
+    # ``distmoe.party.policy``); () = no policy (today's behaviour: the run config decides)
+    policy: tuple[tuple[str, Scalar], ...] = ()
 
     def train(self, train: TrainConfig) -> TrainConfig:
         """The run's ``train`` section with this node's hardware settings applied (validated like the keys)."""
@@ -1057,8 +1060,10 @@ def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeCon
     hardware = tuple((attr, nc[k]) for k, attr in HARDWARE_KEYS.items() if k in nc)
     cache = nc.get("base-cache", "")
     base_cache = None if cache == "off" else Path(cache).expanduser() if cache else work / "base-cache"
+    policy = tuple(sorted((k, v) for k, v in nc.items() if k == "policy" or k.startswith("policy-")))
     node = NodeConfig(party=party, data_path=data_path, work_dir=work, model_path=nc.get("model-path", ""),
-                      epsilon_max=eps_max, ledger_key=ledger_key, hardware=hardware, base_cache=base_cache)
+                      epsilon_max=eps_max, ledger_key=ledger_key, hardware=hardware, base_cache=base_cache,
+                      policy=policy)
     node.train(TrainConfig())  # the owner's hardware keys are validated here, before anything runs
     return node
 

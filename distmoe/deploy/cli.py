@@ -89,14 +89,23 @@ def cmd_deploy_superlink(args) -> int:
         "Use --host 0.0.0.0 when data owners connect from other machines.")
 
 
+POLICY_FLAGS = ("allow_plaintext", "min_parties", "min_noise_multiplier", "min_metric_noise_multiplier",
+                "min_update_noise_multiplier", "phases", "max_rounds", "max_runs")
+
+
 def cmd_deploy_supernode(args) -> int:
+    if not args.code_pin and not args.unpinned:  # the owner opts out of the code pin explicitly, or not at all
+        print("error: --code-pin DIR is required (pin your reviewed release with 'distmoe deploy pin'); "
+              "--unpinned runs whatever party code the coordinator's app bundle holds", file=sys.stderr)
+        return 2
+    policy = {"policy-" + f.replace("_", "-"): getattr(args, "policy_" + f) for f in POLICY_FLAGS}
     return _one(args, lambda: dc.supernode_command(
         args.credentials, superlink=args.superlink, data_path=args.data_path, party_name=args.party_name,
         host=args.host, port=args.port, work_dir=args.work_dir, epsilon_max=args.epsilon_max,
         model_path=args.model_path, flwr_home=args.flwr_home,
         hardware={"device": args.device, "dtype": args.dtype, "micro-batch-size": args.micro_batch_size,
                   "gradient-checkpointing": args.gradient_checkpointing, "quantize": args.quantize},
-        base_cache=args.base_cache, code_pin=args.code_pin),
+        base_cache=args.base_cache, code_pin=args.code_pin, policy=policy),
         "# the coordinator must have registered this SuperNode's public key (supernode.pub) first; otherwise "
         "Flower refuses it (exit code 305)" + ("" if args.code_pin else
         "\n# warning: no --code-pin: this SuperNode runs whatever party code the coordinator's app bundle "
@@ -197,6 +206,24 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="node config gradient-checkpointing")
     n.add_argument("--quantize", choices=("none", "4bit", "8bit"),
                    help="node config quantize: a bitsandbytes-quantised base (CUDA, lora, the quant extra)")
+    n.add_argument("--unpinned", action="store_true", help="start without --code-pin: this SuperNode then runs "
+                   "whatever party code the coordinator's app bundle holds (refused unless given)")
+    pol = n.add_argument_group("owner policy (docs/deploy.md §2.3): floors the party holds every run config to")
+    pol.add_argument("--policy-allow-plaintext", action="store_true", default=None,
+                     help="accept privacy.mode = plaintext (default: refused; secure aggregation required)")
+    pol.add_argument("--policy-min-parties", type=int, metavar="N", help="floor of privacy.min-parties and the "
+                     "SecAgg threshold (default 3)")
+    pol.add_argument("--policy-min-noise-multiplier", type=float, metavar="Z", help="floor of the router-statistics "
+                     "noise multiplier (default 0.5)")
+    pol.add_argument("--policy-min-metric-noise-multiplier", type=float, metavar="Z",
+                     help="floor of privacy.metric-noise-multiplier (default 1.0)")
+    pol.add_argument("--policy-min-update-noise-multiplier", type=float, metavar="Z",
+                     help="floor of the model-update noise multiplier (default 0: updates without DP accepted)")
+    pol.add_argument("--policy-phases", metavar="KINDS", help="phase kinds allowed, comma separated (default all: "
+                     "sft,rl,dpo,stats,eval)")
+    pol.add_argument("--policy-max-rounds", type=int, metavar="N", help="most rounds of a run (default 1000)")
+    pol.add_argument("--policy-max-runs", type=int, metavar="N", help="most runs this work directory sets up "
+                     "(default 50): bounds probing")
     n.add_argument("--code-pin", metavar="DIR", help="directory made by 'distmoe deploy pin': the SuperNode then "
                                                      "refuses any app bundle whose party code differs from the pin")
     common(n, "the SuperNode")

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distmoe.config import HARDWARE_KEYS, ConfigError, NodeConfig, TrainConfig
+from distmoe.config import HARDWARE_KEYS, PHASE_KINDS, ConfigError, NodeConfig, TrainConfig
 from distmoe.deploy.credentials import (
     CredentialsError,
     PartyFiles,
@@ -207,6 +207,7 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
                       hardware: Mapping[str, str | int | bool] | None = None,
                       base_cache: str | os.PathLike[str] | None = None,
                       code_pin: str | os.PathLike[str] | None = None,
+                      policy: Mapping[str, str | float | int | bool] | None = None,
                       check_paths: bool = True) -> FlowerCommand:
     """``flower-supernode`` with TLS (the federation's CA), its authentication key and distmoe's node config.
 
@@ -216,7 +217,9 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
     ``micro-batch-size``, ``gradient-checkpointing``, ``quantize``; ``distmoe.config.HARDWARE_KEYS``).
     ``code_pin`` is a directory made by ``distmoe deploy pin`` (:mod:`distmoe.deploy.pin`): its ``bin/`` goes
     first on the SuperNode's ``PATH``, so every ClientApp process is the owner's pinned launcher, which
-    refuses an app bundle whose party code differs from the pin.
+    refuses an app bundle whose party code differs from the pin. ``policy`` (None: no owner policy) holds the
+    owner's ``policy-*`` node-config keys that differ from the deployed defaults; with it the node config
+    carries ``policy="deployed"`` and those keys (``distmoe.party.policy``, ``docs/deploy.md`` §2.3).
     """
     party: PartyFiles = read_party_dir(party_dir)
     if not party.ca_cert.is_file():
@@ -247,6 +250,9 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
         if not epsilon_max > 0:
             raise DeployError(f"--epsilon-max: value {epsilon_max} must be > 0")
         nc["epsilon-max"] = float(epsilon_max)
+    if policy is not None:
+        nc["policy"] = "deployed"
+        nc.update(_checked_policy(policy))
     for k, v in (hardware or {}).items():
         if k not in HARDWARE_KEYS:
             raise DeployError(f"hardware setting {k!r} is not one of {', '.join(HARDWARE_KEYS)}")
@@ -277,6 +283,30 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
 
 
 # --------------------------------------------------------------------------------------------- checks
+def _checked_policy(policy: Mapping[str, str | float | int | bool]) -> dict:
+    """The owner's ``policy-*`` keys, checked as the party will (``distmoe.party.policy.owner_policy``)."""
+    out = {}
+    for k, v in policy.items():
+        if v is None:
+            continue
+        flag = "--" + k
+        if k == "policy-allow-plaintext":
+            ok = isinstance(v, bool)
+        elif k.startswith("policy-min-") and k.endswith("noise-multiplier"):
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e6
+        elif k in ("policy-min-parties", "policy-max-rounds", "policy-max-runs"):
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= (2 if k == "policy-min-parties" else 1)
+        elif k == "policy-phases":
+            kinds = {x.strip() for x in str(v).split(",") if x.strip()}
+            ok = bool(kinds) and kinds <= set(PHASE_KINDS)
+        else:
+            raise DeployError(f"{flag}: not an owner-policy setting")
+        if not ok:
+            raise DeployError(f"{flag}: value {v!r} is not allowed (docs/deploy.md §2.3)")
+        out[k] = v
+    return out
+
+
 def _check_name(name: str) -> None:
     if not name or not all(c.isalnum() or c in "-_" for c in name):
         raise DeployError(f"connection name {name!r} must use only letters, digits, '-', '_'")

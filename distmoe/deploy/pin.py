@@ -25,8 +25,8 @@ coordinator sends are inputs the pinned code checks, not code; the owner's Pytho
 flwr, ...) is the owner's.
 
 Owns: the pin file format (``code-pin.json``: ``format``, ``digest``, ``files`` {path: sha256}), the
-digest, the bundle rules above, and the owner's launcher script ``bin/flwr-clientapp`` that Flower's
-SuperExec finds first on ``PATH``.
+digest, the bundle rules above, the owner's launcher script ``bin/flwr-clientapp`` that Flower's
+SuperExec finds first on ``PATH``, and the digest the launcher checked in this process (``active_digest``).
 
 Must not: import ``flwr`` (the launcher that does is :mod:`clients.pinned`), or read anything but the
 source it is given and the pin.
@@ -55,6 +55,18 @@ PINNED_PACKAGES = ("distmoe", "clients")  # the party side: the library and the 
 CLIENTAPP_REF = "clients.app:app"
 COORDINATOR_PACKAGE = "server"  # the ServerApp: the coordinator's own code, never imported by the party
 REFUSAL_LOG = "refusals.log"
+# the digest of the pin this process's bundle and install matched, set only by the pinned launcher
+# (``clients.pinned``) in the ClientApp process itself (never from the environment, which a process inherits):
+# the party records it in its ledger at setup (``distmoe.party.policy.ledger_facts``); None = not pinned
+_ACTIVE: dict[str, str] = {}
+
+
+def set_active_digest(value: str) -> None:
+    _ACTIVE["digest"] = str(value)
+
+
+def active_digest() -> str | None:
+    return _ACTIVE.get("digest")
 
 
 class CodePinError(ValueError):

@@ -16,6 +16,7 @@ does), or read another party's directory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from distmoe.data.formats import DataError
 from distmoe.io import append_durable
 from distmoe.party import work as P
 from distmoe.party.dpo_work import run_dpo
+from distmoe.party.policy import ledger_facts, owner_policy, secure_work_dir
 from distmoe.party.probe import run_probe
 from distmoe.party.session import PartySession, SessionError, open_ledger
 from distmoe.party.settle import run_settle
@@ -69,8 +71,12 @@ class PartyService:
     messages beyond what its files hold (in deployment every message runs in a new process)."""
 
     def __init__(self, cfg: RunConfig, node: NodeConfig, node_id: int, run_id: str):
+        self.policy = owner_policy(node)  # the data owner's floors (None: no policy, the run config decides)
+        if self.policy is not None and node.epsilon_max is None:  # the policy's default cap
+            node = dataclasses.replace(node, epsilon_max=self.policy.epsilon_max)
         self.cfg, self.node, self.node_id, self.run_id = cfg, node, int(node_id), str(run_id)
         self.name = node.party
+        self._ledger_info: dict = {}
         self.secure = cfg.privacy.secure
         self.ledger = open_ledger(node)
         self.canaries = load_canaries(node)
@@ -89,8 +95,21 @@ class PartyService:
         except ConfigError as exc:
             raise Refused(f"ConfigError: {exc}", ErrorCode.CONFIG) from None
 
+    def take_ledger_info(self) -> dict:
+        """Facts of the last answer for its ``out`` ledger entry (at setup: the owner policy, the code pin), once."""
+        info, self._ledger_info = self._ledger_info, {}
+        return info
+
     def _answer(self, mtype: str, instr: object) -> tuple[object, dict | None]:
         cfg, node = self.cfg, self.node
+        if self.policy is not None:  # before any work: the run config against the owner's floors
+            self.policy.check_run(cfg)
+            rnd = getattr(getattr(instr, "instruction", instr), "round", None)
+            if isinstance(rnd, int):
+                self.policy.check_round(rnd)
+            if not self.secure:  # plaintext allowed by the owner: no setup, so the setup steps run here
+                self.policy.count_run(node, self.run_id)
+                secure_work_dir(node)
         if isinstance(instr, ProbeInstruction):  # public inputs only, in the clear in both modes (docs/privacy.md §3)
             return run_probe(cfg, node, instr), None
         if isinstance(instr, SettleInstruction):  # likewise public inputs only (docs/privacy.md §3, the bias settle)
@@ -101,8 +120,13 @@ class PartyService:
             raise Refused(f"{mtype}: secure-aggregation messages in a plaintext-mode run")
         sess = PartySession(cfg, node, self.run_id)
         if isinstance(instr, SetupRequest):
+            if self.policy is not None:  # the public parameters against the floors, then this run counts
+                self.policy.check_setup(cfg, instr.threshold, instr.noise_multiplier, instr.update_noise_multiplier)
+                self.policy.count_run(node, self.run_id)
+                secure_work_dir(node)  # work dir 0700, the pre-run privacy check of data and work directories
             self._check_data()  # a party with broken data says so at its first contact, before any training
             advert = sess.setup(instr, self.node_id)
+            self._ledger_info = ledger_facts(self.policy)  # in the key advert's signed `out` entry
             return KeyAdvertReply(node.party, advert.c_pk, self.ledger.public_key_hex, advert.sig_pk,
                                   float(node.epsilon_max or 0.0)), None
         if isinstance(instr, DirectoryRequest):

@@ -271,10 +271,7 @@ def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdat
                            metrics={k: float("nan") for k in RL_METRIC_KEYS})
     model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
     prompts = data.train(instr.task)
-    r = cfg.rl
-    if r.prompts_per_step > len(prompts):
-        raise PartyError(f"party {node.party}: rl.prompts-per-step = {r.prompts_per_step} exceeds its "
-                         f"{len(prompts)} training prompts of task {instr.task!r}")
+    r = cfg.rl  # rl.prompts-per-step above the prompt count: drawn with replacement (a refusal would tell the count)
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
     res = run_grpo(model, tok, prompts, instr.task, r, seed=_party_seed(instr.seed, node.party),
                    max_prompt_len=cfg.model.max_seq_len, grad_clip=cfg.train.grad_clip,

@@ -503,6 +503,11 @@ def _step_metrics(rewards: torch.Tensor, mstats: Mapping[str, float], weights: t
     return metrics
 
 
+def _draw(n: int, k: int, gen: torch.Generator) -> list[int]:
+    """``k`` of ``range(n)``: without replacement when ``n >= k``, else with (never a size-dependent refusal)."""
+    return (torch.randperm(n, generator=gen)[:k] if n >= k else torch.randint(n, (k,), generator=gen)).tolist()
+
+
 def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg: RLConfig,
              reference_model: nn.Module | None = None, *, seed: int = 0, max_prompt_len: int = 256,
              grad_clip: float = 1.0, simulator_fit: Mapping[str, float] | None = None,
@@ -519,8 +524,6 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
     """
     if not prompts:
         raise ValueError("run_grpo: no prompts")
-    if cfg.prompts_per_step > len(prompts):
-        raise ValueError(f"rl.prompts-per-step: {cfg.prompts_per_step} exceeds the {len(prompts)} prompts")
     loss_fn = get_policy_loss(cfg.policy_loss)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt, sched = build_optimizer(model, optimizer_config(cfg, grad_clip))
@@ -539,10 +542,7 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
     pool = list(range(len(prompts)))  # the prompts the run trains on
     if cfg.simulator:
         held = heldout_split([len(ids) for ids in prompt_ids], cfg.simulator_heldout_frac, seed)
-        pool = [i for i in pool if i not in set(held)]
-        if cfg.prompts_per_step > len(pool):
-            raise ValueError(f"rl.simulator-heldout-frac: holding out {len(held)} of {len(prompts)} prompts leaves "
-                             f"{len(pool)}, fewer than rl.prompts-per-step = {cfg.prompts_per_step}")
+        pool = [i for i in pool if i not in set(held)] or pool  # all held out (< 6 prompts): train on them too
         sim = InferenceSimulator.for_model(model, bound=cfg.simulator_bound, seed=seed,
                                            buffer_tokens=cfg.simulator_buffer_tokens,
                                            **{**SIMULATOR_FIT, **(simulator_fit or {})})
@@ -554,7 +554,7 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
         model.eval()
         if step > 0:
             engine.sync(model)
-        chosen = [pool[j] for j in torch.randperm(len(pool), generator=gen)[:cfg.prompts_per_step].tolist()]
+        chosen = [pool[j] for j in _draw(len(pool), cfg.prompts_per_step, gen)]  # P prompts, whatever len(pool)
         ro = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in chosen], cfg.group_size,
                                cfg.max_new_tokens, cfg.temperature, seed=seed * 100_003 + step,
                                record_routes=cfg.routing_replay)

@@ -13,7 +13,9 @@ it stays in the party's own log (``distmoe.wire.party_guard.guarded_error``) and
 
 Why a closed table: an error message about a party's data (a line number, a count of its examples, the
 token length of one answer) is a release of private data outside every DP account. With fixed texts
-the server learns which of eight things went wrong, nothing derived from the data.
+the server learns which of sixteen things went wrong, nothing derived from the data. The ``policy-*`` codes
+(1009-1016) each name the key of the data owner's policy (``distmoe.party.policy``) that a run config is
+below: a fixed fact about the run config and the owner's own settings, never about the data.
 
 Must not: import anything but the standard library.
 """
@@ -32,6 +34,15 @@ class ErrorCode(IntEnum):
     MODEL = 1006  # the party's model differs from the run's (base fingerprint, layout, anchor shape)
     BUDGET = 1007  # the release would exceed the party's privacy budget; refused before anything was sent
     SECAGG = 1008  # a secure-aggregation or privacy-session check failed at the party; it aborted
+    # the run config is below the data owner's policy (node config ``policy-*``): one code per policy key
+    POLICY_PLAINTEXT = 1009  # policy-allow-plaintext: the run turns secure aggregation off
+    POLICY_MIN_PARTIES = 1010  # policy-min-parties
+    POLICY_NOISE = 1011  # policy-min-noise-multiplier (router statistics)
+    POLICY_METRIC_NOISE = 1012  # policy-min-metric-noise-multiplier (evaluation)
+    POLICY_UPDATE_NOISE = 1013  # policy-min-update-noise-multiplier (model updates)
+    POLICY_PHASES = 1014  # policy-phases
+    POLICY_ROUNDS = 1015  # policy-max-rounds
+    POLICY_RUNS = 1016  # policy-max-runs
 
 
 # code -> (name, fixed meaning). Nothing else a party's error reply says may differ from these texts.
@@ -48,6 +59,21 @@ REASONS: dict[ErrorCode, tuple[str, str]] = {
     ErrorCode.BUDGET: ("budget", "the release would exceed the party's privacy budget; nothing was sent: "
                                  "see the party's log"),
     ErrorCode.SECAGG: ("secagg", "a secure-aggregation check failed at the party; it aborted: see the party's log"),
+    ErrorCode.POLICY_PLAINTEXT: ("policy-allow-plaintext", "the data owner's policy requires secure aggregation; "
+                                 "this run config turns it off: nothing was sent"),
+    ErrorCode.POLICY_MIN_PARTIES: ("policy-min-parties", "privacy.min-parties or the SecAgg threshold is below the "
+                                   "data owner's floor: nothing was sent"),
+    ErrorCode.POLICY_NOISE: ("policy-min-noise-multiplier", "the router-statistics noise multiplier is below the "
+                             "data owner's floor: nothing was sent"),
+    ErrorCode.POLICY_METRIC_NOISE: ("policy-min-metric-noise-multiplier", "privacy.metric-noise-multiplier is below "
+                                    "the data owner's floor: nothing was sent"),
+    ErrorCode.POLICY_UPDATE_NOISE: ("policy-min-update-noise-multiplier", "the model-update noise multiplier is "
+                                    "below the data owner's floor: nothing was sent"),
+    ErrorCode.POLICY_PHASES: ("policy-phases", "the schedule has a phase kind the data owner's policy does not "
+                              "allow: nothing was sent"),
+    ErrorCode.POLICY_ROUNDS: ("policy-max-rounds", "the run has more rounds than the data owner's policy allows: "
+                              "nothing was sent"),
+    ErrorCode.POLICY_RUNS: ("policy-max-runs", "the data owner's cap on runs is reached: nothing was sent"),
 }
 
 # why the coordinator itself leaves a party out (its detail goes to the coordinator's own output and ledger)

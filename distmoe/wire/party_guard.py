@@ -94,6 +94,9 @@ class Party(Protocol):
         """The reply payload and the DP facts for the ledger (or None); raises ``Refused``."""
         ...
 
+    # optional: ``take_ledger_info() -> dict`` (facts of the last answer for its ``out`` entry's ``info``, e.g. the
+    # owner policy and code pin recorded at setup); read once per answer by ``serve``
+
 
 @dataclass
 class Expectation:
@@ -252,7 +255,8 @@ def serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> RecordD
     except Blocked as exc:
         _log(ledger, out, "out", f"rejected: {exc}", run, rnd, phase, dp=dp)  # the charge was made: it counts
         refuse(ErrorCode.BLOCKED, f"party {party.name}: blocked by the outbound guard, nothing left: {exc}", Blocked)
-    info = {"canary_scan": scan, "time": time.time()}
+    take = getattr(party, "take_ledger_info", None)
+    info = {**(take() if callable(take) else {}), "canary_scan": scan, "time": time.time()}
     if guard.mask_check is not None:
         info["mask_check"] = guard.mask_check
     entry = _log(ledger, out, "out", "accepted", run, rnd, phase, dp=dp, info=info)

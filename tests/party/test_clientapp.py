@@ -132,15 +132,27 @@ def test_bad_run_config_is_an_error_reply(synth_dirs, tiny_plain, tmp_path):
 
 
 # ------------------------------------------- attacks: data-derived text in an error reply (issue 11, item 6)
-def test_rl_prompt_count_does_not_leave_the_party(synth_dirs, tiny_plain, tmp_path):
-    """``rl.prompts-per-step = N exceeds its K training prompts`` told the server the party's prompt count."""
-    run_config = {**tiny_plain, "rl.prompts-per-step": 9999}
-    weights, spec = _global(run_config)
-    out = rl(_instruction(RlInstruction(round=1, task="arith", weights=weights, base_hash=spec.base_hash, seed=1)),
-             _context(synth_dirs[0], run_config, tmp_path))
-    log = _code_only(out, ErrorCode.DATA, tmp_path)
-    assert "exceeds its" not in out.error.reason and "9999" not in out.error.reason
-    assert re.search(r"rl.prompts-per-step = 9999 exceeds its \d+ training prompts of task 'arith'", log), log
+def test_rl_prompt_count_binary_search_learns_nothing(synth_dirs, tiny_plain, tmp_path):
+    """The attack: a coordinator varies ``rl.prompts-per-step`` over runs and reads whether the party answers with
+    an update or the ``data`` code (``prompts-per-step exceeds its K training prompts``): a binary search gave one
+    party's exact prompt count. Now a party with fewer prompts draws them with replacement: the reply kind is the
+    same whatever the private count."""
+    small = tmp_path / "small"
+    shutil.copytree(synth_dirs[0], small)
+    lines = (small / "arith.jsonl").read_text().splitlines()
+    (small / "arith.jsonl").write_text("\n".join(lines[:6]) + "\n")  # ~5 training prompts; the other party ~20
+    seen = {}
+    for name, data in (("small", small), ("large", synth_dirs[0])):
+        for per_step in (2, 8):  # 8 lies between the two counts: it told them apart
+            run_config = {**tiny_plain, "rl.prompts-per-step": per_step, "rl.steps": 1, "rl.group-size": 2,
+                          "rl.max-new-tokens": 2}
+            weights, spec = _global(run_config)
+            out = rl(_instruction(RlInstruction(round=1, task="arith", weights=weights, base_hash=spec.base_hash,
+                                                seed=1)), _context(data, run_config, tmp_path / f"w-{name}"))
+            seen[name, per_step] = out.error.code if out.has_error() else "update"
+            if not out.has_error():
+                assert codec.decode(out.content, ModelUpdate).num_examples == per_step * 2  # P x G rollouts
+    assert set(seen.values()) == {"update"}, seen
 
 
 def test_answer_token_length_does_not_leave_the_party(synth_dirs, tiny_plain, tmp_path):

@@ -112,9 +112,14 @@ def test_config_validation_names_the_key(trained):
         RLConfig(reward="bleu")
     with pytest.raises(ConfigError, match="rl.engine.*exact, bf16, int8-dynamic"):
         RLConfig(engine="fp8")
-    with pytest.raises(ValueError, match="prompts-per-step"):
-        run_grpo(copy.deepcopy(trained["model"]), trained["tok"], trained["prompts"][:2], "lookup",
-                 RLConfig(prompts_per_step=4))
+    # more prompts per step than prompts: drawn with replacement, never refused (a refusal told the count)
+    import torch
+
+    from distmoe.rl.grpo import _draw
+
+    picks = _draw(2, 4, torch.Generator().manual_seed(0))
+    assert len(picks) == 4 and set(picks) <= {0, 1}
+    assert sorted(_draw(5, 5, torch.Generator().manual_seed(0))) == [0, 1, 2, 3, 4]  # enough: no repeats
 
 
 def test_nan_loss_step_is_skipped_and_counted(trained, monkeypatch):
