@@ -50,6 +50,7 @@ from distmoe.wire.at_rest import PreflightError, make_private, privacy_preflight
 from distmoe.wire.errors import ErrorCode, Refused
 
 POLICY_FORMAT = "distmoe-owner-policy/1"
+WORK_SUBDIRS = ("ledger", "keys", "secagg", "privacy", "metrics", "policy")  # what a party writes there
 RUNS_FILE = "runs.json"  # <work-dir>/policy/runs.json: the Flower run ids this owner's party set up
 
 
@@ -97,8 +98,8 @@ class OwnerPolicy:
         if not kinds <= set(self.phases):
             _refuse(ErrorCode.POLICY_PHASES, f"schedule phases {sorted(kinds - set(self.phases))} not in "
                     f"{sorted(self.phases)}")
-        if sched.total_rounds() > self.max_rounds:
-            _refuse(ErrorCode.POLICY_ROUNDS, f"the schedule has {sched.total_rounds()} rounds > {self.max_rounds}")
+        if sched.total_rounds > self.max_rounds:
+            _refuse(ErrorCode.POLICY_ROUNDS, f"the schedule has {sched.total_rounds} rounds > {self.max_rounds}")
 
     def check_setup(self, cfg: RunConfig, threshold: int, noise_multiplier: float,
                     update_noise_multiplier: float) -> None:
@@ -206,7 +207,8 @@ def secure_work_dir(node: NodeConfig) -> None:
     """Make the work directory private (0700/0600) and run the pre-run privacy check on the data and work
     directories (``distmoe.wire.at_rest``: no group/other bits, no detail on stdout); ``Refused`` (``config``)
     names the problem in the party's own log."""
-    node.work_dir.mkdir(parents=True, exist_ok=True)
+    for sub in WORK_SUBDIRS:  # made now, so that they are private too (the later writers keep their modes)
+        (node.work_dir / sub).mkdir(parents=True, exist_ok=True)
     make_private(node.work_dir)
     try:
         privacy_preflight({node.party: [Path(node.data_path), node.work_dir]}, when="at this party's setup")
