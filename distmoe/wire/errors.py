@@ -60,20 +60,21 @@ REASONS: dict[ErrorCode, tuple[str, str]] = {
                                  "see the party's log"),
     ErrorCode.SECAGG: ("secagg", "a secure-aggregation check failed at the party; it aborted: see the party's log"),
     ErrorCode.POLICY_PLAINTEXT: ("policy-allow-plaintext", "the data owner's policy requires secure aggregation; "
-                                 "this run config turns it off: nothing was sent"),
+                                 "this run config turns it off: nothing was sent: see the party's log"),
     ErrorCode.POLICY_MIN_PARTIES: ("policy-min-parties", "privacy.min-parties or the SecAgg threshold is below the "
-                                   "data owner's floor: nothing was sent"),
+                                   "data owner's floor: nothing was sent: see the party's log"),
     ErrorCode.POLICY_NOISE: ("policy-min-noise-multiplier", "the router-statistics noise multiplier is below the "
-                             "data owner's floor: nothing was sent"),
+                             "data owner's floor: nothing was sent: see the party's log"),
     ErrorCode.POLICY_METRIC_NOISE: ("policy-min-metric-noise-multiplier", "privacy.metric-noise-multiplier is below "
-                                    "the data owner's floor: nothing was sent"),
+                                    "the data owner's floor: nothing was sent: see the party's log"),
     ErrorCode.POLICY_UPDATE_NOISE: ("policy-min-update-noise-multiplier", "the model-update noise multiplier is "
-                                    "below the data owner's floor: nothing was sent"),
+                                    "below the data owner's floor: nothing was sent: see the party's log"),
     ErrorCode.POLICY_PHASES: ("policy-phases", "the schedule has a phase kind the data owner's policy does not "
-                              "allow: nothing was sent"),
+                              "allow: nothing was sent: see the party's log"),
     ErrorCode.POLICY_ROUNDS: ("policy-max-rounds", "the run has more rounds than the data owner's policy allows: "
-                              "nothing was sent"),
-    ErrorCode.POLICY_RUNS: ("policy-max-runs", "the data owner's cap on runs is reached: nothing was sent"),
+                              "nothing was sent: see the party's log"),
+    ErrorCode.POLICY_RUNS: ("policy-max-runs", "the data owner's cap on runs is reached: nothing was sent: "
+                            "see the party's log"),
 }
 
 # why the coordinator itself leaves a party out (its detail goes to the coordinator's own output and ledger)

@@ -146,7 +146,7 @@ def test_connection_table_and_append(creds, tmp_path):
 def test_cli_prints_commands(creds, tmp_path, capsys):
     (tmp_path / "d").mkdir()
     assert main(["deploy", "supernode", "--credentials", str(creds.parties[1].dir), "--superlink", "10.0.0.1:9092",
-                 "--data-path", str(tmp_path / "d"), "--port", "9600"]) == 0
+                 "--data-path", str(tmp_path / "d"), "--port", "9600", "--unpinned"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "flower-supernode" in out[0] and 'party-name="party-1"' in out[0]
     assert main(["deploy", "superlink", "--credentials", str(creds.root)]) == 0
@@ -180,8 +180,35 @@ def test_supernode_code_pin_puts_the_launcher_first_on_path(creds, tmp_path, cap
     assert main([*base, "--code-pin", str(tmp_path / "pin")]) == 0
     out, err = capsys.readouterr()
     assert f"PATH={(tmp_path / 'pin' / 'bin').resolve()}" in out and "warning" not in err
-    assert main(base) == 0
+    assert main(base) == 2  # no pin and no explicit opt-out: refused
+    assert "error: --code-pin DIR is required" in capsys.readouterr().err
+    assert main([*base, "--unpinned"]) == 0
     assert "warning: no --code-pin" in capsys.readouterr().err
+
+
+def test_supernode_writes_the_owner_policy_into_the_node_config(creds, tmp_path, capsys):
+    """The owner's policy travels in its own node config: ``policy="deployed"`` plus every floor it changed, parsed
+    by the party exactly as written (``distmoe.party.policy``); a bad value fails before anything starts."""
+    from distmoe.config import SimConfig, parse_node_config
+    from distmoe.party.policy import OwnerPolicy, owner_policy
+
+    (tmp_path / "d").mkdir()
+    base = ["deploy", "supernode", "--credentials", str(creds.parties[0].dir), "--superlink", "10.0.0.1:9092",
+            "--data-path", str(tmp_path / "d"), "--unpinned"]
+    assert main([*base, "--policy-min-parties", "4", "--policy-min-update-noise-multiplier", "2.5",
+                 "--policy-phases", "sft,stats,eval", "--policy-max-runs", "7"]) == 0
+    out = capsys.readouterr().out
+    nc_text = shlex.split(out.strip().splitlines()[-1])[-1]
+    assert 'policy="deployed"' in nc_text and "policy-allow-plaintext" not in nc_text
+    from flwr.common.config import parse_config_args
+
+    node_config = parse_config_args([nc_text])  # exactly what flower-supernode does with the string
+    pol = owner_policy(parse_node_config(node_config, SimConfig()))
+    assert pol == OwnerPolicy(min_parties=4, min_update_noise_multiplier=2.5, phases=("eval", "sft", "stats"),
+                              max_runs=7)
+    assert main([*base, "--policy-phases", "sft,train"]) == 2
+    assert "--policy-phases" in capsys.readouterr().err
+    assert main([*base, "--policy-min-parties", "1"]) == 2
 
 
 # ----------------------------------------------------------------------------------------- ledger-key

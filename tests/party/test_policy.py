@@ -161,8 +161,9 @@ def test_setup_within_the_floors_records_the_policy_and_code_pin_in_the_ledger(d
     assert all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in (tmp_path / "w").rglob("*"))
 
 
-def test_a_party_without_a_policy_keeps_todays_behaviour(data, tiny, tmp_path):
+def test_a_party_without_a_policy_keeps_todays_behaviour(data, tiny, tmp_path, monkeypatch):
     """``distmoe simulate`` and the in-process transport: no policy key, the run config decides."""
+    monkeypatch.setattr(code_pin, "_ACTIVE", {})  # not started by the pinned launcher
     out = setup(_msg(_setup_request(threshold=2)), _ctx(data, dict(tiny), None, tmp_path / "w"))
     assert not out.has_error(), out.error.reason if out.has_error() else ""
     (entry,) = [e for e in _ledger(tmp_path / "w") if e["direction"] == "out"]
