@@ -48,6 +48,7 @@ import pytest
 from distmoe.config import to_toml
 from distmoe.data.synth import write_synthetic
 from distmoe.simulate import TOKEN_ENV, free_port, processes_with_token, stop_processes
+from distmoe.wire.at_rest import make_private
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -62,6 +63,7 @@ OVERRIDES = {
     "schedule.sft-rounds": 1,
     "train.local-steps": 3,
     "federation.min-available": N_PARTIES,
+    "privacy.min-parties": N_PARTIES,  # the owners' deployed policy floor (distmoe deploy supernode: 3)
     "federation.wait-timeout": 60.0,
     "federation.round-timeout": 120.0,
     "checkpoint.keep": 10,  # keep round 0 so the final weights can be compared with it
@@ -230,10 +232,12 @@ def _federation(dep: Deployment, tmp_path: Path, parties: list[str], register: l
     return creds, port, cli_home, dict(zip(register, ids, strict=True))
 
 
-def _start_supernode(dep: Deployment, tmp_path: Path, creds: Path, party: str, port: int, data: Path):
+def _start_supernode(dep: Deployment, tmp_path: Path, creds: Path, party: str, port: int, data: Path,
+                     policy: tuple[str, ...] = ()):
+    """A pinned SuperNode with the deployed owner policy (``policy``: the owner's ``--policy-*`` flags)."""
     return dep.start(f"supernode-{party}", [
         *DISTMOE, "deploy", "supernode", "--credentials", str(tmp_path / "owners" / party),
-        "--code-pin", str(tmp_path / "pin"),
+        "--code-pin", str(tmp_path / "pin"), *policy,
         "--superlink", f"127.0.0.1:{port}", "--data-path", str(data), "--port", str(dep.port()),
         "--flwr-home", str(tmp_path / f"flwr-node-{party}"), "--exec"], tmp_path / f"flwr-node-{party}")
 
@@ -252,15 +256,18 @@ def _wait_online(dep: Deployment, cli_home: Path, want: set[str], watch: list[su
     return online
 
 
-def _registered_federation(dep: Deployment, tmp_path: Path):
-    """N_PARTIES data owners with synthetic data (one canary each), all registered and online over TLS.
+def _registered_federation(dep: Deployment, tmp_path: Path, policy: tuple[str, ...] = ()):
+    """N_PARTIES data owners with synthetic data (one canary each, private to each owner: the deployed party
+    refuses data others can read), all registered and online over TLS.
 
     Returns (names, party data dirs, credentials dir, CLI FLWR_HOME, {party: node id}, SuperNode processes).
     """
     names = [f"party-{i}" for i in range(N_PARTIES)]
     parties = write_synthetic(tmp_path / "data", N_PARTIES, 24, 0, canaries=1)
+    for pdir in parties:  # the owner's step: chmod -R go-rwx <data-path>
+        make_private(pdir)
     creds, port, cli_home, ids = _federation(dep, tmp_path, names, register=names)
-    nodes = [_start_supernode(dep, tmp_path, creds, name, port, pdir)
+    nodes = [_start_supernode(dep, tmp_path, creds, name, port, pdir, policy)
              for name, pdir in zip(names, parties, strict=True)]
     online = _wait_online(dep, cli_home, set(ids.values()), [dep.procs[0], *nodes])
     assert online == set(ids.values()), f"online {online} are not exactly the registered nodes {ids}"
@@ -392,13 +399,15 @@ def test_unregistered_and_insecure_supernodes_refused(deployment: Deployment, tm
 def test_a_supernode_killed_mid_run_leaves_the_rounds_to_the_survivors(deployment: Deployment, tmp_path: Path):
     """A data owner's SuperNode (with its ClientApp processes) is killed after the first round. The SuperLink
     answers the messages to it with Flower's 'Node Unavailable' error once its heartbeats stop; the next
-    secure rounds complete over the two survivors (threshold 2), the run completes and the audit passes."""
+    secure rounds complete over the two survivors (threshold 2: each owner lowered its policy floor to 2), the run
+    completes and the audit passes."""
     dep = deployment
-    names, parties, _, cli_home, _, nodes = _registered_federation(dep, tmp_path)
+    names, parties, _, cli_home, _, nodes = _registered_federation(dep, tmp_path, ("--policy-min-parties", "2"))
     run_dir = tmp_path / "run"
 
     overrides = tmp_path / "overrides.toml"
-    overrides.write_text(to_toml({**OVERRIDES, "run.dir": str(run_dir), "federation.round-timeout": 180.0}))
+    overrides.write_text(to_toml({**OVERRIDES, "run.dir": str(run_dir), "federation.round-timeout": 180.0,
+                                  "privacy.min-parties": 2}))
     t0 = time.monotonic()
     cli = dep.start("flwr-run", [str(BIN / "flwr"), "run", str(REPO), CONN, "--stream",
                                  "--run-config", str(overrides)], cli_home)
@@ -436,3 +445,42 @@ def test_a_supernode_killed_mid_run_leaves_the_rounds_to_the_survivors(deploymen
     canary_file.write_text("".join((p / "canaries.txt").read_text() for p in parties))
     result = audit_run(run_dir, party_ledgers=ledgers, canaries=canary_file)
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
+
+
+@pytest.mark.slow
+def test_a_coordinator_that_asks_for_plaintext_is_refused_by_every_owner(deployment: Deployment, tmp_path: Path):
+    """The attack: the coordinator submits ``privacy.mode = "plaintext"`` (unmodified pinned parties used to send
+    plain updates, un-noised statistics and per-party rows). Every owner's SuperNode runs the deployed policy
+    (``distmoe deploy supernode``'s default): each refuses every instruction with the fixed code
+    ``policy-allow-plaintext`` before any work, so nothing but that code leaves any owner."""
+    dep = deployment
+    names, _, _, cli_home, _, _ = _registered_federation(dep, tmp_path)
+    run_dir = tmp_path / "run"
+    overrides = tmp_path / "overrides.toml"
+    overrides.write_text(to_toml({**OVERRIDES, "run.dir": str(run_dir), "privacy.mode": "plaintext",
+                                  "federation.round-timeout": 60.0}))
+    t0 = time.monotonic()
+    cli = dep.start("flwr-run", [str(BIN / "flwr"), "run", str(REPO), CONN, "--stream",
+                                 "--run-config", str(overrides)], cli_home)
+    while time.monotonic() - t0 < RUN_DEADLINE:
+        if _record(run_dir).get("status") in ("completed", "failed"):
+            break
+        if cli.poll() is not None and cli.returncode != 0:
+            break
+        time.sleep(1.0)
+    msg = dep.diag()
+    assert _record(run_dir).get("status") in ("completed", "failed"), f"run {_record(run_dir)}" + msg
+
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    errors = [e for e in events if e.get("event") == "party_error"]
+    assert {e["party"] for e in errors} == set(names), errors  # every owner refused
+    assert {e["code"] for e in errors} == {"policy-allow-plaintext"}, errors
+    assert not [e for e in events if e.get("event") in ("train", "stats", "eval") and not e.get("skipped")
+                and e.get("party") != "all"], "a per-party row reached the coordinator" + msg
+    for led in sorted(tmp_path.glob("data/.party-*-work/ledger/*.jsonl")):
+        outs = [json.loads(x) for x in led.read_text().splitlines() if x.strip()]
+        outs = [e for e in outs if e["direction"] == "out"]
+        assert outs and all(e["payload_type"] == "error" and e["info"]["code"] == 1009 for e in outs), (led, outs)
+    for name in names:  # no ClientApp did any work: no training line in any owner's log
+        log = dep.logs[f"supernode-{name}"].read_text(errors="replace")
+        assert "distmoe party" not in log or "loss" not in log, f"supernode-{name} trained" + msg
