@@ -9,6 +9,9 @@ vector, the DP charge before anything is computed, the masked input), the party'
 (name, ledger, canary strings from ``<data-path>/canaries.txt``), and turning the party's own errors
 (``SessionError``, ``PartyError``, ``DataError``, ``ConfigError``) into ``Refused`` with the fixed reason
 code of the closed table (``distmoe.wire.errors.REASONS``); their text is detail for the party's own log.
+With an owner policy (``distmoe.party.policy``) every message's run config is checked against the owner's floors
+before any work, and the setup request's threshold and noise at setup, before any key leaves; the policy and the
+code-pin digest go into the key advert's ledger entry (``take_ledger_info``).
 
 Must not: import ``flwr``, encode or send anything itself (the guard does), draw DP noise (``distmoe.privacy``
 does), or read another party's directory.

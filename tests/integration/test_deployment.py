@@ -454,7 +454,7 @@ def test_a_coordinator_that_asks_for_plaintext_is_refused_by_every_owner(deploym
     (``distmoe deploy supernode``'s default): each refuses every instruction with the fixed code
     ``policy-allow-plaintext`` before any work, so nothing but that code leaves any owner."""
     dep = deployment
-    names, _, _, cli_home, _, _ = _registered_federation(dep, tmp_path)
+    names, _, _, cli_home, ids, _ = _registered_federation(dep, tmp_path)
     run_dir = tmp_path / "run"
     overrides = tmp_path / "overrides.toml"
     overrides.write_text(to_toml({**OVERRIDES, "run.dir": str(run_dir), "privacy.mode": "plaintext",
@@ -473,7 +473,7 @@ def test_a_coordinator_that_asks_for_plaintext_is_refused_by_every_owner(deploym
 
     events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     errors = [e for e in events if e.get("event") == "party_error"]
-    assert {e["party"] for e in errors} == set(names), errors  # every owner refused
+    assert {e["node"] for e in errors} == set(ids.values()), errors  # every owner refused (no setup: no names)
     assert {e["code"] for e in errors} == {"policy-allow-plaintext"}, errors
     assert not [e for e in events if e.get("event") in ("train", "stats", "eval") and not e.get("skipped")
                 and e.get("party") != "all"], "a per-party row reached the coordinator" + msg
