@@ -486,5 +486,7 @@ def test_grpo_simulator_heldout_triggers_and_trust_counts(env):
     assert [m["sim_full_fit"] for m in eager.steps] == [1.0, 1.0, 1.0] and eager.sim_recal_triggered == 2
     assert [m["sim_full_fit"] for m in calm.steps] == [1.0, 0.0, 0.0] and calm.sim_recal_triggered == 0
     assert calm.steps[2]["sim_buffer_tokens"] > calm.steps[0]["sim_buffer_tokens"]  # batches accumulate
-    with pytest.raises(ValueError, match="rl.simulator-heldout-frac"):
-        run_grpo(copy.deepcopy(env["model"]), env["tok"], prompts[:8], "lookup", RLConfig(**cfg))
+    # fewer prompts left than rl.prompts-per-step after the hold-out: drawn with replacement, never refused (a
+    # refusal would tell the coordinator the party's prompt count)
+    few = run_grpo(copy.deepcopy(env["model"]), env["tok"], prompts[:8], "lookup", RLConfig(**{**cfg, "steps": 1}))
+    assert len(few.steps) == 1 and not set(few.sim_heldout) & set(few.last_batch.prompt_ids)
