@@ -161,9 +161,10 @@ def test_nan_gradient_update_names_the_parameter_and_winsorize_reaches_the_updat
     a, b = dict(plain.named_parameters()), dict(wins.named_parameters())
     assert any(not torch.equal(a[k], b[k]) for k in a if b[k].requires_grad)
 def _prune_batch(trained, n_prompts=8):
-    """A rollout batch from a prune-1 engine (so the mismatch weights are not all one), with its advantages."""
+    """A rollout batch from a prune-2 engine (so the mismatch weights are not all one: prune-1 masks no token
+    of this batch on some builds), with its advantages."""
     model = copy.deepcopy(trained["model"]).eval()
-    cfg = RLConfig(**{**BASE, "engine": "prune-1", "minibatches": 1})
+    cfg = RLConfig(**{**BASE, "engine": "prune-2", "minibatches": 1})
     engine = build_engine(model, trained["tok"], trained["prompts"], cfg)
     ids, _ = _encode(trained["tok"], trained["prompts"][:n_prompts], 256)
     ro = generate_rollouts(engine, trained["tok"], ids, 4, 8, 1.0, seed=3)
