@@ -637,7 +637,7 @@ class CheckpointConfig(_Section):
 class EvalConfig(_Section):
     max_new_tokens: int = key(10, "greedy generation length for accuracy", lo=1, hi=1024)
     batch_size: int = key(32, "evaluation and statistics batch size", lo=1, hi=4096)
-    every: int = key(0, "also evaluate after every this many rounds of each `sft`/`rl` phase (an `eval` round "
+    every: int = key(0, "also evaluate after every this many rounds of each `sft`, `rl` or `dpo` phase (an `eval` round "
                      "inserted in the schedule, charged by the privacy plan like any other); 0 = only where "
                      "the schedule says", lo=0, hi=100000)
 
@@ -794,13 +794,13 @@ def expansion_tasks(phases: tuple[Phase, ...]) -> list[str]:
     for ph in phases:
         if ph.kind == "sft" and ph.task and ph.task not in trained and trained:
             out.append(ph.task)
-        if ph.kind in ("sft", "dpo", "rl") and ph.task and ph.task not in trained:
+        if ph.kind in UPDATE_KINDS and ph.task and ph.task not in trained:
             trained.append(ph.task)
     return out
 
 
 def with_eval_cadence(phases: tuple[Phase, ...], every: int) -> tuple[Phase, ...]:
-    """``eval.every = n``: each ``sft``/``rl`` phase split into runs of ``n`` rounds with an ``eval`` round after
+    """``eval.every = n``: each training phase (``UPDATE_KINDS``: ``sft``, ``rl``, ``dpo``) split into runs of ``n`` rounds with an ``eval`` round after
     each full run, except where the schedule already evaluates next (the phase's last run followed by an
     ``eval`` phase). ``sft:a*5, eval`` with ``n = 2`` -> ``sft:a*2, eval, sft:a*2, eval, sft:a,
     eval``. The inserted rounds are ordinary ``eval`` rounds: the privacy plan charges them like any other."""
@@ -808,7 +808,7 @@ def with_eval_cadence(phases: tuple[Phase, ...], every: int) -> tuple[Phase, ...
         return phases
     out: list[Phase] = []
     for i, ph in enumerate(phases):
-        if ph.kind not in ("sft", "rl"):
+        if ph.kind not in UPDATE_KINDS:
             out.append(ph)
             continue
         nxt = phases[i + 1].kind if i + 1 < len(phases) else None
