@@ -2,7 +2,8 @@
 
 Every completed round ends with a checkpoint holding the global model *and* the coordinator state
 (``distmoe.coordinator.state``). With ``run.resume = <run dir>`` a new coordinator process refuses a
-completed run or a config that differs in a key outside ``RESUME_MAY_CHANGE`` (``check_resumable``,
+completed run or a config that differs in a key outside ``RESUME_MAY_CHANGE`` (the keys declared ``resume=True``
+in :mod:`distmoe.config`; ``check_resumable``,
 also called by ``distmoe simulate --resume`` before Flower starts), takes the newest checkpoint that
 verifies (a corrupted or truncated one is moved aside with a warning in ``run.json`` and the log, and
 the previous one is used: ``restore``), reopens the ledger with the run's own coordinator key (chain and
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from distmoe.checkpoint import CheckpointError, load_checkpoint, resumable
-from distmoe.config import DEFAULTS, RENAMED, RETIRED, RunConfig
+from distmoe.config import DEFAULTS, RENAMED, RESUME_MAY_CHANGE, RETIRED, RunConfig
 from distmoe.coordinator import expand
 from distmoe.coordinator.errors import RunFailed
 from distmoe.coordinator.state import StateError, from_checkpoint
@@ -51,12 +52,6 @@ from distmoe.model.trainable import TrainableError, check_trainable
 if TYPE_CHECKING:
     from distmoe.coordinator.loop import Coordinator
 
-# config keys a resumed run may change (timeouts, threads, where things are, how many checkpoints are
-# kept); any other difference to the interrupted run's config is refused, naming the keys
-RESUME_MAY_CHANGE = frozenset({"run.resume", "run.dir", "run.name", "federation.wait-timeout",
-                               "federation.round-timeout", "federation.setup-timeout", "federation.unmask-timeout",
-                               "federation.min-available", "federation.on-round-failure", "train.threads",
-                               "checkpoint.keep", "sim.nodes-dir", "report.tensorboard"})
 REFUSED = "config key 'run.resume'"
 
 
