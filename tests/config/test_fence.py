@@ -25,7 +25,8 @@ from distmoe.coordinator.resume import config_differences
 
 def test_resume_fence_is_what_the_keys_declare_and_what_the_resume_check_allows():
     assert RESUME_MAY_CHANGE == {s.name for s in KEYS if s.resume}
-    assert {"run.resume", "run.dir", "federation.round-timeout", "train.threads", "checkpoint.keep"} <= RESUME_MAY_CHANGE
+    assert {"run.resume", "run.dir", "federation.round-timeout", "train.threads", "checkpoint.keep"} \
+        <= RESUME_MAY_CHANGE
     # nothing that shapes the model, the data or a release may change on resume
     assert not {k for k in RESUME_MAY_CHANGE if k.split(".")[0] in ("model", "privacy", "schedule", "rl", "dpo")}
     before = dict(DEFAULTS)
