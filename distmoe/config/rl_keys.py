@@ -105,7 +105,7 @@ class RLConfig(Section):
 
 @section("dpo")
 class DPOConfig(Section):
-    """Local DPO in `dpo` phases (``distmoe.train.dpo``; the optimiser, clipping and micro-batches are `train.*`'s)."""
+    """Local DPO in `dpo` phases (``distmoe.rl.dpo``; the optimiser, clipping and micro-batches are `train.*`'s)."""
 
     beta: float = key(0.1, "DPO β: the strength of the implicit KL to the reference", lo=0.0, hi=100.0, lo_open=True)
     steps: int = key(20, "optimizer steps per `dpo` round at each party", lo=1, hi=100000)

@@ -4,7 +4,7 @@ DP noise and secure aggregation).
 
 The reference is the instruction's ``ref_weights`` (the global model at the start of the ``dpo`` phase, with
 ``dpo.reference = phase``) or, when absent, the global weights as received. Its log-probs on every training pair are
-computed once, before the first step (``distmoe.train.dpo.reference_logps``: by the trainer, or by the inference
+computed once, before the first step (``distmoe.rl.dpo.reference_logps``: by the trainer, or by the inference
 engine ``dpo.reference-engine`` with IcePop pair masking); the model then starts from the global weights.
 
 Besides the SFT metric keys of the update (``task_loss`` = the DPO loss), the DPO figures (margins, preference
