@@ -449,7 +449,6 @@ OVER_CAP = {
     "distmoe/cli.py",  # the distmoe command
     "distmoe/privacy/dp.py",  # distributed Skellam DP, canaries, CSPRNG sources
     "distmoe/deploy/credentials.py",  # federation credentials
-    "distmoe/privacy/secagg/client.py",  # the SecAgg client state machine
     "distmoe/privacy/secagg/server.py",  # the SecAgg server state machine
     "distmoe/rl/grpo.py",  # the local GRPO loop
     "distmoe/rl/simulator.py",  # the inference simulator
