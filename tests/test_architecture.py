@@ -450,7 +450,6 @@ OVER_CAP = {
     "distmoe/privacy/dp.py",  # distributed Skellam DP, canaries, CSPRNG sources
     "distmoe/deploy/credentials.py",  # federation credentials
     "distmoe/privacy/secagg/server.py",  # the SecAgg server state machine
-    "distmoe/rl/simulator.py",  # the inference simulator
     "distmoe/ledger.py",  # the signed ledger
 }
 
