@@ -21,6 +21,9 @@ class Balance(StrEnum):
     BIAS = "bias"
     AUX_BIAS = "aux+bias"
 
+    def __repr__(self) -> str:  # as the value it was given: messages and records read 'bias', not the member
+        return repr(self.value)
+
     @property
     def aux(self) -> bool:
         """The aux load-balance loss is on."""

@@ -59,6 +59,7 @@ def test_balance_is_an_enum_asked_by_its_parts(mode, aux, bias):
     cfg = parse_run_config({"routing.balance": mode})
     assert isinstance(cfg.routing.balance, Balance) and cfg.routing.balance == mode
     assert (cfg.routing.balance.aux, cfg.routing.balance.bias) == (aux, bias)
+    assert f"{cfg.routing.balance!r} {cfg.routing.balance}" == f"{mode!r} {mode}"  # messages name the value
     assert cfg.model.balance_bias == bias
 
 
