@@ -17,6 +17,7 @@ import functools
 import hashlib
 from typing import TYPE_CHECKING
 
+from distmoe.config import PRIVACY_KEYS
 from distmoe.coordinator import resume
 from distmoe.coordinator.aggregator import PlaintextAggregator
 from distmoe.coordinator.errors import RunFailed
@@ -98,8 +99,7 @@ def start(co: Coordinator, nodes: list[int]) -> None:
         co.ledger.append(run=co.run_id, round=0, phase="run-start", direction="out", payload_type="policy", keys=[],
                          shapes={}, bytes=len(blob), sha256=digest, verdict="accepted", peer="all",
                          info={"policy": policy, "mode": p.mode,
-                               "privacy": {k: v for k, v in cfg.as_flat().items()
-                                           if k.startswith("privacy.") or k == "data.canary-file"},
+                               "privacy": {k: v for k, v in cfg.as_flat().items() if k in PRIVACY_KEYS},
                                "plan": co.plan.as_dict(), "router_spec": co.mspec.router_spec()})
     co.guard = ServerGuard(co.ledger, co.run_id, policy)
     co.transport.attach(co.guard)

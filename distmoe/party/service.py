@@ -52,8 +52,17 @@ from distmoe.wire.schema import (
     UnmaskResponseMsg,
 )
 
-_PLAIN = {SftInstruction: P.run_sft, RlInstruction: P.run_rl, StatsInstruction: P.run_stats,
-          EvalInstruction: P.run_eval}
+
+def _run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction):
+    """``(update, what only this party's log gets)`` of a training round on an ``sft`` instruction: a ``dpo``
+    round (``objective = "dpo"``) keeps its DPO figures for that log."""
+    if instr.objective == "dpo":
+        return run_dpo(cfg, node, instr)
+    return P.run_sft(cfg, node, instr), {}
+
+
+_PLAIN = {SftInstruction: lambda cfg, node, instr: _run_sft(cfg, node, instr)[0], RlInstruction: P.run_rl,
+          StatsInstruction: P.run_stats, EvalInstruction: P.run_eval}
 
 
 def load_canaries(node: NodeConfig) -> list[bytes]:
@@ -176,11 +185,9 @@ class PartyService:
         metrics stay in this party's own log (``UpdateLayout``: uniform weights, no metrics)."""
         cfg, node = self.cfg, self.node
         P.take_notes(node.party)  # nothing stale from an earlier call
-        local: dict = {}  # what only this party's log gets (a dpo round's DPO figures)
-        if isinstance(instr, SftInstruction) and instr.objective == "dpo":
-            upd, local = run_dpo(cfg, node, instr)
-        else:
-            upd = (P.run_sft if isinstance(instr, SftInstruction) else P.run_rl)(cfg, node, instr)
+        # `local`: what only this party's log gets besides the update (a dpo round's DPO figures)
+        sft = isinstance(instr, SftInstruction)
+        upd, local = _run_sft(cfg, node, instr) if sft else (P.run_rl(cfg, node, instr), {})
         notes = P.take_notes(node.party)  # names of parameters with non-finite gradients: this party's log only
         layout = sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()})
         vec, facts = layout.encode(upd.delta, upd.num_examples)

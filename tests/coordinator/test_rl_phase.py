@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration  # every test here is a whole in-process ru
 @pytest.mark.parametrize("mode", ["plaintext", "secagg"])
 def test_rl_phase_round_trip(synth_dirs, tmp_path: Path, tiny, mode):
     """RL metrics reach the server only in the plaintext baseline; under secure aggregation the update sum
-    carries the contributor count only (issue 11: per-release metrics a straggle could difference out)."""
+    carries the contributor count only (per-release metrics are what a straggle could difference out)."""
     cfg = parse_run_config({**tiny, "schedule.phases": "sft:lookup, rl:lookup*2, eval", "schedule.sft-rounds": 1,
                             "train.local-steps": 4, "rl.steps": 2, "rl.prompts-per-step": 4, "rl.group-size": 2,
                             "rl.max-new-tokens": 4, "rl.engine": "bf16", "checkpoint.keep": 10,

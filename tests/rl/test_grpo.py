@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distmoe.config import ConfigError, RLConfig
-from distmoe.rl.grpo import _encode, _logprobs_and_logits, build_engine, minibatch_loss, reuse_valid, run_grpo
+from distmoe.rl.grpo import _encode, build_engine, logprobs_and_logits, minibatch_loss, reuse_valid, run_grpo
 from distmoe.rl.losses import POLICY_LOSSES, get_policy_loss, mismatch_weights
 from distmoe.rl.rollout import generate_rollouts, train_logprobs
 
@@ -182,7 +182,7 @@ def test_reused_logp_old_gives_the_loss_and_gradient_of_the_separate_recompute(t
     def weigh(lp):
         return mismatch_weights(lp, ro.logp_infer, mask, "token", "mask", cfg.icepop_low, cfg.icepop_high)[0]
 
-    logp_sep, _, _ = _logprobs_and_logits(model, ro)  # [N, T] eval mode, no grad
+    logp_sep, _, _ = logprobs_and_logits(model, ro)  # [N, T] eval mode, no grad
     w_sep = weigh(logp_sep)
     assert 0 < int((w_sep[mask] == 0).sum()) < int(mask.sum())  # some tokens masked: the weights matter
     model.train()
