@@ -29,12 +29,13 @@ one bit of margin for the sum of the largest declared values with a fixed noise 
 (``distmoe.privacy.dp``: per-sequence rounding at scale s, a Skellam noise share, K noise canaries at
 positions drawn per release) and stay in Z_2^64.
 
-Uniform weights, no metrics (issue 11, straggle differencing). Two releases whose survivor sets differ by
+Uniform weights, bounded metrics (issue 11, straggle differencing). Two releases whose survivor sets differ by
 one party difference to that party's own figures, so nothing data-dependent but the (clipped, under
-``private`` also noised) delta block may go into an update: each party's weight is 1 if it trained on data
-for the task and 0 otherwise (``sum w`` is then the number of contributing parties, which the protocol's
-contributor count reveals anyway: it is never the example count), and training metrics (losses, rewards,
-step counts) are not encoded at all; they stay in each party's own log. The aggregate is the unweighted
+``private`` also noised) delta block and bounded figures may go into an update: each party's weight is 1 if it
+trained on data for the task and 0 otherwise (``sum w`` is then the number of contributing parties, which the
+protocol's contributor count reveals anyway: it is never the example count); training metrics travel only as
+the ``metric_slots`` last words, each clipped to a public bound (``distmoe.privacy.train_metrics``, which also
+owns ``delta_clip``: with ``private`` the delta and the slots share the clip's L2 norm). The aggregate is the unweighted
 mean of the contributors' clipped deltas, as in DP-FedAvg (McMahan et al., ICLR 2018) with uniform weights:
 a party with 10x the data no longer pulls 10x harder. With client-level DP on updates (``private=True``,
 ``privacy.update-noise-multiplier > 0``) every included party has weight 1, data or not (a zero delta plus

@@ -897,12 +897,13 @@ def _train_table(rows: list[dict[str, Any]], derived: bool, secure: bool = False
     if secure and not any(_num(r.get(k)) is not None for r in rows for k in ("loss", "loss_first", "loss_last")):
         # secure aggregation releases only the training-metric slots' means: no column of dashes
         body = [(r["round"], r.get("phase_label"), r.get("task"), _count(r.get("contributors", r.get("parties"))),
-                 "skipped: nothing released" if r.get("skipped") else "applied", _num(r.get("task_loss")))
-                for r in rows]
-        header: tuple[str, ...] = ("round", "phase", "task", "contributing parties†", "update", "mean task loss†")
+                 "skipped: nothing released" if r.get("skipped") else "applied") for r in rows]
+        header: tuple[str, ...] = ("round", "phase", "task", "contributing parties†", "update")
         if any(_num(r.get("skipped_steps")) is not None for r in rows):  # the secure sum of NaN/Inf steps skipped
             body = [(*b, _count(r.get("skipped_steps"))) for b, r in zip(body, rows, strict=True)]
             header = (*header, "skipped NaN/Inf steps (sum)")
+        body = [(*b, _num(r.get("task_loss"))) for b, r in zip(body, rows, strict=True)]  # the released slot mean
+        header = (*header, "mean task loss†")
         out += _table(header, body)
     else:
         body = [
