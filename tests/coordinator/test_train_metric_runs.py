@@ -14,6 +14,8 @@ import pytest
 
 from distmoe.audit import audit_run
 from distmoe.privacy import train_metrics as TM
+from distmoe.report.report import write_report
+from distmoe.report.tensorboard import scalars
 
 pytestmark = pytest.mark.integration  # every test here judges a whole in-process run
 
@@ -50,6 +52,9 @@ def test_decoded_mean_loss_is_the_mean_of_the_parties_own_losses(tmp_path, make_
         assert abs(row["task_loss"] - sum(mine) / 3) <= _tolerance(rel), (row["task_loss"], mine)
         assert rel["info"]["metric_slots"] == [["task_loss", 0.0, BOUND]]
     assert all(f"task loss {r['task_loss']:.3f}" in "\n".join(lines) for r in rows)  # the round line
+    assert [(t, step) for t, step, _, _ in scalars(run_dir) if t == "train/task_loss"] == [("train/task_loss", 1),
+                                                                                           ("train/task_loss", 2)]
+    assert "mean task loss†" in write_report(run_dir).read_text()  # the report's train table (and loss.png)
     result = audit_run(run_dir)  # the metrics row and the release entry pass the audit's schemas
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
 
