@@ -83,5 +83,6 @@ def update_dp_facts(layout: UpdateLayout, z_u: float, n_parties: int, threshold:
     return {"mechanism": "gaussian", "unit": "party", "neighbours": "add/remove", "noise_multiplier": z_u,
             "n_parties": n_parties, "n_active": n, "max_dropouts": n_parties - threshold, "z_eff": z_eff,
             "clip": layout.clip, "weights": "uniform", "sensitivity": layout.sensitivity, "metrics": "withheld",
-            "metric_slots": layout.metric_slots, "delta_clip": layout.delta_clip,
+            "metric_slots": getattr(layout, "metric_slots", 0),
+            "delta_clip": getattr(layout, "delta_clip", layout.clip),
             "sequence_sensitivity": SEQUENCE_FACTOR * layout.clip, "z_sequence": sequence_noise_multiplier(z_eff)}
