@@ -123,9 +123,14 @@ class PrivacyConfig(Section):
                                "trains (they do not depend on the update; one update-sized buffer more), then add "
                                "them in one pass; only where the process has more than one core")
     update_noise_multiplier: float = key(0.0, "> 0: client-level DP on model updates (distributed Skellam): noise "
-                                         "`z_u * update-clip` in the sum, uniform weights and training metrics "
-                                         "withheld (they stay in each party's log), accounted per party",
-                                         lo=0.0, hi=1e6)
+                                         "`z_u * update-clip` in the sum, uniform weights, the training metrics "
+                                         "noised inside the same sensitivity (`update-metric-share`), accounted "
+                                         "per party", lo=0.0, hi=1e6)
+    update_metric_share: float = key(0.25, "with update noise: the share rho of `update-clip`'s L2 norm given to "
+                                     "the training-metric slots of the update sum (the delta is clipped to "
+                                     "`update-clip * sqrt(1 - rho^2)`; the metrics get the update noise at the same "
+                                     "sensitivity, so the accounting is unchanged); 0 = no training metrics under "
+                                     "update noise; see `docs/privacy.md` §3", lo=0.0, hi=0.9)
     metric_noise_multiplier: float = key(3.0, "z_m of the distributed Skellam noise on every evaluation release "
                                          "under secure aggregation (per-example correct answers, clipped losses "
                                          "and counts per task, one held-out sequence = sensitivity sqrt(3) examples)"

@@ -7,12 +7,14 @@ The reference is the instruction's ``ref_weights`` (the global model at the star
 computed once, before the first step (``distmoe.rl.dpo.reference_logps``: by the trainer, or by the inference
 engine ``dpo.reference-engine`` with IcePop pair masking); the model then starts from the global weights.
 
-Besides the SFT metric keys of the update (``task_loss`` = the DPO loss), the DPO figures (margins, preference
-accuracy, masked pairs, and the held-out pairs' margin and preference accuracy before and after the round) are
-returned separately, for this party's own metrics log only: nothing of them leaves.
+The update's metric keys are the SFT ones (``task_loss`` = the DPO loss) with ``dpo_margin`` and ``dpo_acc``, the
+round's mean log-ratio margin and preference accuracy (released as clipped training-metric slots of the secure sum,
+``distmoe.privacy.train_metrics``). The other DPO figures (first/last margins, masked pairs, and the held-out pairs'
+margin and preference accuracy before and after the round) are returned separately, for this party's own metrics
+log only: nothing of them leaves.
 
-Must not: import ``flwr``, read another party's directory, or put anything but the update and the SFT metric keys
-into the wire payload.
+Must not: import ``flwr``, read another party's directory, or put anything but the update and its metric keys
+(``TRAIN_METRIC_KEYS``) into the wire payload.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ def _margin_stats(m: torch.Tensor, prefix: str) -> dict[str, float]:
     if m.numel() == 0:
         return {f"{prefix}_margin": float("nan"), f"{prefix}_acc": float("nan")}
     return {f"{prefix}_margin": float(m.mean()), f"{prefix}_acc": float((m > 0).float().mean())}
+
+
+def _mean(xs: list[float]) -> float:
+    """The mean of the finite values (NaN when there is none)."""
+    xs = [x for x in xs if x == x]
+    return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
 def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> tuple[ModelUpdate, dict[str, float]]:
@@ -71,7 +79,8 @@ def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> tuple[Mo
     after = trainable_state(model)
     delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
     s = res.summary()
-    metrics = {k: float(s[k]) for k in TRAIN_METRIC_KEYS}
+    metrics = {k: float(s.get(k, float("nan"))) for k in TRAIN_METRIC_KEYS}
+    metrics.update(dpo_margin=_mean(res.margins), dpo_acc=_mean(res.accs))  # the round's means: released figures
     local.update({k: float(v) for k, v in s.items() if k.startswith("dpo_")})
     progress(node, f"round {instr.round} dpo:{instr.task}: loss {metrics['loss_first']:.4f} -> "
              f"{metrics['loss_last']:.4f} over {int(metrics['steps'])} steps ({res.num_pairs} pairs), held-out "

@@ -167,7 +167,7 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
     after = trainable_state(model)
     delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
     s = res.summary()
-    metrics = {k: float(s[k]) for k in keys}
+    metrics = {k: float(s.get(k, float("nan"))) for k in keys}  # the dpo_* keys: NaN in an sft round
     progress(node, f"round {instr.round} sft:{instr.task}: loss {metrics['loss_first']:.4f} -> "
              f"{metrics['loss_last']:.4f} over {int(metrics['steps'])} steps ({res.num_examples} examples)"
              + (f", anchor KL {metrics['anchor_kl']:.4f}" if anchor is not None else "")
