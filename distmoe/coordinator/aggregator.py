@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from distmoe.aggregate import divergent_updates, weighted_average
+from distmoe.privacy import train_metrics as TM
 from distmoe.wire.schema import EVAL_ROUTING_KEYS, EvalReply, ModelUpdate, RouterStats
 
 if TYPE_CHECKING:
@@ -41,10 +42,11 @@ class Skip:
 @dataclass
 class UpdateSum:
     delta: dict[str, np.ndarray]  # name -> [*shape] float32: the weighted mean update to add
-    metrics: dict[str, float]  # aggregate training metrics (none under secagg: they stay at the parties)
+    metrics: dict[str, float]  # aggregate training metrics (secagg: the training-metric slots' means only)
     num_examples: int  # the summed weight: examples in plaintext, contributing parties under secagg
     parties: int  # parties included in the sum
     nodes: int  # parties asked
+    noise: dict[str, float] = field(default_factory=dict)  # noise std of each noised metric mean (update noise)
 
 
 @dataclass
@@ -167,6 +169,9 @@ class PlaintextAggregator(Aggregator):
                       [u.party for u in replies.values()],
                       rejected={co.guard.peer(nd): why for nd, why in rejected.items()})
         metrics = weighted_metrics([(u.metrics, u.num_examples) for u in replies.values() if u.num_examples > 0])
+        # the secure release's figures, computed the same way: each contributor's value clipped, uniform mean
+        slots = TM.slots_for(TM.objective_of(kind, getattr(instr, "objective", None)), co.cfg.privacy.metric_loss_bound)
+        metrics.update(TM.plain_means([u.metrics for u in replies.values() if u.num_examples > 0], slots))
         return UpdateSum(avg, metrics, sum(u.num_examples for u in replies.values()), len(replies), n_nodes)
 
     def router_stats(self, instr, shape, label):

@@ -292,7 +292,7 @@ class Coordinator:
         """Anomalies of an aggregate (``distmoe.coordinator.record``), recorded in ``run.json``
         (``anomalies``) and ``metrics.jsonl`` (``event: anomaly``); the report lists them."""
         if self.cfg.privacy.secure:
-            return []  # no training metric leaves a party under secure aggregation: nothing to judge
+            return []  # secure aggregation: only the training-metric slots' means, not judged here (docs/operations.md)
         found = flag_anomalies(self.s.anomaly_history, event, agg, self.cfg.federation.anomaly_z)
         for text in found:
             self.say(f"round {self.s.round}: ANOMALY: {text}")

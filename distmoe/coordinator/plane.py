@@ -17,6 +17,7 @@ import functools
 import hashlib
 from typing import TYPE_CHECKING
 
+from distmoe.config import PRIVACY_KEYS
 from distmoe.coordinator import resume
 from distmoe.coordinator.aggregator import PlaintextAggregator
 from distmoe.coordinator.errors import RunFailed
@@ -28,6 +29,7 @@ from distmoe.model.expand import per_expert, stages
 from distmoe.privacy.metric_noise import EvalSpec
 from distmoe.privacy.plan import stats_spec, threshold_for
 from distmoe.privacy.ring import WrapError
+from distmoe.privacy.train_metrics import release_layout
 from distmoe.privacy.vectors import UpdateLayout
 from distmoe.wire.at_rest import check_allow_list
 from distmoe.wire.server_guard import ServerGuard, build_policy, policy_digest
@@ -45,17 +47,30 @@ def stage_shapes(co: Coordinator) -> list[tuple[dict[str, tuple[int, ...]], int]
             for e in stages(co.cfg, first)]
 
 
-def layout_facts(co: Coordinator, n: int, shapes=None, experts: int | None = None) -> dict[str, int]:
+def layout_facts(co: Coordinator, n: int, shapes=None, experts: int | None = None,
+                 objective: str = "sft") -> dict[str, int]:
     """The public vector lengths of each release for ``n`` parties (they size the allow-list); ``shapes`` /
-    ``experts``: of one stage (default: the model now)."""
+    ``experts``: of one stage (default: the model now); ``objective``: of the ``model-update`` release (``sft`` or
+    ``dpo``: their training-metric slots differ, ``distmoe.privacy.train_metrics``)."""
     cfg, p = co.cfg, co.cfg.privacy
     L, E = co.mspec.num_moe_layers, experts or co.mspec.num_experts
     shapes = tuple(shapes.items()) if shapes is not None else co.tspec.shapes
     update = UpdateLayout.build(shapes, n, p.update_clip, private=co.plan.update_noise_multiplier > 0)
+
+    def length(obj: str) -> int:
+        return release_layout(update, obj, p.metric_loss_bound, p.update_metric_share)[0].length
+
     return dict(
-        update_length=update.length,
-        rl_update_length=update.length,  # the same layout
+        update_length=length(objective),
+        rl_update_length=length("rl"),  # the update layout with the rl slots
         stats_length=L * E + p.noise_canaries, eval_length=EvalSpec.length_for(cfg.schedule.tasks))
+
+
+def update_objectives(co: Coordinator) -> list[str]:
+    """The objectives of the schedule's ``model-update`` releases: ``sft`` and/or ``dpo`` (one allow-list stage
+    each)."""
+    kinds = {ph.kind for ph in co.cfg.schedule.phases}
+    return [o for o in ("sft", "dpo") if o in kinds] or ["sft"]
 
 
 def start(co: Coordinator, nodes: list[int]) -> None:
@@ -73,8 +88,9 @@ def start(co: Coordinator, nodes: list[int]) -> None:
         write_text_atomic(lpath.with_suffix(".pub"), public_key_hex(key) + "\n")
     n = len(nodes)
     L = co.mspec.num_moe_layers
-    staged = stage_shapes(co)  # one, unless the model grows along the schedule (retention.expand-experts)
-    facts = [layout_facts(co, n, sh, E) for sh, E in staged]
+    # one stage per expert count the schedule reaches (retention.expand-experts) and model-update objective
+    staged = [(sh, E) for sh, E in stage_shapes(co) for _ in update_objectives(co)]
+    facts = [layout_facts(co, n, sh, E, obj) for sh, E in stage_shapes(co) for obj in update_objectives(co)]
     if p.secure and co.plan.stats_releases:  # fail before anything is sent, naming the bound
         try:
             stats_spec(p, co.plan.noise_multiplier, L, staged[-1][1], n,
@@ -98,8 +114,7 @@ def start(co: Coordinator, nodes: list[int]) -> None:
         co.ledger.append(run=co.run_id, round=0, phase="run-start", direction="out", payload_type="policy", keys=[],
                          shapes={}, bytes=len(blob), sha256=digest, verdict="accepted", peer="all",
                          info={"policy": policy, "mode": p.mode,
-                               "privacy": {k: v for k, v in cfg.as_flat().items()
-                                           if k.startswith("privacy.") or k == "data.canary-file"},
+                               "privacy": {k: v for k, v in cfg.as_flat().items() if k in PRIVACY_KEYS},
                                "plan": co.plan.as_dict(), "router_spec": co.mspec.router_spec()})
     co.guard = ServerGuard(co.ledger, co.run_id, policy)
     co.transport.attach(co.guard)

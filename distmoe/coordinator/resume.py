@@ -2,7 +2,8 @@
 
 Every completed round ends with a checkpoint holding the global model *and* the coordinator state
 (``distmoe.coordinator.state``). With ``run.resume = <run dir>`` a new coordinator process refuses a
-completed run or a config that differs in a key outside ``RESUME_MAY_CHANGE`` (``check_resumable``,
+completed run or a config that differs in a key outside ``RESUME_MAY_CHANGE`` (the keys declared ``resume=True``
+in :mod:`distmoe.config`; ``check_resumable``,
 also called by ``distmoe simulate --resume`` before Flower starts), takes the newest checkpoint that
 verifies (a corrupted or truncated one is moved aside with a warning in ``run.json`` and the log, and
 the previous one is used: ``restore``), reopens the ledger with the run's own coordinator key (chain and
@@ -28,12 +29,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from distmoe.checkpoint import CheckpointError, load_checkpoint, resumable
-from distmoe.config import DEFAULTS, RENAMED, RETIRED, RunConfig
+from distmoe.checkpoint import resumable
+from distmoe.config import DEFAULTS, RENAMED, RESUME_MAY_CHANGE, RETIRED, RunConfig
 from distmoe.coordinator import expand
 from distmoe.coordinator.errors import RunFailed
+from distmoe.coordinator.start import read_checkpoint, verify_weights
 from distmoe.coordinator.state import StateError, from_checkpoint
 from distmoe.io import sanitize, write_text_atomic
 from distmoe.ledger import (
@@ -45,18 +45,10 @@ from distmoe.ledger import (
     public_key_hex,
     verify_ledger,
 )
-from distmoe.model.build import hash_tensors
-from distmoe.model.trainable import TrainableError, check_trainable
 
 if TYPE_CHECKING:
     from distmoe.coordinator.loop import Coordinator
 
-# config keys a resumed run may change (timeouts, threads, where things are, how many checkpoints are
-# kept); any other difference to the interrupted run's config is refused, naming the keys
-RESUME_MAY_CHANGE = frozenset({"run.resume", "run.dir", "run.name", "federation.wait-timeout",
-                               "federation.round-timeout", "federation.setup-timeout", "federation.unmask-timeout",
-                               "federation.min-available", "federation.on-round-failure", "train.threads",
-                               "checkpoint.keep", "sim.nodes-dir", "report.tensorboard"})
 REFUSED = "config key 'run.resume'"
 
 
@@ -157,26 +149,15 @@ def restore(co: Coordinator) -> bool:
     if path is None:
         raise RunFailed(f"{REFUSED}: no usable checkpoint in {root} (none verifies against its manifest): the run "
                         "cannot resume")
-    try:
-        manifest, weights, extra, state = load_checkpoint(path)
-    except CheckpointError as exc:
-        raise RunFailed(f"{REFUSED}: {exc}") from None
-    weights = {k: v.to(torch.float32) for k, v in weights.items()}
+    manifest, weights, extra, state = read_checkpoint(path, REFUSED)
     try:
         s = from_checkpoint(state, weights, extra, run_id=co.run_id, where=str(path))
         expand.replay(co, s.expansions)  # the checkpoint's shape (retention.expand-experts)
-        check_trainable(weights, co.tspec)
     except StateError as exc:
         raise RunFailed(str(exc)) from None
-    except TrainableError as exc:
-        raise RunFailed(f"{path}: the checkpoint does not fit this model: {exc}") from None
     except ValueError as exc:  # its recorded expert expansions do not fit this model
         raise RunFailed(f"{path}: {exc}") from None
-    if hash_tensors(weights) != manifest.get("trainable_hash"):
-        raise RunFailed(f"{path}: trainable weights do not match the manifest's trainable_hash")
-    if manifest.get("base_fingerprint", co.model.base_fingerprint) != co.model.base_fingerprint:
-        raise RunFailed(f"{path}: the adapters were trained on another base model (fingerprint "
-                        f"{manifest['base_fingerprint'][:12]}, model.path now {co.model.base_fingerprint[:12]})")
+    verify_weights(weights, manifest, co.tspec, co.model.base_fingerprint, str(path))
     co.s = s
     co.ckpt_round = s.round
     co.resumed_from = {"checkpoint": str(path.relative_to(co.run_dir)), "round": s.round,

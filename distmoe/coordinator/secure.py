@@ -4,8 +4,10 @@ Owns: for each phase, the public layout of the vector the parties mask (``distmo
 ``UpdateLayout``, ``StatsLayout``; ``distmoe.privacy.metric_noise.EvalSpec``), the DP event of a release at
 the survivors' count (``PrivacyEvent``: client-level Gaussian on updates when
 ``privacy.update-noise-multiplier`` > 0, distributed Skellam on router statistics and on every evaluation
-release). Update releases carry no training metrics (uniform weights: the weight sum is the number of
-contributing parties); evaluation releases no routing metrics. The bound checks on the decoded sum
+release). Update releases carry the objective's training metrics as clipped, bounded slots of the same sum
+(``distmoe.privacy.train_metrics``: decoded to means over the securely counted contributors, bound-checked, noised
+with the update noise when it is on) and uniform weights (the weight sum is the number of contributing parties);
+evaluation releases no routing metrics. The bound checks on the decoded sum
 (``distmoe.aggregate``: a sum that no honest set of parties can produce is rejected, logged and not
 applied), and the release entry in the ledger with its survivors, DP parameters and canaries: their values, the
 seed of their positions with the public material it hashes (``dp.canary_seed`` over the round's U1 mask keys)
@@ -26,6 +28,7 @@ import numpy as np
 from distmoe.aggregate import aggregate_problem, stats_sum_problem
 from distmoe.coordinator.aggregator import Aggregator, EvalSum, Skip, StatsSum, UpdateSum
 from distmoe.coordinator.secagg import SecureRounds, SecureSum
+from distmoe.privacy import train_metrics as TM
 from distmoe.privacy.accountant import PrivacyEvent
 from distmoe.privacy.dp import canary_seed, positions_digest, row_noise_test
 from distmoe.privacy.plan import eval_spec, stats_event, stats_spec
@@ -61,8 +64,10 @@ class SecureAggregator(Aggregator):
         co, p, sec = self.co, self.co.cfg.privacy, self.rounds
         n, t = len(sec.roster), sec.threshold
         z_u = sec.plan.update_noise_multiplier
-        layout = UpdateLayout.build(co.tspec.shapes, n, p.update_clip, private=z_u > 0, noise_multiplier=z_u,
-                                    threshold=t, ring=p.ring_bits)
+        layout, slots = TM.release_layout(
+            UpdateLayout.build(co.tspec.shapes, n, p.update_clip, private=z_u > 0, noise_multiplier=z_u,
+                               threshold=t, ring=p.ring_bits),
+            TM.objective_of(kind, getattr(instr, "objective", None)), p.metric_loss_bound, p.update_metric_share)
 
         def event_at(n_active: int) -> PrivacyEvent:  # n_active >= t survivors, per sequence (z_u/2 at t)
             return update_event(z_u, n_active, t, f"{release} round {co.s.round}")
@@ -76,18 +81,23 @@ class SecureAggregator(Aggregator):
         skipped = layout.decode_skipped(res.total)  # the one stability count (None with update noise)
         if problem is None and skipped is not None and not 0 <= skipped <= len(res.included) * SKIPPED_MAX:
             problem = f"skipped-step count {skipped:.6g} outside [0, {len(res.included)} x {SKIPPED_MAX}]"
+        sigma = TM.noise_std(layout, z_u, res.n_active, t)  # the update noise on each metric word (0 without)
+        means, stds, slot_problem = TM.decode(res.total, layout, slots, res.contributors, len(res.included), sigma)
+        problem = problem or slot_problem  # a slot no honest contributors can produce: the sum is not applied
         dp = None
         if z_u > 0:
             dp = update_dp_facts(layout, z_u, n, t, res.n_active)
         self._log(res, kind, release, dp, problem, weight_sum=weight, frac_bits=layout.frac_bits,
-                  ring_bits=layout.bits)
+                  ring_bits=layout.bits, contributors=res.contributors,
+                  metric_slots=[[s.key, s.lo, s.hi] for s in slots])
         if problem is not None:
             return Skip(f"aggregate rejected ({problem}): model unchanged")
         if avg is None:
             return Skip(f"{len(res.included)} parties, total weight 0 (no data for task {instr.task!r}): model "
                         "unchanged", failed=False)
-        metrics = {} if skipped is None else {"skipped_steps": skipped}  # no other metric is released
-        return UpdateSum(avg, metrics, int(round(weight)), len(res.included), n)
+        metrics = {} if skipped is None else {"skipped_steps": skipped}
+        metrics.update(means)  # the training-metric slots: means over the contributors (noised with update noise)
+        return UpdateSum(avg, metrics, int(round(weight)), len(res.included), n, noise=stds)
 
     def router_stats(self, instr, shape, label):
         p, sec, rnd = self.co.cfg.privacy, self.rounds, self.co.s.round

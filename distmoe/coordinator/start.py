@@ -8,7 +8,10 @@ router anchor (with its version metadata: the next ``stats`` release makes versi
 not: the schedule position, tasks, evaluations, ledgers and privacy accounting; the new run has its own
 (``docs/operations.md``, Rollback).
 
-Must not: talk to parties, or be used on resume (a resumed run restores its own checkpoint).
+Also owns reading a checkpoint of the global model and verifying its weights (:func:`read_checkpoint`,
+:func:`verify_weights`), which a resumed run uses on its own checkpoint too.
+
+Must not: talk to parties, or choose a resumed run's checkpoint (``resume.restore`` does).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from distmoe.checkpoint import CheckpointError, load_checkpoint
 from distmoe.coordinator.errors import RunFailed
 from distmoe.model.build import hash_tensors
-from distmoe.model.trainable import TrainableError, check_trainable
+from distmoe.model.trainable import TrainableError, TrainableSpec, check_trainable
 from distmoe.routing.anchor import Anchor, AnchorVersion
 from distmoe.train.warmup import BaseError, build_base
 
@@ -42,6 +45,32 @@ def start_point(co: Coordinator) -> Path | None:
     return Path(cfg.run.init_from) if cfg.run.init_from else None
 
 
+def read_checkpoint(path: Path, where: str) -> tuple[dict, dict[str, torch.Tensor], dict, dict | None]:
+    """``(manifest, trainable weights in float32, extra tensor files, state)`` of the checkpoint at ``path``;
+    ``RunFailed`` naming ``where`` when it does not verify against its manifest."""
+    try:
+        manifest, weights, extra, state = load_checkpoint(path)
+    except CheckpointError as exc:
+        raise RunFailed(f"{where}: {exc}") from None
+    return manifest, {k: v.to(torch.float32) for k, v in weights.items()}, extra, state
+
+
+def verify_weights(weights: dict[str, torch.Tensor], manifest: dict, tspec: TrainableSpec, base_fingerprint: str,
+                   where: str) -> None:
+    """``RunFailed`` naming ``where`` unless the weights fit this run's model (keys, shapes, finite values), match
+    the manifest's hash and were trained on this run's base (``lora`` mode: the adapters' base fingerprint)."""
+    try:
+        check_trainable(weights, tspec)
+    except TrainableError as exc:
+        raise RunFailed(f"{where}: the checkpoint does not fit this run's model ({tspec.mode}): {exc}") from None
+    if hash_tensors(weights) != manifest.get("trainable_hash"):
+        raise RunFailed(f"{where}: trainable weights do not match the manifest's trainable_hash")
+    theirs = manifest.get("base_fingerprint", base_fingerprint)
+    if theirs != base_fingerprint:
+        raise RunFailed(f"{where}: the adapters were trained on another base model (fingerprint {theirs[:12]}, "
+                        f"this run's base {base_fingerprint[:12]})")
+
+
 def apply_start(co: Coordinator) -> None:
     """Load ``start_point``'s weights (and anchor) into the coordinator's round-0 state."""
     path = start_point(co)
@@ -51,20 +80,8 @@ def apply_start(co: Coordinator) -> None:
     if not path.is_dir():
         raise RunFailed(f"{where}: not a directory (expected a checkpoint directory such as "
                         "RUN/checkpoints/round-<n>; `distmoe rollback RUN --list` shows the kept rounds)")
-    try:
-        manifest, weights, extra, state = load_checkpoint(path)
-    except CheckpointError as exc:
-        raise RunFailed(f"{where}: {exc}") from None
-    weights = {k: v.to(torch.float32) for k, v in weights.items()}
-    try:
-        check_trainable(weights, co.tspec)
-    except TrainableError as exc:
-        raise RunFailed(f"{where}: the checkpoint does not fit this run's model ({co.cfg.model.trainable}): "
-                        f"{exc}") from None
-    if hash_tensors(weights) != manifest.get("trainable_hash"):
-        raise RunFailed(f"{where}: trainable weights do not match the manifest's trainable_hash")
-    if manifest.get("base_fingerprint", co.model.base_fingerprint) != co.model.base_fingerprint:
-        raise RunFailed(f"{where}: the adapters were trained on another base model")
+    manifest, weights, extra, state = read_checkpoint(path, where)
+    verify_weights(weights, manifest, co.tspec, co.model.base_fingerprint, where)
     co.s.weights = weights
     anchor_meta = (state or {}).get("anchor")
     if anchor_meta is not None and "anchor" in extra:

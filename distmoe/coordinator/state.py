@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from distmoe.config import Phase
+from distmoe.config import UPDATE_KINDS, Phase
 from distmoe.io import sanitize
 from distmoe.routing.anchor import Anchor, AnchorVersion
 
@@ -76,7 +76,7 @@ def pinned(phases: tuple[Phase, ...], rnd: int, current_task: str | None) -> dic
     if nxt is None or nxt["phase"] >= len(phases) or nxt["round_in_phase"] != 1:
         return {}
     ph = phases[nxt["phase"]]
-    if ph.kind in ("sft", "rl") and ph.task and ph.task != current_task:
+    if ph.kind in UPDATE_KINDS and ph.task and ph.task != current_task:
         return {"kept": f"before task {ph.task}"}
     return {}
 

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from distmoe.config import BALANCE_COUNTS, SETTLE_SCHEDULES
-from distmoe.model.build import router_modules, topk_weighting
+from distmoe.model.families import router_modules, topk_weighting
 
 BIAS_NAME = "balance_bias"
 

@@ -1,13 +1,11 @@
 """Build the MoE model: the tiny default Qwen3-MoE from config, or any local checkpoint of a
-supported MoE family via ``from_pretrained(path)``; and describe it (``ModelSpec``).
+supported MoE family via ``from_pretrained(path)``.
 
-Owns: the tiny default architecture, loading on a device and dtype (``device.Runtime``), the family
-tables (``FAMILIES``: each supported family's ``RouterRule``, how its router weighs its top-k;
-``REFUSED_FAMILIES``: why each other MoE family transformers ships is refused; ``docs/checkpoints.md``
-keeps the same tables), the checks of a checkpoint's tokenizer (pad token, chat template), deterministic
-initialisation from ``model.seed`` (so the server and every party build bit-identical base weights
-without shipping them), the router/experts module discovery, and the spec that the wire schema and
-the anchor are versioned against.
+Owns: the tiny default architecture, loading on a device and dtype (``device.Runtime``), the checks of a
+checkpoint's tokenizer (pad token, chat template), deterministic initialisation from ``model.seed`` (so the
+server and every party build bit-identical base weights without shipping them), installing the routing bias
+(``balance.py``) when ``routing.balance`` has one, and the tensor hash. The family tables, router discovery and
+``ModelSpec`` live in ``families.py`` (re-exported here, where most callers import them).
 
 Must not: read party data, download anything (``local_files_only``), or decide what is trained
 (see ``trainable.py``).
@@ -16,109 +14,29 @@ Must not: read party data, download anything (``local_files_only``), or decide w
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from distmoe.config import ModelConfig
+from distmoe.model.balance import install_bias
 from distmoe.model.device import CPU, Runtime
-
-
-@dataclass(frozen=True)
-class RouterRule:
-    """How a supported family's router turns its logits ``z`` ``[tokens, E]`` into its top-k: the experts
-    are always ``topk(softmax(z))`` (= ``topk(z)``); the weights are ``softmax(z)[I]``, renormalised over
-    the ``k`` chosen experts when ``normalise`` (``None``: the config's ``norm_topk_prob``), times
-    ``config.<scale>`` when ``scale`` is set. Routing replay and ``prune-k`` re-derive weights this way."""
-
-    normalise: bool | None
-    scale: str | None = None
-    config_checks: tuple[tuple[str, object], ...] = ()  # (config field, required value)
-
-
-# family -> its router rule. Every router here is a softmax over the E experts of an MoE layer, so the
-# router statistics, the anchor KL, the aux loss and routing replay hold as written (docs/checkpoints.md).
-FAMILIES: dict[str, RouterRule] = {
-    "qwen3_moe": RouterRule(normalise=None),
-    "qwen2_moe": RouterRule(normalise=None),  # plus a sigmoid-gated shared expert (not routed)
-    "mixtral": RouterRule(normalise=True),
-    "olmoe": RouterRule(normalise=None),
-    "flex_olmo": RouterRule(normalise=None),  # OLMoE's router; FlexOlmo's experts can be trained apart
-    # softmax over the top-k logits == softmax(z)[I] renormalised; the router has a bias (part of z)
-    "gpt_oss": RouterRule(normalise=True),
-    # greedy top-k of the softmax, times routed_scaling_factor; dense first layers, shared experts
-    "deepseek_v2": RouterRule(normalise=False, scale="routed_scaling_factor",
-                              config_checks=(("topk_method", "greedy"),)),
-}
-SUPPORTED_FAMILIES = tuple(FAMILIES)
-
-_SIGMOID_GROUPED = ("its router scores experts with a sigmoid plus a learned bias correction and "
-                    "group-limited top-k, not a softmax over the experts; distmoe's router statistics, "
-                    "anchor KL and aux loss assume softmax routing probabilities over E experts")
-_SIGMOID = ("its router scores experts with independent sigmoids, not a softmax over the experts; "
-            "distmoe's router statistics, anchor KL and aux loss assume softmax routing probabilities")
-# MoE families transformers ships that distmoe refuses, and why (docs/checkpoints.md keeps the same table)
-REFUSED_FAMILIES: dict[str, str] = {
-    "deepseek_v3": _SIGMOID_GROUPED,
-    "deepseek_v32": _SIGMOID_GROUPED,
-    "glm4_moe": _SIGMOID_GROUPED,
-    "glm4_moe_lite": _SIGMOID_GROUPED,
-    "dots1": _SIGMOID_GROUPED,
-    "longcat_flash": _SIGMOID_GROUPED + "; it also has zero-computation experts",
-    "minimax_m2": _SIGMOID + " (with a bias-corrected choice)",
-    "lfm2_moe": _SIGMOID + " (with an expert-bias-corrected choice)",
-    "llama4": _SIGMOID + " over the top-k logits; it is also a multimodal checkpoint",
-    "ernie4_5_moe": ("it chooses experts by softmax plus a learned correction bias (moe_statics), so the "
-                     "chosen experts are not the top-k of the routing distribution distmoe's statistics, "
-                     "anchor and routing replay use"),
-    "phimoe": ("its router uses SparseMixer (a sampled, masked two-stage top-2), so the chosen experts "
-               "and weights are not the top-k of one softmax over the experts"),
-    "dbrx": ("its router module (DbrxRouter) returns only logits and the top-k is taken inside the FFN, so "
-             "distmoe cannot capture or replay the routing decisions at the router"),
-    "jetmoe": ("its mixture-of-attention-heads layers route attention too, and its gate (JetMoeTopKGating) "
-               "does not return (logits, weights, indices), so distmoe cannot capture or replay routing"),
-    "hunyuan_v1_moe": ("its gate (HunYuanMoEV1Gate) is not a top-k router module distmoe discovers, and its "
-                       "config allows a different expert count and top-k per layer; distmoe's anchor and wire "
-                       "schema assume one E and one k for every MoE layer"),
-    "jamba": ("a hybrid Mamba/attention model (its router is a softmax top-k); without the CUDA kernels "
-              "its Mamba layers run a slow torch path, and distmoe's RL rollouts over its hybrid cache are "
-              "untested, so it is refused until they are"),
-    "qwen3_next": ("a hybrid linear-attention (Gated DeltaNet) model (its router is a softmax top-k); "
-                   "without its CUDA kernels the linear attention runs a slow torch path, and distmoe's RL "
-                   "rollouts over its hybrid cache are untested, so it is refused until they are"),
-    "minimax": ("a hybrid lightning-attention (linear attention) model (its router is a softmax top-k); "
-                "distmoe's RL rollouts over its hybrid cache are untested, so it is refused until they are"),
-    "granitemoe": ("its fused experts (block_sparse_moe.input_linear / output_linear) are not where distmoe's "
-                   "LoRA expert targets and parameter groups look (mlp.experts.*); untested, so refused"),
-    "nllb_moe": "an encoder-decoder translation model, not a causal LM",
-    "switch_transformers": "an encoder-decoder (T5) model, not a causal LM",
-}
-
-
-class ModelError(ValueError):
-    """A checkpoint cannot be used (missing, unsupported family, incompatible architecture)."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the rest of the system needs to know about the model's routing."""
-
-    family: str
-    moe_layers: tuple[int, ...]  # decoder layer indices that hold a router
-    num_experts: int
-    top_k: int
-    hidden_size: int
-    vocab_size: int
-
-    @property
-    def num_moe_layers(self) -> int:
-        return len(self.moe_layers)
-
-    def router_spec(self) -> dict:
-        return {"family": self.family, "moe_layers": list(self.moe_layers),
-                "num_experts": self.num_experts, "top_k": self.top_k}
+from distmoe.model.families import (  # noqa: F401  (re-exported: callers import them from here)
+    FAMILIES,
+    REFUSED_FAMILIES,
+    SUPPORTED_FAMILIES,
+    ModelError,
+    ModelSpec,
+    RouterRule,
+    check_family,
+    describe,
+    num_experts,
+    refusal,
+    router_modules,
+    router_rule,
+    topk_weighting,
+)
 
 
 def tiny_config(cfg: ModelConfig, vocab_size: int):
@@ -135,83 +53,6 @@ def tiny_config(cfg: ModelConfig, vocab_size: int):
         tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None,
         attention_dropout=0.0, use_cache=True,
     )
-
-
-def router_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The router module of every MoE layer, in layer order: [(qualified name, module)].
-
-    A router is a module whose class name ends with ``TopKRouter`` (``TopkRouter`` in the DeepSeek-V2
-    code) and that returns ``(logits, weights, indices)``."""
-    found = [(n, m) for n, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")]
-    return found
-
-
-def router_rule(model: nn.Module) -> RouterRule:
-    """The supported family's ``RouterRule`` (``ModelError`` for any other family)."""
-    family = model.config.model_type
-    if family not in FAMILIES:
-        raise ModelError(refusal(family))
-    return FAMILIES[family]
-
-
-def topk_weighting(model: nn.Module) -> tuple[bool, float]:
-    """(renormalise over the k chosen experts, scale) of the model's router weights ``softmax(z)[I]``."""
-    rule = router_rule(model)
-    cfg = model.config
-    norm = bool(getattr(cfg, "norm_topk_prob", False)) if rule.normalise is None else rule.normalise
-    scale = float(getattr(cfg, rule.scale)) if rule.scale else 1.0
-    return norm, scale
-
-
-def refusal(family: str) -> str:
-    """Why ``family`` cannot be used, naming it."""
-    if family in REFUSED_FAMILIES:
-        return f"the {family!r} family is not supported: {REFUSED_FAMILIES[family]}"
-    return (f"architecture {family!r} is not a supported MoE family (supported: "
-            f"{', '.join(SUPPORTED_FAMILIES)}; see docs/checkpoints.md)")
-
-
-def check_family(cfg) -> None:
-    """``ModelError`` unless the HF config ``cfg`` is a supported family in a supported configuration."""
-    family = cfg.model_type
-    if family not in FAMILIES:
-        raise ModelError(refusal(family))
-    for field, want in FAMILIES[family].config_checks:
-        got = getattr(cfg, field, None)
-        if got != want:
-            raise ModelError(f"the {family!r} family is supported only with {field} = {want!r} (this "
-                             f"checkpoint has {got!r}): other choices are not the top-k of the softmax "
-                             "that distmoe's statistics, anchor and routing replay assume")
-
-
-def _layer_index(name: str) -> int:
-    parts = name.split(".")
-    return int(parts[parts.index("layers") + 1])
-
-
-def describe(model: nn.Module) -> ModelSpec:
-    cfg = model.config
-    if cfg.model_type not in FAMILIES:
-        raise ModelError(refusal(cfg.model_type))
-    routers = router_modules(model)
-    if not routers:
-        raise ModelError(f"model of type {cfg.model_type!r} has no top-k router modules; "
-                         f"supported MoE families: {', '.join(SUPPORTED_FAMILIES)}")
-    return ModelSpec(
-        family=cfg.model_type,
-        moe_layers=tuple(_layer_index(n) for n, _ in routers),
-        num_experts=num_experts(model),
-        top_k=int(cfg.num_experts_per_tok), hidden_size=int(cfg.hidden_size),
-        vocab_size=int(cfg.vocab_size))
-
-
-def num_experts(model: nn.Module) -> int:
-    """Routed experts per MoE layer (the width of every router's logits)."""
-    routers = router_modules(model)
-    if routers and isinstance(getattr(routers[0][1], "num_experts", None), int):
-        return int(routers[0][1].num_experts)
-    cfg = model.config
-    return int(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
 
 
 def _seeded_init(model: nn.Module, seed: int) -> None:
@@ -247,8 +88,6 @@ def build_model(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU) -> tu
     else:
         model, tok = load_checkpoint(Path(path), rt)
     if cfg.balance_bias:  # routing.balance with a bias: part of the model, zero at the start (model/balance.py)
-        from distmoe.model.balance import install_bias
-
         install_bias(model)
     model.eval()
     return model, tok

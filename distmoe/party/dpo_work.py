@@ -4,15 +4,17 @@ DP noise and secure aggregation).
 
 The reference is the instruction's ``ref_weights`` (the global model at the start of the ``dpo`` phase, with
 ``dpo.reference = phase``) or, when absent, the global weights as received. Its log-probs on every training pair are
-computed once, before the first step (``distmoe.train.dpo.reference_logps``: by the trainer, or by the inference
+computed once, before the first step (``distmoe.rl.dpo.reference_logps``: by the trainer, or by the inference
 engine ``dpo.reference-engine`` with IcePop pair masking); the model then starts from the global weights.
 
-Besides the SFT metric keys of the update (``task_loss`` = the DPO loss), the DPO figures (margins, preference
-accuracy, masked pairs, and the held-out pairs' margin and preference accuracy before and after the round) are
-returned separately, for this party's own metrics log only: nothing of them leaves.
+The update's metric keys are the SFT ones (``task_loss`` = the DPO loss) with ``dpo_margin`` and ``dpo_acc``, the
+round's mean log-ratio margin and preference accuracy (released as clipped training-metric slots of the secure sum,
+``distmoe.privacy.train_metrics``). The other DPO figures (first/last margins, masked pairs, and the held-out pairs'
+margin and preference accuracy before and after the round) are returned separately, for this party's own metrics
+log only: nothing of them leaves.
 
-Must not: import ``flwr``, read another party's directory, or put anything but the update and the SFT metric keys
-into the wire payload.
+Must not: import ``flwr``, read another party's directory, or put anything but the update and its metric keys
+(``TRAIN_METRIC_KEYS``) into the wire payload.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from distmoe.config import NodeConfig, RunConfig
 from distmoe.data.template import encode_example
 from distmoe.model.build import describe
 from distmoe.model.trainable import trainable_state
-from distmoe.party.work import PartyError, _party_seed, _stability, load_data, prepare_model, progress
+from distmoe.party.work import PartyError, anchor_of, load_data, party_seed, prepare_model, progress, stability
 from distmoe.rl.dpo import preference_margins, reference_logps, train_dpo
-from distmoe.wire.errors import ErrorCode
 from distmoe.wire.schema import TRAIN_METRIC_KEYS, ModelUpdate, SftInstruction
 
 
@@ -35,6 +36,12 @@ def _margin_stats(m: torch.Tensor, prefix: str) -> dict[str, float]:
     if m.numel() == 0:
         return {f"{prefix}_margin": float("nan"), f"{prefix}_acc": float("nan")}
     return {f"{prefix}_margin": float(m.mean()), f"{prefix}_acc": float((m > 0).float().mean())}
+
+
+def _mean(xs: list[float]) -> float:
+    """The mean of the finite values (NaN when there is none)."""
+    xs = [x for x in xs if x == x]
+    return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
 def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> tuple[ModelUpdate, dict[str, float]]:
@@ -63,21 +70,17 @@ def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> tuple[Mo
     if instr.ref_weights is not None:  # start from the global weights (the cached base: only the weights load)
         model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
     local.update(_margin_stats(preference_margins(model, held, pad, bs), "dpo_heldout_before"))
-    anchor = None
-    if instr.anchor is not None:
-        anchor = torch.from_numpy(np.asarray(instr.anchor, dtype=np.float32))
-        if tuple(anchor.shape) != (ms.num_moe_layers, ms.num_experts):
-            raise PartyError(f"anchor shape {tuple(anchor.shape)} does not fit the model "
-                             f"({ms.num_moe_layers} MoE layers x {ms.num_experts} experts)", ErrorCode.MODEL)
+    anchor = anchor_of(instr, ms)
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
     res = train_dpo(model, pairs, ref, pad, node.train(cfg.train), cfg.dpo, cfg.routing, ms.num_experts, ms.top_k,
-                    anchor, seed=_party_seed(instr.seed, node.party))
-    _stability(node, instr, res.nonfinite)  # names of tensors with non-finite gradients: this party's log only
+                    anchor, seed=party_seed(instr.seed, node.party))
+    stability(node, instr, res.nonfinite)  # names of tensors with non-finite gradients: this party's log only
     local.update(_margin_stats(preference_margins(model, held, pad, bs), "dpo_heldout_after"))
     after = trainable_state(model)
     delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
     s = res.summary()
-    metrics = {k: float(s[k]) for k in TRAIN_METRIC_KEYS}
+    metrics = {k: float(s.get(k, float("nan"))) for k in TRAIN_METRIC_KEYS}
+    metrics.update(dpo_margin=_mean(res.margins), dpo_acc=_mean(res.accs))  # the round's means: released figures
     local.update({k: float(v) for k, v in s.items() if k.startswith("dpo_")})
     progress(node, f"round {instr.round} dpo:{instr.task}: loss {metrics['loss_first']:.4f} -> "
              f"{metrics['loss_last']:.4f} over {int(metrics['steps'])} steps ({res.num_pairs} pairs), held-out "

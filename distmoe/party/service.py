@@ -33,6 +33,7 @@ from distmoe.party.probe import run_probe
 from distmoe.party.session import PartySession, SessionError, open_ledger
 from distmoe.party.settle import run_settle
 from distmoe.privacy import secagg as sa
+from distmoe.privacy import train_metrics as TM
 from distmoe.privacy.dp import canary_seed
 from distmoe.privacy.plan import stats_event
 from distmoe.privacy.update_noise import add_update_noise, update_dp_facts, update_event
@@ -57,8 +58,17 @@ from distmoe.wire.schema import (
     UnmaskResponseMsg,
 )
 
-_PLAIN = {SftInstruction: P.run_sft, RlInstruction: P.run_rl, StatsInstruction: P.run_stats,
-          EvalInstruction: P.run_eval}
+
+def _run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction):
+    """``(update, what only this party's log gets)`` of a training round on an ``sft`` instruction: a ``dpo``
+    round (``objective = "dpo"``) keeps its DPO figures for that log."""
+    if instr.objective == "dpo":
+        return run_dpo(cfg, node, instr)
+    return P.run_sft(cfg, node, instr), {}
+
+
+_PLAIN = {SftInstruction: lambda cfg, node, instr: _run_sft(cfg, node, instr)[0], RlInstruction: P.run_rl,
+          StatsInstruction: P.run_stats, EvalInstruction: P.run_eval}
 
 
 def load_canaries(node: NodeConfig) -> list[bytes]:
@@ -199,22 +209,27 @@ class PartyService:
         return MaskedReply(si.release, sess.masked(st, vec, contributed=contributed, premask=premask), None), dp
 
     def _update_vector(self, instr: SftInstruction | RlInstruction, sess: PartySession):
-        """Train locally; the update as this round's ``[D]`` vector (noised under client-level DP). Its training
-        metrics stay in this party's own log (``UpdateLayout``: uniform weights, no metrics)."""
+        """Train locally; the update as this round's ``[D]`` vector (noised under client-level DP), with the
+        objective's training metrics clipped to their public bounds in the last words (``train_metrics``); every
+        other figure stays in this party's own log (``UpdateLayout``: uniform weights)."""
         cfg, node = self.cfg, self.node
         P.take_notes(node.party)  # nothing stale from an earlier call
-        local: dict = {}  # what only this party's log gets (a dpo round's DPO figures)
-        if isinstance(instr, SftInstruction) and instr.objective == "dpo":
-            upd, local = run_dpo(cfg, node, instr)
-        else:
-            upd = (P.run_sft if isinstance(instr, SftInstruction) else P.run_rl)(cfg, node, instr)
+        # `local`: what only this party's log gets besides the update (a dpo round's DPO figures)
+        sft = isinstance(instr, SftInstruction)
+        upd, local = _run_sft(cfg, node, instr) if sft else (P.run_rl(cfg, node, instr), {})
         notes = P.take_notes(node.party)  # names of parameters with non-finite gradients: this party's log only
-        layout = sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()})
+        p = cfg.privacy  # the training-metric slots of this objective (distmoe.privacy.train_metrics)
+        kind = "rl" if isinstance(instr, RlInstruction) else "sft"
+        objective = TM.objective_of(kind, getattr(instr, "objective", None))
+        layout, slots = TM.release_layout(sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()}),
+                                          objective, p.metric_loss_bound, p.update_metric_share)
         vec, facts = layout.encode(upd.delta, upd.num_examples)
         skipped = upd.metrics.get("skipped_steps", 0.0)  # NaN for a party without data for the task
         vec = layout.count_skipped(vec, int(skipped) if skipped == skipped else 0, inplace=True)
-        self._log_metrics(instr, {**upd.metrics, **local}, {**facts, **notes})
         contributed = upd.num_examples > 0  # any of this party's examples went into the update
+        sent = TM.encode_into(vec, layout, slots, upd.metrics, contributed)  # each figure clipped to its bound
+        self._log_metrics(instr, {**upd.metrics, **local}, {**facts, **notes,
+                                                            **{f"released_{k}": v for k, v in sent.items()}})
         z_u = sess.facts.update_noise_multiplier
         if z_u <= 0:
             return vec, None, contributed
@@ -229,7 +244,7 @@ class PartyService:
 
     def _log_metrics(self, instr, metrics: dict, facts: dict) -> None:
         """The round's training metrics, for this party's operator only: ``<work-dir>/metrics/<party>.jsonl``
-        (0600; never sent: the server's update sum carries no metrics)."""
+        (0600; never sent as such: the update sum carries only the clipped ``released_*`` figures, summed)."""
         line = {"round": instr.round, "kind": type(instr).__name__, "task": instr.task,
                 **({"objective": instr.objective} if getattr(instr, "objective", None) else {}),
                 **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, **facts}

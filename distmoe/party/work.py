@@ -114,7 +114,7 @@ def _fit_experts(cfg: RunConfig, node: NodeConfig, rt, model, tok, weights: dict
     return model, tok
 
 
-def _party_seed(base: int, party: str) -> int:
+def party_seed(base: int, party: str) -> int:
     return (base * 1_000_003 + zlib.crc32(party.encode())) % (2**31 - 1)
 
 
@@ -122,11 +122,19 @@ def load_data(cfg: RunConfig, node: NodeConfig) -> PartyData:
     return load_party(node.data_path, cfg.data)
 
 
-def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpdate:
-    if instr.objective == "dpo":  # a dpo round (party/dpo_work.py); its DPO figures stay here
-        from distmoe.party.dpo_work import run_dpo
+def anchor_of(instr: SftInstruction, ms) -> torch.Tensor | None:
+    """The instruction's anchor ``[L, E]`` as a tensor, checked against the model's spec ``ms``; None without one."""
+    if instr.anchor is None:
+        return None
+    anchor = torch.from_numpy(np.asarray(instr.anchor, dtype=np.float32))
+    if tuple(anchor.shape) != (ms.num_moe_layers, ms.num_experts):
+        raise PartyError(f"anchor shape {tuple(anchor.shape)} does not fit the model "
+                         f"({ms.num_moe_layers} MoE layers x {ms.num_experts} experts)", ErrorCode.MODEL)
+    return anchor
 
-        return run_dpo(cfg, node, instr)[0]
+
+def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpdate:
+    """An ``sft`` round (a ``dpo`` round, ``objective = "dpo"``, is ``dpo_work.run_dpo``: the service dispatches)."""
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
     keys = TRAIN_METRIC_KEYS
@@ -138,12 +146,7 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
     ms = describe(model)
     examples = data.train(instr.task)
     encoded = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in examples]
-    anchor = None
-    if instr.anchor is not None:
-        anchor = torch.from_numpy(np.asarray(instr.anchor, dtype=np.float32))
-        if tuple(anchor.shape) != (ms.num_moe_layers, ms.num_experts):
-            raise PartyError(f"anchor shape {tuple(anchor.shape)} does not fit the model "
-                             f"({ms.num_moe_layers} MoE layers x {ms.num_experts} experts)", ErrorCode.MODEL)
+    anchor = anchor_of(instr, ms)
     try:
         retention = round_retention(cfg, node.work_dir, instr, ms.num_moe_layers, ms.num_experts,
                                     base_experts=base_experts(model))
@@ -160,24 +163,24 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
             raise PartyError(f"party {node.party}: {exc}", ErrorCode.MODEL) from None
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
     res = train_sft(model, encoded, tok.pad_token_id, node.train(cfg.train), cfg.routing, ms.num_experts, ms.top_k,
-                    anchor, seed=_party_seed(instr.seed, node.party), retention=retention, public=public)
+                    anchor, seed=party_seed(instr.seed, node.party), retention=retention, public=public)
     after = trainable_state(model)
     delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
     s = res.summary()
-    metrics = {k: float(s[k]) for k in keys}
+    metrics = {k: float(s.get(k, float("nan"))) for k in keys}  # the dpo_* keys: NaN in an sft round
     progress(node, f"round {instr.round} sft:{instr.task}: loss {metrics['loss_first']:.4f} -> "
              f"{metrics['loss_last']:.4f} over {int(metrics['steps'])} steps ({res.num_examples} examples)"
              + (f", anchor KL {metrics['anchor_kl']:.4f}" if anchor is not None else "")
              + "".join(f", {n}" for n in (retention.notes if retention is not None else []))
              + (f", {int(metrics['skipped_steps'])} skipped steps" if metrics['skipped_steps'] > 0 else ""))
-    _stability(node, instr, res.nonfinite)
+    stability(node, instr, res.nonfinite)
     return ModelUpdate(party=node.party, delta=delta, num_examples=res.num_examples, metrics=metrics)
 
 
 _NOTES: dict[str, dict] = {}  # party -> facts of its last local round for its own metrics log (``take_notes``)
 
 
-def _stability(node: NodeConfig, instr, nonfinite) -> None:
+def stability(node: NodeConfig, instr, nonfinite) -> None:
     """Name the parameters behind skipped NaN/Inf steps in the party's own log line and keep them for its
     metrics log (``take_notes``); the names never leave the party (the wire carries the skipped-step count)."""
     _NOTES.pop(node.party, None)
@@ -273,7 +276,7 @@ def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdat
     prompts = data.train(instr.task)
     r = cfg.rl  # rl.prompts-per-step above the prompt count: drawn with replacement (a refusal would tell the count)
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
-    res = run_grpo(model, tok, prompts, instr.task, r, seed=_party_seed(instr.seed, node.party),
+    res = run_grpo(model, tok, prompts, instr.task, r, seed=party_seed(instr.seed, node.party),
                    max_prompt_len=cfg.model.max_seq_len, grad_clip=cfg.train.grad_clip,
                    winsorize=cfg.train.winsorize)
     after = trainable_state(model)
@@ -287,5 +290,5 @@ def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdat
     progress(node, f"round {instr.round} rl:{instr.task}: reward {metrics['reward_first']:.4f} -> "
              f"{metrics['reward_last']:.4f} over {int(metrics['steps'])} steps ({n} rollouts)"
              + (f", simulator trusted on {int(summary.get('sim_trusted_steps', 0))} of them" if r.simulator else ""))
-    _stability(node, instr, res.nonfinite)
+    stability(node, instr, res.nonfinite)
     return ModelUpdate(party=node.party, delta=delta, num_examples=n, metrics=metrics, kind="rl")

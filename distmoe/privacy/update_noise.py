@@ -21,8 +21,12 @@ The share is rounded to the fixed-point grid (step ``2^-f``, some 10^-12 of the 
 Gaussian, accounted as the Gaussian mechanism. Exact Skellam is not used here because numpy's Poisson
 sampler stops at rate ~1e19, below these variances in fixed-point units.
 
+The training-metric words of a release that has them (``distmoe.privacy.train_metrics``: the delta is clipped to
+``clip * sqrt(1 - rho^2)`` and the metric words hold the rest of the clip's norm, so the whole rounded vector keeps
+L2 norm ``<= D2``) get the same variance per word: the metrics are inside the noised block, at the same sensitivity.
+
 Must not: decide whether a release may happen (the party's accountant does), or touch anything but the
-update block of the vector.
+update block and the training-metric words of the vector.
 """
 
 from __future__ import annotations
@@ -62,16 +66,23 @@ def add_update_noise(vec: np.ndarray, layout: UpdateLayout, z_u: float, threshol
     var = (z_u * sens) ** 2 / threshold  # over-provisioned: the sum over >= t survivors carries >= (z_u * sens)^2
     signed = ring.from_ring(vec).astype(np.int64)  # [D] int64 (a copy)
     signed[:layout.numel] += np.rint(crypto_rng().normal(0.0, math.sqrt(var), layout.numel)).astype(np.int64)
+    if layout.metric_slots:  # the training-metric words (distmoe.privacy.train_metrics): inside the same sensitivity
+        k = layout.metric_slots
+        signed[layout.metric_start:] += np.rint(crypto_rng().normal(0.0, math.sqrt(var), k)).astype(np.int64)
     return ring.to_ring(signed, layout.bits)  # [D] in the layout's width (WrapError if a share leaves it)
 
 
 def update_dp_facts(layout: UpdateLayout, z_u: float, n_parties: int, threshold: int,
                     n_active: int | None = None) -> dict:
     """The ledgers' ``dp`` facts of a noised update release over ``n_active`` survivors (a party: ``threshold``).
-    ``z_eff`` is the party-level multiplier (noise std over ``clip``), ``z_sequence`` what the ledger charges."""
+    ``z_eff`` is the party-level multiplier (noise std over ``clip``), ``z_sequence`` what the ledger charges.
+    ``metrics: "withheld"``: no metric travels beside the noised block; ``metric_slots``: the training metrics
+    inside it (noised, at the same sensitivity, the delta clipped to ``delta_clip``)."""
     n = threshold if n_active is None else n_active
     z_eff = z_u * math.sqrt(n / threshold)
     return {"mechanism": "gaussian", "unit": "party", "neighbours": "add/remove", "noise_multiplier": z_u,
             "n_parties": n_parties, "n_active": n, "max_dropouts": n_parties - threshold, "z_eff": z_eff,
             "clip": layout.clip, "weights": "uniform", "sensitivity": layout.sensitivity, "metrics": "withheld",
+            "metric_slots": getattr(layout, "metric_slots", 0),
+            "delta_clip": getattr(layout, "delta_clip", layout.clip),
             "sequence_sensitivity": SEQUENCE_FACTOR * layout.clip, "z_sequence": sequence_noise_multiplier(z_eff)}

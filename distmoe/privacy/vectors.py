@@ -29,12 +29,13 @@ one bit of margin for the sum of the largest declared values with a fixed noise 
 (``distmoe.privacy.dp``: per-sequence rounding at scale s, a Skellam noise share, K noise canaries at
 positions drawn per release) and stay in Z_2^64.
 
-Uniform weights, no metrics (issue 11, straggle differencing). Two releases whose survivor sets differ by
+Uniform weights, bounded metrics (issue 11, straggle differencing). Two releases whose survivor sets differ by
 one party difference to that party's own figures, so nothing data-dependent but the (clipped, under
-``private`` also noised) delta block may go into an update: each party's weight is 1 if it trained on data
-for the task and 0 otherwise (``sum w`` is then the number of contributing parties, which the protocol's
-contributor count reveals anyway: it is never the example count), and training metrics (losses, rewards,
-step counts) are not encoded at all; they stay in each party's own log. The aggregate is the unweighted
+``private`` also noised) delta block and bounded figures may go into an update: each party's weight is 1 if it
+trained on data for the task and 0 otherwise (``sum w`` is then the number of contributing parties, which the
+protocol's contributor count reveals anyway: it is never the example count); training metrics travel only as
+the ``metric_slots`` last words, each clipped to a public bound (``distmoe.privacy.train_metrics``, which also
+owns ``delta_clip``: with ``private`` the delta and the slots share the clip's L2 norm). The aggregate is the unweighted
 mean of the contributors' clipped deltas, as in DP-FedAvg (McMahan et al., ICLR 2018) with uniform weights:
 a party with 10x the data no longer pulls 10x harder. With client-level DP on updates (``private=True``,
 ``privacy.update-noise-multiplier > 0``) every included party has weight 1, data or not (a zero delta plus
@@ -119,6 +120,8 @@ class UpdateLayout:
     noise_multiplier: float = 0.0  # z_u of the update noise (private), part of the 32-bit bound
     threshold: int = 0  # the SecAgg threshold t: each noise share has variance (z_u * D2)^2 / t
     ring: str = "64"  # privacy.ring-bits: "auto" (32 where the bound fits, else 64), "32" or "64"
+    metric_slots: int = 0  # training-metric slots after every other slot (``distmoe.privacy.train_metrics``)
+    metric_share: float = 0.0  # private: the share of the clip's L2 norm the metric slots get (train_metrics)
 
     def __post_init__(self) -> None:
         if self.ring not in RING_CHOICES:
@@ -154,7 +157,20 @@ class UpdateLayout:
 
     @property
     def length(self) -> int:
-        return self.numel + 1 + int(self.counts_skipped)
+        return self.numel + 1 + int(self.counts_skipped) + self.metric_slots
+
+    @property
+    def metric_start(self) -> int:
+        """Where the training-metric slots begin: the last ``metric_slots`` words (``train_metrics``)."""
+        return self.length - self.metric_slots
+
+    @property
+    def delta_clip(self) -> float:
+        """The L2 bound the delta itself is clipped to: ``clip``, or with update noise and metric slots
+        ``clip * sqrt(1 - metric_share^2)`` (the metric slots get the rest of the clip's norm: ``train_metrics``)."""
+        if self.private and self.metric_slots:
+            return self.clip * math.sqrt(1.0 - self.metric_share ** 2)
+        return self.clip
 
     def int_sensitivity(self, f: int | None = None) -> float:
         """L2 sensitivity of the rounded ``w*delta`` block in fixed-point units at ``f`` fractional bits:
@@ -170,7 +186,7 @@ class UpdateLayout:
         data = n * (max(self.clip, 1.0) * 2.0**f + 1.0)
         if not (self.private and self.noise_multiplier > 0):
             return data
-        k = math.sqrt(2.0 * math.log(2.0 * max(self.numel, 1) / WRAP_FAIL_PROB))
+        k = math.sqrt(2.0 * math.log(2.0 * max(self.numel + self.metric_slots, 1) / WRAP_FAIL_PROB))
         return data + k * self.noise_multiplier * self.int_sensitivity(f) * math.sqrt(n / self.threshold) + n / 2
 
     def _frac_bits32(self) -> int | None:
@@ -239,7 +255,7 @@ class UpdateLayout:
         if not math.isfinite(sq):
             raise LayoutError("update norm overflows float64")
         norm = math.sqrt(sq)
-        factor = min(1.0, self.clip / norm) if norm > 0 else 1.0
+        factor = min(1.0, self.delta_clip / norm) if norm > 0 else 1.0
         w = self.weight_of(num_examples)
         facts = {"norm": norm, "clipped": float(factor < 1.0), "weight": float(w)}
         bits = self.bits
@@ -251,7 +267,8 @@ class UpdateLayout:
             ring.encode_fixed_into(flat, scale, out[off:off + flat.size], rng if bits == 32 else None, pre=pre,
                                    buf=buf, bound=norm * pre)  # |pre * x_i| <= pre * ||x||: no chunk can wrap
             off += flat.size
-        tail = np.array([float(w), 0.0][:self.length - off], np.float64)  # the weight, the skipped-step slot (0)
+        tail = np.zeros(self.length - off, np.float64)  # the weight, the skipped-step slot and metric slots (0)
+        tail[0] = float(w)
         ring.encode_fixed_into(tail, scale, out[off:], rng if bits == 32 else None, buf=buf)
         return out, facts
 

@@ -7,9 +7,9 @@ and :func:`summarise` (the final aggregate eval metrics, reused by results table
 
 What it shows: one run id (``run.name``, which ``distmoe simulate`` sets to the run directory's name, else
 the directory's name; Flower's run id only as a detail); a privacy section (epsilon spent per party against
-the budget, the releases each party's data went into, every refusal and skipped round); training losses
-only where the run released them (the plaintext baseline): under secure aggregation no per-party figure and
-no training loss reaches the server, so the report says so and points at each party's own log; a loss line
+the budget, the releases each party's data went into, every refusal and skipped round); training losses as
+the run released them: per party only in the plaintext baseline, under secure aggregation the mean task loss
+over the contributing parties (``distmoe.privacy.train_metrics``) and no per-party figure; a loss line
 is never drawn across rounds that did not train; retention is plotted against its collapse threshold
 (``RETENTION_COLLAPSE``) and a collapse is named in the text. The text shows numbers and closed-set labels of
 ``privacy/ledger.json`` only (never its free strings): the audit re-renders ``report.md`` and compares.
@@ -462,16 +462,17 @@ def _task_boundaries(ax, rows: list[dict[str, Any]]) -> None:
 
 
 def _plot_loss(run: _Run, rows: list[dict[str, Any]], path: Path) -> None:
-    """Train loss per round (lines broken between non-consecutive training rounds); under secure aggregation,
-    where no loss is released, the contributing parties per training round and where the losses are."""
+    """Train loss per round (lines broken between non-consecutive training rounds; under secure aggregation the
+    released mean task loss); where no loss was released, the contributing parties per training round."""
     fig, (ax,) = _figure(FIGSIZE)
     title = f"Train loss per round — {run.run_id}"
     task_of = {_round_of(r): r.get("task") for r in rows}
-    n = _party_lines(ax, run, run.train, "loss", thin=False, task_of=task_of) + _agg_line(
-        ax, run.train, "loss", "all (weighted)", task_of=task_of
+    key = "loss" if any(_num(e.get("loss")) is not None for e in run.train) else "task_loss"  # secure: the slot
+    n = _party_lines(ax, run, run.train, key, thin=False, task_of=task_of) + _agg_line(
+        ax, run.train, key, "all (weighted)" if key == "loss" else "mean over contributing parties", task_of=task_of
     )
     if n:
-        _style(ax, title, "loss", _rounds(run.train))
+        _style(ax, title, key.replace("_", " "), _rounds(run.train))
         _task_boundaries(ax, rows)
         _legend(ax)
     elif run.secure and rows:
@@ -894,13 +895,15 @@ def _train_table(rows: list[dict[str, Any]], derived: bool, secure: bool = False
     if not rows:
         return out + ["No train rounds logged.", ""]
     if secure and not any(_num(r.get(k)) is not None for r in rows for k in ("loss", "loss_first", "loss_last")):
-        # no training metric is released under secure aggregation: no column of dashes
+        # secure aggregation releases only the training-metric slots' means: no column of dashes
         body = [(r["round"], r.get("phase_label"), r.get("task"), _count(r.get("contributors", r.get("parties"))),
                  "skipped: nothing released" if r.get("skipped") else "applied") for r in rows]
         header: tuple[str, ...] = ("round", "phase", "task", "contributing parties†", "update")
         if any(_num(r.get("skipped_steps")) is not None for r in rows):  # the secure sum of NaN/Inf steps skipped
             body = [(*b, _count(r.get("skipped_steps"))) for b, r in zip(body, rows, strict=True)]
             header = (*header, "skipped NaN/Inf steps (sum)")
+        body = [(*b, _num(r.get("task_loss"))) for b, r in zip(body, rows, strict=True)]  # the released slot mean
+        header = (*header, "mean task loss†")
         out += _table(header, body)
     else:
         body = [
@@ -933,7 +936,9 @@ def _train_table(rows: list[dict[str, Any]], derived: bool, secure: bool = False
         )
     if any("contributors" in r for r in rows):
         out += ["", "† secure aggregation: FedAvg weights are uniform, so the column counts the contributing parties "
-                f"(never examples); no training loss is released: each party keeps its own in {PARTY_LOG}, and "
+                "(never examples); the mean task loss is over them, each party's clipped to "
+                "`privacy.metric-loss-bound` (docs/privacy.md §3; per-party figures stay in each party's "
+                f"{PARTY_LOG}), and "
                 "the evaluation figures carry distributed DP noise (`privacy.metric-noise-multiplier`, "
                 "docs/privacy.md §4.5)."]
     if derived:

@@ -254,7 +254,7 @@ def train_dpo(model: nn.Module, pairs: list[Pair], ref: Reference, pad_id: int, 
             loss, st = dpo_loss(seq[:b], seq[b:], ref.chosen[ids].to(device), ref.rejected[ids].to(device), dpo.beta,
                                 ref.keep[ids].to(device))
             step_parts = {"dpo_loss": st["dpo_loss"], "margin": st["margin"], "pref_acc": st["pref_acc"]}
-            if routing.aux_loss_coef > 0 and "aux" in routing.balance:
+            if routing.aux_loss_coef > 0 and routing.balance.aux:
                 aux = aux_load_balance_loss(out.router_logits, num_experts, top_k, batch["attention_mask"],
                                             routing.aux_loss_scope)
                 loss = loss + routing.aux_loss_coef * aux

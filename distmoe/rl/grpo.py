@@ -20,7 +20,8 @@ minimises, with ``P = prompts_per_step`` prompts, ``G = group_size`` samples eac
 ``|y_i|`` counts every valid response token, masked ones included; ``L`` is minimised on ``minibatches`` slices of
 the ``N`` rollouts, ``ppo_epochs`` times per step.
 
-Owns: ``run_grpo`` (the loop) and ``GRPOResult`` (per-step metrics and the per-round summary). Its config is the
+Owns: ``run_grpo`` (the loop) and ``GRPOResult`` (per-step metrics and the per-round summary); one step's policy
+update is ``ppo.py``, the simulator's refits and trust ``sim_step.py``. Its config is the
 run's ``rl`` section, ``distmoe.config.RLConfig``, as parsed and validated there (no second config class here).
 One step is:
 
@@ -38,7 +39,7 @@ One step is:
    With ``cfg.simulator`` (off by default; off is bit-for-bit the path above) the inference simulator
    (``simulator.py``) is calibrated at step 0 and every ``simulator_recalibrate_every`` steps on fresh engine
    rollouts, and in between when its error on the held-out prompts (``simulator_heldout_frac`` of the prompts,
-   stratified by length, never trained on) or the policy's expert usage shifts (``_simulate``); the
+   stratified by length, never trained on) or the policy's expert usage shifts (``simulate_step``); the
    calibration tokens accumulate in a bounded buffer and the MLP's last layer is refitted after every step;
    ``delta_hat`` comes from the same theta_old pass, and unless the simulator is degraded (held-out
    calibration or this batch's R^2 / AUROC below the minimum: fallback, counted) the loss uses
@@ -60,8 +61,8 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -72,12 +73,25 @@ from distmoe.data.template import collate, encode_example, encode_prompt
 from distmoe.rl.advantages import group_advantages
 from distmoe.rl.engines import InferenceEngine, parse_profile
 from distmoe.rl.losses import get_policy_loss, mismatch_weights
-from distmoe.rl.replay import ReplayStats, replay_routes
+from distmoe.rl.ppo import (  # noqa: F401  (lb_mask, minibatch_loss, reuse_valid: re-exported for callers)
+    OldPolicy,
+    UpdateTally,
+    lb_mask,
+    logprobs_and_logits,
+    masked_mean,
+    minibatch_loss,
+    ppo_update,
+    replay_override_frac,
+    reuse_valid,
+    subset,
+    token_entropy,
+)
 from distmoe.rl.rewards import compute_rewards
-from distmoe.rl.rollout import Rollouts, engine_model, generate_rollouts, routing_disagreement, train_logprobs
-from distmoe.rl.simulator import InferenceSimulator, capture, compare, heldout_split, simulated_weights
+from distmoe.rl.rollout import Rollouts, generate_rollouts, routing_disagreement, train_logprobs
+from distmoe.rl.sim_step import SimState, simulate_step
+from distmoe.rl.simulator import InferenceSimulator, capture, heldout_split
 from distmoe.train.optim import build_optimizer
-from distmoe.train.stability import NonFinite, guard_gradients
+from distmoe.train.stability import NonFinite
 
 CALIBRATION_EXAMPLES = 64  # examples (full conversations) used to measure expert usage for prune-k
 
@@ -143,120 +157,6 @@ class GRPOResult:
         return out
 
 
-def _subset(ro: Rollouts, idx: torch.Tensor) -> Rollouts:
-    """Rows ``idx`` of a rollout batch (same prompt length and temperature)."""
-    routes = None if ro.engine_routes is None else ro.engine_routes[:, idx]  # [L, n, S, k]
-    return replace(ro, sequences=ro.sequences[idx], attention_mask=ro.attention_mask[idx], response=ro.response[idx],
-                   logp_infer=ro.logp_infer[idx], response_mask=ro.response_mask[idx],
-                   texts=[ro.texts[i] for i in idx.tolist()], prompt_index=ro.prompt_index[idx],
-                   engine_routes=routes)
-
-
-def _response_logits(head_out: torch.Tensor, ro: Rollouts) -> torch.Tensor:
-    """The LM head's output ``[N, P+T, V]`` -> the temperature-scaled logits that predict the response ``[N, T, V]``."""
-    t = ro.response.shape[1]
-    return head_out.detach()[:, ro.prompt_len - 1:ro.prompt_len - 1 + t].float() / ro.temperature
-
-
-def _logprobs_and_logits(model: nn.Module, ro: Rollouts,
-                         replay: bool = False) -> tuple[torch.Tensor, torch.Tensor, ReplayStats]:
-    """``train_logprobs`` (no grad) plus the temperature-scaled response logits ``[N, T, V]`` of that same pass;
-    with ``replay`` the pass replays the engine's routes, and the ``ReplayStats`` say where that changed them."""
-    head = model.get_output_embeddings()
-    got: list[torch.Tensor] = []
-    handle = head.register_forward_hook(lambda _m, _i, out: got.append(out.detach()))
-    try:
-        with replay_routes(model, ro.engine_routes if replay else None) as rstats:
-            logp = train_logprobs(model, ro, grad=False)  # [N, T]
-    finally:
-        handle.remove()
-    return logp, _response_logits(got[-1], ro), rstats
-
-
-def token_entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of each valid token's next-token distribution ``[N, T]`` (0 elsewhere) from ``[N, T, V]``
-    logits, as ``losses.masked_entropy`` computes it; kept instead of the logits so the masked mean can be taken
-    once the weights are known."""
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)  # [N, T]
-    sel = mask.bool()
-    if bool(sel.any()):
-        with torch.no_grad():
-            logp = torch.log_softmax(logits[sel].float(), dim=-1)  # [n, V]
-            out[sel] = torch.special.entr(logp.exp()).sum(dim=-1)
-    return out
-
-
-def _masked_mean(x: torch.Tensor, sel: torch.Tensor) -> float:
-    """Mean of ``x`` where ``sel`` (NaN when nothing is selected, as ``losses.masked_entropy``)."""
-    return float(x[sel].mean()) if bool(sel.any()) else math.nan
-
-
-def reuse_valid(cfg: RLConfig, model: nn.Module) -> bool:
-    """Whether the first PPO minibatch's own forward may stand in for its rows' ``logp_old`` recompute.
-
-    That forward runs at theta_old (no update yet) in train mode on the same rows, so it equals the no-grad
-    eval-mode recompute unless train mode changes the forward (an active dropout), or the path needs a full
-    theta_old pass of its own: the simulator (``delta_hat``'s features and the metrics mode need the whole
-    batch's router and LM logits before any update) and routing replay (its diagnostics, the override share and
-    the native-routing ``|dlogp|``, are measured on that pass). ``rl.reuse-logprobs = false`` turns it off."""
-    if not cfg.reuse_logprobs or cfg.simulator or cfg.routing_replay:
-        return False
-    if float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0) > 0.0:
-        return False
-    return not any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
-
-
-def replay_override_frac(rstats: ReplayStats, ro: Rollouts) -> float:
-    """Share of (valid response token, MoE layer) pairs whose replayed expert set differs from the trainer's own
-    top-k, at the positions whose outputs give the response log-probs (``P-1+t``); 0.0 without replay."""
-    if not rstats.overridden:
-        return 0.0
-    n, s = ro.sequences.shape
-    plen, t = ro.prompt_len, ro.response.shape[1]
-    valid = ro.response_mask  # [N, T]
-    fr = [float((o.reshape(n, s)[:, plen - 1:plen - 1 + t] & valid).sum()) / max(int(valid.sum()), 1)
-          for o in rstats.overridden.values()]
-    return float(sum(fr) / len(fr))
-
-
-def lb_mask(ro: Rollouts) -> torch.Tensor:
-    """``[N, P+T]`` long: valid prompt tokens and valid response tokens (not the padding after an eos)."""
-    return torch.cat([ro.attention_mask[:, :ro.prompt_len], ro.response_mask.to(ro.attention_mask.dtype)], 1)
-
-
-def minibatch_loss(model: nn.Module, sub: Rollouts, loss_fn, logp_old: torch.Tensor | None, adv: torch.Tensor,
-                   weights: torch.Tensor | None, cfg: RLConfig, ref_logp: torch.Tensor | None = None,
-                   sim: InferenceSimulator | None = None,
-                   old_fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-                   ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of one PPO minibatch ``sub`` (``[n, T]`` tensors for its rows), with the graph:
-
-    ``loss_fn(logp_new, logp_old, adv, mask, weights)`` with ``logp_new`` from the policy's forward (replaying
-    the engine's routes when ``cfg.routing_replay``), plus ``cfg.simulator_lb_coef * lb_loss_simulated`` on that
-    same forward's router logits when a simulator ``sim`` is passed (its offset table is a constant; the gradient
-    reaches the router through ``z_train``). Metrics: the loss's, plus ``sim_lb_loss`` when ``sim`` is given.
-    With ``old_fn`` (on-policy reuse, the forward is at theta_old) ``logp_old`` and ``weights`` are not passed
-    but ``old_fn(logp_new.detach())`` returns them (``[n, T]`` each).
-    """
-    mask = sub.response_mask  # [n, T]
-    want_lb = sim is not None and cfg.simulator_lb_coef > 0
-    if want_lb:
-        logp_new, router = train_logprobs(model, sub, grad=True, replay=cfg.routing_replay, router_logits=True)
-    else:
-        logp_new = train_logprobs(model, sub, grad=True, replay=cfg.routing_replay)  # [n, T]
-    if old_fn is not None:
-        logp_old, weights = old_fn(logp_new.detach())  # [n, T] each: this forward is pi_train(theta_old)
-    if logp_old is None or weights is None:
-        raise ValueError("minibatch_loss: pass logp_old and weights, or old_fn")
-    loss, lm = loss_fn(logp_new, logp_old, adv, mask, weights, clip_eps=cfg.clip_eps,
-                       ref_logp=ref_logp, kl_coef=cfg.kl_coef)
-    if want_lb:
-        lb = sim.lb_loss(router, lb_mask(sub))  # [] on the simulated routing of this forward
-        loss = loss + cfg.simulator_lb_coef * lb
-        lm = {**lm, "sim_lb_loss": float(lb.detach())}
-    return loss, lm
-
-
 def _encode(tokenizer, prompts: list[Example], max_prompt_len: int):
     ids = [encode_prompt(tokenizer, ex, max_prompt_len) for ex in prompts]
     texts = [ex.prompt_messages[-1]["content"] if ex.prompt_messages else "" for ex in prompts]
@@ -274,202 +174,12 @@ def build_engine(model: nn.Module, tokenizer, prompts: list[Example], cfg: RLCon
     return InferenceEngine(model, cfg.engine, temperature=cfg.temperature, calibration=calibration)
 
 
-@dataclass
-class _Update:
-    """What one step's policy update did: counts and the per-minibatch figures."""
-
-    skipped: int = 0
-    applied: int = 0
-    nonfinite: NonFinite = field(default_factory=NonFinite)
-    losses: list[float] = field(default_factory=list)
-    clip_fracs: list[float] = field(default_factory=list)
-    kl_refs: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
-    lb_losses: list[float] = field(default_factory=list)
-
-
-@dataclass
-class _Old:
-    """The step's theta_old figures. With on-policy reuse (``pending``) they are complete only after the first
-    minibatch's forward: ``complete(idx, logp_first [n, T], logits_first [n, T, V])`` writes that minibatch's
-    rows, then the weights are taken on the whole batch; ``order`` is the first epoch's minibatch order, drawn
-    before the partial recompute (so the recomputed rows are exactly the others)."""
-
-    logp: torch.Tensor  # [N, T] log pi_train(theta_old)
-    ent_tok: torch.Tensor  # [N, T] per-token entropy of pi_train(theta_old) (0 on padding)
-    ro: Rollouts
-    cfg: RLConfig
-    weights: torch.Tensor | None = None  # [N, T] detached mismatch weights (None while pending)
-    stats: dict[str, float] = field(default_factory=dict)  # mismatch_weights' statistics
-    order: torch.Tensor | None = None  # [N] the first epoch's order (reuse only)
-    pending: bool = False
-
-    def weigh(self) -> None:
-        """``mismatch_weights`` of the complete ``logp`` against the engine's ``logp_infer``."""
-        self.weights, st = mismatch_weights(self.logp, self.ro.logp_infer, self.ro.response_mask,
-                                            self.cfg.correction_level, self.cfg.mode, self.cfg.icepop_low,
-                                            self.cfg.icepop_high)
-        self.stats.update(st)
-
-    def complete(self, idx: torch.Tensor, logp_first: torch.Tensor, logits_first: torch.Tensor) -> None:
-        """Rows ``idx`` from the first minibatch's forward at theta_old (``[n, T]``, ``[n, T, V]``), then weigh."""
-        self.logp[idx] = logp_first.float()
-        self.ent_tok[idx] = token_entropy(logits_first, self.ro.response_mask[idx])
-        self.pending = False
-        self.weigh()
-
-
-def _ppo_update(model: nn.Module, opt, sched, params, ro, loss_fn, old: _Old, adv: torch.Tensor,
-                ref_logp: torch.Tensor | None, lb_sim, cfg: RLConfig,
-                gen: torch.Generator, grad_clip: float, winsorize: float = 0.0) -> _Update:
-    """``cfg.ppo_epochs`` passes over ``cfg.minibatches`` shuffled minibatches of the step's rollouts
-    (``old.logp``, ``old.weights``: ``[N, T]``; ``adv``: ``[N]``); a non-finite loss or gradient norm skips that
-    minibatch's update (the tensors behind a non-finite gradient are named in ``nonfinite``); ``params`` are the
-    trainable ``(name, parameter)`` pairs, winsorised at ``winsorize`` (``train/stability.py``) before the clip.
-    With ``old.pending`` the first minibatch's forward completes ``old`` (on-policy reuse). The model is left in
-    eval mode with no gradients held."""
-    out = _Update()
-    chunks = max(1, cfg.minibatches)
-    model.train()
-    try:
-        for epoch in range(cfg.ppo_epochs):
-            order = old.order if (epoch == 0 and old.order is not None) else torch.randperm(ro.num_rollouts,
-                                                                                             generator=gen)
-            for idx in torch.tensor_split(order, chunks):
-                if idx.numel() == 0:
-                    continue
-                sub = _subset(ro, idx)
-                ref = None if ref_logp is None else ref_logp[idx]
-                if old.pending:  # the first minibatch at theta_old: its forward is the recompute
-                    got: list[torch.Tensor] = []
-                    hook = model.get_output_embeddings().register_forward_hook(
-                        lambda _m, _i, o, got=got: got.append(o.detach()))
-
-                    def old_fn(logp_first: torch.Tensor, idx=idx, sub=sub, got=got):
-                        old.complete(idx, logp_first, _response_logits(got[-1], sub))
-                        return old.logp[idx], old.weights[idx]
-                    try:
-                        loss, lm = minibatch_loss(model, sub, loss_fn, None, adv[idx], None, cfg, ref, lb_sim,
-                                                  old_fn=old_fn)
-                    finally:
-                        hook.remove()
-                        got.clear()
-                else:
-                    loss, lm = minibatch_loss(model, sub, loss_fn, old.logp[idx], adv[idx], old.weights[idx], cfg,
-                                              ref, lb_sim)
-                opt.zero_grad(set_to_none=True)
-                if not math.isfinite(float(loss.detach())):
-                    out.skipped += 1
-                    out.nonfinite.add(["<loss>"])
-                    continue
-                loss.backward()
-                grad_norm, bad = guard_gradients(params, grad_clip, winsorize)
-                if bad is not None:  # a NaN/Inf gradient: discard it, naming the tensors
-                    out.skipped += 1
-                    out.nonfinite.add(bad)
-                    opt.zero_grad(set_to_none=True)
-                    continue
-                opt.step()
-                sched.step()
-                out.applied += 1
-                out.losses.append(float(loss.detach()))
-                out.clip_fracs.append(lm.get("ppo/clipfrac", 0.0))
-                out.grad_norms.append(float(grad_norm))
-                if "ppo/kl_ref" in lm:
-                    out.kl_refs.append(lm["ppo/kl_ref"])
-                if "sim_lb_loss" in lm:
-                    out.lb_losses.append(lm["sim_lb_loss"])
-    finally:
-        opt.zero_grad(set_to_none=True)
-        model.eval()
-    return out
-
-
-@dataclass
-class _SimState:
-    """The simulator of a run and what decides when it is refitted and trusted."""
-
-    sim: InferenceSimulator
-    gen: torch.Generator  # calibration prompts (the step's `gen` is untouched)
-    train_pool: list[int]  # prompt indices the run trains and calibrates on
-    held: list[int]  # held-out prompt indices (never trained on): the simulator's error is measured there
-    ref_err: float = math.nan  # held-out mean |delta_hat - delta| right after the last full fit
-    held_ro: Rollouts | None = None  # the held-out rollouts drawn at the last full fit, re-scored every step
-
-
-def _simulate(st: _SimState, step: int, cfg: RLConfig, model: nn.Module, engine, tokenizer, prompt_ids: list, ro,
-              tf_old, logp_old: torch.Tensor, seed: int):
-    """The simulator's view of this step, ``(delta_hat [N, T], simulated logp_old [N, T], simulated weights
-    [N, T], metrics)``. A full fit (calibration rollouts from the training prompts, into the bounded buffer) runs
-    every ``rl.simulator-recalibrate-every`` steps, and in between when the held-out error grew by more than
-    ``rl.simulator-error-shift`` (relative) or the policy's expert usage moved more than
-    ``rl.simulator-route-shift`` (TV distance) since the last fit. The step is trusted (``sim_trusted`` 1.0,
-    ``sim_fallback`` 0.0) only when the calibration, the held-out prompts and this batch's metrics mode all pass.
-    Afterwards the batch joins the buffer and, with ``rl.simulator-incremental``, the MLP's last layer is refitted
-    for the next step."""
-    sim = st.sim
-    mask = ro.response_mask  # [N, T]
-
-    def heldout(draw: bool) -> dict[str, float]:
-        """The metrics mode on the held-out rollouts: drawn from the engine at a full fit (``draw``), and between
-        fits the same tokens again, re-scored by the current engine and evaluated under the current policy, so
-        that the error trigger sees the policy's drift and not a fresh sample's (mirrors ``route_shift``)."""
-        if not st.held:
-            return {}
-        if draw or st.held_ro is None:
-            st.held_ro = generate_rollouts(engine, tokenizer, [prompt_ids[i] for i in st.held[:cfg.prompts_per_step]],
-                                           cfg.group_size, cfg.max_new_tokens, cfg.temperature,
-                                           seed=seed * 100_003 + 70_001 + step)
-        # the engine's teacher-forced log-probs of those tokens, at its current weights: at the fit and after it
-        # the same scoring, so err_shift compares like with like   [N, T]
-        ro_h = replace(st.held_ro, logp_infer=train_logprobs(engine_model(engine), st.held_ro))
-        return sim.evaluate(model, ro_h)
-
-    full = step % cfg.simulator_recalibrate_every == 0 or not sim.calibrated
-    triggered, held_m, t_cal, shift, err_shift = 0.0, {}, 0.0, math.nan, math.nan
-    if not full:
-        shift = sim.route_shift(model)  # on the last fit's own tokens: the policy's drift only
-        held_m = heldout(draw=False)
-        err_shift = held_m["abs_err"] / st.ref_err - 1.0 if held_m and st.ref_err > 0 else math.nan
-        if shift > cfg.simulator_route_shift or err_shift > cfg.simulator_error_shift:
-            full, triggered = True, 1.0
-    if full:
-        t_cal = time.perf_counter()
-        pick = torch.randperm(len(st.train_pool), generator=st.gen)[:cfg.prompts_per_step].tolist()
-        ro_cal = generate_rollouts(engine, tokenizer, [prompt_ids[st.train_pool[i]] for i in pick], cfg.group_size,
-                                   cfg.max_new_tokens, cfg.temperature, seed=seed * 100_003 + 50_021 + step)
-        sim.calibrate(model, engine, ro_cal)
-        held_m = heldout(draw=True)
-        st.ref_err = held_m.get("abs_err", math.nan)
-        t_cal = time.perf_counter() - t_cal
-    cal_m = sim.last_metrics
-    t_pred = time.perf_counter()
-    delta_hat = sim.predict(model, ro, captured=tf_old)  # [N, T] detached, theta_old only
-    t_pred = time.perf_counter() - t_pred
-    cmp = compare(delta_hat, logp_old - ro.logp_infer, mask, sim.r2_min, sim.auroc_min)
-    fallback = bool(cal_m["degraded"]) or bool(cmp["degraded"]) or bool(held_m.get("degraded", 0.0))
-    sim_logp_old, sim_w, sstats = simulated_weights(ro.logp_infer, delta_hat, mask, cfg.simulator_bound,
-                                                    cfg.correction_level, clip=cfg.simulator_clip)
-    metrics = {"sim_r2": cmp["r2"], "sim_auroc": cmp["auroc"], "sim_abs_err": cmp["abs_err"],
-               "sim_cal_r2": cal_m["r2"], "sim_cal_auroc": cal_m["auroc"], "sim_fallback": float(fallback),
-               "sim_trusted": float(not fallback), "sim_full_fit": float(full), "sim_recal_triggered": triggered,
-               "sim_heldout_r2": held_m.get("r2", math.nan), "sim_heldout_auroc": held_m.get("auroc", math.nan),
-               "sim_heldout_abs_err": held_m.get("abs_err", math.nan),
-               "sim_route_shift": shift, "sim_err_shift": err_shift,  # what the triggers saw (NaN: scheduled fit)
-               "sim_masked_frac": sstats["sim/masked_frac"], "sim_clipped_frac": sstats["sim/clipped_frac"],
-               "sim_calibrate_s": t_cal, "sim_predict_s": t_pred}
-    if sim.observe(tf_old, ro) and cfg.simulator_incremental:
-        metrics["sim_refit_mse"] = sim.refit_last()["mse_after"]
-    metrics["sim_buffer_tokens"] = float(sim.buffered_tokens)
-    return delta_hat, sim_logp_old, sim_w, metrics
-
-
 def _mean(xs: list[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else math.nan
 
 
 def _step_metrics(rewards: torch.Tensor, mstats: Mapping[str, float], weights: torch.Tensor, mask: torch.Tensor,
-                  upd: _Update, ent: float, t_rec: float, routes: list[float]) -> dict[str, float]:
+                  upd: UpdateTally, ent: float, t_rec: float, routes: list[float]) -> dict[str, float]:
     """One step's metrics (``rewards``: ``[N]``; ``weights``, ``mask``: ``[N, T]``); names in ``docs/algorithms.md``."""
     mean = _mean
     valid_w = weights[mask]
@@ -546,7 +256,7 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
         sim = InferenceSimulator.for_model(model, bound=cfg.simulator_bound, seed=seed,
                                            buffer_tokens=cfg.simulator_buffer_tokens,
                                            **{**SIMULATOR_FIT, **(simulator_fit or {})})
-        sim_st = _SimState(sim=sim, gen=torch.Generator().manual_seed(seed + 7919), train_pool=pool, held=held)
+        sim_st = SimState(sim=sim, gen=torch.Generator().manual_seed(seed + 7919), train_pool=pool, held=held)
     res = GRPOResult(sim_heldout=held if cfg.simulator else [])
     t_all = time.perf_counter()
     for step in range(cfg.steps):
@@ -568,20 +278,20 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
         mask = ro.response_mask  # [N, T]
         reused = 0
         if sim is None and reuse:  # recompute only the rows outside the first minibatch
-            order = torch.randperm(ro.num_rollouts, generator=gen)  # the first epoch's order, as _ppo_update draws it
+            order = torch.randperm(ro.num_rollouts, generator=gen)  # the first epoch's order, as ppo_update draws it
             first = torch.tensor_split(order, chunks)[0]
             rest = order[first.numel():]
             reused = int(first.numel())
             logp_old = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # [N, T]
             ent_tok = torch.zeros_like(logp_old)  # [N, T]
             if rest.numel():
-                sub_rest = _subset(ro, rest)
-                lp, lg, _ = _logprobs_and_logits(model, sub_rest)  # [n, T], [n, T, V]
+                sub_rest = subset(ro, rest)
+                lp, lg, _ = logprobs_and_logits(model, sub_rest)  # [n, T], [n, T, V]
                 logp_old[rest], ent_tok[rest] = lp, token_entropy(lg, sub_rest.response_mask)
                 del lg
         elif sim is None:
             order = None
-            logp_old, logits_old, rstats = _logprobs_and_logits(model, ro, cfg.routing_replay)  # [N, T], [N, T, V]
+            logp_old, logits_old, rstats = logprobs_and_logits(model, ro, cfg.routing_replay)  # [N, T], [N, T, V]
             ent_tok = token_entropy(logits_old, mask)  # [N, T]
             del logits_old
             if cfg.routing_replay:
@@ -600,7 +310,7 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
             logp_old = tf_old.logp  # [N, T]
             ent_tok = token_entropy(tf_old.logits, mask)  # [N, T]
         t_rec = time.perf_counter() - t_rec
-        old = _Old(logp=logp_old, ent_tok=ent_tok, ro=ro, cfg=cfg, order=order, pending=bool(reused))
+        old = OldPolicy(logp=logp_old, ent_tok=ent_tok, ro=ro, cfg=cfg, order=order, pending=bool(reused))
         if not reused:
             old.weigh()
         measured = old
@@ -608,12 +318,12 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
         delta_hat = None
         logp_old_used = logp_old
         if sim is not None:
-            delta_hat, sim_logp_old, sim_w, sim_metrics = _simulate(sim_st, step, cfg, model, engine, tokenizer,
+            delta_hat, sim_logp_old, sim_w, sim_metrics = simulate_step(sim_st, step, cfg, model, engine, tokenizer,
                                                                     prompt_ids, ro, tf_old, logp_old, seed)
             del tf_old
             if not sim_metrics["sim_fallback"]:
                 logp_old_used = sim_logp_old
-                old = _Old(logp=sim_logp_old, ent_tok=ent_tok, ro=ro, cfg=cfg, weights=sim_w)
+                old = OldPolicy(logp=sim_logp_old, ent_tok=ent_tok, ro=ro, cfg=cfg, weights=sim_w)
             res.sim_fallbacks += int(sim_metrics["sim_fallback"])
             res.sim_trusted += int(sim_metrics["sim_trusted"])
             res.sim_recal_triggered += int(sim_metrics["sim_recal_triggered"])
@@ -623,7 +333,7 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
         routes = routing_disagreement(model, engine, ro)
 
         lb_sim = sim if (sim is not None and not sim_metrics.get("sim_fallback", 1.0)) else None  # trusted steps only
-        upd = _ppo_update(model, opt, sched, params, ro, loss_fn, old, adv, ref_logp, lb_sim, cfg, gen, grad_clip,
+        upd = ppo_update(model, opt, sched, params, ro, loss_fn, old, adv, ref_logp, lb_sim, cfg, gen, grad_clip,
                           winsorize)
         weights, mstats = old.weights, measured.stats  # [N, T] complete now (filled by the first minibatch if reused)
         if cfg.mode == "mask":
@@ -632,7 +342,7 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
             w_mask, _ = mismatch_weights(logp_old, ro.logp_infer, mask, cfg.correction_level, "mask",
                                          cfg.icepop_low, cfg.icepop_high)
             icepop_masked = mask & (w_mask == 0)  # [N, T]
-        ent = _masked_mean(ent_tok, icepop_masked)
+        ent = masked_mean(ent_tok, icepop_masked)
         res.skipped_steps += upd.skipped
         for name, count in upd.nonfinite.params.items():
             res.nonfinite.params[name] = res.nonfinite.params.get(name, 0) + count

@@ -27,7 +27,7 @@ Exact semantics of a replayed router (Qwen3-MoE ``TopKRouter``, which returns
   restricted to the replayed experts: ``s_j = exp(z_{I_j}) / sum_m exp(z_{I_m})``. Without
   ``norm_topk_prob`` the un-normalised ``p[I]`` is used, exactly as HF does for its own top-k. Other
   supported families differ only in whether they renormalise and by a constant scale
-  (``distmoe.model.build.topk_weighting``: Mixtral and GPT-OSS always renormalise, DeepSeek-V2 scales).
+  (``distmoe.model.families.topk_weighting``: Mixtral and GPT-OSS always renormalise, DeepSeek-V2 scales).
 * The gradient therefore flows to the router through ``s`` (and to the replayed experts), but never
   through the choice of experts: routing mismatch is removed at its source, while the router still
   learns how to weight the experts it was given.
@@ -106,7 +106,7 @@ def replay_weights(router_logits: torch.Tensor, indices: torch.Tensor, norm_topk
     """Train-side weights ``[rows, k]`` of the replayed experts ``indices`` ``[rows, k]`` from the trainer's
     router logits ``[rows, E]``: ``softmax(z)[I]`` (float32), renormalised over the ``k`` replayed experts
     when ``norm_topk_prob`` (as the HF Qwen3-MoE router does for its own top-k), times ``scale`` (the
-    family's ``routed_scaling_factor``; ``distmoe.model.build.topk_weighting``). Differentiable in ``z``."""
+    family's ``routed_scaling_factor``; ``distmoe.model.families.topk_weighting``). Differentiable in ``z``."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)  # [rows, E]
     w = probs.gather(-1, indices)  # [rows, k]
     if norm_topk_prob:

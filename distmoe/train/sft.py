@@ -87,7 +87,7 @@ def sft_loss(model: nn.Module, batch: dict[str, torch.Tensor], routing: RoutingC
     task = causal_lm_loss(out.logits, batch["labels"])
     total = task
     parts = {"task_loss": float(task.detach())}
-    if routing.aux_loss_coef > 0 and "aux" in routing.balance:
+    if routing.aux_loss_coef > 0 and routing.balance.aux:
         aux = aux_load_balance_loss(out.router_logits, num_experts, top_k, batch["attention_mask"],
                                     routing.aux_loss_scope)
         total = total + routing.aux_loss_coef * aux

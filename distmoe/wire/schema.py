@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 TRAIN_METRIC_KEYS = ("loss", "task_loss", "aux_loss", "anchor_kl", "loss_first", "loss_last",
-                     "steps", "skipped_steps", "time_s")
+                     "steps", "skipped_steps", "time_s",
+                     "dpo_margin", "dpo_acc")  # a dpo round's mean log-ratio margin and preference accuracy (else NaN)
 # an rl update's metrics: these plus route_disagree_l<i> for each MoE layer i
 RL_METRIC_KEYS = ("reward", "reward_first", "reward_last", "masked_frac_low", "masked_frac_high", "seq_masked_frac",
                   "logp_diff_mean", "logp_diff_max", "k3", "clip_frac", "masked_entropy", "steps", "skipped_steps",

@@ -31,7 +31,7 @@ def test_every_round_released_gives_no_warning():
 
 
 def test_a_missing_or_rejected_release_warns_and_says_when_run_json_is_silent():
-    """The deployment of issue 15: the statistics release refused, the next round without keys."""
+    """A deployment where the statistics release was refused and the next round ran without keys."""
     meta = {"schedule": ["sft:a", "stats:a", "sft:b"], "warnings": ["round 3 (sft:b) released nothing: x"]}
     entries = [_release(1, "model-update"), _release(2, "router-stats", applied=False), _end(3)]
     warnings, _ = check_schedule(meta, entries)

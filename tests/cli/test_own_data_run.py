@@ -1,6 +1,6 @@
 """``distmoe simulate --data`` on a user's own task names, end to end on Flower's Simulation Engine (slow).
 
-Issue 15 item 1: party files named after the user's tasks (``train.jsonl``, ``support.jsonl``) used to stop
+Party files named after the user's tasks (``train.jsonl``, ``support.jsonl``) used to stop
 with "task(s) lookup, arith are held by no party"; with no schedule set, the run now derives the continual
 schedule over the data's tasks (name order), prints it first, and completes.
 """

@@ -95,7 +95,7 @@ def test_generated_files_match_the_declaration():
 
     for rel, render in GENERATED.items():
         text = (ROOT / rel).read_text(encoding="utf-8")
-        assert render(text) == text, f"{rel} is out of date with distmoe/config.py: run `{SYNC_COMMAND}`"
+        assert render(text) == text, f"{rel} is out of date with distmoe/config/: run `{SYNC_COMMAND}`"
     with (ROOT / "pyproject.toml").open("rb") as fh:
         flat = _flatten(tomllib.load(fh)["tool"]["flwr"]["app"]["config"])
     assert flat == DEFAULTS and all(type(flat[k]) is type(v) for k, v in DEFAULTS.items())

@@ -27,6 +27,11 @@ def test_eval_every_splits_training_phases():
         parse_run_config({"eval.every": -1})
 
 
+def test_eval_every_splits_every_update_phase_kind_dpo_included():
+    cfg = parse_run_config({"schedule.phases": "sft:a*2, dpo:p*5, eval", "eval.every": 2})
+    assert _labels(cfg) == ["sft:a*2", "eval", "dpo:p*2", "eval", "dpo:p*2", "eval", "dpo:p", "eval"]
+
+
 @pytest.mark.slow
 def test_inserted_eval_rounds_are_charged_by_the_plan():
     base = {"schedule.phases": "sft:a*6, eval, stats:a, sft:b*6, eval", "privacy.epsilon": 40.0,

@@ -1,4 +1,4 @@
-"""Noise that is present only where the audit looks (issue 11, item 4), in whole in-process runs: three parties
+"""Noise that is present only where the audit looks, in whole in-process runs: three parties
 over ``LocalTransport`` (the real party code path: session, ``StatsLayout``, outbound guard, ledger) and the real
 coordinator.
 

@@ -50,8 +50,13 @@ def test_dpo_phase_under_secure_aggregation(tiny, pref_dirs, tmp_path: Path):
     assert {e["party"] for e in train} == {"all"}  # only sums reach the coordinator
     dpo = [e for e in train if e["phase_label"] == "dpo:pref"]
     assert [e["round"] for e in dpo] == [2, 3]
-    for e in dpo:  # uniform weights, no metric (they stay at the parties)
-        assert e["contributors"] == 2 and "loss" not in e and not e.get("skipped")
+    owns = [[json.loads(x) for x in (tmp_path / "w" / "metrics" / f"{d.name}.jsonl").read_text().splitlines()]
+            for d in pref_dirs]
+    for e in dpo:  # uniform weights; only the DPO slots' means over the contributors (loss, margin, accuracy)
+        assert e["contributors"] == 2 and "loss" not in e and not e.get("skipped") and 0.0 <= e["dpo_acc"] <= 1.0
+        for k in ("task_loss", "dpo_margin", "dpo_acc"):
+            mine = [next(x for x in own if x["round"] == e["round"])[f"released_{k}"] for own in owns]
+            assert e[k] == pytest.approx(sum(mine) / 2, abs=1e-6), k
     # the update moved the global model in both dpo rounds
     w = [load_file(str(run_dir / "checkpoints" / f"round-{r}" / "trainable.safetensors")) for r in (1, 2, 3)]
     assert any((w[0][k] != w[1][k]).any() for k in w[0]) and any((w[1][k] != w[2][k]).any() for k in w[0])

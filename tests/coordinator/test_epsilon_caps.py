@@ -1,4 +1,4 @@
-"""A party's declared budget cap (node config ``epsilon-max``) and rounds that release nothing (issue 15 item 5).
+"""A party's declared budget cap (node config ``epsilon-max``) and rounds that release nothing.
 
 Following ``docs/deploy.md`` literally used to give parties ``epsilon-max = 4`` under a plan of epsilon ~8:
 each party refused the statistics release, no anchor was built, and ``run.json`` said ``completed`` with no

@@ -1,4 +1,4 @@
-"""Hostile or broken updates and anomalies (issue 5 item 6), on whole in-process runs: the server rejects
+"""Hostile or broken updates and anomalies, on whole in-process runs: the server rejects
 what no honest party can produce, logs it in its ledger, leaves the global model untouched and goes on
 (or stops, as configured); anomalous aggregate losses are flagged in the run record and the report.
 
@@ -161,7 +161,7 @@ def test_plaintext_outlier_update_is_rejected_by_the_norm_ratio(tmp_path, monkey
 
 @pytest.mark.integration
 def test_non_finite_aggregate_loss_is_flagged_in_record_and_report(tmp_path, monkeypatch, make_run):
-    """Plaintext baseline: under secure aggregation no training loss reaches the server (issue 11)."""
+    """Plaintext baseline: under secure aggregation no training loss reaches the server."""
     coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith", "privacy.mode": "plaintext"})
     real = P.run_sft
 

@@ -1,4 +1,4 @@
-"""Attacks on the coordinator's own ledger of a whole run (issue 11, item 3), each judged by ``distmoe audit``.
+"""Attacks on the coordinator's own ledger of a whole run, each judged by ``distmoe audit``.
 
 The coordinator holds its ledger key (``RUN/keys/coordinator.key``). Before the fix, dropping the tail of
 ``ledger/coordinator.jsonl`` (no key needed) or deleting the router-statistics release and re-signing the

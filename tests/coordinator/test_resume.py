@@ -1,4 +1,4 @@
-"""Crash and resume (issue 5 item 5): a coordinator that dies mid-round or mid-checkpoint, restarted with
+"""Crash and resume: a coordinator that dies mid-round or mid-checkpoint, restarted with
 ``run.resume``, continues the schedule from the last completed round with the same model, anchor versions,
 accountants and ledger chain; a corrupted checkpoint falls back to the previous one with a warning; parties
 rejoin without cleanup.
@@ -279,7 +279,7 @@ def test_fallback_never_rolls_back_privacy(anchored):
         assert len(stats(anchored["server_before"]["parties"][party]["events"])) == 1
         assert len(stats(server["parties"][party]["events"])) == 2
         acc = party_accountant(run_dir, party, run_id)
-        assert len(stats(acc.events)) == 2 and len(acc.events) == 3  # and the final eval release (issue 11)
+        assert len(stats(acc.events)) == 2 and len(acc.events) == 3  # and the final eval (a DP release)
         assert acc.primary_epsilon() > Accountant.from_state_dict(
             anchored["server_before"]["parties"][party]).primary_epsilon()
     res = audit_run(run_dir)

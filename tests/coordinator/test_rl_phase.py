@@ -20,8 +20,9 @@ pytestmark = pytest.mark.integration  # every test here is a whole in-process ru
 
 @pytest.mark.parametrize("mode", ["plaintext", "secagg"])
 def test_rl_phase_round_trip(synth_dirs, tmp_path: Path, tiny, mode):
-    """RL metrics reach the server only in the plaintext baseline; under secure aggregation the update sum
-    carries the contributor count only (issue 11: per-release metrics a straggle could difference out)."""
+    """Per-party RL metrics reach the server only in the plaintext baseline; under secure aggregation the update sum
+    carries the contributor count and the RL training-metric slots, whose means equal the mean of the parties' own
+    (clipped) figures."""
     cfg = parse_run_config({**tiny, "schedule.phases": "sft:lookup, rl:lookup*2, eval", "schedule.sft-rounds": 1,
                             "train.local-steps": 4, "rl.steps": 2, "rl.prompts-per-step": 4, "rl.group-size": 2,
                             "rl.max-new-tokens": 4, "rl.engine": "bf16", "checkpoint.keep": 10,
@@ -36,10 +37,15 @@ def test_rl_phase_round_trip(synth_dirs, tmp_path: Path, tiny, mode):
     assert [e["round"] for e in agg] == [2, 3]
     if mode == "secagg":
         assert {e["party"] for e in rl} == {"all"}  # secure aggregation: only sums reach the coordinator
-        for e in agg:  # uniform weights, no RL metric (they stay in each party's own metrics log)
-            assert e["engine"] == "bf16" and e["contributors"] == 2 and "reward" not in e and "num_examples" not in e
-        own = [json.loads(x) for x in (tmp_path / "w" / "metrics" / f"{synth_dirs[0].name}.jsonl").read_text()
-               .splitlines()]
+        owns = [[json.loads(x) for x in (tmp_path / "w" / "metrics" / f"{d.name}.jsonl").read_text().splitlines()]
+                for d in synth_dirs]
+        for e in agg:  # uniform weights; the RL slots' means (every other RL figure stays in the parties' logs)
+            assert e["engine"] == "bf16" and e["contributors"] == 2 and "num_examples" not in e
+            assert "clip_frac" not in e and "route_disagree_l0" not in e
+            for k in ("reward", "masked_frac_low", "masked_frac_high", "k3", "logp_diff_mean"):
+                mine = [next(x for x in own if x["round"] == e["round"])[f"released_{k}"] for own in owns]
+                assert e[k] == pytest.approx(sum(mine) / 2, abs=1e-6), k
+        own = owns[0]
         assert [x["round"] for x in own if x["kind"] == "RlInstruction"] == [2, 3]
         assert all(0.0 <= x["reward"] <= 1.0 for x in own if x["kind"] == "RlInstruction")
         # what the server wrote of the RL rounds (engine, correction, contributors) fits the audit's file schemas
@@ -87,8 +93,8 @@ def test_rl_phase_with_the_inference_simulator(synth_dirs, tmp_path: Path, tiny)
 
 
 def test_rl_phase_with_routing_replay_reports_it(synth_dirs, tmp_path: Path, tiny):
-    """The replay figures reach the server's aggregate in the plaintext baseline (under secure aggregation
-    RL metrics stay at the parties)."""
+    """The replay figures reach the server's aggregate in the plaintext baseline (under secure aggregation only
+    the RL training-metric slots do)."""
     cfg = parse_run_config({**tiny, "schedule.phases": "sft:lookup, rl:lookup*1", "schedule.sft-rounds": 1,
                             "train.local-steps": 4, "rl.steps": 2, "rl.prompts-per-step": 4, "rl.group-size": 2,
                             "rl.max-new-tokens": 4, "rl.engine": "prune-1", "rl.routing-replay": True,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from distmoe.config import parse_schedule
-from distmoe.coordinator.state import RoundState, StateError, from_checkpoint, position, to_checkpoint
+from distmoe.config import UPDATE_KINDS, parse_schedule
+from distmoe.coordinator.state import RoundState, StateError, from_checkpoint, pinned, position, to_checkpoint
 from distmoe.routing.anchor import Anchor, AnchorVersion
 
 PHASES = parse_schedule("sft:arith*2, eval, stats:arith, sft:lookup", 1)
@@ -21,6 +21,14 @@ def test_position_names_phase_and_round_within_it():
     assert position(PHASES, 2) == {"phase": 0, "label": "sft:arith", "round_in_phase": 2}
     assert position(PHASES, 4) == {"phase": 2, "label": "stats:arith", "round_in_phase": 1}
     assert position(PHASES, 6)["label"] == "end"
+
+
+@pytest.mark.parametrize("kind", UPDATE_KINDS)
+def test_the_model_before_a_new_task_of_every_update_kind_is_pinned(kind):
+    phases = parse_schedule(f"sft:arith*2, eval, {kind}:lookup*2", 1)
+    assert pinned(phases, 0, None) == {"kept": "initial model"}
+    assert pinned(phases, 3, "arith") == {"kept": "before task lookup"}  # round 4 starts the new task
+    assert pinned(phases, 1, "arith") == {} and pinned(phases, 4, "lookup") == {}
 
 
 def test_begin_task_keeps_the_model_and_evaluation_before_it():

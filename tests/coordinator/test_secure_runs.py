@@ -71,7 +71,7 @@ def test_coordinator_sees_masked_vectors_only(honest):
         assert not any(k.startswith(("arrays.", "stats.", "metrics.")) for k in e["keys"]), e["keys"]
 
 
-# ------------------------------------------ what the server wrote (issue 11, item 7): schema-checked files
+# ------------------------------------------ what the server wrote: schema-checked files
 @pytest.mark.parametrize("edit", ["honest", "per-party-row", "training-example", "report-text"])
 def test_server_files_of_a_real_run_are_schema_checked(honest, tmp_path, edit, failed_checks):
     from distmoe.report.report import write_report
@@ -524,7 +524,7 @@ def test_the_superlinks_own_node_unavailable_error_is_kept_a_party_text_is_not(t
 
 
 def test_single_holder_task_is_refused_before_anything_is_unmasked(tmp_path, make_run, releases):
-    """Issue 11 item 2(a), the single-holder task: only party-0 holds task 'arith', the others send a
+    """The contributor count, the single-holder task: only party-0 holds task 'arith', the others send a
     zero vector with weight 0, so the "sum over 3 parties" would be party-0's own update. Defence: the
     contributor count of the consistency check (each party's bit, Shamir-shared; only the sum is
     learned): 1 < privacy.min-parties = 2, so the coordinator refuses the release before any unmask
@@ -582,7 +582,7 @@ def test_single_holder_task_is_refused_by_the_parties_when_the_coordinator_skips
         assert "contributed data, below privacy.min-parties = 2" in log
 
 
-# ------------------------------------------- issue 14: the update's masks expanded while the party trains
+# ------------------------------------------- the update's masks expanded while the party trains (premask)
 @pytest.mark.parametrize("premask", [True, False])
 def test_update_masks_expanded_while_training_sum_to_the_same_release(tmp_path, monkeypatch, make_run, premask):
     """With ``privacy.secagg-premask`` each party expands its model-update masks in a second thread while it

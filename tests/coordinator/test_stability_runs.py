@@ -1,4 +1,4 @@
-"""A whole in-process run (three parties, secure aggregation on) with the stability details of issue 15
+"""A whole in-process run (three parties, secure aggregation on) with the stability details
 item 10: a NaN gradient step is skipped at the party and named in its own log, the skipped-step count reaches
 the coordinator only as a secure sum, and a per-tensor divergence of the aggregate update is flagged as a
 warning in ``run.json``, the progress stream, ``metrics.jsonl`` and the report; the audit still passes."""

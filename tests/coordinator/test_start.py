@@ -1,4 +1,4 @@
-"""Rollback and start points (issue 13 item 4): the initial model and the model before each task are never
+"""Rollback and start points: the initial model and the model before each task are never
 pruned; ``distmoe rollback`` names or copies a kept round, refusing a pruned or missing one; a new run with
 ``run.init-from`` starts from its weights and anchor; a bad start point stops the run with a clear error."""
 

@@ -1,4 +1,4 @@
-"""Masks that are not masks (issue 11, item 5): a party whose PRG returns zeros would send its inputs in the
+"""Masks that are not masks: a party whose PRG returns zeros would send its inputs in the
 clear under the label "masked". Three parties run in process (``LocalTransport``: the real party code path
 with its session, outbound guard and ledger); the PRG is patched to return zeros.
 

@@ -1,4 +1,4 @@
-"""Scale (issue 5 item 8): a 20-party ``distmoe simulate`` run with secure aggregation completes on a 2-core machine.
+"""Scale: a 20-party ``distmoe simulate`` run with secure aggregation completes on a 2-core machine.
 
 Slow (about 80 s for the run plus ~20 s for the audit on a shared 2-core box): a real local SuperLink, Flower's
 Simulation Engine on Ray with 1 CPU per virtual SuperNode (so two ClientApp actors serve the 20 parties in

@@ -49,7 +49,7 @@ def test_simulate_three_parties_two_rounds(tmp_path: Path, monkeypatch):
     agg = [e for e in train if e["party"] == "all"]
     assert all(e["parties"] == 3 for e in agg)
     assert [e["round"] for e in agg] == [1, 2]
-    # uniform weights, no training metric at the server (issue 11); each party's own log has its losses
+    # uniform weights, no training metric at the server (secure aggregation); each party's own log has its losses
     assert all(e["contributors"] == 3 and "loss_last" not in e for e in agg)
     own = {p: [json.loads(x) for x in (run_dir / "work" / p / "metrics" / f"{p}.jsonl").read_text().splitlines()]
            for p in ("party-0", "party-1", "party-2")}

@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-import distmoe.ledger as ledger_mod
+import distmoe.ledger.writer as ledger_writer
 from distmoe.ledger import (
     GENESIS,
     Ledger,
@@ -111,7 +111,7 @@ def test_entry_forged_with_other_key_detected(filled, key, tmp_path):
     e = json.loads(lines[4])
     e["dp"] = None
     e["hash"] = entry_hash(e)
-    e["sig"] = other.sign(ledger_mod.SIG_DOMAIN + e["hash"].encode()).hex()
+    e["sig"] = other.sign(ledger_writer.SIG_DOMAIN + e["hash"].encode()).hex()
     lines[4] = json.dumps(e) + "\n"
     _write(path, lines)
     assert any("bad signature" in m for m in verify_ledger(path, key.public_key()).errors)
@@ -186,10 +186,10 @@ def test_torn_trailing_line_is_truncated_on_open(filled, key, monkeypatch):
         real_write(fd, bytes(data)[: len(data) // 2])
         raise OSError("simulated crash")
 
-    monkeypatch.setattr(ledger_mod.os, "write", crash_half_way)
+    monkeypatch.setattr(ledger_writer.os, "write", crash_half_way)
     with pytest.raises(OSError, match="simulated crash"):
         led.append(**_fields(99, phase="torn-marker"))
-    monkeypatch.setattr(ledger_mod.os, "write", real_write)
+    monkeypatch.setattr(ledger_writer.os, "write", real_write)
     assert path.stat().st_size > size_before
     torn = verify_ledger(path, key.public_key())
     assert not torn.ok and any("torn trailing line" in m for m in torn.errors)

@@ -131,7 +131,7 @@ def test_bad_run_config_is_an_error_reply(synth_dirs, tiny_plain, tmp_path):
     assert "train.batch-size" in _code_only(out, ErrorCode.CONFIG, tmp_path)
 
 
-# ------------------------------------------- attacks: data-derived text in an error reply (issue 11, item 6)
+# ------------------------------------------- attacks: data-derived text in an error reply
 def test_rl_prompt_count_binary_search_learns_nothing(synth_dirs, tiny_plain, tmp_path):
     """The attack: a coordinator varies ``rl.prompts-per-step`` over runs and reads whether the party answers with
     an update or the ``data`` code (``prompts-per-step exceeds its K training prompts``): a binary search gave one
@@ -257,7 +257,7 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path, tiny_
     for name in ids.values():
         led = tmp_path / name / "ledger" / f"{name}.jsonl"
         assert verify_ledger(led, (led.with_suffix(".pub")).read_text().strip())
-    # issue 14: a round start that declares another ring width than the party's layout is refused before any work
+    # a round start that declares another ring width than the party's layout is refused before any work
     spent = {n: json.loads(next((tmp_path / ids[n] / "privacy").glob("*.accountant.json")).read_text())
              for n in ids}
     starts = server.begin_round(2, StatsLayout(sspec).length, 32)  # statistics always use 64 bits

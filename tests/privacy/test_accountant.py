@@ -165,7 +165,7 @@ def test_skellam_is_accounted_accurately_by_its_gaussian_approximation():
     assert small > 1.1 * epsilon_from_events([PrivacyEvent(2.0)], 1e-6)[1]
 
 
-# ----------------------------------------------------------------- integer orders and dp-accounting (issue 11.9)
+# ----------------------------------------------------------------- integer orders and dp-accounting
 def test_skellam_rdp_only_at_integer_orders():
     from distmoe.privacy.accountant import ALPHAS, rdp_orders, skellam_rdp
 

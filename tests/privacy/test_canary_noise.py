@@ -1,4 +1,4 @@
-"""Noise that is present only where the audit looks (issue 11, item 4): the row-sum noise test of the router
+"""Noise that is present only where the audit looks: the row-sum noise test of the router
 statistic and the per-release canary positions (``distmoe.privacy.dp``, ``StatsLayout``).
 
 The attacks run the real share code (``dp.client_share`` through ``StatsLayout.encode``) with a patched noise step,

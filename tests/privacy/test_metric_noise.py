@@ -1,5 +1,5 @@
 """Evaluation figures and training weights under secure aggregation (``distmoe.privacy.metric_noise``,
-``distmoe.privacy.vectors.UpdateLayout``): the straggle-differencing attack of issue 11 (2b), the
+``distmoe.privacy.vectors.UpdateLayout``): the straggle-differencing attack on evaluation figures, the
 calibration of the evaluation noise and its accounting."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _difference_eval(spec, scores, rng, noised=True):
 
 
 def test_straggle_differencing_no_longer_recovers_counts_or_losses():
-    """Issue 11 (2b). Attack: a coordinator makes party 3 straggle in the second of two releases with the same
+    """Straggle differencing. Attack: a coordinator makes party 3 straggle in the second of two releases with the same
     model and differences its own figures. Before, the weight sum gave party 3's training example count and
     the evaluation sums its exact held-out count and mean loss. Defences exercised: uniform FedAvg weights
     (``UpdateLayout.weight_of``: the weight sum is the contributor count) and the distributed Skellam noise

@@ -1,5 +1,5 @@
 """The privacy plan charges what the parties charge: updates per sequence at z_u / 2, router statistics by the
-Skellam bound at integer orders, so the planned epsilon is a backed bound <= privacy.epsilon (issue 11, item 9)."""
+Skellam bound at integer orders, so the planned epsilon is a backed bound <= privacy.epsilon."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_update_noise_4_no_longer_fits_the_default_budget():
     with pytest.raises(ConfigError, match="z_u/2 = 2 per sequence") as ei:
         plan_privacy(cfg.privacy, cfg.schedule)
     # RDP of the Gaussian at z = 2 over the 10 update releases (8.847 alone) and the 2 evaluation releases
-    # (Skellam at privacy.metric-noise-multiplier = 3, issue 11)
+    # (Skellam at privacy.metric-noise-multiplier = 3)
     assert "9.300" in str(ei.value)
     roomy = parse_run_config({"privacy.update-noise-multiplier": 4.0, "privacy.epsilon": 16.0})
     plan = plan_privacy(roomy.privacy, roomy.schedule)

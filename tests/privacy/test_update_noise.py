@@ -40,7 +40,7 @@ def test_noise_share_has_the_over_provisioned_std_and_spares_the_rest():
 
 
 def test_noise_share_in_a_32_bit_layout():
-    """Issue 14: a noised update in Z_2^32 keeps its width, and its noise is calibrated to the sensitivity after
+    """Ring width: a noised update in Z_2^32 keeps its width, and its noise is calibrated to the sensitivity after
     stochastic rounding, ``clip * 2^f + sqrt(numel)`` (fixed-point units)."""
     z, t = 2.0, 3
     lay = UpdateLayout.build(SHAPES, 5, 1.0, private=True, noise_multiplier=z, threshold=t, ring="auto")

@@ -25,7 +25,7 @@ def _delta(rng, scale=0.1):
 
 def test_update_sum_is_the_mean_of_the_contributors_with_uniform_weights():
     """Weights are 1 per contributing party (0 without data), never the example count: the released weight
-    sum is the contributor count (issue 11, straggle differencing)."""
+    sum is the contributor count (against straggle differencing)."""
     rng = np.random.default_rng(0)
     lay = UpdateLayout.build(SHAPES, 3, clip=10.0)
     deltas = [_delta(rng) for _ in range(3)]
@@ -101,7 +101,7 @@ def test_skipped_step_count_is_summed_only_without_update_noise():
     total32 = _ring_sum([lay32.count_skipped(lay32.encode(_delta(rng), 5)[0], s) for s in (1, SKIPPED_MAX, 3)])
     assert total32.dtype == np.uint32 and lay32.decode_skipped(total32) == 4.0 + SKIPPED_MAX
     assert lay32.decode(total32)[1] == pytest.approx(3.0)
-# ------------------------------------------------------------------------------ ring width (issue 14)
+# ------------------------------------------------------------------------------ ring width
 BIG = {"w": (7_121_682,)}  # the default model's update length, for the width rule (no encoding)
 
 

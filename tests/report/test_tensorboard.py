@@ -1,4 +1,4 @@
-"""TensorBoard scalars of a run (issue 15 item 8): ``distmoe report --tensorboard`` and ``report.tensorboard``.
+"""TensorBoard scalars of a run: ``distmoe report --tensorboard`` and ``report.tensorboard``.
 
 The writer needs the optional ``tensorboard`` package; the tests that write event files skip only when it is
 absent. What does not need it always runs: which scalars are written, and the error naming the extra.

@@ -54,14 +54,18 @@ def test_prune_engine_creates_masked_tokens_and_routing_disagreement(trained):
     before = {n: p.clone() for n, p in trained["model"].state_dict().items()}
     engine = InferenceEngine(trained["model"], "prune-1", calibration=trained["calibration"])
     assert torch.equal(engine.usage, trained["usage"]) and engine.pruned.shape == (2, 1)
-    ro, delta, masked = _mismatch(trained, engine)
-    assert masked > 0.0  # IcePop at [0.5, 5] masks some tokens (2.1 % measured)
-    assert delta.abs().mean() > 1e-3
+    ro, delta, _ = _mismatch(trained, engine)
+    assert delta.abs().mean() > 1e-3  # removing one expert per layer shifts the log-probs (0.006-0.11 measured)
     assert max(routing_disagreement(trained["model"], engine, ro)) > 0.0
     for li, routes in enumerate(_record_routes(engine.model, ro)):  # [N, P+T, k]
         assert not torch.isin(routes, engine.pruned[li]).any()  # pruned experts are never chosen
     after = trained["model"].state_dict()
     assert all(torch.equal(before[n], after[n]) for n in before)  # the policy is untouched
+    # Whether prune-1 leaves any ratio outside IcePop's [0.5, 5] depends on the trained weights (0.0-4.7 % of
+    # ~500 tokens measured across thread counts and package versions); removing two experts per layer does
+    # (3.2-11.4 % measured), so the masking claim is checked there.
+    _, _, masked = _mismatch(trained, InferenceEngine(trained["model"], "prune-2", calibration=trained["calibration"]))
+    assert masked > 0.0
 
 
 def test_bf16_and_int8_give_small_nonzero_mismatch(trained):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distmoe.config import ConfigError, RLConfig
-from distmoe.rl.grpo import _encode, _logprobs_and_logits, build_engine, minibatch_loss, reuse_valid, run_grpo
+from distmoe.rl.grpo import _encode, build_engine, logprobs_and_logits, minibatch_loss, reuse_valid, run_grpo
 from distmoe.rl.losses import POLICY_LOSSES, get_policy_loss, mismatch_weights
 from distmoe.rl.rollout import generate_rollouts, train_logprobs
 
@@ -166,9 +166,10 @@ def test_nan_gradient_update_names_the_parameter_and_winsorize_reaches_the_updat
     a, b = dict(plain.named_parameters()), dict(wins.named_parameters())
     assert any(not torch.equal(a[k], b[k]) for k in a if b[k].requires_grad)
 def _prune_batch(trained, n_prompts=8):
-    """A rollout batch from a prune-1 engine (so the mismatch weights are not all one), with its advantages."""
+    """A rollout batch from a prune-2 engine (so the mismatch weights are not all one: prune-1 masks no token
+    of this batch on some builds), with its advantages."""
     model = copy.deepcopy(trained["model"]).eval()
-    cfg = RLConfig(**{**BASE, "engine": "prune-1", "minibatches": 1})
+    cfg = RLConfig(**{**BASE, "engine": "prune-2", "minibatches": 1})
     engine = build_engine(model, trained["tok"], trained["prompts"], cfg)
     ids, _ = _encode(trained["tok"], trained["prompts"][:n_prompts], 256)
     ro = generate_rollouts(engine, trained["tok"], ids, 4, 8, 1.0, seed=3)
@@ -186,7 +187,7 @@ def test_reused_logp_old_gives_the_loss_and_gradient_of_the_separate_recompute(t
     def weigh(lp):
         return mismatch_weights(lp, ro.logp_infer, mask, "token", "mask", cfg.icepop_low, cfg.icepop_high)[0]
 
-    logp_sep, _, _ = _logprobs_and_logits(model, ro)  # [N, T] eval mode, no grad
+    logp_sep, _, _ = logprobs_and_logits(model, ro)  # [N, T] eval mode, no grad
     w_sep = weigh(logp_sep)
     assert 0 < int((w_sep[mask] == 0).sum()) < int(mask.sum())  # some tokens masked: the weights matter
     model.train()

@@ -68,20 +68,21 @@ def test_recording_during_generate_equals_the_engines_own_routing(env, profile):
     assert torch.equal(plain.sequences, ro.sequences) and torch.equal(plain.logp_infer, ro.logp_infer)
 
 
-def test_prune_1_replay_selects_exactly_the_recorded_experts_never_the_pruned_one(env):
+def test_prune_replay_selects_exactly_the_recorded_experts_never_a_pruned_one(env):
+    # prune-2: with one expert removed, the tiny model's mismatch is within float noise on some builds
     model = env["model"]
-    eng = _engine(env, "prune-1")
+    eng = _engine(env, "prune-2")
     ro = _rollouts(env, eng)
     n, s = ro.sequences.shape
     own = _experts_used(model, lambda: train_logprobs(model, ro))
     rep = _experts_used(model, lambda: train_logprobs(model, ro, replay=True))
     for li in range(2):
-        pruned = int(eng.pruned[li, 0])
+        pruned = eng.pruned[li]  # [2]
         rec = ro.engine_routes[li].reshape(n * s, -1)  # [rows, k]
         used = rep[li].reshape(n, s, -1)[:, :-1].reshape(-1, 2)  # [rows without the last position, k]
         assert torch.equal(used, rec.reshape(n, s, -1)[:, :-1].reshape(-1, 2))
-        assert not (used == pruned).any()
-        assert (own[li] == pruned).any()  # the trainer's own routing does pick it: replay is what removes it
+        assert not torch.isin(used, pruned).any()
+        assert torch.isin(own[li], pruned).any()  # the trainer's own routing does pick them: replay removes them
     # with replay the trainer computes what the pruned engine computed (pruning only changes the routing)
     m = ro.response_mask
     d_own = (train_logprobs(model, ro) - ro.logp_infer)[m].abs().mean()

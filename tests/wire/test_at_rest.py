@@ -1,4 +1,4 @@
-"""Privacy at rest and in logs (issue 11, item 10): simulate writes party files private, and the pre-run
+"""Privacy at rest and in logs: simulate writes party files private, and the pre-run
 check refuses a world-readable party directory, an allow-list with free text, and a log line with data."""
 
 from __future__ import annotations

@@ -382,7 +382,7 @@ def test_setup_request_declares_logical_run_and_epoch():
 
 
 def test_a_32_bit_round_travels_in_32_bit_words():
-    """Issue 14: the round start carries the release's ring width and the masked input is uint32 words (half
+    """Ring width: the round start carries the release's ring width and the masked input is uint32 words (half
     the bytes of Z_2^64); a width other than 32 or 64 on the wire is refused."""
     import os
 

@@ -1,4 +1,4 @@
-"""Every instruction carries the coordinator's ledger head, and the party records it (issue 11, item 3).
+"""Every instruction carries the coordinator's ledger head, and the party records it.
 
 The server guard logs an instruction in the coordinator's ledger and attaches the head after that entry;
 the party guard (``party_guard.serve``) writes it as the ``anchor`` of its signed "in" entry, with the

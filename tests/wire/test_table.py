@@ -93,21 +93,21 @@ PAYLOADS_FIXED = [
 # above, taken from the codec before it was driven by the table: the bytes on the wire must not change
 # (re-pinned for the consistency check: the key advert and directory carry the signing keys, the masked input
 # its contributor-bit shares, the unmask request the signatures; the two consistency messages are new; the
-# round start of the two secure instructions carries its ring width `bits`, issue 14)
+# round start of the two secure instructions carries its ring width `bits`)
 PINNED = [
     "9f26bba42e4fd64119f24c395baf4b4be957b4f7aa3edebee57a6ac478686de9",
     "bcadd59e9f1157474d199c98697b17e3d1a8a2d28c55d739fd78e586f2d2b8eb",
     "20cd4ece194dc7156a14494b7fdc36fe9a5b163094b0d48994eb7a82708c191c",
     "488002e77136873bf21b275bd12aa49c61f0500d562dc27c63f99d8d21b4d367",
     "ea18730bd8560fb73bd1c0439f669eabebcd97281f13ba3df2e5b5beb613713c",
-    "db00803dbefa9f95b9795ecc765e946c5eedefa0615a6a61dd9999d89ff36b8f",
+    "7ae1d60f282d1426742dacad060111cacd323c4b87eac43a2f9467a124c76d26",
     "ca7e4433073b61b2ba962d4319c315f19db9cf5d4fa4480f755cf8e1c2c5ae80",
     "9169602ce2efa6d201788d8d376083ac8e5e21e9499ce82ea52c156f763470dc",
     "edf18a3eb5cf3e470586413056d00e20a739e9fe66c9792662fcdf1a23ff364b",
     "25c7c7f2792d31c8e3078d4c17c2c34261b02475f3c39ec0cddc58e3ae5117db",
     "8902a0e4bcf99c029f8eab5a3f131483eedc56db0d28ec13c811dc6505b9e33f",
     "54342bfca4a365962bce71b9166f2b0ee1710748516994b86ac250490b2c40db",
-    "e614bbf9d39da592be4ca3fd5be82e4d207258c75958c190aa85f1603295dd01",  # KeyAdvertReply: + epsilon_max (issue 15)
+    "e614bbf9d39da592be4ca3fd5be82e4d207258c75958c190aa85f1603295dd01",  # KeyAdvertReply: + epsilon_max (budget cap)
     "a597944c055819b0bbccc31b68e51fb56609a02562e910dddbeae3af32fe1ce3",
     "1fda911fef739a41dd00a68385dd863846d87758d462767f48b8494a7b4a601d",
     "a75d93ac19ea6889d99ce518de0896c8d50233ffae4ac940bd314cec6b061c67",

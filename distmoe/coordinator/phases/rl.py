@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from distmoe.coordinator.phases.update import apply_update
+from distmoe.coordinator.phases.update import apply_update, released
 from distmoe.wire.schema import RlInstruction
 
 
@@ -26,11 +26,16 @@ def aggregate(co, index, phase, instr: RlInstruction) -> str:
     if isinstance(out, str):
         return out
     agg = out.metrics
-    if co.cfg.privacy.secure:  # no RL metric but the skipped-update sum reaches the server
+    if co.cfg.privacy.secure:  # the RL metric slots' means over the contributors, and the skipped-update sum
         skipped = agg.get("skipped_steps", math.nan)  # the secure sum's one stability count (no update noise)
-        return (f"{out.parties}/{out.nodes} parties, {out.num_examples} contributing | RL metrics stay at the "
-                "parties (secure aggregation)" + (f" | skipped NaN/Inf updates {int(skipped)}"
-                                                  if math.isfinite(skipped) else ""))
+        shown = {**agg, "masked_frac": agg.get("masked_frac_low", math.nan) + agg.get("masked_frac_high", math.nan)}
+        nz = out.noise
+        noise = {**nz, **({"masked_frac": math.hypot(nz["masked_frac_low"], nz["masked_frac_high"])}
+                          if "masked_frac_low" in nz else {})}
+        return (f"{out.parties}/{out.nodes} parties, {out.num_examples} contributing | "
+                + released(shown, noise, (("reward", "reward", ".3f"), ("logp_diff_mean", "|dlogp|", ".4f"),
+                                 ("masked_frac", "masked", ".4f"), ("k3", "K3", ".2e")))
+                + (f" | skipped NaN/Inf updates {int(skipped)}" if math.isfinite(skipped) else ""))
     return (f"{out.parties}/{out.nodes} parties | reward {agg['reward_first']:.3f} -> {agg['reward_last']:.3f} "
             f"| |dlogp| mean {agg['logp_diff_mean']:.4f} max {agg['logp_diff_max']:.3f} | masked "
             f"{agg['masked_frac_low'] + agg['masked_frac_high']:.4f} | K3 {agg['k3']:.2e}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from distmoe.coordinator import expand
-from distmoe.coordinator.phases.update import apply_update
+from distmoe.coordinator.phases.update import apply_update, released
 from distmoe.coordinator.retention import anchor_version, sends_latest_anchor, sft_fields
 from distmoe.wire.schema import SftInstruction
 
@@ -41,10 +41,11 @@ def aggregate(co, index, phase, instr: SftInstruction) -> str:
     agg = out.metrics
     kl = (f", anchor KL {agg['anchor_kl']:.4f}" if instr.anchor is not None
           and math.isfinite(agg.get("anchor_kl", math.nan)) else "")
-    if co.cfg.privacy.secure:  # no training metric but the skipped-step sum reaches the server
+    if co.cfg.privacy.secure:  # the training-metric slots' means over the contributors, and the skipped-step sum
         skipped = agg.get("skipped_steps", math.nan)  # the secure sum's one stability count (no update noise)
-        return (f"{out.parties}/{out.nodes} parties, {out.num_examples} contributing | training metrics stay at the "
-                "parties (secure aggregation)" + (f" | skipped NaN/Inf steps {int(skipped)}"
-                                                  if math.isfinite(skipped) else ""))
+        return (f"{out.parties}/{out.nodes} parties, {out.num_examples} contributing | "
+                + released(agg, out.noise, (("task_loss", "task loss", ".3f"), ("dpo_margin", "margin", ".3f"),
+                                 ("dpo_acc", "pref. acc", ".3f")))
+                + (f" | skipped NaN/Inf steps {int(skipped)}" if math.isfinite(skipped) else ""))
     return (f"{out.parties}/{out.nodes} parties | task loss {agg['loss_first']:.3f} -> "
             f"{agg['loss_last']:.3f}{kl} | skipped steps {int(agg['skipped_steps'])}")

@@ -1,10 +1,12 @@
-"""Applying an aggregated model update, shared by the ``sft`` and ``rl`` phases.
+"""Applying an aggregated model update, shared by the ``sft`` and ``rl`` phases, and the released training
+figures of its round line (``released``).
 
 Must not: import ``flwr``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,3 +42,15 @@ def apply_update(co: Coordinator, out: UpdateSum | Skip, event: dict) -> UpdateS
     settle.after_update(co)  # routing.balance-settle-steps: the bias settled on the new weights, before the checkpoint
     co.checkpoint()
     return out
+
+
+def released(metrics: dict[str, float], noise: dict[str, float], names: tuple[tuple[str, str, str], ...]) -> str:
+    """The training-metric slots' means of a secure round as ``name value`` (``± std`` where the update noise is
+    on), for the round line; ``names``: ``(key, label, format)``."""
+    parts = []
+    for key, label, fmt in names:
+        v = metrics.get(key, math.nan)
+        if math.isfinite(v):
+            sd = noise.get(key)
+            parts.append(f"{label} {v:{fmt}}" + (f" ± {sd:{fmt}}" if sd else ""))
+    return ", ".join(parts) if parts else "no training figures (no contributor)"

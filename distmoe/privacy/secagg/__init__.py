@@ -88,7 +88,7 @@ Example, 3 of 4 clients survive, t = 3:
     ring.decode_fixed(res.total, 64)    # == x[1] + x[2] + x[3] to 3/128
 """
 
-from distmoe.privacy.secagg.client import Phase, PreMask, SecAggClient
+from distmoe.privacy.secagg.client import SecAggClient
 from distmoe.privacy.secagg.errors import (
     AlreadyDead,
     BelowThreshold,
@@ -140,6 +140,7 @@ from distmoe.privacy.secagg.messages import (
     UnmaskResponse,
     payload_bytes,
 )
+from distmoe.privacy.secagg.rounds import Phase, PreMask
 from distmoe.privacy.secagg.server import SecAggServer
 
 __all__ = [

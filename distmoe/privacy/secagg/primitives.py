@@ -138,7 +138,7 @@ def prg(key: bytes, length: int, bits: int) -> np.ndarray:
     return words
 
 
-# Fast expansion (issue 14 item 3): the same keystream as ``prg``, written chunk by chunk straight into a
+# Fast expansion: the same keystream as ``prg``, written chunk by chunk straight into a
 # preallocated word buffer and added/subtracted in place. AES-CTR's counter block is the block index, so the
 # stream can start at any 16-byte block (``_stream_at``): disjoint
 # ranges of one stream can be expanded independently (threads) and still equal ``prg`` exactly.

@@ -80,7 +80,7 @@ def sign_run(y: np.ndarray) -> int:
     Per word: flip a negative word's bits (top bit 0 after it: its leading zeros are the run), then
     ``g = top - bit_length``; bit lengths are exact float64 exponents of 32-bit halves (a uint64 word is split
     into its high and low halves, since float64 rounds above 2^53). Chunked so that a 7M-word update costs
-    about 10 ms instead of 0.6 s (``tests/privacy/test_selftest.py`` pins it to the bit-by-bit definition)."""
+    about 10 ms instead of 0.6 s (``tests/privacy/secagg/test_selftest.py`` pins it to the bit-by-bit definition)."""
     a = np.asarray(y).ravel()
     if a.dtype == np.uint32:
         return _sign_run32(a)

@@ -140,8 +140,8 @@ def split_view_attack(fed: LocalFederation, xs, *, target: int = 1, attach: str 
 
 @pytest.mark.parametrize("n", [5, 7, 10])
 def test_split_view_attack_works_without_the_consistency_check(n, monkeypatch):
-    """Control: with the client's consistency gate removed (the code before issue 11), the split view
-    recovers the target's input exactly, so the next test exercises a real attack."""
+    """Control: with the client's consistency gate removed (the protocol without its consistency check), the split
+    view recovers the target's input exactly, so the next test exercises a real attack."""
     monkeypatch.setattr(SecAggClient, "_consistency_gate", lambda self, st, req, k: None)
     xs = inputs(n)
     x, aborts, _ = split_view_attack(fed_of(n), xs)
@@ -291,7 +291,7 @@ def test_share_sums_off_one_polynomial_are_refused():
     _refused(honest, dataclasses.replace(req, signatures=tuple(sigs)), ConsistencyFailure, "one polynomial")
 
 
-# ---- the contributor count (issue 11 item 2a: a release needs min-parties contributors) ------------
+# ---- the contributor count (a release needs min-parties contributors) ----------------------------
 
 
 @pytest.mark.parametrize(

@@ -121,7 +121,7 @@ def test_real_valued_inputs_through_the_ring_codec():
 
 @pytest.mark.parametrize("drop", [False, True])
 def test_a_round_declares_its_own_ring_width(drop):
-    """A 64-bit run carries a 32-bit release (issue 14): the round start declares the width, the inputs and
+    """A 64-bit run carries a 32-bit release: the round start declares the width, the inputs and
     the sum are uint32 words, and the server's unmask of a dropped party's masks happens in that width; the
     next round in the same run goes back to 64 bits."""
     n, scale = 5, 2.0**20

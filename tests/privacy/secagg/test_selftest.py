@@ -1,4 +1,4 @@
-"""The uniformity statistic of a masked input in the words of its ring (issue 14: 32-bit releases)."""
+"""The uniformity statistic of a masked input in the words of its ring (32-bit releases too)."""
 
 from __future__ import annotations
 

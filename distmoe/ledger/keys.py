@@ -1,0 +1,71 @@
+"""A node's Ed25519 ledger-signing key file: generated with mode 0600 (never overwritten without ``force``),
+loaded with a permission check, and its public key in hex.
+
+Owns: the key file format (unencrypted PKCS#8 PEM) and public keys given as objects, hex or raw bytes.
+
+Must not: write a ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from distmoe.io import write_atomic
+
+
+def generate_signing_key(path: str | os.PathLike[str], *, force: bool = False) -> Ed25519PrivateKey:
+    """Create a new Ed25519 key, write it as unencrypted PKCS#8 PEM with mode 0600, return it.
+
+    Refuses (``FileExistsError``) to replace an existing file unless ``force=True``; with ``force`` the
+    replacement is atomic (temp file in the same directory, fsync, rename).
+    """
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    write_atomic(path, pem, mode=0o600, replace=force)  # FileExistsError without force
+    return key
+
+
+def load_signing_key(path: str | os.PathLike[str], *, strict_permissions: bool = True) -> Ed25519PrivateKey:
+    """Load an Ed25519 private key from a PEM file written by :func:`generate_signing_key`.
+
+    With ``strict_permissions`` (default) a key file readable or writable by group or others is refused
+    (``PermissionError``), as ssh does. A PEM holding another key type is a ``TypeError``.
+    """
+    path = Path(path)
+    if strict_permissions and os.name == "posix":
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            raise PermissionError(f"{path}: signing key has mode {mode:04o}; it must not be accessible to "
+                                  "group/others (chmod 600)")
+    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise TypeError(f"{path}: expected an Ed25519 private key, got {type(key).__name__}")
+    return key
+
+
+def public_key_hex(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
+    """Raw 32-byte public key as hex (what a node publishes so others can verify its ledger)."""
+    pub = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
+
+
+def load_public_key(key: Ed25519PublicKey | Ed25519PrivateKey | str | bytes) -> Ed25519PublicKey:
+    """Accept a public key object, a private key (its public half), 32 raw bytes or their hex."""
+    if isinstance(key, Ed25519PublicKey):
+        return key
+    if isinstance(key, Ed25519PrivateKey):
+        return key.public_key()
+    if isinstance(key, str):
+        key = bytes.fromhex(key)
+    if isinstance(key, bytes) and len(key) == 32:
+        return Ed25519PublicKey.from_public_bytes(key)
+    raise TypeError("public key must be an Ed25519 key object, 32 raw bytes or their 64-char hex")
+
+
+# --------------------------------------------------------------------------------------------- reading
