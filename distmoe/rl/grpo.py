@@ -252,7 +252,7 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
     pool = list(range(len(prompts)))  # the prompts the run trains on
     if cfg.simulator:
         held = heldout_split([len(ids) for ids in prompt_ids], cfg.simulator_heldout_frac, seed)
-        pool = [i for i in pool if i not in set(held)] or pool  # all held out (< 6 prompts): train on them too
+        pool = [i for i in pool if i not in set(held)] or pool  # 3 prompts: all held out, train on them too
         sim = InferenceSimulator.for_model(model, bound=cfg.simulator_bound, seed=seed,
                                            buffer_tokens=cfg.simulator_buffer_tokens,
                                            **{**SIMULATOR_FIT, **(simulator_fit or {})})
