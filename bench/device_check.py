@@ -13,10 +13,11 @@ experts, the experts' computed on the routed tokens), and runs with gradient che
     python bench/device_check.py --tiny --device cpu    # the same code at a tiny shape (the test suite runs this)
     python bench/device_check.py --layers 8             # the real widths, fewer layers (a smaller device)
 
-Budget on one H100 (80 GB): the bf16 base is 61 GB; with gradient checkpointing a step of 4 x 512 tokens
-keeps one layer's activations plus the residual stream of each layer. Nothing here was run on an accelerator when
-it was written: the CPU run checks the code path, not the figures. The table it prints goes into
-``docs/results.md``.
+Budget on one H100 (80 GB): the bf16 base is 61 GB; with gradient checkpointing a step of 4 x 256 tokens (the
+default) keeps one layer's activations plus the residual stream of each layer; ``distmoe plan --model
+qwen3-30b-a3b --device h100 --batch 4 --seq 256 --dtype bfloat16 --gradient-checkpointing`` predicts the peak.
+Nothing here was run on an accelerator when it was written: the CPU run checks the code path, not the figures.
+The table it prints goes into ``docs/results.md``.
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (the CPU test)")
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (0: the shape's own)")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rl-prompts", type=int, default=4)

@@ -188,16 +188,17 @@ def predict(a: Arch, s: Settings) -> dict[str, float]:
     return {"base": base, "adapters": adapters, "sft": sft, "rl": rl, "stats": stats, "server": server}
 
 
-def fit(a: Arch, s: Settings, device_gb: float, headroom: float = 0.9) -> tuple[Settings, dict] | None:
-    """The first settings (bf16 before float32, checkpointing off before on, the largest micro-batch) whose ``sft``
-    and ``rl`` peaks fit ``headroom x device_gb``; None if none does (the base alone may be too large)."""
+def fit(a: Arch, s: Settings, device_gb: float, headroom: float = 0.9,
+        rounds: tuple[str, ...] = ("sft", "rl")) -> tuple[Settings, dict] | None:
+    """The first settings (bf16 before float32, checkpointing off before on, the largest micro-batch) whose peaks
+    of ``rounds`` fit ``headroom x device_gb``; None if none does (the base alone may be too large)."""
     for dtype in (2, 4) if s.dtype_bytes == 4 else (s.dtype_bytes,):
         for ckpt in (False, True):
             mb = s.batch
             while mb >= 1:
                 t = replace(s, dtype_bytes=dtype, checkpointing=ckpt, batch=mb)
                 p = predict(a, t)
-                if max(p["sft"], p["rl"]) <= headroom * device_gb * GB:
+                if max(p[r] for r in rounds) <= headroom * device_gb * GB:
                     return t, p
                 mb //= 2
     return None
@@ -243,19 +244,25 @@ def plan_text(source: str, device: str, s: Settings, lora_r: int = 8) -> str:
              f"gradient checkpointing {'on' if s.checkpointing else 'off'}, on {device}", "",
              table([(a, p, "")])]
     if gb is not None:
-        found = fit(a, s, gb)
+        found, only = fit(a, s, gb), ""
+        if found is None and fit(a, s, gb, rounds=("sft",)) is not None:
+            found, only = fit(a, s, gb, rounds=("sft",)), "sft "
         if found is None:
             need = predict(a, replace(s, dtype_bytes=2, checkpointing=True, batch=1))
             lines.append(f"\ndoes not fit one {gb:.0f} GB device even at bf16, checkpointing and micro-batch 1 "
-                         f"(sft {need['sft'] / GB:.0f} GB, rl {need['rl'] / GB:.0f} GB): needs "
-                         f"{-(-need['rl'] // (0.9 * gb * GB)):.0f} such devices with the base sharded across them "
-                         "(distmoe runs a party on one device today), or a 4-bit base")
+                         f"(sft {need['sft'] / GB:.0f} GB): needs {-(-need['sft'] // (0.9 * gb * GB)):.0f} such "
+                         "devices with the base sharded across them (distmoe runs a party on one device today), "
+                         "or a 4-bit base")
         else:
             t, q = found
             dt = "bfloat16" if t.dtype_bytes == 2 else "float32"
-            lines.append(f"\nfits one {gb:.0f} GB device with: dtype = \"{dt}\", gradient-checkpointing = "
-                         f"{str(t.checkpointing).lower()}, micro-batch-size = {t.batch} "
-                         f"(sft {q['sft'] / GB:.1f} GB, rl {q['rl'] / GB:.1f} GB)")
+            lines.append(f"\n{only}fits one {gb:.0f} GB device with: dtype = \"{dt}\", gradient-checkpointing = "
+                         f"{str(t.checkpointing).lower()}, micro-batch-size = {t.batch} (sft {q['sft'] / GB:.1f} GB, "
+                         f"rl {q['rl'] / GB:.1f} GB)")
+            if only:
+                lines.append(f"rl rounds do not fit ({q['rl'] / GB:.1f} GB): the policy, the generation cache or a "
+                             f"minibatch's activations, and the inference engine's copy of the base "
+                             f"({q['base'] / GB:.1f} GB; today's engines deep-copy the policy)")
     return "\n".join(lines)
 
 
