@@ -451,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     cy.set_defaults(fn=cmd_config_sync)
 
     from distmoe.deploy.cli import add_parsers as add_deploy_parsers
-    from distmoe.model.plan import add_parser as add_plan_parser
+    from distmoe.model.memory_plan import add_parser as add_plan_parser
 
     add_plan_parser(sub)  # distmoe plan
 

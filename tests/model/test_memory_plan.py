@@ -1,4 +1,4 @@
-"""Unit tests: the memory plan (``distmoe.model.plan``) and ``distmoe plan``."""
+"""Unit tests: the memory plan (``distmoe.model.memory_plan``) and ``distmoe plan``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from distmoe.cli import main
 from distmoe.config import parse_run_config
-from distmoe.model import plan
+from distmoe.model import memory_plan as plan
 from distmoe.model.build import build_model
 from distmoe.model.fabricate import write_checkpoint
 from distmoe.model.trainable import apply_trainable
