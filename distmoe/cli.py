@@ -255,6 +255,8 @@ EXAMPLES: dict[str, tuple[str, ...]] = {  # `distmoe <command> --help` ends with
     "audit": ("distmoe audit runs/continual-s0",
               "distmoe audit runs/continual-s0 --json --canaries my-data/party-0/canaries.txt"),
     "export": ("distmoe export runs/continual-s0 --round 12 --out exported/",),
+    "plan": ("distmoe plan --model qwen3-30b-a3b --device h100",
+             "distmoe plan --model ckpt-olmoe --batch 4 --seq 512 --dtype bfloat16 --gradient-checkpointing"),
     "rollback": ("distmoe rollback runs/continual-s0              # list the kept rounds",
                  "distmoe rollback runs/continual-s0 --round 6 --out starts/before-arith",
                  "distmoe simulate --run-config \"run.init-from=starts/before-arith\""),
@@ -449,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     cy.set_defaults(fn=cmd_config_sync)
 
     from distmoe.deploy.cli import add_parsers as add_deploy_parsers
+    from distmoe.model.memory_plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub)  # distmoe plan
 
     add_deploy_parsers(sub)  # distmoe credentials, distmoe deploy superlink|supernode|register|connection
     _finish(p)

@@ -17,6 +17,7 @@ from distmoe.checkpoint import save_checkpoint
 from distmoe.cli import main
 from distmoe.config import parse_run_config, to_toml
 from distmoe.export import ExportError, export_run
+from distmoe.model import expert_lora
 from distmoe.model.adapters import server_model
 from distmoe.model.build import build_model, hash_tensors
 from distmoe.model.trainable import apply_trainable, load_trainable, spec_of
@@ -79,7 +80,10 @@ def test_export_merges_adapters_into_a_standalone_checkpoint(tmp_path, base, run
     assert out == tmp_path / "run" / "export" / "round-2"  # the latest checkpoint by default
     exported = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in n for n, _ in exported.named_parameters())
-    adapted = _logits(_adapted(cfg.model, weights[2]))
+    party = _adapted(cfg.model, weights[2])
+    stacks = expert_lora.expert_wrappers(party)  # the party's expert adapters run on the routed tokens
+    assert stacks and all(type(w) is expert_lora.RoutedExpertsLoRA for w in stacks)
+    adapted = _logits(party)
     torch.testing.assert_close(_logits(exported), adapted, rtol=1e-4, atol=1e-5)
     assert (adapted - _logits(build_model(cfg.model)[0])).abs().max() > 1e-3  # the adapters changed the model
     tok = AutoTokenizer.from_pretrained(out)

@@ -1,5 +1,6 @@
 """Which parameters are trained, and therefore which travel: ``all``, ``router+experts`` or
-``lora`` (adapters through ``peft``, on attention, the fused experts and optionally the router).
+``lora`` (adapters through ``peft``, on attention, the fused experts and optionally the router; the expert
+adapters computed on the routed tokens only, ``expert_lora.py``).
 
 Owns: freezing, the canonical names and order of the trainable tensors, reading and loading them
 (strict: exact keys, shapes, finite values), the parameter-group classification (experts / router /
@@ -83,6 +84,10 @@ def apply_trainable(model: nn.Module, cfg: ModelConfig) -> nn.Module:
         with torch.random.fork_rng():
             torch.manual_seed(cfg.seed + 1)
             pm = get_peft_model(model, lora_config(cfg, model))
+        if cfg.lora_experts:  # peft's expert adapters, applied to the routed tokens only (expert_lora.py)
+            from distmoe.model.expert_lora import install
+
+            install(pm)
         return pm
     raise TrainableError(f"unknown model.trainable {cfg.trainable!r}")
 

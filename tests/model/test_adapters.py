@@ -146,7 +146,9 @@ def test_lora_adapters_are_saved_in_peft_format(make_cfg, tmp_path):
     assert all(torch.equal(params[k], w[k]) for k in w)  # every adapter tensor, under the parties' names
     ids = _ids()
     with torch.no_grad():
-        assert torch.equal(loaded(input_ids=ids).logits, _party_model(cfg, w)(input_ids=ids).logits)
+        # peft's own expert forward against the party's routed one (expert_lora.py): the same sums, other rounding
+        torch.testing.assert_close(loaded(input_ids=ids).logits, _party_model(cfg, w)(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-6)
     with pytest.raises(TrainableError):
         sm.save(tmp_path / "x", {k: v for k, v in list(w.items())[1:]})
 

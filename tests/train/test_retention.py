@@ -234,8 +234,10 @@ def test_lora_protection_keeps_the_protected_experts_effective_weights(make_cfg,
     change, the others' do: the lora_A / lora_B slices are the expert's."""
     cfg, model, tok, encoded = _setup(make_cfg, party, **{"model.trainable": "lora", "train.local-steps": 3})
     ms = describe(model)
+    from peft.tuners.lora.layer import ParamWrapper  # the outer one runs the routed forward (model/expert_lora.py)
+
     wrappers = [mod for n, mod in model.named_modules()
-                if type(mod).__name__ == "ParamWrapper" and ".layers.0.mlp.experts" in n]
+                if isinstance(mod, ParamWrapper) and ".layers.0.mlp.experts" in n]
     assert len(wrappers) == 2
     with torch.no_grad():  # B != 0, so every step moves A and B and every expert's delta
         for w in wrappers:
