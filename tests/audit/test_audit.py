@@ -18,6 +18,7 @@ import pytest
 
 from distmoe.audit import CHECKS, audit_run
 from distmoe.cli import main
+from distmoe.deploy.receipt import sign_receipt
 from distmoe.ledger import (
     SIG_DOMAIN,
     Ledger,
@@ -25,8 +26,10 @@ from distmoe.ledger import (
     describe_payload,
     entry_hash,
     generate_signing_key,
+    load_signing_key,
     public_key_hex,
 )
+from distmoe.party.receipt import receipt_body
 from distmoe.privacy.accountant import Accountant, PrivacyEvent, epsilon_from_events
 from distmoe.privacy.dp import SkellamSpec, canary_positions, canary_seed, positions_digest
 from distmoe.privacy.metric_noise import EvalSpec
@@ -205,7 +208,18 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
                         for i, p in enumerate(PARTIES)}}
     (run / "run.json").write_text(json.dumps(meta))
     (run / "metrics.jsonl").write_text('{"event": "stats", "round": 1}\n')
+    for p in PARTIES:  # each party's signed run receipt, as distmoe.party.receipt writes it (outside the run dir)
+        entries = [json.loads(x) for x in _ledger_path(run, p).read_text().splitlines()]
+        body = receipt_body(entries, RUN_ID, p, DELTA, epsilon, None)
+        (root / "receipts").mkdir(exist_ok=True)
+        (root / "receipts" / f"{p}.json").write_text(json.dumps(sign_receipt(body, load_signing_key(
+            root / "keys" / f"{p}.pem"))))
     return run, canaries
+
+
+def _receipts(run, *parties):
+    """The receipt files ``make_run`` wrote for ``parties`` (default: all)."""
+    return [run.parent / "receipts" / f"{p}.json" for p in (parties or PARTIES)]
 
 
 def _ledger_path(run, p):
@@ -232,7 +246,9 @@ def test_honest_run_passes_and_writes_report(tmp_path, capsys):
     report = json.loads((run / "audit" / "audit.json").read_text())
     assert report["verdict"] == "pass" and report["failed"] == []
     assert [c["name"] for c in report["checks"]] == list(CHECKS)
-    assert all(c["status"] == "pass" for c in report["checks"]), report["checks"]
+    assert report["verified"] and report["exit_status"] == 0 and report["unwitnessed"] == []
+    assert all(c["status"] == "pass" for c in report["checks"] if c["name"] != "receipts"), report["checks"]
+    assert report["checks"][-1]["status"] == "skipped"  # every party's ledger is here: no receipt needed
     assert set(report["ledgers"]) == {"coordinator", *PARTIES}
     for p in PARTIES:
         row = report["epsilon"][p]
@@ -275,7 +291,10 @@ def test_out_writes_a_data_owners_audit_apart_from_the_coordinators(tmp_path, ca
     assert main(["audit", str(run)]) == 0
     before = (run / "audit" / "audit.json").read_bytes()
     mine = tmp_path / "owner-audit"
-    assert main(["audit", str(run), "--party-ledger", str(_ledger_path(run, PARTIES[0])), "--out", str(mine)]) == 0
+    own = ["audit", str(run), "--party-ledger", str(_ledger_path(run, PARTIES[0])), "--out", str(mine)]
+    assert main(own) == 3  # the other owners witnessed nothing here: unverified
+    capsys.readouterr()
+    assert main([*own, *(a for f in _receipts(run, *PARTIES[1:]) for a in ("--receipt", str(f)))]) == 0
     assert str(mine / "audit.md") in capsys.readouterr().out
     assert json.loads((mine / "audit.json").read_text())["ledgers"].keys() == {"coordinator", PARTIES[0]}
     assert (run / "audit" / "audit.json").read_bytes() == before
@@ -284,7 +303,10 @@ def test_out_writes_a_data_owners_audit_apart_from_the_coordinators(tmp_path, ca
 def test_party_ledger_subset(tmp_path):
     run, _ = make_run(tmp_path)
     result = audit_run(run, party_ledgers=[_ledger_path(run, "party-0")])
-    assert result.passed, result.to_dict()
+    assert result.verdict == "unverified" and result.unwitnessed == ["party-1", "party-2"], result.to_dict()
+    result = audit_run(run, party_ledgers=[_ledger_path(run, "party-0")], receipt_files=_receipts(run, "party-1",
+                                                                                                   "party-2"))
+    assert result.passed and result.witnessed == {"party-0": "ledger", "party-1": "receipt", "party-2": "receipt"}
     assert set(result.ledgers) == {"coordinator", "party-0"}
     assert any("party-1: ledger not available" in d for d in result.check("cross-check").details)
 
@@ -578,7 +600,7 @@ def test_a_forged_metrics_row_fails_server_files(tmp_path, capsys, row, needle):
     _append(run / "metrics.jsonl", row)
     assert main(["audit", str(run)]) == 1
     result = audit_run(run)
-    assert _failed(result) == ["server-files"]
+    assert "server-files" in _failed(result) and set(_failed(result)) <= {"server-files", "release-records"}
     assert any(f.startswith(needle) for f in _server_files(result)), _server_files(result)
     assert "server-files" in capsys.readouterr().out
 
@@ -654,9 +676,9 @@ def _resign_coordinator(root, entries):
 
 
 @pytest.mark.parametrize("attack, names", [
-    ("cut-after-release", ["coordinator-heads", "run-end"]),
+    ("cut-after-release", ["coordinator-heads", "release-records", "run-end"]),
     ("cut-run-end", ["run-end"]),
-    ("delete-release-resigned", ["coordinator-heads", "release-coverage"]),
+    ("delete-release-resigned", ["coordinator-heads", "release-coverage", "release-records"]),
     ("reorder-resigned", ["coordinator-heads"]),
 ])
 def test_cut_or_rewritten_coordinator_ledger_fails(tmp_path, capsys, attack, names):
@@ -707,8 +729,8 @@ def test_eval_release_without_noise_or_with_a_forged_calibration_fails_epsilon(t
     """An evaluation release in secagg mode with no DP facts (exact counts and losses a straggle would
     difference out) or with a calibration that understates the charge fails the epsilon check."""
     run, _ = make_run(tmp_path, eval_z=3.0, eval_forge=forge)
-    result = audit_run(run)
-    assert _failed(result) == ["epsilon"]
+    result = audit_run(run)  # without dp the release is also missing from the coordinator's accountant's story
+    assert _failed(result) == (["epsilon", "release-records"] if forge is False else ["epsilon"])
     assert any(needle in f for f in result.check("epsilon").findings), result.check("epsilon").findings
 
 
