@@ -23,10 +23,12 @@ Must not: import anything of the bundle, or send anything but Flower's error rep
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import sys
 from pathlib import Path
 
 from distmoe.deploy import pin as code_pin
+from distmoe.deploy.receipt import PIN_ENV
 
 REFUSAL = "distmoe code pin: the app bundle's party code is not the version this data owner pinned"
 PASSED = "distmoe code pin: the app bundle's party code matches the pin"  # + the digest, on stderr (the owner's log)
@@ -97,10 +99,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     pin_file = Path(argv[1]).resolve()
     try:
-        code_pin.load_pin(pin_file)
+        pin = code_pin.load_pin(pin_file)
     except code_pin.CodePinError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    os.environ[PIN_ENV] = str(pin["digest"])  # the party's run receipt names the pin it ran under
     from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
     from flwr.supernode.runtime import run_clientapp as rc
 

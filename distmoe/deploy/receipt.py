@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from distmoe.ledger import canonical_json, load_public_key, public_key_hex
 
 FORMAT = "distmoe-receipt/1"
+PIN_ENV = "DISTMOE_CODE_PIN_DIGEST"  # set by the owner's pinned ClientApp launcher (clients/pinned.py) to its digest
 DOMAIN = b"distmoe-receipt-v1:"  # signatures of a receipt are never valid as ledger-entry signatures
 BODY_KEYS = {"run", "party", "ledger_head", "coordinator_head", "epsilon", "delta", "budget", "charged",
              "unmasked", "code_pin", "public_key"}

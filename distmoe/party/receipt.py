@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from distmoe.config import NodeConfig, RunConfig
-from distmoe.deploy.receipt import sign_receipt
+from distmoe.deploy.receipt import PIN_ENV, sign_receipt
 from distmoe.io import write_json_atomic
 from distmoe.party.session import ledger_key
 
-PIN_ENV = "DISTMOE_CODE_PIN_DIGEST"
 COORDINATOR = "coordinator"
 
 

@@ -841,3 +841,107 @@ def test_tensorboards_own_writer_passes_server_files(tmp_path):
     assert len(list((run / "tensorboard").iterdir())) == 1
     result = audit_run(run)
     assert _failed(result) == [], _server_files(result)
+
+
+# ------------------------------------------------- verified only with every party's witness: ledgers or receipts
+def _coordinator_only(run):
+    """A deployment's run directory: the party ledgers stay with their owners."""
+    import shutil
+
+    shutil.rmtree(run / "work")
+    return run
+
+
+def _forge_cut(tmp_path, run):
+    """Every coordinator entry of router-stats round 1 deleted, the chain re-signed, the records rewritten to match."""
+    path = run / "ledger" / "coordinator.jsonl"
+    _rewrite(path, lambda es: _resign_coordinator(tmp_path, [e for e in es if e.get("round") != 1]))
+    led = json.loads((run / "privacy" / "ledger.json").read_text())
+    for st in led["parties"].values():
+        st["events"] = [e for e in st["events"] if e["label"] != "router-stats round 1"]
+    (run / "privacy" / "ledger.json").write_text(json.dumps(led))
+    (run / "metrics.jsonl").write_text("")
+
+
+def test_a_coordinator_only_run_directory_is_unverified_never_pass(tmp_path, capsys):
+    run, _ = make_run(tmp_path)
+    _coordinator_only(run)
+    result = audit_run(run)
+    assert result.failed == [] and result.verdict == "unverified" and not result.passed
+    assert result.unwitnessed == list(PARTIES) and result.witnessed == {}
+    assert main(["audit", str(run)]) == 3
+    assert "UNVERIFIED" in capsys.readouterr().out
+    assert "**Verdict: UNVERIFIED**" in (run / "audit" / "audit.md").read_text()
+    assert main(["audit", str(run), "--json"]) == 3
+    assert json.loads(capsys.readouterr().out)["verdict"] == "unverified"
+    assert audit_run(run, receipt_files=_receipts(run)).verdict == "pass"
+
+
+def test_forged_cut_is_unverified_without_receipts_and_a_violation_with_them(tmp_path):
+    """The forged cut (a whole round deleted, re-signed, the records rewritten): no check of the coordinator's own
+    files can see it, so the verdict is UNVERIFIED; the receipts bind the chain up to each party's last instruction."""
+    run, _ = make_run(tmp_path)
+    _coordinator_only(run)
+    _forge_cut(tmp_path, run)
+    result = audit_run(run)
+    assert result.verdict == "unverified" and result.failed == [], result.failed
+    assert all(r["releases"] == 1 for r in result.epsilon.values())
+    result = audit_run(run, receipt_files=_receipts(run))
+    assert result.failed == ["receipts"]
+    assert all(any(f.startswith(f"{p}.json:") and ("rewritten" in f or "was cut" in f)
+                   for f in result.check("receipts").findings) for p in PARTIES), result.check("receipts").findings
+
+
+@pytest.mark.parametrize("attack, needle", [
+    ("other-key", "not this party's key in the key directory"),
+    ("not-in-roster", "not in the run's key directory"),
+    ("tampered", "signature does not verify"),
+    ("stale", "beyond the receipt's final head"),
+    ("other-run", "a receipt of run"),
+    ("twice", "a second receipt"),
+])
+def test_a_receipt_that_does_not_match_is_a_violation(tmp_path, attack, needle):
+    run, _ = make_run(tmp_path)
+    _coordinator_only(run)
+    files = _receipts(run)
+    obj = json.loads(files[0].read_text())
+    body = {k: v for k, v in obj["body"].items() if k != "public_key"}
+    if attack == "other-key":  # signed by a key the coordinator made, not the owner's pinned one
+        obj = sign_receipt(body, generate_signing_key(tmp_path / "other.pem"))
+    elif attack == "not-in-roster":
+        obj = sign_receipt({**body, "party": "party-9"}, generate_signing_key(tmp_path / "other.pem"))
+    elif attack == "tampered":
+        obj["body"]["epsilon"] = 0.5
+    elif attack == "stale":  # a receipt from before the party's last reply
+        obj = sign_receipt({**body, "ledger_head": {"seq": 1, "hash": "0" * 64}},
+                           load_signing_key(tmp_path / "keys" / "party-0.pem"))
+    elif attack == "other-run":
+        obj = sign_receipt({**body, "run": "another-run"}, load_signing_key(tmp_path / "keys" / "party-0.pem"))
+    files[0].write_text(json.dumps(obj))
+    given = [*files, files[0]] if attack == "twice" else files
+    result = audit_run(run, receipt_files=given)
+    assert result.failed == ["receipts"], result.failed
+    assert any(needle in f for f in result.check("receipts").findings), result.check("receipts").findings
+    assert main(["audit", str(run), *(a for f in given for a in ("--receipt", str(f)))]) == 1
+
+
+def test_a_receipts_charge_is_a_lower_bound_on_epsilon(tmp_path):
+    """A party's receipt says its accountant charged more than the coordinator's releases account for: the audit's
+    epsilon for that party is the receipt's, and over the budget it fails."""
+    run, _ = make_run(tmp_path)
+    _coordinator_only(run)
+    files = _receipts(run)
+    key = load_signing_key(tmp_path / "keys" / "party-0.pem")
+    for eps, verdict in ((7.5, "pass"), (9.0, "fail")):
+        body = {k: v for k, v in json.loads(files[0].read_text())["body"].items() if k != "public_key"}
+        files[0].write_text(json.dumps(sign_receipt({**body, "epsilon": eps}, key)))
+        result = audit_run(run, receipt_files=files)
+        assert result.verdict == verdict and result.epsilon["party-0"]["epsilon"] == eps
+    assert result.failed == ["epsilon"]
+
+
+def test_an_unreadable_receipt_is_unusable_input(tmp_path, capsys):
+    run, _ = make_run(tmp_path)
+    (tmp_path / "bad.json").write_text("{not json")
+    assert main(["audit", str(run), "--receipt", str(tmp_path / "bad.json")]) == 2
+    assert "receipt is not valid JSON" in capsys.readouterr().err
