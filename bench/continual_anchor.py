@@ -170,7 +170,8 @@ def mix_replay(party_dir: Path, old: str, new: str, data: DataConfig) -> dict[st
     The split (``distmoe.data.party``) holds out an example iff its own keyed hash is below
     ``eval_fraction * 2^64``, so adding ``old`` examples never moves one of the file's own examples; an ``old``
     example that would itself be held out is dropped (it would be evaluated, not trained on). Returns the counts:
-    ``replayed`` (old examples added), ``dropped`` (old training examples left out), ``new_train`` (new examples trained on, before: ``new_train_before``).
+    ``replayed`` (old examples added), ``dropped`` (old training examples left out), ``new_train`` (new examples
+    trained on, before: ``new_train_before``).
     Raises ``DataError`` if the evaluated held-out set of ``new`` would change."""
     path = party_dir / f"{new}.jsonl"
     party = load_party(party_dir, data)
