@@ -167,10 +167,11 @@ def mix_replay(party_dir: Path, old: str, new: str, data: DataConfig) -> dict[st
     (local replay: the party's own data, nothing leaves it), such that no held-out example of either task is
     trained on and the evaluated held-out set of ``new`` is unchanged.
 
-    The split (``distmoe.data.party``) holds out the examples with the smallest split keys, so an ``old`` example
-    that would fall into the mixed file's held-out part is dropped (repeated until none does; the file's own
-    examples that now fall there are not trained on). Returns the counts: ``replayed`` (old examples added),
-    ``dropped`` (old training examples left out), ``new_train`` (new examples trained on, before: ``new_train_before``).
+    The split (``distmoe.data.party``) holds out an example iff its own keyed hash is below
+    ``eval_fraction * 2^64``, so adding ``old`` examples never moves one of the file's own examples; an ``old``
+    example that would itself be held out is dropped (it would be evaluated, not trained on). Returns the counts:
+    ``replayed`` (old examples added), ``dropped`` (old training examples left out), ``new_train`` (new examples
+    trained on, before: ``new_train_before``).
     Raises ``DataError`` if the evaluated held-out set of ``new`` would change."""
     path = party_dir / f"{new}.jsonl"
     party = load_party(party_dir, data)

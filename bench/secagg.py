@@ -64,7 +64,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from distmoe.audit.engine import STRUCTURAL
+from distmoe.audit.integrity import STRUCTURAL
 from distmoe.config import parse_node_config, parse_run_config
 from distmoe.coordinator import Coordinator
 from distmoe.data.synth import write_synthetic

@@ -95,7 +95,7 @@ def cmd_audit(args) -> int:
     from distmoe.audit import cli_audit
 
     return cli_audit(args.run_dir, party_ledgers=args.party_ledger, canaries=args.canaries, as_json=args.json,
-                     out=args.out)
+                     out=args.out, receipts=args.receipt)
 
 
 def cmd_export(args) -> int:
@@ -287,9 +287,10 @@ EXAMPLES: dict[str, tuple[str, ...]] = {  # `distmoe <command> --help` ends with
 }
 
 AUDIT_EXIT = """exit status:
-  0  every check passed
+  0  every check passed and every party witnessed the run (its ledger or its receipt was given)
   1  a check failed (the summary and RUN_DIR/audit/audit.md say which)
-  2  unusable input: no such run directory, an unreadable ledger or record, or a usage error
+  2  unusable input: no such run directory, an unreadable ledger, record or receipt, or a usage error
+  3  unverified: no check failed, but a party gave neither its ledger nor its receipt (never a pass)
 with --json, stdout is one JSON object on every path: the audit, or {"error": ..., "exit_status": 2}"""
 
 
@@ -382,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--party-ledger", action="append", metavar="PATH",
                    help="audit only this party ledger (its .pub next to it; repeatable; "
                         "default: every party ledger under the run directory's work dir)")
+    a.add_argument("--receipt", action="append", metavar="FILE",
+                   help="a party's signed run receipt (<work-dir>/receipts/<party>-<run>.json; repeatable): a run is "
+                        "verified only with a receipt or a ledger of every party")
     a.add_argument("--canaries", metavar="FILE", help="canary strings, one per line (default: the run's)")
     a.add_argument("--json", action="store_true", help="print the audit JSON instead of the summary")
     a.add_argument("--out", metavar="DIR", help="write audit.json and audit.md here instead of RUN/audit (a data "

@@ -30,7 +30,8 @@ ledger (``anchor`` with node ``coordinator``: ``distmoe.wire.party_guard``).
   its accountant) is a lower bound on what it spent, whatever the coordinator's ledger says.
 
 What it cannot see: without party ledgers, a coordinator that holds its key can rewrite its ledger
-into any self-consistent story (only a cut without the key is caught, by ``run-end``); a round whose
+into any self-consistent story (only a cut without the key is caught, by ``run-end``; the parties' signed
+receipts, ``distmoe.audit.receipts``, witness it instead, and without either the verdict is unverified); a round whose
 unmasking honestly failed after replies (more dropouts during unmasking than the threshold allows)
 fails ``release-coverage`` like a deleted release (``docs/privacy.md`` §6).
 

@@ -2,7 +2,8 @@
 
 Owns: the Markdown layout (verdict first, a table of checks, the per-party epsilon table, the releases,
 then every check's details), atomic writes of both files, and :func:`cli_audit` (what
-``distmoe audit`` does: exit 0 pass, 1 violation, 2 unusable input with one ``error: ...`` line).
+``distmoe audit`` does: exit 0 pass, 1 violation, 2 unusable input with one ``error: ...`` line, 3 unverified:
+no check failed but a party of the roster is witnessed neither by its ledger nor by its receipt).
 
 Must not: decide anything (the engine does) or print a canary string (details carry SHA-256 prefixes).
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from distmoe.audit.engine import AuditInputError, AuditResult, audit_run
+from distmoe.audit.result import EXIT_INPUT
 from distmoe.io import sanitize, write_json_atomic, write_text_atomic
 
 __all__ = ["cli_audit", "render_markdown", "summary", "write_audit"]
@@ -45,6 +47,10 @@ def render_markdown(result: AuditResult) -> str:
     if result.passed:
         out.append(f"**Verdict: PASS** ({counts['pass']} checks passed, {counts['warn']} with warnings, "
                    f"{counts['skipped']} skipped)")
+    elif result.verdict == "unverified":
+        out.append(f"**Verdict: UNVERIFIED**: no check failed, but {', '.join(result.unwitnessed) or 'no party'} "
+                   "gave neither its ledger nor its signed receipt: the coordinator's ledger alone is its own story "
+                   "(pass `--party-ledger` or `--receipt` for every party)")
     else:
         out.append(f"**Verdict: FAIL**: {', '.join(result.failed)}")
     if result.warnings:
@@ -103,6 +109,9 @@ def write_audit(result: AuditResult, out_dir: str | os.PathLike[str] | None = No
 
 def summary(result: AuditResult, report: Path | None = None) -> str:
     lines = [f"audit {result.run_id}: {result.verdict.upper()}"]
+    if result.verdict == "unverified":
+        lines.append("  UNVERIFIED: not witnessed (no party ledger, no receipt): " + (", ".join(result.unwitnessed)
+                                                                                    or "no party"))
     for c in result.checks:
         if c.status == "fail":
             lines.append(f"  FAIL {c.name}: {c.findings[0] if c.findings else ''}"
@@ -115,20 +124,21 @@ def summary(result: AuditResult, report: Path | None = None) -> str:
 
 
 def cli_audit(run_dir: str | os.PathLike[str], party_ledgers: Sequence[str] | None = None,
-              canaries: str | None = None, as_json: bool = False, out: str | os.PathLike[str] | None = None) -> int:
+              canaries: str | None = None, as_json: bool = False, out: str | os.PathLike[str] | None = None,
+              receipts: Sequence[str] | None = None) -> int:
     """``distmoe audit``: audit, write the report (into ``out``, default ``RUN/audit``: a data owner auditing
     a copy of the run at its site keeps its own report apart from the coordinator's), print a summary (or
     the JSON); return the exit status."""
     try:
-        result = audit_run(run_dir, party_ledgers=party_ledgers or None, canaries=canaries)
+        result = audit_run(run_dir, party_ledgers=party_ledgers or None, canaries=canaries, receipt_files=receipts)
     except AuditInputError as exc:
         if as_json:  # stdout stays one JSON object on every path
-            print(json.dumps({"error": str(exc), "passed": False, "exit_status": 2, "run_dir": str(run_dir)}))
+            print(json.dumps({"error": str(exc), "passed": False, "exit_status": EXIT_INPUT, "run_dir": str(run_dir)}))
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
     jpath, mpath = write_audit(result, out)
     if as_json:
         print(json.dumps(sanitize({**result.to_dict(), "report": str(mpath)}), indent=2))
     else:
         print(summary(result, mpath))
-    return 0 if result.passed else 1
+    return result.exit_status

@@ -12,9 +12,8 @@ into the ``server-files`` check). What is checked:
 - ``run.json``: only the coordinator's record keys; ``config`` only known config keys with scalar values;
   ``parties`` only ``{node, ledger_public_key, epsilon_max}`` (the last: the cap a party declared at setup);
   the nested records with label keys and no long text;
-- ``report/``: only the report's own files; ``report.md`` must be exactly what ``distmoe report`` renders
-  from the (checked) ``metrics.jsonl`` and ``run.json`` (``distmoe.report.report.render_markdown``), so no
-  added line survives; each PNG is a well-formed PNG with no text chunk but Matplotlib's ``Software``;
+- ``report/``: only the report's own files, ``report.md`` exactly what ``distmoe report`` renders, each PNG
+  well-formed with no text chunk but Matplotlib's ``Software`` (:mod:`distmoe.audit.report_files`);
 - ``tensorboard/``: only event files (``events.out.tfevents.*``) of the TensorBoard writer
   (``distmoe.report.tensorboard``), each well-formed (TFRecord framing and CRCs, ``distmoe.audit.tfevents``)
   and holding nothing but scalars whose tag is ``<event>/<key>`` of a number key of an aggregate row of that
@@ -44,6 +43,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from distmoe.audit.report_files import check_report
 from distmoe.config import CORRECTIONS
 from distmoe.wire.errors import ALL_REASONS
 from distmoe.wire.schema import EVAL_ROUTING_KEYS, RL_METRIC_KEYS, RL_SIM_METRIC_KEYS, TRAIN_METRIC_KEYS
@@ -53,7 +53,6 @@ LABEL = re.compile(r"[A-Za-z0-9_.:/*+-]{1,64}\Z")  # a task, phase, run id or no
 TEXT_MAX = 500  # the coordinator's own sentences (warnings, anomaly details, a failed run's error)
 SHORT_MAX = 80  # a string leaf of a nested run.json record
 MAX_FINDINGS = 50
-REPORT_FILES = re.compile(r"(report\.md|loss\.png|routing\.png|tasks\.png|rl\.png)\Z")
 SERVER_FILES = re.compile(r"(metrics\.jsonl|metrics\.lost\.jsonl|run\.json|config\.toml|flower\.log|"
                           r"nodes/[A-Za-z0-9_.-]+\.toml|privacy/ledger\.json|privacy/secagg-server\.state|"
                           r"anchors/round-\d+\.(json|npz)|checkpoints/LATEST|checkpoints/round-\d+/.+|"
@@ -64,8 +63,6 @@ TB_FILE = re.compile(r"events\.out\.tfevents\.[A-Za-z0-9_.-]{1,200}\Z")
 TB_EVENTS = ("train", "rl", "stats", "eval", "probe")  # distmoe.report.tensorboard.EVENTS
 SIMULATION_DIRS = ("flwr", "home", "tmp", "ray")  # distmoe simulate's FLWR_HOME, HOME, TMPDIR, Ray state
 SIMULATION_FILES = ("simulate.json", "overrides.toml", "overrides.resume.toml", "simulate.lock")  # record, config, lock
-PNG_SIG = b"\x89PNG\r\n\x1a\n"
-PNG_CHUNKS = {b"IHDR", b"PLTE", b"IDAT", b"IEND", b"pHYs", b"tEXt"}
 
 Kind = Callable[[Any, "_Ctx"], bool]
 
@@ -292,59 +289,6 @@ def _check_run_json(path: Path, meta: Mapping[str, Any], ctx: _Ctx, out: list[st
             out.append(f"{where}: not a key of the run record")
 
 
-def _check_png(path: Path, rel: str, out: list[str]) -> None:
-    data = path.read_bytes()
-    if not data.startswith(PNG_SIG):
-        out.append(f"{rel}: not a PNG")
-        return
-    pos = len(PNG_SIG)
-    while pos + 8 <= len(data):
-        (n,), ctype = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
-        body = data[pos + 8:pos + 8 + n]
-        if ctype not in PNG_CHUNKS:
-            out.append(f"{rel}: chunk {ctype!r} at byte {pos}: not a chunk the report writes")
-        elif ctype == b"tEXt" and not (body.lower().startswith(b"software\x00matplotlib") and len(body) <= 100):
-            out.append(f"{rel}: text chunk at byte {pos}: only Matplotlib's Software tag may be written")
-        pos += 12 + n
-        if ctype == b"IEND":
-            break
-    if pos != len(data):
-        out.append(f"{rel}: {len(data) - pos} bytes after the PNG's end (or a truncated chunk)")
-
-
-def _check_report(run_dir: Path, out: list[str]) -> None:
-    rdir = run_dir / "report"
-    if not rdir.is_dir():
-        return
-    for f in sorted(rdir.rglob("*")):
-        rel = f.relative_to(run_dir).as_posix()
-        if f.is_dir():
-            continue
-        if f.is_symlink() or f.parent != rdir or not REPORT_FILES.match(f.name):
-            out.append(f"{rel}: not a file the report writes")
-        elif f.suffix == ".png":
-            _check_png(f, rel, out)
-    md = rdir / "report.md"
-    if md.is_file():
-        from distmoe.report.report import render_markdown
-
-        try:
-            want = render_markdown(run_dir).splitlines()
-        except (OSError, ValueError) as exc:
-            out.append(f"report/report.md: cannot be re-rendered from the run's records ({exc})")
-            return
-        got = md.read_text(encoding="utf-8", errors="replace").splitlines()
-        for i, (a, b) in enumerate(zip(got, want, strict=False), 1):
-            if a != b:
-                out.append(f"report/report.md:{i}: differs from what the run's records render (an added or edited "
-                           "line)")
-                break
-        else:
-            if len(got) != len(want):
-                out.append(f"report/report.md:{min(len(got), len(want)) + 1}: {abs(len(got) - len(want))} lines "
-                           f"{'more' if len(got) > len(want) else 'fewer'} than the run's records render")
-
-
 def _f32(v: float) -> float:
     """``v`` as the 32-bit float an event file stores (beyond its range: an infinity)."""
     try:
@@ -417,7 +361,7 @@ def check_server_files(run_dir: Path, meta: Mapping[str, Any], mode: str | None)
         if (run_dir / name).is_file():
             _check_metrics(run_dir / name, ctx, out, notes)
     _check_run_json(run_dir / "run.json", meta, ctx, out, notes)
-    _check_report(run_dir, out)
+    check_report(run_dir, out)
     _check_tensorboard(run_dir, ctx, out)
     _other_files(run_dir, out)
     if len(out) > MAX_FINDINGS:

@@ -109,8 +109,9 @@ class PrivacyConfig(Section):
                             "10 % colluding and 10 % dropped parties, and more DP noise per party (shares are "
                             "over-provisioned for n − t dropouts); see `docs/results.md` \"Scale\"",
                             choices=SECAGG_GRAPHS)
-    num_sequences_max: int = key(10000, "public bound on a party's sequences per release (caps what a party "
-                                 "contributes; fixes the bit width, checked so the 64-bit sum cannot wrap)",
+    num_sequences_max: int = key(10000, "public bound on a party's sequences per release (a party above it "
+                                 "refuses its router statistics, never cuts; fixes the bit width, checked so the "
+                                 "64-bit sum cannot wrap)",
                                  lo=1, hi=10**9)
     update_clip: float = key(10.0, "L2 bound a model update is clipped to before masking (fixes the fixed-point "
                              "range)", lo=0.0, hi=1e6, lo_open=True)

@@ -3,13 +3,23 @@
 Owns: task discovery (every ``*.jsonl`` directly in the party directory is one task, named by the
 file stem), validation of every file through ``read_jsonl``, the split and the example caps.
 
-The split: each example is keyed by ``sha256(<canonical example JSON> + "\\n" + <seed>)``; a task's
-examples are ordered by that key and the first ``round(n * eval_fraction)`` (at least 1 and at most
-n - 1 when n >= 2) are held out. Identical examples share a key, so they are never split across
-train and held-out. The result depends only on the file contents and the seed -- not on line
-order, the machine or the Python hash seed. Both splits are kept in key order, so the caps
-(``max_train_examples`` and ``max_eval_examples``, 0 = no cap) take the first N of a deterministic,
-content-shuffled order.
+The split (data-independent, so that adding or removing one example never moves another): each example is
+keyed by ``sha256(<canonical example JSON> + "\\n" + <seed>)`` and is held out iff the key's first 8 bytes, as
+an unsigned integer, are below ``eval_fraction * 2^64``; there is no rank cut. Whether an example is held out
+depends on that example alone: a task's neighbouring data set (one example added or removed) changes exactly one
+of the two splits by exactly that example (``docs/privacy.md`` §2). About ``eval_fraction`` of a task is held
+out; a small task may have no held-out example (or no training example). Identical examples share a key, so they
+are never split across train and held-out. The result depends only on the file contents and the seed -- not on
+line order, the machine or the Python hash seed. Both splits are kept in key order.
+
+The caps take the first N of a split in key order, so they do depend on the rest of the data: with a cap that
+binds, adding one example can push another out (a replace-one change of that split). So a cap is applied only
+where a replace-one change is covered: ``max_eval_examples`` to the held-out examples evaluated (one held-out
+sequence's evaluation vector ``s·(correct, loss, 1)`` differs from another's by at most ``s·√2`` in L2 and
+``2s`` in L1, within the add/remove sensitivity ``s·√3``, ``3s`` the evaluation release is charged at), and
+``max_train_examples`` (0 = no cap) to local training only, whose updates are DP, when at all, at the party
+level. The router statistics, charged per sequence at add/remove sensitivity, read every training example of the
+split (``stats_train``), never a capped list.
 
 Must not: read anything outside ``data_dir``, tokenize, write files, or expose another party's data.
 """
@@ -36,9 +46,10 @@ TASK_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 @dataclass(frozen=True)
 class TaskSplit:
     source: Path
-    train: tuple[Example, ...]
-    heldout: tuple[Example, ...]
+    train: tuple[Example, ...]  # after max_train_examples (local training)
+    heldout: tuple[Example, ...]  # after max_eval_examples (evaluation)
     total: int  # examples in the file, before caps
+    train_all: tuple[Example, ...] = ()  # the whole training split, uncapped (router statistics)
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,11 @@ class PartyData:
     def train(self, task: str) -> list[Example]:
         return list(self.require(task).train)
 
+    def stats_train(self, task: str) -> list[Example]:
+        """Every training example of the split, no cap: what the router statistics (charged per sequence at
+        add/remove sensitivity) may read (module docstring)."""
+        return list(self.require(task).train_all)
+
     def heldout(self, task: str) -> list[Example]:
         return list(self.require(task).heldout)
 
@@ -89,22 +105,19 @@ def split_key(example: Example, seed: int) -> bytes:
     return hashlib.sha256(f"{example.to_json()}\n{seed}".encode()).digest()
 
 
+def held_out(key: bytes, eval_fraction: float) -> bool:
+    """Is the example with split key ``key`` held out: its first 8 bytes below ``eval_fraction * 2^64``."""
+    return int.from_bytes(key[:8], "big") < eval_fraction * 2.0**64
+
+
 def split_examples(examples: list[Example], eval_fraction: float, seed: int
                    ) -> tuple[list[Example], list[Example]]:
-    """(train, held-out), each in split-key order; see the module docstring for the rule."""
-    n = len(examples)
+    """(train, held-out), each in split-key order; each example's side depends on it alone (module docstring)."""
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}")
     keyed = sorted(((split_key(ex, seed), i) for i, ex in enumerate(examples)))
-    if n < 2:
-        cut = 0
-    else:
-        cut = min(max(round(n * eval_fraction), 1), n - 1)
-        # never separate identical examples (same key): move the cut past the group if possible
-        while 0 < cut < n - 1 and keyed[cut][0] == keyed[cut - 1][0]:
-            cut += 1
-    heldout = [examples[i] for _, i in keyed[:cut]]
-    train = [examples[i] for _, i in keyed[cut:]]
+    heldout = [examples[i] for k, i in keyed if held_out(k, eval_fraction)]
+    train = [examples[i] for k, i in keyed if not held_out(k, eval_fraction)]
     return train, heldout
 
 
@@ -130,11 +143,10 @@ def load_party(data_dir: Path, cfg: DataConfig) -> PartyData:
             raise DataError(f"{path}: task name {task!r} must start with a letter or digit and use only "
                             "letters, digits, '-' and '_'")
         examples = read_jsonl(path)
-        train, heldout = split_examples(examples, cfg.eval_fraction, cfg.seed)
-        if cfg.max_train_examples > 0:
-            train = train[: cfg.max_train_examples]
+        train_all, heldout = split_examples(examples, cfg.eval_fraction, cfg.seed)
+        train = train_all[: cfg.max_train_examples] if cfg.max_train_examples > 0 else train_all
         if cfg.max_eval_examples > 0:
             heldout = heldout[: cfg.max_eval_examples]
         splits[task] = TaskSplit(source=path, train=tuple(train), heldout=tuple(heldout),
-                                 total=len(examples))
+                                 total=len(examples), train_all=tuple(train_all))
     return PartyData(data_dir=data_dir, splits=MappingProxyType(splits))

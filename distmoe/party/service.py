@@ -30,6 +30,7 @@ from distmoe.party import work as P
 from distmoe.party.dpo_work import run_dpo
 from distmoe.party.policy import ledger_facts, owner_policy, secure_work_dir
 from distmoe.party.probe import run_probe
+from distmoe.party.receipt import write_receipt
 from distmoe.party.session import PartySession, SessionError, open_ledger
 from distmoe.party.settle import run_settle
 from distmoe.privacy import secagg as sa
@@ -93,6 +94,11 @@ class PartyService:
         self.secure = cfg.privacy.secure
         self.ledger = open_ledger(node)
         self.canaries = load_canaries(node)
+
+    def after_reply(self) -> None:
+        """Refresh this party's signed run receipt (``distmoe.party.receipt``); the guard calls it after every
+        reply, so the receipt after the last message is the run-end receipt the owner publishes."""
+        write_receipt(self.cfg, self.node, self.run_id)
 
     def answer(self, mtype: str, instr: object) -> tuple[object, dict | None]:
         """-> (reply payload, DP facts for the ledger or None); ``Refused`` with the reason code otherwise

@@ -205,14 +205,17 @@ def progress(node: NodeConfig, text: str) -> None:
 
 def router_stats_per_sequence(cfg: RunConfig, node: NodeConfig, instr: StatsInstruction,
                               max_sequences: int | None = None) -> np.ndarray:
-    """``[N, L, E]`` per-sequence mean router distributions of the global model on this party's training
-    data (the first ``max_sequences`` sequences when a bound is given)."""
+    """``[N, L, E]`` per-sequence mean router distributions of the global model on every training example of the
+    split (``PartyData.stats_train``: no cap, so one added or removed example changes exactly one row). More than
+    ``max_sequences`` (the public bound ``privacy.num-sequences-max``) is refused, never cut to the first N: a cut
+    lets one added example replace another, twice the sensitivity the release is charged at."""
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
     tasks = [instr.task] if instr.task else list(data.tasks)
-    examples = [ex for t in tasks if data.has(t) for ex in data.train(t)]
-    if max_sequences is not None:
-        examples = examples[:max_sequences]
+    examples = [ex for t in tasks if data.has(t) for ex in data.stats_train(t)]
+    if max_sequences is not None and len(examples) > max_sequences:
+        raise PartyError(f"party {node.party}: {len(examples)} training sequences for the router statistics, above "
+                         f"privacy.num-sequences-max = {max_sequences}: raise the bound above every party's size")
     model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash)
     ms = describe(model)
     if not examples:

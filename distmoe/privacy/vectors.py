@@ -40,13 +40,9 @@ mean of the contributors' clipped deltas, as in DP-FedAvg (McMahan et al., ICLR 
 a party with 10x the data no longer pulls 10x harder. With client-level DP on updates (``private=True``,
 ``privacy.update-noise-multiplier > 0``) every included party has weight 1, data or not (a zero delta plus
 its noise share), so ``sum w`` is the included count and the L2 sensitivity of the sum is ``clip``.
-One stability count is the exception, and only without update noise: ``skipped``, the number of local optimizer
-steps the party skipped for a NaN/Inf loss or gradient (clamped to ``[0, SKIPPED_MAX]``), is summed in one more
-slot, as an integer (scale 1: ``n * SKIPPED_MAX`` stays below the data bound of either word width), so the
-server learns the total over the contributors (``docs/privacy.md`` §3). Without ``private`` the
-clipped delta itself is an exact sum that a provoked straggle differences to one party's delta (§4.5), which
-determines far more than this count of at most ``log2(steps + 1)`` bits; with ``private`` an exact count would
-escape the update's DP guarantee, so the slot is absent and the count stays in the party's own log.
+No stability count is summed either: the number of NaN/Inf steps a party skipped had a slot of its own, an
+exact integer outside every DP account, which two straggled releases difference to one party's count; the slot
+is gone (``counts_skipped`` is False for every layout) and the count stays in each party's own log.
 Evaluation figures are a Skellam-noised per-example sum (``distmoe.privacy.metric_noise.EvalSpec``).
 
 Must not: import ``flwr`` or ``torch``, add noise other than through ``dp``, or accept a value outside
@@ -109,9 +105,8 @@ def _frac_bits(n_parties: int, bound: float) -> int:
 # ------------------------------------------------------------------------------------------- updates
 @dataclass(frozen=True)
 class UpdateLayout:
-    """``[sum_k numel_k]`` w*delta (trainable tensors in sorted key order) | ``[1]`` w | ``[1]`` skipped steps
-    (only when not ``private``). Bounds: ||delta||_2 <= clip, w in {0, 1}, skipped in [0, SKIPPED_MAX] (module
-    docstring: uniform weights, no metrics but the skipped-step count)."""
+    """``[sum_k numel_k]`` w*delta (trainable tensors in sorted key order) | ``[1]`` w. Bounds: ||delta||_2 <= clip,
+    w in {0, 1} (module docstring: uniform weights, no metrics, no skipped-step count)."""
 
     shapes: tuple[tuple[str, tuple[int, ...]], ...]  # sorted trainable (name, shape)
     n_parties: int
@@ -152,8 +147,8 @@ class UpdateLayout:
 
     @property
     def counts_skipped(self) -> bool:
-        """Whether the layout has the skipped-step slot: only without update noise (module docstring)."""
-        return not self.private
+        """Whether the layout has the skipped-step slot: never (an exact, uncharged count; module docstring)."""
+        return False
 
     @property
     def length(self) -> int:

@@ -220,7 +220,21 @@ def _log(ledger: Ledger, content: RecordDict, direction: str, verdict: str, run:
 def serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> RecordDict:
     """Answer one instruction. Returns the guarded reply content; raises ``Refused`` (or ``Blocked``)
     whose text is what to send back as the error reply: the code's fixed text and the ledger head (already
-    logged; the detail is in the party's own log)."""
+    logged; the detail is in the party's own log). Afterwards, whatever the outcome, a party with an
+    ``after_reply`` hook (its signed run receipt) is called; a failure there goes to the party's own log only."""
+    try:
+        return _serve(mtype, content, party, run_id)
+    finally:
+        hook = getattr(party, "after_reply", None)
+        if hook is not None:
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001  the reply stands; the owner reads why in party.log
+                log_detail(party.ledger, int(ErrorCode.INTERNAL), f"run {run_id} receipt after {mtype}",
+                           f"the run receipt was not written: {type(exc).__name__}: {exc}")
+
+
+def _serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> RecordDict:
     run, phase, ledger = str(run_id), phase_of(mtype), party.ledger
     instr, rnd, head, extra = None, None, None, {}
     try:

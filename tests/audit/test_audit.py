@@ -18,6 +18,7 @@ import pytest
 
 from distmoe.audit import CHECKS, audit_run
 from distmoe.cli import main
+from distmoe.deploy.receipt import sign_receipt
 from distmoe.ledger import (
     SIG_DOMAIN,
     Ledger,
@@ -25,8 +26,10 @@ from distmoe.ledger import (
     describe_payload,
     entry_hash,
     generate_signing_key,
+    load_signing_key,
     public_key_hex,
 )
+from distmoe.party.receipt import receipt_body
 from distmoe.privacy.accountant import Accountant, PrivacyEvent, epsilon_from_events
 from distmoe.privacy.dp import SkellamSpec, canary_positions, canary_seed, positions_digest
 from distmoe.privacy.metric_noise import EvalSpec
@@ -205,7 +208,18 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
                         for i, p in enumerate(PARTIES)}}
     (run / "run.json").write_text(json.dumps(meta))
     (run / "metrics.jsonl").write_text('{"event": "stats", "round": 1}\n')
+    for p in PARTIES:  # each party's signed run receipt, as distmoe.party.receipt writes it (outside the run dir)
+        entries = [json.loads(x) for x in _ledger_path(run, p).read_text().splitlines()]
+        body = receipt_body(entries, RUN_ID, p, DELTA, epsilon, None)
+        (root / "receipts").mkdir(exist_ok=True)
+        (root / "receipts" / f"{p}.json").write_text(json.dumps(sign_receipt(body, load_signing_key(
+            root / "keys" / f"{p}.pem"))))
     return run, canaries
+
+
+def _receipts(run, *parties):
+    """The receipt files ``make_run`` wrote for ``parties`` (default: all)."""
+    return [run.parent / "receipts" / f"{p}.json" for p in (parties or PARTIES)]
 
 
 def _ledger_path(run, p):
@@ -232,7 +246,9 @@ def test_honest_run_passes_and_writes_report(tmp_path, capsys):
     report = json.loads((run / "audit" / "audit.json").read_text())
     assert report["verdict"] == "pass" and report["failed"] == []
     assert [c["name"] for c in report["checks"]] == list(CHECKS)
-    assert all(c["status"] == "pass" for c in report["checks"]), report["checks"]
+    assert report["verified"] and report["exit_status"] == 0 and report["unwitnessed"] == []
+    assert all(c["status"] == "pass" for c in report["checks"] if c["name"] != "receipts"), report["checks"]
+    assert report["checks"][-1]["status"] == "skipped"  # every party's ledger is here: no receipt needed
     assert set(report["ledgers"]) == {"coordinator", *PARTIES}
     for p in PARTIES:
         row = report["epsilon"][p]
@@ -275,7 +291,10 @@ def test_out_writes_a_data_owners_audit_apart_from_the_coordinators(tmp_path, ca
     assert main(["audit", str(run)]) == 0
     before = (run / "audit" / "audit.json").read_bytes()
     mine = tmp_path / "owner-audit"
-    assert main(["audit", str(run), "--party-ledger", str(_ledger_path(run, PARTIES[0])), "--out", str(mine)]) == 0
+    own = ["audit", str(run), "--party-ledger", str(_ledger_path(run, PARTIES[0])), "--out", str(mine)]
+    assert main(own) == 3  # the other owners witnessed nothing here: unverified
+    capsys.readouterr()
+    assert main([*own, *(a for f in _receipts(run, *PARTIES[1:]) for a in ("--receipt", str(f)))]) == 0
     assert str(mine / "audit.md") in capsys.readouterr().out
     assert json.loads((mine / "audit.json").read_text())["ledgers"].keys() == {"coordinator", PARTIES[0]}
     assert (run / "audit" / "audit.json").read_bytes() == before
@@ -284,7 +303,10 @@ def test_out_writes_a_data_owners_audit_apart_from_the_coordinators(tmp_path, ca
 def test_party_ledger_subset(tmp_path):
     run, _ = make_run(tmp_path)
     result = audit_run(run, party_ledgers=[_ledger_path(run, "party-0")])
-    assert result.passed, result.to_dict()
+    assert result.verdict == "unverified" and result.unwitnessed == ["party-1", "party-2"], result.to_dict()
+    result = audit_run(run, party_ledgers=[_ledger_path(run, "party-0")], receipt_files=_receipts(run, "party-1",
+                                                                                                   "party-2"))
+    assert result.passed and result.witnessed == {"party-0": "ledger", "party-1": "receipt", "party-2": "receipt"}
     assert set(result.ledgers) == {"coordinator", "party-0"}
     assert any("party-1: ledger not available" in d for d in result.check("cross-check").details)
 
@@ -578,7 +600,7 @@ def test_a_forged_metrics_row_fails_server_files(tmp_path, capsys, row, needle):
     _append(run / "metrics.jsonl", row)
     assert main(["audit", str(run)]) == 1
     result = audit_run(run)
-    assert _failed(result) == ["server-files"]
+    assert "server-files" in _failed(result) and set(_failed(result)) <= {"server-files", "release-records"}
     assert any(f.startswith(needle) for f in _server_files(result)), _server_files(result)
     assert "server-files" in capsys.readouterr().out
 
@@ -654,9 +676,9 @@ def _resign_coordinator(root, entries):
 
 
 @pytest.mark.parametrize("attack, names", [
-    ("cut-after-release", ["coordinator-heads", "run-end"]),
+    ("cut-after-release", ["coordinator-heads", "release-records", "run-end"]),
     ("cut-run-end", ["run-end"]),
-    ("delete-release-resigned", ["coordinator-heads", "release-coverage"]),
+    ("delete-release-resigned", ["coordinator-heads", "release-coverage", "release-records"]),
     ("reorder-resigned", ["coordinator-heads"]),
 ])
 def test_cut_or_rewritten_coordinator_ledger_fails(tmp_path, capsys, attack, names):
@@ -707,8 +729,8 @@ def test_eval_release_without_noise_or_with_a_forged_calibration_fails_epsilon(t
     """An evaluation release in secagg mode with no DP facts (exact counts and losses a straggle would
     difference out) or with a calibration that understates the charge fails the epsilon check."""
     run, _ = make_run(tmp_path, eval_z=3.0, eval_forge=forge)
-    result = audit_run(run)
-    assert _failed(result) == ["epsilon"]
+    result = audit_run(run)  # without dp the release is also missing from the coordinator's accountant's story
+    assert _failed(result) == (["epsilon", "release-records"] if forge is False else ["epsilon"])
     assert any(needle in f for f in result.check("epsilon").findings), result.check("epsilon").findings
 
 
@@ -819,3 +841,107 @@ def test_tensorboards_own_writer_passes_server_files(tmp_path):
     assert len(list((run / "tensorboard").iterdir())) == 1
     result = audit_run(run)
     assert _failed(result) == [], _server_files(result)
+
+
+# ------------------------------------------------- verified only with every party's witness: ledgers or receipts
+def _coordinator_only(run):
+    """A deployment's run directory: the party ledgers stay with their owners."""
+    import shutil
+
+    shutil.rmtree(run / "work")
+    return run
+
+
+def _forge_cut(tmp_path, run):
+    """Every coordinator entry of router-stats round 1 deleted, the chain re-signed, the records rewritten to match."""
+    path = run / "ledger" / "coordinator.jsonl"
+    _rewrite(path, lambda es: _resign_coordinator(tmp_path, [e for e in es if e.get("round") != 1]))
+    led = json.loads((run / "privacy" / "ledger.json").read_text())
+    for st in led["parties"].values():
+        st["events"] = [e for e in st["events"] if e["label"] != "router-stats round 1"]
+    (run / "privacy" / "ledger.json").write_text(json.dumps(led))
+    (run / "metrics.jsonl").write_text("")
+
+
+def test_a_coordinator_only_run_directory_is_unverified_never_pass(tmp_path, capsys):
+    run, _ = make_run(tmp_path)
+    _coordinator_only(run)
+    result = audit_run(run)
+    assert result.failed == [] and result.verdict == "unverified" and not result.passed
+    assert result.unwitnessed == list(PARTIES) and result.witnessed == {}
+    assert main(["audit", str(run)]) == 3
+    assert "UNVERIFIED" in capsys.readouterr().out
+    assert "**Verdict: UNVERIFIED**" in (run / "audit" / "audit.md").read_text()
+    assert main(["audit", str(run), "--json"]) == 3
+    assert json.loads(capsys.readouterr().out)["verdict"] == "unverified"
+    assert audit_run(run, receipt_files=_receipts(run)).verdict == "pass"
+
+
+def test_forged_cut_is_unverified_without_receipts_and_a_violation_with_them(tmp_path):
+    """The forged cut (a whole round deleted, re-signed, the records rewritten): no check of the coordinator's own
+    files can see it, so the verdict is UNVERIFIED; the receipts bind the chain up to each party's last instruction."""
+    run, _ = make_run(tmp_path)
+    _coordinator_only(run)
+    _forge_cut(tmp_path, run)
+    result = audit_run(run)
+    assert result.verdict == "unverified" and result.failed == [], result.failed
+    assert all(r["releases"] == 1 for r in result.epsilon.values())
+    result = audit_run(run, receipt_files=_receipts(run))
+    assert result.failed == ["receipts"]
+    assert all(any(f.startswith(f"{p}.json:") and ("rewritten" in f or "was cut" in f)
+                   for f in result.check("receipts").findings) for p in PARTIES), result.check("receipts").findings
+
+
+@pytest.mark.parametrize("attack, needle", [
+    ("other-key", "not this party's key in the key directory"),
+    ("not-in-roster", "not in the run's key directory"),
+    ("tampered", "signature does not verify"),
+    ("stale", "beyond the receipt's final head"),
+    ("other-run", "a receipt of run"),
+    ("twice", "a second receipt"),
+])
+def test_a_receipt_that_does_not_match_is_a_violation(tmp_path, attack, needle):
+    run, _ = make_run(tmp_path)
+    _coordinator_only(run)
+    files = _receipts(run)
+    obj = json.loads(files[0].read_text())
+    body = {k: v for k, v in obj["body"].items() if k != "public_key"}
+    if attack == "other-key":  # signed by a key the coordinator made, not the owner's pinned one
+        obj = sign_receipt(body, generate_signing_key(tmp_path / "other.pem"))
+    elif attack == "not-in-roster":
+        obj = sign_receipt({**body, "party": "party-9"}, generate_signing_key(tmp_path / "other.pem"))
+    elif attack == "tampered":
+        obj["body"]["epsilon"] = 0.5
+    elif attack == "stale":  # a receipt from before the party's last reply
+        obj = sign_receipt({**body, "ledger_head": {"seq": 1, "hash": "0" * 64}},
+                           load_signing_key(tmp_path / "keys" / "party-0.pem"))
+    elif attack == "other-run":
+        obj = sign_receipt({**body, "run": "another-run"}, load_signing_key(tmp_path / "keys" / "party-0.pem"))
+    files[0].write_text(json.dumps(obj))
+    given = [*files, files[0]] if attack == "twice" else files
+    result = audit_run(run, receipt_files=given)
+    assert result.failed == ["receipts"], result.failed
+    assert any(needle in f for f in result.check("receipts").findings), result.check("receipts").findings
+    assert main(["audit", str(run), *(a for f in given for a in ("--receipt", str(f)))]) == 1
+
+
+def test_a_receipts_charge_is_a_lower_bound_on_epsilon(tmp_path):
+    """A party's receipt says its accountant charged more than the coordinator's releases account for: the audit's
+    epsilon for that party is the receipt's, and over the budget it fails."""
+    run, _ = make_run(tmp_path)
+    _coordinator_only(run)
+    files = _receipts(run)
+    key = load_signing_key(tmp_path / "keys" / "party-0.pem")
+    for eps, verdict in ((7.5, "pass"), (9.0, "fail")):
+        body = {k: v for k, v in json.loads(files[0].read_text())["body"].items() if k != "public_key"}
+        files[0].write_text(json.dumps(sign_receipt({**body, "epsilon": eps}, key)))
+        result = audit_run(run, receipt_files=files)
+        assert result.verdict == verdict and result.epsilon["party-0"]["epsilon"] == eps
+    assert result.failed == ["epsilon"]
+
+
+def test_an_unreadable_receipt_is_unusable_input(tmp_path, capsys):
+    run, _ = make_run(tmp_path)
+    (tmp_path / "bad.json").write_text("{not json")
+    assert main(["audit", str(run), "--receipt", str(tmp_path / "bad.json")]) == 2
+    assert "receipt is not valid JSON" in capsys.readouterr().err

@@ -244,6 +244,7 @@ def test_audit_help_states_exit_codes():
     parser = dict(_all_parsers())[("audit",)]
     text = parser.format_help()
     assert "0  every check passed" in text and "1  a check failed" in text and "2  unusable input" in text
+    assert "3  unverified" in text and "--receipt" in text
 
 
 def test_audit_json_prints_json_on_error_paths(capsys, tmp_path: Path):

@@ -222,3 +222,99 @@ def test_reordered_and_resigned_ledger_fails(honest, tmp_path, capsys, party_led
         assert any("rewritten" in f for f in audit_run(run_dir).check("coordinator-heads").findings)
     else:
         assert audit_run(run_dir).check("coordinator-heads").status == "skipped"
+    assert audit_run(run_dir).verdict != "pass"  # reordered: a violation, or unverified without the parties
+
+
+# ------------------------------------------------------------------- the forged cut, and the parties' receipts
+def _receipt_files(run_dir: Path) -> list[Path]:
+    """The receipts the parties wrote into their work dirs during the run (``distmoe.party.receipt``)."""
+    files = sorted(run_dir.glob("work/*/receipts/*.json"))
+    assert [f.parent.parent.name for f in files] == list(PARTIES), files
+    return files
+
+
+def _forge_without_the_stats_round(run_dir: Path) -> None:
+    """The forged cut: every coordinator entry of the router-statistics round deleted and the chain re-signed with
+    the run's key, and the run's other records rewritten to match (privacy/ledger.json without those charges,
+    metrics.jsonl without the stats row, run.json and run-end with the smaller epsilon, no anchor files)."""
+    from distmoe.privacy.accountant import Accountant
+
+    entries = _entries(_coord(run_dir))
+    rnd = entries[_index(entries, "release:router-stats")]["round"]
+    entries = [e for e in entries if e["round"] != rnd]
+    ledger = json.loads((run_dir / "privacy" / "ledger.json").read_text())
+    eps = {}
+    for p, st in ledger["parties"].items():
+        st["events"] = [e for e in st["events"] if not e["label"].startswith("router-stats")]
+        prv, rdp = Accountant.from_state_dict(st).epsilon()
+        eps[p] = {"prv": prv, "rdp": rdp}
+    (run_dir / "privacy" / "ledger.json").write_text(json.dumps(ledger))
+    entries[-1]["info"]["epsilon"] = eps
+    _write(_coord(run_dir), _resign(run_dir, entries))
+    meta = json.loads((run_dir / "run.json").read_text())
+    meta["privacy"]["epsilon_spent"] = eps
+    (run_dir / "run.json").write_text(json.dumps(meta))
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r).get("event") != "stats"))
+    for f in (run_dir / "anchors").glob("*"):
+        f.unlink()
+    shutil.rmtree(run_dir / "report", ignore_errors=True)
+
+
+def test_coordinator_only_audit_of_a_forged_cut_is_unverified_and_a_violation_with_the_receipts(honest, tmp_path,
+                                                                                               capsys):
+    """The forged cut passed ``distmoe audit RUN_DIR`` without party ledgers (exit 0, epsilon ~1.25 instead of ~8).
+    Defence: without a ledger or receipt of every party the verdict is UNVERIFIED (exit 3, never 0); with the
+    parties' signed receipts the rewritten chain is a violation (``receipts``: the last instruction each party
+    received has another hash) and epsilon is at least each receipt's charge."""
+    run_dir = _copy(honest, tmp_path, party_ledgers=False)
+    receipts = _receipt_files(run_dir)
+    _forge_without_the_stats_round(run_dir)
+    result = audit_run(run_dir)
+    assert result.failed == [] and result.verdict == "unverified", result.failed
+    assert set(result.unwitnessed) == set(PARTIES)
+    assert max(r["epsilon"] for r in result.epsilon.values()) < 4.0  # the forged story charges far less
+    assert main(["audit", str(run_dir)]) == 3
+    assert "UNVERIFIED" in capsys.readouterr().out
+    assert main(["audit", str(run_dir), "--json"]) == 3
+    body = json.loads(capsys.readouterr().out)
+    assert body["verdict"] == "unverified" and body["verified"] is False and body["exit_status"] == 3
+
+    args = [a for f in receipts for a in ("--receipt", str(f))]
+    assert main(["audit", str(run_dir), *args]) == 1
+    result = audit_run(run_dir, receipt_files=receipts)
+    assert result.verdict == "fail" and "receipts" in result.failed, result.failed
+    findings = result.check("receipts").findings
+    for p in PARTIES:  # the chain up to each party's last instruction changed, and its unmasked round has no release
+        mine = [f for f in findings if f.startswith(f"{p}-")]
+        assert any("was cut" in f or "rewritten" in f for f in mine), findings
+        assert any("revealed its unmask shares" in f for f in mine), findings
+    assert all(r["epsilon"] >= r["party_epsilon"] > 7.0 for r in result.epsilon.values())
+
+
+def test_a_forged_cut_that_leaves_the_records_is_a_violation_without_receipts(honest, tmp_path, capsys):
+    """The same deletion, re-signed, but privacy/ledger.json, metrics.jsonl and run.json left as the run wrote them:
+    ``release-records`` finds the releases they show and the ledger no longer holds, with no party's help."""
+    run_dir = _copy(honest, tmp_path, party_ledgers=False)
+    entries = _entries(_coord(run_dir))
+    rnd = entries[_index(entries, "release:router-stats")]["round"]
+    _write(_coord(run_dir), _resign(run_dir, [e for e in entries if e["round"] != rnd]))
+    _audit_fails(run_dir, capsys, "release-records")
+    findings = audit_run(run_dir).check("release-records").findings
+    assert any("privacy/ledger.json charges the release 'router-stats round" in f for f in findings), findings
+    assert any(f.startswith("metrics.jsonl:") for f in findings), findings
+
+
+def test_receipts_of_an_honest_run_verify_it_without_the_party_ledgers(honest, tmp_path, capsys):
+    """A deployment's coordinator-side audit: no party ledger in the run directory, every owner's receipt given."""
+    run_dir = _copy(honest, tmp_path, party_ledgers=False)
+    receipts = _receipt_files(run_dir)
+    result = audit_run(run_dir, receipt_files=receipts)
+    assert result.passed, [(c.name, c.findings) for c in result.checks if c.status == "fail"]
+    assert result.witnessed == {p: "receipt" for p in PARTIES}
+    for p in PARTIES:
+        body = json.loads((run_dir / "work" / p / "receipts").glob("*.json").__next__().read_text())["body"]
+        assert result.epsilon[p]["party_epsilon"] == body["epsilon"] > 7.0
+        assert body["unmasked"] and body["coordinator_head"] is not None
+    assert main(["audit", str(run_dir), *(a for f in receipts[:2] for a in ("--receipt", str(f)))]) == 3  # one short
+    assert main(["audit", str(run_dir), *(a for f in receipts for a in ("--receipt", str(f)))]) == 0

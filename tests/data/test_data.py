@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from distmoe.config import DataConfig
 from distmoe.data.formats import DataError, Example, read_jsonl, to_dataset
-from distmoe.data.party import load_party
+from distmoe.data.party import held_out, load_party, split_key
 from distmoe.data.synth import (
     ALL_FAMILIES,
     TASK_FAMILIES,
@@ -247,15 +247,17 @@ def test_load_party_split_deterministic_disjoint(tmp_path):
     assert a.train("alpha") == b.train("alpha") and a.heldout("alpha") == b.heldout("alpha")
     train, held = set(a.train("alpha")), set(a.heldout("alpha"))
     assert not train & held and len(train | held) == 100
-    assert len(held) == 20  # round(100 * 0.2)
-    assert len(a.train("beta")) == 1 and len(a.heldout("beta")) == 1  # >= 1 on each side
+    # held out iff the example's own keyed hash is below eval_fraction * 2^64: no rank cut (about 20 of 100)
+    assert held == {ex for ex in train | held if held_out(split_key(ex, CFG.seed), CFG.eval_fraction)}
+    assert 10 <= len(held) <= 30
+    assert len(a.train("beta")) + len(a.heldout("beta")) == 2
     # the split does not depend on line order, and does depend on the seed
     lines = (d / "alpha.jsonl").read_text().splitlines()
     (d / "alpha.jsonl").write_text("\n".join(reversed(lines)) + "\n")
     assert set(load_party(d, CFG).heldout("alpha")) == held
     other = DataConfig(**{**CFG.__dict__, "seed": 1})
     assert set(load_party(d, other).heldout("alpha")) != held
-    assert a.train_dataset("alpha").num_rows == 80
+    assert a.train_dataset("alpha").num_rows == 100 - len(held)
 
 
 def test_load_party_caps_and_duplicates(tmp_path):

@@ -261,7 +261,7 @@ def test_run_specs_use_mass_preserving_rounding_and_refuse_to_wrap_the_64_bit_ri
 def test_default_canaries_detect_one_missing_noise_share_among_six_parties():
     """With the default K, a party that skips its noise share in a 6-party round (threshold 4, so the
     sum should carry 6/4 of the target variance) is caught at the audit's level in (almost) every round."""
-    from distmoe.audit.engine import ALPHA
+    from distmoe.audit.noise_checks import ALPHA
     from distmoe.config import parse_run_config
     from distmoe.privacy.plan import threshold_for
 

@@ -61,3 +61,29 @@ def test_default_plan_is_backed_by_the_integer_order_skellam_bound():
         acc = Accountant(p.delta, p.epsilon)
         assert acc.spend(stats_event(spec, t, "router-stats round 1")) <= plan.planned_epsilon + 1e-9
         assert skellam_epsilon(spec.sigma_int**2, spec.delta2_int, spec.delta1_int, 1, p.delta) <= p.epsilon
+
+
+def test_default_plan_epsilon_is_cross_checked_with_dp_accounting():
+    """The default plan's epsilon (add/remove one example of one party: docs/privacy.md §2) against Google's
+    dp-accounting on the same releases as Gaussians of the same variance: its integer-order RDP is at most
+    distmoe's Skellam bound and within 0.01 of it (the Skellam excess term), its PLD within 0.02 of distmoe's PRV,
+    and the plan stays within the budget."""
+    import dp_accounting
+    from dp_accounting import pld, rdp
+
+    from distmoe.privacy.accountant import INT_ALPHAS
+
+    cfg = parse_run_config({})
+    plan = plan_privacy(cfg.privacy, cfg.schedule)
+    assert (plan.stats_releases, plan.update_releases, plan.eval_releases) == (1, 0, 2)
+    prv, rdp_eps = epsilon_from_events(plan.events(), plan.delta)
+    assert plan.planned_epsilon == max(prv, rdp_eps) <= plan.epsilon == 8.0
+    same = dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(plan.noise_multiplier), plan.stats_releases),
+        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(plan.metric_noise_multiplier),
+                                          plan.eval_releases)])
+    ref_rdp = rdp.RdpAccountant(orders=list(INT_ALPHAS)).compose(same).get_epsilon(plan.delta)
+    ref_pld = pld.PLDAccountant().compose(same).get_epsilon(plan.delta)
+    assert ref_rdp <= rdp_eps <= ref_rdp + 0.01
+    assert abs(prv - ref_pld) <= 0.02
+    assert plan.planned_epsilon == pytest.approx(7.996, abs=5e-4)

@@ -141,7 +141,9 @@ def test_a_bias_with_balance_source_public_counts_the_public_batch_not_the_party
         chosen = selection_scores(model, rm.select_valid(out.router_logits, b["attention_mask"]))
     c = torch.stack([torch.bincount(z.argmax(-1), minlength=ms.num_experts) for z in chosen]).double()  # [L, E]
     want = 0.1 * torch.sign(c.mean(-1, keepdim=True) - c)
-    enc = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in party.train("arith")]
+    # a party batch whose own first choices differ from the public batch's (under the keyed-hash split of the
+    # synthetic data, the arith training examples happened to skew the tiny model the same way)
+    enc = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in party.train("strings")]
     train_sft(model, enc, tok.pad_token_id, cfg.train, cfg.routing, ms.num_experts, ms.top_k, None, 0, public=pub)
     got = torch.stack([x.detach().double() for x in biases(model)])
     assert torch.allclose(got, want), (got, want)

@@ -1,0 +1,131 @@
+"""The audit's ``receipts`` check and who witnesses the run: without the parties, a coordinator's ledger proves nothing.
+
+The coordinator signs its own ledger, so it can delete every entry of a round, re-chain and re-sign: the forgery
+verifies. Only the parties hold witnesses it cannot forge: their own signed ledgers, or the small signed receipt
+each party writes at run end (``distmoe.deploy.receipt``, ``distmoe.party.receipt``). A run is **verified** only
+when every party of the roster (the parties whose ledger keys the coordinator ledger or ``run.json`` pins) is
+witnessed by its ledger or by a receipt; otherwise the verdict is ``unverified`` (``distmoe.audit.result``).
+
+Owns: ``check_receipts(run, pins) -> (Check, charges, witnessed, unwitnessed)``. Each receipt given must:
+
+- be signed under the ledger key the key directory pins for its party (a party outside the roster, or another
+  key, is a violation);
+- name the run the coordinator ledger records;
+- hold a ``coordinator_head`` (the last instruction the party received) that is in the coordinator ledger with the
+  same hash and is an instruction to that party: the chain commits to every entry before it, so a deletion,
+  insertion or reordering up to that instruction is caught;
+- agree with the coordinator's anchors of that party's replies: none beyond its ``ledger_head``, and the anchor at
+  that seq (if any) with its hash; with the party's ledger given too, that ledger holds the receipt's head;
+- have a release naming the party for every round it revealed unmask shares for (``unmasked``).
+
+The receipt's charged epsilon is a lower bound on what the party spent, whatever the coordinator ledger holds:
+``charges`` feed the ``epsilon`` check as the party ledgers' signed charges do (``distmoe.audit.ledgers``).
+
+Must not: import ``flwr``, read party data, or write anything.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from distmoe.audit.result import Check
+from distmoe.audit.run import Run, included_of
+from distmoe.deploy.receipt import ReceiptError, read_receipt
+
+CHECK = "receipts"
+
+
+def _roster(run: Run, pins: dict[str, list[tuple[str, str]]]) -> list[str]:
+    names = set(pins)
+    for r in run.releases:
+        names.update(included_of(r))
+    return sorted(names)
+
+
+def _anchors(run: Run, party: str) -> list[tuple[int, str, Any]]:
+    out = []
+    for e in run.coord.entries:
+        a = e.get("anchor")
+        if isinstance(a, dict) and a.get("node") == party and isinstance(a.get("seq"), int):
+            out.append((a["seq"], str(a.get("hash")), e.get("seq")))
+    return out
+
+
+def _judge(run: Run, body: dict[str, Any], c: Check, where: str) -> None:
+    party = body["party"]
+    run_id = run.start.get("run")
+    if run_id is not None and body["run"] != str(run_id):
+        c.fail(f"{where}: a receipt of run {body['run']!r}, the coordinator ledger records run {run_id!r}")
+    ch = body["coordinator_head"]
+    if ch is not None:
+        ce = run.coord.by_seq.get(ch["seq"])
+        end = run.coord.entries[-1].get("seq") if run.coord.entries else -1
+        if ce is None:
+            c.fail(f"{where}: the last instruction {party} received is coordinator#{ch['seq']}, which the coordinator "
+                   f"ledger does not hold (it ends at seq {end}): the coordinator ledger was cut")
+        elif ce.get("hash") != ch["hash"]:
+            c.fail(f"{where}: coordinator#{ch['seq']} has another hash than the head {party} signed: the coordinator "
+                   "ledger was rewritten at or before that entry (deleted, inserted or reordered entries)")
+        elif ce.get("direction") != "out" or ce.get("peer") != party:
+            c.fail(f"{where}: coordinator#{ch['seq']} is not an instruction to {party}")
+    head = body["ledger_head"]
+    for seq, h, cseq in _anchors(run, party):
+        if seq > head["seq"]:
+            c.fail(f"{where}: coordinator#{cseq} anchors {party}'s head seq {seq}, beyond the receipt's final head "
+                   f"seq {head['seq']} (a stale receipt, or an anchor the party never signed)")
+        elif seq == head["seq"] and h != head["hash"]:
+            c.fail(f"{where}: coordinator#{cseq} anchors {party}#{seq} with another hash than the receipt's")
+    lf = run.parties.get(party)
+    if lf is not None:
+        pe = lf.by_seq.get(head["seq"])
+        if pe is None or pe.get("hash") != head["hash"]:
+            c.fail(f"{where}: {party}'s ledger given here does not hold the receipt's head seq {head['seq']}")
+    released = {(r.get("round"), p) for r in run.releases for p in included_of(r)}
+    for rnd in body["unmasked"]:
+        if (rnd, party) not in released:
+            c.fail(f"{where}: {party} revealed its unmask shares for round {rnd}, but no release of that round in the "
+                   "coordinator ledger names it (a release deleted, or the unmasking failed after the replies)")
+
+
+def check_receipts(run: Run, pins: dict[str, list[tuple[str, str]]]
+                   ) -> tuple[Check, dict[str, tuple[float, str]], dict[str, str], list[str]]:
+    """The ``receipts`` check, the receipts' signed charges (party -> (epsilon, where)), the witnessed roster
+    parties (-> ``ledger`` or ``receipt``) and the unwitnessed ones."""
+    c = Check(CHECK)
+    charges: dict[str, tuple[float, str]] = {}
+    witnessed = {p: "ledger" for p in run.parties}
+    seen: set[str] = set()
+    for path, obj in run.receipts:
+        where = path.name
+        body = obj.get("body") if isinstance(obj, dict) else None
+        party = body.get("party") if isinstance(body, dict) else None
+        if not isinstance(party, str) or party not in pins:
+            c.fail(f"{where}: a receipt of {party!r}, a party whose key is not in the run's key directory")
+            continue
+        if party in seen:
+            c.fail(f"{where}: a second receipt for {party}")
+            continue
+        seen.add(party)
+        key = next((k for w, k in pins[party] if "key-advert" in w), pins[party][0][1])
+        try:
+            body = read_receipt(obj, key)
+        except ReceiptError as exc:
+            c.fail(f"{where}: {party}: {exc}")
+            continue
+        before = len(c.findings)
+        _judge(run, body, c, where)
+        eps = float(body["epsilon"]) if math.isfinite(float(body["epsilon"])) else math.inf
+        charges[party] = (eps, f"receipt {where}")
+        if len(c.findings) == before:
+            witnessed.setdefault(party, "receipt")
+            pin = f", code pin {body['code_pin'][:16]}" if body["code_pin"] else ", no code pin"
+            c.note(f"{party}: receipt {where} matches the coordinator ledger (charged epsilon {eps:.4f}{pin})")
+    roster = _roster(run, pins)
+    unwitnessed = [p for p in roster if p not in witnessed]
+    if unwitnessed:
+        c.note("not witnessed (no party ledger, no receipt): " + ", ".join(unwitnessed) + ": the run is UNVERIFIED; "
+               "a coordinator holding its key can rewrite its ledger into any self-consistent story")
+    if not run.receipts:
+        c.skip("no receipts given" + ("" if unwitnessed else "; every party's ledger was given"))
+    return c, charges, {p: w for p, w in witnessed.items() if p in roster}, unwitnessed
