@@ -76,13 +76,15 @@ def update_dp_facts(layout: UpdateLayout, z_u: float, n_parties: int, threshold:
                     n_active: int | None = None) -> dict:
     """The ledgers' ``dp`` facts of a noised update release over ``n_active`` survivors (a party: ``threshold``).
     ``z_eff`` is the party-level multiplier (noise std over ``clip``), ``z_sequence`` what the ledger charges.
-    ``metrics: "withheld"``: no metric travels beside the noised block; ``metric_slots``: the training metrics
-    inside it (noised, at the same sensitivity, the delta clipped to ``delta_clip``)."""
+    ``metrics``: ``"in-noised-block"`` when the training metrics travel inside the noised block (``metric_slots``
+    of them, noised at the same sensitivity, the delta clipped to ``delta_clip``), ``"withheld"`` when none travels;
+    either way no metric travels beside the noised block."""
     n = threshold if n_active is None else n_active
     z_eff = z_u * math.sqrt(n / threshold)
     return {"mechanism": "gaussian", "unit": "party", "neighbours": "add/remove", "noise_multiplier": z_u,
             "n_parties": n_parties, "n_active": n, "max_dropouts": n_parties - threshold, "z_eff": z_eff,
-            "clip": layout.clip, "weights": "uniform", "sensitivity": layout.sensitivity, "metrics": "withheld",
+            "clip": layout.clip, "weights": "uniform", "sensitivity": layout.sensitivity,
+            "metrics": "in-noised-block" if getattr(layout, "metric_slots", 0) else "withheld",
             "metric_slots": getattr(layout, "metric_slots", 0),
             "delta_clip": getattr(layout, "delta_clip", layout.clip),
             "sequence_sensitivity": SEQUENCE_FACTOR * layout.clip, "z_sequence": sequence_noise_multiplier(z_eff)}

@@ -415,8 +415,8 @@ def test_client_level_dp_on_updates_is_accounted_and_audited(tmp_path, make_run,
     coord.run()
     (upd,) = releases(run_dir, "model-update")
     assert upd["dp"]["unit"] == "party" and upd["dp"]["n_active"] == 3
-    # nothing data-dependent beside the noise: the weight sum is the party count, the metrics are withheld
-    assert upd["dp"]["weights"] == "uniform" and upd["dp"]["metrics"] == "withheld"
+    # nothing data-dependent beside the noise: the weight sum is the party count, the metrics inside the noised block
+    assert upd["dp"]["weights"] == "uniform" and upd["dp"]["metrics"] == "in-noised-block"
     assert upd["info"]["weight_sum"] == pytest.approx(3.0)
     assert upd["dp"]["sensitivity"] == pytest.approx(upd["dp"]["clip"])
     result = audit_run(run_dir)
