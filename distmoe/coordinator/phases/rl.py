@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from distmoe.coordinator.phases.sft import contributors
 from distmoe.coordinator.phases.update import apply_update
 from distmoe.wire.schema import RlInstruction
 
@@ -28,9 +29,8 @@ def aggregate(co, index, phase, instr: RlInstruction) -> str:
     agg = out.metrics
     if co.cfg.privacy.secure:  # no RL metric but the skipped-update sum reaches the server
         skipped = agg.get("skipped_steps", math.nan)  # the secure sum's one stability count (no update noise)
-        return (f"{out.parties}/{out.nodes} parties, {out.num_examples} contributing | RL metrics stay at the "
-                "parties (secure aggregation)" + (f" | skipped NaN/Inf updates {int(skipped)}"
-                                                  if math.isfinite(skipped) else ""))
+        return (contributors(out) + (f" | skipped NaN/Inf updates {int(skipped)}"
+                                     if math.isfinite(skipped) and skipped > 0 else ""))
     return (f"{out.parties}/{out.nodes} parties | reward {agg['reward_first']:.3f} -> {agg['reward_last']:.3f} "
             f"| |dlogp| mean {agg['logp_diff_mean']:.4f} max {agg['logp_diff_max']:.3f} | masked "
             f"{agg['masked_frac_low'] + agg['masked_frac_high']:.4f} | K3 {agg['k3']:.2e}")

@@ -43,8 +43,14 @@ def aggregate(co, index, phase, instr: SftInstruction) -> str:
           and math.isfinite(agg.get("anchor_kl", math.nan)) else "")
     if co.cfg.privacy.secure:  # no training metric but the skipped-step sum reaches the server
         skipped = agg.get("skipped_steps", math.nan)  # the secure sum's one stability count (no update noise)
-        return (f"{out.parties}/{out.nodes} parties, {out.num_examples} contributing | training metrics stay at the "
-                "parties (secure aggregation)" + (f" | skipped NaN/Inf steps {int(skipped)}"
-                                                  if math.isfinite(skipped) else ""))
+        # the header says once that training metrics stay at the parties; a field only when it says something
+        return (contributors(out) + (f" | skipped NaN/Inf steps {int(skipped)}"
+                                     if math.isfinite(skipped) and skipped > 0 else ""))
     return (f"{out.parties}/{out.nodes} parties | task loss {agg['loss_first']:.3f} -> "
             f"{agg['loss_last']:.3f}{kl} | skipped steps {int(agg['skipped_steps'])}")
+
+
+def contributors(out) -> str:
+    """``3/3 parties``, or ``3/3 parties, 2 with data`` when not every answering party contributed."""
+    text = f"{out.parties}/{out.nodes} parties"
+    return text if out.num_examples == out.parties else f"{text}, {out.num_examples} with data"
