@@ -35,6 +35,8 @@ from distmoe.report.load import (
     _Run,
 )
 
+TRAINING_KINDS = ("sft", "rl", "dpo")  # phases whose rounds change the weights
+
 
 def _figure(figsize: tuple[float, float], ncols: int = 1):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -206,7 +208,10 @@ def _plot_probe(run: _Run, path: Path) -> None:
             (axes[0], "routing_kl", "Routing KL to anchor (probe)", "KL (nats)", "no anchor yet"),
             (axes[1], "load_cv", "Expert-load CV (probe)", "coefficient of variation", "no probe"),
             (axes[2], "top1_consistency", "Top-1 consistency with previous round", "fraction", "one probe only")):
-        if not _agg_line(ax, run.probes, key, label="probe"):
+        events = run.probes
+        if key == "top1_consistency":  # a round that trains nothing keeps every choice: 1.0 is no improvement
+            events = [e for e in events if str(e.get("phase_label", "")).split(":")[0] in TRAINING_KINDS]
+        if not _agg_line(ax, events, key, label="probe (training rounds)" if key == "top1_consistency" else "probe"):
             ax.set_title(title, fontsize=10)
             _no_data(ax, empty)
             continue

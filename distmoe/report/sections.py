@@ -140,6 +140,24 @@ def _schedule(run: _Run) -> list[str]:
         out.append(DASH)
     return out + [""]
 
+def _noise_sd(run: _Run, value: float | None, n: Any) -> float | None:
+    """The noise scale (one standard deviation) of a noised ratio ``value = sum / n`` of the evaluation release:
+    ``sigma * sqrt(1 + value^2) / n`` with ``sigma`` = run.json ``privacy.eval_noise_sd`` (the noise of each sum,
+    in examples, ``distmoe.coordinator.secure.with_noise_scale``); None when the run records no noise."""
+    priv = run.record.get("privacy") if isinstance(run.record.get("privacy"), Mapping) else {}
+    sigma, count = _num(priv.get("eval_noise_sd")), _num(n)
+    if sigma is None or value is None or count is None or count < 0.5:
+        return None
+    return sigma * (1 + value * value) ** 0.5 / count
+
+
+def _with_noise(value: float | None, sd: float | None) -> Any:
+    """``0.81 ± 0.04``; ``≈ 0 (within noise)`` within one scale of 0; the plain value when not noised."""
+    if value is None or sd is None:
+        return value
+    return "≈ 0 (within noise)" if abs(value) <= sd else f"{value:.2f} ± {sd:.2f}"
+
+
 def _final_eval(run: _Run, tasks: list[str]) -> list[str]:
     last = _last_agg_eval(run)
     out = ["## Final evaluation (aggregate)", ""]
@@ -147,33 +165,46 @@ def _final_eval(run: _Run, tasks: list[str]) -> list[str]:
         return out + ["No aggregate eval logged.", ""]
     out.append(f"Round {fmt(_round_of(last))}.")
     out.append("")
-    rows = [
-        (
-            t,
-            _num(last.get(f"acc/{t}")),
-            _num(last.get(f"loss/{t}")),
-            _count(last.get(f"n/{t}")),
-            _num(last.get(f"retention/{t}")),
-        )
-        for t in tasks
-        if any(f"{p}/{t}" in last for p in ("acc", "loss", "n", "retention"))
-    ]
+    n_new = _config_value(run, "eval.max-new-tokens")
+    out += [f"Accuracy: the share of held-out examples whose greedy answer, at most {fmt(n_new)} generated tokens "
+            "(`eval.max-new-tokens`), matches the reference answer exactly (numerically for `arith`); an answer "
+            "longer than that can never count (`distmoe data validate` names such tasks). Loss: the mean "
+            "per-token loss on the reference answer.", ""]
+    rows = []
+    noised = False
+    for t in tasks:
+        if not any(f"{p}/{t}" in last for p in ("acc", "loss", "n", "retention")):
+            continue
+        acc, loss, n = _num(last.get(f"acc/{t}")), _num(last.get(f"loss/{t}")), last.get(f"n/{t}")
+        acc_sd = _noise_sd(run, acc, n)
+        noised = noised or acc_sd is not None
+        rows.append((t, _with_noise(acc, acc_sd), loss, _count(n), _num(last.get(f"retention/{t}"))))
     out += _table(("task", "accuracy", "loss", "n", "retention"), rows) if rows else ["No per-task metrics."]
     out.append("")
+    if noised:
+        out += ["Accuracies under secure aggregation carry distributed DP noise; `± x` is its scale (one standard "
+                "deviation), and `≈ 0 (within noise)` a figure within one scale of 0. Retention is left undefined "
+                "(–) where the accuracy before the current task was within its noise of 0.", ""]
+    elif run.secure:
+        out += ["Under secure aggregation these figures come from sums over the parties with distributed DP noise "
+                "(`privacy.metric-noise-multiplier`, docs/privacy.md §4.5): a small difference between two "
+                "rounds may be noise.", ""]
     collapsed = [(t, r) for t, *_, r in rows if r is not None and r < RETENTION_COLLAPSE]
     if collapsed:
         out += [f"**Retention collapsed**: {', '.join(f'`{t}` {fmt(r)}' for t, r in collapsed)} (below "
                 f"{RETENTION_COLLAPSE:g}: the model kept less than half of its earlier accuracy on "
                 f"{'this task' if len(collapsed) == 1 else 'these tasks'} while it trained the new one; see "
-                "`tasks.png`; a larger `routing.anchor-kl-coef` or a lower `train.lr` holds more of it).", ""]
-    if run.secure:
-        out += ["Under secure aggregation these figures come from sums over the parties with distributed DP noise "
-                "(`privacy.metric-noise-multiplier`, docs/privacy.md §4.5): a small difference between two "
-                "rounds may be noise.", ""]
+                "`tasks.png`). What the project's own experiments (docs/results.md, continual tuning) support: no "
+                "rehearsal-free mechanism kept half of an earlier task's accuracy at this scale; the router anchor "
+                "keeps routing close to the earlier task's but did not change retention; output distillation "
+                "(`retention.distill-weight`) kept the earlier task's answer loss lower; only replaying the earlier "
+                "task's data kept its accuracy. A larger `routing.anchor-kl-coef` or a lower `train.lr` is untested "
+                "as a remedy.", ""]
     if last.get("new_task") is not None or last.get("new_task_loss") is not None:
         loss = _num(last.get("new_task_loss"))
         out += [f"New task: `{fmt(last.get('new_task'))}`" + (f", loss {fmt(loss)}." if loss is not None else "."), ""]
     return out
+
 
 def _probe_section(run: _Run) -> list[str]:
     """The per-round routing of the public probe set and the per-layer expert selection of its last round."""

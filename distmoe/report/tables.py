@@ -179,8 +179,19 @@ def _privacy(run: _Run) -> list[str]:
     return out + [""]
 
 def _config(run: _Run) -> list[str]:
+    """The keys that differ from the defaults; every resolved key is in the run's ``config.toml`` (appendix)."""
     cfg = run.record.get("config")
     if not isinstance(cfg, Mapping) or not cfg:
         return []
-    rows = [(str(k), json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in sorted(cfg.items())]
-    return ["## Config", "", *_table(("key", "value"), rows), ""]
+    from distmoe.config import DEFAULTS
+
+    internal = ("run.dir", "run.name", "sim.", "run.resume")  # where this run lives, not how it was configured
+    changed = [(str(k), json.dumps(v) if isinstance(v, (list, dict)) else v, DEFAULTS.get(k))
+               for k, v in sorted(cfg.items()) if not str(k).startswith(internal) and DEFAULTS.get(k, object()) != v]
+    out = ["## Config", "", f"Every resolved key ({len(cfg)}): the run's `config.toml` (appendix: `../config.toml` "
+           "from this report); `distmoe config show` explains each.", ""]
+    if changed:
+        out += [f"{len(changed)} key(s) differ from the defaults:", "", *_table(("key", "value", "default"), changed)]
+    else:
+        out.append("Every key has its default value.")
+    return out + [""]
