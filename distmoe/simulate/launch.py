@@ -36,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 
+from distmoe.checkpoint import disk_bytes
 from distmoe.config import parse_run_config
 from distmoe.simulate.ports import start_superlink
 from distmoe.simulate.prepare import (
@@ -275,7 +276,7 @@ def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides:
             from distmoe.report.tensorboard import write_tensorboard
 
             say(f"  tensorboard: {write_tensorboard(run_dir)} (view: tensorboard --logdir {run_dir / 'tensorboard'})")
-    say(f"  disk: the run wrote {_size_text(_disk_bytes(run_dir))} in {run_dir}")
+    say(f"  disk: the run wrote {_size_text(disk_bytes(run_dir))} in {run_dir} (each file once)")
     return 0, run_dir
 
 
@@ -285,21 +286,6 @@ def _privacy_mode(cfg) -> str:
         return "PLAINTEXT (no secure aggregation, no DP)"
     dp = " + client-level DP" if cfg.privacy.update_noise_multiplier > 0 else ""
     return f"secagg{dp} (training metrics stay at the parties)"
-
-
-def _disk_bytes(path: Path) -> int:
-    """Bytes of every regular file under ``path``, each inode once (hard links count once)."""
-    seen, total = set(), 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                st = os.lstat(os.path.join(root, f))
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) not in seen and not os.path.islink(os.path.join(root, f)):
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_size
-    return total
 
 
 def _size_text(n: int) -> str:
