@@ -164,8 +164,8 @@ class Coordinator:
                 if self.ckpt_round != self.s.round:  # every completed round ends with a checkpoint
                     self.checkpoint()
                 text += probe.after_round(self)  # the round's global model on the public probe set
-                for line in fit([f"round {rnd}/{total}", phase.label(), *text.split(" | "),
-                                 f"{time.perf_counter() - t0:.1f} s"]):  # lines of <= 100 columns
+                for line in fit([f"round {rnd}/{total} ({time.perf_counter() - t0:.1f} s)", phase.label(),
+                                 *text.split(" | ")]):  # lines of <= 100 columns
                     self.say(line)
 
     def start_plane(self, nodes: list[int]) -> None:

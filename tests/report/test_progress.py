@@ -15,7 +15,7 @@ def test_fit_packs_fields_into_lines_of_at_most_100_columns():
     assert lines[0].startswith("round 13/13 | eval | 3/3 parties | acc: lookup 0.81")
     assert lines[1].startswith("    ") and " |  | " not in " ".join(lines)  # no empty field
     assert " | ".join(x.strip() for x in lines).split(" | ") == [f for f in fields if f]  # nothing lost
-    assert fit(["round 1/5", "sft:lookup", "3/3 parties", "1.0 s"]) == ["round 1/5 | sft:lookup | 3/3 parties | 1.0 s"]
+    assert fit(["round 1/5 (1.0 s)", "sft:lookup", "3/3 parties"]) == ["round 1/5 (1.0 s) | sft:lookup | 3/3 parties"]
     assert WIDTH == 98
 
 
