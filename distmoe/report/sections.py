@@ -140,15 +140,16 @@ def _schedule(run: _Run) -> list[str]:
         out.append(DASH)
     return out + [""]
 
-def _noise_sd(run: _Run, value: float | None, n: Any) -> float | None:
-    """The noise scale (one standard deviation) of a noised ratio ``value = sum / n`` of the evaluation release:
-    ``sigma * sqrt(1 + value^2) / n`` with ``sigma`` = run.json ``privacy.eval_noise_sd`` (the noise of each sum,
-    in examples, ``distmoe.coordinator.secure.with_noise_scale``); None when the run records no noise."""
+def _noise_sd(run: _Run, value: float | None, n: Any, bound: float = 1.0) -> float | None:
+    """The noise scale (one standard deviation) of a noised ratio ``value = bound * sum / n`` of the evaluation
+    release: ``bound * sigma * sqrt(1 + (value / bound)^2) / n`` with ``sigma`` = run.json
+    ``privacy.eval_noise_sd`` (the noise of each sum, in examples, ``distmoe.coordinator.secure``); ``bound``: 1
+    for an accuracy, ``privacy.metric-loss-bound`` for a loss. None when the run records no noise."""
     priv = run.record.get("privacy") if isinstance(run.record.get("privacy"), Mapping) else {}
     sigma, count = _num(priv.get("eval_noise_sd")), _num(n)
-    if sigma is None or value is None or count is None or count < 0.5:
+    if sigma is None or value is None or count is None or count < 0.5 or not bound:
         return None
-    return sigma * (1 + value * value) ** 0.5 / count
+    return bound * sigma * (1 + (value / bound) ** 2) ** 0.5 / count
 
 
 def _with_noise(value: float | None, sd: float | None) -> Any:
@@ -178,13 +179,15 @@ def _final_eval(run: _Run, tasks: list[str]) -> list[str]:
         acc, loss, n = _num(last.get(f"acc/{t}")), _num(last.get(f"loss/{t}")), last.get(f"n/{t}")
         acc_sd = _noise_sd(run, acc, n)
         noised = noised or acc_sd is not None
-        rows.append((t, _with_noise(acc, acc_sd), loss, _count(n), _num(last.get(f"retention/{t}"))))
+        loss_sd = _noise_sd(run, loss, n, _num(_config_value(run, "privacy.metric-loss-bound")) or 0.0)
+        rows.append((t, _with_noise(acc, acc_sd), _with_noise(loss, loss_sd), _count(n),
+                     _num(last.get(f"retention/{t}"))))
     out += _table(("task", "accuracy", "loss", "n", "retention"), rows) if rows else ["No per-task metrics."]
     out.append("")
     if noised:
-        out += ["Accuracies under secure aggregation carry distributed DP noise; `± x` is its scale (one standard "
-                "deviation), and `≈ 0 (within noise)` a figure within one scale of 0. Retention is left undefined "
-                "(–) where the accuracy before the current task was within its noise of 0.", ""]
+        out += ["Accuracies and losses under secure aggregation carry distributed DP noise; `± x` is its scale (one "
+                "standard deviation), and `≈ 0 (within noise)` a figure within one scale of 0. Retention is left "
+                "undefined (–) where the accuracy before the current task was within its noise of 0.", ""]
     elif run.secure:
         out += ["Under secure aggregation these figures come from sums over the parties with distributed DP noise "
                 "(`privacy.metric-noise-multiplier`, docs/privacy.md §4.5): a small difference between two "
@@ -202,7 +205,11 @@ def _final_eval(run: _Run, tasks: list[str]) -> list[str]:
                 "as a remedy.", ""]
     if last.get("new_task") is not None or last.get("new_task_loss") is not None:
         loss = _num(last.get("new_task_loss"))
-        out += [f"New task: `{fmt(last.get('new_task'))}`" + (f", loss {fmt(loss)}." if loss is not None else "."), ""]
+        task = last.get("new_task")
+        loss_sd = _noise_sd(run, loss, last.get(f"n/{task}"), _num(_config_value(run, "privacy.metric-loss-bound"))
+                            or 0.0)
+        out += [f"New task: `{fmt(task)}`" + (f", loss {fmt(_with_noise(loss, loss_sd))}." if loss is not None
+                                               else "."), ""]
     return out
 
 

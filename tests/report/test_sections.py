@@ -17,7 +17,8 @@ def _run(root: Path, acc_a_before: float = 0.81, retention: float | None = 0.12)
     write_json_atomic(run_dir / "run.json", {
         "run_id": "r", "status": "completed", "warnings": [], "schedule": ["sft:a", "eval", "sft:b", "probe", "eval"],
         "privacy": {"mode": "secagg", "secure_aggregation": True, "eval_noise_sd": 6.364},
-        "config": {"eval.max-new-tokens": 10, "train.lr": 0.001, "model.experts": 4, "run.dir": "/x/run"}})
+        "config": {"eval.max-new-tokens": 10, "privacy.metric-loss-bound": 16.0,
+                    "train.lr": 0.001, "model.experts": 4, "run.dir": "/x/run"}})
     log = MetricsLog(run_dir / "metrics.jsonl")
     log.append({"event": "run_start", "run_id": "r"})
     log.append({"event": "train", "round": 1, "phase_label": "sft:a", "task": "a", "party": "all",
@@ -27,7 +28,7 @@ def _run(root: Path, acc_a_before: float = 0.81, retention: float | None = 0.12)
     log.append({"event": "train", "round": 3, "phase_label": "sft:b", "task": "b", "party": "all",
                 "contributors": 3, "parties": 3})
     last = {"event": "eval", "round": 4, "party": "all", "phase_label": "eval", "acc/a": 0.0, "n/a": 144.0,
-            "acc/b": 0.7, "n/b": 144.0}
+            "loss/a": 9.8, "acc/b": 0.7, "n/b": 144.0, "loss/b": 0.0, "new_task": "b", "new_task_loss": 0.0}
     if retention is not None:
         last["retention/a"] = retention
     log.append(last)
@@ -45,7 +46,9 @@ def test_final_evaluation_says_what_accuracy_measures_and_how_sure_it_is(tmp_pat
     section = md[md.index("## Final evaluation"):md.index("## Routing")]
     assert "at most 10 generated tokens (`eval.max-new-tokens`), matches the reference answer exactly" in section
     assert "| b | 0.70 ± 0.05 |" in section  # 6.364 * sqrt(1 + 0.49) / 144
-    assert "| a | ≈ 0 (within noise) |" in section  # a clipped 0 is not printed as 0
+    assert "| a | ≈ 0 (within noise) | 9.80 ± 0.83 |" in section  # 16 * 6.364 * sqrt(1 + (9.8/16)^2) / 144
+    assert "| b | 0.70 ± 0.05 | ≈ 0 (within noise) |" in section  # a clipped 0 is not printed as 0
+    assert "New task: `b`, loss ≈ 0 (within noise)." in section
     assert "`± x` is its scale (one standard deviation)" in section
 
 
