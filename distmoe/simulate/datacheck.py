@@ -69,8 +69,18 @@ def prompt_tokens(tok, ex: Example) -> int:
     return len(chat_ids(tok, ex.prompt_messages, add_generation_prompt=True))
 
 
+CANARIES = "canaries.txt"  # a party's planted canary strings (``distmoe data synth``; the audit searches them)
+
+
 def _examples(party: PartyData) -> dict[str, list[Example]]:
-    return {t: party.train(t) + party.heldout(t) for t in party.tasks}
+    """Each task's examples, without the planted canaries (answers listed in the party's ``canaries.txt``:
+    secrets to find in a leak, not answers to learn; their length says nothing about the task)."""
+    try:
+        planted = {x.strip() for x in (party.data_dir / CANARIES).read_text(encoding="utf-8").splitlines()}
+    except OSError:
+        planted = set()
+    return {t: [ex for ex in party.train(t) + party.heldout(t) if ex.answer.strip() not in planted]
+            for t in party.tasks}
 
 
 def longest_answer(tok, parties: dict[str, PartyData]) -> int:

@@ -80,3 +80,14 @@ def test_simulate_data_derives_eval_max_new_tokens_from_the_answers(tmp_path: Pa
                                   run_id="s"))
     assert ov["eval.max-new-tokens"] == 12  # set by the user: kept, and the warning says why it is short
     assert "answers are longer than eval.max-new-tokens = 12" in capsys.readouterr().err
+
+
+def test_planted_canaries_do_not_count_as_answers(tmp_path: Path):
+    canary = "canary-" + "0" * 32
+    d = _party(tmp_path / "d", "a", [*(f'{{"instruction": "q{i}", "output": "a{i}"}}' for i in range(8)),
+                                     f'{{"instruction": "secret", "output": "{canary}"}}'])
+    cfg = parse_run_config({})
+    assert any("1 of 9 answers are longer" in w for w in check_parties([d], cfg).warnings)
+    (d / "canaries.txt").write_text(canary + "\n")  # what `distmoe data synth --canaries` lists
+    make_private(d)
+    assert check_parties([d], cfg).warnings == []
