@@ -203,8 +203,8 @@ def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides:
     port = opts.port
     try:
         say(f"distmoe simulate: {'resuming ' if opts.resume is not None else ''}run {run_dir.name} | {n} parties "
-            f"({', '.join(p.name for p in parties)}) | schedule {cfg.schedule.total_rounds} rounds | "
-            f"privacy {_privacy_mode(cfg)}")
+            f"({', '.join(p.name for p in parties)}) | schedule {cfg.schedule.total_rounds} rounds")
+        say(f"  privacy mode: {_privacy_mode(cfg)}")  # once here: the round lines do not repeat it
         say(f"  run directory: {run_dir}")
         _, port, _ = start_superlink(env, run_dir / "flwr", lambda: processes_with_token(token), port=opts.port,
                                      say=_err, umask=PRIVATE_UMASK)
