@@ -7,7 +7,10 @@ fingerprint in the manifest; ``model/`` otherwise, a Hugging Face directory with
 tokenizer, loadable with ``model.path``), and ``manifest.json`` (round, sha256 of every file, hash of the
 trainable weights). A checkpoint is written into a hidden temporary directory, every file fsynced, then
 renamed into place, and ``checkpoints/LATEST`` is replaced atomically: a crash never leaves a
-half-written checkpoint under a real name. ``verify_checkpoint`` recomputes the hashes. A checkpoint whose
+half-written checkpoint under a real name. ``verify_checkpoint`` recomputes the hashes. Each content is stored
+once: a file equal (SHA-256) to one already written under ``checkpoints/`` is a hard link to it
+(``_link_duplicates``), so a round that changes no weights, the reference weights and a full model's
+``model/`` weights cost no second copy. A checkpoint whose
 manifest says ``kept`` (the coordinator pins the initial model and the model before each task) is never
 pruned; ``checkpoint.keep`` counts the others.
 
@@ -37,6 +40,8 @@ from safetensors.torch import load_file, save_file
 
 from distmoe.io import file_sha256, fsync_dir, write_text_atomic
 
+SAFETENSORS_META = {"format": "pt"}  # every tensor file as transformers writes it (equal tensors, equal bytes)
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated or does not match its manifest."""
@@ -62,16 +67,19 @@ def save_checkpoint(root: Path, round_num: int, trainable: dict[str, torch.Tenso
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        save_file({k: v.contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
+        save_file({k: v.contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"),
+                  metadata=SAFETENSORS_META)
         for name, group in (tensors or {}).items():
             if name in ("trainable", "manifest", "state") or not name.isidentifier():
                 raise ValueError(f"checkpoint tensor file name {name!r} is reserved or not an identifier")
-            save_file({k: v.contiguous() for k, v in group.items()}, str(tmp / f"{name}.safetensors"))
+            save_file({k: v.contiguous() for k, v in group.items()}, str(tmp / f"{name}.safetensors"),
+                      metadata=SAFETENSORS_META)
         if state is not None:
             (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True, allow_nan=False))
         if write_model is not None:
             write_model(tmp)
         files = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        _link_duplicates(root, tmp, files)
         manifest = {"round": round_num, "time": time.time(), "trainable_hash": trainable_hash,
                     "files": files, **(meta or {})}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
@@ -86,6 +94,51 @@ def save_checkpoint(root: Path, round_num: int, trainable: dict[str, torch.Tenso
     write_text_atomic(root / "LATEST", final.name + "\n")
     _prune(root, keep)
     return final
+
+
+def _link_duplicates(root: Path, tmp: Path, files: dict[str, str]) -> None:
+    """Store each file's content once: a file of the new checkpoint ``tmp`` whose SHA-256 equals a file already
+    written (earlier in ``tmp``, or in a checkpoint under ``root``) becomes a hard link to it. Checkpoint files
+    are never written again once in place, so a link changes nothing a reader sees: every checkpoint directory
+    stays whole (its manifest, ``verify_checkpoint``, a copy, ``distmoe export``), and pruning one directory
+    leaves the content of the others. Typical links: a round that changes no weights (evaluation, statistics),
+    the reference weights (``ref``: the model of an earlier round), ``model/model.safetensors`` of a model whose
+    every weight trains (byte-identical to ``trainable.safetensors``, ``distmoe.model.adapters``). A file
+    system without hard links keeps the copies."""
+    known: dict[str, Path] = {}
+    for _, d in _round_dirs(root):
+        try:
+            for rel, digest in json.loads((d / "manifest.json").read_text()).get("files", {}).items():
+                if (d / rel).is_file():
+                    known.setdefault(digest, d / rel)
+        except (OSError, ValueError, AttributeError):
+            continue
+    for rel, digest in files.items():
+        new = tmp / rel
+        src = known.get(digest)
+        if src is None or src == new:
+            known.setdefault(digest, new)
+            continue
+        if src.stat().st_size != new.stat().st_size or file_sha256(src) != digest:  # never trust a stale manifest
+            continue
+        link = new.with_name(new.name + ".link")
+        try:
+            os.link(src, link)
+            os.replace(link, new)
+        except OSError:
+            link.unlink(missing_ok=True)
+
+
+def disk_bytes(root: Path) -> int:
+    """Bytes under ``root``, each stored file once (hard links counted once)."""
+    seen, total = set(), 0
+    for p in Path(root).rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            st = p.stat()
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
 
 
 def _round_dirs(root: Path) -> list[tuple[int, Path]]:

@@ -101,7 +101,8 @@ def primary(prv: float, rdp: float) -> float:
 def _check_update_dp(rel: Mapping[str, Any], c: Check) -> None:
     """A DP model update is covered by its noise only if nothing data-dependent travels beside the noised
     block: uniform weights (so the released weight sum is the included-party count), metrics withheld or inside
-    the noised block (``"in-noised-block"``: the training-metric slots, at the same sensitivity), and the sensitivity the noise was calibrated to equal to the clip."""
+    the noised block (``"in-noised-block"``: the training-metric slots, at the same sensitivity), and the
+    sensitivity the noise was calibrated to equal to the clip."""
     dp, info, w = rel["dp"], info_of(rel), loc(COORDINATOR, rel)
     n_inc = len(included_of(rel))
     if dp.get("weights") != "uniform" or dp.get("metrics") not in ("withheld", "in-noised-block"):

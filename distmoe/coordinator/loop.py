@@ -45,6 +45,7 @@ from distmoe.model.build import ModelError, hash_tensors
 from distmoe.model.expand import check_expandable
 from distmoe.privacy.plan import plan_privacy
 from distmoe.report.metrics_log import MetricsLog
+from distmoe.report.progress import fit
 from distmoe.routing.health import RoutingWatch
 from distmoe.wire.errors import ALL_REASONS, reason_name
 from distmoe.wire.server_guard import ServerGuard
@@ -163,7 +164,9 @@ class Coordinator:
                 if self.ckpt_round != self.s.round:  # every completed round ends with a checkpoint
                     self.checkpoint()
                 text += probe.after_round(self)  # the round's global model on the public probe set
-                self.say(f"round {rnd}/{total} | {phase.label()} | {text} | {time.perf_counter() - t0:.1f} s")
+                for line in fit([f"round {rnd}/{total} ({time.perf_counter() - t0:.1f} s)", phase.label(),
+                                 *text.split(" | ")]):  # lines of <= 100 columns
+                    self.say(line)
 
     def start_plane(self, nodes: list[int]) -> None:
         """Ledger, allow-list, guard, secure setup, aggregator (``distmoe.coordinator.plane``)."""

@@ -154,4 +154,25 @@ class SecureAggregator(Aggregator):
         self._log(res, "eval", "eval", spec.dp_params(res.n_active), problem, tasks=list(tasks))
         if problem is not None:
             return Skip(f"aggregate rejected ({problem}): no evaluation")
-        return EvalSum({"all": spec.decode(res.total)}, len(res.included), len(sec.roster))
+        sd = spec.aggregate_sigma(len(sec.roster)) / spec.scale  # noise of each sum, in examples (full roster)
+        if (co.record.get("privacy") or {}).get("eval_noise_sd") != sd:  # the report's noise scales derive from it
+            co.record.update(privacy={**(co.record.get("privacy") or {}), "eval_noise_sd": sd})
+        return EvalSum({"all": with_noise_scale(spec, spec.decode(res.total), res.n_active)}, len(res.included),
+                       len(sec.roster))
+
+
+def with_noise_scale(spec, decoded: dict[str, float], n_active: int) -> dict[str, float]:
+    """``decoded`` plus each figure's noise scale (one standard deviation, first-order in the noisy sums):
+    ``acc_sd/<t>`` and ``loss_sd/<t>``. Each of a task's three sums carries Skellam noise of ``sigma`` ring
+    units, i.e. ``sigma / s`` examples; a ratio ``r = a / n`` of two noisy sums then has
+    ``sd(r) ~= (sigma / s) * sqrt(1 + r^2) / n`` (the loss in units of its bound ``B``)."""
+    sd = spec.aggregate_sigma(n_active) / spec.scale
+    out = dict(decoded)
+    for t in spec.tasks:
+        n = decoded.get(f"n/{t}", 0.0)
+        acc, loss = decoded.get(f"acc/{t}", math.nan), decoded.get(f"loss/{t}", math.nan)
+        ok = n >= 0.5 and math.isfinite(acc)
+        out[f"acc_sd/{t}"] = sd * math.sqrt(1 + acc * acc) / n if ok else math.nan
+        r = loss / spec.loss_bound if math.isfinite(loss) else 0.0
+        out[f"loss_sd/{t}"] = spec.loss_bound * sd * math.sqrt(1 + r * r) / n if ok else math.nan
+    return out

@@ -199,42 +199,64 @@ def parse_line(obj: Any, where: str) -> Example:
                     "'prompt', 'chosen' and 'rejected')")
 
 
-def read_jsonl(path: Path) -> list[Example]:
-    """Read and validate one JSONL file; the first problem raises ``DataError`` naming file:line."""
+def read_jsonl(path: Path, errors: list[str] | None = None) -> list[Example]:
+    """Read and validate one JSONL file; the first problem raises ``DataError`` naming file:line. With
+    ``errors`` (a list), every problem is appended to it instead, and the valid examples are returned."""
+    def problem(text: str) -> None:
+        if errors is None:
+            raise DataError(text) from None
+        errors.append(text)
+
     name = str(path)
     try:
         raw = Path(path).read_bytes()
     except FileNotFoundError:
-        raise DataError(f"{name}: file not found") from None
+        problem(f"{name}: file not found")
+        return []
     except PermissionError:
-        raise DataError(f"{name}: cannot read file (permission denied)") from None
+        problem(f"{name}: cannot read file (permission denied)")
+        return []
     except IsADirectoryError:
-        raise DataError(f"{name}: is a directory, expected a .jsonl file") from None
+        problem(f"{name}: is a directory, expected a .jsonl file")
+        return []
     except OSError as exc:
-        raise DataError(f"{name}: cannot read file ({exc.strerror or exc})") from None
+        problem(f"{name}: cannot read file ({exc.strerror or exc})")
+        return []
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]  # tolerate a UTF-8 byte-order mark
     examples: list[Example] = []
+    bad = 0
     for lineno, line_bytes in enumerate(raw.split(b"\n"), start=1):
         where = f"{name}:{lineno}"
         try:
             line = line_bytes.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise DataError(f"{where}: not valid UTF-8 (byte {exc.start} of the line)") from None
+            problem(f"{where}: not valid UTF-8 (byte {exc.start} of the line)")
+            bad += 1
+            continue
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
-        ex = parse_line(obj, where)
+            problem(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})")
+            bad += 1
+            continue
+        try:
+            ex = parse_line(obj, where)
+        except DataError as exc:
+            problem(str(exc))
+            bad += 1
+            continue
         if examples and ex.is_pair != examples[0].is_pair:
             first = "preference" if examples[0].is_pair else "instruction"
-            raise DataError(f"{where}: {'a preference' if ex.is_pair else 'an instruction'} line in a file of {first} "
-                            "lines (a task file holds preference pairs only, or none)")
+            problem(f"{where}: {'a preference' if ex.is_pair else 'an instruction'} line in a file of {first} "
+                    "lines (a task file holds preference pairs only, or none)")
+            bad += 1
+            continue
         examples.append(ex)
-    if not examples:
-        raise DataError(f"{name}: empty file (no examples)")
+    if not examples and not bad:
+        problem(f"{name}: empty file (no examples)")
     return examples
 
 

@@ -150,3 +150,25 @@ def load_party(data_dir: Path, cfg: DataConfig) -> PartyData:
         splits[task] = TaskSplit(source=path, train=tuple(train), heldout=tuple(heldout),
                                  total=len(examples), train_all=tuple(train_all))
     return PartyData(data_dir=data_dir, splits=MappingProxyType(splits))
+
+
+def party_problems(data_dir: Path) -> list[str]:
+    """Every problem of a party directory at once (``load_party`` stops at the first): the directory, each
+    task name, and each line of each task file, in file and line order."""
+    data_dir = Path(data_dir)
+    try:
+        files = sorted(p for p in data_dir.iterdir() if p.suffix == ".jsonl" and not p.is_dir())
+    except OSError:
+        files = []
+    if not files:
+        try:
+            load_party(data_dir, DataConfig())
+        except DataError as exc:
+            return [str(exc)]
+    problems: list[str] = []
+    for path in files:
+        if not TASK_NAME_RE.match(path.stem):
+            problems.append(f"{path}: task name {path.stem!r} must start with a letter or digit and use only "
+                            "letters, digits, '-' and '_'")
+        read_jsonl(path, problems)
+    return problems

@@ -55,6 +55,7 @@ from distmoe.model.trainable import (
 )
 
 ADAPTER_DIR = "adapter"  # lora checkpoints: peft's adapter_model.safetensors + adapter_config.json
+SAFETENSORS_META = {"format": "pt"}  # what transformers writes and expects in a weight file
 MODEL_DIR = "model"  # all / router+experts checkpoints: a Hugging Face model directory
 
 
@@ -101,7 +102,7 @@ class ServerModel:
 
             hf_logging.disable_progress_bar()  # no per-shard progress bars in the run log
             load_trainable(self.module, weights, self.tspec)
-            self.module.save_pretrained(target)
+            write_hf_dir(self.module, target)
             self.tokenizer.save_pretrained(target)
             return target
         from peft import get_peft_model_state_dict
@@ -117,6 +118,33 @@ class ServerModel:
         pcfg.base_model_name_or_path = self.model_path or None
         pcfg.save_pretrained(str(target))
         return target
+
+
+def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's persistent state in its own (fused) parameter names, each storage once: a tied copy (the
+    output embedding of a tied model) is left out, as ``save_pretrained`` does, and tied again on loading."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
+    for name, t in module.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach().contiguous()
+    return out
+
+
+def write_hf_dir(module: nn.Module, target: Path) -> None:
+    """A Hugging Face model directory (config, generation config, ``model.safetensors``) loadable with
+    ``from_pretrained``, its weights written in the module's own names (``model_tensors``) with the same
+    metadata as a checkpoint's ``trainable.safetensors``: when every weight trains (``all``), the two files are
+    byte-identical and a checkpoint stores them once (``distmoe.checkpoint``, content-addressed links)."""
+    target.mkdir(parents=True, exist_ok=True)
+    module.config.save_pretrained(target)
+    gen = getattr(module, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(target)
+    save_file(model_tensors(module), str(target / "model.safetensors"), metadata=SAFETENSORS_META)
 
 
 def _meta_skeleton(cfg: ModelConfig) -> nn.Module:

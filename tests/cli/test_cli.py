@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -280,3 +281,28 @@ def test_data_validate_names_missing_dir_and_csv_only_party(capsys, tmp_path: Pa
     (tmp_path / "p" / "train.csv").write_text("a,b\n")
     assert main(["data", "validate", str(tmp_path / "p")]) == 2
     assert "no *.jsonl task files (found train.csv" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["config", "show"], ["data", "validate", "{data}"], ["rollback", "{run}"]])
+def test_output_piped_into_a_reader_that_closes_early_ends_quietly(tmp_path, argv, monkeypatch, capsys):
+    """``distmoe config show | head``: a reader that has left gives no BrokenPipeError traceback; the exit status
+    is 141 (128 + SIGPIPE), as for any command cut off by its pipe. stdout is a real pipe whose read end is
+    closed before the command writes (what ``head`` leaves behind once it has its lines)."""
+    from distmoe.data.synth import write_synthetic
+    from distmoe.wire.at_rest import make_private
+
+    data = tmp_path / "data"
+    for d in write_synthetic(data, 2, 4, 0):
+        make_private(d)
+    for n in range(3):  # `rollback` lists the kept rounds
+        (tmp_path / "run" / "checkpoints" / f"round-{n}").mkdir(parents=True)
+    args = [a.format(data=data, run=tmp_path / "run") for a in argv]
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone
+    with capsys.disabled():
+        out = os.fdopen(w, "w")
+        monkeypatch.setattr(sys, "stdout", out)
+        code = main(args)  # raises BrokenPipeError without the entry point's handling
+        monkeypatch.undo()
+        out.close() if not out.closed else None
+    assert code == 141

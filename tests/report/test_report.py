@@ -296,7 +296,7 @@ def test_retention_without_collapse_is_not_flagged(tmp_path: Path) -> None:
 def test_loss_line_is_not_drawn_across_non_training_rounds(tmp_path: Path, monkeypatch) -> None:
     """Rounds 1-3 train arith, round 4 is a statistics round, rounds 5-6 train arith again, 7-8 train strings: the
     lines break between 3 and 5 (nothing trained in 4) and between 6 and 7 (another task)."""
-    from distmoe.report import report as rep
+    from distmoe.report import plots as rep
 
     run_dir = tmp_path / "gaps"
     log = MetricsLog(run_dir / "metrics.jsonl")

@@ -12,7 +12,7 @@ import pytest
 
 from distmoe import simulate
 from distmoe.data.synth import write_synthetic
-from distmoe.simulate import SimOptions, SimulationError, prepare, privacy_check
+from distmoe.simulate import SimOptions, SimulationError, launch, prepare, privacy_check
 from distmoe.wire import party_guard
 from distmoe.wire.at_rest import (
     PreflightError,
@@ -65,7 +65,7 @@ def test_simulate_refuses_readable_data_before_flower_starts(tmp_path, monkeypat
         write_synthetic(tmp_path / "data", 2, 4, 0)  # the user's own data, 0755/0644
     finally:
         os.umask(old)
-    monkeypatch.setattr(simulate, "_flwr_bin", lambda: pytest.fail("Flower started despite the privacy check"))
+    monkeypatch.setattr(launch, "_flwr_bin", lambda: pytest.fail("Flower started despite the privacy check"))
     with pytest.raises(SimulationError, match=str(tmp_path / "data" / "party-0")):
         simulate.run(SimOptions(overrides={}, data=tmp_path / "data", runs_dir=tmp_path / "runs", run_id="x",
                                 echo=False, report=False))

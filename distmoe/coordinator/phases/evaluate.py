@@ -1,7 +1,9 @@
 """The ``eval`` phase: held-out accuracy and loss of every task trained so far, and retention.
 
 Retention of an earlier task ``t`` is ``acc/t now / acc/t before the current task started`` (the
-baseline kept when the task began), reported for the aggregate and, in the plaintext baseline, per party.
+baseline kept when the task began), reported for the aggregate and, in the plaintext baseline, per party;
+undefined (not reported) when the earlier accuracy is within its noise scale of 0 (``acc_sd/t``, secure
+aggregation), since a ratio to noise says nothing. Noised accuracies print with their noise scale.
 
 Must not: import ``flwr``, or see one party's figures under secure aggregation.
 """
@@ -11,7 +13,10 @@ from __future__ import annotations
 import math
 
 from distmoe.coordinator.aggregator import Skip
+from distmoe.report.progress import noisy, within_noise
 from distmoe.wire.schema import EVAL_ROUTING_KEYS, EvalInstruction
+
+NOISE_KEYS = ("acc_sd/", "loss_sd/")  # in memory (progress line, retention); not metrics.jsonl keys
 
 
 def configure(co, phase) -> EvalInstruction:
@@ -34,16 +39,27 @@ def aggregate(co, index, phase, instr: EvalInstruction) -> str:
     for party, m in per_party.items():
         before = s.baseline.get(party, {})
         for t in earlier:
-            b, now = before.get(f"acc/{t}", math.nan), m.get(f"acc/{t}", math.nan)
-            if math.isfinite(b) and math.isfinite(now) and b > 0:
-                m[f"retention/{t}"] = now / b
+            r = retention(before.get(f"acc/{t}", math.nan), before.get(f"acc_sd/{t}", math.nan),
+                          m.get(f"acc/{t}", math.nan))
+            if r is not None:
+                m[f"retention/{t}"] = r
         if s.current_task:
             m["new_task"] = s.current_task
             m["new_task_loss"] = m.get(f"loss/{s.current_task}", math.nan)
-        co.metrics.append({"event": "eval", "round": s.round, "phase_label": "eval", "party": party,
-                           "anchor_version": instr.anchor_version, **m})
+        co.metrics.append({"event": "eval", "round": s.round, "phase_label": "eval", "party": party,  # noise
+                           "anchor_version": instr.anchor_version,  # scales: run.json privacy.eval_noise_sd
+                           **{k: v for k, v in m.items() if not k.startswith(NOISE_KEYS)}})
     s.last_eval = {p: {k: v for k, v in m.items() if isinstance(v, float)} for p, m in per_party.items()}
-    accs = ", ".join(f"{t} {agg.get(f'acc/{t}', math.nan):.2f}" for t in instr.tasks)
+    accs = ", ".join(f"{t} {noisy(agg.get(f'acc/{t}', math.nan), agg.get(f'acc_sd/{t}', math.nan))}"
+                     for t in instr.tasks)
     extra = [f"{k} {agg[k]:.3f}" for k in EVAL_ROUTING_KEYS if math.isfinite(agg.get(k, math.nan))]
     ret = [f"retention {t} {agg[f'retention/{t}']:.2f}" for t in earlier if f"retention/{t}" in agg]
-    return f"{out.parties}/{out.nodes} parties | acc: {accs} | " + " | ".join(extra + ret)
+    return " | ".join([f"{out.parties}/{out.nodes} parties", f"acc: {accs}", *extra, *ret])
+
+
+def retention(before: float, before_sd: float, now: float) -> float | None:
+    """``now / before``; None (undefined) when either is missing, ``before`` is 0, or ``before`` is within its
+    noise scale ``before_sd`` of 0 (a ratio to noise says nothing)."""
+    if not (math.isfinite(before) and math.isfinite(now)) or before <= 0 or within_noise(before, before_sd):
+        return None
+    return now / before

@@ -81,8 +81,8 @@ def after_round(co: Coordinator) -> str:
                        "top1_consistency": m["top1_consistency"], "expert_counts": m["expert_counts"]})
     for kind, text in co.routing_watch.observe(s.round, m["load_cv"], m["routing_kl"], anchor_version):
         _warn(co, kind, text)
-    parts = [f"{name} {m[k]:.3f}" for k, name in (("routing_kl", "KL"), ("load_cv", "load CV"),
-                                                   ("top1_consistency", "top-1 cons.")) if math.isfinite(m[k])]
+    parts = [f"{name} {m[k]:.{d}f}" for k, name, d in (("routing_kl", "KL", 3), ("load_cv", "load CV", 2),
+                                                        ("top1_consistency", "top-1", 2)) if math.isfinite(m[k])]
     return " | probe: " + ", ".join(parts)
 
 

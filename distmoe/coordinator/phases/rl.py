@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from distmoe.coordinator.phases.sft import contributors
 from distmoe.coordinator.phases.update import apply_update, released
 from distmoe.wire.schema import RlInstruction
 
@@ -32,10 +33,10 @@ def aggregate(co, index, phase, instr: RlInstruction) -> str:
         nz = out.noise
         noise = {**nz, **({"masked_frac": math.hypot(nz["masked_frac_low"], nz["masked_frac_high"])}
                           if "masked_frac_low" in nz else {})}
-        return (f"{out.parties}/{out.nodes} parties, {out.num_examples} contributing | "
+        return (contributors(out) + " | "
                 + released(shown, noise, (("reward", "reward", ".3f"), ("logp_diff_mean", "|dlogp|", ".4f"),
                                  ("masked_frac", "masked", ".4f"), ("k3", "K3", ".2e")))
-                + (f" | skipped NaN/Inf updates {int(skipped)}" if math.isfinite(skipped) else ""))
+                + (f" | skipped NaN/Inf updates {int(skipped)}" if math.isfinite(skipped) and skipped > 0 else ""))
     return (f"{out.parties}/{out.nodes} parties | reward {agg['reward_first']:.3f} -> {agg['reward_last']:.3f} "
             f"| |dlogp| mean {agg['logp_diff_mean']:.4f} max {agg['logp_diff_max']:.3f} | masked "
             f"{agg['masked_frac_low'] + agg['masked_frac_high']:.4f} | K3 {agg['k3']:.2e}")

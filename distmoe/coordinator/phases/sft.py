@@ -43,9 +43,15 @@ def aggregate(co, index, phase, instr: SftInstruction) -> str:
           and math.isfinite(agg.get("anchor_kl", math.nan)) else "")
     if co.cfg.privacy.secure:  # the training-metric slots' means over the contributors, and the skipped-step sum
         skipped = agg.get("skipped_steps", math.nan)  # the secure sum's one stability count (no update noise)
-        return (f"{out.parties}/{out.nodes} parties, {out.num_examples} contributing | "
+        return (contributors(out) + " | "
                 + released(agg, out.noise, (("task_loss", "task loss", ".3f"), ("dpo_margin", "margin", ".3f"),
                                  ("dpo_acc", "pref. acc", ".3f")))
-                + (f" | skipped NaN/Inf steps {int(skipped)}" if math.isfinite(skipped) else ""))
+                + (f" | skipped NaN/Inf steps {int(skipped)}" if math.isfinite(skipped) and skipped > 0 else ""))
     return (f"{out.parties}/{out.nodes} parties | task loss {agg['loss_first']:.3f} -> "
             f"{agg['loss_last']:.3f}{kl} | skipped steps {int(agg['skipped_steps'])}")
+
+
+def contributors(out) -> str:
+    """``3/3 parties``, or ``3/3 parties, 2 with data`` when not every answering party contributed."""
+    text = f"{out.parties}/{out.nodes} parties"
+    return text if out.num_examples == out.parties else f"{text}, {out.num_examples} with data"

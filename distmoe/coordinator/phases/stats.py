@@ -41,5 +41,5 @@ def aggregate(co, index, phase, instr: StatsInstruction) -> str:
     co.metrics.append({"event": "stats", "round": s.round, "party": "all", "task": phase.task,
                        "anchor_version": meta.version, "num_sequences": n_seq, "parties": out.parties})
     ent = float(-(s.anchor.probs * np.log(np.clip(s.anchor.probs, 1e-9, None))).sum(1).mean())
-    return (f"{out.parties}/{out.nodes} parties | anchor v{meta.version} from ~{n_seq:.0f} sequences "
-            f"| mean routing entropy {ent:.3f} nats | {out.note}")
+    return (f"{out.parties}/{out.nodes} parties | anchor v{meta.version}, ~{n_seq:.0f} sequences "
+            f"| routing entropy {ent:.3f} nats | {out.note}")

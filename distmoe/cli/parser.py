@@ -1,249 +1,26 @@
-"""The ``distmoe`` command: ``simulate | report | audit | export | rollback | base | credentials | deploy | data |
-config``.
+"""The ``distmoe`` argument parser: every subcommand, its options with their defaults, and its examples.
 
-Every user error (a config key, a data file and line, a missing directory) is printed as one
-``error: ...`` line and exits with status 2; a failed run exits with 1.
-
-Must not: hold logic of its own beyond argument parsing (it calls the library).
+Must not: do the work of a command (``distmoe.cli.commands``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 from pathlib import Path
 
-from distmoe.config import (
-    ConfigError,
-    continual_schedule,
-    load_override_file,
-    parse_kv_pairs,
-    parse_run_config,
-    schedule_text,
-    to_toml,
+from distmoe.cli.commands import (
+    cmd_audit,
+    cmd_base_build,
+    cmd_config_show,
+    cmd_config_sync,
+    cmd_config_validate,
+    cmd_data_synth,
+    cmd_data_validate,
+    cmd_export,
+    cmd_report,
+    cmd_rollback,
+    cmd_simulate,
 )
-from distmoe.data.formats import DataError
-from distmoe.wire.at_rest import PRIVATE_UMASK, make_private
-
-
-def _overrides(args) -> dict:
-    out: dict = {}
-    if getattr(args, "config", None):
-        out.update(load_override_file(args.config))
-    for text in getattr(args, "run_config", None) or []:
-        out.update(parse_kv_pairs(text))
-    if getattr(args, "rounds", None) is not None:
-        out["schedule.sft-rounds"] = args.rounds
-    if getattr(args, "schedule", None):
-        out["schedule.phases"] = schedule_option(args.schedule)
-    return out
-
-
-def schedule_option(text: str) -> str:
-    """``--schedule``: phases in the ``schedule.phases`` grammar (``sft:a, eval, ...``), or, with no ``:``, an
-    order of tasks (``train,support``) that becomes the continual schedule over them (``continual_schedule``)."""
-    if ":" in text:
-        return text
-    return continual_schedule([t.strip() for t in text.replace("->", ",").split(",") if t.strip()])
-
-
-def cmd_simulate(args) -> int:
-    from distmoe.simulate import SimOptions, run
-
-    overrides = _overrides(args)
-    if args.parties is not None and args.parties < 1:
-        raise ConfigError(f"--parties: value {args.parties} must be >= 1")
-    opts = SimOptions(overrides=overrides, parties=args.parties,
-                      data=Path(args.data) if args.data else None, run_id=args.run_id,
-                      runs_dir=Path(args.runs_dir), port=args.port, timeout=args.timeout,
-                      report=not args.no_report, resume=Path(args.resume) if args.resume else None)
-    code, _ = run(opts)
-    return code
-
-
-def cmd_report(args) -> int:
-    from distmoe.report.report import write_report
-
-    run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
-        print(f"error: {run_dir}: no such run directory", file=sys.stderr)
-        return 2
-    if not (run_dir / "metrics.jsonl").exists():
-        print(f"error: {run_dir}: no metrics.jsonl (not a distmoe run directory?)", file=sys.stderr)
-        return 2
-    if args.tensorboard:
-        from distmoe.report.tensorboard import TensorBoardMissing, require
-
-        try:
-            require()  # before anything is written
-        except TensorBoardMissing as exc:
-            print(f"error: --tensorboard: {exc}", file=sys.stderr)
-            return 2
-    print(write_report(run_dir))
-    if args.tensorboard:
-        from distmoe.report.tensorboard import write_tensorboard
-
-        out = write_tensorboard(run_dir)
-        print(out)
-        print(f"view: tensorboard --logdir {out}", file=sys.stderr)
-    return 0
-
-
-def cmd_audit(args) -> int:
-    from distmoe.audit import cli_audit
-
-    return cli_audit(args.run_dir, party_ledgers=args.party_ledger, canaries=args.canaries, as_json=args.json,
-                     out=args.out, receipts=args.receipt)
-
-
-def cmd_export(args) -> int:
-    from distmoe.export import ExportError, export_run
-
-    try:
-        out = export_run(args.run_dir, round_num=args.round, out=args.out, model_path=args.model_path or "",
-                         drop_routing_bias=args.drop_routing_bias)
-    except ExportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
-
-
-def cmd_rollback(args) -> int:
-    from distmoe.checkpoint import CheckpointError, copy_checkpoint, kept_rounds, rollback_point
-
-    run = Path(args.run_dir)
-    try:
-        if args.round is None:
-            rounds = kept_rounds(run / "checkpoints")
-            if not rounds:
-                raise CheckpointError(f"{run}: no checkpoints")
-            for n, path, why in rounds:
-                print(f"round {n}: {path}" + (f"  [{why}]" if why else ""))
-            return 0
-        path = rollback_point(run, args.round)
-        if args.out:
-            path = copy_checkpoint(path, Path(args.out))
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"run.init-from={path.resolve()}")
-    print(f"# start a new run from it: distmoe simulate --run-config \"run.init-from={path.resolve()}\" ...",
-          file=sys.stderr)
-    return 0
-
-
-def cmd_base_build(args) -> int:
-    from distmoe.train.warmup import BaseError, build_base
-
-    cfg = parse_run_config(_overrides(args))
-    steps = args.steps or cfg.model.warmup_steps
-    if not steps:
-        raise ConfigError("distmoe base build: give --steps N or model.warmup-steps")
-    try:
-        path = build_base(cfg, steps, Path(args.cache or cfg.model.warmup_cache or "base-cache"),
-                          log=lambda t: print(t, file=sys.stderr))
-    except BaseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"run.init-from={path.resolve()}")
-    return 0
-
-
-def cmd_data_synth(args) -> int:
-    from distmoe.data.synth import TASK_FAMILIES, write_synthetic
-
-    cfg = parse_run_config({})
-    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else TASK_FAMILIES
-    old = os.umask(PRIVATE_UMASK)  # each party's data is private to its owner (simulate refuses it otherwise)
-    try:
-        dirs = write_synthetic(Path(args.out), args.parties, args.examples or cfg.data.synth_examples,
-                               args.seed, overwrite=args.force, canaries=args.canaries, tasks=tasks)
-    finally:
-        os.umask(old)
-    for d in dirs:
-        make_private(d)
-        print(d)
-    return 0
-
-
-def cmd_data_validate(args) -> int:
-    from distmoe.data.party import load_party
-
-    cfg = parse_run_config(_overrides(args)).data
-    root = Path(args.dir)
-    if not root.is_dir():
-        raise DataError(f"{root}: {'not a directory' if root.exists() else 'no such directory'}")
-    subdirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    # a party directory itself, or a directory of them; load_party names one without *.jsonl (and what it holds)
-    dirs = [root] if any(root.glob("*.jsonl")) or not subdirs else subdirs
-    for d in dirs:
-        party = load_party(d, cfg)
-        counts = ", ".join(f"{t}: {len(party.train(t))} train / {len(party.heldout(t))} held-out"
-                           for t in party.tasks)
-        print(f"{d}: ok ({counts})")
-    return 0
-
-
-def _privacy_lines(cfg) -> list[str]:
-    from distmoe.privacy.plan import plan_privacy
-
-    p, plan = cfg.privacy, plan_privacy(cfg.privacy, cfg.schedule)
-    if not p.secure:
-        return ["# privacy: PLAINTEXT baseline: no secure aggregation, no DP (the audit fails such a run)"]
-    z = (f"z = {plan.noise_multiplier:.4f} (derived from privacy.epsilon)" if plan.derived
-         else f"z = {plan.noise_multiplier:g} (privacy.noise-multiplier)")
-    out = [f"# privacy: secure aggregation of every reply; router statistics {z} over {plan.stats_releases} "
-           f"release(s)",
-           f"# privacy: planned epsilon {plan.planned_epsilon:.4f} (max of PRV, RDP) <= budget privacy.epsilon = "
-           f"{p.epsilon:g} at delta = {p.delta:g}, per party, unit = one sequence"]
-    if plan.update_releases:
-        out.append(f"# privacy: client-level DP on {plan.update_releases} update release(s) at z = "
-                   f"{plan.update_noise_multiplier:g}")
-    if plan.eval_releases:
-        out.append(f"# privacy: evaluation figures with distributed DP on {plan.eval_releases} release(s) at z_m = "
-                   f"{plan.metric_noise_multiplier:g}; uniform FedAvg weights, training metrics stay at the parties")
-    return out
-
-
-def cmd_config_show(args) -> int:
-    from distmoe.privacy.plan import plan_privacy
-
-    cfg = parse_run_config(_overrides(args))
-    flat = cfg.as_flat()
-    if args.json:
-        print(json.dumps({**flat, "derived": {"privacy": plan_privacy(cfg.privacy, cfg.schedule).as_dict(),
-                                              "rounds": cfg.schedule.total_rounds}}, indent=2, sort_keys=True))
-    else:
-        print(to_toml(flat), end="")
-        print(f"\n# derived: {len(cfg.schedule.phases)} phases, {cfg.schedule.total_rounds} rounds: "
-              + schedule_text(cfg.schedule).rsplit(" (", 1)[0])
-        print("\n".join(_privacy_lines(cfg)))
-    return 0
-
-
-def cmd_config_validate(args) -> int:
-    from distmoe.privacy.plan import plan_privacy
-
-    cfg = parse_run_config(load_override_file(args.file))
-    plan_privacy(cfg.privacy, cfg.schedule)  # the budget must cover the planned releases
-    print(f"{args.file}: ok")
-    print("\n".join(_privacy_lines(cfg)))
-    return 0
-
-
-def cmd_config_sync(args) -> int:
-    from distmoe.config_sync import SYNC_COMMAND, sync
-
-    changed = sync(Path(args.root), write=not args.check)
-    for rel in changed:
-        print(f"{rel}: {'out of date (run: ' + SYNC_COMMAND + ')' if args.check else 'rewritten'}")
-    if not changed:
-        print("pyproject.toml and docs/configuration.md match distmoe/config.py")
-    return 1 if (args.check and changed) else 0
-
 
 EXAMPLES: dict[str, tuple[str, ...]] = {  # `distmoe <command> --help` ends with these (a test checks every one)
     "simulate": ("distmoe simulate --parties 3 --rounds 2",
@@ -448,8 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("file", metavar="FILE", help="a TOML file of run-config overrides")
     cv.set_defaults(fn=cmd_config_validate)
     cy = csub.add_parser("sync", help="rewrite the run-config blocks of pyproject.toml and docs/configuration.md "
-                                      "from the key declaration in distmoe/config.py")
-    cy.add_argument("--root", default=str(Path(__file__).resolve().parents[1]),
+                                      "from the key declaration in distmoe/config/")
+    cy.add_argument("--root", default=str(Path(__file__).resolve().parents[2]),
                     help="the repository root (default: the one this distmoe was imported from)")
     cy.add_argument("--check", action="store_true", help="change nothing; exit 1 when a file is out of date")
     cy.set_defaults(fn=cmd_config_sync)
@@ -462,35 +239,3 @@ def build_parser() -> argparse.ArgumentParser:
     add_deploy_parsers(sub)  # distmoe credentials, distmoe deploy superlink|supernode|register|connection
     _finish(p)
     return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        args, extra = parser.parse_known_args(argv)
-        if extra:  # the usage of the (sub)command it was given to, not the top-level one
-            args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    except SystemExit as exc:
-        if exc.code == 2 and argv[:1] == ["audit"] and "--json" in argv:  # `audit --json`: JSON on every path
-            print(json.dumps({"error": "usage error (see stderr)", "passed": False, "exit_status": 2}))
-        raise
-    try:
-        return int(args.fn(args) or 0)
-    except (ConfigError, DataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP during simulate's start (distmoe.simulate.Stopped)
-        print(f"interrupted{f' by {exc.args[0]}' if exc.args else ''}", file=sys.stderr)
-        return int(getattr(exc, "exit_status", 130))
-    except Exception as exc:
-        from distmoe.simulate import SimulationError
-
-        if isinstance(exc, SimulationError):
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        raise
-
-
-if __name__ == "__main__":
-    sys.exit(main())

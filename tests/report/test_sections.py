@@ -1,0 +1,77 @@
+"""The report says how sure its numbers are and what they measure, and advises only what the results support;
+its config table is the keys that differ from the defaults; top-1 consistency is plotted on training rounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distmoe.io import write_json_atomic
+from distmoe.report import plots
+from distmoe.report.metrics_log import MetricsLog
+from distmoe.report.report import render_markdown, write_report
+
+
+def _run(root: Path, acc_a_before: float = 0.81, retention: float | None = 0.12) -> Path:
+    run_dir = root / "run"
+    run_dir.mkdir(parents=True)
+    write_json_atomic(run_dir / "run.json", {
+        "run_id": "r", "status": "completed", "warnings": [], "schedule": ["sft:a", "eval", "sft:b", "probe", "eval"],
+        "privacy": {"mode": "secagg", "secure_aggregation": True, "eval_noise_sd": 6.364},
+        "config": {"eval.max-new-tokens": 10, "privacy.metric-loss-bound": 16.0,
+                    "train.lr": 0.001, "model.experts": 4, "run.dir": "/x/run"}})
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    log.append({"event": "run_start", "run_id": "r"})
+    log.append({"event": "train", "round": 1, "phase_label": "sft:a", "task": "a", "party": "all",
+                "contributors": 3, "parties": 3})
+    log.append({"event": "eval", "round": 2, "party": "all", "phase_label": "eval", "acc/a": acc_a_before,
+                "n/a": 144.0})
+    log.append({"event": "train", "round": 3, "phase_label": "sft:b", "task": "b", "party": "all",
+                "contributors": 3, "parties": 3})
+    last = {"event": "eval", "round": 4, "party": "all", "phase_label": "eval", "acc/a": 0.0, "n/a": 144.0,
+            "loss/a": 9.8, "acc/b": 0.7, "n/b": 144.0, "loss/b": 0.0, "new_task": "b", "new_task_loss": 0.0}
+    if retention is not None:
+        last["retention/a"] = retention
+    log.append(last)
+    for r, label, top1 in ((1, "sft:a", None), (2, "eval", 1.0), (3, "sft:b", 0.4), (4, "eval", 1.0)):
+        log.append({"event": "probe", "round": r, "phase_label": label, "parties": 3, "disagreeing": 0,
+                    "anchor_version": 0, "routing_kl": None, "load_cv": 0.5, "top1_consistency": top1,
+                    "expert_counts": [[1, 1, 1, 1]]})
+    log.append({"event": "run_end", "status": "completed", "rounds": 4})
+    return run_dir
+
+
+def test_final_evaluation_says_what_accuracy_measures_and_how_sure_it_is(tmp_path: Path) -> None:
+    md = write_report(_run(tmp_path)).read_text(encoding="utf-8")
+    assert md == render_markdown(tmp_path / "run")  # what the audit re-renders
+    section = md[md.index("## Final evaluation"):md.index("## Routing")]
+    assert "at most 10 generated tokens (`eval.max-new-tokens`), matches the reference answer exactly" in section
+    assert "| b | 0.70 ± 0.05 |" in section  # 6.364 * sqrt(1 + 0.49) / 144
+    assert "| a | ≈ 0 (within noise) | 9.80 ± 0.83 |" in section  # 16 * 6.364 * sqrt(1 + (9.8/16)^2) / 144
+    assert "| b | 0.70 ± 0.05 | ≈ 0 (within noise) |" in section  # a clipped 0 is not printed as 0
+    assert "New task: `b`, loss ≈ 0 (within noise)." in section
+    assert "`± x` is its scale (one standard deviation)" in section
+
+
+def test_collapse_advice_says_only_what_the_results_support(tmp_path: Path) -> None:
+    md = write_report(_run(tmp_path)).read_text(encoding="utf-8")
+    assert "**Retention collapsed**: `a` 0.12" in md
+    assert "A larger `routing.anchor-kl-coef` or a lower `train.lr` is untested as a remedy" in md
+    assert "holds more of it" not in md  # the old advice no experiment supports
+    assert "only replaying the earlier task's data kept its accuracy" in md
+
+
+def test_config_section_lists_the_changed_keys_and_points_at_config_toml(tmp_path: Path) -> None:
+    md = write_report(_run(tmp_path)).read_text(encoding="utf-8")
+    section = md[md.index("## Config"):]
+    assert "`../config.toml`" in section and "| model.experts | 4 | 8 |" in section
+    assert "train.lr" not in section and "run.dir" not in section  # default, and where the run lives
+    assert section.count("\n|") == 3  # header, rule, one changed key: not the whole configuration
+
+
+def test_top1_consistency_is_plotted_on_training_rounds_only(tmp_path: Path, monkeypatch) -> None:
+    figs = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figs.__setitem__(path.name, fig))
+    write_report(_run(tmp_path))
+    ax = figs["routing.png"].axes[2]
+    (line,) = [x for x in ax.lines if x.get_label().startswith("probe")]
+    assert list(line.get_xdata()) == [3] and list(line.get_ydata()) == [0.4]  # not the 1.0 of eval rounds 2, 4
