@@ -245,6 +245,15 @@ def stage0(rows: list[dict]) -> str:
         lines.append(f"| {st} | {_mean(x['acc_a'] for x in r):.3f} ({per}) | "
                      f"{_mean(kept[st]):.2f} | {_mean(x['acc_b'] for x in r):.3f} | "
                      f"{_mean(x['nll_b'] for x in r):.3f} |")
+    lines += ["", "Forgetting curves, every arm (mean over seeds: A acc / A NLL / B NLL):", "",
+              "| B step | " + " | ".join(("none", *arms)) + " |", "|---|" + "---|" * (len(arms) + 1)]
+    for st in steps:
+        cells = []
+        for a in ("none", *arms):
+            r = [by[(s, a, "b", st)] for s in seeds if (s, a, "b", st) in by]
+            cells.append(f"{_mean(x['acc_a'] for x in r):.3f} / {_mean(x['nll_a'] for x in r):.2f} / "
+                         f"{_mean(x['nll_b'] for x in r):.2f}" if r else "–")
+        lines.append(f"| {st} | " + " | ".join(cells) + " |")
     length = e1_stats.choose_length(kept)
     lines += ["", f"Before B: A acc {_mean(after[s]['acc_a'] for s in seeds):.3f}, A NLL "
               f"{_mean(after[s]['nll_a'] for s in seeds):.3f}; base A acc "
