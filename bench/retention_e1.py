@@ -33,8 +33,11 @@ Analysis (fixed before the runs; ``bench/e1_stats.py``): B's length = the checkp
 fraction is closest to 0.5 inside [0.2, 0.8]; at that length, per arm vs none: paired mean difference over
 seeds with the 95 % t-interval and the Wilcoxon p, Holm-corrected over the arm-vs-none tests of the endpoint
 (an effect claimed only where the Holm-adjusted interval excludes 0), at equal B steps and at equal B loss (the
-largest final B NLL of the seed's arms). Stop rule: an oracle that does not beat none by >= 0.10 in A's accuracy
-at equal B loss means that family of mechanisms cannot buy retention in this regime.
+largest B NLL of the seed's arms at that step; each curve starts at the shared pre-B state, step 0: the first
+version of the table code left that point out, which favours arms that learn B slowly; fixed after seed 0's raw
+rows had been looked at). The same tables at the last B checkpoint are reported as secondary. Stop rule: an
+oracle that does not beat none by >= 0.10 in A's accuracy at equal B loss means that family of mechanisms cannot
+buy retention in this regime.
 
 Must not: change the library's training loop (it calls it), use DP or parties, or write outside ``--out`` and
 ``--work``.
@@ -260,11 +263,26 @@ def stage0(rows: list[dict]) -> str:
               f"{_mean(base[s]['acc_a'] for s in seeds):.3f}, "
               f"A NLL {_mean(base[s]['nll_a'] for s in seeds):.3f}.",
               f"B's length by the rule (none keeps 20–80 %, closest to 50 %): {length}.", ""]
-    if length is None or not arms:
-        return "\n".join(lines + ["No checkpoint in the window: the gate is not met at these lengths."])
+    if not arms:
+        return "\n".join(lines)
+    if length is None:
+        lines.append("No checkpoint in the window: the gate is not met at these lengths.")
+    else:
+        lines += compare_at(by, seeds, arms, steps, length, after, "the rule's length")
+    if steps and steps[-1] != length:
+        lines += ["", *compare_at(by, seeds, arms, steps, steps[-1], after, "the end of B (secondary)")]
+    return "\n".join(lines)
+
+
+def compare_at(by: dict, seeds: list[int], arms: list[str], steps: list[int], length: int, after: dict,
+               what: str) -> list[str]:
+    """The paired arm-vs-none tables at B step ``length``: equal B steps, then equal B loss (each curve starts at
+    the pre-B state, step 0)."""
     full = [s for s in seeds if all((s, a, "b", length) in by for a in arms)]
-    lines.append(f"At B step {length} (equal B steps), arm − none, paired over seeds {full}:")
-    lines += ["", "| arm | A acc | ΔNLL_A − none's | B acc | B NLL |", "|---|---|---|---|---|"]
+    if len(full) < 2:
+        return [f"At B step {length} ({what}): fewer than 2 seeds with every arm."]
+    lines = [f"At B step {length}, {what} (equal B steps), arm − none, paired over seeds {full}:", "",
+             "| arm | A acc | NLL_A − none's (= ΔNLL_A − none's) | B acc | B NLL |", "|---|---|---|---|---|"]
     ends = {"A acc": "acc_a", "nll": "nll_a", "B acc": "acc_b", "B nll": "nll_b"}
     res = {k: e1_stats.compare_arms({a: [by[(s, a, "b", length)][f] - by[(s, "none", "b", length)][f] for s in full]
                                      for a in arms}) for k, f in ends.items()}
@@ -272,12 +290,13 @@ def stage0(rows: list[dict]) -> str:
         lines.append(f"| {a} | " + " | ".join(e1_stats.fmt_test(res[k][a]) for k in ends) + " |")
     eq = {}
     for s in full:
-        curves = {a: [(by[(s, a, "b", st)]["nll_b"], by[(s, a, "b", st)]["acc_a"]) for st in steps
-                      if (s, a, "b", st) in by and st <= length] for a in ("none", *arms)}
+        start = (after[s]["nll_b"], after[s]["acc_a"])  # step 0: the shared pre-B state
+        curves = {a: [start] + [(by[(s, a, "b", st)]["nll_b"], by[(s, a, "b", st)]["acc_a"]) for st in steps
+                                if (s, a, "b", st) in by and st <= length] for a in ("none", *arms)}
         target = max(c[-1][0] for c in curves.values())
         eq[s] = {a: e1_stats.at_equal_loss(c, target) for a, c in curves.items()}
     eq_res = e1_stats.compare_arms({a: [eq[s][a] - eq[s]["none"] for s in full] for a in arms})
-    lines += ["", "At equal B loss (the seed's largest B NLL at that step), A acc, arm − none:", "",
+    lines += ["", f"At equal B loss (the seed's largest B NLL at step {length}), A acc, arm − none:", "",
               "| arm | A acc at equal B loss | stop rule (≥ +0.10) |", "|---|---|---|"]
     for a in arms:
         lines.append(f"| {a} | {e1_stats.fmt_test(eq_res[a])} | "
@@ -286,8 +305,7 @@ def stage0(rows: list[dict]) -> str:
     for s in full:
         cells = [f"{a} {by[(s, a, 'b', length)]['acc_a']:.3f}/{_f(eq[s][a])}" for a in ("none", *arms)]
         per_seed.append(f"s{s}: " + ", ".join(cells))
-    lines += ["", "Per seed (A acc at that step / at equal B loss): " + "; ".join(per_seed)]
-    return "\n".join(lines)
+    return lines + ["", "Per seed (A acc at that step / at equal B loss): " + "; ".join(per_seed)]
 
 
 def _f(x: float | None) -> str:
