@@ -297,10 +297,11 @@ def compare_at(by: dict, seeds: list[int], arms: list[str], steps: list[int], le
         eq[s] = {a: e1_stats.at_equal_loss(c, target) for a, c in curves.items()}
     eq_res = e1_stats.compare_arms({a: [eq[s][a] - eq[s]["none"] for s in full] for a in arms})
     lines += ["", f"At equal B loss (the seed's largest B NLL at step {length}), A acc, arm − none:", "",
-              "| arm | A acc at equal B loss | stop rule (≥ +0.10) |", "|---|---|---|"]
+              "| arm | A acc at equal B loss | stop rule: mean gain ≥ +0.10 |", "|---|---|---|"]
     for a in arms:
         lines.append(f"| {a} | {e1_stats.fmt_test(eq_res[a])} | "
-                     f"{'passes' if eq_res[a]['mean'] >= e1_stats.STOP_RULE_GAIN else 'fails'} |")
+                     f"{'passes' if eq_res[a]['mean'] >= e1_stats.STOP_RULE_GAIN else 'fails'}"
+                     f"{' (and claimed)' if eq_res[a]['claimed'] else ' (not claimed)'} |")
     per_seed = []
     for s in full:
         cells = [f"{a} {by[(s, a, 'b', length)]['acc_a']:.3f}/{_f(eq[s][a])}" for a in ("none", *arms)]
