@@ -19,6 +19,12 @@ them in a few dozen local steps). Every prompt is "<what to do>" then the operan
   seeded by ``seed`` only (the same facts for every party); party ``p`` sees a window of 40 keys
   starting at key ``20*p`` (wrapping), asked in 6 phrasings, so parties overlap on 20 keys.
 
+* ``disjoint_lookup`` (for the continual-learning instrument, ``bench/retention_e1.py``; not a party task):
+  ``n`` fact tables of ``keys`` keys each, with disjoint key names (table ``t`` holds ``k<1000*(t+1)+i>``,
+  none of them the default table's ``k0``..``k59``) and distinct codes, seeded by ``seed`` only; each key is
+  asked in the 12 phrasings of ``LOOKUP_PHRASINGS + LOOKUP_EXTRA_PHRASINGS``, 6 of them (a seeded choice per key)
+  for training and the other 6 held out, so ``keys = 80`` gives 480 held-out items per table.
+
 Examples within a party's task are distinct while the family has enough distinct items; beyond
 that they repeat (the party split keeps identical examples on one side).
 
@@ -56,6 +62,7 @@ ALL_FAMILIES = (*TASK_FAMILIES, "pref")
 LOOKUP_KEYS = 60
 LOOKUP_WINDOW = 40
 LOOKUP_PHRASINGS = ("Look up {k}", "Code of {k}", "What is {k}?", "Find {k}", "Key {k}", "{k} code?")
+LOOKUP_EXTRA_PHRASINGS = ("Get {k}", "{k}?", "Recall {k}", "Answer {k}", "Value of {k}", "Give {k}")
 STRING_OPS: tuple[tuple[str, Callable[[str], str]], ...] = (
     ("Reverse", lambda w: w[::-1]),
     ("Uppercase", str.upper),
@@ -188,6 +195,34 @@ def _gen_lookup(party: int, n: int, rng: random.Random, seed: int) -> list[dict[
     items = [(k, ph) for k in keys for ph in LOOKUP_PHRASINGS]
     return [{"instruction": ph.format(k=k), "input": "", "output": table[k]}
             for k, ph in _take(items, n, rng)]
+
+
+def disjoint_lookup(seed: int, tables: int, keys: int) -> list[tuple[list[dict[str, str]], list[dict[str, str]]]]:
+    """``tables`` lookup tasks with disjoint keys and distinct codes: per table ``(train, heldout)`` JSONL objects
+    (``keys * 6`` each; every key in both, in different phrasings). Deterministic in the arguments."""
+    if tables < 1 or keys < 1 or keys > 999:
+        raise DataError(f"disjoint_lookup: tables {tables} must be >= 1 and keys {keys} in 1..999")
+    rng = random.Random(f"distmoe-synth:{seed}:disjoint-lookup:{tables}:{keys}")
+    phrasings = LOOKUP_PHRASINGS + LOOKUP_EXTRA_PHRASINGS  # 12
+    codes: list[str] = []
+    while len(codes) < tables * keys:
+        code = "".join(rng.choice(string.ascii_uppercase) for _ in range(3))
+        if code not in codes:
+            codes.append(code)
+    out = []
+    for t in range(tables):
+        train: list[dict[str, str]] = []
+        held: list[dict[str, str]] = []
+        for i in range(keys):
+            key, code = f"k{1000 * (t + 1) + i}", codes[t * keys + i]
+            order = list(phrasings)
+            rng.shuffle(order)
+            for j, ph in enumerate(order):
+                (train if j < len(order) // 2 else held).append({"instruction": ph.format(k=key), "input": "",
+                                                                   "output": code})
+        rng.shuffle(train)
+        out.append((train, held))
+    return out
 
 
 _GENERATORS: dict[str, Callable[[int, int, random.Random, int], list[dict[str, Any]]]] = {

@@ -1,0 +1,105 @@
+"""The continual-learning instrument (``bench/retention_e1.py``) and its pre-registered analysis
+(``bench/e1_stats.py``): the paired tests, Holm, the equal-B-loss reading and B's length rule against values
+worked by hand; forced routing reproduces the captured model exactly; a tiny end-to-end run writes every arm's
+rows from one pre-B state and tabulates them.
+
+Must not: run the experiment at its real size (the bench does that).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+_DIR = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(_DIR))
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, _DIR / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+st = _load("e1_stats")
+e1 = _load("retention_e1")
+
+
+def test_paired_matches_hand_computed_t_interval():
+    t = st.paired([0.1, 0.2, 0.3])  # mean 0.2, sd 0.1, t_{0.975,2} = 4.302653
+    assert t["mean"] == pytest.approx(0.2)
+    assert t["hi"] - t["mean"] == pytest.approx(4.302653 * 0.1 / math.sqrt(3), rel=1e-5)
+    assert t["p_t"] == pytest.approx(0.0742, abs=1e-3)  # t = 3.464, 2 df, two-sided
+    assert t["p_wilcoxon"] == pytest.approx(0.25)  # the smallest exact two-sided p at n = 3
+    with pytest.raises(ValueError, match="at least 2"):
+        st.paired([0.1])
+
+
+def test_holm_adjusts_step_down_and_stays_monotone():
+    adj = st.holm({"a": 0.01, "b": 0.04, "c": 0.03})
+    assert adj["a"] == (pytest.approx(0.03), 1)
+    assert adj["c"] == (pytest.approx(0.06), 2)
+    assert adj["b"] == (pytest.approx(0.06), 3)  # 0.04 x 1 raised to the running maximum
+
+
+def test_compare_arms_claims_only_where_the_adjusted_interval_excludes_zero():
+    res = st.compare_arms({"big": [0.50, 0.52, 0.51, 0.49], "null": [0.1, -0.1, 0.05, -0.04]})
+    assert res["big"]["claimed"] == 1.0 and res["big"]["adj_lo"] > 0
+    assert res["null"]["claimed"] == 0.0 and res["null"]["adj_lo"] < 0 < res["null"]["adj_hi"]
+    assert res["big"]["adj_hi"] - res["big"]["adj_lo"] > res["big"]["hi"] - res["big"]["lo"]  # rank 1: 1 - 0.05/2
+
+
+def test_equal_loss_interpolates_at_the_first_crossing():
+    curve = [(3.0, 0.8), (2.0, 0.6), (1.0, 0.2)]
+    assert st.at_equal_loss(curve, 1.5) == pytest.approx(0.4)
+    assert st.at_equal_loss(curve, 3.5) == pytest.approx(0.8)
+    assert st.at_equal_loss(curve, 0.5) is None
+
+
+def test_length_rule_and_kept_fraction():
+    assert st.kept_fraction(0.0, 0.8, 0.4) == pytest.approx(0.5)
+    assert math.isnan(st.kept_fraction(0.1, 0.1, 0.0))
+    assert st.choose_length({25: [0.9, 0.85], 50: [0.6, 0.5], 75: [0.3, 0.2], 100: [0.05, 0.0]}) == 50
+    assert st.choose_length({25: [0.95], 50: [0.1]}) is None
+
+
+def test_forced_routing_reproduces_the_captured_model(tmp_path):
+    import torch
+
+    from distmoe.config import parse_run_config
+    from distmoe.data.formats import parse_line
+    from distmoe.data.synth import disjoint_lookup
+    from distmoe.data.template import collate, encode_example
+    from distmoe.model.build import build_model, router_modules
+
+    model, tok = build_model(parse_run_config({"run.seed": 0}).model)
+    exs = [parse_line(o, f"t:{i}") for i, o in enumerate(disjoint_lookup(0, 1, 3)[0][1])]
+    batches = [collate([encode_example(tok, e, 96) for e in exs], tok.pad_token_id)]
+    forced = e1.capture_router(model, batches)
+    before = e1.evaluate(model, batches)
+    assert e1.evaluate(model, batches, forced) == pytest.approx(before)
+    with torch.no_grad():
+        for _, m in router_modules(model):
+            m.weight.normal_()  # other routing: only the forced readout keeps the captured one
+    assert e1.evaluate(model, batches, forced) != pytest.approx(e1.evaluate(model, batches))
+
+
+def test_tiny_end_to_end_run_writes_paired_rows_and_a_table(tmp_path, capsys):
+    out = tmp_path / "out"
+    e1.main(["run", "--seeds", "0", "--warmup-steps", "1", "--keys", "2", "--steps-a", "1", "--a-round", "1",
+             "--steps-b", "2", "--round", "1", "--arms", "none", "router-frozen", "experts-frozen",
+             "--cache", str(tmp_path / "cache"), "--work", str(tmp_path / "work"), "--out", str(out)])
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    arms = [(r["arm"], r["step"]) for r in rows]
+    assert arms[:2] == [("base", 0), ("after-a", 0)]
+    assert {("none", 2), ("router-frozen", 2), ("router-frozen+forced", 2), ("experts-frozen", 2)} <= set(arms)
+    assert all(0.0 <= r["acc_a"] <= 1.0 and r["nll_a"] > 0 for r in rows)
+    assert (tmp_path / "work" / "s0" / "pre-b.pt").is_file()
+    e1.main(["table", "--out", str(out)])
+    assert "B's length by the rule" in capsys.readouterr().out
