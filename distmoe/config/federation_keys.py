@@ -107,8 +107,8 @@ class PrivacyConfig(Section):
                             "above that it cuts each party's masks and shares from n to k + 1 (k = 22 at 50 "
                             "parties), at the price of a guarantee that holds with probability 1 − 2^-40 for up to "
                             "10 % colluding and 10 % dropped parties, and more DP noise per party (shares are "
-                            "over-provisioned for n − t dropouts); see `docs/results.md`, \"How does the per-party cost grow "
-                            "with the number of parties?\"",
+                            "over-provisioned for n − t dropouts); see `docs/results.md`, \"How does the per-party "
+                            "cost grow with the number of parties?\"",
                             choices=SECAGG_GRAPHS)
     num_sequences_max: int = key(10000, "public bound on a party's sequences per release (a party above it "
                                  "refuses its router statistics, never cuts; fixes the bit width, checked so the "
