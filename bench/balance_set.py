@@ -1,4 +1,4 @@
-"""Which public balance set the routing bias should settle on (issue 13, Part A item 3).
+"""Which public balance set the routing bias should settle on (the load-balance target of the default run).
 
 The settle (``routing.balance-settle-steps``) fits the routing bias to the public balance set; the run's load CV is
 read on the public probe, a draw of another generator index. The synthetic generators are non-IID by index (string

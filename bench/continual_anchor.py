@@ -1,4 +1,4 @@
-"""The DistMoE continual experiment (issue 13, Part A item 6): a two-task schedule (task A, eval, router statistics
+"""The DistMoE continual experiment (retention across tasks): a two-task schedule (task A, eval, router statistics
 of A, task B, eval) run federated, per arm, seed and task order, on the same coordinator and party code; prints the
 Markdown tables for docs/results.md (mean ± sample std over seeds, and every seed's value).
 
@@ -78,7 +78,7 @@ RETENTION_ARMS = {
                       "train.expert-schedule='cosine' train.router-lr-scale=0.1"),
     "expansion": ("no-anchor", "retention.expand-experts=2"),  # task B gets 2 new experts per layer, old frozen
     "replay": ("no-anchor", ""),  # + mix_replay on every party's task-B file
-    # issue 13 item 3: the auxiliary-loss-free routing bias instead of the aux loss, federated (biases FedAvg'd)
+    # the auxiliary-loss-free routing bias instead of the aux loss, federated (biases FedAvg'd)
     "balance-bias": ("no-anchor", "routing.balance='bias'"),
     # the same bias balancing each token's first choice (the top-1 load the probe's load CV measures)
     "balance-first": ("no-anchor", "routing.balance='bias' routing.balance-count='first'"),

@@ -1,4 +1,4 @@
-"""How much of a run's reported load CV is the probe's sampling noise (issue 13, Part A item 3).
+"""How much of a run's reported load CV is the probe's sampling noise (the load-balance target of the default run).
 
 The run's load CV is the top-1 expert-load CV on the public routing probe (``routing.probe-prompts`` prompts,
 ``distmoe.routing.metrics.load_cv``: the mean over MoE layers of std/mean of the ``[E]`` top-1 counts). On the

@@ -1,4 +1,4 @@
-"""Long GRPO runs (issue 13 Part B, items 1 and 2): >= 1000 GRPO iterations per arm of the party's own RL code
+"""Long GRPO runs (mismatch correction over long RL runs): >= 1000 GRPO iterations per arm of the party's own RL code
 (``distmoe.rl.grpo.run_grpo``, the function a party's ``rl`` round calls), in process, no Flower, no coordinator.
 
     python bench/rl_long.py --engines prune-2 bf16 --arms none tis icepop simulator replay --seeds 0 1 2 \

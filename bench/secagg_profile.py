@@ -1,5 +1,5 @@
 """Profile: one secure update round, stage by stage, per party and at the server, against the physical limits of
-this machine measured in the same run (issue 14 item 1).
+this machine measured in the same run (the cost of the secure stages).
 
     python bench/secagg_profile.py [--parties 10] [--length 7121683] [--repeats 3] [--ring auto|32|64]
                                    [--threads 1] [--json out.json]
@@ -26,7 +26,7 @@ would take at those rates (mask stages: keystream bytes at the PRG's one-core ra
 the library expands on ``primitives.MASK_THREADS`` threads, so a stage can beat the one-core limit).
 
 Runs against any version of the library on ``PYTHONPATH`` (the "before" figures in ``docs/results.md`` come
-from the commit before issue 14 with this same file). No timing is asserted.
+from a commit before the 32-bit ring with this same file). No timing is asserted.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _layout(n: int, numel: int, ring_mode: str) -> UpdateLayout:
     shapes = {f"t{i:02d}": (numel // 64 + (1 if i < numel % 64 else 0),) for i in range(64)}
     try:
         return UpdateLayout.build(shapes, n, 10.0, ring=ring_mode)
-    except TypeError:  # a tree before issue 14: always Z_2^64
+    except TypeError:  # a tree before the 32-bit ring: always Z_2^64
         return UpdateLayout.build(shapes, n, 10.0)
 
 

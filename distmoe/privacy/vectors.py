@@ -8,7 +8,7 @@ Every layout has an exact ``length``: the client guard and the server check a ma
 it, so nothing else fits into a reply.
 
 Encoding: ``distmoe.privacy.ring`` (fixed point in two's complement mod 2^b, ``round(v * 2^frac_bits)``).
-Ring width of an update release (``UpdateLayout.bits``, ``privacy.ring-bits``; issue 14): 32 bits when the
+Ring width of an update release (``UpdateLayout.bits``, ``privacy.ring-bits``): 32 bits when the
 public bound of the sum fits with at least ``MIN_FRAC_BITS_32`` fractional bits, else 64. The bound, in
 fixed-point units at ``f`` fractional bits (:meth:`UpdateLayout.int_bound`)::
 
@@ -29,7 +29,7 @@ one bit of margin for the sum of the largest declared values with a fixed noise 
 (``distmoe.privacy.dp``: per-sequence rounding at scale s, a Skellam noise share, K noise canaries at
 positions drawn per release) and stay in Z_2^64.
 
-Uniform weights, bounded metrics (issue 11, straggle differencing). Two releases whose survivor sets differ by
+Uniform weights, bounded metrics (straggle differencing). Two releases whose survivor sets differ by
 one party difference to that party's own figures, so nothing data-dependent but the (clipped, under
 ``private`` also noised) delta block and bounded figures may go into an update: each party's weight is 1 if it
 trained on data for the task and 0 otherwise (``sum w`` is then the number of contributing parties, which the
@@ -232,7 +232,7 @@ class UpdateLayout:
         if set(delta) != set(want):
             raise LayoutError(f"update keys differ from the trainable spec: extra {sorted(set(delta) - set(want))[:3]}"
                               f", missing {sorted(set(want) - set(delta))[:3]}")
-        # No float64 copy of the whole update (it was the stage's cost: issue 14): the norm is accumulated in
+        # No float64 copy of the whole update (it was the stage's largest cost): the norm is accumulated in
         # float64 tensor by tensor through a cache-resident scratch, then each tensor is scaled and rounded
         # straight into its words, with the arithmetic of scaling a float64 copy (ring.encode_fixed_into).
         buf = np.empty(_SCRATCH, np.float64)  # [chunk]

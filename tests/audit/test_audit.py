@@ -531,7 +531,7 @@ def test_missing_canary_scan_fails(tmp_path):
     assert all("no canary scan" in f for f in result.check("canaries").findings)
 
 
-# ------------------------------------------------------------------------------------- masks (issue 11.5)
+# ------------------------------------------------------------------------------------- masks
 def test_zero_mask_input_fails_the_audit(tmp_path, capsys):
     """A party ledger recording the statistic of a masked input sent with zero masks (y = x, fixed-point
     plaintext): the audit recomputes the verdict from the counts and exits 1 naming ``mask-uniformity``
@@ -574,7 +574,7 @@ def test_unusable_input_exits_2(tmp_path, capsys, damage):
     assert not (run / "audit").exists()
 
 
-# ----------------------------------------------------- server-side files (issue 11, item 7: what the server wrote)
+# ----------------------------------------------------- server-side files (what the server wrote)
 def _append(path, row):
     with path.open("a") as fh:
         fh.write(json.dumps(row) + "\n")
@@ -617,7 +617,7 @@ def test_run_json_and_stray_files_are_schema_checked(tmp_path):
     assert any(f.startswith("examples.jsonl: not a file the server writes") for f in found), found
 
 
-# ------------------------------------------------------------------------------------ accounting (issue 11.9)
+# ------------------------------------------------------------------------------------ accounting
 def test_update_release_is_charged_at_half_its_noise_multiplier(tmp_path):
     """One sequence moves a clipped update by 2 clips: the audit charges z_eff / 2 per sequence, as the
     parties and the coordinator do, not the party-level z_eff (the gap that reported 8 for RDP 11.65)."""
@@ -661,7 +661,7 @@ def test_simulation_state_is_the_simulations_only_in_a_simulated_run(tmp_path):
     assert out == []
 
 
-# ------------------------------------------------------------- a cut or rewritten coordinator ledger (issue 11.3)
+# ------------------------------------------------------------- a cut or rewritten coordinator ledger
 def _resign_coordinator(root, entries):
     """What a coordinator holding its key does after editing its ledger: renumber, re-chain, re-sign."""
     from distmoe.ledger import GENESIS, load_signing_key
@@ -711,7 +711,7 @@ def test_cut_or_rewritten_coordinator_ledger_fails(tmp_path, capsys, attack, nam
 
 
 def test_eval_release_is_charged_in_the_audit_epsilon(tmp_path):
-    """Issue 11 (2b): evaluation figures carry Skellam noise and the audit charges each release (the
+    """Evaluation figures carry Skellam noise and the audit charges each release (the
     sensitivities of one held-out sequence), recomputed independently of the ledger's own figures."""
     run, _ = make_run(tmp_path, eval_z=3.0)
     result = audit_run(run)
@@ -734,7 +734,7 @@ def test_eval_release_without_noise_or_with_a_forged_calibration_fails_epsilon(t
     assert any(needle in f for f in result.check("epsilon").findings), result.check("epsilon").findings
 
 
-# ------------------------------------------------------------------ TensorBoard event files (issue 15 item 8)
+# ------------------------------------------------------------------ TensorBoard event files
 def _pb_varint(n):
     out = bytearray()
     while True:

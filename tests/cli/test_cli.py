@@ -81,7 +81,7 @@ def test_console_script_is_installed():
     assert out.returncode == 0 and "simulate" in out.stdout
 
 
-# ---- issue 15 item 1: own data, no schedule to write --------------------------------------------------------
+# ---- own data, no schedule to write --------------------------------------------------------
 def _own_data(root: Path, tasks=("train", "support"), parties=("a", "b")) -> Path:
     """DIR/<party>/<task>.jsonl named after the user's tasks, private to its owner like real party data."""
     for p in parties:
@@ -148,7 +148,7 @@ def test_simulate_reports_malformed_own_file_by_file_line_field_first(capsys, tm
     assert not runs.exists()
 
 
-# ---- issue 15 item 6: data and CLI details ------------------------------------------------------------------
+# ---- data and CLI details ------------------------------------------------------------------
 def test_simulate_names_party_dir_without_jsonl(capsys, tmp_path: Path):
     """Today such a directory was skipped silently and surfaced as a schedule or min-parties error."""
     data = _own_data(tmp_path / "d")

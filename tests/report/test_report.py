@@ -210,7 +210,7 @@ def test_report_text_does_not_depend_on_the_machines_time_zone(tmp_path: Path, m
     assert texts[0] == texts[1] == texts[2]
 
 
-# ------------------------------------------------------------ issue 15 item 7: a report that reads right
+# ------------------------------------------------------------ a report that reads right
 def _secagg_run(root: Path, retention: float = 0.12) -> Path:
     """A secure-aggregation run as the coordinator writes it: train rows count contributors and carry no loss, no
     per-party row, DP-noised aggregate evaluations, a statistics round between the tasks, a skipped round, a
@@ -260,7 +260,7 @@ def _secagg_run(root: Path, retention: float = 0.12) -> Path:
 
 
 def test_secure_aggregation_report_reads_right(tmp_path: Path) -> None:
-    """Issue 15 item 7: one run id (Flower's only as a detail), no unexplained counter, the per-party section says
+    """One run id (Flower's only as a detail), no unexplained counter, the per-party section says
     why it is empty and where the losses are, a privacy section with epsilon per party against the budget, the
     releases and every refusal, and a collapsed retention is named."""
     run_dir = _secagg_run(tmp_path)
