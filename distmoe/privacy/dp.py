@@ -48,27 +48,14 @@ parties, ``t = n - d_max`` (mass-preserving rounding)::
     sum    = sum over n_active survivors of share                 [L*E + K]   noise variance n_active * sigma_int^2 / t
     z_eff  = z * sqrt(n_active / t)                               []
 
-Noise source: a ``numpy`` Generator (PCG64DXSM) seeded with 256 bits from ``secrets`` (OS CSPRNG). PCG64 is not
-itself a CSPRNG; the seed cannot be guessed and single noise draws are never observed (they are inside masked
-sums), which is the threat model here. numpy's Poisson sampler is floating-point based, so its law is exact only
-up to float rounding (no low-bit attack applies: outputs are integers).
+Noise source: ``distmoe.privacy.csprng`` (``crypto_rng``: OS-seeded PCG64DXSM; see there).
 
-Row-sum noise test (the statistic's own noise, not only the canaries'). With mass-preserving rounding every row
-of the sum is ``N*s + sum_e noise[l, e]`` and ``N`` is common to all layers of one release, so the row sums
-``R_l`` differ only by noise: ``R_l - mean(R)`` is pure noise of variance ``tau^2 = E * sigma_int^2`` per row (a
-sum of ``E`` independent Skellams is Skellam, ~ N(0, tau^2), excess kurtosis ``1/tau^2``). Pooled over the
-releases ``r`` of a run: ``T = sum_r sum_l (R_rl - mean_r)^2 / tau_r^2 ~ chi2(D)``, ``D = sum_r (L_r - 1)``.
-Too little dispersion means noise missing from the statistic (e.g. a party that put its share on the canaries
-only: with all parties doing so every row is exactly ``N*s``, ``T = 0``). Row sums are integers: a discrete
-``R`` is within 1/2 per row of a continuous Gaussian ``Y``, so ``sqrt(T(Y)) <= sqrt(T(R)) + c`` with
-``c^2 = sum_r L_r / (4 tau_r^2)`` and the p-value ``P[chi2_D <= (sqrt(T) + c)^2]`` is conservative (exact
-equalities of all rows, ``T = 0``, fail only where that lattice bound is below the level). One of ``n_active``
-parties cheating scales the row-noise variance by ``rho = (n_active - 1) / n_active``: detection probability
-:func:`row_noise_power`.
+Row-sum noise test, canary test and canary positions: ``distmoe.privacy.canaries`` (re-exported here).
 
-Owns: the encoding, the noise calibration (``SkellamSpec``), share generation, decoding, the canary test, the
-canary positions, the row-sum noise test and the data-plus-noise bound of the bit-width check (the ring and its
-no-wrap rule are ``distmoe.privacy.ring``).
+Owns: the encoding, the noise calibration (``SkellamSpec``), share generation, decoding and the
+data-plus-noise bound of the bit-width check (the ring and its no-wrap rule are ``distmoe.privacy.ring``; the
+random sources are ``distmoe.privacy.csprng``; the canary and row-sum noise tests are ``distmoe.privacy.canaries``,
+whose names this module re-exports).
 Must not: import ``flwr`` or ``torch``, perform secure aggregation (``distmoe.privacy`` secagg does), account
 epsilon (the accountant does), or send anything.
 
@@ -79,20 +66,28 @@ its own SecAgg runtime; Flower has no distributed-DP mod. The mechanism itself i
 
 from __future__ import annotations
 
-import hashlib
 import math
-import secrets
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from scipy import stats as _st
 
 from distmoe.privacy import ring
+from distmoe.privacy.canaries import (
+    CANARY_DOMAIN,
+    CanaryTest,
+    RowNoiseTest,
+    canary_chi2_test,
+    canary_positions,
+    canary_seed,
+    positions_digest,
+    row_noise_power,
+    row_noise_test,
+)
+from distmoe.privacy.csprng import KeystreamUniform, crypto_rng
 
 __all__ = [
+    "CANARY_DOMAIN",
     "CanaryTest",
     "KeystreamUniform",
     "RowNoiseTest",
@@ -213,55 +208,6 @@ def decode_stats(int_stats: np.ndarray, scale: float) -> np.ndarray:
     """Inverse of :func:`encode_stats`: integers / scale as float64."""
     return np.asarray(int_stats, dtype=np.float64) / scale
 
-
-# ----------------------------------------------------------------------------------------------- noise
-def crypto_rng() -> np.random.Generator:
-    """A Generator seeded with 256 bits of OS entropy (``secrets``); see the module docstring."""
-    return np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(secrets.randbits(256))))
-
-
-_DRAW_CHUNK = 1 << 15  # doubles per keystream chunk: 256 KiB of keystream and scratch, L2-resident
-_DRAW_ZEROS = bytes(8 * _DRAW_CHUNK)
-
-
-class KeystreamUniform:
-    """Uniform ``[0, 1)`` doubles from AES-256-CTR under a fresh 256-bit key from ``secrets``: the source of the
-    model update's stochastic rounding (``distmoe.privacy.vectors``), used where ``rng.random(out=...)`` of a
-    numpy Generator would be. Each draw is one 64-bit keystream word ``w`` (native byte order: the key is
-    uniform, so is any fixed reading of its stream), ``(w >> 11) * 2^-53``: numpy's own double construction,
-    every multiple of 2^-53 in [0, 1) equally likely. Draws are consumed in order, so ``random(out=a)`` then
-    ``random(out=b)`` fill ``a, b`` as one call over their concatenation would.
-
-    Why not ``crypto_rng().random``: AES-CTR is a CSPRNG (PCG64DXSM is not) and, with AES-NI, cheaper; on the
-    2-core CI machine 7.1M draws cost ~10 ms of keystream plus two cache-resident passes, against ~24 ms for
-    PCG64DXSM (issue 14: the stochastic rounding was the largest secure-only stage after the masks). The
-    stream of one instance never repeats below 2^128 blocks."""
-
-    def __init__(self, key: bytes | None = None) -> None:
-        key = secrets.token_bytes(32) if key is None else bytes(key)
-        if len(key) != 32:
-            raise ValueError("KeystreamUniform takes a 32-byte key")
-        self._enc = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
-        self._words = np.empty(_DRAW_CHUNK, np.uint64)  # [chunk] keystream words, reused
-
-    def random(self, size: int | None = None, dtype: Any = np.float64, out: np.ndarray | None = None) -> np.ndarray:
-        """``size`` doubles ``[size]`` or, with ``out`` (a writeable C-contiguous float64 array), ``out`` filled."""
-        if np.dtype(dtype) != np.float64:
-            raise TypeError("KeystreamUniform draws float64 only")
-        if out is None:
-            if size is None:
-                raise TypeError("random() needs size or out")
-            out = np.empty(int(size), np.float64)
-        elif out.dtype != np.float64 or not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError(f"out must be a writeable contiguous float64 array, got {out.dtype}")
-        flat = out.reshape(-1)  # [n] view
-        for a in range(0, flat.size, _DRAW_CHUNK):
-            b = min(a + _DRAW_CHUNK, flat.size)
-            w = self._words[:b - a]  # [b - a]
-            self._enc.update_into(_DRAW_ZEROS[:8 * (b - a)], memoryview(w).cast("B"))
-            np.right_shift(w, np.uint64(11), out=w)  # 53 uniform bits
-            np.multiply(w, 2.0**-53, out=flat[a:b], casting="unsafe")  # exact: w < 2^53
-        return out
 
 
 def skellam_noise(shape: Any, variance: float, rng: np.random.Generator | None = None) -> np.ndarray:
@@ -442,121 +388,3 @@ def required_bits(n_parties: int, num_sequences_max: int, scale: float, sigma_in
     ``ring.required_bits(sum_bound(...))`` (see :func:`sum_bound`); it fits Z_2^64 iff ``b <= 64``."""
     return ring.required_bits(sum_bound(n_parties, num_sequences_max, scale, sigma_int, tail, n_coords=n_coords,
                                         fail_prob=fail_prob))
-
-
-# ----------------------------------------------------------------------------------------- canary test
-@dataclass(frozen=True)
-class CanaryTest:
-    """Noise-presence test on K canaries: ``T = sum(c**2) / sigma**2`` against chi-square(K)."""
-
-    statistic: float
-    dof: int
-    sigma_ratio: float  # sigma_hat / sigma
-    p_low: float  # P[chi2_K <= T]: small when noise is missing
-    p_high: float  # P[chi2_K >= T]
-    alpha: float
-    passed: bool
-
-
-def canary_chi2_test(canaries: np.ndarray, sigma: float, alpha: float = 1e-3) -> CanaryTest:
-    """Fail (``passed=False``) when the canaries carry significantly less noise than ``sigma``.
-
-    Skellam(mu) is approximately N(0, mu) (excess kurtosis 1/mu), so ``T ~ chi2_K`` under the claim.
-    One-sided: too little noise is a privacy failure, too much is not. Use ``alpha = 1e-3 / rounds`` over
-    many rounds. ``sigma`` must be in the canaries' units (``aggregate_sigma(n_active) / scale``).
-    """
-    c = np.asarray(canaries, dtype=np.float64).ravel()
-    k = c.size
-    if k == 0 or not sigma > 0:
-        raise ValueError("need at least one canary and sigma > 0")
-    t = float((c * c).sum() / sigma**2)
-    p_low, p_high = float(_st.chi2.cdf(t, k)), float(_st.chi2.sf(t, k))
-    return CanaryTest(t, k, math.sqrt(t / k), p_low, p_high, alpha, p_low >= alpha)
-
-
-# ------------------------------------------------------------------------------------- canary positions
-CANARY_DOMAIN = b"distmoe/stats-canary-positions/v1"
-
-
-def canary_seed(secagg_run: bytes, round_: int, participants: Sequence[tuple[int, bytes]]) -> bytes:
-    """SHA-256 over the round's public material every survivor contributed: the SecAgg run id, the round and
-    U1 as ``(node id, fresh per-round mask public key s_pk)`` sorted by id (``RoundStart.participants``).
-
-    Every honest party draws its ``s_pk`` from its own CSPRNG for this round, so as long as one party in U1 is
-    honest nobody (no party alone, not the coordinator) can fix or predict the seed before that key exists.
-    The coordinator chooses *which* parties form U1 (at most ``2^n`` subsets to try), which lets it pick among
-    a few pseudo-random layouts but not a layout of its choosing."""
-    h = hashlib.sha256(CANARY_DOMAIN)
-    run = bytes(secagg_run)
-    h.update(len(run).to_bytes(2, "big") + run + int(round_).to_bytes(8, "big") + len(participants).to_bytes(4, "big"))
-    for cid, pk in sorted((int(c), bytes(k)) for c, k in participants):
-        h.update(cid.to_bytes(8, "big") + len(pk).to_bytes(2, "big") + pk)
-    return h.digest()
-
-
-def canary_positions(seed: bytes, length: int, k: int) -> np.ndarray:
-    """``[k]`` sorted distinct positions in ``[0, length)``: a partial Fisher-Yates shuffle driven by
-    SHAKE-256(seed) (8 bytes per draw, reduced mod the remaining range: bias <= length / 2^64)."""
-    if not 0 <= k <= length:
-        raise ValueError(f"need 0 <= k <= length, got k={k}, length={length}")
-    words = np.frombuffer(hashlib.shake_256(bytes(seed)).digest(8 * k), dtype=">u8") if k else ()
-    perm = np.arange(length, dtype=np.int64)  # [length]
-    for i, w in enumerate(words):
-        j = i + int(w) % (length - i)
-        perm[i], perm[j] = perm[j], perm[i]
-    return np.sort(perm[:k])
-
-
-def positions_digest(positions: np.ndarray) -> str:
-    """SHA-256 hex of the positions as big-endian int64 (what the release entry records)."""
-    return hashlib.sha256(np.asarray(positions, dtype=">i8").tobytes()).hexdigest()
-
-
-# -------------------------------------------------------------------------------------- row-sum noise test
-@dataclass(frozen=True)
-class RowNoiseTest:
-    """Noise in the statistic itself: pooled row-sum dispersion ``T`` against chi-square(``dof``), lower tail
-    with the lattice correction ``c`` (module docstring)."""
-
-    statistic: float  # T = sum_r sum_l (R_rl - mean_r)^2 / tau_r^2
-    dof: int  # D = sum_r (L_r - 1)
-    lattice: float  # c: sqrt(sum_r L_r / (4 tau_r^2))
-    ratio: float  # T / D: the estimated share of the claimed row-noise variance that is present
-    p_low: float  # P[chi2_D <= (sqrt(T) + c)^2]: small when noise is missing
-    alpha: float
-    passed: bool
-
-
-def row_noise_test(releases: Sequence[tuple[Sequence[float], float]], alpha: float = 1e-6) -> RowNoiseTest:
-    """``releases``: per release ``(row_sums [L], tau)`` with ``tau = sqrt(E) * sigma_int`` the claimed std of
-    one row sum's noise (integer units). Fails (``passed=False``) when the rows disagree significantly less than
-    that noise implies; one-sided (too much dispersion is the ``row-sums`` check). Releases with one layer add
-    nothing. Raises ``ValueError`` on non-finite input or ``tau <= 0``."""
-    t, dof, c2 = 0.0, 0, 0.0
-    for rows, tau in releases:
-        v = np.asarray(rows, dtype=np.float64).ravel()  # [L]
-        if not (math.isfinite(tau) and tau > 0) or not np.isfinite(v).all():
-            raise ValueError(f"row sums must be finite and tau > 0, got tau={tau!r}")
-        if v.size < 2:
-            continue
-        t += float(((v - v.mean()) ** 2).sum() / tau**2)
-        dof += v.size - 1
-        c2 += v.size / (4.0 * tau**2)
-    if dof == 0:
-        raise ValueError("need a release with at least two layers")
-    c = math.sqrt(c2)
-    p = float(_st.chi2.cdf((math.sqrt(t) + c) ** 2, dof))
-    return RowNoiseTest(t, dof, c, t / dof, p, alpha, p >= alpha)
-
-
-def row_noise_power(n_active: int, n_noisy: int, dof: int, alpha: float = 1e-6) -> float:
-    """Probability that :func:`row_noise_test` fails when only ``n_noisy`` of ``n_active`` equal noise shares
-    reach the statistic (the rest went to the canaries): ``T ~ rho * chi2_D``, ``rho = n_noisy / n_active``, so
-    the power is ``P[chi2_D <= q_alpha(D) / rho]`` (the lattice term ``c``, ~1e-3 at run sizes, is ignored;
-    ``n_noisy = 0`` gives 1: then ``T = 0`` and the test fails iff ``P[chi2_D <= c^2] < alpha``)."""
-    if not 0 <= n_noisy <= n_active or n_active < 1 or dof < 1:
-        raise ValueError("need 0 <= n_noisy <= n_active, n_active >= 1 and dof >= 1")
-    if n_noisy == 0:
-        return 1.0
-    q = float(_st.chi2.ppf(alpha, dof))
-    return float(_st.chi2.cdf(q * n_active / n_noisy, dof))
