@@ -4,8 +4,10 @@ Owns: how an ``Example`` becomes ``(input_ids, labels)`` (the tokenizer's own ch
 prompt token -- up to and including the generation prompt before the final assistant turn -- is
 labelled -100, the answer and the closing end/eos token are supervised), system turns folded into the
 first user turn for templates that reject the system role, left truncation that keeps
-the answer, right-padded training batches, left-padded generation prompts, and the deterministic
-batch order.
+the answer, right-padded training batches, left-padded generation prompts, the deterministic
+batch order, and ``encode_fitting``: the one place a party's work paths leave out an example whose answer does
+not fit ``model.max-seq-len`` (a refusal would tell a coordinator that searches over that setting the length of
+the party's longest answer).
 
 Must not: assume the default character tokenizer (only the generic HF tokenizer API is used, so a
 real checkpoint's tokenizer with a ``chat_template`` works the same), touch the model, or read files.
@@ -24,6 +26,10 @@ from distmoe.data.formats import DataError, Example
 IGNORE_INDEX = -100  # label value the HF causal-LM loss ignores
 
 T = TypeVar("T")
+
+
+class AnswerTooLong(DataError):
+    """An example's completion (answer + end token) needs ``max_len`` tokens or more: it cannot be kept whole."""
 
 
 def _template_kwargs(tokenizer: Any) -> dict[str, Any]:
@@ -122,11 +128,36 @@ def encode_example(tokenizer: Any, example: Example, max_len: int) -> tuple[list
         last = len(prompt) + len(completion) - 1 - completion[::-1].index(eos)
         labels[last + 1:] = [IGNORE_INDEX] * (len(full) - last - 1)
     if len(completion) >= max_len:
-        raise DataError(f"the answer needs {len(completion)} tokens (plus at least 1 prompt token) but "
+        raise AnswerTooLong(f"the answer needs {len(completion)} tokens (plus at least 1 prompt token) but "
                         f"max_len is {max_len}; raise model.max-seq-len or shorten the answer")
     if len(full) > max_len:
         full, labels = full[-max_len:], labels[-max_len:]
     return full, labels
+
+
+def encode_fitting(tokenizer: Any, examples: Sequence[Example], max_len: int,
+                   encode: Any = encode_example) -> tuple[list[Example], list[Any], int]:
+    """``(kept examples, their encodings, number left out)``: ``encode(tokenizer, ex, max_len)`` of every example,
+    leaving out those whose answer does not fit (``AnswerTooLong``); any other ``DataError`` propagates.
+
+    Left out, not truncated: a cut answer would train (and score) the model on an answer that stops mid-way and
+    never ends with the end token. Left out, not refused: whether a party refuses would depend on the length of its
+    longest answer, so a coordinator that searches over ``model.max-seq-len`` would learn it, run by run, at no
+    epsilon. The count left out is the caller's to put in the party's own log only; when nothing is kept the
+    caller takes part as a party without data for the task does (weight 0), never with an error code. ``encode``
+    may encode more than one sequence per example (a preference pair: the example is left out if either does
+    not fit).
+    """
+    kept: list[Example] = []
+    encoded: list[Any] = []
+    for ex in examples:
+        try:
+            enc = encode(tokenizer, ex, max_len)
+        except AnswerTooLong:
+            continue
+        kept.append(ex)
+        encoded.append(enc)
+    return kept, encoded, len(examples) - len(kept)
 
 
 def encode_prompt(tokenizer: Any, example: Example, max_len: int) -> list[int]:

@@ -5,7 +5,10 @@ DP noise and secure aggregation).
 The reference is the instruction's ``ref_weights`` (the global model at the start of the ``dpo`` phase, with
 ``dpo.reference = phase``) or, when absent, the global weights as received. Its log-probs on every training pair are
 computed once, before the first step (``distmoe.rl.dpo.reference_logps``: by the trainer, or by the inference
-engine ``dpo.reference-engine`` with IcePop pair masking); the model then starts from the global weights.
+engine ``dpo.reference-engine`` with IcePop pair masking); the model then starts from the global weights. A pair
+whose chosen or rejected answer does not fit ``model.max-seq-len`` is left out (``template.encode_fitting``; the
+count goes to the party's own log); with no training pair left the party takes part with weight 0, as one without
+data for the task.
 
 The update's metric keys are the SFT ones (``task_loss`` = the DPO loss) with ``dpo_margin`` and ``dpo_acc``, the
 round's mean log-ratio margin and preference accuracy (released as clipped training-metric slots of the secure sum,
@@ -23,10 +26,19 @@ import numpy as np
 import torch
 
 from distmoe.config import NodeConfig, RunConfig
-from distmoe.data.template import encode_example
+from distmoe.data.template import encode_example, encode_fitting
 from distmoe.model.build import describe
 from distmoe.model.trainable import trainable_state
-from distmoe.party.work import PartyError, anchor_of, load_data, party_seed, prepare_model, progress, stability
+from distmoe.party.work import (
+    PartyError,
+    anchor_of,
+    left_out_note,
+    load_data,
+    party_seed,
+    prepare_model,
+    progress,
+    stability,
+)
 from distmoe.rl.dpo import preference_margins, reference_logps, train_dpo
 from distmoe.wire.schema import TRAIN_METRIC_KEYS, ModelUpdate, SftInstruction
 
@@ -48,10 +60,10 @@ def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> tuple[Mo
     """``(update, DPO figures for the party's own log)`` of one ``dpo`` round on ``instr.task``."""
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
+    zero_update = ModelUpdate(party=node.party, num_examples=0, metrics={k: float("nan") for k in TRAIN_METRIC_KEYS},
+                              delta={k: np.zeros_like(v, dtype=np.float32) for k, v in instr.weights.items()})
     if not data.has(instr.task):  # no data for the task: contributes nothing (weight 0)
-        zero = {k: np.zeros_like(v, dtype=np.float32) for k, v in instr.weights.items()}
-        return ModelUpdate(party=node.party, delta=zero, num_examples=0,
-                           metrics={k: float("nan") for k in TRAIN_METRIC_KEYS}), {}
+        return zero_update, {}
     if not data.is_preference(instr.task):
         raise PartyError(f"party {node.party}: task {instr.task!r} holds no preference pairs (a dpo phase needs "
                          "lines {\"prompt\", \"chosen\", \"rejected\"}; docs/operations.md, Data)")
@@ -60,10 +72,14 @@ def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> tuple[Mo
     ms = describe(model)
     n_len, pad, bs = cfg.model.max_seq_len, tok.pad_token_id, cfg.dpo.pairs_per_step
 
-    def encode(exs):  # [(chosen, rejected)] as (input_ids, labels)
-        return [(encode_example(tok, ex, n_len), encode_example(tok, ex.rejected_example(), n_len)) for ex in exs]
+    def pair(tok, ex, n):  # (chosen, rejected) as (input_ids, labels)
+        return encode_example(tok, ex, n), encode_example(tok, ex.rejected_example(), n)
 
-    pairs, held = encode(data.train(instr.task)), encode(data.heldout(instr.task))
+    _, pairs, left_train = encode_fitting(tok, data.train(instr.task), n_len, pair)  # a pair with an answer too
+    _, held, left_held = encode_fitting(tok, data.heldout(instr.task), n_len, pair)  # long is left out, not refused
+    left_out_note(node, instr, left_train + left_held, "preference pairs")
+    if not pairs:
+        return zero_update, {}  # no pair fits model.max-seq-len: as a party without data (no size-telling code)
     ref = reference_logps(model, pairs, pad, bs, engine=cfg.dpo.reference_engine, low=cfg.rl.icepop_low,
                           high=cfg.rl.icepop_high)
     local = _margin_stats(preference_margins(model, held, pad, bs), "dpo_heldout_ref")

@@ -7,6 +7,11 @@ fingerprint against the server's (``base_hash``), loads the global trainable wei
 this party's own data directory. Nothing but that cached base is kept in process memory between
 calls (in deployment every message runs in a new process).
 
+An example whose answer does not fit ``model.max-seq-len`` is left out of every path here (training, router
+statistics, evaluation; ``template.encode_fitting``), never refused: a refusal would let a coordinator that searches
+over that setting learn the length of the party's longest answer. The count left out goes to the party's own log
+only; with nothing left the party takes part as one without data for the task (weight 0, no error code).
+
 Must not: import ``flwr``, read another party's directory, or return anything but wire payloads.
 """
 
@@ -20,7 +25,7 @@ import torch
 
 from distmoe.config import NodeConfig, RunConfig
 from distmoe.data.party import PartyData, load_party
-from distmoe.data.template import collate, encode_example
+from distmoe.data.template import collate, encode_fitting
 from distmoe.model.base import base_fingerprint, clear_cache, is_cached, prepared_model
 from distmoe.model.build import ModelError, describe, param_count
 from distmoe.model.device import Runtime, resolve_runtime
@@ -138,14 +143,16 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
     keys = TRAIN_METRIC_KEYS
+    zero_update = ModelUpdate(party=node.party, num_examples=0, metrics={k: float("nan") for k in keys},
+                              delta={k: np.zeros_like(v, dtype=np.float32) for k, v in instr.weights.items()})
     if not data.has(instr.task):
-        # this party holds no data for the task: it contributes nothing (weight 0)
-        zero = {k: np.zeros_like(v, dtype=np.float32) for k, v in instr.weights.items()}
-        return ModelUpdate(party=node.party, delta=zero, num_examples=0, metrics={k: float("nan") for k in keys})
+        return zero_update  # this party holds no data for the task: it contributes nothing (weight 0)
     model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
     ms = describe(model)
-    examples = data.train(instr.task)
-    encoded = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in examples]
+    _, encoded, left_out = encode_fitting(tok, data.train(instr.task), cfg.model.max_seq_len)
+    left_out_note(node, instr, left_out)
+    if not encoded:
+        return zero_update  # no answer fits model.max-seq-len: as a party without data (no size-telling error code)
     anchor = anchor_of(instr, ms)
     try:
         retention = round_retention(cfg, node.work_dir, instr, ms.num_moe_layers, ms.num_experts,
@@ -183,17 +190,24 @@ _NOTES: dict[str, dict] = {}  # party -> facts of its last local round for its o
 def stability(node: NodeConfig, instr, nonfinite) -> None:
     """Name the parameters behind skipped NaN/Inf steps in the party's own log line and keep them for its
     metrics log (``take_notes``); the names never leave the party (the wire carries the skipped-step count)."""
-    _NOTES.pop(node.party, None)
     if not nonfinite.skipped:
         return
     progress(node, f"round {instr.round}: non-finite gradients skipped {nonfinite.summary()}")
-    _NOTES[node.party] = nonfinite.facts()
+    _NOTES.setdefault(node.party, {}).update(nonfinite.facts())
 
 
 def take_notes(party: str) -> dict:
     """What the party's last ``run_sft`` / ``run_rl`` left for its own metrics log (the names of parameters
-    with non-finite gradients), once; empty when nothing was skipped."""
+    with non-finite gradients, the count of examples left out as too long), once; empty when there is none."""
     return _NOTES.pop(party, {})
+
+
+def left_out_note(node: NodeConfig, instr, n: int, what: str = "examples") -> None:
+    """Say in the party's own log how many ``what`` were left out because an answer does not fit
+    ``model.max-seq-len`` (``encode_fitting``); the count never goes into a reply."""
+    if n:
+        progress(node, f"round {instr.round}: {n} {what} left out: an answer does not fit model.max-seq-len")
+        _NOTES.setdefault(node.party, {})["left_out"] = n  # the metrics log of an update round (``take_notes``)
 
 
 def progress(node: NodeConfig, text: str) -> None:
@@ -220,7 +234,10 @@ def router_stats_per_sequence(cfg: RunConfig, node: NodeConfig, instr: StatsInst
     ms = describe(model)
     if not examples:
         return np.zeros((0, ms.num_moe_layers, ms.num_experts), dtype=np.float64)
-    encoded = [encode_example(tok, ex, cfg.model.max_seq_len) for ex in examples]
+    _, encoded, left_out = encode_fitting(tok, examples, cfg.model.max_seq_len)
+    left_out_note(node, instr, left_out, "router-statistics sequences")
+    if not encoded:
+        return np.zeros((0, ms.num_moe_layers, ms.num_experts), dtype=np.float64)
     bs = cfg.eval.batch_size
     batches = (collate(encoded[i:i + bs], tok.pad_token_id) for i in range(0, len(encoded), bs))
     return per_sequence_stats(model, batches)
@@ -231,17 +248,31 @@ def run_stats(cfg: RunConfig, node: NodeConfig, instr: StatsInstruction) -> Rout
     return RouterStats(sums=router_stats_per_sequence(cfg, node, instr).sum(0))
 
 
+def fitting_heldout(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction, data: PartyData, tok
+                    ) -> dict[str, list]:
+    """The held-out examples of each task of ``instr`` whose answer fits ``model.max-seq-len`` (a task with none
+    left is scored as one the party does not hold); the count left out goes to the party's own log only."""
+    out, left_out = {}, 0
+    for t in instr.tasks:
+        out[t], _, n = encode_fitting(tok, data.heldout(t) if data.has(t) else [], cfg.model.max_seq_len)
+        left_out += n
+    left_out_note(node, instr, left_out, "held-out examples")
+    return out
+
+
 def run_eval(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> EvalReply:
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
-    heldout = {t: (data.heldout(t) if data.has(t) else []) for t in instr.tasks}
     ref_valid = None
-    if instr.ref_weights is not None:  # the reference's routing first: one model in memory, two weight sets
-        ref, tok, _ = prepare_model(cfg, node, instr.ref_weights, instr.base_hash)
+    # the reference's routing first: one model in memory, two weight sets
+    first = instr.ref_weights if instr.ref_weights is not None else instr.weights
+    model, tok, _ = prepare_model(cfg, node, first, instr.base_hash)
+    heldout = fitting_heldout(cfg, node, instr, data, tok)
+    if instr.ref_weights is not None:
         fixed = routing_set(heldout)
         if fixed:
-            _, ref_valid = routing_on(ref, tok, fixed, cfg.model.max_seq_len, cfg.eval.batch_size)
-    model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
+            _, ref_valid = routing_on(model, tok, fixed, cfg.model.max_seq_len, cfg.eval.batch_size)
+        model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash)
     ms = describe(model)
     anchor = torch.from_numpy(np.asarray(instr.anchor)) if instr.anchor is not None else None
     metrics = evaluate_party(model, tok, heldout, cfg.model.max_seq_len, cfg.eval, ms.num_experts,
@@ -252,15 +283,16 @@ def run_eval(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> EvalRe
 
 def eval_scores(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> dict[str, list[tuple[bool, float]]]:
     """Secure mode: ``(answered correctly, mean answer loss)`` per held-out example of each task (at most
-    ``data.max-eval-examples``, ``load_party``'s cap), for the noised per-example sum
-    (``distmoe.privacy.metric_noise``). No routing metrics: they are not released under secure aggregation."""
+    ``data.max-eval-examples``, ``load_party``'s cap) whose answer fits ``model.max-seq-len``, for the noised
+    per-example sum (``distmoe.privacy.metric_noise``). No routing metrics: they are not released under secure
+    aggregation."""
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
-    heldout = {t: (data.heldout(t) if data.has(t) else []) for t in instr.tasks}
-    if not any(heldout.values()):
+    if not any(data.has(t) and data.heldout(t) for t in instr.tasks):
         return {t: [] for t in instr.tasks}
     model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash)
     model.eval()
+    heldout = fitting_heldout(cfg, node, instr, data, tok)
     return {t: (example_scores(model, tok, t, ex, cfg.model.max_seq_len, cfg.eval) if ex else [])
             for t, ex in heldout.items()}
 

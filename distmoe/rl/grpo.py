@@ -69,7 +69,7 @@ from torch import nn
 
 from distmoe.config import RLConfig, TrainConfig
 from distmoe.data.formats import Example
-from distmoe.data.template import collate, encode_example, encode_prompt
+from distmoe.data.template import IGNORE_INDEX, collate, encode_fitting, encode_prompt
 from distmoe.rl.advantages import group_advantages
 from distmoe.rl.engines import InferenceEngine, parse_profile
 from distmoe.rl.losses import get_policy_loss, mismatch_weights
@@ -165,11 +165,16 @@ def _encode(tokenizer, prompts: list[Example], max_prompt_len: int):
 
 def build_engine(model: nn.Module, tokenizer, prompts: list[Example], cfg: RLConfig,
                  max_prompt_len: int = 256) -> InferenceEngine:
-    """The inference engine of ``cfg.engine``; prune profiles get calibration batches from ``prompts``."""
+    """The inference engine of ``cfg.engine``; prune profiles get calibration batches from the first
+    ``CALIBRATION_EXAMPLES`` of ``prompts``, those whose answer fits (``encode_fitting``: left out, never refused,
+    so the reply does not tell the longest answer's length); with none fitting, their prompts alone."""
     calibration = None
     if parse_profile(cfg.engine)["prune"]:
         max_len = max(max_prompt_len, int(getattr(model.config, "max_position_embeddings", 0) or 0))
-        encoded = [encode_example(tokenizer, ex, max_len) for ex in prompts[:CALIBRATION_EXAMPLES]]
+        _, encoded, _ = encode_fitting(tokenizer, prompts[:CALIBRATION_EXAMPLES], max_len)
+        encoded = encoded or [
+            (ids, [IGNORE_INDEX] * len(ids))
+            for ids in (encode_prompt(tokenizer, ex, max_len) for ex in prompts[:CALIBRATION_EXAMPLES])]
         calibration = [collate(encoded, tokenizer.pad_token_id)]
     return InferenceEngine(model, cfg.engine, temperature=cfg.temperature, calibration=calibration)
 

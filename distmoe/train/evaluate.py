@@ -7,6 +7,10 @@ Returns aggregate numbers (means and counts) for the plaintext baseline, and per
 (:func:`example_scores`: answered correctly, mean answer loss) for the party's own noised sum under secure
 aggregation (``distmoe.privacy.metric_noise``); neither leaves the party as such.
 
+The party passes only examples whose answer fits ``max_len`` (``template.encode_fitting``, in
+``distmoe.party.work``: the rest are left out, never refused, so whether a party answers does not tell the
+length of its longest answer); a direct caller that passes a longer one gets ``encode_example``'s error.
+
 Must not: read data files (the caller passes examples) or touch the wire.
 """
 

@@ -155,13 +155,56 @@ def test_rl_prompt_count_binary_search_learns_nothing(synth_dirs, tiny_plain, tm
     assert set(seen.values()) == {"update"}, seen
 
 
-def test_answer_token_length_does_not_leave_the_party(synth_dirs, tiny_plain, tmp_path):
-    """A template error quoted the token length of one of the party's answers."""
-    out = _sft_on_edited_data(synth_dirs[0], tmp_path, tiny_plain, 2,
-                              '{"instruction": "k2", "output": "' + " ".join(["secret answer"] * 80) + '"}')
-    log = _code_only(out, ErrorCode.DATA, tmp_path / "work")
-    assert "tokens" not in out.error.reason and "secret" not in out.error.reason
-    assert re.search(r"the answer needs \d+ tokens", log), log
+def _long_answer(words: int, key: str = "k2") -> str:
+    return '{"instruction": "' + key + '", "output": "' + " ".join(["secret answer"] * words) + '"}'
+
+
+def test_an_answer_too_long_is_left_out_not_refused(synth_dirs, tiny_plain, tmp_path):
+    """A template error quoted the token length of one of the party's answers; then the ``data`` code alone told
+    that some answer needs ``model.max-seq-len`` tokens. Now the example is left out and the others train."""
+    out = _sft_on_edited_data(synth_dirs[0], tmp_path, tiny_plain, 2, _long_answer(80))
+    assert not out.has_error(), out.error.reason
+    upd = codec.decode(out.content, ModelUpdate)
+    full = codec.decode(_sft_on_edited_data(synth_dirs[0], tmp_path / "b", tiny_plain, 2,
+                                            '{"instruction": "k2", "output": "v2"}').content, ModelUpdate)
+    assert 0 < upd.num_examples <= full.num_examples  # trained on the rest (one fewer, if the line was in train)
+
+
+def _search_max_seq_len(data_dirs: dict, tiny_plain, tmp_path, weight: dict, lengths=(96, 160, 320, 640)) -> dict:
+    """The attack: one SFT round per ``model.max-seq-len`` value; each reply's kind (its weight into ``weight``)."""
+    seen = {}
+    for name, data in data_dirs.items():
+        for n in lengths:
+            run_config = {**tiny_plain, "model.max-seq-len": n}
+            weights, spec = _global(run_config)
+            out = sft(_instruction(SftInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash,
+                                                  seed=1, anchor=None, anchor_version=0)),
+                      _context(data, run_config, tmp_path / f"w-{name}-{n}"))
+            seen[name, n] = out.error.code if out.has_error() else "update"
+            if not out.has_error():
+                weight[name, n] = codec.decode(out.content, ModelUpdate).num_examples
+    return seen
+
+
+def test_max_seq_len_binary_search_learns_nothing(synth_dirs, tiny_plain, tmp_path):
+    """The attack: a coordinator varies ``model.max-seq-len`` over runs and reads whether the party answers with an
+    update or the ``data`` code: that told whether the party's longest answer needs that many tokens, a binary
+    search its length. Now an answer that does not fit is left out (and a party with none left takes part with
+    weight 0, as one without data for the task): the reply is an update whatever the longest answer."""
+    dirs = {"short": synth_dirs[0]}
+    for name, rows in (("one-long", set(range(6))), ("all-long", None)):
+        data = tmp_path / name
+        shutil.copytree(synth_dirs[0], data)
+        lines = (data / "lookup.jsonl").read_text().splitlines()
+        lines = [_long_answer(40 if rows else 60, f"q{k}") if rows is None or k in rows else line
+                 for k, line in enumerate(lines)]
+        (data / "lookup.jsonl").write_text("\n".join(lines) + "\n")
+        dirs[name] = data
+    weight: dict = {}
+    seen = _search_max_seq_len(dirs, tiny_plain, tmp_path, weight)
+    assert set(seen.values()) == {"update"}, seen
+    assert all(weight["all-long", n] == 0 for n in (96, 160, 320, 640))  # a non-contributor, no error code
+    assert weight["one-long", 640] > weight["one-long", 96] > 0  # the long answer fits only at 640
 
 
 def test_any_exception_message_does_not_leave_the_party(synth_dirs, tiny_plain, tmp_path, monkeypatch):
