@@ -59,8 +59,8 @@ class ModelConfig(Section):
     heads: int = key(4, "tiny default: attention heads", lo=1)
     kv_heads: int = key(2, "tiny default: key/value heads", lo=1, allowed=">= 1, divides `model.heads`")
     head_dim: int = key(64, "tiny default: attention head width", lo=1)
-    max_seq_len: int = key(96, "tokens per example (prompt truncated from the left; the answer always kept)",
-                           lo=16, hi=8192)
+    max_seq_len: int = key(96, "tokens per example (prompt cut from the left; an example whose answer does not "
+                           "fit is left out)", lo=16, hi=8192)
     lora_r: int = key(8, "`lora` mode: adapter rank", lo=1)
     lora_alpha: int = key(16, "`lora` mode: adapter scale", lo=1)
     lora_router: bool = key(True, "`lora` mode: adapt the router weight too")

@@ -5,7 +5,9 @@ name, each line of each file: ``distmoe.data.party.party_problems``), the party'
 privacy check of file modes that a run makes before it starts (``distmoe.wire.at_rest.check_isolation``:
 no group or other permission bits, with the one ``chmod`` that fixes it); and, on valid data, the length
 findings (:func:`length_findings`): answers longer than evaluation generates (``eval.max-new-tokens``)
-can never be matched, prompts longer than ``model.max-seq-len`` leaves them are cut from the left; each
+can never be matched, prompts longer than ``model.max-seq-len`` leaves them are cut from the left, examples
+whose answer does not fit ``model.max-seq-len`` at all are left out of training, statistics and evaluation (a
+party leaves them out rather than refusing the run, which would tell the coordinator its longest answer); each
 finding says the numbers and the key to change. :func:`longest_answer` is what ``simulate --data``
 derives ``eval.max-new-tokens`` from when the user has not set it.
 
@@ -69,6 +71,12 @@ def prompt_tokens(tok, ex: Example) -> int:
     return len(chat_ids(tok, ex.prompt_messages, add_generation_prompt=True))
 
 
+def completion_tokens(tok, ex: Example) -> int:
+    """Tokens of the completion as training encodes it (answer + end token): it must fit whole, with one prompt
+    token, in ``model.max-seq-len`` (``distmoe.data.template.encode_example``)."""
+    return len(chat_ids(tok, ex.as_messages(), add_generation_prompt=False)) - prompt_tokens(tok, ex)
+
+
 CANARIES = "canaries.txt"  # a party's planted canary strings (``distmoe data synth``; the audit searches them)
 
 
@@ -102,6 +110,12 @@ def length_findings(tok, name: str, party: PartyData, max_new_tokens: int, max_s
             out.append(f"{where}: {len(long)} of {len(ans)} answers are longer than eval.max-new-tokens = "
                        f"{max_new_tokens} tokens (longest {max(ans)}): evaluation generates {max_new_tokens} tokens, "
                        f"so these can never count as correct; set eval.max-new-tokens = {max(ans)}")
+        comp = [completion_tokens(tok, ex) for ex in exs]
+        unfit = [c for c in comp if c >= max_seq_len]
+        if unfit:
+            out.append(f"{where}: {len(unfit)} of {len(comp)} answers need model.max-seq-len = {max_seq_len} tokens or "
+                       f"more with the end token (longest {max(comp)}): these examples are left out of training and "
+                       f"evaluation; set model.max-seq-len = {max(comp) + 1}")
         prompts = [prompt_tokens(tok, ex) for ex in exs]
         cut = [n for n in prompts if n > room]
         if cut:

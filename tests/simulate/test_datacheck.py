@@ -68,6 +68,17 @@ def test_long_answers_and_prompts_are_named_with_the_numbers_and_the_key(tmp_pat
     assert rep.warnings == []
 
 
+def test_answers_that_do_not_fit_model_max_seq_len_are_named_as_left_out(tmp_path: Path):
+    long_answer = '{"instruction": "q", "output": "' + "a" * 120 + '"}'
+    d = _party(tmp_path / "d", "a", [*GOOD, long_answer])
+    rep = check_parties([d], parse_run_config({"eval.max-new-tokens": 120}))  # model.max-seq-len = 96
+    (w,) = [w for w in rep.warnings if "left out" in w]
+    assert "1 of 11 answers need model.max-seq-len = 96 tokens or more" in w and "set model.max-seq-len = " in w
+    assert not [w for w in check_parties([d], parse_run_config({"eval.max-new-tokens": 120,
+                                                                 "model.max-seq-len": 256})).warnings
+                if "left out" in w]
+
+
 def test_simulate_data_derives_eval_max_new_tokens_from_the_answers(tmp_path: Path, capsys):
     data = tmp_path / "d"
     for p in ("a", "b"):
