@@ -77,8 +77,9 @@ def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> tuple[Mo
 
     _, pairs, left_train = encode_fitting(tok, data.train(instr.task), n_len, pair)  # a pair with an answer too
     _, held, left_held = encode_fitting(tok, data.heldout(instr.task), n_len, pair)  # long is left out, not refused
-    left_out_note(node, instr, left_train + left_held, "preference pairs")
+    left_out = left_train + left_held
     if not pairs:
+        left_out_note(node, instr, left_out, "preference pairs")
         return zero_update, {}  # no pair fits model.max-seq-len: as a party without data (no size-telling code)
     ref = reference_logps(model, pairs, pad, bs, engine=cfg.dpo.reference_engine, low=cfg.rl.icepop_low,
                           high=cfg.rl.icepop_high)
@@ -91,6 +92,7 @@ def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> tuple[Mo
     res = train_dpo(model, pairs, ref, pad, node.train(cfg.train), cfg.dpo, cfg.routing, ms.num_experts, ms.top_k,
                     anchor, seed=party_seed(instr.seed, node.party))
     stability(node, instr, res.nonfinite)  # names of tensors with non-finite gradients: this party's log only
+    left_out_note(node, instr, left_out, "preference pairs", keep=True)  # after stability: it starts the notes
     local.update(_margin_stats(preference_margins(model, held, pad, bs), "dpo_heldout_after"))
     after = trainable_state(model)
     delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}

@@ -150,8 +150,8 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
     model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
     ms = describe(model)
     _, encoded, left_out = encode_fitting(tok, data.train(instr.task), cfg.model.max_seq_len)
-    left_out_note(node, instr, left_out)
     if not encoded:
+        left_out_note(node, instr, left_out)
         return zero_update  # no answer fits model.max-seq-len: as a party without data (no size-telling error code)
     anchor = anchor_of(instr, ms)
     try:
@@ -181,6 +181,7 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
              + "".join(f", {n}" for n in (retention.notes if retention is not None else []))
              + (f", {int(metrics['skipped_steps'])} skipped steps" if metrics['skipped_steps'] > 0 else ""))
     stability(node, instr, res.nonfinite)
+    left_out_note(node, instr, left_out, keep=True)  # after ``stability``, which starts the round's notes afresh
     return ModelUpdate(party=node.party, delta=delta, num_examples=res.num_examples, metrics=metrics)
 
 
@@ -190,10 +191,11 @@ _NOTES: dict[str, dict] = {}  # party -> facts of its last local round for its o
 def stability(node: NodeConfig, instr, nonfinite) -> None:
     """Name the parameters behind skipped NaN/Inf steps in the party's own log line and keep them for its
     metrics log (``take_notes``); the names never leave the party (the wire carries the skipped-step count)."""
+    _NOTES.pop(node.party, None)
     if not nonfinite.skipped:
         return
     progress(node, f"round {instr.round}: non-finite gradients skipped {nonfinite.summary()}")
-    _NOTES.setdefault(node.party, {}).update(nonfinite.facts())
+    _NOTES[node.party] = nonfinite.facts()
 
 
 def take_notes(party: str) -> dict:
@@ -202,12 +204,14 @@ def take_notes(party: str) -> dict:
     return _NOTES.pop(party, {})
 
 
-def left_out_note(node: NodeConfig, instr, n: int, what: str = "examples") -> None:
+def left_out_note(node: NodeConfig, instr, n: int, what: str = "examples", keep: bool = False) -> None:
     """Say in the party's own log how many ``what`` were left out because an answer does not fit
-    ``model.max-seq-len`` (``encode_fitting``); the count never goes into a reply."""
+    ``model.max-seq-len`` (``encode_fitting``); ``keep``: also in an update round's metrics log (``take_notes``).
+    The count never goes into a reply."""
     if n:
         progress(node, f"round {instr.round}: {n} {what} left out: an answer does not fit model.max-seq-len")
-        _NOTES.setdefault(node.party, {})["left_out"] = n  # the metrics log of an update round (``take_notes``)
+        if keep:
+            _NOTES.setdefault(node.party, {})["left_out"] = n
 
 
 def progress(node: NodeConfig, text: str) -> None:
