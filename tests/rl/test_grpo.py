@@ -246,3 +246,19 @@ def test_reuse_is_off_where_it_is_not_valid(trained):
     assert not reuse_valid(RLConfig(), dropped)
     _, res = _run(trained, steps=1, routing_replay=True, minibatches=1)
     assert res.steps[0]["logp_old_reused_frac"] == 0.0
+
+
+def test_prune_calibration_leaves_out_answers_that_do_not_fit_and_never_refuses(trained):
+    """The prune engine's calibration batch: an example whose answer does not fit is left out (no ``DataError``,
+    which would tell the longest answer's length); with none fitting, the prompts alone calibrate."""
+    import dataclasses
+
+    model = copy.deepcopy(trained["model"]).eval()
+    cfg = RLConfig(**{**BASE, "engine": "prune-2", "minibatches": 1})
+    long = [dataclasses.replace(ex, messages=(*ex.messages[:-1], ("assistant", "x" * 2000)))
+            for ex in trained["prompts"][:4]]
+    mixed = build_engine(model, trained["tok"], long[:2] + trained["prompts"][:4], cfg)
+    assert mixed.calibration[0]["input_ids"].shape[0] == 4  # the two long ones left out
+    alone = build_engine(model, trained["tok"], long, cfg)
+    batch = alone.calibration[0]
+    assert batch["input_ids"].shape[0] == 4 and bool((batch["labels"] == -100).all())  # prompts only
