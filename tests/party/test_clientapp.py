@@ -205,6 +205,17 @@ def test_max_seq_len_binary_search_learns_nothing(synth_dirs, tiny_plain, tmp_pa
     assert set(seen.values()) == {"update"}, seen
     assert all(weight["all-long", n] == 0 for n in (96, 160, 320, 640))  # a non-contributor, no error code
     assert weight["one-long", 640] > weight["one-long", 96] > 0  # the long answer fits only at 640
+    run_config = {**tiny_plain, "model.max-seq-len": 96, "eval.max-new-tokens": 2, "data.eval-fraction": 0.5}
+    w, spec = _global(run_config)
+    held = {}
+    for name in dirs:  # evaluation: the same (held-out answers that do not fit are left out)
+        out = evaluate(_instruction(codec.EvalInstruction(round=2, tasks=("lookup",), new_task="lookup", weights=w,
+                                                          base_hash=spec.base_hash, ref_weights=w, anchor=None,
+                                                          anchor_version=0)),
+                       _context(dirs[name], run_config, tmp_path / f"e-{name}"))
+        assert not out.has_error(), out.error.reason
+        held[name] = codec.decode(out.content, EvalReply).metrics["n/lookup"]
+    assert held["all-long"] == 0 < held["short"] and held["one-long"] <= held["short"], held
 
 
 def test_any_exception_message_does_not_leave_the_party(synth_dirs, tiny_plain, tmp_path, monkeypatch):
