@@ -5,6 +5,7 @@ wrong in detail (file and line, config key, a count of the party's examples) is 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 import shutil
@@ -155,37 +156,6 @@ def test_rl_prompt_count_binary_search_learns_nothing(synth_dirs, tiny_plain, tm
     assert set(seen.values()) == {"update"}, seen
 
 
-def _long_answer(words: int, key: str = "k2") -> str:
-    return '{"instruction": "' + key + '", "output": "' + " ".join(["secret answer"] * words) + '"}'
-
-
-def test_an_answer_too_long_is_left_out_not_refused(synth_dirs, tiny_plain, tmp_path):
-    """A template error quoted the token length of one of the party's answers; then the ``data`` code alone told
-    that some answer needs ``model.max-seq-len`` tokens. Now the example is left out and the others train."""
-    out = _sft_on_edited_data(synth_dirs[0], tmp_path, tiny_plain, 2, _long_answer(80))
-    assert not out.has_error(), out.error.reason
-    upd = codec.decode(out.content, ModelUpdate)
-    full = codec.decode(_sft_on_edited_data(synth_dirs[0], tmp_path / "b", tiny_plain, 2,
-                                            '{"instruction": "k2", "output": "v2"}').content, ModelUpdate)
-    assert 0 < upd.num_examples <= full.num_examples  # trained on the rest (one fewer, if the line was in train)
-
-
-def _search_max_seq_len(data_dirs: dict, tiny_plain, tmp_path, weight: dict, lengths=(96, 160, 320, 640)) -> dict:
-    """The attack: one SFT round per ``model.max-seq-len`` value; each reply's kind (its weight into ``weight``)."""
-    seen = {}
-    for name, data in data_dirs.items():
-        for n in lengths:
-            run_config = {**tiny_plain, "model.max-seq-len": n}
-            weights, spec = _global(run_config)
-            out = sft(_instruction(SftInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash,
-                                                  seed=1, anchor=None, anchor_version=0)),
-                      _context(data, run_config, tmp_path / f"w-{name}-{n}"))
-            seen[name, n] = out.error.code if out.has_error() else "update"
-            if not out.has_error():
-                weight[name, n] = codec.decode(out.content, ModelUpdate).num_examples
-    return seen
-
-
 def test_max_seq_len_binary_search_learns_nothing(synth_dirs, tiny_plain, tmp_path):
     """The attack: a coordinator varies ``model.max-seq-len`` over runs and reads whether the party answers with an
     update or the ``data`` code: that told whether the party's longest answer needs that many tokens, a binary
@@ -196,15 +166,21 @@ def test_max_seq_len_binary_search_learns_nothing(synth_dirs, tiny_plain, tmp_pa
         data = tmp_path / name
         shutil.copytree(synth_dirs[0], data)
         lines = (data / "lookup.jsonl").read_text().splitlines()
-        lines = [_long_answer(40 if rows else 60, f"q{k}") if rows is None or k in rows else line
-                 for k, line in enumerate(lines)]
+        long = '{"instruction": "q%d", "output": "' + " ".join(["secret answer"] * (40 if rows else 60)) + '"}'
+        lines = [long % k if rows is None or k in rows else line for k, line in enumerate(lines)]
         (data / "lookup.jsonl").write_text("\n".join(lines) + "\n")
         dirs[name] = data
-    weight: dict = {}
-    seen = _search_max_seq_len(dirs, tiny_plain, tmp_path, weight)
-    assert set(seen.values()) == {"update"}, seen
-    assert all(weight["all-long", n] == 0 for n in (96, 160, 320, 640))  # a non-contributor, no error code
-    assert weight["one-long", 640] > weight["one-long", 96] > 0  # the long answer fits only at 640
+    seen, weight = {}, {}
+    for (name, data), n in itertools.product(dirs.items(), (96, 160, 320, 640)):  # one SFT round per value
+        run_config = {**tiny_plain, "model.max-seq-len": n}
+        weights, spec = _global(run_config)
+        out = sft(_instruction(SftInstruction(round=1, task="lookup", weights=weights, base_hash=spec.base_hash,
+                                              seed=1, anchor=None, anchor_version=0)),
+                  _context(data, run_config, tmp_path / f"w-{name}-{n}"))
+        seen[name, n] = out.error.code if out.has_error() else "update"
+        weight[name, n] = None if out.has_error() else codec.decode(out.content, ModelUpdate).num_examples
+    assert set(seen.values()) == {"update"}, seen  # the long answer fits only at 640:
+    assert weight["one-long", 640] > weight["one-long", 96] > 0 and weight["all-long", 640] == 0  # all-long: weight 0
     run_config = {**tiny_plain, "model.max-seq-len": 96, "eval.max-new-tokens": 2, "data.eval-fraction": 0.5}
     w, spec = _global(run_config)
     held = {}
