@@ -116,12 +116,16 @@ def test_supernode_command_errors(creds, tmp_path):
 def test_register_commands_name_each_public_key(creds, tmp_path):
     from flwr.cli.supernode.register import try_load_public_key
 
-    cmds = dc.register_commands(creds.root, "prod", flwr_home=tmp_path / "cli")
+    regs = dc.register_commands(creds.root, "prod", flwr_home=tmp_path / "cli")
+    cmds = [r.command for r in regs]
     assert [c.argv[:3] for c in cmds] == [("flwr", "supernode", "register")] * 2
     assert [c.argv[4:] for c in cmds] == [("prod", "--name", "party-0"), ("prod", "--name", "party-1")]
-    for c, p in zip(cmds, creds.parties, strict=True):
-        assert try_load_public_key(Path(c.argv[3])) == try_load_public_key(p.supernode_pub)
-    assert [c.argv[-1] for c in dc.register_commands(creds.root, parties=["party-1"])] == ["party-1"]
+    for r, p in zip(regs, creds.parties, strict=True):
+        assert r.party == p.name and r.public_key == r.command.argv[3]
+        assert try_load_public_key(Path(r.public_key)) == try_load_public_key(p.supernode_pub)
+    assert [r.party for r in dc.register_commands(creds.root, parties=["party-1"])] == ["party-1"]
+    json_regs = dc.register_commands(creds.root, "prod", json_output=True)
+    assert [r.command.argv[-2:] for r in json_regs] == [("--format", "json")] * 2
     with pytest.raises(cr.CredentialsError, match="no party 'x'"):
         dc.register_commands(creds.root, parties=["x"])
     with pytest.raises(dc.DeployError, match="connection name"):
@@ -152,7 +156,13 @@ def test_cli_prints_commands(creds, tmp_path, capsys):
     assert main(["deploy", "superlink", "--credentials", str(creds.root)]) == 0
     assert "--enable-supernode-auth" in capsys.readouterr().out
     assert main(["deploy", "register", "--credentials", str(creds.root), "--connection", "prod"]) == 0
-    assert len(capsys.readouterr().out.strip().splitlines()) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 4  # each owner: a comment naming it and its key file, then its command
+    for (comment, cmd), p in zip(zip(out[::2], out[1::2], strict=True), creds.parties, strict=True):
+        key = str(creds.registered_pub(p.name).resolve())
+        assert comment == f"# owner {p.name}: {key}" and "flwr supernode register " in cmd
+        argv = shlex.split(cmd)
+        assert argv[argv.index("register") + 1] == key and argv[-1] == p.name
     assert main(["deploy", "superlink", "--credentials", str(tmp_path)]) == 2
     assert "manifest.json not found" in capsys.readouterr().err
 
@@ -229,3 +239,26 @@ def test_node_config_ledger_key_is_the_key_the_party_signs_with(creds, tmp_path)
     assert (tmp_path / "w2" / "keys" / "party-0-ledger.key").is_file()
     with pytest.raises(ConfigError, match="node config key 'ledger-key': .* is not a file"):
         parse_node_config({"data-path": str(data), "ledger-key": str(tmp_path / "missing.key")}, _sim())
+
+
+def test_register_reads_the_node_id_flower_prints(capfd):
+    """The node ID comes from what flwr 1.42's ``supernode register --format json`` writes (its own printer)."""
+    from flwr.cli.utils import print_json_to_stdout
+
+    print_json_to_stdout({"success": True, "node-id": 5132847298102645})
+    assert dc.registered_node_id(capfd.readouterr().out) == 5132847298102645
+    print_json_to_stdout({"success": False, "error-message": "Public key already in use."})
+    failed = capfd.readouterr().out
+    with pytest.raises(dc.DeployError, match="printed no node ID: .*Public key already in use"):
+        dc.registered_node_id(failed)
+    for bad in ("", "SuperNode registered", '{"success": true, "node-id": "7"}', '{"success": true}'):
+        with pytest.raises(dc.DeployError, match="printed no node ID"):
+            dc.registered_node_id(bad)
+
+
+def test_registration_table_names_each_owners_node():
+    table = dc.registration_table([("hospital-a", "/k/hospital-a.pub", "17"), ("b", "/k/b.pub", "9")])
+    rows = [line.split() for line in table.splitlines()]
+    assert rows == [["owner", "public", "key", "node", "ID"], ["hospital-a", "/k/hospital-a.pub", "17"],
+                    ["b", "/k/b.pub", "9"]]
+    assert table.splitlines()[2].index("/k/b.pub") == table.splitlines()[1].index("/k/hospital-a.pub")

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import subprocess
@@ -221,12 +220,15 @@ def _federation(dep: Deployment, tmp_path: Path, parties: list[str], register: l
         if res.returncode == 0 or time.monotonic() > deadline:
             break
         assert dep.procs[0].poll() is None, f"SuperLink exited with {dep.procs[0].returncode}" + dep.diag()
-        if "registered successfully" in res.stdout:
+        if " is node " in res.stderr:
             break  # partly registered: do not retry (a second registration of the same key is refused)
         time.sleep(1.0)
     assert res.returncode == 0, f"registration failed:\n{res.stdout}{res.stderr}" + dep.diag()
-    ids = re.findall(r"SuperNode (\d+) registered successfully", res.stdout)
-    assert len(ids) == len(register), res.stdout
+    # the table: owner, public key file, the node ID Flower gave it (one row per owner, in order)
+    rows = [line.split() for line in res.stdout.strip().splitlines()[1:]]
+    assert [r[0] for r in rows] == list(register), res.stdout
+    ids = [r[2] for r in rows]
+    assert all(i.isdigit() for i in ids), res.stdout
     superlink_log = dep.logs["superlink"].read_text(errors="replace")
     assert f"https://127.0.0.1:{port}" in superlink_log, "the SuperLink does not serve HTTPS" + dep.diag()
     return creds, port, cli_home, dict(zip(register, ids, strict=True))
