@@ -202,7 +202,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--host", default="127.0.0.1", help="local Runtime API address of the SuperNode")
     n.add_argument("--port", type=int, default=dc.DEFAULT_SUPERNODE_PORT,
                    help="local Runtime API port (one per SuperNode on the same host)")
-    n.add_argument("--work-dir", metavar="DIR", help="node config work-dir (default: DATA/../.<party>-work)")
+    n.add_argument("--work-dir", metavar="DIR", help="your work directory: ledger, budget, party.log "
+                   "(default: CREDENTIALS/work)")
     n.add_argument("--epsilon-max", type=float, help="node config epsilon-max: this party's own budget cap")
     n.add_argument("--model-path", metavar="DIR", help="node config model-path: a local checkpoint")
     n.add_argument("--base-cache", metavar="DIR|off",

@@ -3,8 +3,8 @@
 Owns: the exact command line of the coordinator's ``flower-superlink`` (TLS, SuperNode
 authentication, a state database, Flower's state directory ``FLWR_HOME``), of a data owner's
 ``flower-supernode`` (CA certificate, authentication key, the node config distmoe reads:
-``data-path``, ``party-name``, ``ledger-key``, optional ``work-dir``, ``epsilon-max``, ``model-path``, and
-with ``--code-pin`` the owner's pinned ClientApp launcher first on its ``PATH``),
+``data-path``, ``party-name``, ``ledger-key``, ``work-dir`` (default ``<credentials dir>/work``),
+``epsilon-max``, ``model-path``, and with ``--code-pin`` the owner's pinned ClientApp launcher first on its ``PATH``),
 of the registration of each data owner's public key (``flwr supernode register``), and the
 ``$FLWR_HOME/config.toml`` connection the ``flwr`` CLI uses. Each is a :class:`FlowerCommand`
 (argv + environment) that is printed for copy-paste or executed as is.
@@ -275,8 +275,13 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
         raise DeployError(f"--party-name {name!r} differs from the party these credentials were made for "
                           f"({party.name!r}, {party.info})")
     nc: dict[str, str | float] = {"data-path": _abs(data), "party-name": name, "ledger-key": _abs(party.ledger_key)}
-    if work_dir:
-        nc["work-dir"] = _abs(work_dir)
+    if not work_dir:  # next to the owner's keys, where docs/deploy.md shows it (one per owner on a shared host)
+        legacy = data.parent / f".{name}-work"
+        if legacy.is_dir():
+            raise DeployError(f"{legacy} holds this party's earlier work (ledger, privacy budget; the old default): "
+                              f"pass --work-dir {legacy} to keep using it, or move it to {party.dir / 'work'}")
+        work_dir = party.dir / "work"
+    nc["work-dir"] = _abs(work_dir)
     if model_path:
         nc["model-path"] = _abs(model_path)
     if base_cache:

@@ -89,7 +89,7 @@ def test_supernode_hardware_settings_reach_the_party(creds, tmp_path):
     train = parse_node_config(nc, _sim()).train(parse_run_config({}).train)
     assert (train.device, train.dtype, train.micro_batch_size, train.gradient_checkpointing) == \
         ("cuda:1", "bfloat16", 2, True)
-    assert parse_node_config(nc, _sim()).base_cache == data.parent / ".party-0-work" / "base-cache"  # the default
+    assert parse_node_config(nc, _sim()).base_cache == party.dir.resolve() / "work" / "base-cache"  # the default
     for given, expected in (("off", None), (tmp_path / "bc", tmp_path / "bc")):
         cmd = dc.supernode_command(party.dir, superlink="127.0.0.1:9092", data_path=data, base_cache=given)
         nc = parse_config_args([_parse_args_run_supernode().parse_args(list(cmd.argv[1:])).node_config])
@@ -262,3 +262,27 @@ def test_registration_table_names_each_owners_node():
     assert rows == [["owner", "public", "key", "node", "ID"], ["hospital-a", "/k/hospital-a.pub", "17"],
                     ["b", "/k/b.pub", "9"]]
     assert table.splitlines()[2].index("/k/b.pub") == table.splitlines()[1].index("/k/hospital-a.pub")
+
+
+def test_the_owners_work_directory_is_next_to_its_keys_where_the_docs_show_it(creds, tmp_path):
+    """The default work directory (ledger, privacy budget, party.log) is ``<credentials dir>/work``, a visible
+    path per owner; an earlier hidden ``.<party>-work`` next to the data is named rather than silently left."""
+    from flwr.common.config import parse_config_args
+    from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode
+
+    data = tmp_path / "data" / "hospital"
+    data.mkdir(parents=True)
+    party = creds.parties[0]
+
+    def node(**kw):
+        cmd = dc.supernode_command(party.dir, superlink="127.0.0.1:9092", data_path=data, **kw)
+        return parse_node_config(parse_config_args([_parse_args_run_supernode().parse_args(
+            list(cmd.argv[1:])).node_config]), _sim())
+
+    assert node().work_dir == party.dir.resolve() / "work"
+    assert node(work_dir=tmp_path / "w").work_dir == (tmp_path / "w").resolve()
+    legacy = data.parent / f".{party.name}-work"
+    legacy.mkdir()
+    with pytest.raises(dc.DeployError, match=rf"{legacy}.*earlier work.*--work-dir {legacy}"):
+        node()
+    assert node(work_dir=legacy).work_dir == legacy.resolve()

@@ -338,7 +338,7 @@ def test_tls_node_auth_deployment_end_to_end(deployment: Deployment, tmp_path: P
         assert "Sending: query.unmask message" in log, f"supernode-{name} never unmasked" + msg
 
     # each data owner signed its ledger with the key it made itself (node config ledger-key)
-    ledgers = sorted(tmp_path.glob("data/.party-*-work/ledger/*.jsonl"))
+    ledgers = sorted(tmp_path.glob("owners/party-*/work/ledger/*.jsonl"))
     assert len(ledgers) == N_PARTIES, ledgers
     for led in ledgers:
         party = led.stem
@@ -442,7 +442,7 @@ def test_a_supernode_killed_mid_run_leaves_the_rounds_to_the_survivors(deploymen
 
     from distmoe.audit import audit_run
 
-    ledgers = sorted(tmp_path.glob("data/.party-*-work/ledger/*.jsonl"))
+    ledgers = sorted(tmp_path.glob("owners/party-*/work/ledger/*.jsonl"))
     canary_file = tmp_path / "auditor-canaries.txt"
     canary_file.write_text("".join((p / "canaries.txt").read_text() for p in parties))
     result = audit_run(run_dir, party_ledgers=ledgers, canaries=canary_file)
@@ -479,7 +479,7 @@ def test_a_coordinator_that_asks_for_plaintext_is_refused_by_every_owner(deploym
     assert {e["code"] for e in errors} == {"policy-allow-plaintext"}, errors
     assert not [e for e in events if e.get("event") in ("train", "stats", "eval") and not e.get("skipped")
                 and e.get("party") != "all"], "a per-party row reached the coordinator" + msg
-    for led in sorted(tmp_path.glob("data/.party-*-work/ledger/*.jsonl")):
+    for led in sorted(tmp_path.glob("owners/party-*/work/ledger/*.jsonl")):
         outs = [json.loads(x) for x in led.read_text().splitlines() if x.strip()]
         outs = [e for e in outs if e["direction"] == "out"]
         assert outs and all(e["payload_type"] == "error" and e["info"]["code"] == 1009 for e in outs), (led, outs)
