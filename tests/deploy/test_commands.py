@@ -286,3 +286,57 @@ def test_the_owners_work_directory_is_next_to_its_keys_where_the_docs_show_it(cr
     with pytest.raises(dc.DeployError, match=rf"{legacy}.*earlier work.*--work-dir {legacy}"):
         node()
     assert node(work_dir=legacy).work_dir == legacy.resolve()
+
+
+@pytest.mark.slow
+def test_register_exec_prints_the_node_id_a_real_superlink_gave_each_owner(tmp_path):
+    """``deploy register --exec`` against a real TLS SuperLink: one row per owner whose node ID is the one
+    ``flwr supernode list`` shows; a second registration of the same key fails naming the reason."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PATH": f"{Path(sys.executable).parent}{os.pathsep}"
+           f"{os.environ.get('PATH', '')}"}
+    distmoe = [sys.executable, "-m", "distmoe.cli"]
+    creds, cli = tmp_path / "c", tmp_path / "cli"
+    subprocess.run([*distmoe, "credentials", "--out", str(creds), "--parties", "hospital-a,hospital-b"],
+                   env=env, check=True, capture_output=True, timeout=60)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (tmp_path / "superlink.log").open("w")
+    link = subprocess.Popen([*distmoe, "deploy", "superlink", "--credentials", str(creds), "--port", str(port),
+                             "--database", str(tmp_path / "state.db"), "--flwr-home", str(tmp_path / "sl"), "--exec"],
+                            env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        subprocess.run([*distmoe, "deploy", "connection", "--credentials", str(creds), "--address",
+                        f"127.0.0.1:{port}", "--write", "--flwr-home", str(cli)], env=env, check=True,
+                       capture_output=True, timeout=60)
+        register = [*distmoe, "deploy", "register", "--credentials", str(creds), "--flwr-home", str(cli), "--exec"]
+        deadline = time.monotonic() + 60
+        while True:  # the SuperLink's Control API answers after a few seconds
+            res = subprocess.run(register, env=env, capture_output=True, text=True, timeout=120)
+            if res.returncode == 0 or " is node " in res.stderr or time.monotonic() > deadline:
+                break
+            assert link.poll() is None, (tmp_path / "superlink.log").read_text()
+            time.sleep(1.0)
+        assert res.returncode == 0, res.stdout + res.stderr
+        rows = [line.split() for line in res.stdout.strip().splitlines()]
+        assert rows[0] == ["owner", "public", "key", "node", "ID"]
+        assert [(r[0], r[1]) for r in rows[1:]] == [
+            (p, str((creds / "superlink" / "supernodes" / f"{p}.pub").resolve())) for p in ("hospital-a", "hospital-b")]
+        listed = subprocess.run(["flwr", "supernode", "list", "distmoe", "--format", "json"],
+                                env={**env, "FLWR_HOME": str(cli)}, capture_output=True, text=True, timeout=60)
+        nodes = json.loads(listed.stdout[listed.stdout.find("{"):])["nodes"]
+        assert sorted(r[2] for r in rows[1:]) == sorted(str(n["node-id"]) for n in nodes)
+        again = subprocess.run([*register, "--party", "hospital-b"], env=env, capture_output=True, text=True,
+                               timeout=120)
+        assert again.returncode == 2 and "Public key already in use" in again.stderr, again.stderr
+    finally:
+        link.terminate()
+        link.wait(timeout=30)
+        log.close()
