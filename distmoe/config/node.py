@@ -96,7 +96,11 @@ def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeCon
     party = nc.get("party-name") or data_path.name
     if not TASK_RE.match(party):
         raise ConfigError(f"node config key 'party-name': value {party!r} must use letters, digits, '-', '_'")
-    work = Path(nc.get("work-dir") or (data_path.parent / f".{party}-work")).expanduser()
+    work = Path(nc.get("work-dir") or (data_path.parent / f"{party}-work")).expanduser()
+    legacy = data_path.parent / f".{party}-work"  # the earlier hidden default: its ledger and budget must not be lost
+    if not nc.get("work-dir") and legacy.is_dir():
+        raise ConfigError(f"node config: no 'work-dir', and {str(legacy)!r} holds this party's earlier work "
+                          f"(ledger, privacy budget): set work-dir to it, or move it to {str(work)!r}")
     ledger_key = Path(nc["ledger-key"]).expanduser() if nc.get("ledger-key") else None
     if ledger_key is not None and not ledger_key.is_file():
         raise ConfigError(f"node config key 'ledger-key': {str(ledger_key)!r} is not a file (expected this "

@@ -4,7 +4,8 @@ subcommands.
 Owns: their argument parsers and the print-or-exec behaviour. By default each ``deploy`` command
 prints the Flower command line(s) on stdout (copy-pasteable, one per line) and notes on stderr;
 ``--exec`` runs them: ``superlink``/``supernode`` replace this process with Flower's (same PID, same
-exit status), ``register`` runs ``flwr supernode register`` per key and stops at the first failure.
+exit status), ``register`` runs ``flwr supernode register`` per key, stops at the first failure and prints
+a table owner → public key file → the node ID Flower gave it.
 Errors are one ``error: ...`` line and exit status 2, like the rest of ``distmoe``.
 
 Must not: hold logic beyond argument handling (that is :mod:`.credentials` and :mod:`.commands`).
@@ -114,15 +115,23 @@ def cmd_deploy_supernode(args) -> int:
 
 def cmd_deploy_register(args) -> int:
     try:
-        cmds = dc.register_commands(args.credentials, args.connection, args.party, flwr_home=args.flwr_home)
-        if not args.exec:
-            return _emit(cmds)
-        for c in cmds:
-            res = c.run(timeout=args.timeout)
+        regs = dc.register_commands(args.credentials, args.connection, args.party, flwr_home=args.flwr_home,
+                                    json_output=args.exec)
+        if not args.exec:  # one comment line naming the owner and its key file above each command
+            for r in regs:
+                print(f"# owner {r.party}: {r.public_key}\n{r.command.shell()}")
+            print("# each command prints the node ID Flower gives that owner; with --exec a table of them",
+                  file=sys.stderr)
+            return 0
+        rows = []
+        for r in regs:
+            res = r.command.run(timeout=args.timeout)
             out = (res.stdout + res.stderr).strip()
             if res.returncode != 0:
-                return _fail(dc.DeployError(f"{c.shell()} failed (exit {res.returncode}): {out}"))
-            print(out)
+                done = "".join(f"; {p} is node {n}" for p, _k, n in rows)
+                return _fail(dc.DeployError(f"{r.command.shell()} failed (exit {res.returncode}): {out}{done}"))
+            rows.append((r.party, r.public_key, str(dc.registered_node_id(res.stdout))))
+        print(dc.registration_table(rows), end="")
     except cr.CredentialsError as exc:
         return _fail(exc)
     return 0
@@ -193,7 +202,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--host", default="127.0.0.1", help="local Runtime API address of the SuperNode")
     n.add_argument("--port", type=int, default=dc.DEFAULT_SUPERNODE_PORT,
                    help="local Runtime API port (one per SuperNode on the same host)")
-    n.add_argument("--work-dir", metavar="DIR", help="node config work-dir (default: DATA/../.<party>-work)")
+    n.add_argument("--work-dir", metavar="DIR", help="your work directory: ledger, budget, party.log "
+                   "(default: CREDENTIALS/work)")
     n.add_argument("--epsilon-max", type=float, help="node config epsilon-max: this party's own budget cap")
     n.add_argument("--model-path", metavar="DIR", help="node config model-path: a local checkpoint")
     n.add_argument("--base-cache", metavar="DIR|off",

@@ -3,8 +3,8 @@
 Owns: the exact command line of the coordinator's ``flower-superlink`` (TLS, SuperNode
 authentication, a state database, Flower's state directory ``FLWR_HOME``), of a data owner's
 ``flower-supernode`` (CA certificate, authentication key, the node config distmoe reads:
-``data-path``, ``party-name``, ``ledger-key``, optional ``work-dir``, ``epsilon-max``, ``model-path``, and
-with ``--code-pin`` the owner's pinned ClientApp launcher first on its ``PATH``),
+``data-path``, ``party-name``, ``ledger-key``, ``work-dir`` (default ``<credentials dir>/work``),
+``epsilon-max``, ``model-path``, and with ``--code-pin`` the owner's pinned ClientApp launcher first on its ``PATH``),
 of the registration of each data owner's public key (``flwr supernode register``), and the
 ``$FLWR_HOME/config.toml`` connection the ``flwr`` CLI uses. Each is a :class:`FlowerCommand`
 (argv + environment) that is printed for copy-paste or executed as is.
@@ -19,6 +19,7 @@ Must not: import ``flwr`` (it calls Flower's executables), or hold credentials l
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -182,10 +183,21 @@ def add_connection(config_toml: str | os.PathLike[str], table: str, name: str) -
     return path
 
 
+@dataclass(frozen=True)
+class Registration:
+    """One data owner's registration: its name, the public key file and the ``flwr`` command that registers it."""
+
+    party: str
+    public_key: str
+    command: FlowerCommand
+
+
 def register_commands(credentials: str | os.PathLike[str], connection: str = DEFAULT_CONNECTION,
                       parties: Sequence[str] | None = None,
-                      flwr_home: str | os.PathLike[str] | None = None) -> list[FlowerCommand]:
-    """``flwr supernode register <pub> <connection> --name <party>`` for each data owner's public key."""
+                      flwr_home: str | os.PathLike[str] | None = None,
+                      json_output: bool = False) -> list[Registration]:
+    """``flwr supernode register <pub> <connection> --name <party>`` for each data owner's public key
+    (``json_output``: with ``--format json``, whose ``node-id`` :func:`registered_node_id` reads)."""
     creds = read_credentials(credentials)
     _check_name(connection)
     chosen = [creds.party(p) for p in parties] if parties else list(creds.parties)
@@ -193,9 +205,32 @@ def register_commands(credentials: str | os.PathLike[str], connection: str = DEF
     for p in chosen:
         pub = creds.registered_pub(p.name)
         _need_file(pub, f"public key of {p.name}")
-        out.append(FlowerCommand(("flwr", "supernode", "register", _abs(pub), connection, "--name", p.name),
-                                 flwr_env(flwr_home)))
+        argv = ("flwr", "supernode", "register", _abs(pub), connection, "--name", p.name)
+        argv += ("--format", "json") if json_output else ()
+        out.append(Registration(p.name, _abs(pub), FlowerCommand(argv, flwr_env(flwr_home))))
     return out
+
+
+def registered_node_id(output: str) -> int:
+    """The node ID Flower gave a registration: the ``node-id`` of ``flwr supernode register --format json``'s
+    JSON object (flwr 1.42 prints ``{"success": true, "node-id": N}`` to stdout); ``DeployError`` otherwise."""
+    start, end = output.find("{"), output.rfind("}")
+    try:
+        data = json.loads(output[start:end + 1]) if 0 <= start < end else None
+    except json.JSONDecodeError:
+        data = None
+    node_id = data.get("node-id") if isinstance(data, dict) and data.get("success") else None
+    if isinstance(node_id, bool) or not isinstance(node_id, int):
+        raise DeployError(f"flwr supernode register printed no node ID: {output.strip()[:300]!r}")
+    return node_id
+
+
+def registration_table(rows: Sequence[tuple[str, str, str]]) -> str:
+    """Owner name, public key file, node ID as aligned columns (the answer to 'which node is which owner')."""
+    head = ("owner", "public key", "node ID")
+    widths = [max(len(r[i]) for r in (head, *rows)) for i in range(3)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in (head, *rows)) + "\n"
 
 
 # --------------------------------------------------------------------------------------------- data owner
@@ -240,8 +275,13 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
         raise DeployError(f"--party-name {name!r} differs from the party these credentials were made for "
                           f"({party.name!r}, {party.info})")
     nc: dict[str, str | float] = {"data-path": _abs(data), "party-name": name, "ledger-key": _abs(party.ledger_key)}
-    if work_dir:
-        nc["work-dir"] = _abs(work_dir)
+    if not work_dir:  # next to the owner's keys, where docs/deploy.md shows it (one per owner on a shared host)
+        legacy = data.parent / f".{name}-work"
+        if legacy.is_dir():
+            raise DeployError(f"{legacy} holds this party's earlier work (ledger, privacy budget; the old default): "
+                              f"pass --work-dir {legacy} to keep using it, or move it to {party.dir / 'work'}")
+        work_dir = party.dir / "work"
+    nc["work-dir"] = _abs(work_dir)
     if model_path:
         nc["model-path"] = _abs(model_path)
     if base_cache:

@@ -129,6 +129,7 @@ class PartyService:
             if not self.secure:  # plaintext allowed by the owner: no setup, so the setup steps run here
                 self.policy.count_run(node, self.run_id)
                 secure_work_dir(node)
+                print(work_dir_note(node, Path(self.ledger.path)), flush=True)
         if isinstance(instr, ProbeInstruction):  # public inputs only, in the clear in both modes (docs/privacy.md §3)
             return run_probe(cfg, node, instr), None
         if isinstance(instr, SettleInstruction):  # likewise public inputs only (docs/privacy.md §3, the bias settle)
@@ -144,6 +145,7 @@ class PartyService:
                 self.policy.count_run(node, self.run_id)
                 secure_work_dir(node)  # work dir 0700, the pre-run privacy check of data and work directories
             self._check_data()  # a party with broken data says so at its first contact, before any training
+            print(work_dir_note(node, Path(self.ledger.path)), flush=True)  # the owner's log: where its records are
             advert = sess.setup(instr, self.node_id)
             self._ledger_info = ledger_facts(self.policy)  # in the key advert's signed `out` entry
             return KeyAdvertReply(node.party, advert.c_pk, self.ledger.public_key_hex, advert.sig_pk,
@@ -256,3 +258,9 @@ class PartyService:
                 **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, **facts}
         append_durable(self.node.work_dir / "metrics" / f"{self.name}.jsonl",
                        (json.dumps(line, allow_nan=True) + "\n").encode())
+
+
+def work_dir_note(node: NodeConfig, ledger: Path) -> str:
+    """The setup line of the party's own log (the SuperNode's stdout) naming where its records are kept."""
+    return (f"distmoe party {node.party}: work directory {node.work_dir} (ledger {ledger}, privacy budget "
+            f"{node.work_dir / 'privacy'}, error detail {node.work_dir / 'party.log'})")

@@ -89,7 +89,7 @@ def test_supernode_hardware_settings_reach_the_party(creds, tmp_path):
     train = parse_node_config(nc, _sim()).train(parse_run_config({}).train)
     assert (train.device, train.dtype, train.micro_batch_size, train.gradient_checkpointing) == \
         ("cuda:1", "bfloat16", 2, True)
-    assert parse_node_config(nc, _sim()).base_cache == data.parent / ".party-0-work" / "base-cache"  # the default
+    assert parse_node_config(nc, _sim()).base_cache == party.dir.resolve() / "work" / "base-cache"  # the default
     for given, expected in (("off", None), (tmp_path / "bc", tmp_path / "bc")):
         cmd = dc.supernode_command(party.dir, superlink="127.0.0.1:9092", data_path=data, base_cache=given)
         nc = parse_config_args([_parse_args_run_supernode().parse_args(list(cmd.argv[1:])).node_config])
@@ -116,12 +116,16 @@ def test_supernode_command_errors(creds, tmp_path):
 def test_register_commands_name_each_public_key(creds, tmp_path):
     from flwr.cli.supernode.register import try_load_public_key
 
-    cmds = dc.register_commands(creds.root, "prod", flwr_home=tmp_path / "cli")
+    regs = dc.register_commands(creds.root, "prod", flwr_home=tmp_path / "cli")
+    cmds = [r.command for r in regs]
     assert [c.argv[:3] for c in cmds] == [("flwr", "supernode", "register")] * 2
     assert [c.argv[4:] for c in cmds] == [("prod", "--name", "party-0"), ("prod", "--name", "party-1")]
-    for c, p in zip(cmds, creds.parties, strict=True):
-        assert try_load_public_key(Path(c.argv[3])) == try_load_public_key(p.supernode_pub)
-    assert [c.argv[-1] for c in dc.register_commands(creds.root, parties=["party-1"])] == ["party-1"]
+    for r, p in zip(regs, creds.parties, strict=True):
+        assert r.party == p.name and r.public_key == r.command.argv[3]
+        assert try_load_public_key(Path(r.public_key)) == try_load_public_key(p.supernode_pub)
+    assert [r.party for r in dc.register_commands(creds.root, parties=["party-1"])] == ["party-1"]
+    json_regs = dc.register_commands(creds.root, "prod", json_output=True)
+    assert [r.command.argv[-2:] for r in json_regs] == [("--format", "json")] * 2
     with pytest.raises(cr.CredentialsError, match="no party 'x'"):
         dc.register_commands(creds.root, parties=["x"])
     with pytest.raises(dc.DeployError, match="connection name"):
@@ -152,7 +156,13 @@ def test_cli_prints_commands(creds, tmp_path, capsys):
     assert main(["deploy", "superlink", "--credentials", str(creds.root)]) == 0
     assert "--enable-supernode-auth" in capsys.readouterr().out
     assert main(["deploy", "register", "--credentials", str(creds.root), "--connection", "prod"]) == 0
-    assert len(capsys.readouterr().out.strip().splitlines()) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 4  # each owner: a comment naming it and its key file, then its command
+    for (comment, cmd), p in zip(zip(out[::2], out[1::2], strict=True), creds.parties, strict=True):
+        key = str(creds.registered_pub(p.name).resolve())
+        assert comment == f"# owner {p.name}: {key}" and "flwr supernode register " in cmd
+        argv = shlex.split(cmd)
+        assert argv[argv.index("register") + 1] == key and argv[-1] == p.name
     assert main(["deploy", "superlink", "--credentials", str(tmp_path)]) == 2
     assert "manifest.json not found" in capsys.readouterr().err
 
@@ -229,3 +239,104 @@ def test_node_config_ledger_key_is_the_key_the_party_signs_with(creds, tmp_path)
     assert (tmp_path / "w2" / "keys" / "party-0-ledger.key").is_file()
     with pytest.raises(ConfigError, match="node config key 'ledger-key': .* is not a file"):
         parse_node_config({"data-path": str(data), "ledger-key": str(tmp_path / "missing.key")}, _sim())
+
+
+def test_register_reads_the_node_id_flower_prints(capfd):
+    """The node ID comes from what flwr 1.42's ``supernode register --format json`` writes (its own printer)."""
+    from flwr.cli.utils import print_json_to_stdout
+
+    print_json_to_stdout({"success": True, "node-id": 5132847298102645})
+    assert dc.registered_node_id(capfd.readouterr().out) == 5132847298102645
+    print_json_to_stdout({"success": False, "error-message": "Public key already in use."})
+    failed = capfd.readouterr().out
+    with pytest.raises(dc.DeployError, match="printed no node ID: .*Public key already in use"):
+        dc.registered_node_id(failed)
+    for bad in ("", "SuperNode registered", '{"success": true, "node-id": "7"}', '{"success": true}'):
+        with pytest.raises(dc.DeployError, match="printed no node ID"):
+            dc.registered_node_id(bad)
+
+
+def test_registration_table_names_each_owners_node():
+    table = dc.registration_table([("hospital-a", "/k/hospital-a.pub", "17"), ("b", "/k/b.pub", "9")])
+    rows = [line.split() for line in table.splitlines()]
+    assert rows == [["owner", "public", "key", "node", "ID"], ["hospital-a", "/k/hospital-a.pub", "17"],
+                    ["b", "/k/b.pub", "9"]]
+    assert table.splitlines()[2].index("/k/b.pub") == table.splitlines()[1].index("/k/hospital-a.pub")
+
+
+def test_the_owners_work_directory_is_next_to_its_keys_where_the_docs_show_it(creds, tmp_path):
+    """The default work directory (ledger, privacy budget, party.log) is ``<credentials dir>/work``, a visible
+    path per owner; an earlier hidden ``.<party>-work`` next to the data is named rather than silently left."""
+    from flwr.common.config import parse_config_args
+    from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode
+
+    data = tmp_path / "data" / "hospital"
+    data.mkdir(parents=True)
+    party = creds.parties[0]
+
+    def node(**kw):
+        cmd = dc.supernode_command(party.dir, superlink="127.0.0.1:9092", data_path=data, **kw)
+        return parse_node_config(parse_config_args([_parse_args_run_supernode().parse_args(
+            list(cmd.argv[1:])).node_config]), _sim())
+
+    assert node().work_dir == party.dir.resolve() / "work"
+    assert node(work_dir=tmp_path / "w").work_dir == (tmp_path / "w").resolve()
+    legacy = data.parent / f".{party.name}-work"
+    legacy.mkdir()
+    with pytest.raises(dc.DeployError, match=rf"{legacy}.*earlier work.*--work-dir {legacy}"):
+        node()
+    assert node(work_dir=legacy).work_dir == legacy.resolve()
+
+
+@pytest.mark.slow
+def test_register_exec_prints_the_node_id_a_real_superlink_gave_each_owner(tmp_path):
+    """``deploy register --exec`` against a real TLS SuperLink: one row per owner whose node ID is the one
+    ``flwr supernode list`` shows; a second registration of the same key fails naming the reason."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PATH": f"{Path(sys.executable).parent}{os.pathsep}"
+           f"{os.environ.get('PATH', '')}"}
+    distmoe = [sys.executable, "-m", "distmoe.cli"]
+    creds, cli = tmp_path / "c", tmp_path / "cli"
+    subprocess.run([*distmoe, "credentials", "--out", str(creds), "--parties", "hospital-a,hospital-b"],
+                   env=env, check=True, capture_output=True, timeout=60)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (tmp_path / "superlink.log").open("w")
+    link = subprocess.Popen([*distmoe, "deploy", "superlink", "--credentials", str(creds), "--port", str(port),
+                             "--database", str(tmp_path / "state.db"), "--flwr-home", str(tmp_path / "sl"), "--exec"],
+                            env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        subprocess.run([*distmoe, "deploy", "connection", "--credentials", str(creds), "--address",
+                        f"127.0.0.1:{port}", "--write", "--flwr-home", str(cli)], env=env, check=True,
+                       capture_output=True, timeout=60)
+        register = [*distmoe, "deploy", "register", "--credentials", str(creds), "--flwr-home", str(cli), "--exec"]
+        deadline = time.monotonic() + 60
+        while True:  # the SuperLink's Control API answers after a few seconds
+            res = subprocess.run(register, env=env, capture_output=True, text=True, timeout=120)
+            if res.returncode == 0 or " is node " in res.stderr or time.monotonic() > deadline:
+                break
+            assert link.poll() is None, (tmp_path / "superlink.log").read_text()
+            time.sleep(1.0)
+        assert res.returncode == 0, res.stdout + res.stderr
+        rows = [line.split() for line in res.stdout.strip().splitlines()]
+        assert rows[0] == ["owner", "public", "key", "node", "ID"]
+        assert [(r[0], r[1]) for r in rows[1:]] == [
+            (p, str((creds / "superlink" / "supernodes" / f"{p}.pub").resolve())) for p in ("hospital-a", "hospital-b")]
+        listed = subprocess.run(["flwr", "supernode", "list", "distmoe", "--format", "json"],
+                                env={**env, "FLWR_HOME": str(cli)}, capture_output=True, text=True, timeout=60)
+        nodes = json.loads(listed.stdout[listed.stdout.find("{"):])["nodes"]
+        assert sorted(r[2] for r in rows[1:]) == sorted(str(n["node-id"]) for n in nodes)
+        again = subprocess.run([*register, "--party", "hospital-b"], env=env, capture_output=True, text=True,
+                               timeout=120)
+        assert again.returncode == 2 and "Public key already in use" in again.stderr, again.stderr
+    finally:
+        link.terminate()
+        link.wait(timeout=30)
+        log.close()

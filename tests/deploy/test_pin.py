@@ -237,3 +237,30 @@ def test_party_modules_resolve_to_the_owners_install_once_the_launcher_imported_
     )
     assert res.returncode == 0, res.stderr
     assert all(p.startswith(str(REPO)) for p in res.stdout.split()), res.stdout
+
+
+def test_the_coordinators_run_config_file_does_not_land_in_the_bundle(tmp_path, pin):
+    """The run-config file of a deployment run (``exp1.toml`` next to ``pyproject.toml``, docs/deploy.md §1.5)
+    is not shipped: pyproject's ``fab-include`` takes only ``*.py`` of distmoe/, server/, clients/, so Flower's
+    own build of ``flwr run .`` leaves it out (wherever the coordinator puts it) and the bundle still matches the
+    owners' pin; a bundle that did carry it would be refused by every pinned SuperNode."""
+    import shutil
+
+    from flwr.cli.build import build_fab_from_disk
+
+    app = tmp_path / "checkout"
+    app.mkdir()
+    shutil.copy2(REPO / "pyproject.toml", app / "pyproject.toml")
+    for pkg in ("distmoe", "server", "clients", "configs"):
+        shutil.copytree(REPO / pkg, app / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    run_config = (REPO / "configs" / "continual.toml").read_text() + "\n[federation]\nmin-available = 3\n"
+    for where in ("exp1.toml", "configs/exp1.toml", "distmoe/exp1.toml", "server/exp1.toml"):
+        (app / where).write_text(run_config)
+    with zipfile.ZipFile(io.BytesIO(build_fab_from_disk(app))) as z:
+        names = z.namelist()
+        shipped = {n: z.read(n) for n in names if not n.startswith(".info/")}
+    assert not [n for n in names if n.endswith(".toml") and n != "pyproject.toml"], names
+    assert not any(n.startswith("configs/") for n in names)
+    assert cp.check_fab(_fab(shipped), pin) == []
+    assert cp.check_fab(_fab({**shipped, "exp1.toml": run_config.encode()}), pin) == [
+        "exp1.toml: not in the pin (an added or renamed module)"]

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import subprocess
@@ -221,12 +220,15 @@ def _federation(dep: Deployment, tmp_path: Path, parties: list[str], register: l
         if res.returncode == 0 or time.monotonic() > deadline:
             break
         assert dep.procs[0].poll() is None, f"SuperLink exited with {dep.procs[0].returncode}" + dep.diag()
-        if "registered successfully" in res.stdout:
+        if " is node " in res.stderr:
             break  # partly registered: do not retry (a second registration of the same key is refused)
         time.sleep(1.0)
     assert res.returncode == 0, f"registration failed:\n{res.stdout}{res.stderr}" + dep.diag()
-    ids = re.findall(r"SuperNode (\d+) registered successfully", res.stdout)
-    assert len(ids) == len(register), res.stdout
+    # the table: owner, public key file, the node ID Flower gave it (one row per owner, in order)
+    rows = [line.split() for line in res.stdout.strip().splitlines()[1:]]
+    assert [r[0] for r in rows] == list(register), res.stdout
+    ids = [r[2] for r in rows]
+    assert all(i.isdigit() for i in ids), res.stdout
     superlink_log = dep.logs["superlink"].read_text(errors="replace")
     assert f"https://127.0.0.1:{port}" in superlink_log, "the SuperLink does not serve HTTPS" + dep.diag()
     return creds, port, cli_home, dict(zip(register, ids, strict=True))
@@ -336,7 +338,7 @@ def test_tls_node_auth_deployment_end_to_end(deployment: Deployment, tmp_path: P
         assert "Sending: query.unmask message" in log, f"supernode-{name} never unmasked" + msg
 
     # each data owner signed its ledger with the key it made itself (node config ledger-key)
-    ledgers = sorted(tmp_path.glob("data/.party-*-work/ledger/*.jsonl"))
+    ledgers = sorted(tmp_path.glob("owners/party-*/work/ledger/*.jsonl"))
     assert len(ledgers) == N_PARTIES, ledgers
     for led in ledgers:
         party = led.stem
@@ -440,7 +442,7 @@ def test_a_supernode_killed_mid_run_leaves_the_rounds_to_the_survivors(deploymen
 
     from distmoe.audit import audit_run
 
-    ledgers = sorted(tmp_path.glob("data/.party-*-work/ledger/*.jsonl"))
+    ledgers = sorted(tmp_path.glob("owners/party-*/work/ledger/*.jsonl"))
     canary_file = tmp_path / "auditor-canaries.txt"
     canary_file.write_text("".join((p / "canaries.txt").read_text() for p in parties))
     result = audit_run(run_dir, party_ledgers=ledgers, canaries=canary_file)
@@ -477,7 +479,7 @@ def test_a_coordinator_that_asks_for_plaintext_is_refused_by_every_owner(deploym
     assert {e["code"] for e in errors} == {"policy-allow-plaintext"}, errors
     assert not [e for e in events if e.get("event") in ("train", "stats", "eval") and not e.get("skipped")
                 and e.get("party") != "all"], "a per-party row reached the coordinator" + msg
-    for led in sorted(tmp_path.glob("data/.party-*-work/ledger/*.jsonl")):
+    for led in sorted(tmp_path.glob("owners/party-*/work/ledger/*.jsonl")):
         outs = [json.loads(x) for x in led.read_text().splitlines() if x.strip()]
         outs = [e for e in outs if e["direction"] == "out"]
         assert outs and all(e["payload_type"] == "error" and e["info"]["code"] == 1009 for e in outs), (led, outs)

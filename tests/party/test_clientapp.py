@@ -391,3 +391,26 @@ def test_a_party_with_public_balance_trains_with_it_and_names_an_unusable_prompt
     with pytest.raises(work.PartyError, match=r"public-balance-path.*public.jsonl:2"):
         work.run_sft(cfg, node, instr)
     base_mod.clear_cache()
+
+
+def test_setup_names_the_work_directory_and_ledger_in_the_party_log(synth_dirs, tmp_path, tiny_plain, capsys):
+    """At setup the party's own log (the SuperNode's stdout) names its work directory and the ledger path, and
+    the ledger is there."""
+    import os
+
+    from clients.app import setup
+    from distmoe.config import parse_run_config
+    from distmoe.privacy.plan import plan_privacy
+    from distmoe.wire.schema import SetupRequest
+
+    run_config = {k: v for k, v in tiny_plain.items() if k != "privacy.mode"}
+    cfg = parse_run_config(run_config)
+    z = plan_privacy(cfg.privacy, cfg.schedule).noise_multiplier
+    work = tmp_path / "hospital-a" / "work"
+    reply = setup(_instruction(SetupRequest(os.urandom(16), 2, 4096, 2, z, 0.0), 10),
+                  _context(synth_dirs[0], run_config, work, "hospital-a", 10))
+    assert not reply.has_error(), reply.error.reason
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "work directory" in x]
+    ledger = work / "ledger" / "hospital-a.jsonl"
+    assert line.startswith(f"distmoe party hospital-a: work directory {work} (ledger {ledger},")
+    assert f"error detail {work / 'party.log'}" in line and ledger.is_file()
