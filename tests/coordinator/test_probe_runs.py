@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -16,6 +17,12 @@ from distmoe.report.metrics_log import read_metrics
 from distmoe.report.report import render_markdown, write_report
 
 SCHEDULE = "sft:arith*2, stats:arith, sft:strings*2, eval"
+
+
+def _field(line: str, start: str) -> bool:
+    """A round line holds a field beginning with ``start``: after `` | ``, or first on a continuation line
+    (``distmoe |     probe: ...``: round lines wrap at 100 columns)."""
+    return re.search(r"\|\s+" + re.escape(start), line) is not None
 
 
 def _rows(run_dir, event):
@@ -53,7 +60,7 @@ def test_probe_metrics_every_round_under_secagg(probe_run):
     assert all(kl[r] is None for r in kl if r < stats_round)  # no anchor yet
     assert all(kl[r] is not None and kl[r] >= 0 for r in kl if r >= stats_round)
     assert probe_run["transport"].sent["query.probe"] == 3 * total
-    assert any("| probe: " in x and "load CV" in x for x in probe_run["lines"])
+    assert any(_field(x, "probe: ") and "load CV" in x for x in probe_run["lines"])
 
 
 @pytest.mark.integration
@@ -171,5 +178,5 @@ def test_a_run_killed_at_a_probe_resumes_and_keeps_probing(lay_out_run, tmp_path
     rounds = [p["round"] for p in _rows(run_dir, "probe")]
     assert rounds == [1, 3, 4]  # round 2 was checkpointed before its probe; the resumed run probes on
     assert _rows(run_dir, "probe")[1]["top1_consistency"] is None  # starts afresh after a resume
-    assert any("| probe: " in x for x in lines)
+    assert any(_field(x, "probe: ") for x in lines)
     assert failed_checks(audit_run(run_dir)) == set()

@@ -18,7 +18,7 @@ from distmoe.model.build import SUPPORTED_FAMILIES
 from distmoe.model.fabricate import write_checkpoint
 from distmoe.simulate import SimOptions, processes_with_token, run
 
-MINIMAL = {"schedule.phases": "stats:lookup, sft:lookup*1, eval, rl:lookup*1", "data.synth-examples": 12,
+MINIMAL = {"schedule.phases": "stats:lookup, sft:lookup*1, eval, rl:lookup*1", "data.synth-examples": 32,
            "train.local-steps": 2, "train.batch-size": 4, "train.warmup-steps": 0, "data.max-eval-examples": 2,
            "eval.max-new-tokens": 2, "eval.batch-size": 4, "rl.steps": 1, "rl.prompts-per-step": 2,
            "rl.group-size": 2, "rl.max-new-tokens": 2, "model.max-seq-len": 64, "model.trainable": "lora"}
