@@ -6,7 +6,8 @@ session ``flwr run`` was started in, and by the run's own Ray directory), :func:
 by PID. ``RUN_LOCK`` in the run directory holds the PID of the ``simulate`` writing it (:class:`RunLock`).
 SIGINT, SIGTERM and SIGHUP raise :class:`Stopped` in the main thread (:class:`StopOnSignals`).
 
-Must not: import ``flwr``, or signal a process that carries neither the run's token nor its session.
+Must not: import ``flwr``, or signal a process that carries neither the run's token nor its session and holds
+nothing open in the run's own Ray directory.
 """
 
 from __future__ import annotations
@@ -147,6 +148,9 @@ def processes_with_token(token: str, session: int | None = None, ray_dir: str | 
     (the session ``flwr run`` was started in), or whose ``RAY_TMPDIR`` is this run's own Ray directory
     (``ray_dir``: Ray's dashboard and runtime-env agents start in a session of their own with an environment
     that keeps Ray's variables but not the token; measured: both outlived a run matched by token and session).
+    A process holding a file open under ``ray_dir`` is listed too: measured, Ray's dashboard and runtime-env agents
+    can also start with an environment of only ``RAY_CLIENT_MODE`` in a session of the simulation process's, and
+    are re-parented to PID 1 when the raylet dies; their logs under the run's Ray directory identify them.
     A zombie (exited, not yet reaped by its parent) is not listed: its ``environ`` can no longer be read (ESRCH)."""
     needles = {f"{TOKEN_ENV}={token}".encode()}
     if ray_dir:
@@ -161,9 +165,21 @@ def processes_with_token(token: str, session: int | None = None, ray_dir: str | 
             sid = _session_of((entry / "stat").read_bytes()) if session is not None else None
         except (OSError, ValueError, IndexError):
             continue
-        if needles.intersection(env.split(b"\0")) or (session is not None and sid == session):
+        if (needles.intersection(env.split(b"\0")) or (session is not None and sid == session)
+                or (ray_dir and _holds_file_under(entry, ray_dir))):
             pids.append(int(entry.name))
     return pids
+
+
+def _holds_file_under(proc: Path, directory: str) -> bool:
+    """Whether the process at ``/proc/<pid>`` (``proc``) has a file open under ``directory`` or runs in it."""
+    prefix = os.path.join(os.path.realpath(directory), "")
+    try:
+        if os.path.join(os.readlink(proc / "cwd"), "").startswith(prefix):
+            return True
+        return any(os.readlink(fd).startswith(prefix) for fd in (proc / "fd").iterdir())
+    except OSError:  # gone meanwhile, or not ours to read
+        return False
 
 
 def stop_processes(token: str, grace: float = 5.0, session: int | None = None, ray_dir: str | None = None,

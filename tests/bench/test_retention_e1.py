@@ -90,6 +90,7 @@ def test_forced_routing_reproduces_the_captured_model(tmp_path):
     assert e1.evaluate(model, batches, forced) != pytest.approx(e1.evaluate(model, batches))
 
 
+@pytest.mark.integration  # a whole (tiny) E1 run: base, task A, every arm of B
 def test_tiny_end_to_end_run_writes_paired_rows_and_a_table(tmp_path, capsys):
     out = tmp_path / "out"
     e1.main(["run", "--seeds", "0", "--warmup-steps", "1", "--keys", "2", "--steps-a", "1", "--a-round", "1",

@@ -161,6 +161,7 @@ def test_the_launcher_checks_the_installed_directory_too(tmp_path, pin):
         install(_fab(_repo_files()))
 
 
+@pytest.mark.slow  # a real subprocess (imports torch, transformers and distmoe afresh)
 def test_deploy_pin_prints_the_digest_and_writes_the_launcher(tmp_path, pin):
     out = tmp_path / "pin"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -215,6 +216,7 @@ def test_an_owner_install_that_differs_from_the_pin_is_refused(tmp_path, pin):
     assert pinned.install_problems(pin) == []
 
 
+@pytest.mark.slow  # a real subprocess (imports torch, transformers and distmoe afresh)
 def test_party_modules_resolve_to_the_owners_install_once_the_launcher_imported_it(tmp_path):
     """Python semantics the launcher relies on: after ``distmoe`` is imported from the owner's install, a bundle
     directory put first on ``sys.path`` (as Flower does) does not supply ``distmoe`` submodules."""

@@ -211,6 +211,7 @@ def _write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype=tor
     return path.stat().st_size
 
 
+@pytest.mark.slow  # a real subprocess (imports torch, transformers and distmoe afresh)
 def test_server_memory_stays_flat_as_the_base_grows(tmp_path):
     """A ~100M-parameter Qwen3-MoE checkpoint (bf16, ~200 MB of weights): the server's resident memory grows by
     a small fraction of the weights (the adapters plus a meta-device skeleton), measured in a fresh process."""

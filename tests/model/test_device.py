@@ -235,6 +235,7 @@ def test_a_real_family_checkpoint_trains_with_a_bf16_base(family, make_cfg, tmp_
     base_mod.clear_cache()
 
 
+@pytest.mark.slow  # a real subprocess (imports torch, transformers and distmoe afresh)
 def test_a_message_maps_the_base_kept_by_the_first_one(make_cfg, tmp_path):
     """Deployment: every message is a new process. The first keeps the loaded base (fused layout, its dtype) as
     one file; the next maps it (no load, no copy) and computes exactly what a fresh load computes."""
