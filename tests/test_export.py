@@ -186,3 +186,25 @@ def test_export_errors_say_what_is_wrong(tmp_path, capsys, base, run):
     # the command: one error line, status 2
     assert main(["export", str(tmp_path / "missing")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_a_sigmoid_routers_trained_bias_exports_in_its_own_slot(tmp_path, run):
+    """DeepSeek-V3's router has its own correction bias: a ``routing.balance = "bias"`` run trains that tensor, so its
+    ``model/`` checkpoint exports without ``--drop-routing-bias`` and the exported model routes as the trained one."""
+    from transformers import AutoModelForCausalLM
+
+    from distmoe.model.fabricate import write_checkpoint
+
+    ckpt = write_checkpoint("deepseek_v3", tmp_path / "v3", seed=5)
+    cfg, _, weights = run(tmp_path / "bias", {"model.path": str(ckpt), "model.trainable": "all",
+                                              "routing.balance": "bias"}, rounds=(1,))
+    keys = [k for k in weights[1] if k.endswith("e_score_correction_bias")]
+    assert len(keys) == 1 and not [k for k in weights[1] if k.endswith("balance_bias")]
+    out = export_run(tmp_path / "bias")  # no flag needed
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(loaded.get_buffer(keys[0]), weights[1][keys[0]])  # the trained value, in its slot
+    trained = _adapted(cfg.model, weights[1])
+    torch.testing.assert_close(_logits(loaded), _logits(trained))
+    with torch.no_grad():  # the bias matters: the checkpoint's own (untrained) bias routes differently
+        loaded.get_buffer(keys[0]).copy_(AutoModelForCausalLM.from_pretrained(ckpt).get_buffer(keys[0]))
+    assert not torch.allclose(_logits(loaded), _logits(trained))

@@ -78,7 +78,7 @@ FAMILY_SHAPES: dict[str, tuple[str, dict]] = {
                                              first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
                                              routed_scaling_factor=2.5, num_key_value_heads=2, q_lora_rank=None,
                                              kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
-                                             num_nextn_predict_layers=0)),
+                                             head_dim=8, num_nextn_predict_layers=0)),
     # GLM-4.5's: the same router with one group (GLM-4.5's own n_group = 1), both layers MoE, QK-norm, half rotary
     "glm4_moe": ("Glm4MoeConfig", dict(_COMMON, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
                                        first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=True,

@@ -29,8 +29,8 @@ carried as routing logits ``r`` with ``softmax(r) = p``: ``r = z`` for a softmax
 sigmoid one (``softmax(log a) = a / sum a``), so the code written on ``softmax(r)`` (router statistics, anchor KL,
 aux loss, probe) holds unchanged; ``forward_with_router`` returns them.
 
-``dropped`` experts (``prune-k``) have ``c = -inf``: never chosen; a group's score sums its best two live experts
-(one live: that one; none: the group is never chosen).
+``dropped`` experts (``prune-k``) have ``c = -inf``: never chosen, exactly the family's own router with their
+correction bias at ``-inf`` (so a group whose best two include a dropped expert scores ``-inf`` too).
 
 Must not: hold state, install hooks (``balance.py``, ``rl/``) or read anything but the model's config.
 """
@@ -82,10 +82,7 @@ class Routing:
         if self.sigmoid and self.n_group > 1:
             n, e = c.shape
             grouped = c.view(n, self.n_group, e // self.n_group)  # [N, G, E/G]
-            best = grouped.topk(min(2, e // self.n_group), dim=-1).values  # [N, G, 2]
-            live = torch.isfinite(best)
-            g = torch.where(live, best, torch.zeros_like(best)).sum(-1)  # [N, G]
-            g = g.masked_fill(~live.any(-1), float("-inf"))
+            g = grouped.topk(min(2, e // self.n_group), dim=-1).values.sum(-1)  # [N, G]
             keep = torch.topk(g, self.topk_group, dim=-1).indices  # [N, topk_group]
             mask = torch.zeros_like(g, dtype=torch.bool).scatter_(1, keep, True)  # [N, G]
             c = c.masked_fill(~mask.repeat_interleave(e // self.n_group, dim=1), float("-inf"))
@@ -106,9 +103,13 @@ class Routing:
 
     def check_pruned(self, dropped: torch.Tensor, num_experts: int) -> None:
         """``ValueError`` unless every allowed choice of groups still holds ``k`` live experts after ``dropped``."""
-        per = num_experts // self.n_group
-        live = [per - int(((dropped >= j * per) & (dropped < (j + 1) * per)).sum()) for j in range(self.n_group)]
-        worst = sum(sorted(live)[:self.topk_group]) if self.sigmoid and self.n_group > 1 else sum(live)
+        if not (self.sigmoid and self.n_group > 1):
+            worst = num_experts - int(dropped.numel())
+        else:
+            per = num_experts // self.n_group
+            live = [per - int(((dropped >= j * per) & (dropped < (j + 1) * per)).sum()) for j in range(self.n_group)]
+            usable = sorted(n for n in live if n >= min(2, per))  # a group with a dropped expert in its best two: -inf
+            worst = sum(usable[:self.topk_group]) if len(usable) >= self.topk_group else 0
         if worst < self.top_k:
             raise ValueError(f"pruning experts {sorted(dropped.tolist())} leaves {worst} live experts in some "
                              f"choice of {self.topk_group} of the {self.n_group} expert groups, fewer than "
