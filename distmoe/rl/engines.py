@@ -34,8 +34,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from distmoe.model.build import num_experts as experts_of
 from distmoe.model.balance import selection_scores
+from distmoe.model.build import num_experts as experts_of
 from distmoe.model.build import router_modules, topk_weighting
 from distmoe.model.device import autocast_for, device_of
 from distmoe.model.router_rule import CORRECTION_BIAS, Routing, routing_of
