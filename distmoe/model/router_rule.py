@@ -12,7 +12,8 @@ softmax (Qwen3-MoE, Mixtral, OLMoE, GPT-OSS, DeepSeek-V2, ...), ``b`` = distmoe'
     s = p[I]  (/ sum_j p[I_j] when norm) * scale          the weights                [N, k]
 
 sigmoid with group-limited top-k (DeepSeek-AI, "DeepSeek-V3 Technical Report", https://arxiv.org/abs/2412.19437,
-§2.1.2 eqs. 12-16 and the sequence-wise balance loss eqs. 17-20; GLM-4.5's ``glm4_moe`` has the same router),
+§2.1.2 eqs. 12-16 and the sequence-wise balance loss eqs. 17-20, the group limit as transformers implements the
+paper's node-limited routing; GLM-4.5's ``glm4_moe`` has the same router),
 ``b`` = the checkpoint's own ``e_score_correction_bias`` (the auxiliary-loss-free bias of Wang, Gao, Zhao, Sun,
 Dai, https://arxiv.org/abs/2408.15664), ``G = n_group`` groups of ``E/G`` experts, ``topk_group`` groups kept::
 
@@ -32,7 +33,8 @@ aux loss, probe) holds unchanged; ``forward_with_router`` returns them.
 ``dropped`` experts (``prune-k``) have ``c = -inf``: never chosen, exactly the family's own router with their
 correction bias at ``-inf`` (so a group whose best two include a dropped expert scores ``-inf`` too).
 
-Must not: hold state, install hooks (``balance.py``, ``rl/``) or read anything but the model's config.
+Must not: hold state, install hooks (``balance.py``, ``rl/``), or read anything of a model but its config and its
+routers' correction bias.
 """
 
 from __future__ import annotations
