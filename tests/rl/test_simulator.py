@@ -496,7 +496,7 @@ def test_grpo_simulator_heldout_triggers_and_trust_counts(env):
 
 
 def test_the_simulator_refuses_a_sigmoid_router(tmp_path):
-    """Its route-offset table models a softmax top-k of z + o; DeepSeek-V3's group-limited sigmoid choice is not that."""
+    """Its route-offset table models a softmax top-k of z + o, not DeepSeek-V3's group-limited sigmoid choice."""
     from distmoe.model.build import load_checkpoint
     from distmoe.model.fabricate import write_checkpoint
     from distmoe.rl.simulator import InferenceSimulator
