@@ -186,3 +186,45 @@ def test_export_errors_say_what_is_wrong(tmp_path, capsys, base, run):
     # the command: one error line, status 2
     assert main(["export", str(tmp_path / "missing")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_a_sigmoid_routers_trained_bias_exports_in_its_own_slot(tmp_path, run):
+    """DeepSeek-V3's router has its own correction bias: a ``routing.balance = "bias"`` run trains that tensor, so its
+    ``model/`` checkpoint exports without ``--drop-routing-bias`` and the exported model routes as the trained one."""
+    from transformers import AutoModelForCausalLM
+
+    from distmoe.model.fabricate import write_checkpoint
+
+    ckpt = write_checkpoint("deepseek_v3", tmp_path / "v3", seed=5)
+    cfg, _, weights = run(tmp_path / "bias", {"model.path": str(ckpt), "model.trainable": "all",
+                                              "routing.balance": "bias"}, rounds=(1,))
+    keys = [k for k in weights[1] if k.endswith("e_score_correction_bias")]
+    assert len(keys) == 1 and not [k for k in weights[1] if k.endswith("balance_bias")]
+    out = export_run(tmp_path / "bias")  # no flag needed
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(loaded.get_buffer(keys[0]), weights[1][keys[0]])  # the trained value, in its slot
+    trained = _adapted(cfg.model, weights[1])
+    torch.testing.assert_close(_logits(loaded), _logits(trained))
+    with torch.no_grad():  # the bias matters: the checkpoint's own (untrained) bias routes differently
+        loaded.get_buffer(keys[0]).copy_(AutoModelForCausalLM.from_pretrained(ckpt).get_buffer(keys[0]))
+    assert not torch.allclose(_logits(loaded), _logits(trained))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_a_sigmoid_family_lora_run_exports_merged(tmp_path, run, family):
+    """The adapters of a DeepSeek-V3 / GLM-4.5 run (attention, routed experts, router) merge into the base: the export
+    computes the adapted model's logits, its correction bias the checkpoint's own."""
+    from transformers import AutoModelForCausalLM
+
+    from distmoe.model.fabricate import write_checkpoint
+
+    ckpt = write_checkpoint(family, tmp_path / family, seed=5)
+    cfg, _, weights = run(tmp_path / "lora", {"model.path": str(ckpt), "model.trainable": "lora"}, rounds=(1,))
+    assert any(".experts." in k for k in weights[1]) and any(".mlp.gate." in k for k in weights[1])
+    out = export_run(tmp_path / "lora")
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(_logits(loaded), _logits(_adapted(cfg.model, weights[1])), rtol=1e-4, atol=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(ckpt)
+    for name, buf in base.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            torch.testing.assert_close(loaded.get_buffer(name), buf, rtol=0, atol=0)

@@ -28,6 +28,14 @@ bias the (secure) mean of the parties' biases, inside the same clipped, masked (
 DP, noised) update; a party sends no separate load count. Its change over a round is bounded by
 ``u * local-steps`` per entry. It is also saved in every checkpoint (``trainable.safetensors``).
 
+A sigmoid router (DeepSeek-V3, GLM-4.5: ``router_rule.py``) already has this bias: the checkpoint's own
+``e_score_correction_bias`` ``[E]``, added to its sigmoid affinities for the group-limited choice only, which is
+exactly where the paper puts it. For these families the routing bias *is* that tensor: ``install_bias`` turns the
+router's buffer into a float32 ``nn.Parameter`` of the same name (its value the checkpoint's, not zero) and adds no
+hook, since the router's own forward already chooses with it; the same sign rule moves it. A checkpoint of such a
+run therefore holds the trained bias under the checkpoint's own name, and ``distmoe export`` needs no
+``--drop-routing-bias``: ``from_pretrained`` loads it back into the router's buffer.
+
 Owns: installing the bias and its forward hook on every router of a model, the per-step load count
 (``BalanceTracker``) and the bias update; the selection scores the routing metrics use.
 
@@ -41,26 +49,44 @@ from torch import nn
 
 from distmoe.config import BALANCE_COUNTS, SETTLE_SCHEDULES
 from distmoe.model.families import router_modules, topk_weighting
+from distmoe.model.router_rule import CORRECTION_BIAS, choice_bias, is_sigmoid, routing_of
 
-BIAS_NAME = "balance_bias"
+BIAS_NAME = "balance_bias"  # a softmax router's routing bias (a sigmoid router's is CORRECTION_BIAS)
+BIAS_NAMES = (BIAS_NAME, CORRECTION_BIAS)  # the last name part of a routing-bias tensor, whichever the family
+
+
+def bias_name(model: nn.Module) -> str:
+    """The attribute of every router of ``model`` that holds its routing bias (installed or not)."""
+    return CORRECTION_BIAS if is_sigmoid(model) else BIAS_NAME
 
 
 def has_bias(model: nn.Module) -> bool:
     routers = router_modules(model)
-    return bool(routers) and all(isinstance(getattr(m, BIAS_NAME, None), nn.Parameter) for _, m in routers)
+    name = bias_name(model)
+    return bool(routers) and all(isinstance(getattr(m, name, None), nn.Parameter) for _, m in routers)
 
 
 def biases(model: nn.Module) -> list[torch.Tensor]:
     """Each MoE layer's bias ``[E]``, in layer order (empty when none is installed)."""
-    return [getattr(m, BIAS_NAME) for _, m in router_modules(model)] if has_bias(model) else []
+    name = bias_name(model)
+    return [getattr(m, name) for _, m in router_modules(model)] if has_bias(model) else []
 
 
 def install_bias(model: nn.Module) -> None:
-    """Add a zero bias ``[E]`` and the choosing hook to every router of ``model`` (idempotent)."""
+    """Add a zero bias ``[E]`` and the choosing hook to every router of ``model``; on a sigmoid router, turn its own
+    ``e_score_correction_bias`` into the trained bias instead (module docstring). Idempotent."""
     routers = router_modules(model)
     if not routers:
         raise ValueError("routing.balance = \"bias\": the model has no top-k router modules")
     if has_bias(model):
+        return
+    if is_sigmoid(model):
+        for _, mod in routers:
+            own = mod._buffers.pop(CORRECTION_BIAS, None)
+            if own is None:
+                raise ValueError(f"routing.balance = \"bias\": router {type(mod).__name__} has no "
+                                 f"{CORRECTION_BIAS} buffer")
+            mod.register_parameter(CORRECTION_BIAS, nn.Parameter(own.detach().to(torch.float32)))
         return
     norm, scale = topk_weighting(model)
     for _, mod in routers:
@@ -89,8 +115,14 @@ def _choose_with_bias(norm: bool, scale: float):
 
 
 def selection_scores(model: nn.Module, valid_logits: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per layer ``[N, E]`` scores whose top-k is the experts the router chooses: ``z + b`` with the bias
-    installed, else ``z`` itself (its top-k is the softmax's)."""
+    """Per layer ``[N, E]`` scores whose top-k is the experts the router chooses, from the routing logits
+    ``forward_with_router`` returns: ``z + b`` with the bias installed, else ``z`` itself (its top-k is the
+    softmax's); for a sigmoid router its group-limited choice scores with its correction bias (``router_rule.py``:
+    ``-inf`` outside the chosen groups)."""
+    if is_sigmoid(model):
+        rule = routing_of(model)
+        bs = [choice_bias(m, True, BIAS_NAME) for _, m in router_modules(model)]
+        return [rule.choice_scores(r, b, from_routing_logits=True) for r, b in zip(valid_logits, bs, strict=True)]
     bs = biases(model)
     if not bs:
         return valid_logits
@@ -120,6 +152,7 @@ class BalanceTracker:
         self.rate = float(rate)
         self.first_only = count == "first"  # count each token's first choice only (its top-1 load)
         self.active = has_bias(model) and self.rate > 0
+        self._rule = routing_of(model) if self.active and is_sigmoid(model) else None  # sorts a sigmoid's choice
         self._calls: dict[int, list[torch.Tensor]] = {}
         self.counts: torch.Tensor | None = None  # [L, E] since the last step
         self._handles: list = []
@@ -128,13 +161,21 @@ class BalanceTracker:
         if self.active:
             for li, (_, mod) in enumerate(router_modules(self.model)):
                 self._handles.append(mod.register_forward_hook(
-                    lambda _m, _i, out, li=li: self._calls.setdefault(li, []).append(out[2].detach())))
+                    lambda m, _i, out, li=li: self._calls.setdefault(li, []).append(self._ranked(m, out))))
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def _ranked(self, mod: nn.Module, out) -> torch.Tensor:
+        """``[rows, k]`` chosen experts in descending choice score (a sigmoid router returns them unsorted)."""
+        idx = out[2].detach()  # [rows, k]
+        if self._rule is None or not self.first_only:
+            return idx
+        c = self._rule.choice_scores(out[0].detach(), getattr(mod, CORRECTION_BIAS)).gather(-1, idx)  # [rows, k]
+        return idx.gather(-1, c.argsort(-1, descending=True))
 
     def start_forward(self) -> None:
         """Forget router calls recorded since the last ``count`` (e.g. recomputed in a backward pass)."""

@@ -71,6 +71,20 @@ FAMILY_SHAPES: dict[str, tuple[str, dict]] = {
                                              routed_scaling_factor=1.0, num_key_value_heads=2,
                                              q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
                                              qk_rope_head_dim=8, v_head_dim=16)),
+    # DeepSeek-V3's router: sigmoid affinities + correction bias, 8 experts in 4 groups of which the top 2 are kept,
+    # top-2, renormalised, times 2.5; the first layer dense, one shared expert; multi-head latent attention without
+    # a query compression (as Moonlight-16B-A3B)
+    "deepseek_v3": ("DeepseekV3Config", dict(_COMMON, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
+                                             first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                                             routed_scaling_factor=2.5, num_key_value_heads=2, q_lora_rank=None,
+                                             kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+                                             head_dim=8, num_nextn_predict_layers=0)),
+    # GLM-4.5's: the same router with one group (GLM-4.5's own n_group = 1), both layers MoE, QK-norm, half rotary
+    "glm4_moe": ("Glm4MoeConfig", dict(_COMMON, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
+                                       first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=True,
+                                       routed_scaling_factor=2.5, use_qk_norm=True, num_nextn_predict_layers=0,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.5})),
 }
 
 
@@ -168,7 +182,8 @@ def write_checkpoint(family: str, out: Path, *, seed: int = 0, shape: dict | Non
 
 def _randomise_routers(model: torch.nn.Module, seed: int) -> None:
     """Routers some families initialise to zero (uniform routing) get small random weights, so the
-    fabricated model routes tokens differently, as a trained one does."""
+    fabricated model routes tokens differently, as a trained one does; a sigmoid router's correction bias
+    (zero at initialisation) gets small random values too, so that it changes some choices, as a trained one does."""
     from distmoe.model.build import router_modules
 
     gen = torch.Generator().manual_seed(seed + 7)
@@ -177,3 +192,6 @@ def _randomise_routers(model: torch.nn.Module, seed: int) -> None:
             w = getattr(mod, "weight", None)
             if isinstance(w, torch.Tensor):
                 w.copy_(torch.randn(w.shape, generator=gen) * 0.5)
+            b = getattr(mod, "e_score_correction_bias", None)
+            if isinstance(b, torch.Tensor):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)

@@ -18,18 +18,23 @@ from torch import nn
 
 @dataclass(frozen=True)
 class RouterRule:
-    """How a supported family's router turns its logits ``z`` ``[tokens, E]`` into its top-k: the experts
-    are always ``topk(softmax(z))`` (= ``topk(z)``); the weights are ``softmax(z)[I]``, renormalised over
-    the ``k`` chosen experts when ``normalise`` (``None``: the config's ``norm_topk_prob``), times
-    ``config.<scale>`` when ``scale`` is set. Routing replay and ``prune-k`` re-derive weights this way."""
+    """How a supported family's router turns its logits ``z`` ``[tokens, E]`` into its top-k. ``scores =
+    "softmax"``: the experts are ``topk(softmax(z))`` (= ``topk(z)``), the weights ``softmax(z)[I]``.
+    ``scores = "sigmoid"`` (DeepSeek-V3's router): the experts are the group-limited top-k of ``sigmoid(z)`` plus
+    the checkpoint's ``e_score_correction_bias``, the weights ``sigmoid(z)[I]``. Either way the weights are
+    renormalised over the ``k`` chosen experts when ``normalise`` (``None``: the config's ``norm_topk_prob``) and
+    times ``config.<scale>`` when ``scale`` is set. ``router_rule.py`` applies the rule; routing replay and
+    ``prune-k`` re-derive the weights with it."""
 
     normalise: bool | None
     scale: str | None = None
     config_checks: tuple[tuple[str, object], ...] = ()  # (config field, required value)
+    scores: str = "softmax"  # "softmax" or "sigmoid" (group-limited, with the checkpoint's correction bias)
 
 
-# family -> its router rule. Every router here is a softmax over the E experts of an MoE layer, so the
-# router statistics, the anchor KL, the aux loss and routing replay hold as written (docs/checkpoints.md).
+# family -> its router rule. A softmax router's routing distribution is softmax(z); a sigmoid router's is its
+# normalised affinities sigmoid(z) / sum sigmoid(z) (router_rule.py), so the router statistics, the anchor KL,
+# the aux loss and routing replay hold as written for both (docs/checkpoints.md).
 FAMILIES: dict[str, RouterRule] = {
     "qwen3_moe": RouterRule(normalise=None),
     "qwen2_moe": RouterRule(normalise=None),  # plus a sigmoid-gated shared expert (not routed)
@@ -41,25 +46,32 @@ FAMILIES: dict[str, RouterRule] = {
     # greedy top-k of the softmax, times routed_scaling_factor; dense first layers, shared experts
     "deepseek_v2": RouterRule(normalise=False, scale="routed_scaling_factor",
                               config_checks=(("topk_method", "greedy"),)),
+    # sigmoid affinities + e_score_correction_bias, group-limited top-k, times routed_scaling_factor; dense first
+    # layers, shared experts; DeepSeek-V3 has multi-head latent attention, GLM-4.5 grouped-query attention
+    "deepseek_v3": RouterRule(normalise=None, scale="routed_scaling_factor", scores="sigmoid"),
+    "glm4_moe": RouterRule(normalise=None, scale="routed_scaling_factor", scores="sigmoid"),
 }
 SUPPORTED_FAMILIES = tuple(FAMILIES)
 
-_SIGMOID_GROUPED = ("its router scores experts with a sigmoid plus a learned bias correction and "
-                    "group-limited top-k, not a softmax over the experts; distmoe's router statistics, "
-                    "anchor KL and aux loss assume softmax routing probabilities over E experts")
-_SIGMOID = ("its router scores experts with independent sigmoids, not a softmax over the experts; "
-            "distmoe's router statistics, anchor KL and aux loss assume softmax routing probabilities")
+_SIGMOID_UNTESTED = ("its router is DeepSeek-V3's (sigmoid affinities plus the checkpoint's correction bias, "
+                     "group-limited top-k; supported in deepseek_v3 and glm4_moe), but distmoe has not tested this "
+                     "family (no fabricated checkpoint in the family tests or the Flower family matrix), so it is "
+                     "refused until it is")
+_SIGMOID = ("its router scores experts with independent sigmoids under a choice and weighting rule of its own, "
+            "which distmoe has not implemented or tested (distmoe's sigmoid rule is DeepSeek-V3's router module: "
+            "group-limited top-k with the correction bias)")
 # MoE families transformers ships that distmoe refuses, and why (docs/checkpoints.md keeps the same table)
 REFUSED_FAMILIES: dict[str, str] = {
-    "deepseek_v3": _SIGMOID_GROUPED,
-    "deepseek_v32": _SIGMOID_GROUPED,
-    "glm4_moe": _SIGMOID_GROUPED,
-    "glm4_moe_lite": _SIGMOID_GROUPED,
-    "dots1": _SIGMOID_GROUPED,
-    "longcat_flash": _SIGMOID_GROUPED + "; it also has zero-computation experts",
+    "deepseek_v32": _SIGMOID_UNTESTED + "; it also adds DeepSeek Sparse Attention (a lightning indexer that "
+                                        "selects the attended tokens)",
+    "glm4_moe_lite": _SIGMOID_UNTESTED,
+    "dots1": _SIGMOID_UNTESTED,
+    "longcat_flash": ("its router mixes zero-computation (identity) experts among the routed ones, so its E router "
+                      "columns are not E experts with weights; distmoe's anchor, expert adapters and routing replay "
+                      "assume they are"),
     "minimax_m2": _SIGMOID + " (with a bias-corrected choice)",
     "lfm2_moe": _SIGMOID + " (with an expert-bias-corrected choice)",
-    "llama4": _SIGMOID + " over the top-k logits; it is also a multimodal checkpoint",
+    "llama4": _SIGMOID + " (a sigmoid of the top-k logits); it is also a multimodal checkpoint",
     "ernie4_5_moe": ("it chooses experts by softmax plus a learned correction bias (moe_statics), so the "
                      "chosen experts are not the top-k of the routing distribution distmoe's statistics, "
                      "anchor and routing replay use"),

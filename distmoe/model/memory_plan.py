@@ -60,7 +60,11 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                      num_experts_per_tok=2, intermediate_size=14336, tie_word_embeddings=False)),
     "moonlight-16b-a3b": ("deepseek_v3", dict(vocab_size=163840, hidden_size=2048, num_hidden_layers=27,
                                               n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
-                                              n_shared_experts=2, first_k_dense_replace=1)),
+                                              n_shared_experts=2, first_k_dense_replace=1, intermediate_size=11264,
+                                              num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
+                                              kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                              v_head_dim=128, n_group=1, topk_group=1, routed_scaling_factor=2.446,
+                                              num_nextn_predict_layers=0, tie_word_embeddings=False)),
 }
 DEVICES_GB = {"h200": 141.0, "h100": 80.0, "a100": 80.0, "a100-40": 40.0, "l40s": 48.0, "a6000": 48.0,
               "4090": 24.0, "l4": 24.0}

@@ -1,10 +1,13 @@
-"""Router capture: the raw router logits of every MoE layer for a forward pass, and the top-k
+"""Router capture: the routing logits of every MoE layer for a forward pass, and the top-k
 assignments recomputed from them.
 
-Transformers returns one ``[B*S, E]`` pre-softmax tensor per MoE layer with
-``output_router_logits=True`` (padding rows included); the top-k indices are not returned, so they
-are recomputed here with ``topk`` (identical to the router's own choice). ``RouterRecorder`` uses
-forward hooks on the router modules instead, which also works inside ``generate``.
+Transformers returns one ``[B*S, E]`` router-logit tensor per MoE layer with
+``output_router_logits=True`` (padding rows included). ``forward_with_router`` returns them as routing logits
+``r`` whose softmax is the routing distribution the statistics, the anchor and the losses use
+(``router_rule.py``): the logits themselves for a softmax router, ``log sigmoid(z)`` for a sigmoid one
+(DeepSeek-V3's normalised affinities). The top-k indices are not returned; for a softmax router without a
+bias they are ``topk`` of the logits (``topk_experts``), otherwise ``Routing.choose``. ``RouterRecorder`` uses
+forward hooks on the router modules instead (the raw logits), which also works inside ``generate``.
 
 Must not: compute losses (``routing/losses.py``) or statistics (``routing/stats.py``).
 """
@@ -19,12 +22,13 @@ from torch import nn
 
 from distmoe.model.build import router_modules
 from distmoe.model.device import autocast_for, device_of
+from distmoe.model.router_rule import is_sigmoid, routing_of
 
 
 @dataclass
 class RouterOutput:
     logits: torch.Tensor  # [B, S, V] LM logits
-    router_logits: tuple[torch.Tensor, ...]  # L x [B*S, E]
+    router_logits: tuple[torch.Tensor, ...]  # L x [B*S, E] routing logits: softmax(r) is the routing distribution
 
     def stacked(self) -> torch.Tensor:
         return torch.stack(self.router_logits, 0)  # [L, B*S, E]
@@ -32,8 +36,8 @@ class RouterOutput:
 
 def forward_with_router(model: nn.Module, input_ids: torch.Tensor,
                         attention_mask: torch.Tensor) -> RouterOutput:
-    """One forward pass returning LM logits and per-layer router logits, on the model's device (the inputs
-    are moved there) and under autocast when its base is stored below float32."""
+    """One forward pass returning LM logits and per-layer routing logits (module docstring), on the model's device
+    (the inputs are moved there) and under autocast when its base is stored below float32."""
     dev = device_of(model)
     with autocast_for(model):
         out = model(input_ids=input_ids.to(dev), attention_mask=attention_mask.to(dev), output_router_logits=True,
@@ -41,6 +45,8 @@ def forward_with_router(model: nn.Module, input_ids: torch.Tensor,
     rl = out.router_logits
     if rl is None or len(rl) == 0:
         raise RuntimeError("the model returned no router logits (is it a Mixture-of-Experts model?)")
+    if is_sigmoid(model):  # log sigmoid(z): softmax of it is the normalised affinities
+        rl = [routing_of(model).routing_logits(z) for z in rl]
     return RouterOutput(logits=out.logits, router_logits=tuple(rl))
 
 

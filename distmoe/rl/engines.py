@@ -34,10 +34,11 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from distmoe.model.balance import selection_scores
 from distmoe.model.build import num_experts as experts_of
 from distmoe.model.build import router_modules, topk_weighting
 from distmoe.model.device import autocast_for, device_of
-from distmoe.model.router import topk_experts
+from distmoe.model.router_rule import CORRECTION_BIAS, Routing, routing_of
 
 BASE_PROFILES = ("exact", "bf16", "int8-dynamic", "int8-weight-only", "prune-k")
 _PRUNE_RE = re.compile(r"^prune-(\d+)$")
@@ -107,6 +108,7 @@ def measure_usage(model: nn.Module, batches: Iterable) -> torch.Tensor:
     if not routers:
         raise ValueError("measure_usage: the model has no top-k router modules")
     top_k = int(model.config.num_experts_per_tok)
+    rule = routing_of(model)
     usage: torch.Tensor | None = None
     was_training = model.training
     model.eval()
@@ -119,10 +121,11 @@ def measure_usage(model: nn.Module, batches: Iterable) -> torch.Tensor:
                             use_cache=False)
             mask = mask.to(dev)
             valid = mask.reshape(-1).bool()  # [B*S]
+            rl = [rule.routing_logits(z) for z in out.router_logits]  # as forward_with_router returns them
             layers = []
-            for rl in out.router_logits:  # L x [B*S, E]
-                idx = topk_experts(rl[valid], top_k)  # [n, k]
-                layers.append(torch.bincount(idx.reshape(-1), minlength=rl.shape[-1]).float())  # [E]
+            for c in selection_scores(model, [z[valid] for z in rl]):  # L x [n, E]: the router's own choice
+                idx = torch.topk(c, top_k, dim=-1).indices  # [n, k]
+                layers.append(torch.bincount(idx.reshape(-1), minlength=c.shape[-1]).float())  # [E]
             counts = torch.stack(layers, 0)  # [L, E]
             usage = counts if usage is None else usage + counts
     finally:
@@ -138,13 +141,19 @@ def least_used(usage: torch.Tensor, k: int) -> torch.Tensor:
     return order[:, :k]
 
 
-def _make_prune_hook(dropped: torch.Tensor, top_k: int, norm_topk_prob: bool, scale: float = 1.0):
-    """Forward hook for a ``(logits, scores, indices)`` router: re-route with ``dropped`` logits at -inf."""
-    def hook(_mod, _inp, out):
+def _make_prune_hook(dropped: torch.Tensor, top_k: int, norm_topk_prob: bool, scale: float = 1.0,
+                     rule: Routing | None = None):
+    """Forward hook for a ``(logits, scores, indices)`` router: re-route with ``dropped`` logits at -inf. A sigmoid
+    ``rule`` chooses by its group-limited rule with the router's correction bias, the dropped experts never
+    chosen, and weighs the choice by its own rule (``router_rule.py``)."""
+    def hook(mod, _inp, out):
         if not (isinstance(out, tuple) and len(out) == 3):
             raise TypeError("prune-k needs a router returning (logits, scores, indices) (Qwen3-MoE style)")
         logits = out[0]  # [tokens, E]
         masked = logits.index_fill(-1, dropped.to(logits.device), float("-inf"))  # [tokens, E]
+        if rule is not None and rule.sigmoid:
+            idx = rule.choose(logits, getattr(mod, CORRECTION_BIAS), dropped)  # [tokens, k]
+            return masked, rule.weights(logits, idx).to(out[1].dtype), idx
         probs = torch.softmax(masked, dim=-1, dtype=torch.float)  # [tokens, E]
         top_v, top_i = torch.topk(probs, top_k, dim=-1)  # [tokens, k]
         if norm_topk_prob:
@@ -240,8 +249,10 @@ class InferenceEngine:
         self.usage = usage
         self.pruned = least_used(usage, k)  # [L, k]
         norm, scale = topk_weighting(model)  # the family's own weighting of its top-k
+        rule = routing_of(model)
         for li, (_, mod) in enumerate(routers):
-            mod.register_forward_hook(_make_prune_hook(self.pruned[li], top_k, norm, scale))
+            rule.check_pruned(self.pruned[li], num_experts)
+            mod.register_forward_hook(_make_prune_hook(self.pruned[li], top_k, norm, scale, rule))
 
     def __repr__(self) -> str:
         return f"InferenceEngine(profile={self.profile!r}, temperature={self.temperature})"

@@ -26,8 +26,12 @@ Exact semantics of a replayed router (Qwen3-MoE ``TopKRouter``, which returns
   ``norm_topk_prob`` (the default tiny model does), ``s = s / sum(s)``, i.e. the softmax of ``z``
   restricted to the replayed experts: ``s_j = exp(z_{I_j}) / sum_m exp(z_{I_m})``. Without
   ``norm_topk_prob`` the un-normalised ``p[I]`` is used, exactly as HF does for its own top-k. Other
-  supported families differ only in whether they renormalise and by a constant scale
+  supported softmax families differ only in whether they renormalise and by a constant scale
   (``distmoe.model.families.topk_weighting``: Mixtral and GPT-OSS always renormalise, DeepSeek-V2 scales).
+  A sigmoid router (DeepSeek-V3, GLM-4.5) weighs the replayed experts by its own rule: ``s = sigmoid(z)[I]``,
+  renormalised over the ``k`` with ``norm_topk_prob``, times ``routed_scaling_factor``
+  (``distmoe.model.router_rule.Routing.weights``); its group limit and correction bias only choose, so they do
+  not enter the replayed weights.
 * The gradient therefore flows to the router through ``s`` (and to the replayed experts), but never
   through the choice of experts: routing mismatch is removed at its source, while the router still
   learns how to weight the experts it was given.
@@ -48,8 +52,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from distmoe.model.build import router_modules, topk_weighting
+from distmoe.model.build import router_modules
 from distmoe.model.router import RouterHooks, topk_experts
+from distmoe.model.router_rule import routing_of
 
 UNRECORDED = -1
 
@@ -143,7 +148,7 @@ def replay_routes(model: nn.Module, routes: torch.Tensor | None) -> Iterator[Rep
         raise ValueError(f"replay_routes: routes record {routes.shape[-1]} experts per token, the model uses {top_k}")
     flat = routes.reshape(routes.shape[0], -1, top_k)  # [L, N*S, k]
     handles = []
-    norm, scale = topk_weighting(model)
+    rule = routing_of(model)  # the family's own weighting of its top-k
     for li, (_, mod) in enumerate(routers):
 
         def hook(_mod, _inp, out, li=li):
@@ -156,7 +161,7 @@ def replay_routes(model: nn.Module, routes: torch.Tensor | None) -> Iterator[Rep
                                  f"{rec.shape[0]} (N*S of another batch?)")
             replayed = (rec >= 0).all(-1)  # [rows] bool
             idx = torch.where(replayed[:, None], rec, own)  # [rows, k]
-            w = replay_weights(logits, idx, norm, scale)  # [rows, k]
+            w = rule.weights(logits, idx).to(scores.dtype)  # [rows, k]
             w = torch.where(replayed[:, None], w, scores)  # [rows, k] unrecorded rows: the router's own weights
             stats.replayed[li] = replayed
             stats.overridden[li] = replayed & (torch.sort(idx, -1).values != torch.sort(own, -1).values).any(-1)

@@ -59,6 +59,7 @@ from torch import nn
 
 from distmoe.model.build import num_experts as experts_of
 from distmoe.model.build import router_modules
+from distmoe.model.router_rule import is_sigmoid
 from distmoe.rl.rollout import Rollouts, engine_model
 from distmoe.rl.sim_measure import (  # noqa: F401  (the functions callers import from here)
     FEATURE_CLAMP,
@@ -133,6 +134,10 @@ class InferenceSimulator:
 
     @classmethod
     def for_model(cls, model: nn.Module, **kw) -> InferenceSimulator:
+        if is_sigmoid(model):
+            raise ValueError(f"rl.simulator: the inference simulator's route-offset table models a softmax router "
+                             f"(the top-k of z + o); the {model.config.model_type!r} router is a sigmoid with a "
+                             "group-limited choice, which it does not model: set rl.simulator = false")
         sim = cls(len(router_modules(model)), experts_of(model), int(model.config.num_experts_per_tok), **kw)
         return sim.to(next(model.parameters()).device)
 

@@ -380,3 +380,34 @@ def test_run_with_partial_trainable_modes(synth_dirs, make_cfg, tmp_path, mode):
     with torch.no_grad():
         torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(input_ids=ids).logits,
                                    party.eval()(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.integration
+def test_a_sigmoid_router_run_trains_its_own_correction_bias_and_exports_it(synth_dirs, make_cfg, tmp_path):
+    """DeepSeek-V3 with ``routing.balance = "bias"``: the parties move the checkpoint's own ``e_score_correction_bias``,
+    FedAvg aggregates it, and ``distmoe export`` writes it into the router's own slot without --drop-routing-bias."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from distmoe.export import export_run
+    from distmoe.model.fabricate import write_checkpoint
+
+    ckpt = write_checkpoint("deepseek_v3", tmp_path / "v3", seed=5)
+    cfg = make_cfg(**{**RUN, "schedule.phases": "sft:arith*1, stats:arith", "model.path": str(ckpt),
+                      "model.trainable": "router+experts", "routing.balance": "bias", "model.max-seq-len": 64})
+    run_dir = tmp_path / "run"
+    coord, _ = _coordinator(cfg, synth_dirs, run_dir)
+    coord.run()
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
+    assert not _events(run_dir, "party_error")
+    ck = latest(run_dir / "checkpoints")
+    final = load_file(str(ck / "trainable.safetensors"))
+    (key,) = [k for k in final if k.endswith("e_score_correction_bias")]
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as sf:
+        start = sf.get_tensor(key)
+    moved = torch.from_numpy(np.asarray(final[key])) - start
+    assert moved.abs().max() > 0  # the parties' sign-rule steps, averaged
+    assert moved.abs().max() <= cfg.routing.balance_rate * cfg.train.local_steps + 1e-6
+    out = export_run(run_dir)  # no --drop-routing-bias
+    torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out).get_buffer(key),
+                               torch.from_numpy(np.asarray(final[key])))

@@ -180,3 +180,62 @@ def test_settle_rates_constant_and_linear_and_their_sum_bounds_the_move():
     assert settle_rates(0, 0.02, "linear") == []
     with pytest.raises(ValueError, match="balance-settle-schedule"):
         settle_rates(4, 0.01, "cosine")
+
+
+# ------------------------------------------------------------------ a sigmoid router's own correction bias
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    from distmoe.model.fabricate import write_checkpoint
+
+    return write_checkpoint("deepseek_v3", tmp_path_factory.mktemp("v3") / "ckpt", seed=5)
+
+
+def _sigmoid_model(path, **extra):
+    from distmoe.config import parse_run_config
+
+    cfg = parse_run_config({"model.path": str(path), "model.trainable": "all", **extra})
+    model, _ = build_model(cfg.model)
+    return cfg, apply_trainable(model, cfg.model)
+
+
+def test_a_sigmoid_routers_bias_is_its_own_correction_bias(v3):
+    from distmoe.model.router_rule import CORRECTION_BIAS, routing_of
+
+    _, plain = _sigmoid_model(v3, **{"routing.balance": "aux"})
+    cfg, model = _sigmoid_model(v3, **{"routing.balance": "bias"})
+    (name, router), = router_modules(model)
+    (_, plain_router), = router_modules(plain)
+    key = f"{name}.{CORRECTION_BIAS}"
+    assert balance.has_bias(model) and not balance.has_bias(plain)
+    assert CORRECTION_BIAS in plain_router._buffers and key not in trainable_names(plain)  # frozen without the key
+    assert key in spec_of(model, cfg.model.trainable).keys and not [n for n in trainable_names(model)
+                                                                     if n.endswith(balance.BIAS_NAME)]
+    own = plain_router.e_score_correction_bias
+    assert own.abs().sum() > 0 and torch.equal(balance.biases(model)[0].detach(), own)  # the checkpoint's value
+    assert not router._forward_hooks  # the router's own forward chooses with it: no hook
+    h = torch.randn(40, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, w0, i0 = plain_router(h)
+        _, w1, i1 = router(h)
+    assert torch.equal(i0, i1) and torch.equal(w0, w1)  # installing it changes nothing
+
+    x, m = _ids()
+    model.train()
+    model(input_ids=x, attention_mask=m, labels=x).loss.backward()
+    assert balance.biases(model)[0].grad is None and router.weight.grad is not None
+
+    # the sign rule moves it, and the router's own choice follows: expert 5 raised wins every token's choice
+    tracker = balance.BalanceTracker(model, rate=0.01)
+    _one_step(model, x, m, tracker)
+    c = tracker.last[0]  # [E]
+    torch.testing.assert_close(balance.biases(model)[0].detach(), own + 0.01 * torch.sign(c.mean() - c).float())
+    with torch.no_grad():
+        balance.biases(model)[0][5] += 10.0
+        _, _, i2 = router(h)
+    assert (i2 == 5).any(-1).all()
+    # the first-choice count takes the argmax of the choice scores (the router returns its top-k unsorted)
+    first = balance.BalanceTracker(model, rate=0.01, count="first")
+    _one_step(model, x, m, first, step=False)
+    assert first.last[0][5] == m.sum() and first.last[0].sum() == m.sum()
+    rule = routing_of(model)
+    assert rule.choose(torch.zeros(1, 8), balance.biases(model)[0])[0, 0] == 5

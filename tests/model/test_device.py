@@ -208,7 +208,7 @@ def test_fingerprint_of_a_read_only_checkpoint(make_cfg, tmp_path):
         base_fingerprint(cfg.model, str(empty))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe"])
 def test_a_real_family_checkpoint_trains_with_a_bf16_base(family, make_cfg, tmp_path):
     """A checkpoint loaded directly in bfloat16 (no float32 copy): the frozen base stays bf16, the adapters
     train in float32 under autocast, and what would travel is float32 on the CPU."""

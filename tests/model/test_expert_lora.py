@@ -73,7 +73,7 @@ class _Shapes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_no_expert_stack_sized_tensor_is_built_in_a_training_step(family, checkpoints):
     model = _adapted(checkpoints[family])
     stacks = {tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 3 and not p.requires_grad}

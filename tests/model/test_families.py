@@ -3,6 +3,7 @@ routing code assumes of each router), the refused families, and the checkpoint t
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -25,11 +26,14 @@ from distmoe.model.build import (
 )
 from distmoe.model.fabricate import EOS, PAD, build_bpe_tokenizer, corpus, write_checkpoint
 from distmoe.model.router import RouterRecorder, forward_with_router, topk_experts
+from distmoe.model.router_rule import CORRECTION_BIAS, routing_of
 from distmoe.rl.replay import replay_weights
 from distmoe.routing.losses import anchor_kl, aux_load_balance_loss
 
 ROOT = Path(__file__).resolve().parents[2]
-MOE_LAYERS = {"deepseek_v2": (1,)}  # its first layer is dense (first_k_dense_replace = 1)
+MOE_LAYERS = {"deepseek_v2": (1,), "deepseek_v3": (1,)}  # the first layer dense (first_k_dense_replace = 1)
+EXPERTS = {"deepseek_v3": 8, "glm4_moe": 8}  # fabricated: 4 experts, 8 for the grouped sigmoid routers
+SIGMOID = ("deepseek_v3", "glm4_moe")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +67,8 @@ def test_fabricated_checkpoint_loads_describes_and_routes(family, checkpoints, c
     spec = describe(model)
     assert spec.family == family == json.loads((path / "config.json").read_text())["model_type"]
     assert spec.moe_layers == MOE_LAYERS.get(family, (0, 1))
-    assert (spec.num_experts, spec.top_k, spec.vocab_size) == (4, 2, len(tok))
+    e = EXPERTS.get(family, 4)
+    assert (spec.num_experts, spec.top_k, spec.vocab_size) == (e, 2, len(tok))
     assert not model.training and all(p.dtype == torch.float32 for p in model.parameters())
 
     ids, mask = _ids(tok, ["Compute\n3+4", "Reverse\nabc"])
@@ -71,29 +76,43 @@ def test_fabricated_checkpoint_loads_describes_and_routes(family, checkpoints, c
     with torch.no_grad(), RouterRecorder(model) as rec:
         out = forward_with_router(model, ids, mask)
     assert out.logits.shape == (*ids.shape, len(tok))
-    assert [tuple(z.shape) for z in out.router_logits] == [(n, 4)] * spec.num_moe_layers
-    for li, z in enumerate(out.router_logits):
-        torch.testing.assert_close(rec.calls[li][0], z)
+    assert [tuple(z.shape) for z in out.router_logits] == [(n, e)] * spec.num_moe_layers
+    for li, z in enumerate(out.router_logits):  # captured: the routing logits, softmax of which is the distribution
+        raw = rec.calls[li][0]
+        torch.testing.assert_close(torch.nn.functional.logsigmoid(raw) if family in SIGMOID else raw, z)
+        want = torch.sigmoid(raw) / torch.sigmoid(raw).sum(-1, keepdim=True) if family in SIGMOID else raw.softmax(-1)
+        torch.testing.assert_close(z.softmax(-1), want)
 
     # what distmoe's routing code assumes of every supported router: the chosen experts are the top-k of
-    # softmax(z) over the E experts, and the weights are softmax(z)[I], renormalised and scaled as the
-    # family's RouterRule says (routing replay and prune-k re-derive them so)
+    # softmax(z) over the E experts (a sigmoid router: its group-limited top-k of sigmoid(z) plus its correction
+    # bias), and the weights are softmax(z)[I] (sigmoid(z)[I]), renormalised and scaled as the family's RouterRule
+    # says (routing replay and prune-k re-derive them so)
     norm, scale = topk_weighting(model)
+    rule = routing_of(model)
     hidden = torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(0))
     for _, router in router_modules(model):
         with torch.no_grad():
             z, w, idx = router(hidden)
-        assert torch.equal(idx.sort(-1).values, topk_experts(z, spec.top_k).sort(-1).values)
-        torch.testing.assert_close(w.float(), replay_weights(z, idx, norm, scale).float())
+        if family in SIGMOID:
+            bias = getattr(router, CORRECTION_BIAS)
+            assert bias.abs().sum() > 0  # fabricated non-zero: it changes choices
+            assert torch.equal(idx.sort(-1).values, rule.choose(z, bias).sort(-1).values)
+            assert not torch.equal(idx.sort(-1).values, rule.choose(z).sort(-1).values)  # without it: another choice
+            assert not torch.equal(idx.sort(-1).values, topk_experts(z, spec.top_k).sort(-1).values)
+            torch.testing.assert_close(w, rule.weights(z, idx), rtol=0, atol=0)  # bit for bit
+        else:
+            assert torch.equal(idx.sort(-1).values, topk_experts(z, spec.top_k).sort(-1).values)
+            torch.testing.assert_close(w.float(), replay_weights(z, idx, norm, scale).float())
+            torch.testing.assert_close(w.float(), rule.weights(z, idx).float())
 
     # the routing losses are finite and differentiable through the routers
-    anchor = torch.full((spec.num_moe_layers, 4), 0.25)  # [L, E]
+    anchor = torch.full((spec.num_moe_layers, e), 1.0 / e)  # [L, E]
     kl = anchor_kl(out.router_logits, mask, anchor, "batch")
-    aux = aux_load_balance_loss(out.router_logits, 4, 2, mask)
+    aux = aux_load_balance_loss(out.router_logits, e, 2, mask)
     assert torch.isfinite(kl) and kl >= 0 and torch.isfinite(aux)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "qwen2_moe", "deepseek_v3", "glm4_moe"])
 def test_prune_engine_weighs_the_remaining_top_k_as_the_family_does(family, checkpoints):
     from distmoe.rl.engines import InferenceEngine
 
@@ -107,7 +126,17 @@ def test_prune_engine_weighs_the_remaining_top_k_as_the_family_does(family, chec
         with torch.no_grad():
             _z, w, idx = router(hidden)
         assert not (idx == 0).any()  # the least-used expert is never chosen
-        if norm:  # a renormalising family (Mixtral, GPT-OSS) still renormalises after pruning
+        if family in SIGMOID:  # exactly the family's own router with expert 0's correction bias at -inf
+            own = copy.deepcopy(router)
+            own._forward_hooks.clear()
+            with torch.no_grad():
+                getattr(own, CORRECTION_BIAS)[0] = float("-inf")
+                _, w_own, idx_own = own(hidden)
+            assert torch.equal(idx.sort(-1).values, idx_own.sort(-1).values)
+            order, order_own = idx.argsort(-1), idx_own.argsort(-1)
+            torch.testing.assert_close(w.gather(-1, order), w_own.gather(-1, order_own), rtol=0, atol=0)
+            torch.testing.assert_close(w.float().sum(-1), torch.full((16,), 2.5))  # renormalised, times 2.5
+        elif norm:  # a renormalising family (Mixtral, GPT-OSS) still renormalises after pruning
             torch.testing.assert_close(w.float().sum(-1), torch.ones(16))
         else:
             assert (w.float().sum(-1) < 1).all()
@@ -119,7 +148,7 @@ def test_router_rules_say_how_each_family_weighs_its_top_k(checkpoints):
     # fabricated: qwen3_moe renormalises (norm_topk_prob), qwen2_moe/olmoe do not; mixtral and gpt_oss always do
     assert got == {"qwen3_moe": (True, 1.0), "qwen2_moe": (False, 1.0), "mixtral": (True, 1.0),
                    "olmoe": (False, 1.0), "flex_olmo": (False, 1.0), "gpt_oss": (True, 1.0),
-                   "deepseek_v2": (False, 1.0)}
+                   "deepseek_v2": (False, 1.0), "deepseek_v3": (True, 2.5), "glm4_moe": (True, 2.5)}
 
 
 def test_fabrication_is_deterministic(tmp_path):
@@ -138,7 +167,7 @@ def test_shape_overrides_config_fields(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ refusals
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "phimoe", "dbrx", "ernie4_5_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v32", "dots1", "phimoe", "dbrx", "ernie4_5_moe"])
 def test_refused_family_names_itself_and_why(family, tmp_path):
     from transformers import AutoConfig
 
@@ -151,9 +180,10 @@ def test_refused_family_names_itself_and_why(family, tmp_path):
         write_checkpoint(family, tmp_path / "x")
 
 
-def test_refusal_reasons_for_softmax_assumption():
-    for family in ("deepseek_v3", "glm4_moe", "dots1", "minimax_m2", "lfm2_moe"):
-        assert "sigmoid" in REFUSED_FAMILIES[family] and "softmax" in REFUSED_FAMILIES[family]
+def test_refusal_reasons_for_other_sigmoid_routers():
+    for family in ("deepseek_v32", "glm4_moe_lite", "dots1", "minimax_m2", "lfm2_moe", "llama4"):
+        assert "sigmoid" in REFUSED_FAMILIES[family] and "not" in REFUSED_FAMILIES[family]
+    assert {"deepseek_v3", "glm4_moe"} <= set(SUPPORTED_FAMILIES)
     assert not set(REFUSED_FAMILIES) & set(SUPPORTED_FAMILIES)
 
 

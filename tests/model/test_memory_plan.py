@@ -52,9 +52,12 @@ def test_fit_finds_settings_under_the_device_or_says_none(ckpt):
     assert plan.fit(a, s, 1e-6) is None
 
 
-def test_refused_family_and_bad_input_say_why(capsys):
-    with pytest.raises(plan.PlanError, match="deepseek_v3.*sigmoid"):
-        plan.architecture("moonlight-16b-a3b")
+def test_refused_family_and_bad_input_say_why(capsys, tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("dots1").save_pretrained(tmp_path)
+    with pytest.raises(plan.PlanError, match="dots1.*has not tested"):
+        plan.architecture(str(tmp_path))
     with pytest.raises(plan.PlanError, match="neither a checkpoint directory"):
         plan.architecture("no-such-shape")
     with pytest.raises(plan.PlanError, match="a memory size in GB"):
@@ -66,6 +69,6 @@ def test_cli_prints_the_plan_and_the_fitting_settings(ckpt, capsys):
     out = capsys.readouterr().out
     assert "qwen2_moe" in out and "| party sft | party rl | party stats | server |" in out
     assert "fits one 80 GB device with: dtype = \"bfloat16\"" in out
-    assert main(["plan", "--model", "moonlight-16b-a3b"]) == 0
-    assert "refused" in capsys.readouterr().out
+    assert main(["plan", "--model", "moonlight-16b-a3b"]) == 0  # deepseek_v3: planned, at its real size
+    assert "moonlight-16b-a3b: deepseek_v3, 15.96B parameters" in capsys.readouterr().out
     assert main(["plan", "--model", str(ckpt), "--device", "quantum"]) == 2

@@ -175,3 +175,49 @@ def test_replay_config_validation():
         RLConfig(routing_replay=True, simulator=True)
     for correction in ("icepop", "tis", "none"):  # compatible with every correction
         assert RLConfig(routing_replay=True, correction=correction).routing_replay
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_replay_on_a_sigmoid_router_uses_the_familys_own_weighting(family, tmp_path):
+    """DeepSeek-V3 / GLM-4.5: the trainer replays a prune-1 engine's recorded experts, weighted by the family's own rule
+    (``sigmoid(z)[I]`` renormalised, times ``routed_scaling_factor``, never a softmax), and replaying an exact
+    engine's routes gives the family router's own output."""
+    from distmoe.model.build import load_checkpoint
+    from distmoe.model.fabricate import write_checkpoint
+    from distmoe.rl.engines import InferenceEngine
+
+    model, tok = load_checkpoint(write_checkpoint(family, tmp_path / "ckpt", seed=6))
+    model.eval()
+    prompts = [tok.encode(t) for t in ("Compute\n3+4", "Reverse\nabc", "Look up k7", "What is 2+2")]
+    usage = torch.arange(8, dtype=torch.float).repeat(len(router_modules(model)), 1)  # [L, E]: expert 0 dropped
+    pruned = InferenceEngine(model, "prune-1", usage=usage)
+    ro = generate_rollouts(pruned, tok, prompts, 2, 4, 1.0, seed=1, record_routes=True)
+    rec = ro.engine_routes  # [L, N, S, k]
+    assert rec is not None and not (rec == 0).any()  # the engine never used the dropped expert
+
+    got_w, got_z = {}, {}
+    handles = []
+    for li, (name, router) in enumerate(router_modules(model)):
+        experts = model.get_submodule(name.rsplit(".", 1)[0] + ".experts")
+        handles.append(experts.register_forward_pre_hook(
+            lambda _m, args, li=li: got_w.__setitem__(li, (args[1].clone(), args[2].detach().clone()))))
+        handles.append(router.register_forward_hook(lambda _m, _i, out, li=li: got_z.__setitem__(li, out[0].detach())))
+    try:
+        train_logprobs(model, ro, replay=True)
+    finally:
+        for h in handles:
+            h.remove()
+    scale = float(model.config.routed_scaling_factor)
+    for li in got_w:
+        idx, w = got_w[li]  # what the experts module received under replay
+        flat = rec[li].reshape(-1, rec.shape[-1])  # [rows, k]
+        done = (flat >= 0).all(-1)
+        assert torch.equal(idx[done], flat[done])
+        a = torch.sigmoid(got_z[li]).gather(-1, idx)  # [rows, k] the trainer's own affinities of the replayed experts
+        torch.testing.assert_close(w, a / (a.sum(-1, keepdim=True) + 1e-20) * scale)
+        assert not torch.allclose(w, torch.softmax(got_z[li], -1).gather(-1, idx) * scale)
+
+    exact = generate_rollouts(InferenceEngine(model, "exact"), tok, prompts, 2, 4, 1.0, seed=1, record_routes=True)
+    m = exact.response_mask
+    torch.testing.assert_close(train_logprobs(model, exact, replay=True)[m], train_logprobs(model, exact)[m],
+                               rtol=0, atol=1e-6)

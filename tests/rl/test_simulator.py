@@ -493,3 +493,14 @@ def test_grpo_simulator_heldout_triggers_and_trust_counts(env):
     # refusal would tell the coordinator the party's prompt count)
     few = run_grpo(copy.deepcopy(env["model"]), env["tok"], prompts[:8], "lookup", RLConfig(**{**cfg, "steps": 1}))
     assert len(few.steps) == 1 and not set(few.sim_heldout) & set(few.last_batch.prompt_ids)
+
+
+def test_the_simulator_refuses_a_sigmoid_router(tmp_path):
+    """Its route-offset table models a softmax top-k of z + o, not DeepSeek-V3's group-limited sigmoid choice."""
+    from distmoe.model.build import load_checkpoint
+    from distmoe.model.fabricate import write_checkpoint
+    from distmoe.rl.simulator import InferenceSimulator
+
+    model, _ = load_checkpoint(write_checkpoint("deepseek_v3", tmp_path / "v3"))
+    with pytest.raises(ValueError, match="'deepseek_v3' router is a sigmoid.*rl.simulator = false"):
+        InferenceSimulator.for_model(model)

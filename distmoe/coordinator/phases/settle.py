@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from distmoe.model.balance import BIAS_NAME, settle_rates
+from distmoe.model.balance import BIAS_NAMES, settle_rates
 from distmoe.wire.schema import SettleInstruction, SettleReply
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ DISAGREE_TOL = 1e-5  # max |b_party - b_median| above which a party's settled bi
 
 def bias_keys(weights: dict) -> list[str]:
     """The routing bias entries of the global weights, in MoE-layer order (the trainable spec's order)."""
-    return [k for k in weights if k.rsplit(".", 1)[-1] == BIAS_NAME]
+    return [k for k in weights if k.rsplit(".", 1)[-1] in BIAS_NAMES]
 
 
 def move_bound(routing) -> float:
