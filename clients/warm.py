@@ -57,7 +57,7 @@ PRELOAD = ("torch", "transformers", "peft", "flwr.supernode.cli.flwr_clientapp",
            "distmoe.train.evaluate", "distmoe.rl.grpo", "distmoe.rl.dpo")
 
 
-def _arg(args: list[str], flag: str) -> str | None:
+def arg_value(args: list[str], flag: str) -> str | None:
     for i, a in enumerate(args):
         if a == flag and i + 1 < len(args):
             return args[i + 1]
@@ -112,13 +112,27 @@ def _start_worker(pin_file: Path, name: str, parent_pid: str | None) -> socket.s
         return None
 
 
+def prestart(pin_file: Path, runtime_address: str) -> bool:
+    """Start the worker of the SuperNode at ``runtime_address`` now (``clients.supernode``, as the SuperNode starts,
+    so the first message does not wait for the imports); it exits with the calling process. True if it listens."""
+    cwd = os.getcwd()
+    os.chdir(warm_dir(pin_file))
+    try:
+        sock = _start_worker(pin_file, socket_name(runtime_address), str(os.getpid()))
+    finally:
+        os.chdir(cwd)
+    if sock is not None:
+        sock.close()
+    return sock is not None
+
+
 def launch(pin_file: Path, args: list[str]) -> int:
     """What the SuperExec starts: have this SuperNode's warm worker serve ``args`` in a forked child."""
     cwd = os.getcwd()
-    address = _arg(args, "--runtime-api-address") or "default"
+    address = arg_value(args, "--runtime-api-address") or "default"
     os.chdir(warm_dir(pin_file))
     name = socket_name(address)
-    sock = _connect(name) or _start_worker(pin_file, name, _arg(args, "--parent-pid"))
+    sock = _connect(name) or _start_worker(pin_file, name, arg_value(args, "--parent-pid"))
     os.chdir(cwd)
     if sock is None:
         print("distmoe warm worker: could not start; serving this message in a cold process", file=sys.stderr)
@@ -206,6 +220,7 @@ def _same_uid(conn: socket.socket) -> bool:
 
 
 def _alive(pid: int | None) -> bool:
+    """Whether ``pid`` still runs (a zombie, exited but not yet reaped by its parent, does not)."""
     if pid is None:
         return True
     try:
@@ -214,7 +229,10 @@ def _alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def serve(pin_file: Path, name: str, parent_pid: int | None) -> None:
@@ -234,7 +252,7 @@ def serve(pin_file: Path, name: str, parent_pid: int | None) -> None:
           flush=True)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
-    children: dict[int, socket.socket] = {}
+    children: dict[int, tuple[socket.socket, float]] = {}
     try:
         while _alive(parent_pid) or children:
             for _key, _ in sel.select(TICK_S):
@@ -256,17 +274,20 @@ def serve(pin_file: Path, name: str, parent_pid: int | None) -> None:
                     _child(pin_file, req, fds)
                 for fd in fds:
                     os.close(fd)
-                children[pid] = conn
+                children[pid] = (conn, time.monotonic())
                 with contextlib.suppress(OSError):
                     conn.sendall(f"pid {pid}\n".encode())
             while children:
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
                     break
-                conn = children.pop(pid, None)
+                conn, t0 = children.pop(pid, (None, 0.0))
+                code = os.waitstatus_to_exitcode(status)
+                print(f"distmoe warm worker: child {pid} exited {code} after {time.monotonic() - t0:.2f} s",
+                      file=sys.stderr, flush=True)
                 if conn is not None:
                     with contextlib.suppress(OSError):
-                        conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+                        conn.sendall(f"exit {code}\n".encode())
                     conn.close()
     finally:
         with contextlib.suppress(OSError):
@@ -283,8 +304,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     pin_file = Path(argv[1]).resolve()
     if serving:
-        name = _arg(argv, "--socket")
-        parent = _arg(argv, "--parent-pid")
+        name = arg_value(argv, "--socket")
+        parent = arg_value(argv, "--parent-pid")
         if not name or "/" in name:
             raise SystemExit("--serve needs --socket NAME")
         serve(pin_file, name, int(parent) if parent else None)

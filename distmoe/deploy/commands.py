@@ -312,14 +312,15 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
     env = flwr_env(flwr_home)
     if code_pin is not None:
         try:
-            _pin_file, bindir = pin_dir_of(code_pin)
+            pin_file, bindir = pin_dir_of(code_pin)
         except CodePinError as exc:
             raise DeployError(f"--code-pin: {exc}") from None
         # the launcher first; then this Python's bin/ (flower-superexec), then the rest of the PATH
         env["PATH"] = os.pathsep.join([str(bindir), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         env[SUPEREXEC_POLL_ENV] = SUPEREXEC_POLL_S
     # with the pin: Flower's SuperNode through the owner's launcher, whose idle poll is short (clients.supernode)
-    argv = [sys.executable, "-P", "-m", "clients.supernode"] if code_pin is not None else ["flower-supernode"]
+    argv = (["flower-supernode"] if code_pin is None
+            else [sys.executable, "-P", "-m", "clients.supernode", "--code-pin", str(pin_file)])
     argv += ["--root-certificates", _abs(party.ca_cert),
              "--auth-supernode-private-key", _abs(party.supernode_key),
              "--superlink", superlink,
