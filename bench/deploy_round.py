@@ -12,6 +12,7 @@ first instruction to the next round's first (the last: to ``run_end`` in ``metri
 stage is from its first instruction to the last reply before the next instruction.
 
     python bench/deploy_round.py [--sft-rounds 3] [--cold] [--keep DIR]
+    python bench/deploy_round.py --table DIR      # the table again, from the runs kept in DIR
 
 ``--cold``: the owners' launcher starts a fresh ClientApp process per message (``distmoe deploy pin --cold``)
 instead of the SuperNode's warm worker. Goal: deployed <= 1.5x simulated per round.
@@ -110,9 +111,9 @@ def deployed(root: Path, sft_rounds: int, cold: bool) -> tuple[Path, list[Path],
 
 
 def simulated(root: Path, data: Path, sft_rounds: int) -> tuple[Path, float]:
-    run_dir = root / "simulated"
+    run_dir = root / "sim-runs" / "sim"  # distmoe simulate's run directory (--runs-dir, --run-id)
     cfg = root / "simulated.toml"
-    cfg.write_text(to_toml(overrides(sft_rounds, run_dir)))
+    cfg.write_text(to_toml({k: v for k, v in overrides(sft_rounds, run_dir).items() if k != "run.dir"}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLWR_", "RAY_"))}
     env.update({"FLWR_HOME": str(root / "flwr-sim"), "HOME": str(root / "home"), "OMP_NUM_THREADS": "1",
                 "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
@@ -144,7 +145,12 @@ def main() -> None:
     ap.add_argument("--sft-rounds", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="a fresh ClientApp process per message (no warm worker)")
     ap.add_argument("--keep", metavar="DIR", help="run in DIR and keep it (default: a temporary directory)")
+    ap.add_argument("--table", metavar="DIR", help="only print the table of the runs kept in DIR (--keep)")
     args = ap.parse_args()
+    if args.table:
+        root = Path(args.table)
+        print(table(rounds_of(root / "sim-runs" / "sim"), rounds_of(root / "deployed"))[0])
+        return
     root = Path(args.keep).resolve() if args.keep else Path(tempfile.mkdtemp(prefix="deploy-round-"))
     root.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()

@@ -105,7 +105,7 @@ def test_a_deployed_run_is_served_by_one_warm_worker_per_supernode(warm: Deploym
         assert "ready (" in log, f"supernode-{name}: no warm worker" + dep.diag()
         received += n
         served += len(re.findall(r"distmoe warm worker: child \d+ exited 0 after", log))
-        ready += log.count("distmoe warm worker ") - log.count("distmoe warm worker: ")
+        ready += len(re.findall(r"distmoe warm worker \d+: ready \(", log))
     # every message served by a forked child of a warm worker (the killed worker's last child is not reported)
     assert served >= received - 1 and ready == N_PARTIES + 1, (
         f"{received} messages, {served} children exited 0, {ready} workers ready" + dep.diag())
