@@ -11,7 +11,8 @@ submodules up in the imported package's own path), not in the bundle. It replace
 install against the pin (an install changed after pinning, or pinned from another source, is refused);
 check the FAB's bytes against the pin (same party code, so the coordinator's ServerApp speaks the same
 protocol; the ClientApp entry point is ``clients.app:app``; no top-level module that would shadow a
-library the party imports later); install it (Flower's code); check the installed directory. A mismatch
+library the party imports later); install it (Flower's code); check the installed directory. It also
+shortens Flower's back-off when the message's content is not yet at the SuperNode (``PULL_BACKOFF_S``). A mismatch
 raises :class:`PinRefused` inside Flower's task, so Flower answers the
 message with its own error reply (``ClientApp raised an exception``) carrying only this module's fixed
 text: no party code ran, nothing of the party's data was read. Which files differed goes to
@@ -23,11 +24,17 @@ Must not: import anything of the bundle, or send anything but Flower's error rep
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import sys
 from pathlib import Path
 
 from distmoe.deploy import pin as code_pin
 
+# The ClientApp process is started as soon as the SuperNode has the message, often before the SuperNode has
+# fetched its content from the SuperLink; flwr 1.42 then retries each missing object after 1, 2, 4, 8 s
+# (``supercore/constant.py`` PULL_INITIAL_BACKOFF = 1, PULL_BACKOFF_CAP = 10): 4-18 s per message stage spent
+# sleeping. Retried here after 50 ms, doubling up to 0.5 s (a local request to the SuperNode each).
+PULL_BACKOFF_S, PULL_BACKOFF_CAP_S = 0.05, 0.5
 REFUSAL = "distmoe code pin: the app bundle's party code is not the version this data owner pinned"
 PASSED = "distmoe code pin: the app bundle's party code matches the pin"  # + the digest, on stderr (the owner's log)
 
@@ -106,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     from flwr.supernode.runtime import run_clientapp as rc
 
     rc.install_from_fab = checked_installer(pin_file, rc.install_from_fab)
+    rc.pull_and_inflate_object_from_tree = functools.partial(
+        rc.pull_and_inflate_object_from_tree, initial_backoff=PULL_BACKOFF_S, backoff_cap=PULL_BACKOFF_CAP_S)
     sys.argv = ["flwr-clientapp", *argv[2:]]
     flwr_clientapp()
 

@@ -1,6 +1,10 @@
 """distmoe ServerApp: drives the configured schedule (``distmoe.coordinator.Coordinator``) over
-Flower's ``Grid`` with its own round loop (``send_and_receive`` with a timeout) rather than a
-stock strategy, since a round carries several records and phases of different kinds.
+Flower's ``Grid`` with its own round loop (``push_messages``, then ``pull_messages`` every
+``REPLY_POLL_S`` until every reply is in or the timeout passes) rather than a stock strategy, since a
+round carries several records and phases of different kinds. Not Flower's ``send_and_receive``: on the
+Deployment Engine it waits 3 s between pulls (flwr 1.42 ``HttpGrid``), up to 3 s lost on each of a
+round's message stages; a pull is one local request to the SuperLink, so polling faster costs little.
+For the same reason Flower's back-off for a reply's content that is not yet at the SuperLink starts at 50 ms.
 
 ``run.resume = "<run dir>"`` continues an interrupted run in that directory (new Flower run id, same
 logical run: ``distmoe.coordinator``), e.g. ``flwr run . <federation> --run-config "run.resume='runs/42'"``.
@@ -10,13 +14,16 @@ Must not: load party data or build records by hand (only ``distmoe.wire.codec`` 
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from pathlib import Path
 
 from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.exit import add_exit_handler
+from flwr.superlink.grid import http_grid
 
 from distmoe.config import parse_run_config
 from distmoe.coordinator import Coordinator
@@ -24,6 +31,10 @@ from distmoe.wire import codec
 from distmoe.wire.server_guard import GuardedTransport
 
 app = ServerApp()
+REPLY_POLL_S = 0.1  # seconds between pulls for the replies of one message stage (the Simulation Engine's own)
+# a reply is listed once the SuperNode pushed its message, possibly before all its content; flwr 1.42 then
+# retries each missing object after 1, 2, 4, 8 s: here after 50 ms, doubling up to 0.5 s
+http_grid.pull_objects = functools.partial(http_grid.pull_objects, initial_backoff=0.05, backoff_cap=0.5)
 
 
 class GridTransport(GuardedTransport):
@@ -39,13 +50,28 @@ class GridTransport(GuardedTransport):
     def _send(self, out, timeout: float):
         msgs = [codec.instruction_content(content, node, mtype) for node, (mtype, content) in out.items()]
         got = {}
-        for msg in self.grid.send_and_receive(msgs, timeout=timeout):
+        for msg in self._send_and_receive(msgs, timeout):
             node = msg.metadata.src_node_id
             if node not in out or node in got:
                 continue  # a reply from a node that was not asked, or a second reply: ignored
             got[node] = (codec.ErrorReply(str(msg.error.reason), int(msg.error.code)) if msg.has_error()
                          else msg.content)
         return got
+
+    def _send_and_receive(self, msgs, timeout: float) -> list:
+        """Push ``msgs``, then pull their replies every ``REPLY_POLL_S`` until all are in or ``timeout`` passes."""
+        waiting = set(self.grid.push_messages(msgs))
+        end = time.monotonic() + timeout
+        replies = []
+        while waiting:
+            pulled = list(self.grid.pull_messages(waiting))
+            replies += pulled
+            waiting -= {m.metadata.reply_to_message_id for m in pulled}
+            left = end - time.monotonic()
+            if not waiting or left <= 0:
+                break
+            time.sleep(min(REPLY_POLL_S, left))
+        return replies
 
 
 @app.main()

@@ -56,7 +56,7 @@ def cmd_deploy_owner_keys(args) -> int:
 def cmd_deploy_pin(args) -> int:
     try:
         files = cp.source_files(args.source)
-        pin_file, pin = cp.write_pin(Path(args.out), files, force=args.force)
+        pin_file, pin = cp.write_pin(Path(args.out), files, force=args.force, warm=not args.cold)
     except cp.CodePinError as exc:
         return _fail(exc)
     print(cp.summary(pin_file, pin, [args.source or f"the install of {sys.executable}"]))
@@ -251,6 +251,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--source", metavar="WHEEL|DIR", help="the reviewed code: a wheel or a directory holding "
                                                           "distmoe/ and clients/ (default: this Python's install)")
     q.add_argument("--force", action="store_true", help="replace an existing pin")
+    q.add_argument("--cold", action="store_true", help="a fresh ClientApp process per message (Flower's way) "
+                   "instead of the SuperNode's warm worker that forks one per message (docs/deploy.md §2.2)")
     q.set_defaults(fn=cmd_deploy_pin)
 
     r = dsub.add_parser("register", help="flwr supernode register: one data owner's public key at a time")

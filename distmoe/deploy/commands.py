@@ -4,7 +4,9 @@ Owns: the exact command line of the coordinator's ``flower-superlink`` (TLS, Sup
 authentication, a state database, Flower's state directory ``FLWR_HOME``), of a data owner's
 ``flower-supernode`` (CA certificate, authentication key, the node config distmoe reads:
 ``data-path``, ``party-name``, ``ledger-key``, ``work-dir`` (default ``<credentials dir>/work``),
-``epsilon-max``, ``model-path``, and with ``--code-pin`` the owner's pinned ClientApp launcher first on its ``PATH``),
+``epsilon-max``, ``model-path``, and with ``--code-pin`` the owner's pinned ClientApp launcher first on its ``PATH``,
+the SuperNode run through the owner's :mod:`clients.supernode` (Flower's, with a short idle poll) and the
+SuperExec's task poll at 50 ms),
 of the registration of each data owner's public key (``flwr supernode register``), and the
 ``$FLWR_HOME/config.toml`` connection the ``flwr`` CLI uses. Each is a :class:`FlowerCommand`
 (argv + environment) that is printed for copy-paste or executed as is.
@@ -41,6 +43,8 @@ from distmoe.deploy.pin import CodePinError, pin_dir_of
 DEFAULT_SUPERLINK_PORT = 8000  # flower-superlink's default (--port)
 DEFAULT_SUPERNODE_PORT = 9094  # flower-supernode's local Runtime API (--port); one per SuperNode on a host
 DEFAULT_CONNECTION = "distmoe"
+# flwr 1.42's SuperExec asks its SuperNode for a task every second unless this says otherwise
+SUPEREXEC_POLL_ENV, SUPEREXEC_POLL_S = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.05"
 # Environment for every Flower process: no telemetry or update check (no network beyond the federation).
 QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
 
@@ -308,17 +312,20 @@ def supernode_command(party_dir: str | os.PathLike[str], *, superlink: str, data
     env = flwr_env(flwr_home)
     if code_pin is not None:
         try:
-            _pin_file, bindir = pin_dir_of(code_pin)
+            pin_file, bindir = pin_dir_of(code_pin)
         except CodePinError as exc:
             raise DeployError(f"--code-pin: {exc}") from None
         # the launcher first; then this Python's bin/ (flower-superexec), then the rest of the PATH
         env["PATH"] = os.pathsep.join([str(bindir), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    argv = ["flower-supernode",
-            "--root-certificates", _abs(party.ca_cert),
-            "--auth-supernode-private-key", _abs(party.supernode_key),
-            "--superlink", superlink,
-            "--host", host, "--port", str(port),
-            "--node-config", node_config_string(nc)]
+        env[SUPEREXEC_POLL_ENV] = SUPEREXEC_POLL_S
+    # with the pin: Flower's SuperNode through the owner's launcher, whose idle poll is short (clients.supernode)
+    argv = (["flower-supernode"] if code_pin is None
+            else [sys.executable, "-P", "-m", "clients.supernode", "--code-pin", str(pin_file)])
+    argv += ["--root-certificates", _abs(party.ca_cert),
+             "--auth-supernode-private-key", _abs(party.supernode_key),
+             "--superlink", superlink,
+             "--host", host, "--port", str(port),
+             "--node-config", node_config_string(nc)]
     return FlowerCommand(tuple(argv), env)
 
 

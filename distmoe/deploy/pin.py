@@ -26,7 +26,8 @@ flwr, ...) is the owner's.
 
 Owns: the pin file format (``code-pin.json``: ``format``, ``digest``, ``files`` {path: sha256}), the
 digest, the bundle rules above, the owner's launcher script ``bin/flwr-clientapp`` that Flower's
-SuperExec finds first on ``PATH``, and the digest the launcher checked in this process (``active_digest``).
+SuperExec finds first on ``PATH`` (warm: :mod:`clients.warm`; cold: :mod:`clients.pinned`), and the
+digest the launcher checked in this process (``active_digest``).
 
 Must not: import ``flwr`` (the launcher that does is :mod:`clients.pinned`), or read anything but the
 source it is given and the pin.
@@ -230,17 +231,21 @@ def check_dir(app_dir: Path, pin: Mapping) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------- owner's files
-def launcher_script(pin_file: Path, python: str) -> str:
-    """``bin/flwr-clientapp``: this owner's Python runs :mod:`clients.pinned` with the pin (``-P``: the
-    current directory is not put on ``sys.path``, so no file there can stand in for the launcher)."""
+def launcher_script(pin_file: Path, python: str, *, warm: bool = True) -> str:
+    """``bin/flwr-clientapp``: this owner's Python runs the pinned launcher with the pin (``-P``: the current
+    directory is not put on ``sys.path``, so no file there can stand in for the launcher). ``warm``: the
+    SuperNode's warm worker serves the message in a forked child (:mod:`clients.warm`); otherwise a cold
+    process per message (:mod:`clients.pinned`). Both make the same pin checks."""
+    module = "clients.warm" if warm else "clients.pinned"
     return (
         "#!/bin/sh\n# distmoe code pin: Flower's SuperExec starts this instead of flwr's own flwr-clientapp\n"
-        f'exec {shlex.quote(python)} -P -m clients.pinned --code-pin {shlex.quote(str(pin_file))} "$@"\n'
+        f'exec {shlex.quote(python)} -P -m {module} --code-pin {shlex.quote(str(pin_file))} "$@"\n'
     )
 
 
 def write_pin(
-    out: str | os.PathLike[str], files: Mapping[str, str], *, python: str | None = None, force: bool = False
+    out: str | os.PathLike[str], files: Mapping[str, str], *, python: str | None = None, force: bool = False,
+    warm: bool = True,
 ) -> tuple[Path, dict]:
     """Write ``OUT/code-pin.json`` and ``OUT/bin/flwr-clientapp``; returns (pin file, pin)."""
     out = Path(out).expanduser().resolve()
@@ -255,7 +260,8 @@ def write_pin(
         os.chmod(d, 0o700)
     write_atomic(pin_file, (json.dumps(pin, indent=1) + "\n").encode("utf-8"), mode=0o644, replace=force)
     write_atomic(
-        launcher, launcher_script(pin_file, python or sys.executable).encode("utf-8"), mode=0o755, replace=force
+        launcher, launcher_script(pin_file, python or sys.executable, warm=warm).encode("utf-8"), mode=0o755,
+        replace=force
     )
     return pin_file, pin
 

@@ -185,6 +185,13 @@ def test_supernode_code_pin_puts_the_launcher_first_on_path(creds, tmp_path, cap
     assert path[0] == str((tmp_path / "pin" / "bin").resolve()) and path[1] == str(Path(sys.executable).parent)
     assert shutil.which("flwr-clientapp", path=cmd.env["PATH"]) == str(tmp_path / "pin" / "bin" / "flwr-clientapp")
     assert shutil.which("flower-superexec", path=cmd.env["PATH"])  # the SuperNode still finds Flower's SuperExec
+    # Flower's SuperNode through the owner's launcher (short idle poll, the warm worker started first)
+    pin_file = str((tmp_path / "pin" / "code-pin.json").resolve())
+    assert cmd.argv[:6] == (sys.executable, "-P", "-m", "clients.supernode", "--code-pin", pin_file)
+    assert cmd.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.05"
+    plain = dc.supernode_command(party, superlink="127.0.0.1:9092", data_path=tmp_path / "d", check_paths=False,
+                                 code_pin=None)
+    assert plain.argv[0] == "flower-supernode" and "FLWR_SUPEREXEC_TASK_POLL_INTERVAL" not in plain.env
     base = ["deploy", "supernode", "--credentials", str(party), "--superlink", "10.0.0.1:9092", "--data-path",
             str(tmp_path / "d")]
     assert main([*base, "--code-pin", str(tmp_path / "pin")]) == 0

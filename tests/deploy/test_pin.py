@@ -180,7 +180,9 @@ def test_deploy_pin_prints_the_digest_and_writes_the_launcher(tmp_path, pin):
     launcher = out / "bin" / "flwr-clientapp"
     assert stat.S_IMODE(launcher.stat().st_mode) == 0o755 and stat.S_IMODE(out.stat().st_mode) == 0o700
     text = launcher.read_text()
-    assert f"-P -m clients.pinned --code-pin {out.resolve() / 'code-pin.json'}" in text and sys.executable in text
+    assert f"-P -m clients.warm --code-pin {out.resolve() / 'code-pin.json'}" in text and sys.executable in text
+    cold = cp.launcher_script(out.resolve() / "code-pin.json", sys.executable, warm=False)  # deploy pin --cold
+    assert f"-P -m clients.pinned --code-pin {out.resolve() / 'code-pin.json'}" in cold
     assert cp.load_pin(out / "code-pin.json")["digest"] == pin["digest"]
     again = subprocess.run(
         [sys.executable, "-m", "distmoe.cli", "deploy", "pin", "--out", str(out)],

@@ -1,0 +1,64 @@
+"""The warm ClientApp worker's own rules (``clients/warm.py``), without Flower: where its socket is, which
+arguments it reads, and that it tells a peer of another uid from its owner. The whole worker, on real
+Flower processes: ``tests/integration/test_warm_worker.py``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import tempfile
+
+import pytest
+
+from clients import warm
+
+
+def test_one_short_socket_per_runtime_api_address(tmp_path):
+    a, b = warm.socket_name("127.0.0.1:9094"), warm.socket_name("127.0.0.1:9095")
+    assert a != b and a == warm.socket_name("127.0.0.1:9094") and len(a) < 32 and "/" not in a
+    pin = tmp_path / "pin" / "code-pin.json"
+    pin.parent.mkdir()
+    d = warm.warm_dir(pin)
+    assert d == tmp_path / "pin" / "warm" and stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+def test_flwr_clientapp_arguments_are_read_in_both_spellings():
+    args = ["--runtime-api-address", "127.0.0.1:9094", "--token", "t", "--parent-pid=42"]
+    assert warm.arg_value(args, "--runtime-api-address") == "127.0.0.1:9094"
+    assert warm.arg_value(args, "--parent-pid") == "42" and warm.arg_value(args, "--insecure") is None
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another uid")
+def test_a_peer_of_another_uid_is_told_apart():
+    """The attack the uid check stops: another local account connecting to the worker's socket (here a
+    world-writable one, as if the 0700 directory were not there) to have the owner's party code run against a
+    Runtime API of its own."""
+    shared = tempfile.mkdtemp()  # in the system's temporary directory, which every account can traverse
+    os.chmod(shared, 0o777)
+    path = os.path.join(shared, "s.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    os.chmod(path, 0o777)
+    srv.listen(2)
+    srv.settimeout(30)
+    for uid in (os.getuid(), 65534):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                if uid != os.getuid():
+                    os.setuid(uid)
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                c.connect(path)
+                c.recv(1)
+                code = 0
+            finally:
+                os._exit(code)
+        conn, _ = srv.accept()
+        assert warm._same_uid(conn) is (uid == os.getuid())
+        conn.close()
+        os.waitpid(pid, 0)
+    srv.close()
+    shutil.rmtree(shared)
