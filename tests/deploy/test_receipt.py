@@ -9,7 +9,7 @@ from distmoe.ledger import generate_signing_key, public_key_hex
 
 BODY = {"run": "r1", "party": "party-0", "ledger_head": {"seq": 9, "hash": "a" * 64},
         "coordinator_head": {"seq": 40, "hash": "b" * 64}, "epsilon": 7.9, "delta": 1e-6, "budget": 8.0,
-        "charged": [[3, "router-stats"]], "unmasked": [3], "code_pin": None}
+        "charged": [[3, "router-stats"]], "unmasked": [3], "code_pin": None, "owner_policy": None}
 
 
 def test_a_signed_receipt_reads_back_under_its_key_only(tmp_path):
