@@ -161,7 +161,7 @@ def test_a_party_ledger_cut_before_this_runs_setup_leaves_the_policy_unwitnessed
     first_b = next(i for i, x in enumerate(lines) if json.loads(x)["run"] == run_id)
     ledgers[0].write_text("".join(lines[:first_b]))  # the ledger as it was before run B: verifies on its own
     result = audit_run(run_dir, party_ledgers=ledgers, receipt_files=receipts)
-    assert "receipts" in result.failed
+    assert "receipts" in result.failed, (result.failed, _findings(result))
     assert any(f"holds no setup (key-advert) of run {run_id!r}" in f for f in _findings(result)), _findings(result)
 
 

@@ -39,6 +39,8 @@ def test_any_edit_of_a_signed_receipt_breaks_its_signature(tmp_path, edit):
     ({"format": "distmoe-receipt/1", "body": {**BODY, "extra": 1}, "signature": ""}, "exactly the keys"),
     ({"format": "distmoe-receipt/1", "body": {**BODY, "public_key": "k", "ledger_head": {"seq": 1}},
       "signature": ""}, "ledger_head"),
+    ({"format": "distmoe-receipt/1", "body": {**BODY, "public_key": "k", "owner_policy": {"sha256": "a" * 64}},
+      "signature": ""}, "owner_policy"),
 ])
 def test_a_malformed_receipt_is_named(obj, needle):
     with pytest.raises(ReceiptError, match=needle):
