@@ -4,12 +4,16 @@
 ``--exec inproc`` path: the exact coordinator and party code over ``LocalTransport``, secure aggregation and DP on).
 
     python bench/update_noise_cost.py --seeds 0 1 2 --settings off zu10.5 --keep-rows bench/results/update-noise
+    # the reduced scale measured on the loaded 2-core machine: 1 + 1 SFT rounds of 10 local steps, one thread
+    python bench/update_noise_cost.py --rounds 1 1 --extra "train.local-steps=10 privacy.secagg-premask=false" \
+        --settings off zu5 --keep-rows bench/results/update-noise-1x1
 
 Settings: ``off`` (the example as documented), ``zu<z>`` (the same with ``privacy.update-noise-multiplier = z``;
 10.5 is the smallest half-step the plan accepts at ``privacy.epsilon = 4``: at 10 the 10 update releases and 2
-evaluations alone spend 4.002), ``zu<z>@<eps>`` (the same at ``privacy.epsilon = eps``, to see where utility
-breaks). Prints, per final metric, each setting's per-seed values and the paired difference from ``off`` (mean,
-95 % t-interval; ``bench/e1_stats.py``).
+evaluations alone spend 4.002; with ``--rounds 1 1`` it is 5: at 4.5 the derived router-statistics z is 15.1,
+at 4 the 2 update releases and 2 evaluations alone spend 4.352), ``zu<z>@<eps>`` (the same at
+``privacy.epsilon = eps``, to see where utility breaks). Prints, per final metric, each setting's per-seed values
+and the paired difference from ``off`` (mean, 95 % t-interval; ``bench/e1_stats.py``).
 
 Must not: change any run's data or seed between settings (the seed is the run's ``run.seed``: same data, same
 initial model, same split).
@@ -49,6 +53,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--settings", nargs="*", default=["off", "zu10.5"])
     ap.add_argument("--runs-dir", default="runs/update-noise")
+    ap.add_argument("--rounds", type=int, nargs=2, metavar=("A", "B"), help="sft rounds of task A and B (default: "
+                    "the config's 5 each)")
+    ap.add_argument("--extra", default="", help="run-config overrides for every setting (after the setting's)")
     ap.add_argument("--keep-rows", default="", help="copy each run's row.json, bench.json to DIR/<setting>-s<seed>/")
     args = ap.parse_args()
     rows: dict[str, dict[int, dict]] = {}
@@ -58,8 +65,9 @@ def main() -> None:
             if kept is not None and (kept / "row.json").exists():
                 rows.setdefault(setting, {})[seed] = json.loads((kept / "row.json").read_text())
                 continue
-            d = CA.run_one("anchor", seed, "lookup-arith", Path(args.runs_dir) / setting, overrides(setting),
-                           "inproc", None)
+            d = CA.run_one("anchor", seed, "lookup-arith", Path(args.runs_dir) / setting,
+                           f"{overrides(setting)} {args.extra}", "inproc", None,
+                           tuple(args.rounds) if args.rounds else None)
             row = CA.row_of(d)
             (d / "row.json").write_text(json.dumps(row) + "\n")
             shutil.rmtree(d / "checkpoints", ignore_errors=True)  # about 300 MB a run
