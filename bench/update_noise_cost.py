@@ -32,9 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import continual_anchor as CA  # noqa: E402
 import e1_stats  # noqa: E402
 
+from distmoe.report.report import summarise  # noqa: E402
+
 EXAMPLE = "federation.min-available=3 privacy.epsilon=4.0 privacy.min-parties=3"  # docs/deploy.md §1.5
-METRICS = ("accuracy A (lookup) after B", "accuracy B (arith)", "answer loss A after B", "accuracy A (lookup) before B",
-           "answer loss A before B")
+METRICS = ("accuracy A (lookup) after B", "accuracy B (arith)", "answer loss A after B", "answer loss B (arith)",
+           "accuracy A (lookup) before B", "answer loss A before B")
 
 
 def overrides(setting: str) -> str:
@@ -69,6 +71,8 @@ def main() -> None:
                            f"{overrides(setting)} {args.extra}", "inproc", None,
                            tuple(args.rounds) if args.rounds else None)
             row = CA.row_of(d)
+            loss_b = summarise(d).get("loss/arith")  # the final evaluation's held-out answer loss of task B
+            row["answer loss B (arith)"] = float(loss_b) if loss_b is not None else math.nan
             (d / "row.json").write_text(json.dumps(row) + "\n")
             shutil.rmtree(d / "checkpoints", ignore_errors=True)  # about 300 MB a run
             if kept is not None:
