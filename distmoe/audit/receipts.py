@@ -16,7 +16,14 @@ Owns: ``check_receipts(run, pins) -> (Check, charges, witnessed, unwitnessed)``.
   insertion or reordering up to that instruction is caught;
 - agree with the coordinator's anchors of that party's replies: none beyond its ``ledger_head``, and the anchor at
   that seq (if any) with its hash; with the party's ledger given too, that ledger holds the receipt's head;
-- have a release naming the party for every round it revealed unmask shares for (``unmasked``).
+- have a release naming the party for every round it revealed unmask shares for (``unmasked``);
+- name an owner policy whose sha256 is that of its canonical JSON, and a code pin unless that policy records the
+  owner's opt-out (``allow_unpinned``, ``distmoe deploy supernode --unpinned``): a policy-bound party without a pin
+  and without the opt-out ran code the owner never reviewed;
+- with the party's ledger given, name the same policy digest and code pin as the ledger recorded in **this run's**
+  setup (the ``key-advert`` ``out`` entries of the receipt's run, ``info.owner_policy``, ``info.code_pin``,
+  ``distmoe.party.policy.ledger_facts``): a setup run under a weaker policy or other code than the receipt names,
+  or a ledger without this run's setup, is a violation.
 
 The receipt's charged epsilon is a lower bound on what the party spent, whatever the coordinator ledger holds:
 ``charges`` feed the ``epsilon`` check as the party ledgers' signed charges do (``distmoe.audit.ledgers``).
@@ -26,12 +33,14 @@ Must not: import ``flwr``, read party data, or write anything.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
 from distmoe.audit.result import Check
 from distmoe.audit.run import Run, included_of
 from distmoe.deploy.receipt import ReceiptError, read_receipt
+from distmoe.ledger import canonical_json
 
 CHECK = "receipts"
 
@@ -88,6 +97,39 @@ def _judge(run: Run, body: dict[str, Any], c: Check, where: str) -> None:
                    "coordinator ledger names it (a release deleted, or the unmasking failed after the replies)")
 
 
+def _digest(facts: Any) -> str | None:
+    return facts.get("sha256") if isinstance(facts, dict) else None
+
+
+def _judge_setup(run: Run, body: dict[str, Any], c: Check, where: str) -> None:
+    """The receipt's owner policy and code pin: sound on their own, and those of this run's setup in the party's
+    ledger when it is given."""
+    party, pol, pin = body["party"], body["owner_policy"], body["code_pin"]
+    if pol is not None:
+        if hashlib.sha256(canonical_json(pol["policy"]).encode("ascii")).hexdigest() != pol["sha256"]:
+            c.fail(f"{where}: the owner policy's sha256 is not that of the policy it names")
+        elif pin is None and pol["policy"].get("allow_unpinned") is not True:
+            c.fail(f"{where}: {party} ran without a code pin, and its owner policy {pol['sha256'][:16]} records no "
+                   "opt-out (policy-allow-unpinned): code the owner never reviewed answered this run")
+    lf = run.parties.get(party)
+    if lf is None:
+        return
+    setups = [e for e in lf.entries if e.get("payload_type") == "key-advert" and e.get("direction") == "out"
+              and str(e.get("run")) == body["run"]]
+    if not setups:
+        c.fail(f"{where}: {party}'s ledger given here holds no setup (key-advert) of run {body['run']!r}: the ledger "
+               "was cut, or is another run's, so the receipt's owner policy and code pin are unwitnessed")
+    for e in setups:
+        info = e.get("info") if isinstance(e.get("info"), dict) else {}
+        got_pol, got_pin = _digest(info.get("owner_policy")), info.get("code_pin")
+        if got_pol != _digest(pol):
+            c.fail(f"{where}: {party}#{e.get('seq')} set this run up under owner policy {str(got_pol)[:16]}, the "
+                   f"receipt names {str(_digest(pol))[:16]}: the party did not run under the policy its receipt names")
+        if got_pin != pin:
+            c.fail(f"{where}: {party}#{e.get('seq')} set this run up under code pin {str(got_pin)[:16]}, the receipt "
+                   f"names {str(pin)[:16]}: the party's code changed within the run")
+
+
 def check_receipts(run: Run, pins: dict[str, list[tuple[str, str]]]
                    ) -> tuple[Check, dict[str, tuple[float, str]], dict[str, str], list[str]]:
     """The ``receipts`` check, the receipts' signed charges (party -> (epsilon, where)), the witnessed roster
@@ -115,11 +157,14 @@ def check_receipts(run: Run, pins: dict[str, list[tuple[str, str]]]
             continue
         before = len(c.findings)
         _judge(run, body, c, where)
+        _judge_setup(run, body, c, where)
         eps = float(body["epsilon"]) if math.isfinite(float(body["epsilon"])) else math.inf
         charges[party] = (eps, f"receipt {where}")
         if len(c.findings) == before:
             witnessed.setdefault(party, "receipt")
             pin = f", code pin {body['code_pin'][:16]}" if body["code_pin"] else ", no code pin"
+            pol = _digest(body["owner_policy"])
+            pin += f", owner policy {pol[:16]}" if pol else ", no owner policy"
             c.note(f"{party}: receipt {where} matches the coordinator ledger (charged epsilon {eps:.4f}{pin})")
     roster = _roster(run, pins)
     unwitnessed = [p for p in roster if p not in witnessed]

@@ -5,6 +5,10 @@ Owns: :class:`Run` (``run.json``, ``ledger/coordinator.jsonl`` + ``.pub``, the p
 the settings a check reads from the signed run-start entry), :class:`LedgerFile`, and the helpers ``info_of``,
 ``loc`` (where an entry is, for findings), ``included_of``, ``flat_get`` and ``close_to``.
 
+A party ledger is the owner's across runs (one work directory, one ledger): its ``entries`` and ``by_seq`` here are
+those of the audited run (``run`` of the coordinator's run-start entry), so no check mistakes another run's entries
+for this one's; the chain itself is verified over the whole file (``distmoe.audit.integrity``).
+
 Must not: judge anything (the check modules do), read models, checkpoints or party data, or write anything.
 Unusable input (no run directory, no ``run.json`` or coordinator ledger, unparsable records, a receipt that is
 not JSON) raises :class:`~distmoe.audit.result.AuditInputError`.
@@ -47,8 +51,9 @@ def _read_json(path: Path, what: str) -> Any:
         raise AuditInputError(f"{path}: {what} is not valid JSON: {exc}") from exc
 
 
-def _load_ledger(name: str, path: Path, pub_path: Path) -> LedgerFile:
-    """Parse what can be parsed (integrity is judged by ``verify_ledger``, not here)."""
+def _load_ledger(name: str, path: Path, pub_path: Path, run_id: Any = None) -> LedgerFile:
+    """Parse what can be parsed (integrity is judged by ``verify_ledger``, not here); with ``run_id``, keep the
+    entries of that run only."""
     entries: list[dict[str, Any]] = []
     for raw in path.read_bytes().split(b"\n"):
         if not raw.strip():
@@ -57,7 +62,7 @@ def _load_ledger(name: str, path: Path, pub_path: Path) -> LedgerFile:
             obj = json.loads(raw.decode("ascii"))
         except (ValueError, UnicodeDecodeError):
             continue
-        if isinstance(obj, dict):
+        if isinstance(obj, dict) and (run_id is None or str(obj.get("run")) == str(run_id)):
             entries.append(obj)
     by_seq: dict[int, dict[str, Any]] = {}
     for e in entries:
@@ -130,7 +135,7 @@ class Run:
             name = p.stem
             if name in self.parties or name == COORDINATOR:
                 raise AuditInputError(f"{p}: a second ledger for node {name!r}")
-            self.parties[name] = _load_ledger(name, p, p.with_suffix(".pub"))
+            self.parties[name] = _load_ledger(name, p, p.with_suffix(".pub"), self.coord.by_seq.get(0, {}).get("run"))
         server = run_dir / "privacy" / "ledger.json"
         self.server_privacy = _read_json(server, "privacy ledger") if server.exists() else None
         self.canaries_arg = Path(canaries) if canaries is not None else None

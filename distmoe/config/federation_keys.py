@@ -111,8 +111,8 @@ class PrivacyConfig(Section):
                             "cost grow with the number of parties?\"",
                             choices=SECAGG_GRAPHS)
     num_sequences_max: int = key(10000, "public bound on a party's sequences per release (a party above it "
-                                 "refuses its router statistics, never cuts; fixes the bit width, checked so the "
-                                 "64-bit sum cannot wrap)",
+                                 "sends no rows, contributor bit 0: never cuts, never refuses; fixes the bit "
+                                 "width, checked so the 64-bit sum cannot wrap)",
                                  lo=1, hi=10**9)
     update_clip: float = key(10.0, "L2 bound a model update is clipped to before masking (fixes the fixed-point "
                              "range)", lo=0.0, hi=1e6, lo_open=True)

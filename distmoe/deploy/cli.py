@@ -100,6 +100,8 @@ def cmd_deploy_supernode(args) -> int:
               "--unpinned runs whatever party code the coordinator's app bundle holds", file=sys.stderr)
         return 2
     policy = {"policy-" + f.replace("_", "-"): getattr(args, "policy_" + f) for f in POLICY_FLAGS}
+    if args.unpinned:  # the opt-out is part of the owner's policy: in its signed ledger, judged by the audit
+        policy["policy-allow-unpinned"] = True
     return _one(args, lambda: dc.supernode_command(
         args.credentials, superlink=args.superlink, data_path=args.data_path, party_name=args.party_name,
         host=args.host, port=args.port, work_dir=args.work_dir, epsilon_max=args.epsilon_max,

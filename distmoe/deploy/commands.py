@@ -337,7 +337,7 @@ def _checked_policy(policy: Mapping[str, str | float | int | bool]) -> dict:
         if v is None:
             continue
         flag = "--" + k
-        if k == "policy-allow-plaintext":
+        if k in ("policy-allow-plaintext", "policy-allow-unpinned"):
             ok = isinstance(v, bool)
         elif k.startswith("policy-min-") and k.endswith("noise-multiplier"):
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e6

@@ -19,6 +19,8 @@ Body (every field is a fact of the party's own signed ledger or setup, nothing o
   ``out`` entries), ``delta``, ``budget``; ``charged``: ``[round, release]`` of every release it charged;
 - ``unmasked``: the rounds for which it revealed its unmask shares (a release may exist for each);
 - ``code_pin``: the digest of the owner's code pin the party runs under, or null;
+- ``owner_policy``: the owner policy the party holds run configs to, ``{"policy": canonical dict, "sha256"}`` as
+  its ledger records it at setup (``distmoe.party.policy.policy_facts``), or null (no policy: a simulation);
 - ``public_key``: the ledger public key it is signed with (the audit checks it against the key directory).
 
 Must not: read party data, or decide whether a receipt matches a run (the audit does).
@@ -37,7 +39,7 @@ from distmoe.ledger import canonical_json, load_public_key, public_key_hex
 FORMAT = "distmoe-receipt/1"
 DOMAIN = b"distmoe-receipt-v1:"  # signatures of a receipt are never valid as ledger-entry signatures
 BODY_KEYS = {"run", "party", "ledger_head", "coordinator_head", "epsilon", "delta", "budget", "charged",
-             "unmasked", "code_pin", "public_key"}
+             "unmasked", "code_pin", "owner_policy", "public_key"}
 
 
 class ReceiptError(ValueError):
@@ -85,6 +87,10 @@ def read_receipt(obj: Any, public_key: str) -> dict[str, Any]:
         raise ReceiptError("receipt field 'unmasked' is not a list of rounds")
     if body["code_pin"] is not None and not isinstance(body["code_pin"], str):
         raise ReceiptError("receipt field 'code_pin' is not a digest or null")
+    pol = body["owner_policy"]
+    if pol is not None and not (isinstance(pol, dict) and set(pol) == {"policy", "sha256"}
+                                and isinstance(pol["policy"], dict) and isinstance(pol["sha256"], str)):
+        raise ReceiptError("receipt field 'owner_policy' is not {policy, sha256} or null")
     if body["public_key"] != public_key:
         raise ReceiptError("signed with a key that is not this party's key in the key directory")
     try:

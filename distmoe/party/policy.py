@@ -14,6 +14,7 @@ Node config keys (``distmoe deploy supernode`` writes ``policy = "deployed"`` an
 |---|---|---|
 | ``policy`` | ``"deployed"`` | (turns the policy on; any ``policy-*`` key does too) |
 | ``policy-allow-plaintext`` | false | ``privacy.mode = "plaintext"`` and this is false |
+| ``policy-allow-unpinned`` | false | (no refusal: without a code pin the audit reports a violation unless true) |
 | ``policy-min-parties`` | 3 | ``privacy.min-parties`` or the setup's SecAgg threshold is below it |
 | ``policy-min-noise-multiplier`` | 0.5 | the router-statistics z (``max(own plan, server's)``) is below it |
 | ``policy-min-metric-noise-multiplier`` | 1.0 | ``privacy.metric-noise-multiplier`` is below it (eval phases) |
@@ -57,6 +58,7 @@ RUNS_FILE = "runs.json"  # <work-dir>/policy/runs.json: the Flower run ids this 
 @dataclass(frozen=True)
 class OwnerPolicy:
     allow_plaintext: bool = False
+    allow_unpinned: bool = False  # the owner's explicit opt-out of the code pin (recorded, judged by the audit)
     min_parties: int = 3
     min_noise_multiplier: float = 0.5
     min_metric_noise_multiplier: float = 1.0
@@ -149,7 +151,8 @@ _FLOATS = {"policy-min-noise-multiplier": "min_noise_multiplier",
            "policy-min-update-noise-multiplier": "min_update_noise_multiplier"}
 _INTS = {"policy-min-parties": ("min_parties", 2), "policy-max-rounds": ("max_rounds", 1),
          "policy-max-runs": ("max_runs", 1)}
-KEYS = ("policy", "policy-allow-plaintext", *_FLOATS, *_INTS, "policy-phases")
+_BOOLS = {"policy-allow-plaintext": "allow_plaintext", "policy-allow-unpinned": "allow_unpinned"}
+KEYS = ("policy", *_BOOLS, *_FLOATS, *_INTS, "policy-phases")
 
 
 def owner_policy(node: NodeConfig) -> OwnerPolicy | None:
@@ -166,10 +169,10 @@ def owner_policy(node: NodeConfig) -> OwnerPolicy | None:
         if k == "policy":
             if v != "deployed":
                 raise ConfigError(f"{where}: value {v!r} must be \"deployed\" (the floors are the policy-* keys)")
-        elif k == "policy-allow-plaintext":
+        elif k in _BOOLS:
             if not isinstance(v, bool):
                 raise ConfigError(f"{where}: value {v!r} must be true or false")
-            vals["allow_plaintext"] = v
+            vals[_BOOLS[k]] = v
         elif k in _FLOATS:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= float(v) < 1e6:
                 raise ConfigError(f"{where}: value {v!r} must be a number in [0, 1e6)")
@@ -195,12 +198,16 @@ def code_pin_digest() -> str | None:
     return active_digest()
 
 
+def policy_facts(policy: OwnerPolicy | None) -> dict | None:
+    """The policy as the ledger and the receipt record it: ``{"policy": canonical dict, "sha256"}``, or None."""
+    return None if policy is None else {"policy": policy.as_dict(), "sha256": policy.digest()}
+
+
 def ledger_facts(policy: OwnerPolicy | None) -> dict:
     """What the party records in its signed ledger at setup (the key advert's ``out`` entry, ``info``): the policy
     it checked the run against (canonical JSON and sha256; None without one) and the code-pin digest (None:
     not started by the pinned launcher)."""
-    return {"owner_policy": None if policy is None else {"policy": policy.as_dict(), "sha256": policy.digest()},
-            "code_pin": code_pin_digest()}
+    return {"owner_policy": policy_facts(policy), "code_pin": code_pin_digest()}
 
 
 def secure_work_dir(node: NodeConfig) -> None:

@@ -9,7 +9,10 @@ after its last message is its run-end receipt. The owner publishes it; ``distmoe
 needs one (or the party's ledger) from every party of the roster to call a run verified (``docs/privacy.md`` §6).
 
 The code-pin digest is the owner's pin the ClientApp runs under, as the pinned launcher (``clients/pinned.py``)
-recorded it in this process after checking the bundle (``distmoe.deploy.pin.active_digest``); null otherwise.
+recorded it in this process after checking the bundle (``distmoe.deploy.pin.active_digest``); null otherwise. The
+owner policy is the one this process holds the run to (``distmoe.party.policy.policy_facts``). Both are this
+process's, not copied from the ledger: the audit compares them with what the ledger recorded at this run's setup, so
+a receipt naming another policy or pin than the setup ran under is a violation (``distmoe.audit.receipts``).
 
 Must not: read the party's data, send anything (the receipt never travels in a Flower message), or fail a reply
 (a receipt that cannot be written is logged in the party's own ``party.log``).
@@ -26,6 +29,7 @@ from distmoe.config import NodeConfig, RunConfig
 from distmoe.deploy.pin import active_digest
 from distmoe.deploy.receipt import sign_receipt
 from distmoe.io import write_json_atomic
+from distmoe.party.policy import OwnerPolicy, policy_facts
 from distmoe.party.session import ledger_key
 
 COORDINATOR = "coordinator"
@@ -50,7 +54,7 @@ def _entries(path: Path) -> list[dict[str, Any]]:
 
 
 def receipt_body(entries: list[dict[str, Any]], run_id: str, party: str, delta: float, budget: float,
-                 code_pin: str | None) -> dict[str, Any]:
+                 code_pin: str | None, owner_policy: dict | None = None) -> dict[str, Any]:
     """The unsigned body (``distmoe.deploy.receipt`` lists the fields) from this party's ledger ``entries``."""
     if not entries:
         raise ValueError("the party ledger is empty: nothing to put in a receipt")
@@ -75,15 +79,16 @@ def receipt_body(entries: list[dict[str, Any]], run_id: str, party: str, delta: 
             unmasked.append(int(e["round"]))
     return {"run": str(run_id), "party": party, "ledger_head": {"seq": int(last["seq"]), "hash": str(last["hash"])},
             "coordinator_head": coord_head, "epsilon": eps, "delta": float(delta), "budget": budget,
-            "charged": charged, "unmasked": sorted(set(unmasked)), "code_pin": code_pin}
+            "charged": charged, "unmasked": sorted(set(unmasked)), "code_pin": code_pin,
+            "owner_policy": owner_policy}
 
 
-def write_receipt(cfg: RunConfig, node: NodeConfig, run_id: str) -> Path:
-    """Write (replace) this party's signed receipt of run ``run_id``; returns its path."""
+def write_receipt(cfg: RunConfig, node: NodeConfig, run_id: str, policy: OwnerPolicy | None = None) -> Path:
+    """Write (replace) this party's signed receipt of run ``run_id`` under the owner ``policy``; returns its path."""
     ledger = node.work_dir / "ledger" / f"{node.party}.jsonl"
     budget = min(cfg.privacy.epsilon, node.epsilon_max or math.inf)
     body = receipt_body(_entries(ledger), run_id, node.party, cfg.privacy.delta, budget,
-                        active_digest())
+                        active_digest(), policy_facts(policy))
     path = receipt_path(node, run_id)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     path.parent.chmod(0o700)  # private like the rest of the work directory, whatever the umask

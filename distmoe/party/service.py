@@ -98,7 +98,7 @@ class PartyService:
     def after_reply(self) -> None:
         """Refresh this party's signed run receipt (``distmoe.party.receipt``); the guard calls it after every
         reply, so the receipt after the last message is the run-end receipt the owner publishes."""
-        write_receipt(self.cfg, self.node, self.run_id)
+        write_receipt(self.cfg, self.node, self.run_id, self.policy)
 
     def answer(self, mtype: str, instr: object) -> tuple[object, dict | None]:
         """-> (reply payload, DP facts for the ledger or None); ``Refused`` with the reason code otherwise

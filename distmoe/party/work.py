@@ -224,18 +224,22 @@ def progress(node: NodeConfig, text: str) -> None:
 def router_stats_per_sequence(cfg: RunConfig, node: NodeConfig, instr: StatsInstruction,
                               max_sequences: int | None = None) -> np.ndarray:
     """``[N, L, E]`` per-sequence mean router distributions of the global model on every training example of the
-    split (``PartyData.stats_train``: no cap, so one added or removed example changes exactly one row). More than
-    ``max_sequences`` (the public bound ``privacy.num-sequences-max``) is refused, never cut to the first N: a cut
-    lets one added example replace another, twice the sensitivity the release is charged at."""
+    split (``PartyData.stats_train``: no cap, so one added or removed example changes exactly one row). A party with
+    more than ``max_sequences`` (the public bound ``privacy.num-sequences-max``) is never cut to the first N (a cut
+    lets one added example replace another, twice the sensitivity the release is charged at) and never refuses
+    (whether it answers or refuses told a coordinator varying the bound over runs its exact size): it takes part
+    with no rows, as a party without data for the task (contributor bit 0), and says so in its own log only."""
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
     tasks = [instr.task] if instr.task else list(data.tasks)
     examples = [ex for t in tasks if data.has(t) for ex in data.stats_train(t)]
-    if max_sequences is not None and len(examples) > max_sequences:
-        raise PartyError(f"party {node.party}: {len(examples)} training sequences for the router statistics, above "
-                         f"privacy.num-sequences-max = {max_sequences}: raise the bound above every party's size")
     model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash)
     ms = describe(model)
+    if max_sequences is not None and len(examples) > max_sequences:
+        progress(node, f"round {instr.round}: {len(examples)} training sequences for the router statistics, above "
+                       f"privacy.num-sequences-max = {max_sequences}: this party sends no rows (ask the coordinator "
+                       "to raise the bound above every party's size)")
+        examples = []
     if not examples:
         return np.zeros((0, ms.num_moe_layers, ms.num_experts), dtype=np.float64)
     _, encoded, left_out = encode_fitting(tok, examples, cfg.model.max_seq_len)

@@ -85,21 +85,3 @@ def test_neighbouring_data_sets_stay_within_the_charged_sensitivity(tmp_path, ch
         h = set(base_held) ^ set(held)  # the capped held-out examples: one added or removed, or one replaced
         assert len(h) <= 2 and not (h and a ^ b), "the neighbour changed both sides of the split"
     assert worst2 > 0 and worst_eval > 0  # some neighbours did change each release
-
-
-def test_a_party_above_the_public_sequence_bound_is_refused_not_cut(tmp_path):
-    """Cutting the statistic's sequences to the first ``num-sequences-max`` would make one added example replace
-    another (twice the charged sensitivity): the router statistics read every training example, and a party with
-    more than the bound refuses (code ``data``) instead."""
-    from distmoe.config import SimConfig, parse_node_config
-    from distmoe.party.work import PartyError, router_stats_per_sequence
-    from distmoe.wire.schema import StatsInstruction
-
-    d = _party(tmp_path / "p", [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(30)])
-    node = parse_node_config({"data-path": str(d), "work-dir": str(tmp_path / "w")}, SimConfig())
-    cfg = parse_run_config({})
-    instr = StatsInstruction(round=1, task="t", weights={}, base_hash="")
-    n_train = len(load_party(d, cfg.data).stats_train("t"))
-    with pytest.raises(PartyError, match="above privacy.num-sequences-max") as exc:
-        router_stats_per_sequence(cfg, node, instr, n_train - 1)
-    assert int(exc.value.code) == 1005  # data

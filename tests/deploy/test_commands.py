@@ -217,12 +217,13 @@ def test_supernode_writes_the_owner_policy_into_the_node_config(creds, tmp_path,
     out = capsys.readouterr().out
     nc_text = shlex.split(out.strip().splitlines()[-1])[-1]
     assert 'policy="deployed"' in nc_text and "policy-allow-plaintext" not in nc_text
+    assert "policy-allow-unpinned=true" in nc_text  # --unpinned: the owner's opt-out, recorded in its policy
     from flwr.common.config import parse_config_args
 
     node_config = parse_config_args([nc_text])  # exactly what flower-supernode does with the string
     pol = owner_policy(parse_node_config(node_config, SimConfig()))
     assert pol == OwnerPolicy(min_parties=4, min_update_noise_multiplier=2.5, phases=("eval", "sft", "stats"),
-                              max_runs=7)
+                              max_runs=7, allow_unpinned=True)
     assert main([*base, "--policy-phases", "sft,train"]) == 2
     assert "--policy-phases" in capsys.readouterr().err
     assert main([*base, "--policy-min-parties", "1"]) == 2

@@ -9,7 +9,7 @@ from distmoe.ledger import generate_signing_key, public_key_hex
 
 BODY = {"run": "r1", "party": "party-0", "ledger_head": {"seq": 9, "hash": "a" * 64},
         "coordinator_head": {"seq": 40, "hash": "b" * 64}, "epsilon": 7.9, "delta": 1e-6, "budget": 8.0,
-        "charged": [[3, "router-stats"]], "unmasked": [3], "code_pin": None}
+        "charged": [[3, "router-stats"]], "unmasked": [3], "code_pin": None, "owner_policy": None}
 
 
 def test_a_signed_receipt_reads_back_under_its_key_only(tmp_path):
@@ -39,6 +39,8 @@ def test_any_edit_of_a_signed_receipt_breaks_its_signature(tmp_path, edit):
     ({"format": "distmoe-receipt/1", "body": {**BODY, "extra": 1}, "signature": ""}, "exactly the keys"),
     ({"format": "distmoe-receipt/1", "body": {**BODY, "public_key": "k", "ledger_head": {"seq": 1}},
       "signature": ""}, "ledger_head"),
+    ({"format": "distmoe-receipt/1", "body": {**BODY, "public_key": "k", "owner_policy": {"sha256": "a" * 64}},
+      "signature": ""}, "owner_policy"),
 ])
 def test_a_malformed_receipt_is_named(obj, needle):
     with pytest.raises(ReceiptError, match=needle):
