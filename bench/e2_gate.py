@@ -185,8 +185,8 @@ def head_to_head(recs: list[dict], x: str, y: str, boot: int = 2000) -> dict[str
     recs = [r for r in recs if x in r and y in r]
     if not recs:
         return {}
-    px = [torch.tensor(r[x]) for r in recs]  # seeds x [P, S]
-    py = [torch.tensor(r[y]) for r in recs]
+    px = [torch.tensor(r[x], dtype=torch.float32) for r in recs]  # seeds x [P, S]
+    py = [torch.tensor(r[y], dtype=torch.float32) for r in recs]
     win = torch.stack([(a > b).float() + 0.5 * (a == b).float() for a, b in zip(px, py, strict=True)])  # [K, P, S]
     diff = torch.stack([a - b for a, b in zip(px, py, strict=True)])  # [K, P, S]
     n_p = win.shape[1]
@@ -223,9 +223,9 @@ def table(args, out: Path) -> dict:
           " | ".join(a for a in ARMS if any(a in r for r in recs)) + " |")
     for r in recs:
         sft = json.loads((out / f"sft-s{r['seed']}.json").read_text())
-        cells = [f"{torch.tensor(r[a]).mean():.3f}" for a in ARMS if a in r]
+        cells = [f"{torch.tensor(r[a], dtype=torch.float32).mean():.3f}" for a in ARMS if a in r]
         print(f"| {r['seed']} | {sft['sft_steps']} | {sft['heldout_reward_exact']:.3f} | "
-              f"{torch.tensor(r['sft']).mean():.3f} | " + " | ".join(cells) + " |")
+              f"{torch.tensor(r['sft'], dtype=torch.float32).mean():.3f} | " + " | ".join(cells) + " |")
     for arm in ARMS:
         logs = [out / f"{arm}-s{s}.jsonl" for s in args.seeds if (out / f"{arm}-s{s}.jsonl").exists()]
         if logs:
