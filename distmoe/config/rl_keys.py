@@ -17,6 +17,11 @@ POLICY_LOSSES = ("grpo", "reinforce")  # distmoe/rl/losses.py registry (a test k
 REWARDS = ("exact_match", "numeric", "format", "task")  # distmoe/rl/rewards.py registry
 CORRECTIONS = {"icepop": "mask", "tis": "truncate", "none": "none"}
 ENGINE_PARTS = ("exact", "bf16", "int8-dynamic", "int8-weight-only")
+ENGINE_PART_RE = re.compile(r"prune-[1-9]\d*|int[2-8](g[1-9]\d*)?-experts")  # the parameterised parts
+
+
+def _engine_part_ok(part: str) -> bool:
+    return part in ENGINE_PARTS or ENGINE_PART_RE.fullmatch(part) is not None
 DPO_REFERENCES = ("phase", "round")
 
 
@@ -45,7 +50,8 @@ class RLConfig(Section):
     icepop_low: float = key(0.5, "IcePop keeps tokens with low <= k <= high", lo=0.0, hi=1.0)
     icepop_high: float = key(5.0, "IcePop upper bound of k (also the TIS truncation)", lo=1.0, hi=1e6)
     engine: str = key("bf16", "the rollout engine's numerics",
-                      allowed="`exact`, `bf16`, `int8-dynamic`, `int8-weight-only`, `prune-<k>`, joined with `+`")
+                      allowed="`exact`, `bf16`, `int8-dynamic`, `int8-weight-only`, `int<b>-experts`, "
+                              "`int<b>g<n>-experts`, `prune-<k>`, joined with `+`")
     reward: str = key("task", "verifiable reward", choices=REWARDS)
     simulator: bool = key(False, "use the ICEPOP seed's inference simulator's δ̂ for the mismatch weights (falls "
                           "back to the recompute when it degrades)", experimental=True)
@@ -93,10 +99,10 @@ class RLConfig(Section):
             raise ConfigError(f"config key 'rl.minibatches': value {self.minibatches} exceeds "
                               f"rl.prompts-per-step x rl.group-size = {rollouts}")
         for part in self.engine.split("+"):
-            if part not in ENGINE_PARTS and not re.fullmatch(r"prune-[1-9]\d*", part):
+            if not _engine_part_ok(part):
                 raise ConfigError(f"config key 'rl.engine': value {self.engine!r}: {part!r} is not one of "
-                                  f"{', '.join(ENGINE_PARTS)}, prune-<k> (parts combine with '+', e.g. "
-                                  "'bf16+prune-1')")
+                                  f"{', '.join(ENGINE_PARTS)}, int<b>-experts (b in 2..8), prune-<k> (parts combine "
+                                  "with '+', e.g. 'bf16+prune-1')")
         if self.routing_replay and self.simulator:
             raise ConfigError("config key 'rl.routing-replay': value true cannot be combined with rl.simulator = "
                               "true (two alternative mitigations of the routing gap: replay removes the gap the "
@@ -118,13 +124,13 @@ class DPOConfig(Section):
                                 "where a token's "
                                 "trainer/engine reference ratio leaves [`rl.icepop-low`, `rl.icepop-high`] "
                                 "(`docs/algorithms.md`, DPO)",
-                                allowed="`\"\"`, or `exact`, `bf16`, `int8-dynamic`, `int8-weight-only`, `prune-<k>` "
-                                        "joined with `+`")
+                                allowed="`\"\"`, or `exact`, `bf16`, `int8-dynamic`, `int8-weight-only`, "
+                                        "`int<b>-experts`, `prune-<k>` joined with `+`")
 
     def check(self) -> None:
         for part in (self.reference_engine.split("+") if self.reference_engine else ()):
-            if part not in ENGINE_PARTS and not re.fullmatch(r"prune-[1-9]\d*", part):
+            if not _engine_part_ok(part):
                 raise ConfigError(f"config key 'dpo.reference-engine': value {self.reference_engine!r}: {part!r} is "
-                                  f"not one of {', '.join(ENGINE_PARTS)}, prune-<k> (parts combine with '+', e.g. "
-                                  "'bf16+prune-1'), or \"\" for the trainer")
+                                  f"not one of {', '.join(ENGINE_PARTS)}, int<b>-experts, prune-<k> (parts combine "
+                                  "with '+', e.g. 'bf16+prune-1'), or \"\" for the trainer")
 

@@ -28,6 +28,14 @@ them in a few dozen local steps). Every prompt is "<what to do>" then the operan
 Examples within a party's task are distinct while the family has enough distinct items; beyond
 that they repeat (the party split keeps identical examples on one side).
 
+* ``shift6`` (for the long-answer RL instrument, ``bench/e2_gate.py``; not a default party task): a random
+  6-letter lowercase word and every letter moved one place on in the alphabet (``z`` -> ``a``),
+  ``Shift\nabcdef`` -> ``bcdefg``, asked with one of ``SHIFT6_PHRASINGS``. Answers are 6 tokens plus the end
+  token, so an exact-match reward needs all ~7 right (per-token accuracy ``a`` gives reward ``~a^7``): a per-token
+  mismatch compounds. Items are distinct within a party's file (26^6 words, so disjoint training and held-out
+  sets are easy to draw). Chosen over reversal and digit-wise sums because the small model of the RL benches
+  learns it in ~100 SFT steps (reversal and digit-wise sums stayed below 0.04 exact match after 800 and 100).
+
 * ``pref`` (preference pairs, ``{"prompt", "chosen", "rejected"}``, for ``dpo`` phases): the ``arith``
   facts and party ranges, prompt ``"<phrasing>\n7+5"``, ``chosen`` the correct result, ``rejected`` a
   wrong one: half the time the expression echoed back (``7+5``, a format failure a model can learn to
@@ -57,7 +65,7 @@ from typing import Any
 from distmoe.data.formats import DataError
 
 TASK_FAMILIES = ("arith", "strings", "lookup")  # the default demo's tasks
-ALL_FAMILIES = (*TASK_FAMILIES, "pref")
+ALL_FAMILIES = (*TASK_FAMILIES, "pref", "shift6")
 
 LOOKUP_KEYS = 60
 LOOKUP_WINDOW = 40
@@ -69,6 +77,7 @@ STRING_OPS: tuple[tuple[str, Callable[[str], str]], ...] = (
     ("Sort", lambda w: "".join(sorted(w))),
     ("Capitalize", str.capitalize),
 )
+SHIFT6_PHRASINGS = ("Shift", "Next letters", "Step each letter")
 SYSTEM_PROMPT = "Answer with the result only."
 PREF_ECHO_SHARE = 0.5  # pref: share of rejected answers that echo the expression instead of a wrong number
 
@@ -98,6 +107,7 @@ VERIFIERS: dict[str, Callable[[str, str, str], bool]] = {
     "pref": _numeric,
     "strings": _exact,
     "lookup": _exact,
+    "shift6": _exact,
 }
 
 
@@ -225,11 +235,33 @@ def disjoint_lookup(seed: int, tables: int, keys: int) -> list[tuple[list[dict[s
     return out
 
 
+def shift_word(word: str) -> str:
+    """Every lowercase letter one place on (``z`` -> ``a``): the ``shift6`` answer."""
+    return "".join(chr((ord(c) - 97 + 1) % 26 + 97) for c in word)
+
+
+def _gen_shift6(party: int, n: int, rng: random.Random, seed: int) -> list[dict[str, str]]:
+    """``n`` items with distinct words (a word never appears twice in one file, whatever the phrasing)."""
+    if n > 10**7:
+        raise DataError(f"shift6: at most 10,000,000 items per file, asked for {n}")
+    seen: set[str] = set()
+    out: list[dict[str, str]] = []
+    while len(out) < n:
+        ph = SHIFT6_PHRASINGS[rng.randrange(len(SHIFT6_PHRASINGS))]
+        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(6))
+        if word in seen:
+            continue
+        seen.add(word)
+        out.append({"instruction": ph, "input": word, "output": shift_word(word)})
+    return out
+
+
 _GENERATORS: dict[str, Callable[[int, int, random.Random, int], list[dict[str, Any]]]] = {
     "arith": _gen_arith,
     "strings": _gen_strings,
     "lookup": _gen_lookup,
     "pref": _gen_pref,
+    "shift6": _gen_shift6,
 }
 
 

@@ -2,7 +2,7 @@
 from the trainer's in a controlled, genuine way (``docs/algorithms.md``, "Inference engine profiles").
 
 Owns: the numerics profiles (``exact``, ``bf16``, ``int8-dynamic``, ``int8-weight-only``,
-``prune-k`` and ``+``-combinations such as ``bf16+prune-1``), the expert-usage table used to choose
+``int<b>-experts``, ``prune-k`` and ``+``-combinations such as ``bf16+prune-1``), the expert-usage table used to choose
 which experts ``prune-k`` drops (``measure_usage``), and ``sync`` (re-copy the policy's weights and
 re-apply the profile).
 
@@ -18,6 +18,15 @@ Profiles (measured on a briefly trained tiny Qwen3-MoE; the table is in ``docs/a
   Batch-composition dependent, like batch-non-invariant GPU kernels.
 * ``int8-weight-only``: fake-quantised symmetric per-row int8 of the fused experts' 3-D parameters
   and the router weight (deterministic; compute stays fp32).
+* ``int<b>-experts`` (b in 2..8, e.g. ``int4-experts``; ``int<b>g<n>-experts`` with groups of n input
+  columns): symmetric fake quantisation of the fused experts' weights only, one scale per output channel (per
+  row of the last dimension; per group of n columns of it with ``g<n>``), compute in fp32, the router untouched.
+  With ``q = 2^(b-1) - 1`` and ``W[e, o, :]`` one output channel (a group of it with ``g<n>``)::
+
+      s[e, o] = max_i |W[e, o, i]| / q          W_hat = clamp(round(W / s), -q, q) * s
+
+  The weights every token meets differ, so log-probs move on every token, while routes move only through
+  the hidden states (the router is exact): a mismatch routing replay cannot remove, by construction.
 * ``prune-k``: the k least-used experts of every MoE layer are dropped by setting their router
   logits to -inf (a forward hook on each router of the copy). "Least used" comes from a usage table
   ``[L, E]`` passed in, or measured on calibration batches with ``measure_usage``. Strong and
@@ -40,29 +49,35 @@ from distmoe.model.build import router_modules, topk_weighting
 from distmoe.model.device import autocast_for, device_of
 from distmoe.model.router_rule import CORRECTION_BIAS, Routing, routing_of
 
-BASE_PROFILES = ("exact", "bf16", "int8-dynamic", "int8-weight-only", "prune-k")
+BASE_PROFILES = ("exact", "bf16", "int8-dynamic", "int8-weight-only", "prune-k", "int<b>-experts")
 _PRUNE_RE = re.compile(r"^prune-(\d+)$")
+_EXPERT_QUANT_RE = re.compile(r"^int(\d+)(?:g(\d+))?-experts$")
 
 
 def _profile_error(profile: str, why: str) -> ValueError:
     return ValueError(f"unknown or invalid inference profile {profile!r} ({why}); valid profiles: "
-                      f"{', '.join(BASE_PROFILES)} (prune-k with an integer k, e.g. prune-1), or a '+'-"
-                      "combination of bf16 / int8-dynamic / int8-weight-only / prune-k such as bf16+prune-1 "
+                      f"{', '.join(BASE_PROFILES)} (prune-k with an integer k, e.g. prune-1; int<b>-experts with b in "
+                      "2..8, e.g. int4-experts, or int<b>g<n>-experts for groups of n columns), or a '+'-"
+                      "combination of bf16 / int8-dynamic / int8-weight-only / int<b>-experts / prune-k such as "
+                      "bf16+prune-1 "
                       "(bf16 and int8-dynamic exclude each other; exact stands alone)")
 
 
 def parse_profile(profile: str) -> dict[str, object]:
-    """``"bf16+prune-1"`` -> ``{"bf16": True, "int8_dynamic": False, "int8_wo": False, "prune": 1}``."""
+    """``"bf16+prune-1"`` -> ``{"bf16": True, "int8_dynamic": False, "int8_wo": False, "prune": 1,
+    "expert_bits": 0, "expert_group": 0}`` (``expert_group`` 0: one scale per whole output channel)."""
     parts = [p.strip() for p in str(profile).lower().split("+") if p.strip()]
     if not parts:
         raise _profile_error(profile, "empty")
-    spec: dict[str, object] = {"bf16": False, "int8_dynamic": False, "int8_wo": False, "prune": 0}
+    spec: dict[str, object] = {"bf16": False, "int8_dynamic": False, "int8_wo": False, "prune": 0,
+                               "expert_bits": 0, "expert_group": 0}
     if parts == ["exact"]:
         return spec
     seen: set[str] = set()
     for part in parts:
         m = _PRUNE_RE.match(part)
-        key = "prune" if m else part
+        q = _EXPERT_QUANT_RE.match(part)
+        key = "prune" if m else "expert_bits" if q else part
         if key in seen:
             raise _profile_error(profile, f"{part!r} given twice")
         seen.add(key)
@@ -71,6 +86,13 @@ def parse_profile(profile: str) -> dict[str, object]:
             if k < 1:
                 raise _profile_error(profile, "prune-k needs k >= 1")
             spec["prune"] = k
+        elif q:
+            bits, group = int(q.group(1)), int(q.group(2) or 0)
+            if not 2 <= bits <= 8:
+                raise _profile_error(profile, f"{part!r}: bits must be in 2..8")
+            if q.group(2) is not None and group < 1:
+                raise _profile_error(profile, f"{part!r}: the group size must be >= 1")
+            spec["expert_bits"], spec["expert_group"] = bits, group
         elif part == "bf16":
             spec["bf16"] = True
         elif part == "int8-dynamic":
@@ -83,6 +105,8 @@ def parse_profile(profile: str) -> dict[str, object]:
             raise _profile_error(profile, f"unknown part {part!r}")
     if spec["bf16"] and spec["int8_dynamic"]:
         raise _profile_error(profile, "bf16 and int8-dynamic exclude each other")
+    if spec["int8_wo"] and spec["expert_bits"]:
+        raise _profile_error(profile, "int8-weight-only and int<b>-experts both quantise the experts")
     return spec
 
 
@@ -169,9 +193,30 @@ def fake_quant_int8_(t: torch.Tensor) -> None:
     t.copy_((t / s).round().clamp(-127, 127) * s)
 
 
+def fake_quant_channels_(t: torch.Tensor, bits: int, group: int = 0) -> None:
+    """Symmetric ``bits``-bit fake quantisation, in place, one scale per row of the last dim (per output channel
+    of an ``[E, out, in]`` fused expert), or per ``group`` consecutive entries of it (``group`` 0: the whole row;
+    it must divide the last dim). ``t`` keeps its dtype and shape."""
+    q = 2 ** (bits - 1) - 1
+    shape = t.shape
+    if group:
+        if shape[-1] % group:
+            raise ValueError(f"expert quantisation: group size {group} does not divide the input dim {shape[-1]}")
+        view = t.reshape(*shape[:-1], shape[-1] // group, group)  # [..., in/g, g]
+    else:
+        view = t.reshape(*shape[:-1], 1, shape[-1])  # [..., 1, in]
+    s = view.abs().amax(-1, keepdim=True).clamp(min=1e-8) / q  # [..., groups, 1]
+    t.copy_(((view / s).round().clamp(-q, q) * s).reshape(shape))
+
+
+def expert_tensor_names(model: nn.Module) -> list[str]:
+    """Names of the fused 3-D expert parameters (``[E, out, in]`` in Qwen3-MoE), what ``int<b>-experts`` quantises."""
+    return [n for n, p in model.named_parameters() if p.dim() == 3 and ".experts." in f".{n}"]
+
+
 def quantized_tensor_names(model: nn.Module) -> list[str]:
     """Names of the parameters ``int8-weight-only`` fake-quantises: fused 3-D experts + router weights."""
-    names = [n for n, p in model.named_parameters() if p.dim() == 3 and ".experts." in f".{n}"]
+    names = expert_tensor_names(model)
     for rname, mod in router_modules(model):
         if isinstance(getattr(mod, "weight", None), torch.Tensor):
             names.append(f"{rname}.weight")
@@ -224,6 +269,15 @@ class InferenceEngine:
                 params = dict(model.named_parameters())
                 for name in quantized_tensor_names(model):
                     fake_quant_int8_(params[name].data)
+        if self.spec["expert_bits"]:
+            names = expert_tensor_names(model)
+            if not names:
+                raise ValueError(f"inference profile {self.profile!r}: the model has no fused 3-D expert weights")
+            with torch.no_grad():
+                params = dict(model.named_parameters())
+                for name in names:
+                    fake_quant_channels_(params[name].data, int(self.spec["expert_bits"]),
+                                         int(self.spec["expert_group"]))
         if self.spec["bf16"]:
             model.to(torch.bfloat16)
         if self.spec["int8_dynamic"]:

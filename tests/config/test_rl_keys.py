@@ -18,6 +18,7 @@ def test_config_lists_match_the_registries():
 
 @pytest.mark.parametrize("key,value,needle", [
     ("rl.engine", "fp8", "rl.engine"), ("rl.engine", "bf16+prune-x", "prune-<k>"),
+    ("rl.engine", "int9-experts", "int<b>-experts"), ("dpo.reference-engine", "int4x-experts", "int<b>-experts"),
     ("rl.correction", "clip", "icepop"), ("rl.policy-loss", "dpo", "grpo"), ("rl.reward", "bleu", "task"),
     ("rl.group-size", 1, "rl.group-size"), ("rl.minibatches", 99, "rl.prompts-per-step"),
     ("rl.icepop-high", 0.5, "rl.icepop-high"), ("schedule.phases", "rl", "needs a task"),
@@ -38,3 +39,9 @@ def test_routing_replay_keys_parse_and_exclude_the_simulator():
         parse_run_config({"rl.routing-replay": True, "rl.simulator": True})
     r = parse_run_config({"rl.routing-replay": True, "rl.simulator-lb-coef": 0.2}).rl  # what run_grpo receives
     assert r.routing_replay and r.simulator_lb_coef == 0.2
+
+
+def test_expert_quant_engine_parts_parse():
+    for value in ("int4-experts", "int2g32-experts", "bf16+int3-experts", "int4-experts+prune-1"):
+        assert parse_run_config({"rl.engine": value}).rl.engine == value
+    assert parse_run_config({"dpo.reference-engine": "int4-experts"}).dpo.reference_engine == "int4-experts"

@@ -1,5 +1,6 @@
 """``distmoe.data.synth.disjoint_lookup``: tables with disjoint keys, distinct codes and 480 held-out items each,
-every key trained and held out in different phrasings, deterministic in its arguments.
+every key trained and held out in different phrasings, deterministic in its arguments; ``shift6``: 6-letter answers,
+distinct words, exact-match verification.
 
 Must not: train anything.
 """
@@ -10,8 +11,17 @@ import re
 
 import pytest
 
-from distmoe.data.formats import DataError
-from distmoe.data.synth import disjoint_lookup, lookup_table
+from distmoe.data.formats import DataError, parse_line
+from distmoe.data.synth import (
+    SHIFT6_PHRASINGS,
+    check_answer,
+    disjoint_lookup,
+    generate,
+    lookup_table,
+    shift_word,
+    synth_tasks,
+    write_synthetic,
+)
 
 
 def _keys(objs):
@@ -34,3 +44,31 @@ def test_disjoint_tables_hold_480_unseen_phrasings_each():
 def test_disjoint_lookup_refuses_bad_sizes():
     with pytest.raises(DataError, match="keys"):
         disjoint_lookup(0, 2, 1000)
+
+
+def test_shift6_answers_are_six_shifted_letters_of_distinct_words():
+    objs = generate("shift6", 0, 2200, 0)
+    assert len({o["input"] for o in objs}) == 2200  # distinct words: any split is disjoint
+    for o in objs[:200]:
+        assert o["instruction"] in SHIFT6_PHRASINGS and re.fullmatch(r"[a-z]{6}", o["input"])
+        assert len(o["output"]) == 6 and o["output"] != o["input"]
+        assert [(ord(b) - ord(a)) % 26 for a, b in zip(o["input"], o["output"], strict=True)] == [1] * 6
+    assert shift_word("xyzabc") == "yzabcd"
+    assert generate("shift6", 0, 50, 0) == objs[:50] and generate("shift6", 1, 50, 0) != objs[:50]
+    ex = parse_line(objs[0], "synth:0")
+    assert ex.answer == objs[0]["output"] and objs[0]["input"] in ex.prompt_messages[-1]["content"]
+
+
+def test_shift6_reward_is_exact_match_of_the_whole_answer():
+    assert check_answer("shift6", "Shift\nabcdef", "bcdefg", "bcdefg")
+    assert check_answer("shift6", "Shift\nabcdef", " bcdefg ", "bcdefg")  # stripped, like every exact task
+    assert not check_answer("shift6", "Shift\nabcdef", "bcdefh", "bcdefg")  # one wrong letter of six: 0
+    assert not check_answer("shift6", "Shift\nabcdef", "bcdef", "bcdefg")
+
+
+def test_shift6_is_written_only_when_scheduled(tmp_path):
+    assert "shift6" not in synth_tasks(["lookup"]) and "shift6" in synth_tasks(["lookup", "shift6"])
+    (d,) = write_synthetic(tmp_path, 1, 20, 0, tasks=("shift6",))
+    assert len((d / "shift6.jsonl").read_text().splitlines()) == 20
+    with pytest.raises(DataError, match="at most 10,000,000"):
+        generate("shift6", 0, 10**7 + 1, 0)

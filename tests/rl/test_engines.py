@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distmoe.data.template import collate, encode_prompt
-from distmoe.rl.engines import InferenceEngine, measure_usage, parse_profile
+from distmoe.rl.engines import InferenceEngine, expert_tensor_names, fake_quant_channels_, measure_usage, parse_profile
 from distmoe.rl.rewards import REWARDS, compute_rewards, get_reward
 from distmoe.rl.rollout import (
     _record_routes,
@@ -150,4 +150,55 @@ def test_unknown_names_error_with_valid_list(trained):
         InferenceEngine(trained["model"], "prune-1")
     with pytest.raises(ValueError, match="fewer than top_k"):
         InferenceEngine(trained["model"], "prune-7", usage=trained["usage"])
-    assert parse_profile("bf16+prune-2") == {"bf16": True, "int8_dynamic": False, "int8_wo": False, "prune": 2}
+    assert parse_profile("bf16+prune-2") == {"bf16": True, "int8_dynamic": False, "int8_wo": False, "prune": 2,
+                                             "expert_bits": 0, "expert_group": 0}
+
+
+def test_fake_quant_channels_puts_each_output_channel_on_its_own_symmetric_grid():
+    torch.manual_seed(0)
+    w = torch.randn(3, 5, 64)  # [E, out, in]
+    q = w.clone()
+    fake_quant_channels_(q, 4)
+    scale = w.abs().amax(-1, keepdim=True) / 7  # s = max_i |W[e, o, i]| / (2^(4-1) - 1)
+    codes = q / scale  # [E, out, in]
+    assert torch.allclose(codes, codes.round(), atol=1e-4) and codes.abs().max() <= 7 + 1e-4
+    assert torch.allclose(q, (w / scale).round().clamp(-7, 7) * scale)
+    assert ((q - w).abs() <= scale / 2 + 1e-6).all()  # rounding error at most half a step per channel
+    g = w.clone()
+    fake_quant_channels_(g, 2, group=16)  # 2 bits: q = 1, values {-s, 0, s} per group of 16 columns
+    per_group = g.reshape(3, 5, 4, 16)
+    assert all(len(set(row.abs().unique().round(decimals=6).tolist()) - {0.0}) <= 1
+               for row in per_group.reshape(-1, 16))
+    with pytest.raises(ValueError, match="group size 5 does not divide the input dim 64"):
+        fake_quant_channels_(w.clone(), 4, group=5)
+
+
+def test_expert_quant_engine_changes_logprobs_keeps_routes_and_the_router_exact(trained):
+    model = trained["model"]
+    engine = InferenceEngine(model, "int2g32-experts")
+    names = expert_tensor_names(model)
+    assert names and all(".experts." in n for n in names)
+    mp, ep = dict(model.named_parameters()), dict(engine.model.named_parameters())
+    changed = {n for n in mp if not torch.equal(mp[n], ep[n])}
+    assert changed == set(names)  # the experts only: router, attention, embeddings and lm_head exact
+    ro, delta, _ = _mismatch(trained, engine)
+    assert float(delta.abs().mean()) > 1e-3  # the log-probs move on the tokens
+    assert max(routing_disagreement(model, engine, ro)) < 0.15  # most routes are kept (router untouched)
+    again = InferenceEngine(model, "int2g32-experts")  # deterministic: the same weights and the same samples
+    assert all(torch.equal(ep[n], dict(again.model.named_parameters())[n]) for n in names)
+    ro2 = generate_rollouts(again, trained["tok"], trained["prompts"], 4, 8, 1.0, 0)
+    assert torch.equal(ro.sequences, ro2.sequences) and torch.equal(ro.logp_infer, ro2.logp_infer)
+    mild = InferenceEngine(model, "int6-experts")  # more bits, less mismatch
+    assert float(_mismatch(trained, mild)[1].abs().mean()) < float(delta.abs().mean())
+
+
+def test_expert_quant_profile_grammar():
+    assert parse_profile("int4-experts")["expert_bits"] == 4 and parse_profile("int4-experts")["expert_group"] == 0
+    assert parse_profile("bf16+int3g32-experts") == {"bf16": True, "int8_dynamic": False, "int8_wo": False,
+                                                     "prune": 0, "expert_bits": 3, "expert_group": 32}
+    for bad, why in (("int1-experts", "bits must be in 2..8"), ("int9-experts", "bits must be in 2..8"),
+                     ("int4g0-experts", "group size must be >= 1"),
+                     ("int8-weight-only+int4-experts", "both quantise the experts"),
+                     ("int4-experts+int3-experts", "given twice")):
+        with pytest.raises(ValueError, match=why):
+            parse_profile(bad)
