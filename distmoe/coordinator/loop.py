@@ -93,7 +93,8 @@ class Coordinator:
         self.probe_prev_top1: np.ndarray | None = None
         self.probe_warned: set[str] = set()
         self.settle_warned: set[str] = set()  # parties named once for an unusable or disagreeing bias settle
-        self.routing_watch = RoutingWatch(cfg.routing.load_cv_warn, cfg.routing.kl_rise_rounds)
+        self.routing_watch = RoutingWatch(cfg.routing.load_cv_warn, cfg.routing.kl_rise_rounds,
+                                          str(cfg.routing.balance))
 
     # ------------------------------------------------------------------ the run, top to bottom
     def run(self) -> dict:
