@@ -272,7 +272,7 @@ print("COPIES", sum("marker line" in s for s in items))
 """
 
 
-@pytest.mark.slow  # a real process that imports both apps (torch, transformers, flwr): tens of seconds on a loaded machine
+@pytest.mark.slow  # a real process importing both apps (torch, transformers, flwr): tens of seconds when loaded
 def test_the_apps_log_stream_carries_each_line_once():
     """opacus' ``logging.basicConfig`` at import put a stderr handler on the root logger, and Flower's logger
     propagates to it: the deployed ServerApp's stream (stdout and stderr mirrored) carried every line twice."""
