@@ -219,7 +219,7 @@ class ServerGuard:
 
     def outbound(self, node: int, payload: object, rnd: int | None, phase: str,
                  encoded: tuple[RecordDict, dict] | None = None) -> tuple[str, RecordDict]:
-        content = codec.encode(payload) if encoded is None else RecordDict(dict(encoded[0].items()))
+        content = codec.encode(payload) if encoded is None else codec.shared(encoded[0])
         d = inspect.describe(content) if encoded is None else encoded[1]  # ``encoded``: once per exchange
         ptype = codec.payload_tag(content)
         problem = check_against_policy(self.policy, ptype, d)
