@@ -129,7 +129,7 @@ def encode_example(tokenizer: Any, example: Example, max_len: int) -> tuple[list
         memo = _MEMO.setdefault(tokenizer, {})
     except TypeError:  # a tokenizer that cannot be weakly referenced: no memo
         memo = {}
-    key = (example, max_len)
+    key = (example, max_len, str(getattr(tokenizer, "chat_template", None)))  # a template set later: afresh
     if key not in memo:
         if len(memo) >= MEMO_MAX:
             memo.clear()

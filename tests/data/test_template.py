@@ -43,3 +43,15 @@ def test_encodings_are_memoised_per_tokenizer_and_equal_a_fresh_encoding(monkeyp
     assert calls["n"] == n + 2
     encode_example(tok, kept[0], 16)  # another length: encoded afresh
     assert calls["n"] == n + 4
+
+
+def test_a_tokenizer_whose_chat_template_changes_is_encoded_afresh():
+    tok = build_default_tokenizer()
+    ex = _ex("what is 2 + 2?", "4")
+    before = encode_example(tok, ex, 64)
+    assert "'<|user|>' + message['content']" in tok.chat_template
+    tok.chat_template = tok.chat_template.replace("'<|user|>' + message['content']",
+                                                  "'<|user|>' + message['content'] + 'x'")
+    after = encode_example(tok, ex, 64)
+    assert after != before and len(after[0]) == len(before[0]) + 1
+    assert list(after) == [list(x) for x in template._encode(tok, ex, 64)]
