@@ -16,7 +16,8 @@ messages.
 
 Per-round times come from Flower's own round log lines (``[ROUND k/N]``, ``Strategy execution finished``):
 ``round-log`` names a file where the ServerApp adds a handler to Flower's logger that writes each line with its
-timestamp (``bench/peer_flower.py`` reads it).
+timestamp (``bench/peer_flower.py`` reads it). Each reply's ``handler-s`` (seconds in the ``train`` handler) shows in
+Flower's ``Aggregated MetricRecord`` line as the example-weighted mean over the parties.
 
 Must not: be imported by distmoe (benchmark only).
 """
@@ -24,6 +25,7 @@ Must not: be imported by distmoe (benchmark only).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -84,6 +86,7 @@ def _setup(context: Context):
 @client.train()
 def train(msg: Message, context: Context) -> Message:
     rc = context.run_config
+    t0 = time.perf_counter()
     model, tok, encoded, pid = _setup(context)
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     rnd = int(msg.content["config"].get("server-round", 0))
@@ -103,5 +106,6 @@ def train(msg: Message, context: Context) -> Message:
         losses.append(float(loss.detach()))
     model.eval()
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                          "metrics": MetricRecord({"train_loss": losses[-1], "num-examples": len(encoded)})})
+                          "metrics": MetricRecord({"train_loss": losses[-1], "num-examples": len(encoded),
+                                                   "handler-s": time.perf_counter() - t0})})
     return Message(content=content, reply_to=msg)
