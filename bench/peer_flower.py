@@ -98,6 +98,12 @@ def run_peer(root: Path, data: Path, rounds: int, timeout: float) -> list[float]
     finally:
         stop_processes(token, ray_dir=env["RAY_TMPDIR"])
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    return peer_rounds(round_log, rounds)
+
+
+def peer_rounds(round_log: Path, rounds: int) -> list[float]:
+    """Per-round seconds from the peer ServerApp's timestamped Flower log: ``[ROUND k/N]`` to the next round's (the
+    last round to ``Strategy execution finished``)."""
     starts, end = {}, None
     for line in round_log.read_text().splitlines():
         if m := ROUND.match(line):
@@ -105,7 +111,7 @@ def run_peer(root: Path, data: Path, rounds: int, timeout: float) -> list[float]
         elif m := FINISHED.match(line):
             end = float(m.group(1))
     if len(starts) != rounds or end is None:
-        raise SystemExit(f"peer run in {root} did not finish its {rounds} rounds (see {root / 'flower.log'})")
+        raise SystemExit(f"{round_log}: the peer run did not finish its {rounds} rounds")
     bounds = [starts[k] for k in range(1, rounds + 1)] + [end]
     return [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
