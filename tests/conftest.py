@@ -32,7 +32,9 @@ TINY = {"model.hidden-size": 64, "model.moe-intermediate-size": 64, "model.layer
         "model.kv-heads": 1, "model.head-dim": 32, "model.experts": 4, "model.top-k": 2,
         # the per-round routing probe (default on) is off here so that tests pin each exchange they expect;
         # tests/coordinator/test_probe_runs.py runs whole schedules with it on
-        "routing.probe-every": 0}
+        "routing.probe-every": 0,
+        # a checkpoint every round, so that tests pin each resume point they expect; the cadence's own tests set it
+        "checkpoint.every": 1}
 # a whole in-process run of the tiny model that takes seconds: 3 parties, 2 local steps, 1 round per phase
 TINY_RUN = {**TINY, "train.local-steps": 2, "train.batch-size": 4, "data.max-eval-examples": 3,
             "eval.max-new-tokens": 2, "eval.batch-size": 8, "federation.wait-timeout": 1.0, "schedule.sft-rounds": 1,

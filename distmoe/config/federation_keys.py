@@ -161,6 +161,11 @@ class PrivacyConfig(Section):
 class CheckpointConfig(Section):
     keep: int = key(2, "checkpoints kept (oldest pruned) besides the initial model and the model before each task, "
                     "which are always kept (`distmoe rollback`)", lo=1, resume=True)
+    every: int = key(5, "write a checkpoint (a resume point) every this many rounds; the initial model, the last "
+                     "round of every phase (so of the run) and every round that releases a DP-charged sum "
+                     "(`stats`, `eval`, updates under `privacy.update-noise-multiplier`) are always written. A crash "
+                     "repeats the rounds after the last one written (`docs/operations.md`, Resume); 1 = every round",
+                     lo=1, hi=100000, resume=True, privacy=False)
 
 
 @section("eval")

@@ -73,6 +73,7 @@ class Coordinator:
         self.resume_warnings: list[str] = []
         self.resumed_from: dict | None = None  # checkpoint, round and hash a resume continued from
         self.ckpt_round = -1  # the round of the last checkpoint written by this process
+        self.phase_end = False  # the round being played is its phase's last (always checkpointed: checkpoint_due)
         self.phase_label = ""  # the label of the phase of the round being played
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.record = RunRecord(self.run_dir / "run.json")
@@ -93,7 +94,8 @@ class Coordinator:
         self.probe_prev_top1: np.ndarray | None = None
         self.probe_warned: set[str] = set()
         self.settle_warned: set[str] = set()  # parties named once for an unusable or disagreeing bias settle
-        self.routing_watch = RoutingWatch(cfg.routing.load_cv_warn, cfg.routing.kl_rise_rounds)
+        self.routing_watch = RoutingWatch(cfg.routing.load_cv_warn, cfg.routing.kl_rise_rounds,
+                                          str(cfg.routing.balance))
 
     # ------------------------------------------------------------------ the run, top to bottom
     def run(self) -> dict:
@@ -160,9 +162,11 @@ class Coordinator:
                 self.s.round = rnd
                 self.phase_label = phase.label()
                 t0 = time.perf_counter()
+                self.phase_end = rnd == total or self.s.round == sum(p.rounds for p in
+                                                                     self.cfg.schedule.phases[:index + 1])
                 text = self.play_round(index, phase)
-                if self.ckpt_round != self.s.round:  # every completed round ends with a checkpoint
-                    self.checkpoint()
+                if self.ckpt_round != self.s.round and self.checkpoint_due(phase.kind):
+                    self.checkpoint()  # a resume point (checkpoint.every; the due rounds: checkpoint_due)
                 text += probe.after_round(self)  # the round's global model on the public probe set
                 for line in fit([f"round {rnd}/{total} ({time.perf_counter() - t0:.1f} s)", phase.label(),
                                  *text.split(" | ")]):  # lines of <= 100 columns
@@ -303,6 +307,15 @@ class Coordinator:
                                  "detail": text})
             self.record.append("anomalies", {"round": self.s.round, "detail": text})
         return found
+
+    def checkpoint_due(self, kind: str) -> bool:
+        """Whether round ``s.round`` (of a phase of ``kind``) ends with a checkpoint: the initial model, the last round
+        of each phase (the model before a task: rollback and retention pin it; and the run's last round), every round
+        whose release is DP-charged (a repeat after a crash would be charged again) and every ``checkpoint.every``-th
+        round. A round skipped here that a crash loses is repeated from the last checkpoint with the same seeds."""
+        every, rnd = self.cfg.checkpoint.every, self.s.round
+        charged = kind not in ("sft", "rl", "dpo") or self.cfg.privacy.update_noise_multiplier > 0
+        return every <= 1 or rnd == 0 or self.phase_end or charged or rnd % every == 0
 
     def checkpoint(self) -> None:
         """The model and the coordinator state at the end of round ``s.round`` (the resume point)."""

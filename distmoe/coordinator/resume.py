@@ -1,6 +1,7 @@
 """Crash and resume (``docs/operations.md``, Resume): continue an interrupted run in its own directory.
 
-Every completed round ends with a checkpoint holding the global model *and* the coordinator state
+Resume points (``Coordinator.checkpoint_due``: every ``checkpoint.every``-th round, each phase's last, every
+DP-charged round) are checkpoints holding the global model *and* the coordinator state
 (``distmoe.coordinator.state``). With ``run.resume = <run dir>`` a new coordinator process refuses a
 completed run or a config that differs in a key outside ``RESUME_MAY_CHANGE`` (the keys declared ``resume=True``
 in :mod:`distmoe.config`; ``check_resumable``,
@@ -12,7 +13,7 @@ the rebuilt allow-list equals the one signed at ``run-start`` and appends a ``ru
 (``append_resume_entry``), and runs a fresh secure-aggregation setup (epoch = number of resumes)
 starting at the next round. The model and state fall back together; privacy does not: the server
 accountants (``privacy/ledger.json``) and the ledger are never rolled back (``restore_accountants``),
-so a release of a round lost in the crash stays charged. Only the round in flight is lost; its
+so a release of a round lost in the crash stays charged. The rounds after the resume point are lost; their
 ``metrics.jsonl`` lines move to ``metrics.lost.jsonl``.
 
 Must not: import ``flwr``, or change anything before every check that can refuse has passed.

@@ -7,7 +7,10 @@ first user turn for templates that reject the system role, left truncation that 
 the answer, right-padded training batches, left-padded generation prompts, the deterministic
 batch order, and ``encode_fitting``: the one place a party's work paths leave out an example whose answer does
 not fit ``model.max-seq-len`` (a refusal would tell a coordinator that searches over that setting the length of
-the party's longest answer).
+the party's longest answer). Encodings are memoised per tokenizer object (``encode_example``): a party on the
+Simulation Engine keeps its process, and re-rendering its whole training set through the chat template every
+round cost more than its 40 training steps' overhead budget (``docs/results.md``, How close is distmoe to a plain
+Flower app).
 
 Must not: assume the default character tokenizer (only the generic HF tokenizer API is used, so a
 real checkpoint's tokenizer with a ``chat_template`` works the same), touch the model, or read files.
@@ -16,6 +19,7 @@ real checkpoint's tokenizer with a ``chat_template`` works the same), touch the 
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -103,8 +107,16 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prom
     return _as_ids(out)
 
 
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(example, max_len): result}
+MEMO_MAX = 200_000  # encodings kept per tokenizer (a few hundred bytes each); the memo starts afresh beyond
+
+
 def encode_example(tokenizer: Any, example: Example, max_len: int) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of the whole conversation; labels are -100 on every prompt token.
+
+    A pure function of its arguments (the ``Example`` is frozen), memoised per tokenizer object: a process that
+    encodes the same example again (a party's next round) gets fresh lists of the same ids, and the same
+    ``AnswerTooLong`` for an answer that does not fit.
 
     The prompt is the conversation before the final assistant turn plus the generation prompt; it
     must be a token prefix of the full rendering (else ``DataError``). Sequences longer than
@@ -113,6 +125,26 @@ def encode_example(tokenizer: Any, example: Example, max_len: int) -> tuple[list
     Tokens the template appends after the last eos token (e.g. a trailing newline) stay in
     ``input_ids`` but are not supervised.
     """
+    try:
+        memo = _MEMO.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced: no memo
+        memo = {}
+    key = (example, max_len, str(getattr(tokenizer, "chat_template", None)))  # a template set later: afresh
+    if key not in memo:
+        if len(memo) >= MEMO_MAX:
+            memo.clear()
+        try:
+            memo[key] = _encode(tokenizer, example, max_len)
+        except AnswerTooLong as exc:
+            memo[key] = exc
+    got = memo[key]
+    if isinstance(got, AnswerTooLong):
+        raise AnswerTooLong(str(got))
+    return list(got[0]), list(got[1])
+
+
+def _encode(tokenizer: Any, example: Example, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``encode_example`` without the memo."""
     if max_len < 2:
         raise DataError(f"max_len must be at least 2, got {max_len}")
     prompt = chat_ids(tokenizer, example.prompt_messages, add_generation_prompt=True)
@@ -132,7 +164,7 @@ def encode_example(tokenizer: Any, example: Example, max_len: int) -> tuple[list
                         f"max_len is {max_len}; raise model.max-seq-len or shorten the answer")
     if len(full) > max_len:
         full, labels = full[-max_len:], labels[-max_len:]
-    return full, labels
+    return tuple(full), tuple(labels)
 
 
 def encode_fitting(tokenizer: Any, examples: Sequence[Example], max_len: int,

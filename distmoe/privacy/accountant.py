@@ -58,6 +58,7 @@ client-level, RDP-only and needs ``dp-accounting``; none knows the distributed S
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -65,8 +66,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from opacus.accountants import PRVAccountant
-from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+# opacus calls ``logging.basicConfig`` when imported: a stderr handler on the root logger, which repeats every
+# propagated log line (Flower's too: its log stream then carries each ServerApp/ClientApp line twice). Drop it.
+_ROOT_HANDLERS = list(logging.getLogger().handlers)
+from opacus.accountants import PRVAccountant  # noqa: E402
+from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent  # noqa: E402
+
+for _h in [h for h in logging.getLogger().handlers if h not in _ROOT_HANDLERS]:
+    logging.getLogger().removeHandler(_h)
 
 __all__ = [
     "ALPHAS",

@@ -26,6 +26,7 @@ CV_REARM = 0.8  # the load-CV warning re-arms once the CV fell below this fracti
 class RoutingWatch:
     load_cv_warn: float  # 0 = off
     kl_rise_rounds: int  # 0 = off
+    balance: str = "aux"  # routing.balance: which advice the load-CV warning gives
     cv_high: bool = False
     kl_prev: float = math.nan
     kl_start: float = math.nan
@@ -40,7 +41,7 @@ class RoutingWatch:
             if load_cv > self.load_cv_warn and not self.cv_high:
                 out.append(("load_cv", f"round {rnd}: routing load CV {load_cv:.3f} on the probe set exceeds "
                                        f"routing.load-cv-warn = {self.load_cv_warn:g} (experts unevenly used; "
-                                       "healthy < 0.2)"))
+                                       f"healthy < 0.2). {self.load_cv_advice()}"))
             # hysteresis: a CV oscillating around the threshold warns once, not at every crossing
             self.cv_high = load_cv > self.load_cv_warn or (self.cv_high and load_cv > CV_REARM * self.load_cv_warn)
         if anchor_version != self.anchor_version:  # a new anchor: KL is measured against something else now
@@ -54,7 +55,18 @@ class RoutingWatch:
                 out.append(("kl_rise", f"round {rnd}: routing KL to anchor v{anchor_version} rose for "
                                        f"{self.rises} consecutive rounds ({self.kl_start:.4f} -> {routing_kl:.4f}; "
                                        f"routing.kl-rise-rounds = {self.kl_rise_rounds}): routing is drifting "
-                                       "from the anchor"))
+                                       "from the anchor. To hold it closer: a larger routing.anchor-kl-coef "
+                                       "(0 = off: routing.kl-rise-rounds)"))
             self.kl_prev = routing_kl
         self.history += [(rnd, kind) for kind, _ in out]
         return out
+
+    def load_cv_advice(self) -> str:
+        """What the user can do about a high load CV, given ``routing.balance``: the tiny default model starts
+        near CV 1 and the aux loss alone keeps it there; the routing bias of ``configs/continual-balanced.toml``
+        brings it to about 0.2 (``docs/results.md``, How balanced are the experts)."""
+        if "bias" in self.balance:
+            act = "a larger routing.balance-rate evens it faster"
+        else:
+            act = "to even it: the routing bias of configs/continual-balanced.toml (docs/results.md)"
+        return f"{act[0].upper()}{act[1:]}; to silence this: routing.load-cv-warn = 0"

@@ -62,9 +62,10 @@ AF_UNIX_MAX = 100  # Ray's socket paths must fit in sun_path (108 bytes) with it
 
 
 class ProgressFilter:
-    """The progress lines of ``flwr run``'s output, each once. The ServerApp's log arrives twice: through
+    """The progress lines of ``flwr run``'s output, each once. The ServerApp's log arrived twice: through
     Flower's log stream (console format, ``INFO :      distmoe | ...``) and through the simulation process's
-    own output (``MM/DD/YYYY HH:MM:SS:INFO:distmoe | ...``). A line is shown when it is not the pending
+    own output (``MM/DD/YYYY HH:MM:SS:INFO:distmoe | ...``: the root handler opacus' import added, which
+    ``privacy/accountant.py`` now removes, so a run shows one source). A line is shown when it is not the pending
     copy of a line already shown from the other source; repeats within one source are all shown."""
 
     DATED = re.compile(r"^\d\d/\d\d/\d{4} \d\d:\d\d:\d\d:")

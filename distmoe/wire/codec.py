@@ -194,6 +194,12 @@ def payload_tag(content: RecordDict) -> str:
         return "unknown"
 
 
+def shared(content: RecordDict) -> RecordDict:
+    """A record dict of its own over ``content``'s records (never changed once encoded): one encoding sent to several
+    nodes, each message with its own ledger head (``with_ledger_head`` adds a record to the dict)."""
+    return RecordDict(dict(content.items()))
+
+
 def with_ledger_head(content: RecordDict, seq: int, head: str) -> RecordDict:
     """Attach the sender's ledger head (``LEDGER_RECORD``) to an outbound record dict."""
     content[LEDGER_RECORD] = ConfigRecord({"seq": int(seq), "hash": str(head)})

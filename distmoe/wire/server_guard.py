@@ -14,7 +14,7 @@ Owns:
   are rejected, finite values, the masked-vector length the round declared) and logged with the
   sender's ledger head as an anchor. A reply that fails is rejected: logged with the reason, and that
   party is left out of the round.
-- ``GuardedTransport``: ``exchange`` over any ``_send`` (Grid or in-process).
+- ``GuardedTransport``: ``exchange`` over any ``_send`` (Grid or in-process); one payload for many nodes is hashed once.
 
 Must not: read party data, or hand a payload to the coordinator that did not pass the guard.
 """
@@ -217,9 +217,10 @@ class ServerGuard:
     def peer(self, node: int) -> str:
         return self.names.get(node, f"node-{node}")
 
-    def outbound(self, node: int, payload: object, rnd: int | None, phase: str) -> tuple[str, RecordDict]:
-        content = codec.encode(payload)
-        d = inspect.describe(content)
+    def outbound(self, node: int, payload: object, rnd: int | None, phase: str,
+                 encoded: tuple[RecordDict, dict] | None = None) -> tuple[str, RecordDict]:
+        content = codec.encode(payload) if encoded is None else codec.shared(encoded[0])
+        d = inspect.describe(content) if encoded is None else encoded[1]  # ``encoded``: once per exchange
         ptype = codec.payload_tag(content)
         problem = check_against_policy(self.policy, ptype, d)
         entry = self.ledger.append(run=self.run_id, round=rnd, phase=phase, direction="out", payload_type=ptype,
@@ -383,7 +384,9 @@ class GuardedTransport(abc.ABC):
                  ) -> tuple[dict[int, object], dict[int, str]]:
         if self.guard is None:
             raise RuntimeError("transport has no server guard attached")
-        out = {node: self.guard.outbound(node, p, rnd, phase) for node, p in instructions.items()}
+        once = {id(p): p for p in instructions.values() if sum(q is p for q in instructions.values()) > 1}
+        enc = {i: (c, inspect.describe(c)) for i, p in once.items() for c in [codec.encode(p)]}  # hashed once, shared
+        out = {node: self.guard.outbound(node, p, rnd, phase, enc.get(id(p))) for node, p in instructions.items()}
         got = self._send(out, timeout)
         replies: dict[int, object] = {}
         errors: dict[int, str] = {}

@@ -600,3 +600,41 @@ def test_simulate_resume_continues_an_interrupted_simulation(tmp_path, tiny_run)
     assert audit_failures(run_dir) == []
     with pytest.raises(SimulationError, match="already completed"):
         run(SimOptions(overrides={}, resume=run_dir))
+
+
+# ----------------------------------------------------------------------------- checkpoint cadence
+@pytest.mark.integration
+def test_a_crash_between_checkpoints_repeats_the_rounds_since_the_last_one(tmp_path, lay_out_run):
+    """``checkpoint.every = 2``: rounds 2 (the cadence), 3 (its phase's last) and 4 (an evaluation: DP-charged) are
+    resume points, round 1 is not. Killed in round 3, the run resumes from round 2, repeats round 3 with the same
+    seeds and ends with exactly the uninterrupted run's model."""
+    sched, over = "sft:arith*3, eval", {"privacy.ring-bits": "64", "checkpoint.every": 2, "checkpoint.keep": 10}
+    ref_cfg, ref_nodes, ref_dir, ref_id = lay_out_run(tmp_path / "ref", sched, **over)
+    coordinator(ref_cfg, ref_nodes, ref_dir, ref_id, [])[0].run()
+    written = sorted(p.name for p in (ref_dir / "checkpoints").glob("round-*"))
+    assert written == ["round-0", "round-2", "round-3", "round-4"]
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path / "crash", sched, data_from=ref_dir, **over)
+    coord, _ = coordinator(cfg, nodes, run_dir, run_id, [], kill=at_nth("query.unmask", 7))  # round 3's first
+    with pytest.raises(Killed):
+        coord.run()
+    lines2: list[str] = []
+    rec = coordinator(resumed_cfg(cfg, run_dir), nodes, run_dir, f"flower-{uuid.uuid4().hex[:6]}", lines2)[0].run()
+    assert rec["status"] == "completed" and rec["resumes"][0]["checkpoint"] == "checkpoints/round-2"
+    ref, got = final_weights(ref_dir), final_weights(run_dir)
+    assert set(ref) == set(got) and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_checkpoint_due_always_at_phase_ends_and_charged_releases(make_cfg):
+    """The cadence skips only uncharged update rounds inside a phase: never the initial model, a phase's last round,
+    a statistics or evaluation round, or an update round under client-level DP."""
+    from types import SimpleNamespace
+
+    def due(rnd, kind, end=False, **over):
+        co = SimpleNamespace(cfg=make_cfg(**{"checkpoint.every": 3, **over}), s=SimpleNamespace(round=rnd),
+                             phase_end=end)
+        return Coordinator.checkpoint_due(co, kind)
+
+    assert [due(r, "sft") for r in range(0, 7)] == [True, False, False, True, False, False, True]
+    assert due(4, "sft", end=True) and due(4, "eval") and due(4, "stats") and not due(4, "rl")
+    assert due(4, "sft", **{"privacy.update-noise-multiplier": 0.5})
+    assert due(4, "sft", **{"checkpoint.every": 1})

@@ -301,6 +301,11 @@ def test_tls_node_auth_deployment_end_to_end(deployment: Deployment, tmp_path: P
         f"run status {rec.get('status')!r} after {time.monotonic() - t0:.0f} s "
         f"(error: {rec.get('error')!r}; CLI rc {cli.poll()})" + dep.diag())
 
+    # `flwr run --stream` shows each round line of the ServerApp once (no second copy through a root log handler)
+    streamed = [x.split("distmoe | ", 1)[1] for x in dep.logs["flwr-run"].read_text(errors="replace").splitlines()
+                if "distmoe | round " in x]
+    assert len(streamed) == len(set(streamed)), f"round lines streamed more than once: {streamed}" + dep.diag()
+
     # run outputs
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     by = {}

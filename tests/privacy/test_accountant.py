@@ -251,3 +251,37 @@ def test_identical_histories_are_composed_once_per_process(monkeypatch):
     assert len(calls) == 3
     # the merged history is the key: the same releases in another order are the same composition
     assert epsilon_from_events(events[::-1], 1e-6) == epsilon_from_events(events, 1e-6) and len(calls) == 3
+
+
+# the deployed ServerApp's log stream: ``flwr-serverapp`` mirrors its stdout and stderr into the lines that
+# ``flwr run --stream`` prints, then imports the app (flwr/superlink/cli/flwr_serverapp.py)
+_STREAMED = """
+import logging
+from queue import Queue
+from flwr.supercore.logger import mirror_output_to_queue, restore_output
+q = Queue()
+mirror_output_to_queue(q)
+import server.app, clients.app  # everything the two apps import, opacus (the accountant's) among it
+from flwr.common.logger import log
+log(logging.INFO, "distmoe | marker line")
+restore_output()
+items = []
+while not q.empty():
+    items.append(q.get())
+print("COPIES", sum("marker line" in s for s in items))
+"""
+
+
+@pytest.mark.slow  # a real process importing both apps (torch, transformers, flwr): tens of seconds when loaded
+def test_the_apps_log_stream_carries_each_line_once():
+    """opacus' ``logging.basicConfig`` at import put a stderr handler on the root logger, and Flower's logger
+    propagates to it: the deployed ServerApp's stream (stdout and stderr mirrored) carried every line twice."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", _STREAMED], capture_output=True, text=True, cwd=str(repo),
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "COPIES 1" in res.stdout, res.stdout[-500:]

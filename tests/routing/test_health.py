@@ -29,3 +29,15 @@ def test_kl_rise_needs_consecutive_rises_against_one_anchor():
     got = [w.observe(r, 0.1, kl, v) for r, (kl, v) in enumerate(((0.1, 1), (0.2, 1), (0.3, 2), (0.4, 2)), 1)]
     assert [g for g in got if g] == []  # the new anchor at round 3 restarted the count
     assert RoutingWatch(0.0, 2).observe(1, 0.1, math.nan, 0) == []  # no anchor: no KL
+
+
+def test_load_cv_warning_says_what_to_do():
+    """The default run (aux loss only) warns at its first probe: the warning names the change that evens the load and
+    the key that silences it; with the routing bias on it names the bias's rate instead."""
+    aux = RoutingWatch(load_cv_warn=1.0, kl_rise_rounds=0, balance="aux").observe(1, 1.04, math.nan, 0)[0][1]
+    assert "configs/continual-balanced.toml" in aux and "routing.load-cv-warn = 0" in aux
+    bias = RoutingWatch(load_cv_warn=1.0, kl_rise_rounds=0, balance="bias").observe(1, 1.04, math.nan, 0)[0][1]
+    assert "routing.balance-rate" in bias and "continual-balanced" not in bias and "routing.load-cv-warn = 0" in bias
+    w = RoutingWatch(load_cv_warn=0.0, kl_rise_rounds=1)
+    kl = [t for r, x in enumerate((0.1, 0.2), 1) for _, t in w.observe(r, 0.1, x, 1)][0]
+    assert "routing.anchor-kl-coef" in kl

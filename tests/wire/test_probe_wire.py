@@ -3,6 +3,7 @@ bounded, and the run's allow-list admits the probe only when the run probes, thr
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,3 +98,39 @@ def test_a_probe_exchange_through_both_guards(tmp_path):
         codec.decode(smuggled, ProbeReply)
     with pytest.raises(WireError, match="rejected by the server guard"):
         guard.inbound(0, codec.with_ledger_head(smuggled, 1, "0" * 64), ProbeReply, 4, "probe")
+
+
+def test_one_probe_for_several_nodes_is_encoded_and_hashed_once(tmp_path, monkeypatch):
+    """``exchange`` sends the same instruction object to three nodes: one encoding and one digest, each node's
+    message its own dict (its own ledger head) over the same records, each logged with that digest."""
+    from distmoe.wire import inspect
+    from distmoe.wire.server_guard import GuardedTransport
+
+    guard = ServerGuard(Ledger(tmp_path / "c.jsonl", generate_signing_key(tmp_path / "c.key")), "run-1",
+                        _policy(True))
+    counts = {"encode": 0, "describe": 0}
+    for mod, name in ((codec, "encode"), (inspect, "describe")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: counts.__setitem__(_n, counts[_n] + 1)
+                            or _r(*a, **k))
+
+    class Capture(GuardedTransport):
+        def node_ids(self):
+            return [0, 1, 2]
+
+        def _send(self, out, timeout):
+            self.sent = out
+            return {}
+
+    t = Capture()
+    t.attach(guard)
+    instr = _instr()
+    t.exchange({n: instr for n in (0, 1, 2)}, ProbeReply, 1.0, rnd=4, phase="probe")
+    assert counts == {"encode": 1, "describe": 1}
+    heads = [codec.ledger_head(c) for _, c in t.sent.values()]
+    assert len({id(c) for _, c in t.sent.values()}) == 3 and len(set(heads)) == 3
+    contents = [c for _, c in t.sent.values()]
+    assert all(c[name] is contents[0][name] for c in contents for name in contents[0] if name != codec.LEDGER_RECORD)
+    outs = [e for e in map(json.loads, (tmp_path / "c.jsonl").read_text().splitlines()) if e["direction"] == "out"]
+    assert len(outs) == 3 and len({e["sha256"] for e in outs}) == 1
+    assert outs[0]["sha256"] == inspect.digest(codec.strip_ledger(contents[0]))

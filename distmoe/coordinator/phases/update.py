@@ -40,7 +40,8 @@ def apply_update(co: Coordinator, out: UpdateSum | Skip, event: dict) -> UpdateS
     co.flag_anomalies(event["event"], out.metrics)
     check_update(co, event["event"], out.delta)  # federation.divergence-max: a warning, the update stays applied
     settle.after_update(co)  # routing.balance-settle-steps: the bias settled on the new weights, before the checkpoint
-    co.checkpoint()
+    if co.checkpoint_due(event["phase_label"].split(":")[0]):
+        co.checkpoint()
     return out
 
 
