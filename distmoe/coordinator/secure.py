@@ -46,12 +46,12 @@ def _round_keys(sec: SecureRounds, rnd: int) -> tuple[bytes, tuple[tuple[int, by
 
 
 class SecureAggregator(Aggregator):
-    def __init__(self, co, rounds: SecureRounds):
-        super().__init__(co)
+    def __init__(self, co, transport, guard, rounds: SecureRounds):
+        super().__init__(co, transport, guard)
         self.rounds = rounds
 
     def _log(self, res: SecureSum, phase: str, release: str, dp: dict | None, problem: str | None, **info) -> None:
-        self.co.guard.log_release(rnd=self.co.s.round, phase=phase, release=release, total=res.total, dp=dp,
+        self.guard.log_release(rnd=self.co.s.round, phase=phase, release=release, total=res.total, dp=dp,
                                   info={"mode": "secagg", "release": release, "included": list(res.included),
                                         "dropped": list(res.dropped), "responders": list(res.responders), **info,
                                         "applied": problem is None, **({"rejected": problem} if problem else {})},

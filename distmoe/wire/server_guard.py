@@ -14,7 +14,8 @@ Owns:
   are rejected, finite values, the masked-vector length the round declared) and logged with the
   sender's ledger head as an anchor. A reply that fails is rejected: logged with the reason, and that
   party is left out of the round.
-- ``GuardedTransport``: ``exchange`` over any ``_send`` (Grid or in-process).
+- ``GuardedTransport``: ``exchange`` over any ``_send`` (Grid or in-process); the one transport type the coordinator
+  exchanges through (``distmoe.coordinator.loop``).
 
 Must not: read party data, or hand a payload to the coordinator that did not pass the guard.
 """
