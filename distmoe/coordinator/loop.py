@@ -65,6 +65,7 @@ class Coordinator:
         self.ctx = RunContext(cfg, run_dir, run_id, log)
         self.transport = transport
         self.plane: Plane | None = None  # set by start_plane: ledger, guard, SecAgg driver, the aggregator
+        self.ctx.peer = self._peer  # party names in error lines: the guard's, once the plane has one
         self._end_lock = threading.Lock()
         self._ended: str | None = None  # how the run ended ("completed", "failed", or the stop signal's text)
 
@@ -169,6 +170,10 @@ class Coordinator:
             self.exchange_public(settle, "settle")  # routing.balance-settle-steps: before the checkpoint
             ctx.checkpoint()
         return text
+
+    def _peer(self, node: int) -> str:
+        guard = self.plane.guard if self.plane is not None else None
+        return guard.peer(node) if guard is not None else f"node {node}"
 
     def exchange_public(self, mod, name: str) -> str:
         """An exchange of public inputs after a round (``phases/probe.py``, ``phases/settle.py``): its

@@ -132,7 +132,6 @@ def start(co: RunContext, transport: GuardedTransport, nodes: list[int], out: Pl
                                "plan": co.plan.as_dict(), "router_spec": co.mspec.router_spec()})
     out.guard = guard = ServerGuard(ledger, co.run_id, policy)
     transport.attach(guard)
-    co.peer = guard.peer  # party names in the round's error lines
     if not p.secure:
         out.aggregator = PlaintextAggregator(co, transport, guard)
         return out
