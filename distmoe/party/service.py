@@ -227,15 +227,15 @@ class PartyService:
         sft = isinstance(instr, SftInstruction)
         upd, local = _run_sft(cfg, node, instr) if sft else (P.run_rl(cfg, node, instr), {})
         notes = P.take_notes(node.party)  # names of parameters with non-finite gradients: this party's log only
-        p = cfg.privacy  # the training-metric slots of this objective (distmoe.privacy.train_metrics)
         kind = "rl" if isinstance(instr, RlInstruction) else "sft"
         objective = TM.objective_of(kind, getattr(instr, "objective", None))
-        layout, slots = TM.release_layout(sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()}),
-                                          objective, p.metric_loss_bound, p.update_metric_share)
+        z_u = sess.facts.update_noise_multiplier
+        # the release's layout with this objective's training-metric slots: the coordinator opens the sum with it
+        layout, slots = R.update.layout(cfg.privacy, {k: tuple(v.shape) for k, v in instr.weights.items()},
+                                        sess.n_parties, sess.params.threshold, z_u, objective)
         vec, facts, sent, contributed = R.update.encode(layout, slots, upd.delta, upd.num_examples, upd.metrics)
         self._log_metrics(instr, {**upd.metrics, **local}, {**facts, **notes,
                                                             **{f"released_{k}": v for k, v in sent.items()}})
-        z_u = sess.facts.update_noise_multiplier
         if z_u <= 0:
             return vec, None, contributed
         if not layout.private:
