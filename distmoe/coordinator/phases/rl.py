@@ -34,7 +34,7 @@ class Rl(PhaseStep):
     def aggregate(self, co: RunContext, index: int, phase: Phase, instr: RlInstruction, out: UpdateSum) -> str:
         apply_update(co, out, self.request(co, index, phase, instr).event)
         agg = out.metrics
-        if co.cfg.privacy.secure:  # the RL metric slots' means over the contributors, and the skipped-update sum
+        if out.uniform:  # a secure release: the RL slots' means over the contributors, and the skipped-update sum
             skipped = agg.get("skipped_steps", math.nan)  # the secure sum's one stability count (no update noise)
             shown = {**agg, "masked_frac": agg.get("masked_frac_low", math.nan) + agg.get("masked_frac_high", math.nan)}
             nz = out.noise

@@ -61,7 +61,7 @@ class Sft(PhaseStep):
         agg = out.metrics
         kl = (f", anchor KL {agg['anchor_kl']:.4f}" if instr.anchor is not None
               and math.isfinite(agg.get("anchor_kl", math.nan)) else "")
-        if co.cfg.privacy.secure:  # the training-metric slots' means over the contributors, and the skipped-step sum
+        if out.uniform:  # a secure release: the metric slots' means over the contributors, and the skipped-step sum
             skipped = agg.get("skipped_steps", math.nan)  # the secure sum's one stability count (no update noise)
             return (contributors(out) + " | "
                     + released(agg, out.noise, (("task_loss", "task loss", ".3f"), ("dpo_margin", "margin", ".3f"),

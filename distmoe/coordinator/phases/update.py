@@ -24,8 +24,8 @@ def apply_update(co: RunContext, out: UpdateSum, event: dict) -> UpdateSum:
         expand.freeze_delta(co.cfg, s, co.mspec.num_experts, out.delta)
     for k, d in out.delta.items():
         s.weights[k] = s.weights[k] + torch.from_numpy(d)
-    # secure aggregation: the weight sum is the number of contributing parties (uniform weights), not examples
-    count = {"contributors": out.num_examples} if co.cfg.privacy.secure else {"num_examples": out.num_examples}
+    # a secure release: the weight sum is the number of contributing parties (uniform weights), not examples
+    count = {"contributors": out.num_examples} if out.uniform else {"num_examples": out.num_examples}
     co.metrics.append({**event, "party": "all", **count, "parties": out.parties, **out.metrics})
     co.flag_anomalies(event["event"], out.metrics)
     check_update(co, event["event"], out.delta)  # federation.divergence-max: a warning, the update stays applied

@@ -34,6 +34,7 @@ class UpdateSum:
     parties: int  # parties included in the sum
     nodes: int  # parties asked
     noise: dict[str, float] = field(default_factory=dict)  # noise std of each noised metric mean (update noise)
+    uniform: bool = False  # a secure release: weight 1 per contributor, metrics = the released slots' means
 
 
 @dataclass

@@ -92,6 +92,7 @@ def prepare(f: ServerFacts, kind: str, release: str, instr: object) -> Prepared:
                                f"{UNCHANGED}", failed=False), dp, None, info)
         metrics = {} if skipped is None else {"skipped_steps": skipped}
         metrics.update(means)  # the training-metric slots: means over the contributors (noised with update noise)
-        return Opened(UpdateSum(avg, metrics, int(round(weight)), len(res.included), n, noise=stds), dp, None, info)
+        return Opened(UpdateSum(avg, metrics, int(round(weight)), len(res.included), n, noise=stds,
+                                          uniform=True), dp, None, info)
 
     return Prepared(lay.length, lay.bits, event_at if z_u > 0 else None, open_)

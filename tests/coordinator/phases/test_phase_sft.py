@@ -64,7 +64,7 @@ def test_secure_line_shows_the_released_means_and_their_noise(make_ctx, read_met
     phase = ctx.cfg.schedule.phases[0]
     instr = STEP.configure(ctx, phase)
     out = UpdateSum(_delta(ctx.s.weights, 0.0), {"task_loss": 1.25, "skipped_steps": 2.0}, 2, 3, 3,
-                    noise={"task_loss": 0.1})
+                    noise={"task_loss": 0.1}, uniform=True)
     line = STEP.aggregate(ctx, 0, phase, instr, out)
     assert line == "3/3 parties, 2 with data | task loss 1.250 ± 0.100 | skipped NaN/Inf steps 2"
     [m] = read_metrics(ctx, "train")
