@@ -1,15 +1,18 @@
 """How the replies of one round become one aggregate: the ``Aggregator`` interface and its plaintext form.
 
-Owns: the three sums a phase asks for (``updates``: the weighted mean model update and its metrics;
-``router_stats``: the summed ``[L, E]`` router statistics; ``evaluation``: the evaluation aggregate),
-their result types, ``Skip`` (a round that released nothing, with the line to print and whether it
-counts as a failed round for ``federation.on-round-failure``), and ``PlaintextAggregator`` (the
+Owns: ``SumRequest`` (what a phase asks of its round), the ``Aggregator`` interface (``collect``), and
+``PlaintextAggregator`` (the three sums a phase asks for: ``updates``, the weighted mean model update and its
+metrics; ``router_stats``, the summed ``[L, E]`` router statistics; ``evaluation``, the evaluation aggregate; the
 benchmark baseline: each party's reply is seen and summed in the clear; FedAvg with the norm-ratio
 screen of ``distmoe.aggregate``). The secure form is ``distmoe.coordinator.secure.SecureAggregator``.
-Each implementation logs its release in the coordinator's ledger (``ServerGuard.log_release``).
+Each implementation logs its release in the coordinator's ledger (``ServerGuard.log_release``); the sums' types are
+``distmoe.privacy.releases.base``'s.
 
-Phases (``distmoe.coordinator.phases``) are written once against this interface, in the style of Flower
-strategies' ``aggregate_*``: they never branch on the privacy mode.
+The round loop asks for a phase's sum with ``collect(instr, request)`` (``SumRequest``: which sum, the phase's wire
+kind and release name, its ``metrics.jsonl`` fields); that call is the round's one exchange with the parties, over
+the transport the aggregator was built with (``distmoe.wire.server_guard.GuardedTransport``). Phases
+(``distmoe.coordinator.phases``) are written once against the sums it returns, in the style of Flower strategies'
+``aggregate_*``: they never branch on the privacy mode.
 
 Must not: change the global model or the anchor (the phases do), or import ``flwr``.
 """
@@ -19,70 +22,50 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from distmoe.aggregate import divergent_updates, weighted_average
+from distmoe.coordinator.context import RunContext
+from distmoe.coordinator.errors import RunFailed
 from distmoe.privacy import train_metrics as TM
+from distmoe.privacy.releases.base import EvalSum, Skip, StatsSum, UpdateSum
 from distmoe.wire.schema import EVAL_ROUTING_KEYS, EvalReply, ModelUpdate, RouterStats
+from distmoe.wire.server_guard import GuardedTransport, ServerGuard
 
-if TYPE_CHECKING:
-    from distmoe.coordinator.loop import Coordinator
-
-
-@dataclass
-class Skip:
-    """Nothing was released this round; ``text`` is the round's line, ``failed`` makes it a failed round."""
-
-    text: str
-    failed: bool = True
+SUMS = ("update", "stats", "eval")  # what a phase can ask the aggregator for
 
 
-@dataclass
-class UpdateSum:
-    delta: dict[str, np.ndarray]  # name -> [*shape] float32: the weighted mean update to add
-    metrics: dict[str, float]  # aggregate training metrics (secagg: the training-metric slots' means only)
-    num_examples: int  # the summed weight: examples in plaintext, contributing parties under secagg
-    parties: int  # parties included in the sum
-    nodes: int  # parties asked
-    noise: dict[str, float] = field(default_factory=dict)  # noise std of each noised metric mean (update noise)
+@dataclass(frozen=True)
+class SumRequest:
+    """What a phase asks of its round: ``sum`` (one of ``SUMS``), its wire kind (``sft``, ``rl``, ``stats``,
+    ``eval``: the SecAgg round's phase and the ledger's), the release name (``model-update``, ``rl-update``,
+    ``router-stats``, ``eval``), the label for its error lines, and ``event``: the fields of the round's
+    ``metrics.jsonl`` lines (update sums)."""
 
-
-@dataclass
-class StatsSum:
-    total: np.ndarray  # [L, E] summed per-sequence routing frequencies (noised under secagg)
-    parties: int
-    nodes: int
-    note: str  # the DP line for the progress output
-
-
-@dataclass
-class EvalSum:
-    per_party: dict[str, dict[str, float]] = field(default_factory=dict)  # "all" plus, in plaintext, each party
-    parties: int = 0
-    nodes: int = 0
+    sum: str
+    kind: str
+    release: str
+    label: str
+    event: dict = field(default_factory=dict)
 
 
 class Aggregator(abc.ABC):
-    """One implementation per privacy mode (module docstring)."""
+    """One implementation per privacy mode (module docstring), chosen once per run (``coordinator/plane.py``)."""
 
-    def __init__(self, co: Coordinator):
-        self.co = co
-
-    @abc.abstractmethod
-    def updates(self, instr: object, kind: str, release: str, event: dict) -> UpdateSum | Skip:
-        """Send a training instruction (``kind`` = sft or rl) to every party; the aggregated update.
-        ``event``: the fields of this round's ``metrics.jsonl`` lines."""
+    def __init__(self, co: RunContext, transport: GuardedTransport, guard: ServerGuard):
+        self.co, self.transport, self.guard = co, transport, guard
 
     @abc.abstractmethod
-    def router_stats(self, instr: object, shape: tuple[int, int], label: str) -> StatsSum | Skip:
-        """Collect router statistics of ``shape`` = (MoE layers, experts) and sum them (``label``: the
-        phase, for the log)."""
+    def collect(self, instr: object, req: SumRequest) -> UpdateSum | StatsSum | EvalSum | Skip:
+        """The round's one exchange: send ``instr`` to every party and return the sum ``req`` asks for."""
 
-    @abc.abstractmethod
-    def evaluation(self, instr: object, tasks: tuple[str, ...]) -> EvalSum | Skip:
-        """Run the evaluation instruction everywhere; the aggregate (``per_party["all"]``)."""
+    def nodes(self) -> list[int]:
+        """The connected nodes, at least ``federation.min-available`` of them (else ``RunFailed``)."""
+        nodes, need = self.transport.node_ids(), self.co.cfg.federation.min_available
+        if len(nodes) < need:
+            raise RunFailed(f"{len(nodes)} parties connected, federation.min-available = {need}")
+        return nodes
 
 
 def weighted_metrics(items: list[tuple[dict[str, float], float]]) -> dict[str, float]:
@@ -134,15 +117,24 @@ def check_update(upd: ModelUpdate, expected: dict[str, tuple[int, ...]]) -> str 
 class PlaintextAggregator(Aggregator):
     """``privacy.mode = "plaintext"``: a benchmark baseline; the server sees every reply."""
 
+    def collect(self, instr, req):
+        if req.sum == "update":
+            return self.updates(instr, req.kind, req.release, req.event)
+        if req.sum == "stats":
+            return self.router_stats(instr, (self.co.mspec.num_moe_layers, self.co.mspec.num_experts), req.label)
+        if req.sum == "eval":
+            return self.evaluation(instr, tuple(instr.tasks))
+        raise ValueError(f"unknown sum {req.sum!r} (one of {', '.join(SUMS)})")
+
     def _ask(self, instr: object, expected: type, phase: str) -> tuple[dict, dict, int]:
         co = self.co
-        nodes = co.nodes()
-        replies, errors = co.transport.exchange({n: instr for n in nodes}, expected, co.cfg.federation.round_timeout,
+        nodes = self.nodes()
+        replies, errors = self.transport.exchange({n: instr for n in nodes}, expected, co.cfg.federation.round_timeout,
                                                 rnd=co.s.round, phase=phase)
         return replies, errors, len(nodes)
 
     def _release(self, phase: str, release: str, total: np.ndarray, included: list[str], **info) -> None:
-        self.co.guard.log_release(rnd=self.co.s.round, phase=phase, release=release, total=total, dp=None,
+        self.guard.log_release(rnd=self.co.s.round, phase=phase, release=release, total=total, dp=None,
                                   info={"mode": "plaintext", "release": release, "included": sorted(included),
                                         "dropped": [], "responders": [], **info})
 
@@ -167,7 +159,7 @@ class PlaintextAggregator(Aggregator):
             return Skip(f"no usable update ({len(errors)} errors): model unchanged")
         self._release(kind, "model-update", np.concatenate([a.ravel() for a in avg.values()]),
                       [u.party for u in replies.values()],
-                      rejected={co.guard.peer(nd): why for nd, why in rejected.items()})
+                      rejected={self.guard.peer(nd): why for nd, why in rejected.items()})
         metrics = weighted_metrics([(u.metrics, u.num_examples) for u in replies.values() if u.num_examples > 0])
         # the secure release's figures, computed the same way: each contributor's value clipped, uniform mean
         slots = TM.slots_for(TM.objective_of(kind, getattr(instr, "objective", None)), co.cfg.privacy.metric_loss_bound)
@@ -187,7 +179,7 @@ class PlaintextAggregator(Aggregator):
         if not good:
             return Skip("no usable router statistics: anchor unchanged", failed=False)
         total = np.sum(good, axis=0)  # [L, E]
-        self._release("stats", "router-stats", total, [co.guard.peer(nd) for nd in replies],
+        self._release("stats", "router-stats", total, [self.guard.peer(nd) for nd in replies],
                       layers=shape[0], experts=shape[1])
         return StatsSum(total, len(good), n_nodes, "no DP (plaintext baseline)")
 

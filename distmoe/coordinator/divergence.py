@@ -19,12 +19,10 @@ Must not: import ``flwr``, alter the update, or read anything a party sent excep
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from distmoe.coordinator.loop import Coordinator
+from distmoe.coordinator.context import RunContext
 
 NAMES_SHOWN = 5  # tensors named in one warning (the count is always given)
 TEXT_MAX = 480  # below the audit's bound on the coordinator's sentences (distmoe.audit.schemas.TEXT_MAX)
@@ -52,7 +50,7 @@ def divergence_warning(flagged: list[tuple[str, float]], limit: float, n_tensors
             f"{len(flagged)} of {n_tensors} tensors: {shown}{more}")
 
 
-def check_update(co: Coordinator, event: str, delta: Mapping[str, np.ndarray]) -> str | None:
+def check_update(co: RunContext, event: str, delta: Mapping[str, np.ndarray]) -> str | None:
     """Run the check on an applied aggregate update of ``event`` (``train`` / ``rl``) and record a flag as a
     warning: the progress stream, ``run.json`` ``warnings`` (the report's Warnings) and ``metrics.jsonl``
     (``event: anomaly``). Returns the sentence, or None when nothing is flagged or the check is off."""

@@ -6,20 +6,22 @@ run's allow-list with the privacy settings and plan, sized for every expert coun
 resume, the interrupted run's ledger continued with a ``run-resume`` entry), the check that router statistics of
 this many parties cannot wrap Z_2^64 (before anything is sent), the ``ServerGuard`` attached to the transport,
 and the choice of aggregator: ``SecureAggregator`` after a ``SecureRounds.setup`` in ``privacy.mode = "secagg"``,
-``PlaintextAggregator`` in the benchmark baseline; ``close`` writes ``run-end`` with the epsilon spent.
+``PlaintextAggregator`` in the benchmark baseline, chosen once here; ``start`` returns them as a ``Plane`` that the
+round loop holds. ``close`` writes ``run-end`` with the epsilon spent.
 
-Must not: import ``flwr``, or send anything before the allow-list is signed.
+Must not: import ``flwr``, write into the run's state, or send anything before the allow-list is signed.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from distmoe.config import PRIVACY_KEYS
 from distmoe.coordinator import resume
-from distmoe.coordinator.aggregator import PlaintextAggregator
+from distmoe.coordinator.aggregator import Aggregator, PlaintextAggregator
+from distmoe.coordinator.context import RunContext
 from distmoe.coordinator.errors import RunFailed
 from distmoe.coordinator.secagg import SecureRounds
 from distmoe.coordinator.secure import SecureAggregator
@@ -32,14 +34,23 @@ from distmoe.privacy.ring import WrapError
 from distmoe.privacy.train_metrics import release_layout
 from distmoe.privacy.vectors import UpdateLayout
 from distmoe.wire.at_rest import check_allow_list
-from distmoe.wire.server_guard import ServerGuard, build_policy, policy_digest
+from distmoe.wire.server_guard import GuardedTransport, ServerGuard, build_policy, policy_digest
 from distmoe.wire.stages import merge_policies
 
-if TYPE_CHECKING:
-    from distmoe.coordinator.loop import Coordinator
+
+@dataclass
+class Plane:
+    """The run's privacy plane: the signed ledger, the server guard (attached to the transport), the SecAgg driver
+    (None in the plaintext baseline) and the aggregator every round sums through. ``start`` fills it part by part
+    as each opens, so that ``close`` seals a ledger opened by a start that failed later (its setup, say)."""
+
+    ledger: Ledger | None = None
+    guard: ServerGuard | None = None
+    secure: SecureRounds | None = None
+    aggregator: Aggregator | None = None
 
 
-def stage_shapes(co: Coordinator) -> list[tuple[dict[str, tuple[int, ...]], int]]:
+def stage_shapes(co: RunContext) -> list[tuple[dict[str, tuple[int, ...]], int]]:
     """``(trainable shapes, experts)`` of every expert count the run goes through (one stage unless
     ``retention.expand-experts``: ``model/expand.stages``, counted from the model before any expansion)."""
     first = int(co.s.expansions[0]["from"]) if co.s.expansions else co.mspec.num_experts
@@ -47,7 +58,7 @@ def stage_shapes(co: Coordinator) -> list[tuple[dict[str, tuple[int, ...]], int]
             for e in stages(co.cfg, first)]
 
 
-def layout_facts(co: Coordinator, n: int, shapes=None, experts: int | None = None,
+def layout_facts(co: RunContext, n: int, shapes=None, experts: int | None = None,
                  objective: str = "sft") -> dict[str, int]:
     """The public vector lengths of each release for ``n`` parties (they size the allow-list); ``shapes`` /
     ``experts``: of one stage (default: the model now); ``objective``: of the ``model-update`` release (``sft`` or
@@ -66,27 +77,30 @@ def layout_facts(co: Coordinator, n: int, shapes=None, experts: int | None = Non
         stats_length=L * E + p.noise_canaries, eval_length=EvalSpec.length_for(cfg.schedule.tasks))
 
 
-def update_objectives(co: Coordinator) -> list[str]:
+def update_objectives(co: RunContext) -> list[str]:
     """The objectives of the schedule's ``model-update`` releases: ``sft`` and/or ``dpo`` (one allow-list stage
     each)."""
     kinds = {ph.kind for ph in co.cfg.schedule.phases}
     return [o for o in ("sft", "dpo") if o in kinds] or ["sft"]
 
 
-def start(co: Coordinator, nodes: list[int]) -> None:
+def start(co: RunContext, transport: GuardedTransport, nodes: list[int], out: Plane | None = None) -> Plane:
+    """Sign (or, on resume, check and continue) the allow-list, attach the guard to ``transport``, run the secure
+    setup with ``nodes`` and choose the aggregator; returns ``out`` (a new ``Plane`` when None), filled."""
+    out = Plane() if out is None else out
     cfg, p = co.cfg, co.cfg.privacy
     lpath = co.run_dir / "ledger" / "coordinator.jsonl"
-    continuing = co.resuming and lpath.exists()  # else the interrupted session never opened its ledger
+    continuing = bool(cfg.run.resume) and lpath.exists()  # else the interrupted session never opened its ledger
     entries: list[dict] = []
     if continuing:
-        co.ledger, run_start, entries = resume.reopen_ledger(co, lpath)
+        out.ledger, run_start, entries = resume.reopen_ledger(co, lpath)
     else:
         key = generate_signing_key(co.run_dir / "keys" / "coordinator.key", force=True)
         if lpath.exists():
             raise RunFailed(f"{lpath} exists: a run directory is used by one run only")
-        co.ledger = Ledger(lpath, key)
+        out.ledger = Ledger(lpath, key)
         write_text_atomic(lpath.with_suffix(".pub"), public_key_hex(key) + "\n")
-    n = len(nodes)
+    ledger, n = out.ledger, len(nodes)
     L = co.mspec.num_moe_layers
     # one stage per expert count the schedule reaches (retention.expand-experts) and model-update objective
     staged = [(sh, E) for sh, E in stage_shapes(co) for _ in update_objectives(co)]
@@ -108,45 +122,45 @@ def start(co: Coordinator, nodes: list[int]) -> None:
         raise RunFailed("privacy check before the run failed: " + "; ".join(problems))
     digest = policy_digest(policy)
     if continuing:
-        resume.append_resume_entry(co, digest, policy, run_start, entries, n)
+        resume.append_resume_entry(co, ledger, digest, policy, run_start, entries, n)
     else:
         blob = canonical_json(policy).encode("ascii")
-        co.ledger.append(run=co.run_id, round=0, phase="run-start", direction="out", payload_type="policy", keys=[],
+        ledger.append(run=co.run_id, round=0, phase="run-start", direction="out", payload_type="policy", keys=[],
                          shapes={}, bytes=len(blob), sha256=digest, verdict="accepted", peer="all",
                          info={"policy": policy, "mode": p.mode,
                                "privacy": {k: v for k, v in cfg.as_flat().items() if k in PRIVACY_KEYS},
                                "plan": co.plan.as_dict(), "router_spec": co.mspec.router_spec()})
-    co.guard = ServerGuard(co.ledger, co.run_id, policy)
-    co.transport.attach(co.guard)
+    out.guard = guard = ServerGuard(ledger, co.run_id, policy)
+    transport.attach(guard)
     if not p.secure:
-        co.aggregator = PlaintextAggregator(co)
-        return
-    co.secure = SecureRounds(cfg, co.plan, co.transport, co.run_dir, co.say, co.report_errors)
+        out.aggregator = PlaintextAggregator(co, transport, guard)
+        return out
+    out.secure = secure = SecureRounds(cfg, co.plan, transport, co.run_dir, co.say, co.report_errors)
     if continuing:
-        resume.restore_accountants(co, entries)
-    co.secure.setup(nodes, max(max(f.values()) for f in facts), first_round=co.s.round + 1, logical_run=co.run_id,
-                    epoch=co.epoch)
-    co.aggregator = SecureAggregator(co, co.secure)
-    guard = co.guard
+        resume.restore_accountants(secure, co.say, entries)
+    secure.setup(nodes, max(max(f.values()) for f in facts), first_round=co.s.round + 1, logical_run=co.run_id,
+                 epoch=co.epoch)
     co.record.update(parties={**(co.record.get("parties") or {}),
                               **{guard.peer(nd): {"node": str(nd),
                                                   "ledger_public_key": guard.public_keys.get(guard.peer(nd), ""),
-                                                  **({"epsilon_max": co.secure.caps[guard.peer(nd)]}
-                                                     if guard.peer(nd) in co.secure.caps else {})}
-                                 for nd in co.secure.roster}},
-                     privacy={**co.record["privacy"], "threshold": co.secure.threshold,
-                              "n_parties": len(co.secure.roster)})
+                                                  **({"epsilon_max": secure.caps[guard.peer(nd)]}
+                                                     if guard.peer(nd) in secure.caps else {})}
+                                 for nd in secure.roster}},
+                     privacy={**co.record["privacy"], "threshold": secure.threshold,
+                              "n_parties": len(secure.roster)})
+    out.aggregator = SecureAggregator(co, transport, guard, secure)
+    return out
 
 
-def close(co: Coordinator, status: str, seal: str | None = None) -> None:
+def close(co: RunContext, plane: Plane | None, status: str, seal: str | None = None) -> None:
     """The ``run-end`` entry (``status``: completed, failed, interrupted) with the epsilon spent per party; never
     masks the run's own error. The audit requires it as the ledger's last entry (``distmoe.audit.ledgers``).
     ``seal``: refuse every later append in this process (a stop signal closing the run from another thread)."""
-    if co.ledger is None:
+    if plane is None or plane.ledger is None:
         return
     try:
-        eps = co.secure.epsilon() if co.secure is not None else {}
-        append = co.ledger.append if seal is None else functools.partial(co.ledger.append_final, seal)
+        eps = plane.secure.epsilon() if plane.secure is not None else {}
+        append = plane.ledger.append if seal is None else functools.partial(plane.ledger.append_final, seal)
         append(run=co.run_id, round=co.s.round, phase="run-end", direction="out", payload_type="run-end",
                          keys=[], shapes={}, bytes=0, sha256=hashlib.sha256(b"").hexdigest(), verdict="accepted",
                          peer="all", info={"status": status, "epsilon": eps})

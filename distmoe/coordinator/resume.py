@@ -1,6 +1,6 @@
 """Crash and resume (``docs/operations.md``, Resume): continue an interrupted run in its own directory.
 
-Resume points (``Coordinator.checkpoint_due``: every ``checkpoint.every``-th round, each phase's last, every
+Resume points (``RunContext.checkpoint_due``: every ``checkpoint.every``-th round, each phase's last, every
 DP-charged round) are checkpoints holding the global model *and* the coordinator state
 (``distmoe.coordinator.state``). With ``run.resume = <run dir>`` a new coordinator process refuses a
 completed run or a config that differs in a key outside ``RESUME_MAY_CHANGE`` (the keys declared ``resume=True``
@@ -27,15 +27,17 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from distmoe.checkpoint import resumable
 from distmoe.config import DEFAULTS, RENAMED, RESUME_MAY_CHANGE, RETIRED, RunConfig
 from distmoe.coordinator import expand
+from distmoe.coordinator.context import RunContext
 from distmoe.coordinator.errors import RunFailed
+from distmoe.coordinator.secagg import SecureRounds
 from distmoe.coordinator.start import read_checkpoint, verify_weights
-from distmoe.coordinator.state import StateError, from_checkpoint
+from distmoe.coordinator.state import RoundState, StateError, from_checkpoint
 from distmoe.io import sanitize, write_text_atomic
 from distmoe.ledger import (
     Ledger,
@@ -46,11 +48,19 @@ from distmoe.ledger import (
     public_key_hex,
     verify_ledger,
 )
-
-if TYPE_CHECKING:
-    from distmoe.coordinator.loop import Coordinator
+from distmoe.model.adapters import ServerModel
 
 REFUSED = "config key 'run.resume'"
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a resume continues from: the model in the checkpoint's shape, the round state, and where it came from
+    (checkpoint path relative to the run directory, round, trainable hash)."""
+
+    model: ServerModel
+    state: RoundState
+    resumed_from: dict
 
 
 def config_differences(before: Mapping[str, object], after: Mapping[str, object]) -> dict[str, tuple]:
@@ -118,27 +128,29 @@ def coordinator_key(run_dir: Path):
     return key
 
 
-def begin(co: Coordinator) -> None:
-    """Take over the interrupted run's record and id (refusals change nothing)."""
+def begin(co: RunContext) -> tuple[str, int]:
+    """Take over the interrupted run's record (refusals change nothing); returns its run id and this resume's
+    epoch (the number of resumes so far)."""
     prev = check_resumable(co.run_dir, co.cfg)
-    co.run_id = str(prev["run_id"])
+    run_id = str(prev["run_id"])
     resumes = list(prev.get("resumes") or [])
-    co.epoch = len(resumes) + 1
+    epoch = len(resumes) + 1
     co.record.replace(prev)
     co.record.update(status="running", finished=None, error=None,
-                     resumes=[*resumes, {"epoch": co.epoch, "session": co.session_id, "time": time.time(),
+                     resumes=[*resumes, {"epoch": epoch, "session": co.session_id, "time": time.time(),
                                          "interrupted_status": prev.get("status"),
                                          "interrupted_error": prev.get("error")}])
     why = f"{prev.get('status')}" + (f": {prev['error']}" if prev.get("error") else "")
     name = co.cfg.run.name or co.run_dir.name
-    co.say(f"resuming run {name} in {co.run_dir} (Flower run id {co.run_id}, resume {co.epoch}, session "
+    co.say(f"resuming run {name} in {co.run_dir} (Flower run id {run_id}, resume {epoch}, session "
            f"{co.session_id}; the interrupted session ended {why})")
+    return run_id, epoch
 
 
-def restore(co: Coordinator) -> bool:
-    """Model and coordinator state from the newest checkpoint that verifies (older ones on failure).
-    False: the interrupted session died before its first checkpoint and before it contacted anyone (no
-    ledger), so the run simply starts at round 0."""
+def restore(co: RunContext) -> Restored | None:
+    """Model and coordinator state from the newest checkpoint that verifies (older ones on failure), recorded in
+    ``metrics.jsonl`` and ``run.json``. None: the interrupted session died before its first checkpoint and before
+    it contacted anyone (no ledger), so the run simply starts at round 0."""
     root = co.run_dir / "checkpoints"
     path, notes = resumable(root)
     for text in notes:
@@ -146,32 +158,30 @@ def restore(co: Coordinator) -> bool:
     if path is None and not (co.run_dir / "ledger" / "coordinator.jsonl").exists():
         co.warn(f"no checkpoint in {root} and no ledger: the interrupted session died before round 0 was saved; "
                 "the run starts from round 0")
-        return False
+        return None
     if path is None:
         raise RunFailed(f"{REFUSED}: no usable checkpoint in {root} (none verifies against its manifest): the run "
                         "cannot resume")
     manifest, weights, extra, state = read_checkpoint(path, REFUSED)
     try:
         s = from_checkpoint(state, weights, extra, run_id=co.run_id, where=str(path))
-        expand.replay(co, s.expansions)  # the checkpoint's shape (retention.expand-experts)
+        model = expand.replay(co.model, s.expansions)  # the checkpoint's shape (retention.expand-experts)
     except StateError as exc:
         raise RunFailed(str(exc)) from None
     except ValueError as exc:  # its recorded expert expansions do not fit this model
         raise RunFailed(f"{path}: {exc}") from None
-    verify_weights(weights, manifest, co.tspec, co.model.base_fingerprint, str(path))
-    co.s = s
-    co.ckpt_round = s.round
-    co.resumed_from = {"checkpoint": str(path.relative_to(co.run_dir)), "round": s.round,
-                       "trainable_hash": manifest.get("trainable_hash")}
+    verify_weights(weights, manifest, model.tspec, model.base_fingerprint, str(path))
+    resumed_from = {"checkpoint": str(path.relative_to(co.run_dir)), "round": s.round,
+                    "trainable_hash": manifest.get("trainable_hash")}
     lost = set_aside_lost_metrics(co.run_dir, s.round)
     co.metrics.append({"event": "run_resume", "run_id": co.run_id, "session": co.session_id, "epoch": co.epoch,
-                       "from_round": s.round, "checkpoint": co.resumed_from["checkpoint"],
+                       "from_round": s.round, "checkpoint": resumed_from["checkpoint"],
                        "lost_metric_lines": lost, "warnings": list(co.resume_warnings)})
     resumes = co.record.get("resumes") or [{}]
-    co.record.update(resumes=[*resumes[:-1], {**resumes[-1], **co.resumed_from}])
-    co.say(f"resume: checkpoint {co.resumed_from['checkpoint']} (round {s.round}/{co.cfg.schedule.total_rounds}, "
+    co.record.update(resumes=[*resumes[:-1], {**resumes[-1], **resumed_from}])
+    co.say(f"resume: checkpoint {resumed_from['checkpoint']} (round {s.round}/{co.cfg.schedule.total_rounds}, "
            f"anchor v{s.anchor_versions}); continuing with round {s.round + 1}")
-    return True
+    return Restored(model, s, resumed_from)
 
 
 def set_aside_lost_metrics(run_dir: Path, last_round: int) -> int:
@@ -198,7 +208,7 @@ def set_aside_lost_metrics(run_dir: Path, last_round: int) -> int:
     return len(lost)
 
 
-def reopen_ledger(co: Coordinator, lpath: Path) -> tuple[Ledger, dict, list[dict]]:
+def reopen_ledger(co: RunContext, lpath: Path) -> tuple[Ledger, dict, list[dict]]:
     """The interrupted run's ledger, opened with its own key (chain and signatures verified); with its
     run-start entry and all entries."""
     key = coordinator_key(co.run_dir)
@@ -221,8 +231,8 @@ def reopen_ledger(co: Coordinator, lpath: Path) -> tuple[Ledger, dict, list[dict
     return led, start, entries
 
 
-def append_resume_entry(co: Coordinator, digest: str, policy: dict, start: dict, entries: list[dict],
-                        n_nodes: int) -> None:
+def append_resume_entry(co: RunContext, ledger: Ledger, digest: str, policy: dict, start: dict,
+                        entries: list[dict], n_nodes: int) -> None:
     """Check the rebuilt allow-list (``digest``) against the signed one, then append ``run-resume``."""
     if digest != start.get("sha256"):
         old = (start.get("info") or {}).get("policy") or {}
@@ -231,12 +241,12 @@ def append_resume_entry(co: Coordinator, digest: str, policy: dict, start: dict,
                         f"signed at run-start (in {', '.join(diff[:6])}): a resumed run needs the same number of "
                         f"parties ({(co.record.get('privacy') or {}).get('n_parties', '?')} in the run) and the "
                         "same model")
-    seq, head = co.ledger.head()
+    seq, head = ledger.head()
     info = {"session": co.session_id, "epoch": co.epoch, **(co.resumed_from or {}),
             "previous_head": {"seq": seq, "hash": head}, "policy_sha256": digest,
             "dp_releases": dp_release_counts(entries), "warnings": list(co.resume_warnings)}
     blob = canonical_json(info).encode("ascii")
-    co.ledger.append(run=co.run_id, round=co.s.round, phase="run-resume", direction="out",
+    ledger.append(run=co.run_id, round=co.s.round, phase="run-resume", direction="out",
                      payload_type="run-resume", keys=[], shapes={}, bytes=len(blob),
                      sha256=hashlib.sha256(blob).hexdigest(), verdict="accepted", peer="all", info=info)
 
@@ -251,18 +261,19 @@ def dp_release_counts(entries: list[dict]) -> dict[str, int]:
     return out
 
 
-def restore_accountants(co: Coordinator, entries: list[dict]) -> None:
-    """The server accountants of the interrupted run; each must hold every DP release in the ledger."""
+def restore_accountants(secure: SecureRounds, say, entries: list[dict]) -> None:
+    """The server accountants of the interrupted run (into ``secure``); each must hold every DP release in the
+    ledger."""
     counts = dp_release_counts(entries)
-    if not counts and not (co.secure.dir / "ledger.json").exists():
-        co.say("resume: no accountant state yet (the interrupted session died before any release)")
+    if not counts and not (secure.dir / "ledger.json").exists():
+        say("resume: no accountant state yet (the interrupted session died before any release)")
         return
-    accs = co.secure.restore_accountants()
+    accs = secure.restore_accountants()
     for party, n in sorted(counts.items()):
         have = len(accs[party].events) if party in accs else 0
         if have < n:
-            raise RunFailed(f"{REFUSED}: {co.secure.dir / 'ledger.json'} holds {have} releases of party {party}, the "
+            raise RunFailed(f"{REFUSED}: {secure.dir / 'ledger.json'} holds {have} releases of party {party}, the "
                             f"ledger {n}: the accountant lags the ledger and the run cannot resume without "
                             "under-counting privacy")
     spent = ", ".join(f"{k} {a.primary_epsilon():.3f}" for k, a in sorted(accs.items()))
-    co.say(f"resume: privacy accountants carried over (epsilon spent so far: {spent or 'none'})")
+    say(f"resume: privacy accountants carried over (epsilon spent so far: {spent or 'none'})")

@@ -11,35 +11,49 @@ not: the schedule position, tasks, evaluations, ledgers and privacy accounting; 
 Also owns reading a checkpoint of the global model and verifying its weights (:func:`read_checkpoint`,
 :func:`verify_weights`), which a resumed run uses on its own checkpoint too.
 
-Must not: talk to parties, or choose a resumed run's checkpoint (``resume.restore`` does).
+``load_start`` returns the round-0 state as a ``StartPoint``; the round loop adopts and records it.
+
+Must not: talk to parties, write into the run's state, or choose a resumed run's checkpoint (``resume.restore``
+does).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from distmoe.checkpoint import CheckpointError, load_checkpoint
+from distmoe.config import RunConfig
 from distmoe.coordinator.errors import RunFailed
+from distmoe.model.adapters import ServerModel
 from distmoe.model.build import hash_tensors
 from distmoe.model.trainable import TrainableError, TrainableSpec, check_trainable
 from distmoe.routing.anchor import Anchor, AnchorVersion
 from distmoe.train.warmup import BaseError, build_base
 
-if TYPE_CHECKING:
-    from distmoe.coordinator.loop import Coordinator
+
+@dataclass(frozen=True)
+class StartPoint:
+    """Round 0 of a new run taken from a checkpoint: its weights, anchor (or None) with the version count, and
+    what ``run.json`` ``started_from`` records."""
+
+    weights: dict[str, torch.Tensor]
+    anchor: Anchor | None
+    anchor_versions: int
+    info: dict
+    where: str
 
 
-def start_point(co: Coordinator) -> Path | None:
+def start_point(cfg: RunConfig, run_dir: Path, say: Callable[[str], None]) -> Path | None:
     """The checkpoint this new run starts from (the warm-up base is built here when not cached), or None."""
-    cfg = co.cfg
     if cfg.model.warmup_steps:
-        cache = Path(cfg.model.warmup_cache) if cfg.model.warmup_cache else co.run_dir.parent / "base-cache"
+        cache = Path(cfg.model.warmup_cache) if cfg.model.warmup_cache else Path(run_dir).parent / "base-cache"
         try:
-            return build_base(cfg, cfg.model.warmup_steps, cache, log=co.say)
+            return build_base(cfg, cfg.model.warmup_steps, cache, log=say)
         except BaseError as exc:
             raise RunFailed(str(exc)) from None
     return Path(cfg.run.init_from) if cfg.run.init_from else None
@@ -71,32 +85,36 @@ def verify_weights(weights: dict[str, torch.Tensor], manifest: dict, tspec: Trai
                         f"this run's base {base_fingerprint[:12]})")
 
 
-def apply_start(co: Coordinator) -> None:
-    """Load ``start_point``'s weights (and anchor) into the coordinator's round-0 state."""
-    path = start_point(co)
+def load_start(cfg: RunConfig, run_dir: Path, model: ServerModel, say: Callable[[str], None]) -> StartPoint | None:
+    """``start_point``'s weights (and anchor), verified against this run's ``model``; None without a start point."""
+    path = start_point(cfg, run_dir, say)
     if path is None:
-        return
-    where = f"run.init-from {str(path)!r}" if co.cfg.run.init_from else f"warm-up base {str(path)!r}"
+        return None
+    where = f"run.init-from {str(path)!r}" if cfg.run.init_from else f"warm-up base {str(path)!r}"
     if not path.is_dir():
         raise RunFailed(f"{where}: not a directory (expected a checkpoint directory such as "
                         "RUN/checkpoints/round-<n>; `distmoe rollback RUN --list` shows the kept rounds)")
     manifest, weights, extra, state = read_checkpoint(path, where)
-    verify_weights(weights, manifest, co.tspec, co.model.base_fingerprint, where)
-    co.s.weights = weights
+    verify_weights(weights, manifest, model.tspec, model.base_fingerprint, where)
+    anchor, versions = None, 0
     anchor_meta = (state or {}).get("anchor")
     if anchor_meta is not None and "anchor" in extra:
         probs = extra["anchor"]["probs"].numpy().astype(np.float32)
-        want = (co.mspec.num_moe_layers, co.mspec.num_experts)
+        want = (model.mspec.num_moe_layers, model.mspec.num_experts)
         if probs.shape != want:
             raise RunFailed(f"{where}: its anchor is {list(probs.shape)}, this model routes {list(want)}")
-        co.s.anchor = Anchor(probs=probs, meta=AnchorVersion(**anchor_meta))
-        co.s.anchor_versions = int((state or {}).get("anchor_versions") or anchor_meta.get("version") or 1)
+        anchor = Anchor(probs=probs, meta=AnchorVersion(**anchor_meta))
+        versions = int((state or {}).get("anchor_versions") or anchor_meta.get("version") or 1)
     info = {"checkpoint": str(path), "round": manifest.get("round"), "run_id": manifest.get("run_id"),
             "trainable_hash": manifest.get("trainable_hash"),
-            "anchor_version": co.s.anchor.meta.version if co.s.anchor is not None else None}
+            "anchor_version": anchor.meta.version if anchor is not None else None}
     if "base" in manifest:
         info["base"] = manifest["base"]
-    co.record.update(started_from=info)
-    co.metrics.append({"event": "start_from", **info})
-    co.say(f"start: round 0 from {where} (round {info['round']} of run {info['run_id'] or '-'}"
-           + (f", anchor v{info['anchor_version']})" if info["anchor_version"] is not None else ", no anchor)"))
+    return StartPoint(weights, anchor, versions, info, where)
+
+
+def start_line(sp: StartPoint) -> str:
+    """The progress line of a run started from ``sp``."""
+    info = sp.info
+    return (f"start: round 0 from {sp.where} (round {info['round']} of run {info['run_id'] or '-'}"
+            + (f", anchor v{info['anchor_version']})" if info["anchor_version"] is not None else ", no anchor)"))

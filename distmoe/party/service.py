@@ -4,8 +4,9 @@ through the outbound guard (``distmoe.wire.party_guard.serve``).
 
 Owns: the dispatch of each decoded instruction to the party's own work (``distmoe.party.work``: SFT,
 RL, router statistics, evaluation) or secure-aggregation stage (``distmoe.party.session``: setup,
-directory, masked input, consistency check, unmask), the assembly of a secure phase's reply (the public layout of the
-vector, the DP charge before anything is computed, the masked input), the party's identity on the wire
+directory, masked input, consistency check, unmask), the assembly of a secure phase's reply (``_SECURE``: per
+instruction kind, the party's figures encoded, noised and charged by their release module,
+``distmoe.privacy.releases``; then the masked input), the party's identity on the wire
 (name, ledger, canary strings from ``<data-path>/canaries.txt``), and turning the party's own errors
 (``SessionError``, ``PartyError``, ``DataError``, ``ConfigError``) into ``Refused`` with the fixed reason
 code of the closed table (``distmoe.wire.errors.REASONS``); their text is detail for the party's own log.
@@ -33,12 +34,10 @@ from distmoe.party.probe import run_probe
 from distmoe.party.receipt import write_receipt
 from distmoe.party.session import PartySession, SessionError, open_ledger
 from distmoe.party.settle import run_settle
+from distmoe.privacy import releases as R
 from distmoe.privacy import secagg as sa
 from distmoe.privacy import train_metrics as TM
 from distmoe.privacy.dp import canary_seed
-from distmoe.privacy.plan import stats_event
-from distmoe.privacy.update_noise import add_update_noise, update_dp_facts, update_event
-from distmoe.privacy.vectors import StatsLayout
 from distmoe.wire.errors import ErrorCode, Refused
 from distmoe.wire.schema import (
     ConsistencyRequestMsg,
@@ -70,6 +69,11 @@ def _run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction):
 
 _PLAIN = {SftInstruction: lambda cfg, node, instr: _run_sft(cfg, node, instr)[0], RlInstruction: P.run_rl,
           StatsInstruction: P.run_stats, EvalInstruction: P.run_eval}
+
+
+# instruction -> the PartyService method that computes this party's figures and encodes them with their release
+_SECURE = {StatsInstruction: "_stats_release", EvalInstruction: "_eval_release", SftInstruction: "_update_release",
+           RlInstruction: "_update_release"}
 
 
 def load_canaries(node: NodeConfig) -> list[bytes]:
@@ -167,7 +171,6 @@ class PartyService:
             raise Refused(f"party {self.name}: invalid data, not joining this run: {exc}", ErrorCode.DATA) from None
 
     def _secure_phase(self, si: SecureInstruction, sess: PartySession) -> tuple[MaskedReply, dict | None]:
-        cfg, node = self.cfg, self.node
         instr, st = si.instruction, si.start
         if st is None:  # outside this round's U1: share keys for the next round and rejoin there
             return MaskedReply(si.release, None, sess.late_keys(instr.round)), None
@@ -177,35 +180,7 @@ class PartyService:
         if bits != own:  # checked before any work or any privacy is spent
             raise Refused(f"round {instr.round}: the server declared Z_2^{bits} for {si.release}, this party's layout "
                           f"uses Z_2^{own}: refused (mismatched privacy.ring-bits or config?)", ErrorCode.MODEL)
-        dp, premask = None, None
-        if isinstance(instr, StatsInstruction):
-            per_seq = P.router_stats_per_sequence(cfg, node, instr, cfg.privacy.num_sequences_max)  # [N, L, E]
-            contributed = per_seq.shape[0] > 0
-            spec = sess.stats_spec(per_seq.shape[1], per_seq.shape[2])
-            t = sess.params.threshold
-            # charged at the fewest survivors a completed round can have (t): z_eff(t) = z
-            eps = sess.charge(stats_event(spec, t, f"router-stats round {instr.round}"))
-            # canaries at positions drawn from this round's U1 mask keys (no single party or the server picks them)
-            seed = canary_seed(sess.params.run_id, st.round, st.participants)
-            vec = StatsLayout(spec, seed).encode(per_seq)  # [D] uint64, Skellam share included
-            dp = {**spec.dp_params(n_active=t), "epsilon": eps, "budget": sess.accountant.epsilon_budget,
-                  "canary_seed": seed.hex()}
-        elif isinstance(instr, (SftInstruction, RlInstruction)):
-            # the masks do not depend on the update: expanded on a spare core while this party trains
-            join = (sess.start_premask(st) if cfg.privacy.secagg_premask and sa.primitives.MASK_THREADS > 1
-                    else (lambda: None))
-            try:
-                vec, dp, contributed = self._update_vector(instr, sess)
-            finally:
-                premask = join()  # never left running past this message, also when training failed
-        else:  # per-example sums of each task + a Skellam share, charged at t survivors before anything is sent
-            spec = sess.eval_spec(instr.tasks)
-            sums = spec.sums(P.eval_scores(cfg, node, instr))  # [3T] int64
-            t = sess.params.threshold
-            eps = sess.charge(spec.event(t, f"eval round {instr.round}"))
-            vec = spec.share(sums)  # [3T] uint64
-            dp = {**spec.dp_params(t), "epsilon": eps, "budget": sess.accountant.epsilon_budget}
-            contributed = bool(sums[2::3].sum() > 0)  # evaluated any held-out sequence (count slots, before noise)
+        vec, dp, contributed, premask = getattr(self, _SECURE[type(instr)])(instr, sess, st)
         length = st.length or sess.params.length
         if vec.dtype != sa.primitives.word_dtype(bits):  # the layout encodes in its own width (checked above)
             raise Refused(f"round {instr.round}: {si.release} encoded {vec.dtype} words for Z_2^{bits}",
@@ -215,6 +190,32 @@ class PartyService:
                           f"for {si.release} has {vec.shape[0]}: refused (mismatched model or config?)",
                           ErrorCode.MODEL)
         return MaskedReply(si.release, sess.masked(st, vec, contributed=contributed, premask=premask), None), dp
+
+    # one per instruction kind: this party's figures, encoded and noised by their release (distmoe.privacy.releases)
+    def _stats_release(self, instr: StatsInstruction, sess: PartySession, st):
+        per_seq = P.router_stats_per_sequence(self.cfg, self.node, instr, self.cfg.privacy.num_sequences_max)
+        spec = sess.stats_spec(per_seq.shape[1], per_seq.shape[2])  # per_seq: [N, L, E]
+        # canaries at positions drawn from this round's U1 mask keys (no single party or the server picks them)
+        seed = canary_seed(sess.params.run_id, st.round, st.participants)
+        vec, dp, contributed = R.stats.encode(spec, per_seq, seed, sess.charge, sess.params.threshold, instr.round,
+                                              sess.accountant.epsilon_budget)
+        return vec, dp, contributed, None
+
+    def _eval_release(self, instr: EvalInstruction, sess: PartySession, st):
+        vec, dp, contributed = R.evaluate.encode(sess.eval_spec(instr.tasks), P.eval_scores(self.cfg, self.node, instr),
+                                                 sess.charge, sess.params.threshold, instr.round,
+                                                 sess.accountant.epsilon_budget)
+        return vec, dp, contributed, None
+
+    def _update_release(self, instr: SftInstruction | RlInstruction, sess: PartySession, st):
+        # the masks do not depend on the update: expanded on a spare core while this party trains
+        join = (sess.start_premask(st) if self.cfg.privacy.secagg_premask and sa.primitives.MASK_THREADS > 1
+                else (lambda: None))
+        try:
+            vec, dp, contributed = self._update_vector(instr, sess)
+        finally:
+            premask = join()  # never left running past this message, also when training failed
+        return vec, dp, contributed, premask
 
     def _update_vector(self, instr: SftInstruction | RlInstruction, sess: PartySession):
         """Train locally; the update as this round's ``[D]`` vector (noised under client-level DP), with the
@@ -226,28 +227,21 @@ class PartyService:
         sft = isinstance(instr, SftInstruction)
         upd, local = _run_sft(cfg, node, instr) if sft else (P.run_rl(cfg, node, instr), {})
         notes = P.take_notes(node.party)  # names of parameters with non-finite gradients: this party's log only
-        p = cfg.privacy  # the training-metric slots of this objective (distmoe.privacy.train_metrics)
         kind = "rl" if isinstance(instr, RlInstruction) else "sft"
         objective = TM.objective_of(kind, getattr(instr, "objective", None))
-        layout, slots = TM.release_layout(sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()}),
-                                          objective, p.metric_loss_bound, p.update_metric_share)
-        vec, facts = layout.encode(upd.delta, upd.num_examples)
-        skipped = upd.metrics.get("skipped_steps", 0.0)  # NaN for a party without data for the task
-        vec = layout.count_skipped(vec, int(skipped) if skipped == skipped else 0, inplace=True)
-        contributed = upd.num_examples > 0  # any of this party's examples went into the update
-        sent = TM.encode_into(vec, layout, slots, upd.metrics, contributed)  # each figure clipped to its bound
+        z_u = sess.facts.update_noise_multiplier
+        # the release's layout with this objective's training-metric slots: the coordinator opens the sum with it
+        layout, slots = R.update.layout(cfg.privacy, {k: tuple(v.shape) for k, v in instr.weights.items()},
+                                        sess.n_parties, sess.params.threshold, z_u, objective)
+        vec, facts, sent, contributed = R.update.encode(layout, slots, upd.delta, upd.num_examples, upd.metrics)
         self._log_metrics(instr, {**upd.metrics, **local}, {**facts, **notes,
                                                             **{f"released_{k}": v for k, v in sent.items()}})
-        z_u = sess.facts.update_noise_multiplier
         if z_u <= 0:
             return vec, None, contributed
         if not layout.private:
             raise Refused("update noise requested on a non-private layout (weights would leave exact)")
-        t = sess.params.threshold  # per sequence: z_u / 2 (one sequence moves the clipped delta by 2 clips)
-        eps = sess.charge(update_event(z_u, t, t, f"model-update round {instr.round}"))
-        vec = add_update_noise(vec, layout, z_u, sess.params.threshold)
-        dp = {**update_dp_facts(layout, z_u, sess.n_parties, sess.params.threshold), "epsilon": eps,
-              "budget": sess.accountant.epsilon_budget}
+        vec, dp = R.update.add_noise(layout, vec, z_u, sess.n_parties, sess.params.threshold, sess.charge,
+                                     instr.round, sess.accountant.epsilon_budget)
         return vec, dp, contributed
 
     def _log_metrics(self, instr, metrics: dict, facts: dict) -> None:

@@ -143,7 +143,7 @@ def _schedule(run: _Run) -> list[str]:
 def _noise_sd(run: _Run, value: float | None, n: Any, bound: float = 1.0) -> float | None:
     """The noise scale (one standard deviation) of a noised ratio ``value = bound * sum / n`` of the evaluation
     release: ``bound * sigma * sqrt(1 + (value / bound)^2) / n`` with ``sigma`` = run.json
-    ``privacy.eval_noise_sd`` (the noise of each sum, in examples, ``distmoe.coordinator.secure``); ``bound``: 1
+    ``privacy.eval_noise_sd`` (the noise of each sum, in examples, ``distmoe.privacy.releases.evaluate``); ``bound``: 1
     for an accuracy, ``privacy.metric-loss-bound`` for a loss. None when the run records no noise."""
     priv = run.record.get("privacy") if isinstance(run.record.get("privacy"), Mapping) else {}
     sigma, count = _num(priv.get("eval_noise_sd")), _num(n)

@@ -14,7 +14,7 @@ Owns:
   are rejected, finite values, the masked-vector length the round declared) and logged with the
   sender's ledger head as an anchor. A reply that fails is rejected: logged with the reason, and that
   party is left out of the round.
-- ``GuardedTransport``: ``exchange`` over any ``_send`` (Grid or in-process); one payload for many nodes is hashed once.
+- ``GuardedTransport``: the coordinator's one transport type, ``exchange`` over any ``_send`` (Grid, in-process).
 
 Must not: read party data, or hand a payload to the coordinator that did not pass the guard.
 """

@@ -173,7 +173,7 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
                            "row_sums": np.rint(rows).astype(int).tolist()})
         for p in included:
             events[p].append(stats_event(spec, n, f"router-stats round {rnd}"))
-    if update_z:  # what distmoe.coordinator.secure records for a DP update over all parties (t = n - d_max)
+    if update_z:  # what distmoe.privacy.releases.update opens for a DP update over all parties (t = n - d_max)
         t = len(PARTIES) - spec.max_dropouts
         dp = {**update_dp_facts(SimpleNamespace(clip=1.0, sensitivity=1.0), update_z, len(PARTIES), t,
                                 len(PARTIES)), **(forge or {})}
@@ -183,7 +183,7 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
                            "responders": list(PARTIES), "weight_sum": float(len(PARTIES))})
         for p in PARTIES:
             events[p].append(update_event(update_z, len(PARTIES), t, "model-update round 3"))
-    if eval_z:  # what distmoe.coordinator.secure records for an evaluation release over all parties
+    if eval_z:  # what distmoe.privacy.releases.evaluate opens for an evaluation release over all parties
         es = EvalSpec(("arith",), eval_z, len(PARTIES), spec.max_dropouts, 48, 16.0)
         dp = None if eval_forge is False else {**es.dp_params(len(PARTIES)), **(eval_forge or {})}
         coord.append(**common, round=4, phase="eval", direction="in", peer="all", payload_type="release:eval",

@@ -9,8 +9,8 @@ import pytest
 
 from distmoe.config import parse_run_config
 from distmoe.coordinator.phases.evaluate import retention
-from distmoe.coordinator.secure import with_noise_scale
 from distmoe.privacy.plan import eval_spec
+from distmoe.privacy.releases.evaluate import with_noise_scale
 
 
 def test_noise_scale_matches_the_spread_of_decoded_accuracies():

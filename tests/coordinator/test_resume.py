@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from distmoe.audit import audit_run
 from distmoe.config import parse_node_config, parse_run_config
 from distmoe.coordinator import Coordinator, RunFailed
+from distmoe.coordinator.context import RunContext
 from distmoe.inprocess import LocalTransport
 from distmoe.ledger import verify_ledger
 from distmoe.party.session import PartySession, SessionError
@@ -632,7 +633,7 @@ def test_checkpoint_due_always_at_phase_ends_and_charged_releases(make_cfg):
     def due(rnd, kind, end=False, **over):
         co = SimpleNamespace(cfg=make_cfg(**{"checkpoint.every": 3, **over}), s=SimpleNamespace(round=rnd),
                              phase_end=end)
-        return Coordinator.checkpoint_due(co, kind)
+        return RunContext.checkpoint_due(co, kind)
 
     assert [due(r, "sft") for r in range(0, 7)] == [True, False, False, True, False, False, True]
     assert due(4, "sft", end=True) and due(4, "eval") and due(4, "stats") and not due(4, "rl")

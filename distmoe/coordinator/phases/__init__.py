@@ -1,28 +1,24 @@
-"""One module per schedule phase, each written once against the ``Aggregator`` interface.
+"""One module per schedule phase, each a ``PhaseStep`` (``phases/base.py``) written once against the sums of the
+``Aggregator`` interface.
 
-Each phase module has ``configure(co, phase) -> instruction`` (what every party is sent this round, in
-the style of Flower strategies' ``configure_*``) and ``aggregate(co, index, phase, instr) -> str`` (ask the
-aggregator for the round's sum, apply it to the global model or anchor, log it; returns the round's
-progress line, like ``aggregate_*``). ``run_round`` dispatches on the phase kind; ``update.apply_update`` is the part
-``sft``, ``rl`` and ``dpo`` share (``dpo`` sends an ``sft`` instruction with ``objective = "dpo"``).
+Each step has ``configure(ctx, phase) -> instruction`` (what every party is sent this round, like Flower strategies'
+``configure_*``), ``request`` (which sum the round asks for) and ``aggregate(ctx, index, phase, instr, sum) -> str``
+(fold the released sum into the global model or anchor, log it; returns the round's progress line, like
+``aggregate_*``). ``PHASES`` maps a phase kind to its step; the round loop (``coordinator/loop.py``) does the exchange
+between the two. ``update.apply_update`` is the part ``sft``, ``rl`` and ``dpo`` share (``dpo`` sends an ``sft``
+instruction with ``objective = "dpo"``). ``probe`` and ``settle`` are not schedule phases but exchanges the loop runs
+after a round (public inputs only): ``instruction`` then ``apply``.
 
-Must not: branch on the privacy mode (the aggregator does), or import ``flwr``.
+Must not: branch on the privacy mode (the aggregator does), talk to a party, or import ``flwr``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from distmoe.coordinator.phases.base import PhaseStep
+from distmoe.coordinator.phases.dpo import Dpo
+from distmoe.coordinator.phases.evaluate import Evaluate
+from distmoe.coordinator.phases.rl import Rl
+from distmoe.coordinator.phases.sft import Sft
+from distmoe.coordinator.phases.stats import Stats
 
-from distmoe.config import Phase
-from distmoe.coordinator.phases import dpo, evaluate, rl, sft, stats
-
-if TYPE_CHECKING:
-    from distmoe.coordinator.loop import Coordinator
-
-PHASES = {"sft": sft, "rl": rl, "stats": stats, "eval": evaluate, "dpo": dpo}
-
-
-def run_round(co: Coordinator, index: int, phase: Phase) -> str:
-    """One round of ``phase`` (the ``index``-th phase of the schedule): configure, then aggregate."""
-    mod = PHASES[phase.kind]
-    return mod.aggregate(co, index, phase, mod.configure(co, phase))
+PHASES: dict[str, PhaseStep] = {step.kind: step for step in (Sft(), Rl(), Stats(), Evaluate(), Dpo())}

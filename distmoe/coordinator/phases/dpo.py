@@ -6,32 +6,33 @@ new stage (``RoundState.begin_task``, even when the task is the one just tuned):
 ``ref_weights``, which are the reference of the whole phase (``dpo.reference = phase``; sent with every later round
 of the phase, and kept in the checkpoint for a resume) and the retention baseline of the next evaluation. With
 ``dpo.reference = round`` no reference travels: each party's reference is the global model as received. The anchor
-goes along as in ``sft`` (the party adds the anchor KL to its DPO loss). ``aggregate`` is ``sft``'s.
+goes along as in ``sft`` (the party adds the anchor KL to its DPO loss). ``request`` and ``aggregate`` are ``sft``'s.
 
 Must not: import ``flwr``, or see one party's update.
 """
 
 from __future__ import annotations
 
-from distmoe.coordinator.phases import sft
+from distmoe.config import Phase
+from distmoe.coordinator.context import RunContext
+from distmoe.coordinator.phases.sft import Sft
 from distmoe.coordinator.state import position
 from distmoe.wire.schema import SftInstruction
 
 
-def configure(co, phase) -> SftInstruction:
-    s, cfg = co.s, co.cfg
-    first = (position(cfg.schedule.phases, s.round) or {}).get("round_in_phase") == 1
-    if first or phase.task != s.current_task or s.ref_weights is None:
-        s.begin_task(phase.task)
-        first = True
-    use_anchor = s.anchor is not None and cfg.routing.anchor_kl_coef > 0
-    send_ref = cfg.dpo.reference == "phase" and not first
-    return SftInstruction(round=s.round, task=phase.task, weights=co.np_weights(s.weights),
-                          base_hash=co.tspec.base_hash, seed=cfg.run.seed * 100_003 + s.round,
-                          anchor=s.anchor.probs if use_anchor else None,
-                          anchor_version=s.anchor.meta.version if use_anchor else 0, objective="dpo",
-                          ref_weights=co.np_weights(s.ref_weights) if send_ref else None)
+class Dpo(Sft):
+    kind = "dpo"
 
-
-def aggregate(co, index, phase, instr: SftInstruction) -> str:
-    return sft.aggregate(co, index, phase, instr)
+    def configure(self, co: RunContext, phase: Phase) -> SftInstruction:
+        s, cfg = co.s, co.cfg
+        first = (position(cfg.schedule.phases, s.round) or {}).get("round_in_phase") == 1
+        if first or phase.task != s.current_task or s.ref_weights is None:
+            s.begin_task(phase.task)
+            first = True
+        use_anchor = s.anchor is not None and cfg.routing.anchor_kl_coef > 0
+        send_ref = cfg.dpo.reference == "phase" and not first
+        return SftInstruction(round=s.round, task=phase.task, weights=co.np_weights(s.weights),
+                              base_hash=co.tspec.base_hash, seed=cfg.run.seed * 100_003 + s.round,
+                              anchor=s.anchor.probs if use_anchor else None,
+                              anchor_version=s.anchor.meta.version if use_anchor else 0, objective="dpo",
+                              ref_weights=co.np_weights(s.ref_weights) if send_ref else None)

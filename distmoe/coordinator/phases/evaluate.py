@@ -12,49 +12,54 @@ from __future__ import annotations
 
 import math
 
-from distmoe.coordinator.aggregator import Skip
+from distmoe.config import Phase
+from distmoe.coordinator.aggregator import EvalSum, SumRequest
+from distmoe.coordinator.context import RunContext
+from distmoe.coordinator.phases.base import PhaseStep
 from distmoe.report.progress import noisy, within_noise
 from distmoe.wire.schema import EVAL_ROUTING_KEYS, EvalInstruction
 
 NOISE_KEYS = ("acc_sd/", "loss_sd/")  # in memory (progress line, retention); not metrics.jsonl keys
 
 
-def configure(co, phase) -> EvalInstruction:
-    s = co.s
-    tasks = tuple(s.trained_tasks) or co.cfg.schedule.tasks
-    return EvalInstruction(round=s.round, tasks=tasks, new_task=s.current_task or "",
-                           weights=co.np_weights(s.weights), base_hash=co.tspec.base_hash,
-                           ref_weights=co.np_weights(s.ref_weights) if s.ref_weights is not None else None,
-                           anchor=s.anchor.probs if s.anchor is not None else None,
-                           anchor_version=s.anchor.meta.version if s.anchor is not None else 0)
+class Evaluate(PhaseStep):
+    kind = "eval"
 
+    def configure(self, co: RunContext, phase: Phase) -> EvalInstruction:
+        s = co.s
+        tasks = tuple(s.trained_tasks) or co.cfg.schedule.tasks
+        return EvalInstruction(round=s.round, tasks=tasks, new_task=s.current_task or "",
+                               weights=co.np_weights(s.weights), base_hash=co.tspec.base_hash,
+                               ref_weights=co.np_weights(s.ref_weights) if s.ref_weights is not None else None,
+                               anchor=s.anchor.probs if s.anchor is not None else None,
+                               anchor_version=s.anchor.meta.version if s.anchor is not None else 0)
 
-def aggregate(co, index, phase, instr: EvalInstruction) -> str:
-    s = co.s
-    out = co.aggregator.evaluation(instr, instr.tasks)
-    if isinstance(out, Skip):
-        return co.round_failed(out.text, failed=out.failed)
-    per_party, agg = out.per_party, out.per_party["all"]
-    earlier = [t for t in s.trained_tasks if t != s.current_task]
-    for party, m in per_party.items():
-        before = s.baseline.get(party, {})
-        for t in earlier:
-            r = retention(before.get(f"acc/{t}", math.nan), before.get(f"acc_sd/{t}", math.nan),
-                          m.get(f"acc/{t}", math.nan))
-            if r is not None:
-                m[f"retention/{t}"] = r
-        if s.current_task:
-            m["new_task"] = s.current_task
-            m["new_task_loss"] = m.get(f"loss/{s.current_task}", math.nan)
-        co.metrics.append({"event": "eval", "round": s.round, "phase_label": "eval", "party": party,  # noise
-                           "anchor_version": instr.anchor_version,  # scales: run.json privacy.eval_noise_sd
-                           **{k: v for k, v in m.items() if not k.startswith(NOISE_KEYS)}})
-    s.last_eval = {p: {k: v for k, v in m.items() if isinstance(v, float)} for p, m in per_party.items()}
-    accs = ", ".join(f"{t} {noisy(agg.get(f'acc/{t}', math.nan), agg.get(f'acc_sd/{t}', math.nan))}"
-                     for t in instr.tasks)
-    extra = [f"{k} {agg[k]:.3f}" for k in EVAL_ROUTING_KEYS if math.isfinite(agg.get(k, math.nan))]
-    ret = [f"retention {t} {agg[f'retention/{t}']:.2f}" for t in earlier if f"retention/{t}" in agg]
-    return " | ".join([f"{out.parties}/{out.nodes} parties", f"acc: {accs}", *extra, *ret])
+    def request(self, co: RunContext, index: int, phase: Phase, instr: EvalInstruction) -> SumRequest:
+        return SumRequest("eval", "eval", "eval", "eval")
+
+    def aggregate(self, co: RunContext, index: int, phase: Phase, instr: EvalInstruction, out: EvalSum) -> str:
+        s = co.s
+        per_party, agg = out.per_party, out.per_party["all"]
+        earlier = [t for t in s.trained_tasks if t != s.current_task]
+        for party, m in per_party.items():
+            before = s.baseline.get(party, {})
+            for t in earlier:
+                r = retention(before.get(f"acc/{t}", math.nan), before.get(f"acc_sd/{t}", math.nan),
+                              m.get(f"acc/{t}", math.nan))
+                if r is not None:
+                    m[f"retention/{t}"] = r
+            if s.current_task:
+                m["new_task"] = s.current_task
+                m["new_task_loss"] = m.get(f"loss/{s.current_task}", math.nan)
+            co.metrics.append({"event": "eval", "round": s.round, "phase_label": "eval", "party": party,  # noise
+                               "anchor_version": instr.anchor_version,  # scales: run.json privacy.eval_noise_sd
+                               **{k: v for k, v in m.items() if not k.startswith(NOISE_KEYS)}})
+        s.last_eval = {p: {k: v for k, v in m.items() if isinstance(v, float)} for p, m in per_party.items()}
+        accs = ", ".join(f"{t} {noisy(agg.get(f'acc/{t}', math.nan), agg.get(f'acc_sd/{t}', math.nan))}"
+                         for t in instr.tasks)
+        extra = [f"{k} {agg[k]:.3f}" for k in EVAL_ROUTING_KEYS if math.isfinite(agg.get(k, math.nan))]
+        ret = [f"retention {t} {agg[f'retention/{t}']:.2f}" for t in earlier if f"retention/{t}" in agg]
+        return " | ".join([f"{out.parties}/{out.nodes} parties", f"acc: {accs}", *extra, *ret])
 
 
 def retention(before: float, before_sd: float, now: float) -> float | None:

@@ -1,7 +1,7 @@
 """The routing probe after a round: every party measures the round's global model on the public probe prompts,
 the coordinator takes the median and derives the routing metrics, and the routing-health watch warns.
 
-Not a schedule phase: ``after_round`` runs at the end of every ``routing.probe-every``-th round, whatever its
+Not a schedule phase: the loop runs it at the end of every ``routing.probe-every``-th round, whatever its
 phase, with the global model as it stands then (what the next round's instruction carries). The probe prompts are
 public (``distmoe.routing.probe``: the default set from ``run.seed``, or ``routing.probe-path``, read and validated
 here and sent in the instruction); each party answers with ``(R [L, E], T [L, N])`` in the clear, a deterministic
@@ -14,22 +14,24 @@ Writes one ``probe`` row per probe to ``metrics.jsonl`` (``routing_kl``, ``load_
 goes to ``run.json`` ``warnings`` and the progress stream. A probe that gets no usable reply is a warning too;
 it never fails a round or the run. After a resume the top-1 consistency and the KL-rise count start afresh.
 
-Must not: import ``flwr``, read party data, or change the model or the anchor.
+The round loop does the exchange: ``instruction`` (None when no probe is due) goes to every party, and ``apply``
+combines the replies.
+
+Must not: import ``flwr``, talk to a party, read party data, or change the model or the anchor.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from distmoe.coordinator.context import RunContext
 from distmoe.coordinator.errors import RunFailed
 from distmoe.routing.probe import ProbeError, combine, default_probe_prompts, probe_metrics, read_probe_file
 from distmoe.wire.schema import ProbeInstruction, ProbeReply
 
-if TYPE_CHECKING:
-    from distmoe.coordinator.loop import Coordinator
+REPLY = ProbeReply  # what each party answers
 
 
 def prompts_for(cfg) -> tuple[str, ...]:
@@ -49,21 +51,24 @@ def _usable(rep: ProbeReply, layers: int, experts: int) -> bool:
             and bool(np.all((t >= 0) & (t < experts))))
 
 
-def after_round(co: Coordinator) -> str:
-    """Probe the global model after round ``co.s.round`` if it is due; the text for the round's progress line."""
+def instruction(co: RunContext) -> ProbeInstruction | None:
+    """The probe of the global model after round ``co.s.round``; None when it is not due."""
     every, s = co.cfg.routing.probe_every, co.s
     if every <= 0 or not co.probe_prompts or s.round % every:
-        return ""
+        return None
+    return ProbeInstruction(round=s.round, base_hash=co.tspec.base_hash, prompts=co.probe_prompts,
+                            weights=co.np_weights(s.weights))
+
+
+def apply(co: RunContext, replies: dict[int, ProbeReply], errors: dict[int, str]) -> str:
+    """The median of the usable replies, its routing metrics recorded and watched; the text for the round's
+    progress line."""
+    s = co.s
     L, E = co.mspec.num_moe_layers, co.mspec.num_experts
-    instr = ProbeInstruction(round=s.round, base_hash=co.tspec.base_hash, prompts=co.probe_prompts,
-                             weights=co.np_weights(s.weights))
-    nodes = co.transport.node_ids()
-    replies, errors = co.transport.exchange({n: instr for n in nodes}, ProbeReply, co.cfg.federation.round_timeout,
-                                            rnd=s.round, phase="probe")
     co.report_errors("probe", errors)
-    got = {co.guard.peer(n): (np.asarray(r.routing, np.float64), np.asarray(r.top1, np.int64))
+    got = {co.peer(n): (np.asarray(r.routing, np.float64), np.asarray(r.top1, np.int64))
            for n, r in replies.items() if _usable(r, L, E)}
-    bad = sorted(co.guard.peer(n) for n, r in replies.items() if not _usable(r, L, E))
+    bad = sorted(co.peer(n) for n, r in replies.items() if not _usable(r, L, E))
     if not got:
         _warn(co, "probe", f"round {s.round}: routing probe got no usable reply ({len(errors)} errors)")
         return " | probe: no reply"
@@ -86,7 +91,7 @@ def after_round(co: Coordinator) -> str:
     return " | probe: " + ", ".join(parts)
 
 
-def _warn(co: Coordinator, kind: str, text: str) -> None:
+def _warn(co: RunContext, kind: str, text: str) -> None:
     co.say(f"WARNING: {text}")
     co.record.append("warnings", text)
     co.metrics.append({"event": "routing_warning", "round": co.s.round, "kind": kind, "detail": text})

@@ -8,35 +8,42 @@ from __future__ import annotations
 
 import math
 
-from distmoe.coordinator.phases.sft import contributors
-from distmoe.coordinator.phases.update import apply_update, released
+from distmoe.config import Phase
+from distmoe.coordinator.aggregator import SumRequest, UpdateSum
+from distmoe.coordinator.context import RunContext
+from distmoe.coordinator.phases.base import PhaseStep
+from distmoe.coordinator.phases.update import apply_update, contributors, released
 from distmoe.wire.schema import RlInstruction
 
 
-def configure(co, phase) -> RlInstruction:
-    s = co.s
-    s.mark_trained(phase.task)
-    return RlInstruction(round=s.round, task=phase.task, weights=co.np_weights(s.weights),
-                         base_hash=co.tspec.base_hash, seed=co.cfg.run.seed * 100_003 + s.round)
+class Rl(PhaseStep):
+    kind = "rl"
+    updates_model = True
 
+    def configure(self, co: RunContext, phase: Phase) -> RlInstruction:
+        s = co.s
+        s.mark_trained(phase.task)
+        return RlInstruction(round=s.round, task=phase.task, weights=co.np_weights(s.weights),
+                             base_hash=co.tspec.base_hash, seed=co.cfg.run.seed * 100_003 + s.round)
 
-def aggregate(co, index, phase, instr: RlInstruction) -> str:
-    cfg = co.cfg
-    event = co.event("rl", index, phase, engine=cfg.rl.engine, correction=cfg.rl.correction)
-    out = apply_update(co, co.aggregator.updates(instr, "rl", "rl-update", event), event)
-    if isinstance(out, str):
-        return out
-    agg = out.metrics
-    if co.cfg.privacy.secure:  # the RL metric slots' means over the contributors, and the skipped-update sum
-        skipped = agg.get("skipped_steps", math.nan)  # the secure sum's one stability count (no update noise)
-        shown = {**agg, "masked_frac": agg.get("masked_frac_low", math.nan) + agg.get("masked_frac_high", math.nan)}
-        nz = out.noise
-        noise = {**nz, **({"masked_frac": math.hypot(nz["masked_frac_low"], nz["masked_frac_high"])}
-                          if "masked_frac_low" in nz else {})}
-        return (contributors(out) + " | "
-                + released(shown, noise, (("reward", "reward", ".3f"), ("logp_diff_mean", "|dlogp|", ".4f"),
-                                 ("masked_frac", "masked", ".4f"), ("k3", "K3", ".2e")))
-                + (f" | skipped NaN/Inf updates {int(skipped)}" if math.isfinite(skipped) and skipped > 0 else ""))
-    return (f"{out.parties}/{out.nodes} parties | reward {agg['reward_first']:.3f} -> {agg['reward_last']:.3f} "
-            f"| |dlogp| mean {agg['logp_diff_mean']:.4f} max {agg['logp_diff_max']:.3f} | masked "
-            f"{agg['masked_frac_low'] + agg['masked_frac_high']:.4f} | K3 {agg['k3']:.2e}")
+    def request(self, co: RunContext, index: int, phase: Phase, instr: RlInstruction) -> SumRequest:
+        cfg = co.cfg
+        return SumRequest("update", "rl", "rl-update", phase.label(),
+                          co.event("rl", index, phase, engine=cfg.rl.engine, correction=cfg.rl.correction))
+
+    def aggregate(self, co: RunContext, index: int, phase: Phase, instr: RlInstruction, out: UpdateSum) -> str:
+        apply_update(co, out, self.request(co, index, phase, instr).event)
+        agg = out.metrics
+        if out.uniform:  # a secure release: the RL slots' means over the contributors, and the skipped-update sum
+            skipped = agg.get("skipped_steps", math.nan)  # the secure sum's one stability count (no update noise)
+            shown = {**agg, "masked_frac": agg.get("masked_frac_low", math.nan) + agg.get("masked_frac_high", math.nan)}
+            nz = out.noise
+            noise = {**nz, **({"masked_frac": math.hypot(nz["masked_frac_low"], nz["masked_frac_high"])}
+                              if "masked_frac_low" in nz else {})}
+            return (contributors(out) + " | "
+                    + released(shown, noise, (("reward", "reward", ".3f"), ("logp_diff_mean", "|dlogp|", ".4f"),
+                                              ("masked_frac", "masked", ".4f"), ("k3", "K3", ".2e")))
+                    + (f" | skipped NaN/Inf updates {int(skipped)}" if math.isfinite(skipped) and skipped > 0 else ""))
+        return (f"{out.parties}/{out.nodes} parties | reward {agg['reward_first']:.3f} -> {agg['reward_last']:.3f} "
+                f"| |dlogp| mean {agg['logp_diff_mean']:.4f} max {agg['logp_diff_max']:.3f} | masked "
+                f"{agg['masked_frac_low'] + agg['masked_frac_high']:.4f} | K3 {agg['k3']:.2e}")

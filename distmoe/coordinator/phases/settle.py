@@ -19,21 +19,22 @@ goes on (a warning, never a failure).
 Writes one ``settle`` row per exchange to ``metrics.jsonl`` (``parties``, ``disagreeing``, ``moved``: the largest
 |change| of a bias entry).
 
-Must not: import ``flwr``, read party data, or change any weight but the routing bias.
+The round loop does the exchange: ``instruction`` (None when no settle is due) goes to every party, and ``apply``
+folds the replies into the global weights.
+
+Must not: import ``flwr``, talk to a party, read party data, or change any weight but the routing bias.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
+from distmoe.coordinator.context import RunContext
 from distmoe.model.balance import BIAS_NAMES, settle_rates
 from distmoe.wire.schema import SettleInstruction, SettleReply
 
-if TYPE_CHECKING:
-    from distmoe.coordinator.loop import Coordinator
+REPLY = SettleReply  # what each party answers
 
 DISAGREE_TOL = 1e-5  # max |b_party - b_median| above which a party's settled bias disagrees
 
@@ -57,26 +58,33 @@ def usable(bias: np.ndarray, current: np.ndarray, bound: float) -> bool:
             and float(np.abs(b - current).max(initial=0.0)) <= bound)
 
 
-def after_update(co: Coordinator) -> None:
-    """Settle the global bias after round ``co.s.round``'s update, if configured."""
-    r, s = co.cfg.routing, co.s
-    keys = bias_keys(s.weights) if r.balance_settle_steps > 0 else []
-    if not keys:
-        return
+def _keys(co: RunContext) -> list[str]:
+    return bias_keys(co.s.weights) if co.cfg.routing.balance_settle_steps > 0 else []
+
+
+def instruction(co: RunContext) -> SettleInstruction | None:
+    """The settle request after round ``co.s.round``'s applied update; None when no settle is configured (or the
+    model has no routing bias)."""
+    s = co.s
+    if not _keys(co):
+        return None
+    return SettleInstruction(round=s.round, base_hash=co.tspec.base_hash, weights=co.np_weights(s.weights))
+
+
+def apply(co: RunContext, replies: dict[int, SettleReply], errors: dict[int, str]) -> str:
+    """The median of the usable settled biases, written into the global weights; recorded. Returns ``""`` (the
+    settle adds nothing to the round's line)."""
+    s, keys = co.s, _keys(co)
     current = np.stack([s.weights[k].detach().double().cpu().numpy() for k in keys])  # [L, E]
-    bound = move_bound(r)
-    instr = SettleInstruction(round=s.round, base_hash=co.tspec.base_hash, weights=co.np_weights(s.weights))
-    nodes = co.transport.node_ids()
-    replies, errors = co.transport.exchange({n: instr for n in nodes}, SettleReply, co.cfg.federation.round_timeout,
-                                            rnd=s.round, phase="settle")
+    bound = move_bound(co.cfg.routing)
     co.report_errors("settle", errors)
-    ok = {co.guard.peer(n): usable(rep.bias, current, bound) for n, rep in replies.items()}
-    got = {co.guard.peer(n): np.asarray(rep.bias, np.float64) for n, rep in replies.items() if ok[co.guard.peer(n)]}
+    ok = {co.peer(n): usable(rep.bias, current, bound) for n, rep in replies.items()}
+    got = {co.peer(n): np.asarray(rep.bias, np.float64) for n, rep in replies.items() if ok[co.peer(n)]}
     bad = sorted(p for p, good in ok.items() if not good)
     if not got:
         _warn(co, f"round {s.round}: bias settle got no usable reply ({len(errors)} errors, {len(bad)} unusable); "
                   "the bias stays as aggregated")
-        return
+        return ""
     med = np.median(np.stack(list(got.values())), 0)  # [L, E]
     disagree = sorted(p for p, b in got.items() if float(np.abs(b - med).max()) > DISAGREE_TOL)
     for party in sorted(set(disagree + bad) - co.settle_warned):
@@ -88,9 +96,10 @@ def after_update(co: Coordinator) -> None:
     moved = float(np.abs(med - current).max())
     co.metrics.append({"event": "settle", "round": s.round, "phase_label": co.phase_label, "parties": len(got),
                        "disagreeing": len(set(disagree + bad)), "moved": moved})
+    return ""
 
 
-def _warn(co: Coordinator, text: str) -> None:
+def _warn(co: RunContext, text: str) -> None:
     co.say(f"WARNING: {text}")
     co.record.append("warnings", text)
     co.metrics.append({"event": "routing_warning", "round": co.s.round, "kind": "settle", "detail": text})

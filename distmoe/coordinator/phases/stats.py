@@ -11,35 +11,40 @@ from __future__ import annotations
 
 import numpy as np
 
-from distmoe.coordinator.aggregator import Skip
+from distmoe.config import Phase
+from distmoe.coordinator.aggregator import StatsSum, SumRequest
+from distmoe.coordinator.context import RunContext
+from distmoe.coordinator.phases.base import PhaseStep
 from distmoe.model.build import hash_tensors
 from distmoe.routing.anchor import AnchorVersion, build_anchor, save_anchor
 from distmoe.wire.schema import StatsInstruction
 
 
-def configure(co, phase) -> StatsInstruction:
-    return StatsInstruction(round=co.s.round, task=phase.task or "", weights=co.np_weights(co.s.weights),
-                            base_hash=co.tspec.base_hash)
+class Stats(PhaseStep):
+    kind = "stats"
 
+    def configure(self, co: RunContext, phase: Phase) -> StatsInstruction:
+        return StatsInstruction(round=co.s.round, task=phase.task or "", weights=co.np_weights(co.s.weights),
+                                base_hash=co.tspec.base_hash)
 
-def aggregate(co, index, phase, instr: StatsInstruction) -> str:
-    s = co.s
-    out = co.aggregator.router_stats(instr, (co.mspec.num_moe_layers, co.mspec.num_experts), phase.label())
-    if isinstance(out, Skip):
-        return co.round_failed(out.text, failed=out.failed)
-    total = out.total  # [L, E]
-    n_seq = float(total.sum(1).mean())
-    if n_seq <= 0 or np.any(np.clip(total, 0, None).sum(1) <= 0):
-        return co.round_failed("router statistics are empty (or all noise): anchor unchanged", failed=False)
-    s.anchor_versions += 1
-    meta = AnchorVersion(version=s.anchor_versions, round=s.round, source_checkpoint=hash_tensors(s.weights),
-                         router_spec=co.mspec.router_spec(), num_sequences=n_seq, task=phase.task)
-    s.anchor = build_anchor(total, meta)
-    if phase.task:  # the task's own anchor, for per-task anchors and expert protection (coordinator/retention.py)
-        s.task_anchors[phase.task] = s.anchor
-    save_anchor(s.anchor, co.run_dir / "anchors")
-    co.metrics.append({"event": "stats", "round": s.round, "party": "all", "task": phase.task,
-                       "anchor_version": meta.version, "num_sequences": n_seq, "parties": out.parties})
-    ent = float(-(s.anchor.probs * np.log(np.clip(s.anchor.probs, 1e-9, None))).sum(1).mean())
-    return (f"{out.parties}/{out.nodes} parties | anchor v{meta.version}, ~{n_seq:.0f} sequences "
-            f"| routing entropy {ent:.3f} nats | {out.note}")
+    def request(self, co: RunContext, index: int, phase: Phase, instr: StatsInstruction) -> SumRequest:
+        return SumRequest("stats", "stats", "router-stats", phase.label())
+
+    def aggregate(self, co: RunContext, index: int, phase: Phase, instr: StatsInstruction, out: StatsSum) -> str:
+        s = co.s
+        total = out.total  # [L, E]
+        n_seq = float(total.sum(1).mean())
+        if n_seq <= 0 or np.any(np.clip(total, 0, None).sum(1) <= 0):
+            return co.round_failed("router statistics are empty (or all noise): anchor unchanged", failed=False)
+        s.anchor_versions += 1
+        meta = AnchorVersion(version=s.anchor_versions, round=s.round, source_checkpoint=hash_tensors(s.weights),
+                             router_spec=co.mspec.router_spec(), num_sequences=n_seq, task=phase.task)
+        s.anchor = build_anchor(total, meta)
+        if phase.task:  # the task's own anchor, for per-task anchors and expert protection (coordinator/retention.py)
+            s.task_anchors[phase.task] = s.anchor
+        save_anchor(s.anchor, co.run_dir / "anchors")
+        co.metrics.append({"event": "stats", "round": s.round, "party": "all", "task": phase.task,
+                           "anchor_version": meta.version, "num_sequences": n_seq, "parties": out.parties})
+        ent = float(-(s.anchor.probs * np.log(np.clip(s.anchor.probs, 1e-9, None))).sum(1).mean())
+        return (f"{out.parties}/{out.nodes} parties | anchor v{meta.version}, ~{n_seq:.0f} sequences "
+                f"| routing entropy {ent:.3f} nats | {out.note}")

@@ -1,47 +1,34 @@
-"""Applying an aggregated model update, shared by the ``sft`` and ``rl`` phases, and the released training
-figures of its round line (``released``).
+"""Applying an aggregated model update, shared by the ``sft``, ``dpo`` and ``rl`` phases, and the released training
+figures of their round line (``released``, ``contributors``).
 
-Must not: import ``flwr``.
+Must not: import ``flwr``, or talk to a party (the loop settles the routing bias and checkpoints afterwards).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 from distmoe.coordinator import expand
-from distmoe.coordinator.aggregator import Skip, UpdateSum
+from distmoe.coordinator.aggregator import UpdateSum
+from distmoe.coordinator.context import RunContext
 from distmoe.coordinator.divergence import check_update
-from distmoe.coordinator.phases import settle
-
-if TYPE_CHECKING:
-    from distmoe.coordinator.loop import Coordinator
 
 
-def apply_update(co: Coordinator, out: UpdateSum | Skip, event: dict) -> UpdateSum | str:
-    """Add an aggregated update to the global weights, log it, watch it for anomalies and per-tensor divergence
-    (``divergence.py``), settle the routing bias on the new weights when configured (``phases/settle.py``) and
-    checkpoint;
-    or log a skipped round (``Skip``) and return its line."""
-    if isinstance(out, Skip):
-        text = co.round_failed(out.text, failed=out.failed)
-        co.metrics.append({**event, "party": "all", "num_examples": 0, "skipped": True})
-        return text
+def apply_update(co: RunContext, out: UpdateSum, event: dict) -> UpdateSum:
+    """Add an aggregated update to the global weights, log it, and watch it for anomalies and per-tensor divergence
+    (``divergence.py``)."""
     s = co.s
     if event["event"] == "train":  # sft / dpo: the experts frozen after an expansion stay exact
-        expand.freeze_delta(co, out.delta)
+        expand.freeze_delta(co.cfg, s, co.mspec.num_experts, out.delta)
     for k, d in out.delta.items():
         s.weights[k] = s.weights[k] + torch.from_numpy(d)
-    # secure aggregation: the weight sum is the number of contributing parties (uniform weights), not examples
-    count = {"contributors": out.num_examples} if co.cfg.privacy.secure else {"num_examples": out.num_examples}
+    # a secure release: the weight sum is the number of contributing parties (uniform weights), not examples
+    count = {"contributors": out.num_examples} if out.uniform else {"num_examples": out.num_examples}
     co.metrics.append({**event, "party": "all", **count, "parties": out.parties, **out.metrics})
     co.flag_anomalies(event["event"], out.metrics)
     check_update(co, event["event"], out.delta)  # federation.divergence-max: a warning, the update stays applied
-    settle.after_update(co)  # routing.balance-settle-steps: the bias settled on the new weights, before the checkpoint
-    if co.checkpoint_due(event["phase_label"].split(":")[0]):
-        co.checkpoint()
     return out
 
 
@@ -55,3 +42,9 @@ def released(metrics: dict[str, float], noise: dict[str, float], names: tuple[tu
             sd = noise.get(key)
             parts.append(f"{label} {v:{fmt}}" + (f" ± {sd:{fmt}}" if sd else ""))
     return ", ".join(parts) if parts else "no training figures (no contributor)"
+
+
+def contributors(out: UpdateSum) -> str:
+    """``3/3 parties``, or ``3/3 parties, 2 with data`` when not every answering party contributed."""
+    text = f"{out.parties}/{out.nodes} parties"
+    return text if out.num_examples == out.parties else f"{text}, {out.num_examples} with data"
