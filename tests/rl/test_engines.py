@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distmoe.data.template import collate, encode_prompt
+from distmoe.model.device import base_dtype
 from distmoe.rl.engines import InferenceEngine, measure_usage, parse_profile
 from distmoe.rl.rewards import REWARDS, compute_rewards, get_reward
 from distmoe.rl.rollout import (
@@ -74,23 +75,29 @@ def test_bf16_and_int8_give_small_nonzero_mismatch(trained):
         _, delta, masked = _mismatch(trained, engine)  # ~516 tokens (16 prompts x 2 read 0.024 masked on bf16)
         assert 0.0 < float(delta.abs().mean()) < 0.05, profile
         assert masked < 0.02, profile
-    assert next(InferenceEngine(trained["model"], "bf16+prune-1", usage=trained["usage"]).model.parameters()
-                ).dtype == torch.bfloat16
+    view = InferenceEngine(trained["model"], "bf16+prune-1", usage=trained["usage"]).model
+    assert base_dtype(view) == torch.bfloat16  # computes in bf16 (cast on the fly) over the policy's fp32 tensors
+    assert next(view.parameters()).dtype == torch.float32
+    copied = InferenceEngine(trained["model"], "bf16+prune-1", usage=trained["usage"], share_weights=False).model
+    assert next(copied.parameters()).dtype == torch.bfloat16
 
 
 def test_sync_after_policy_update_restores_exact_match(trained):
+    """A deep-copy engine is stale until ``sync``; a view reads the policy's updated tensors at once."""
     policy = copy.deepcopy(trained["model"])
-    engine = InferenceEngine(policy, "exact")
+    copied, view = InferenceEngine(policy, "exact", share_weights=False), InferenceEngine(policy, "exact")
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.02 * torch.randn_like(p))
     prompts = trained["prompts"][:8]
-    ro = generate_rollouts(engine, trained["tok"], prompts, 2, 6, 1.0, seed=1)
-    stale = (train_logprobs(policy, ro) - ro.logp_infer)[ro.response_mask].abs().max()
-    engine.sync(policy)
-    ro = generate_rollouts(engine, trained["tok"], prompts, 2, 6, 1.0, seed=1)
-    fresh = (train_logprobs(policy, ro) - ro.logp_infer)[ro.response_mask].abs().max()
-    assert stale > 1e-2 and fresh < 1e-4
+
+    def gap(engine):
+        ro = generate_rollouts(engine, trained["tok"], prompts, 2, 6, 1.0, seed=1)
+        return (train_logprobs(policy, ro) - ro.logp_infer)[ro.response_mask].abs().max()
+
+    stale, current = gap(copied), gap(view)
+    copied.sync(policy)
+    assert stale > 1e-2 and gap(copied) < 1e-4 and current < 1e-4
 
 
 def test_response_mask_stops_after_eos(trained):
