@@ -9,7 +9,10 @@ experts, the experts' computed on the routed tokens), and runs with gradient che
 2. one RL-style step: rollouts sampled from the inference engine of ``--rl-engine`` (``bf16`` by default:
    ``distmoe.rl.engines.InferenceEngine``, a view over the policy's own weights, no second copy), rewards, group
    advantages, the no-grad recompute of ``log pi_old``, the GRPO loss with IcePop's mismatch weights
-   (``distmoe.rl``) and an optimizer step.
+   (``distmoe.rl``) and an optimizer step;
+3. the 4-bit path: the expert stacks stored as NF4 (``distmoe.model.expert_quant``, ``model.quantize-experts =
+   "nf4"``), then routed expert LoRA steps that dequantise the routed experts only: the base's bytes before and
+   after, tokens/s and peak memory (needs bitsandbytes, the ``quant-experts`` extra).
 
     python bench/device_check.py                        # cuda when there is one; Qwen3-30B-A3B shape, bf16
     python bench/device_check.py --tiny --device cpu    # the same code at a tiny shape (the test suite runs this)
@@ -205,6 +208,45 @@ def rl_step(model, tok, device: torch.device, prompts: int, group: int, new_toke
             "finite": math.isfinite(float(loss.detach())), "peak_gb": _peak(device)}
 
 
+def nf4_steps(model, batch: dict, device: torch.device, steps: int) -> dict:
+    """Quantise the expert stacks to NF4 in place, then ``steps`` routed expert LoRA steps (gradient checkpointing
+    on): the base's bytes before and after, the median step time, tokens/s and (on CUDA) the peak memory."""
+    from distmoe.model.device import autocast_for
+    from distmoe.model.expert_quant import quantize_experts
+
+    def held() -> float:
+        return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / GB
+
+    before = held()
+    params = xl.switch(model, "routed")
+    quantized = quantize_experts(model)
+    after = held()
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model.train()
+    times = []
+    for _ in range(max(steps, 1)):
+        _sync(device)
+        t = time.perf_counter()
+        with autocast_for(model):
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        labels=batch["labels"], use_cache=False)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        loss = float(out.loss.detach())
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    model.eval()
+    med = statistics.median(times)
+    tokens = int(batch["attention_mask"].sum())
+    return {"stacks": quantized, "held_gb_before": before, "held_gb_after": after, "step_s": med,
+            "tok_s": tokens / med, "peak_gb": _peak(device),
+            "loss": loss, "finite": math.isfinite(loss)}
+
+
 def run(args) -> dict:
     from distmoe.config import parse_run_config
     from distmoe.model.base import keep_trainable_fp32
@@ -238,6 +280,9 @@ def run(args) -> dict:
                         args.rl_new_tokens, args.rl_prompt_len, args.rl_engine)
     say(f"RL step: {res['rl']['generated_tokens']} tokens generated at {res['rl']['generate_tok_s']:.0f} tok/s, "
         f"update {res['rl']['update_s']:.1f} s")
+    res["nf4"] = nf4_steps(model, batch, device, args.steps)
+    say(f"4-bit experts: {res['nf4']['stacks']} expert weights in NF4, held {res['nf4']['held_gb_before']:.2f} -> "
+        f"{res['nf4']['held_gb_after']:.2f} GB, {res['nf4']['tok_s']:.0f} tok/s")
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -258,6 +303,9 @@ def print_table(r: dict) -> None:
     print(f"| RL: generate {rl['rollouts']} rollouts ({rl['engine']} engine, a view) | {rl['generate_s']:.2f} | "
           f"{rl['generate_tok_s']:.0f} | {gb(rl['peak_gb'])} | |")
     print(f"| RL: GRPO update | {rl['update_s']:.2f} | | | |")
+    q = r["nf4"]
+    print(f"| LoRA with NF4 experts ({q['held_gb_before']:.1f} -> {q['held_gb_after']:.1f} GB held) | "
+          f"{q['step_s']:.2f} | {q['tok_s']:.0f} | {gb(q['peak_gb'])} | |")
     print(f"\ntotal {r['wall_s']:.0f} s")
 
 

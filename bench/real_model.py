@@ -324,7 +324,8 @@ def _role_main(args) -> None:
 
     out: dict = {"role": args.role}
     if args.role == "party":
-        cfg = run_config(args.ckpt, **{"train.local-steps": 1, "train.batch-size": args.batch_size})
+        cfg = run_config(args.ckpt, **{"train.local-steps": 1, "train.batch-size": args.batch_size,
+                                       "model.quantize-experts": args.quantize_experts})
         t = time.perf_counter()
         model, tok = build_model(cfg.model)
         model = apply_trainable(model, cfg.model)
@@ -373,7 +374,7 @@ def _rl_main(args) -> dict:
     from distmoe.model.trainable import apply_trainable
     from distmoe.rl import engines, grpo
 
-    cfg = run_config(args.ckpt)
+    cfg = run_config(args.ckpt, **{"model.quantize-experts": args.quantize_experts})
     model, tok = build_model(cfg.model)
     model = apply_trainable(model, cfg.model)
     after_load = _peak_rss_mb()
@@ -398,7 +399,7 @@ def run_role(role: str, ckpt: str, args, *extra: str) -> dict:
     cmd = [sys.executable, __file__, "--role", role, "--ckpt", ckpt, "--threads", str(args.threads),
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--plain-arm", args.plain_arm, "--rl-prompts", str(args.rl_prompts),
-           "--rl-group", str(args.rl_group), *extra]
+           "--rl-group", str(args.rl_group), "--quantize-experts", args.quantize_experts, *extra]
     t = time.perf_counter()
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
@@ -563,6 +564,8 @@ def main() -> None:
                          "would write it) or distmoe's routed expert LoRA (isolates distmoe's loss terms)")
     ap.add_argument("--rl-engines", nargs="*", default=[], help="(e): an RL party process per engine profile")
     ap.add_argument("--rl-copy", action="store_true", help="(e): also the deep-copy engine (the former path)")
+    ap.add_argument("--quantize-experts", choices=["none", "nf4"], default="none",
+                    help="the parties' model.quantize-experts (4-bit expert stacks)")
     ap.add_argument("--rl-prompts", type=int, default=2)
     ap.add_argument("--rl-group", type=int, default=2)
     ap.add_argument("--out", default="", help="write every figure as JSON here")

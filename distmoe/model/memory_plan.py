@@ -7,7 +7,8 @@ of terms, each a count of bytes (``N`` tokens of a forward, ``S = N k`` routed (
 compute dtype's bytes, ``H`` hidden, ``I`` expert width, ``E`` experts, ``q``/``kv`` the query and key/value
 widths, ``V`` the vocabulary, ``L`` layers)::
 
-    base        parameters x dtype bytes (the frozen base, on the device)
+    base        parameters x dtype bytes (the frozen base, on the device); with 4-bit experts
+                (``model.quantize-experts = "nf4"``) each expert weight costs 0.5 + 4/64 bytes instead
     adapters    trainable x 16 (float32 master weights, gradient, AdamW's two moments)
     attention   N (4H + 4q + 4kv) c                      saved for the backward, per layer
     moe         3NHc + 8NE + S (3H + 6I) c               (norm and router input; router logits and softmax in
@@ -105,6 +106,7 @@ class Settings:
     rl_len: int = 136  # prompt + new tokens
     engine: str = "bf16"  # rl.engine: the inference engine's profile
     engine_copy: bool = False  # the former deep-copy engine (a whole base more), for comparison
+    nf4_experts: bool = False  # model.quantize-experts = "nf4": the expert stacks in 4 bits
 
 
 def _hf_config(source: str):
@@ -198,9 +200,12 @@ def engine_bytes(a: Arch, s: Settings) -> float:
 def predict(a: Arch, s: Settings) -> dict[str, float]:
     """Predicted peak bytes: the party's ``sft``, ``rl`` and ``stats`` rounds and the ``server`` (module doc)."""
     c = min(s.dtype_bytes, 4)
-    base = a.params * s.dtype_bytes
+    base = float(a.params * s.dtype_bytes)
+    if s.nf4_experts:  # NF4: half a byte per expert weight plus a float32 absmax per block of 64
+        experts = a.moe_layers * a.experts * 3 * a.hidden * a.expert_width
+        base -= experts * (s.dtype_bytes - (0.5 + 4 / 64))
     adapters = a.trainable * 16
-    load = base if s.cpu else 0
+    load = a.params * s.dtype_bytes if s.cpu else 0  # the checkpoint is read in full precision, then quantised
     sft = base + adapters + activations(a, s.batch * s.seq, c, s.checkpointing) + load
     mb = max(1, s.rollouts // s.minibatches)
     kv = 2 * a.layers * a.kv_width * s.rollouts * s.rl_len * c
@@ -300,6 +305,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default: model.max-seq-len)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="the base's dtype")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in the backward")
+    p.add_argument("--nf4-experts", action="store_true", help="4-bit expert stacks (model.quantize-experts = nf4)")
     p.set_defaults(fn=cmd_plan)
 
 
@@ -310,7 +316,7 @@ def cmd_plan(args) -> int:
     s = Settings(batch=args.batch or t.micro_batch_size or t.batch_size, seq=args.seq or cfg.model.max_seq_len,
                  dtype_bytes=2 if dtype == "bfloat16" else 4, checkpointing=args.gradient_checkpointing,
                  rollouts=rl.prompts_per_step * rl.group_size, minibatches=rl.minibatches,
-                 rl_len=cfg.model.max_seq_len + rl.max_new_tokens, engine=rl.engine)
+                 rl_len=cfg.model.max_seq_len + rl.max_new_tokens, engine=rl.engine, nf4_experts=args.nf4_experts)
     try:
         print(plan_text(args.model, args.device, s, cfg.model.lora_r))
     except PlanError as exc:

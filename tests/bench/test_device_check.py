@@ -41,3 +41,5 @@ def test_tiny_device_check_runs_every_step(tmp_path):
     rl = res["rl"]
     assert rl["engine"] == "bf16" and rl["rollouts"] == 4 and rl["generated_tokens"] > 0
     assert rl["finite"] and math.isfinite(rl["loss"])
+    q = res["nf4"]  # the 4-bit path: every expert weight of the 2 layers in NF4
+    assert q["stacks"] == 4 and q["held_gb_after"] < 0.8 * q["held_gb_before"] and q["finite"] and q["tok_s"] > 0
