@@ -125,3 +125,14 @@ def test_reference_copy_shares_the_frozen_base_only(models):
     assert not torch.equal(dict(ref.named_parameters())[name], pol[name])  # the reference keeps the round's start
     with torch.no_grad():
         pol[name].sub_(1.0)
+
+
+def test_view_over_nf4_experts_gives_the_deep_copy_rollouts(tmp_path):
+    path = write_checkpoint("qwen3_moe", tmp_path / "q", seed=4)
+    cfg = parse_run_config({"model.path": str(path), "model.trainable": "lora", "model.quantize-experts": "nf4"})
+    model, tok = build_model(cfg.model)
+    model = apply_trainable(model, cfg.model)
+    for profile in ("exact", "bf16"):
+        _, view = _rollouts(model, tok, None, profile, True)
+        _, copy = _rollouts(model, tok, None, profile, False)
+        assert torch.equal(view.sequences, copy.sequences) and torch.equal(view.logp_infer, copy.logp_infer)
