@@ -6,8 +6,13 @@ experts, the experts' computed on the routed tokens), and runs with gradient che
 1. LoRA training steps, interleaved with a plain peft attention-only LoRA step on the same model and batch (the
    arm is switched by which forward peft's wrappers run, ``bench/expert_lora.py``), and prints tokens/s, the
    peak device memory of each arm and their ratio;
-2. one RL-style step: rollouts sampled from the policy itself (no second copy of the weights), rewards, group
-   advantages, the no-grad recompute of ``log pi_old``, the GRPO loss (``distmoe.rl``) and an optimizer step.
+2. one RL-style step: rollouts sampled from the inference engine of ``--rl-engine`` (``bf16`` by default:
+   ``distmoe.rl.engines.InferenceEngine``, a view over the policy's own weights, no second copy), rewards, group
+   advantages, the no-grad recompute of ``log pi_old``, the GRPO loss with IcePop's mismatch weights
+   (``distmoe.rl``) and an optimizer step;
+3. the 4-bit path: the expert stacks stored as NF4 (``distmoe.model.expert_quant``, ``model.quantize-experts =
+   "nf4"``), then routed expert LoRA steps that dequantise the routed experts only: the base's bytes before and
+   after, tokens/s and peak memory (needs bitsandbytes, the ``quant-experts`` extra).
 
     python bench/device_check.py                        # cuda when there is one; Qwen3-30B-A3B shape, bf16
     python bench/device_check.py --tiny --device cpu    # the same code at a tiny shape (the test suite runs this)
@@ -157,11 +162,14 @@ def lora_steps(model, batch: dict, device: torch.device, steps: int, warmup: int
     return out
 
 
-def rl_step(model, tok, device: torch.device, prompts: int, group: int, new_tokens: int, prompt_len: int) -> dict:
-    """One GRPO step on rollouts sampled from the policy itself: generate, reward, advantages, ``log pi_old``
-    (no grad), the clipped surrogate with mismatch weights 1 (engine = policy), backward, AdamW."""
+def rl_step(model, tok, device: torch.device, prompts: int, group: int, new_tokens: int, prompt_len: int,
+            engine: str = "bf16") -> dict:
+    """One GRPO step on rollouts sampled from an inference engine of profile ``engine`` (a view over the policy's
+    weights): generate, reward, advantages, ``log pi_old`` (no grad), the clipped surrogate with IcePop's mismatch
+    weights, backward, AdamW."""
     from distmoe.rl.advantages import group_advantages
-    from distmoe.rl.losses import grpo_loss
+    from distmoe.rl.engines import InferenceEngine
+    from distmoe.rl.losses import grpo_loss, mismatch_weights
     from distmoe.rl.rollout import generate_rollouts, train_logprobs
 
     params = xl.switch(model, "routed")
@@ -173,7 +181,9 @@ def rl_step(model, tok, device: torch.device, prompts: int, group: int, new_toke
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     t = time.perf_counter()
-    ro = generate_rollouts(model, tok, prompt_ids, group, new_tokens, temperature=1.0, seed=0)
+    eng = InferenceEngine(model, engine)
+    ro = generate_rollouts(eng, tok, prompt_ids, group, new_tokens, temperature=1.0, seed=0)
+    del eng
     _sync(device)
     gen_s = time.perf_counter() - t
     # a reward the policy can move: the share of even token ids in the response
@@ -183,7 +193,8 @@ def rl_step(model, tok, device: torch.device, prompts: int, group: int, new_toke
     t = time.perf_counter()
     logp_old = train_logprobs(model, ro)  # [N, T], no grad
     logp_new = train_logprobs(model, ro, grad=True)  # [N, T]
-    loss, _ = grpo_loss(logp_new, logp_old, adv, ro.response_mask, torch.ones_like(logp_old))
+    weights, _ = mismatch_weights(logp_old, ro.logp_infer, ro.response_mask, "token", "mask", 0.5, 5.0)  # [N, T]
+    loss, _ = grpo_loss(logp_new, logp_old, adv, ro.response_mask, weights)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -192,9 +203,48 @@ def rl_step(model, tok, device: torch.device, prompts: int, group: int, new_toke
     train_s = time.perf_counter() - t
     model.eval()
     gen_tokens = int(ro.response_mask.sum())
-    return {"rollouts": ro.num_rollouts, "generated_tokens": gen_tokens, "generate_s": gen_s,
+    return {"engine": engine, "rollouts": ro.num_rollouts, "generated_tokens": gen_tokens, "generate_s": gen_s,
             "generate_tok_s": gen_tokens / gen_s, "update_s": train_s, "loss": float(loss.detach()),
             "finite": math.isfinite(float(loss.detach())), "peak_gb": _peak(device)}
+
+
+def nf4_steps(model, batch: dict, device: torch.device, steps: int) -> dict:
+    """Quantise the expert stacks to NF4 in place, then ``steps`` routed expert LoRA steps (gradient checkpointing
+    on): the base's bytes before and after, the median step time, tokens/s and (on CUDA) the peak memory."""
+    from distmoe.model.device import autocast_for
+    from distmoe.model.expert_quant import quantize_experts
+
+    def held() -> float:
+        return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / GB
+
+    before = held()
+    params = xl.switch(model, "routed")
+    quantized = quantize_experts(model)
+    after = held()
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model.train()
+    times = []
+    for _ in range(max(steps, 1)):
+        _sync(device)
+        t = time.perf_counter()
+        with autocast_for(model):
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        labels=batch["labels"], use_cache=False)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        loss = float(out.loss.detach())
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    model.eval()
+    med = statistics.median(times)
+    tokens = int(batch["attention_mask"].sum())
+    return {"stacks": quantized, "held_gb_before": before, "held_gb_after": after, "step_s": med,
+            "tok_s": tokens / med, "peak_gb": _peak(device),
+            "loss": loss, "finite": math.isfinite(loss)}
 
 
 def run(args) -> dict:
@@ -227,9 +277,12 @@ def run(args) -> dict:
     say(f"LoRA: routed {res['lora']['routed']['tok_s']:.0f} tok/s, attention-only "
         f"{res['lora']['attention']['tok_s']:.0f} tok/s, ratio {res['lora']['ratio']:.3f}")
     res["rl"] = rl_step(model, word_tokenizer(shape["vocab_size"]), device, args.rl_prompts, args.rl_group,
-                        args.rl_new_tokens, args.rl_prompt_len)
+                        args.rl_new_tokens, args.rl_prompt_len, args.rl_engine)
     say(f"RL step: {res['rl']['generated_tokens']} tokens generated at {res['rl']['generate_tok_s']:.0f} tok/s, "
         f"update {res['rl']['update_s']:.1f} s")
+    res["nf4"] = nf4_steps(model, batch, device, args.steps)
+    say(f"4-bit experts: {res['nf4']['stacks']} expert weights in NF4, held {res['nf4']['held_gb_before']:.2f} -> "
+        f"{res['nf4']['held_gb_after']:.2f} GB, {res['nf4']['tok_s']:.0f} tok/s")
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -247,9 +300,12 @@ def print_table(r: dict) -> None:
           f"{gb(lo['routed']['peak_gb'])} | {lo['ratio']:.3f} (pairs {lo['ratio_pairs']:.3f}) |")
     print(f"| LoRA, attention only (plain peft) | {lo['attention']['step_s']:.2f} | {lo['attention']['tok_s']:.0f} | "
           f"{gb(lo['attention']['peak_gb'])} | 1 |")
-    print(f"| RL: generate {rl['rollouts']} rollouts | {rl['generate_s']:.2f} | {rl['generate_tok_s']:.0f} | "
-          f"{gb(rl['peak_gb'])} | |")
+    print(f"| RL: generate {rl['rollouts']} rollouts ({rl['engine']} engine, a view) | {rl['generate_s']:.2f} | "
+          f"{rl['generate_tok_s']:.0f} | {gb(rl['peak_gb'])} | |")
     print(f"| RL: GRPO update | {rl['update_s']:.2f} | | | |")
+    q = r["nf4"]
+    print(f"| LoRA with NF4 experts ({q['held_gb_before']:.1f} -> {q['held_gb_after']:.1f} GB held) | "
+          f"{q['step_s']:.2f} | {q['tok_s']:.0f} | {gb(q['peak_gb'])} | |")
     print(f"\ntotal {r['wall_s']:.0f} s")
 
 
@@ -264,6 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rl-engine", default="bf16", help="the rollouts' inference engine profile (rl.engine)")
     ap.add_argument("--rl-prompts", type=int, default=4)
     ap.add_argument("--rl-group", type=int, default=4)
     ap.add_argument("--rl-new-tokens", type=int, default=32)

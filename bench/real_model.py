@@ -5,13 +5,18 @@ through distmoe's own path (``apply_trainable`` with ``model.trainable = "lora"`
 
     python bench/real_model.py [--sizes 0.1b 0.5b 1b] [--families olmoe qwen3_moe] [--steps 3]
                                [--warmup 1] [--batch-size 4] [--seq-len 128] [--threads 2]
+                               [--plain-arm peft|routed] [--rl-engines bf16 ...] [--rl-copy]
                                [--device cpu] [--out results.json]
     python bench/real_model.py --device cuda --shape qwen3-30b-a3b   # one GPU, bf16 (not run on CPU)
 
 Per family and size:
 
-(a) **plain step**: ``transformers`` + ``peft`` as a user would write it: ``model(input_ids,
-    attention_mask, labels)`` (the model's own loss), ``loss.backward()``, ``clip_grad_norm_``, AdamW step;
+(a) **plain step** (``--plain-arm``): ``model(input_ids, attention_mask, labels)`` (the model's own loss),
+    ``loss.backward()``, ``clip_grad_norm_``, AdamW step, on the same LoRA model with its expert adapters run
+    either by peft's own ``target_parameters`` forward (``peft``, the default: ``transformers`` + ``peft`` as a
+    user would write it, every ``W + BA`` built; ``distmoe.model.expert_lora.install(model, routed=False)`` for
+    that arm only) or by distmoe's routed expert LoRA (``routed``: then (b)/(a) is the cost of distmoe's loss
+    terms alone). The tables name the arm;
 (b) **distmoe's party step**: the body of ``distmoe.train.sft.train_sft``'s loop on the optimizer of
     ``distmoe.train.optim.build_optimizer``: ``sft_loss`` (router-logit capture, the task loss, the aux
     load-balance loss and the router-anchor KL, as a party trains with the defaults), the finite checks,
@@ -30,6 +35,12 @@ Per family and size:
     uplink = the masked secure-aggregation input (``UpdateLayout.encode`` -> ``uint64`` vector in a
     ``MaskedReply``); and, for comparison, the plaintext ``ModelUpdate`` (float32 delta). The share keys
     and round start that ride along in secagg mode (a few hundred bytes per peer) are not included.
+(e) **an RL round's peak RSS** (``--rl-engines``): per engine profile, a subprocess that loads the checkpoint as
+    a party does and runs one GRPO step (``distmoe.rl.grpo.run_grpo``: rollouts from the inference engine, the
+    recompute, the update; ``--rl-prompts`` x ``--rl-group`` rollouts of a prompt of ``seq-len / 2`` tokens plus
+    ``seq-len / 2`` new tokens, so as many tokens as one SFT row each) with the engine as a view over the
+    policy's weights (today's), and with ``--rl-copy`` also with the deep-copy engine (``share_weights=False``,
+    the former path), against the SFT party's peak of (c).
 
 With ``--device cuda`` the model is built directly on the GPU in the dtype of ``--dtype`` (bfloat16 by
 default there), the RSS subprocesses are skipped and peak GPU memory and tokens per second are reported;
@@ -176,8 +187,11 @@ def _sync(device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------------- (a) and (b): step time
-def time_steps(model, batch: dict, cfg, steps: int, warmup: int, device: torch.device) -> dict:
-    """Medians of the plain and the distmoe step, interleaved on one model and batch."""
+def time_steps(model, batch: dict, cfg, steps: int, warmup: int, device: torch.device,
+               plain_arm: str = "peft") -> dict:
+    """Medians of the plain and the distmoe step, interleaved on one model and batch (``plain_arm``: the expert
+    adapters of the plain step run by peft's own forward, ``peft``, or by distmoe's routed one, ``routed``)."""
+    from distmoe.model import expert_lora
     from distmoe.model.build import describe
     from distmoe.train.optim import build_optimizer
     from distmoe.train.sft import sft_loss
@@ -192,10 +206,15 @@ def time_steps(model, batch: dict, cfg, steps: int, warmup: int, device: torch.d
     model.train()
 
     def plain() -> None:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
-                    use_cache=False)
-        plain_opt.zero_grad(set_to_none=True)
-        out.loss.backward()
+        if plain_arm == "peft":
+            expert_lora.install(model, routed=False)  # peft's target_parameters forward for this arm only
+        try:
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        labels=batch["labels"], use_cache=False)
+            plain_opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+        finally:
+            expert_lora.install(model, routed=True)
         torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
         plain_opt.step()
 
@@ -237,7 +256,7 @@ def time_steps(model, batch: dict, cfg, steps: int, warmup: int, device: torch.d
     plain_c, ours_c = statistics.median(cpu["plain"]), statistics.median(cpu["distmoe"])
     # the two steps of one iteration ran back to back, under about the same load: their ratio is steadier
     pair = statistics.median(o / p for o, p in zip(times["distmoe"], times["plain"], strict=True))
-    res = {"plain_s": plain_s, "distmoe_s": ours_s, "ratio": ours_s / plain_s, "tokens": tokens,
+    res = {"plain_arm": plain_arm, "plain_s": plain_s, "distmoe_s": ours_s, "ratio": ours_s / plain_s, "tokens": tokens,
            "plain_cpu_s": plain_c, "distmoe_cpu_s": ours_c, "ratio_cpu": ours_c / plain_c, "ratio_pairs": pair,
            "plain_tok_s": tokens / plain_s, "distmoe_tok_s": tokens / ours_s, "times": times, "cpu_times": cpu}
     if device.type == "cuda":
@@ -305,7 +324,8 @@ def _role_main(args) -> None:
 
     out: dict = {"role": args.role}
     if args.role == "party":
-        cfg = run_config(args.ckpt, **{"train.local-steps": 1, "train.batch-size": args.batch_size})
+        cfg = run_config(args.ckpt, **{"train.local-steps": 1, "train.batch-size": args.batch_size,
+                                       "model.quantize-experts": args.quantize_experts})
         t = time.perf_counter()
         model, tok = build_model(cfg.model)
         model = apply_trainable(model, cfg.model)
@@ -321,7 +341,7 @@ def _role_main(args) -> None:
                 f"{args.warmup} + {args.steps} interleaved steps")
             tspec = spec_of(model, "lora")
             out["trainable_numel"] = tspec.numel
-            out.update(time_steps(model, batch, cfg, args.steps, args.warmup, torch.device("cpu")))
+            out.update(time_steps(model, batch, cfg, args.steps, args.warmup, torch.device("cpu"), args.plain_arm))
             out.update(round_bytes(model, ms, tspec, cfg))
     elif args.role == "server":
         cfg = run_config(args.ckpt)
@@ -338,13 +358,48 @@ def _role_main(args) -> None:
             held = trainable_state(model)
             out["path"] = "build_model+apply_trainable"
         out.update(held=type(held).__name__, peak_rss_mb=_peak_rss_mb(), after_load=_rss_split_mb())
+    elif args.role == "party-rl":
+        out.update(_rl_main(args))
     print(json.dumps(out), flush=True)
 
 
-def run_role(role: str, ckpt: str, args) -> dict:
+def _rl_main(args) -> dict:
+    """Subprocess body of (e): one GRPO step of a party with engine ``args.engine`` (a view, or with
+    ``--engine-copy`` the deep copy), then the peak RSS."""
+    import functools
+
+    from distmoe.config import replace
+    from distmoe.data.formats import Example
+    from distmoe.model.build import build_model
+    from distmoe.model.trainable import apply_trainable
+    from distmoe.rl import engines, grpo
+
+    cfg = run_config(args.ckpt, **{"model.quantize-experts": args.quantize_experts})
+    model, tok = build_model(cfg.model)
+    model = apply_trainable(model, cfg.model)
+    after_load = _peak_rss_mb()
+    half = max(args.seq_len // 2, 2)
+    rl = replace(cfg.rl, prompts_per_step=args.rl_prompts, group_size=args.rl_group, max_new_tokens=half,
+                 engine=args.engine, minibatches=min(cfg.rl.minibatches, args.rl_prompts * args.rl_group), steps=1)
+    g = torch.Generator().manual_seed(0)
+    words = [f"w{int(i)}" for i in torch.randint(0, model.config.vocab_size - 8, (args.rl_prompts * half,),
+                                                generator=g)]
+    prompts = [Example(messages=(("user", " ".join(words[i * half:(i + 1) * half][:half - 8])), ("assistant", "w1")))
+               for i in range(args.rl_prompts)]  # about half a row of prompt after the chat template
+    if args.engine_copy:  # the former engine: a deep copy of the policy with the profile applied to it
+        grpo.InferenceEngine = functools.partial(engines.InferenceEngine, share_weights=False)
+    t = time.perf_counter()
+    res = grpo.run_grpo(model, tok, prompts, "lookup", rl, seed=0, max_prompt_len=args.seq_len)
+    return {"engine": args.engine, "engine_copy": bool(args.engine_copy), "rl_s": time.perf_counter() - t,
+            "after_load_mb": after_load, "peak_rss_mb": _peak_rss_mb(), "steps": len(res.steps),
+            "response_len": res.steps[-1]["response_len"]}
+
+
+def run_role(role: str, ckpt: str, args, *extra: str) -> dict:
     cmd = [sys.executable, __file__, "--role", role, "--ckpt", ckpt, "--threads", str(args.threads),
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-           "--warmup", str(args.warmup)]
+           "--warmup", str(args.warmup), "--plain-arm", args.plain_arm, "--rl-prompts", str(args.rl_prompts),
+           "--rl-group", str(args.rl_group), "--quantize-experts", args.quantize_experts, *extra]
     t = time.perf_counter()
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
@@ -394,15 +449,23 @@ def cpu_cell(family: str, size: str, args, root: Path) -> dict:
     cell.update({k: v for k, v in party.items() if k not in ("role", "peak_rss_mb", "after_load_mb", "after_load")})
     cell.update(party_rss_mb=party["peak_rss_mb"], party_after_load_mb=party["after_load_mb"],
                 party_after_load=party["after_load"])
+    cell["rl"] = []
+    for engine in args.rl_engines:
+        for copy_arm in ([False, True] if args.rl_copy else [False]):
+            say(f"{family} {size}: RL party process, engine {engine} ({'deep copy' if copy_arm else 'view'})")
+            rl = run_role("party-rl", str(ckpt), args, "--engine", engine, *(["--engine-copy"] if copy_arm else []))
+            cell["rl"].append({k: v for k, v in rl.items() if k != "role"})
+            say(f"  RL peak RSS {rl['peak_rss_mb']:.0f} MB (SFT party {cell['party_rss_mb']:.0f} MB), "
+                f"round {rl['rl_s']:.0f} s")
     say(f"{family} {size}: server process")
     server = run_role("server", str(ckpt), args)
     cell.update(server_rss_mb=server["peak_rss_mb"], server_path=server["path"],
                 server_after_load=server["after_load"])
     shutil.rmtree(ckpt, ignore_errors=True)
-    say(f"{family} {size}: ratio wall {cell['ratio']:.3f} / CPU {cell['ratio_cpu']:.3f} / pairs "
-        f"{cell['ratio_pairs']:.3f} (plain {cell['plain_s']:.2f} s, distmoe {cell['distmoe_s']:.2f} s); party "
-        f"{cell['party_rss_mb']:.0f} MB, server {cell['server_rss_mb']:.0f} MB; cell took "
-        f"{time.perf_counter() - t:.0f} s")
+    timing = (f"ratio wall {cell['ratio']:.3f} / CPU {cell['ratio_cpu']:.3f} / pairs {cell['ratio_pairs']:.3f} "
+              f"(plain {cell['plain_s']:.2f} s, distmoe {cell['distmoe_s']:.2f} s); ") if "ratio" in cell else ""
+    say(f"{family} {size}: {timing}party {cell['party_rss_mb']:.0f} MB, server {cell['server_rss_mb']:.0f} MB; "
+        f"cell took {time.perf_counter() - t:.0f} s")
     return cell
 
 
@@ -438,10 +501,11 @@ def full_shape_cell(name: str, args, device: torch.device, dtype: torch.dtype) -
 def print_tables(cells: list[dict], base_mb: float | None, args) -> None:
     print(f"\nbatch {args.batch_size} x {args.seq_len}, {args.threads} torch threads, {args.warmup} warm-up + "
           f"{args.steps} timed steps per arm (medians)\n")
-    print("| family | size | shape | parameters | LoRA trainable | plain s | distmoe s | ratio (wall) |"
+    arm = "plain peft (target_parameters)" if args.plain_arm == "peft" else "plain (routed expert LoRA)"
+    print(f"| family | size | shape | parameters | LoRA trainable | {arm} s | distmoe s | ratio (wall) |"
           " plain CPU s | distmoe CPU s | ratio (CPU) | ratio (pairs) | plain tok/s | distmoe tok/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for c in cells:
+    for c in (c for c in cells if "plain_s" in c):
         print(f"| {c['family']} | {c['size']} | {c['config']} | {c['parameters'] / 1e6:.0f}M | "
               f"{c['trainable_numel'] / 1e6:.2f}M | {c['plain_s']:.2f} | {c['distmoe_s']:.2f} | "
               f"{c['ratio']:.3f} | {c['plain_cpu_s']:.2f} | {c['distmoe_cpu_s']:.2f} | {c['ratio_cpu']:.3f} | "
@@ -462,10 +526,21 @@ def print_tables(cells: list[dict], base_mb: float | None, args) -> None:
         print("\n| shape | dtype | peak GPU memory |\n|---|---|---|")
         for c in cells:
             print(f"| {c['size']} | {c['dtype']} | {c['peak_gpu_mb'] / 1e3:.1f} GB |")
+    if any(c.get("rl") for c in cells):
+        print("\n| family | size | engine | RL round peak RSS | SFT step peak RSS | RL / SFT | over the imports: "
+              "RL / SFT | rollouts |\n|---|---|---|---|---|---|---|---|")
+        for c in cells:
+            for r in c.get("rl", []):
+                over = (f"{(r['peak_rss_mb'] - base_mb) / (c['party_rss_mb'] - base_mb):.3f}"
+                        if base_mb is not None else "-")
+                print(f"| {c['family']} | {c['size']} | {r['engine']} ({'deep copy' if r['engine_copy'] else 'view'})"
+                      f" | {r['peak_rss_mb']:.0f} MB | {c['party_rss_mb']:.0f} MB | "
+                      f"{r['peak_rss_mb'] / c['party_rss_mb']:.3f} | {over} | {args.rl_prompts} x {args.rl_group} "
+                      f"of {args.seq_len} tokens |")
     print("\n| family | size | update length | downlink (SftInstruction) | uplink secagg (uint64) | "
           "uplink plaintext (float32) |")
     print("|---|---|---|---|---|---|")
-    for c in cells:
+    for c in (c for c in cells if "update_length" in c):
         print(f"| {c['family']} | {c['size']} | {c['update_length']:,} | {c['down_bytes'] / MB:.2f} MB | "
               f"{c['up_secagg_bytes'] / MB:.2f} MB | {c['up_plain_bytes'] / MB:.2f} MB |")
 
@@ -484,8 +559,19 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="--shape only (default bfloat16 on cuda, float32 on cpu)")
+    ap.add_argument("--plain-arm", choices=["peft", "routed"], default="peft",
+                    help="how the plain step runs the expert adapters: peft's target_parameters forward (as a user "
+                         "would write it) or distmoe's routed expert LoRA (isolates distmoe's loss terms)")
+    ap.add_argument("--rl-engines", nargs="*", default=[], help="(e): an RL party process per engine profile")
+    ap.add_argument("--rl-copy", action="store_true", help="(e): also the deep-copy engine (the former path)")
+    ap.add_argument("--quantize-experts", choices=["none", "nf4"], default="none",
+                    help="the parties' model.quantize-experts (4-bit expert stacks)")
+    ap.add_argument("--rl-prompts", type=int, default=2)
+    ap.add_argument("--rl-group", type=int, default=2)
     ap.add_argument("--out", default="", help="write every figure as JSON here")
-    ap.add_argument("--role", choices=["party", "server"], help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=["party", "server", "party-rl"], help=argparse.SUPPRESS)
+    ap.add_argument("--engine", default="bf16", help=argparse.SUPPRESS)
+    ap.add_argument("--engine-copy", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role:

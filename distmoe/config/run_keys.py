@@ -67,6 +67,10 @@ class ModelConfig(Section):
     lora_experts: bool = key(True, "`lora` mode: adapt the fused expert weights (peft `target_parameters`); peft "
                              "materialises each adapted expert tensor in full on every forward, so at tens of billions "
                              "of parameters turn this off (attention and router adapters only; `docs/checkpoints.md`)")
+    quantize_experts: str = key("none", "`lora` mode: store the frozen fused expert weights in 4 bits (`nf4`: "
+                                "bitsandbytes' NF4 blocks, dequantised for the routed experts only inside the routed "
+                                "expert LoRA; CPU and CUDA; needs `model.lora-experts` and the `quant-experts` extra; "
+                                "`docs/checkpoints.md`, 4-bit experts)", choices=("none", "nf4"))
     warmup_steps: int = key(0, "tiny default: > 0 starts the run from a base warmed up centrally for this many steps "
                             "on public synthetic data of every task family (fixed seed, never a party's data), built "
                             "once and cached (`docs/algorithms.md`, Warm-up base); 0 = random initialisation",
@@ -84,6 +88,10 @@ class ModelConfig(Section):
             raise ConfigError(f"config key 'model.warmup-steps': value {self.warmup_steps} warms up the tiny default "
                               "model (model.path = \"\", model.trainable all or router+experts); a checkpoint is "
                               "already a base")
+        if self.quantize_experts != "none" and (self.trainable != "lora" or not self.lora_experts):
+            raise ConfigError(f"config key 'model.quantize-experts': value {self.quantize_experts!r} needs "
+                              "model.trainable = \"lora\" and model.lora-experts = true (the routed expert LoRA "
+                              "dequantises the routed experts; nothing else reads 4-bit experts)")
         if self.heads % self.kv_heads:
             raise ConfigError(f"config key 'model.kv-heads': value {self.kv_heads} must divide "
                               f"model.heads = {self.heads}")

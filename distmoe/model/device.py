@@ -121,7 +121,12 @@ def device_of(model: torch.nn.Module) -> torch.device:
 
 
 def base_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype the frozen base computes in: the first floating parameter below float32, else float32."""
+    """The dtype the frozen base computes in: the first floating parameter below float32, else float32; a model
+    whose tensors are cast as its forward runs (an RL engine's view, ``distmoe.rl.engine_view``) names it in
+    ``distmoe_compute_dtype``."""
+    declared = getattr(model, "distmoe_compute_dtype", None)
+    if isinstance(declared, torch.dtype):
+        return declared
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != torch.float32:
             return p.dtype

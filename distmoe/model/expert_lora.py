@@ -23,6 +23,8 @@ Covers every expert stack transformers ships with ``@use_experts_implementation`
 family's own gate (``_apply_gate``: SwiGLU, GPT-OSS's clamped interleaved GLU) or activation, the optional
 post-expert norm.
 
+A stack stored in 4 bits (``expert_quant.py``) is dequantised here, for the routed experts only.
+
 Owns: the routed forward and its installation on a peft model. Must not: decide what trains
 (``trainable.py``), touch the router or attention adapters (peft's own modules), or change any tensor's name.
 """
@@ -92,6 +94,8 @@ class RoutedExpertsLoRA(ParamWrapper):
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         experts, wrappers = self._chain()
         active = self.active_adapters
+        if self.disable_adapters and len(args) == 2 and any(_quantized(experts, n) for n in _PROJECTIONS):
+            return routed_experts_forward(experts, x, *args, {}, "")  # the 4-bit base alone (peft's would read W)
         if (self.disable_adapters or kwargs.get("adapter_names") is not None or len(active) != 1
                 or any(w.merged or active[0] not in w.lora_A for w in wrappers) or len(args) != 2):
             return super().forward(x, *args, **kwargs)
@@ -100,16 +104,32 @@ class RoutedExpertsLoRA(ParamWrapper):
         return routed_experts_forward(experts, x, top_k_index, top_k_weights, loras, active[0])
 
 
+_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def _quantized(experts: nn.Module, name: str) -> nn.Module | None:
+    """The 4-bit storage (``expert_quant.NF4Stack``, registered as ``<name>_nf4``) of a projection, if any."""
+    return getattr(experts, f"{name}_nf4", None)
+
+
 def _projection(experts: nn.Module, name: str, inp: torch.Tensor, offs: torch.Tensor, ids: torch.Tensor,
-                lora: ParamWrapper | None, adapter: str) -> torch.Tensor:
-    """One projection of the stack on the sorted routed rows ``inp`` ``[S, in]`` -> ``[S, out]``."""
-    w = getattr(experts, name)  # [E, out, in], or [E, in, out] when is_transposed
-    w_t = w if experts.is_transposed else w.transpose(-2, -1)  # [E, in, out]
+                lora: ParamWrapper | None, adapter: str, routed: torch.Tensor) -> torch.Tensor:
+    """One projection of the stack on the sorted routed rows ``inp`` ``[S, in]`` -> ``[S, out]``. A 4-bit stack
+    (``expert_quant.py``) dequantises the ``routed`` experts ``[R]`` only and runs over their groups alone."""
+    q = _quantized(experts, name)
+    if q is not None:
+        w = q.dequantize(routed)  # [R, out, in] (or [R, in, out]): the routed experts only
+        offs = offs[routed]  # [R] the routed groups' cumulative row ends (the others are empty)
+    else:
+        w = getattr(experts, name)  # [E, out, in], or [E, in, out] when is_transposed
+    w_t = w if experts.is_transposed else w.transpose(-2, -1)  # [E or R, in, out]
     out = grouped_matmul(inp, w_t, offs)  # [S, out]
     if experts.has_bias:
         out = out + getattr(experts, f"{name}_bias")[ids]  # [S, out]
     if lora is not None:
         a_t, b_t, scale = _factors(lora, adapter, w.dtype)
+        if q is not None:
+            a_t, b_t = a_t[routed], b_t[routed]  # [R, in, r], [R, r, out]
         out = out + scale * grouped_matmul(grouped_matmul(inp, a_t, offs), b_t, offs)  # [S, r] -> [S, out]
     return out
 
@@ -125,10 +145,11 @@ def routed_experts_forward(experts: nn.Module, hidden: torch.Tensor, top_k_index
     rows = hidden[perm // k]  # [S, H], grouped by expert
     counts = torch.bincount(ids_sorted, minlength=experts.num_experts)  # [E]
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E]
+    routed = counts.nonzero().squeeze(-1)  # [R] the experts with at least one row
     up = "gate_up_proj" if experts.has_gate else "up_proj"
-    h = _projection(experts, up, rows, offs, ids_sorted, loras.get(up), adapter)  # [S, 2I] or [S, I]
+    h = _projection(experts, up, rows, offs, ids_sorted, loras.get(up), adapter, routed)  # [S, 2I] or [S, I]
     h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)  # [S, I]
-    y = _projection(experts, "down_proj", h, offs, ids_sorted, loras.get("down_proj"), adapter)  # [S, H]
+    y = _projection(experts, "down_proj", h, offs, ids_sorted, loras.get("down_proj"), adapter, routed)  # [S, H]
     if getattr(experts, "has_post_expert_norm", False):
         y = experts.post_expert_norm(y)
     y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)  # [S, H]

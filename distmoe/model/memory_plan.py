@@ -7,7 +7,8 @@ of terms, each a count of bytes (``N`` tokens of a forward, ``S = N k`` routed (
 compute dtype's bytes, ``H`` hidden, ``I`` expert width, ``E`` experts, ``q``/``kv`` the query and key/value
 widths, ``V`` the vocabulary, ``L`` layers)::
 
-    base        parameters x dtype bytes (the frozen base, on the device)
+    base        parameters x dtype bytes (the frozen base, on the device); with 4-bit experts
+                (``model.quantize-experts = "nf4"``) each expert weight costs 0.5 + 4/64 bytes instead
     adapters    trainable x 16 (float32 master weights, gradient, AdamW's two moments)
     attention   N (4H + 4q + 4kv) c                      saved for the backward, per layer
     moe         3NHc + 8NE + S (3H + 6I) c               (norm and router input; router logits and softmax in
@@ -18,14 +19,16 @@ widths, ``V`` the vocabulary, ``L`` layers)::
     load (CPU)  base: the checkpoint's pages mapped while it is loaded (measured: they stay resident)
 
 ``sft`` = base + adapters + activations(micro-batch x seq) + load; ``rl`` = base + adapters + activations of one
-minibatch of rollouts + the KV cache of generation + the inference engine's copy of the base (today's engines
-deep-copy the policy); ``stats`` = base + a forward without a graph (one layer + logits) + load; the server in
-``lora`` mode holds the adapters only: the imports (0.4 GB measured) plus 24 bytes per adapter value (the global
-and the average in float32, the unmasked sum in uint64). ``bench/expert_lora.py`` measures the party terms on the
-CPU; ``docs/checkpoints.md`` has the comparison and the table of public checkpoints.
+minibatch of rollouts + the KV cache of generation + what the inference engine holds (``engine_bytes``: a view
+over the policy's weights holds one unit's cast or fake-quantised tensors while it runs and, for
+``int8-dynamic``, the int8 weights of the linears; the former deep copy held a whole base); ``stats`` = base + a
+forward without a graph (one layer + logits) + load; the server in ``lora`` mode holds the adapters only: the
+imports (0.4 GB measured) plus 24 bytes per adapter value (the global and the average in float32, the unmasked sum
+in uint64). ``bench/expert_lora.py`` and ``bench/real_model.py`` measure the party terms on the CPU;
+``docs/checkpoints.md`` has the comparison and the table of public checkpoints.
 
-Owns: ``SHAPES`` (public checkpoints' configs), ``architecture``, ``predict``, ``fit`` and the ``distmoe plan``
-subcommand. Must not: load weights, download anything, or decide what trains (``trainable.py``).
+Owns: ``SHAPES`` (public checkpoints' configs), ``architecture``, ``engine_bytes``, ``predict``, ``fit`` and the
+``distmoe plan`` subcommand. Must not: load weights, download anything, or decide what trains (``trainable.py``).
 """
 
 from __future__ import annotations
@@ -105,7 +108,9 @@ class Settings:
     rollouts: int = 32  # rl: prompts_per_step x group_size
     minibatches: int = 2
     rl_len: int = 136  # prompt + new tokens
-    engine_copy: bool = True  # today's inference engines deep-copy the policy
+    engine: str = "bf16"  # rl.engine: the inference engine's profile
+    engine_copy: bool = False  # the former deep-copy engine (a whole base more), for comparison
+    nf4_experts: bool = False  # model.quantize-experts = "nf4": the expert stacks in 4 bits
 
 
 def _hf_config(source: str):
@@ -176,17 +181,40 @@ def activations(a: Arch, n: int, c: int, checkpointing: bool, grad: bool = True)
     return a.moe_layers * moe + (a.layers - a.moe_layers) * dense + logits
 
 
+def engine_bytes(a: Arch, s: Settings) -> float:
+    """What the RL inference engine holds beyond the policy (``distmoe.rl.engine_view``): a deep copy holds the
+    base; a view, while a unit runs, that unit's transformed tensors (``bf16`` over a base above bf16: the largest
+    of a layer and the LM head cast to 2 bytes; ``int8-weight-only``: one layer's expert stacks fake-quantised,
+    the copy and a temporary), and with ``int8-dynamic`` the int8 weights of every linear outside the experts."""
+    if s.engine_copy:
+        return float(a.params * s.dtype_bytes)
+    parts = set(s.engine.split("+"))
+    stacks = a.experts * 3 * a.hidden * a.expert_width  # one MoE layer's expert parameters
+    layer = max(a.params - 2 * a.vocab * a.hidden, 0) / max(a.layers, 1)
+    out = 0.0
+    if "bf16" in parts and s.dtype_bytes > 2:
+        out += max(layer, a.vocab * a.hidden) * 2
+    if "int8-weight-only" in parts:
+        out += 2 * stacks * s.dtype_bytes
+    if "int8-dynamic" in parts:
+        out += max(a.params - a.moe_layers * stacks - a.vocab * a.hidden, 0)
+    return out
+
+
 def predict(a: Arch, s: Settings) -> dict[str, float]:
     """Predicted peak bytes: the party's ``sft``, ``rl`` and ``stats`` rounds and the ``server`` (module doc)."""
     c = min(s.dtype_bytes, 4)
-    base = a.params * s.dtype_bytes
+    base = float(a.params * s.dtype_bytes)
+    if s.nf4_experts:  # NF4: half a byte per expert weight plus a float32 absmax per block of 64
+        experts = a.moe_layers * a.experts * 3 * a.hidden * a.expert_width
+        base -= experts * (s.dtype_bytes - (0.5 + 4 / 64))
     adapters = a.trainable * 16
-    load = base if s.cpu else 0
+    load = a.params * s.dtype_bytes if s.cpu else 0  # the checkpoint is read in full precision, then quantised
     sft = base + adapters + activations(a, s.batch * s.seq, c, s.checkpointing) + load
     mb = max(1, s.rollouts // s.minibatches)
     kv = 2 * a.layers * a.kv_width * s.rollouts * s.rl_len * c
     rl = base + adapters + max(activations(a, mb * s.rl_len, c, s.checkpointing), kv) + load
-    rl += base if s.engine_copy else 0
+    rl += engine_bytes(a, s)
     stats = base + activations(a, s.batch * s.seq, c, False, grad=False) + load
     server = IMPORTS_GB * GB + a.trainable * 24
     return {"base": base, "adapters": adapters, "sft": sft, "rl": rl, "stats": stats, "server": server}
@@ -265,8 +293,8 @@ def plan_text(source: str, device: str, s: Settings, lora_r: int = 8) -> str:
                          f"rl {q['rl'] / GB:.1f} GB)")
             if only:
                 lines.append(f"rl rounds do not fit ({q['rl'] / GB:.1f} GB): the policy, the generation cache or a "
-                             f"minibatch's activations, and the inference engine's copy of the base "
-                             f"({q['base'] / GB:.1f} GB; today's engines deep-copy the policy)")
+                             f"minibatch's activations, and what the {s.engine} inference engine holds "
+                             f"({engine_bytes(a, t) / GB:.1f} GB)")
     return "\n".join(lines)
 
 
@@ -281,6 +309,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default: model.max-seq-len)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="the base's dtype")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in the backward")
+    p.add_argument("--nf4-experts", action="store_true", help="4-bit expert stacks (model.quantize-experts = nf4)")
     p.set_defaults(fn=cmd_plan)
 
 
@@ -291,7 +320,7 @@ def cmd_plan(args) -> int:
     s = Settings(batch=args.batch or t.micro_batch_size or t.batch_size, seq=args.seq or cfg.model.max_seq_len,
                  dtype_bytes=2 if dtype == "bfloat16" else 4, checkpointing=args.gradient_checkpointing,
                  rollouts=rl.prompts_per_step * rl.group_size, minibatches=rl.minibatches,
-                 rl_len=cfg.model.max_seq_len + rl.max_new_tokens)
+                 rl_len=cfg.model.max_seq_len + rl.max_new_tokens, engine=rl.engine, nf4_experts=args.nf4_experts)
     try:
         print(plan_text(args.model, args.device, s, cfg.model.lora_r))
     except PlanError as exc:

@@ -88,6 +88,10 @@ def apply_trainable(model: nn.Module, cfg: ModelConfig) -> nn.Module:
             from distmoe.model.expert_lora import install
 
             install(pm)
+        if cfg.quantize_experts == "nf4" and not next(pm.parameters()).is_meta:  # (a meta model: the server's)
+            from distmoe.model.expert_quant import quantize_experts
+
+            quantize_experts(pm)
         return pm
     raise TrainableError(f"unknown model.trainable {cfg.trainable!r}")
 

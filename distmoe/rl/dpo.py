@@ -161,9 +161,10 @@ def reference_logps(model: nn.Module, pairs: list[Pair], pad_id: int, batch_size
     """The reference sequence log-probs of every pair under ``model``'s current weights (the reference).
 
     ``engine == ""``: the trainer's own (exact; every pair kept). Otherwise an inference engine of that profile
-    (``distmoe.rl.engines.InferenceEngine``, a deep copy; ``prune-k`` measures expert usage on the first
-    ``calibration_batches`` batches of pairs) computes them, and a pair is kept iff every completion token of both
-    answers has ``low <= k <= high``, ``k = exp(logp_ref_train - logp_ref_engine)`` (the module docstring)."""
+    (``distmoe.rl.engines.InferenceEngine``, a view over the policy's weights; ``prune-k`` measures expert usage
+    on the first ``calibration_batches`` batches of pairs) computes them, and a pair is kept iff every completion
+    token of both answers has ``low <= k <= high``, ``k = exp(logp_ref_train - logp_ref_engine)`` (the module
+    docstring)."""
     model.eval()
     train = _seq_token_logps(model, pairs, pad_id, batch_size)
     n = len(pairs)

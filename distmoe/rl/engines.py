@@ -1,20 +1,28 @@
-"""The CPU inference engine for RL rollouts: a weight-synced copy of the policy whose numerics differ
-from the trainer's in a controlled, genuine way (``docs/algorithms.md``, "Inference engine profiles").
+"""The inference engine for RL rollouts: a weight-synced view of the policy whose numerics differ from the
+trainer's in a controlled, genuine way (``docs/algorithms.md``, "Inference engine profiles").
 
 Owns: the numerics profiles (``exact``, ``bf16``, ``int8-dynamic``, ``int8-weight-only``,
 ``int<b>-experts``, ``prune-k`` and ``+``-combinations such as ``bf16+prune-1``), the expert-usage table used to choose
 which experts ``prune-k`` drops (``measure_usage``), and ``sync`` (re-copy the policy's weights and
 re-apply the profile).
 
-Must not: modify the policy model (every change is made on a deep copy), train anything, compute
-log-probs or losses (``rollout.py`` and the RL loss do that), or import Flower.
+The engine reads the policy's own weights (``engine_view.py``): its model is a copy of the module tree whose
+tensors are the policy's; casts and fake quantisation run on the fly one decoder layer at a time, pruning is a
+hook on the view's routers, and only ``int8-dynamic`` holds tensors of its own (the int8 weights of the
+quantised linears). ``share_weights=False`` keeps the former behaviour, a deep copy with the profile applied to
+it, for comparison (same token ids and log-probs: ``tests/rl/test_engine_view.py``).
+
+Must not: modify the policy model (every change is made on the view's own modules or on a copy), train
+anything, compute log-probs or losses (``rollout.py`` and the RL loss do that), or import Flower.
 
 Profiles (measured on a briefly trained tiny Qwen3-MoE; the table is in ``docs/algorithms.md``):
 
 * ``exact``: same numerics (the control; KV-cache decode vs teacher forcing differs by ~1e-6).
 * ``bf16``: weights and compute in bfloat16 (mild: mean |dlogp| ~1e-2, ~0.4 % routing flips).
 * ``int8-dynamic``: ``torch.ao.quantization.quantize_dynamic`` on every ``nn.Linear`` (attention and
-  ``lm_head``; it does NOT touch the fused 3-D experts or the router, which are bare parameters).
+  ``lm_head``; it does NOT touch the fused 3-D experts or the router, which are bare parameters, nor
+  peft's LoRA factors, which stay float32 on top of the quantised base linear: peft's forward reads their
+  ``weight.dtype``).
   Batch-composition dependent, like batch-non-invariant GPU kernels.
 * ``int8-weight-only``: fake-quantised symmetric per-row int8 of the fused experts' 3-D parameters
   and the router weight (deterministic; compute stays fp32).
@@ -48,6 +56,7 @@ from distmoe.model.build import num_experts as experts_of
 from distmoe.model.build import router_modules, topk_weighting
 from distmoe.model.device import autocast_for, device_of
 from distmoe.model.router_rule import CORRECTION_BIAS, Routing, routing_of
+from distmoe.rl.engine_view import OnTheFly, share_copy
 
 BASE_PROFILES = ("exact", "bf16", "int8-dynamic", "int8-weight-only", "prune-k", "int<b>-experts")
 _PRUNE_RE = re.compile(r"^prune-(\d+)$")
@@ -187,16 +196,21 @@ def _make_prune_hook(dropped: torch.Tensor, top_k: int, norm_topk_prob: bool, sc
     return hook
 
 
-def fake_quant_int8_(t: torch.Tensor) -> None:
-    """Symmetric per-row (last dim) int8 fake quantisation, in place: ``t`` keeps its dtype and shape."""
+def fake_quant_int8(t: torch.Tensor) -> torch.Tensor:
+    """Symmetric per-row (last dim) int8 fake quantisation: a new tensor of ``t``'s dtype and shape."""
     s = t.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0  # [..., 1]
-    t.copy_((t / s).round().clamp(-127, 127) * s)
+    return (t / s).round().clamp(-127, 127) * s
 
 
-def fake_quant_channels_(t: torch.Tensor, bits: int, group: int = 0) -> None:
-    """Symmetric ``bits``-bit fake quantisation, in place, one scale per row of the last dim (per output channel
-    of an ``[E, out, in]`` fused expert), or per ``group`` consecutive entries of it (``group`` 0: the whole row;
-    it must divide the last dim). ``t`` keeps its dtype and shape."""
+def fake_quant_int8_(t: torch.Tensor) -> None:
+    """``fake_quant_int8`` in place."""
+    t.copy_(fake_quant_int8(t))
+
+
+def fake_quant_channels(t: torch.Tensor, bits: int, group: int = 0) -> torch.Tensor:
+    """Symmetric ``bits``-bit fake quantisation, one scale per row of the last dim (per output channel of an
+    ``[E, out, in]`` fused expert), or per ``group`` consecutive entries of it (``group`` 0: the whole row; it must
+    divide the last dim): a new tensor of ``t``'s dtype and shape."""
     q = 2 ** (bits - 1) - 1
     shape = t.shape
     if group:
@@ -206,7 +220,12 @@ def fake_quant_channels_(t: torch.Tensor, bits: int, group: int = 0) -> None:
     else:
         view = t.reshape(*shape[:-1], 1, shape[-1])  # [..., 1, in]
     s = view.abs().amax(-1, keepdim=True).clamp(min=1e-8) / q  # [..., groups, 1]
-    t.copy_(((view / s).round().clamp(-q, q) * s).reshape(shape))
+    return ((view / s).round().clamp(-q, q) * s).reshape(shape)
+
+
+def fake_quant_channels_(t: torch.Tensor, bits: int, group: int = 0) -> None:
+    """``fake_quant_channels`` in place."""
+    t.copy_(fake_quant_channels(t, bits, group))
 
 
 def expert_tensor_names(model: nn.Module) -> list[str]:
@@ -223,16 +242,37 @@ def quantized_tensor_names(model: nn.Module) -> list[str]:
     return names
 
 
-class InferenceEngine:
-    """A weight-synced deep copy of ``policy_model`` with numerics profile ``profile``.
+_LORA_FACTORS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 
-    ``engine.model`` is what rollouts are sampled from (eval mode, no grad needed). ``usage``
-    (``[L, E]``) fixes which experts ``prune-k`` drops; without it, pass ``calibration`` batches and
-    the usage is measured on the policy at construction and at every ``sync``.
+
+def dynamic_quant_targets(model: nn.Module) -> list[str]:
+    """The ``nn.Linear`` modules ``int8-dynamic`` quantises: every one but peft's LoRA factors (peft's forward
+    reads ``lora_A.weight.dtype``, which a dynamically quantised linear does not have; the factors stay float32
+    and are applied on top of the quantised base linear, as peft applies them to any base layer)."""
+    return [n for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and not set(n.split(".")) & set(_LORA_FACTORS)]
+
+
+def _quantize_dynamic(model: nn.Module) -> nn.Module:
+    """``int8-dynamic``: ``quantize_dynamic`` of ``dynamic_quant_targets`` in place (``model`` is a copy or a
+    view: its modules, not the policy's, are replaced)."""
+    spec = dict.fromkeys(dynamic_quant_targets(model), torch.ao.quantization.default_dynamic_qconfig)
+    with warnings.catch_warnings():  # torch 2.13 deprecates torch.ao quantization (-> torchao)
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(model, spec, dtype=torch.qint8, inplace=True)
+
+
+class InferenceEngine:
+    """A weight-synced view (default) or deep copy (``share_weights=False``) of ``policy_model`` with numerics
+    profile ``profile``.
+
+    ``engine.model`` is what rollouts are sampled from (eval mode, no grad). ``usage`` (``[L, E]``) fixes which
+    experts ``prune-k`` drops; without it, pass ``calibration`` batches and the usage is measured on the policy
+    at construction and at every ``sync``.
     """
 
     def __init__(self, policy_model: nn.Module, profile: str, temperature: float = 1.0,
-                 usage: torch.Tensor | None = None, calibration: list | None = None):
+                 usage: torch.Tensor | None = None, calibration: list | None = None, share_weights: bool = True):
         self.profile = str(profile)
         self.spec = parse_profile(self.profile)
         if temperature <= 0:
@@ -240,6 +280,7 @@ class InferenceEngine:
         self.temperature = float(temperature)
         self.fixed_usage = usage
         self.calibration = calibration
+        self.share_weights = bool(share_weights)
         if self.spec["prune"] and usage is None and not calibration:
             raise ValueError(f"profile {self.profile!r} needs a usage table [L, E] or calibration batches")
         self.usage: torch.Tensor | None = None
@@ -252,18 +293,22 @@ class InferenceEngine:
         return torch.bfloat16 if self.spec["bf16"] else torch.float32
 
     def sync(self, policy_model: nn.Module) -> InferenceEngine:
-        """Re-copy the policy's current weights and re-apply the profile (the policy is untouched)."""
+        """Re-read the policy's current weights and re-apply the profile (the policy is untouched)."""
         if self.spec["int8_dynamic"] and device_of(policy_model).type != "cpu":
             raise ValueError(f"inference profile {self.profile!r}: int8-dynamic (torch.ao dynamic quantisation) runs "
                              f"on the CPU only, the policy is on {device_of(policy_model)}; use int8-weight-only or "
                              "bf16 on an accelerator")
-        model = copy.deepcopy(policy_model)
+        self.model = None  # type: ignore[assignment]  # the previous view or copy goes before the next is made
+        model = share_copy(policy_model) if self.share_weights else copy.deepcopy(policy_model)
         model.eval()
-        for p in model.parameters():
-            p.requires_grad_(False)
         k = int(self.spec["prune"])
         if k:
             self._apply_prune(model, policy_model, k)
+        if self.share_weights:
+            self.model = self._view(model)
+            return self
+        for p in model.parameters():
+            p.requires_grad_(False)
         if self.spec["int8_wo"]:
             with torch.no_grad():
                 params = dict(model.named_parameters())
@@ -281,11 +326,40 @@ class InferenceEngine:
         if self.spec["bf16"]:
             model.to(torch.bfloat16)
         if self.spec["int8_dynamic"]:
-            with warnings.catch_warnings():  # torch 2.13 deprecates torch.ao quantization (-> torchao)
-                warnings.simplefilter("ignore")
-                model = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+            model = _quantize_dynamic(model)
         self.model = model
         return self
+
+    def _view(self, view: nn.Module) -> nn.Module:
+        """The profile on a view sharing the policy's tensors (``engine_view``): what ``sync`` does to a deep copy,
+        with the casts and fake quantisation made on the fly and only the dynamically quantised linears owned."""
+        fq = set(quantized_tensor_names(view)) if self.spec["int8_wo"] else set()
+        bits, group = int(self.spec["expert_bits"]), int(self.spec["expert_group"])
+        eq = set(expert_tensor_names(view)) if bits else set()
+        if bits and not eq:
+            raise ValueError(f"inference profile {self.profile!r}: the model has no fused 3-D expert weights")
+        bf16 = bool(self.spec["bf16"])
+
+        def transform(name: str, t: torch.Tensor) -> torch.Tensor:
+            if name in fq:
+                t = fake_quant_int8(t)
+            elif name in eq:
+                t = fake_quant_channels(t, bits, group)
+            return t.to(torch.bfloat16) if bf16 else t
+
+        if self.spec["int8_dynamic"]:
+            mods = dict(view.named_modules())
+            with torch.no_grad():  # a fake-quantised router linear is quantised from its fake-quantised weight
+                for name in dynamic_quant_targets(view):
+                    if f"{name}.weight" in fq:
+                        mods[name]._parameters["weight"] = nn.Parameter(transform(f"{name}.weight",
+                                                                                  mods[name].weight))
+            view = _quantize_dynamic(view)
+        if fq or eq or bf16:
+            OnTheFly(view, transform)
+        if bf16:
+            view.distmoe_compute_dtype = torch.bfloat16  # what autocast_for sees (the tensors stay the policy's)
+        return view
 
     def _apply_prune(self, model: nn.Module, policy_model: nn.Module, k: int) -> None:
         routers = router_modules(model)

@@ -58,7 +58,6 @@ updates (eval mode for generation, recompute and diagnostics) and is left in eva
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Mapping
@@ -71,6 +70,7 @@ from distmoe.config import RLConfig, TrainConfig
 from distmoe.data.formats import Example
 from distmoe.data.template import IGNORE_INDEX, collate, encode_fitting, encode_prompt
 from distmoe.rl.advantages import group_advantages
+from distmoe.rl.engine_view import share_copy
 from distmoe.rl.engines import InferenceEngine, parse_profile
 from distmoe.rl.losses import get_policy_loss, mismatch_weights
 from distmoe.rl.ppo import (  # noqa: F401  (lb_mask, minibatch_loss, reuse_valid: re-exported for callers)
@@ -234,7 +234,8 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
     ``winsorize`` (``train.winsorize``, 0 = off);
     ``simulator_fit`` overrides entries of ``SIMULATOR_FIT``. Rewards use ``cfg.reward`` with the example's answer
     as the expected answer and its last prompt turn as the prompt text. With ``kl_coef > 0`` the k3 KL is taken to
-    ``reference_model`` (default: a frozen copy of the policy as passed in). Returns the per-step metrics and the
+    ``reference_model`` (default: the policy as passed in, a copy of its trainable tensors over the shared frozen
+    base). Returns the per-step metrics and the
     counters; see ``GRPOResult.summary``.
     """
     if not prompts:
@@ -242,8 +243,8 @@ def run_grpo(model: nn.Module, tokenizer, prompts: list[Example], task: str, cfg
     loss_fn = get_policy_loss(cfg.policy_loss)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt, sched = build_optimizer(model, optimizer_config(cfg, grad_clip))
-    if cfg.kl_coef > 0 and reference_model is None:
-        reference_model = copy.deepcopy(model)
+    if cfg.kl_coef > 0 and reference_model is None:  # the frozen base shared, only what trains is copied
+        reference_model = share_copy(model, share=lambda t: not t.requires_grad)
     if reference_model is not None:
         reference_model.eval()
     prompt_ids, prompt_texts = _encode(tokenizer, prompts, max_prompt_len)

@@ -1,6 +1,6 @@
 """``bench/device_check.py`` at its tiny shape on the CPU: the same code the accelerator runs (meta-device build,
 ``to_empty``, random init on the device, routed-expert LoRA and attention-only LoRA steps with gradient
-checkpointing, one GRPO step on rollouts from the policy itself)."""
+checkpointing, one GRPO step on rollouts from a bf16 inference engine that is a view over the policy)."""
 
 from __future__ import annotations
 
@@ -39,4 +39,7 @@ def test_tiny_device_check_runs_every_step(tmp_path):
     lo = res["lora"]
     assert lo["tokens"] == 32 and lo["routed"]["tok_s"] > 0 and lo["attention"]["tok_s"] > 0 and lo["ratio"] > 0
     rl = res["rl"]
-    assert rl["rollouts"] == 4 and rl["generated_tokens"] > 0 and rl["finite"] and math.isfinite(rl["loss"])
+    assert rl["engine"] == "bf16" and rl["rollouts"] == 4 and rl["generated_tokens"] > 0
+    assert rl["finite"] and math.isfinite(rl["loss"])
+    q = res["nf4"]  # the 4-bit path: every expert weight of the 2 layers in NF4
+    assert q["stacks"] == 4 and q["held_gb_after"] < 0.8 * q["held_gb_before"] and q["finite"] and q["tok_s"] > 0

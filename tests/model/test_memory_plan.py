@@ -38,7 +38,14 @@ def test_terms_follow_the_settings(ckpt):
     assert plan.predict(a, replace(s, dtype_bytes=2))["base"] == a.params * 2
     assert plan.predict(a, replace(s, checkpointing=True))["sft"] < p["sft"]
     assert plan.predict(a, replace(s, batch=4))["sft"] < p["sft"]
-    assert plan.predict(a, replace(s, engine_copy=False))["rl"] == p["rl"] - p["base"]  # the engine's copy
+    copy = plan.predict(a, replace(s, engine_copy=True))["rl"]
+    assert copy == p["rl"] - plan.engine_bytes(a, s) + p["base"]  # the former engine's copy of the base
+    assert 0 < plan.engine_bytes(a, s) < 0.5 * p["base"]  # a bf16 view over a float32 base: one unit cast at a time
+    assert plan.engine_bytes(a, replace(s, dtype_bytes=2)) == 0  # over a bf16 base the cast is the tensor itself
+    assert plan.engine_bytes(a, replace(s, engine="exact")) == 0
+    nf4 = plan.predict(a, replace(s, nf4_experts=True))
+    experts = a.moe_layers * a.experts * 3 * a.hidden * a.expert_width
+    assert nf4["base"] == pytest.approx(p["base"] - experts * (4 - 0.5625))  # half a byte + an absmax per 64
     assert plan.predict(a, replace(s, cpu=False))["sft"] == p["sft"] - p["base"]  # no mapped checkpoint on a GPU
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distmoe.data.template import collate, encode_prompt
+from distmoe.model.device import base_dtype
 from distmoe.rl.engines import InferenceEngine, expert_tensor_names, fake_quant_channels_, measure_usage, parse_profile
 from distmoe.rl.rewards import REWARDS, compute_rewards, get_reward
 from distmoe.rl.rollout import (
@@ -74,23 +75,29 @@ def test_bf16_and_int8_give_small_nonzero_mismatch(trained):
         _, delta, masked = _mismatch(trained, engine)  # ~516 tokens (16 prompts x 2 read 0.024 masked on bf16)
         assert 0.0 < float(delta.abs().mean()) < 0.05, profile
         assert masked < 0.02, profile
-    assert next(InferenceEngine(trained["model"], "bf16+prune-1", usage=trained["usage"]).model.parameters()
-                ).dtype == torch.bfloat16
+    view = InferenceEngine(trained["model"], "bf16+prune-1", usage=trained["usage"]).model
+    assert base_dtype(view) == torch.bfloat16  # computes in bf16 (cast on the fly) over the policy's fp32 tensors
+    assert next(view.parameters()).dtype == torch.float32
+    copied = InferenceEngine(trained["model"], "bf16+prune-1", usage=trained["usage"], share_weights=False).model
+    assert next(copied.parameters()).dtype == torch.bfloat16
 
 
 def test_sync_after_policy_update_restores_exact_match(trained):
+    """A deep-copy engine is stale until ``sync``; a view reads the policy's updated tensors at once."""
     policy = copy.deepcopy(trained["model"])
-    engine = InferenceEngine(policy, "exact")
+    copied, view = InferenceEngine(policy, "exact", share_weights=False), InferenceEngine(policy, "exact")
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.02 * torch.randn_like(p))
     prompts = trained["prompts"][:8]
-    ro = generate_rollouts(engine, trained["tok"], prompts, 2, 6, 1.0, seed=1)
-    stale = (train_logprobs(policy, ro) - ro.logp_infer)[ro.response_mask].abs().max()
-    engine.sync(policy)
-    ro = generate_rollouts(engine, trained["tok"], prompts, 2, 6, 1.0, seed=1)
-    fresh = (train_logprobs(policy, ro) - ro.logp_infer)[ro.response_mask].abs().max()
-    assert stale > 1e-2 and fresh < 1e-4
+
+    def gap(engine):
+        ro = generate_rollouts(engine, trained["tok"], prompts, 2, 6, 1.0, seed=1)
+        return (train_logprobs(policy, ro) - ro.logp_infer)[ro.response_mask].abs().max()
+
+    stale, current = gap(copied), gap(view)
+    copied.sync(policy)
+    assert stale > 1e-2 and gap(copied) < 1e-4 and current < 1e-4
 
 
 def test_response_mask_stops_after_eos(trained):
@@ -175,17 +182,22 @@ def test_fake_quant_channels_puts_each_output_channel_on_its_own_symmetric_grid(
 
 def test_expert_quant_engine_changes_logprobs_keeps_routes_and_the_router_exact(trained):
     model = trained["model"]
-    engine = InferenceEngine(model, "int2g32-experts")
+    engine = InferenceEngine(model, "int2g32-experts")  # a view: the experts fake-quantised on the fly
+    copied = InferenceEngine(model, "int2g32-experts", share_weights=False)  # the same applied to a deep copy
     names = expert_tensor_names(model)
     assert names and all(".experts." in n for n in names)
-    mp, ep = dict(model.named_parameters()), dict(engine.model.named_parameters())
+    mp, ep = dict(model.named_parameters()), dict(copied.model.named_parameters())
     changed = {n for n in mp if not torch.equal(mp[n], ep[n])}
     assert changed == set(names)  # the experts only: router, attention, embeddings and lm_head exact
     ro, delta, _ = _mismatch(trained, engine)
     assert float(delta.abs().mean()) > 1e-3  # the log-probs move on the tokens
     assert max(routing_disagreement(model, engine, ro)) < 0.15  # most routes are kept (router untouched)
-    again = InferenceEngine(model, "int2g32-experts")  # deterministic: the same weights and the same samples
+    ro_copy = generate_rollouts(copied, trained["tok"], trained["prompts"], 4, 8, 1.0, 0)
+    assert torch.equal(ro.sequences, ro_copy.sequences)  # the view samples what the quantised copy samples
+    assert torch.allclose(ro.logp_infer, ro_copy.logp_infer, atol=1e-5)
+    again = InferenceEngine(model, "int2g32-experts", share_weights=False)  # deterministic: the same weights
     assert all(torch.equal(ep[n], dict(again.model.named_parameters())[n]) for n in names)
+    again = InferenceEngine(model, "int2g32-experts")  # and the same samples
     ro2 = generate_rollouts(again, trained["tok"], trained["prompts"], 4, 8, 1.0, 0)
     assert torch.equal(ro.sequences, ro2.sequences) and torch.equal(ro.logp_infer, ro2.logp_infer)
     mild = InferenceEngine(model, "int6-experts")  # more bits, less mismatch
