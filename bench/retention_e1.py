@@ -54,8 +54,8 @@ after B minus none's (= dNLL_A minus none's, the pre-B state being shared), B's 
 at equal B loss (the largest B NLL of the seed's arms at step 20; each curve = the pre-B state and step 20). Per
 endpoint, every arm against none: paired mean difference over seeds, 95 % t-interval, exact Wilcoxon p, Holm over
 all the arm-vs-none tests of the table (14 when every arm ran: 13 arms and the forced readout); an effect is
-claimed only where the Holm-adjusted interval excludes 0. Read-outs fixed in advance: a dose-response of the anchor = A's accuracy
-after B rising with the coefficient; a mechanism "buys retention" only if it is claimed at equal B loss (at equal
+claimed only where the Holm-adjusted interval excludes 0. Read-outs fixed in advance: a dose-response of the
+anchor = A's accuracy after B rising with the coefficient; a mechanism "buys retention" only if it is claimed at equal B loss (at equal
 steps a part that learns B more slowly keeps more of A for free); the oracles' +0.10-0.12 at equal B loss
 (Stage 0) is the scale expected of the routing- and expert-side mechanisms, not of distillation and replay.
 
