@@ -46,7 +46,8 @@ PROTECT_SCALES = {"protect-0": 0.0, "protect-0.1": 0.1, "protect-0.3": 0.3}
 PROTECT_MASS = 0.2
 EXPAND_K = 2
 DISTILL = {"distill_weight": 1.0, "distill_temperature": 2.0}
-# Stage 1, in the pre-registered priority order (the order a seed runs them in)
+# Stage 1, in the pre-registered priority order (the order a seed runs them in); the oracles and replay last, for a
+# run that can afford them (the pre-registered reduced run did not: their Stage 0 rows are quoted beside)
 STAGE1 = ("none", *ANCHOR_COEFS, *PROTECT_SCALES, "expand", "expand+anchor", "distill", "anchor-token",
           "router-frozen", "experts-frozen", "replay")
 ARMS = tuple(dict.fromkeys(STAGE0 + STAGE1))

@@ -45,19 +45,21 @@ buy retention in this regime.
 Stage 1, pre-registered on 2026-12-06 before any Stage 1 run (a reduced design: the design asks >= 10 seeds on 5
 bases, which one shared 2-core machine cannot run in the time it had). Base seed 0 (Stage 0's base, rebuilt by the
 same command: its key is a hash of the config, so the same directory name), seeds 0, 1, 2, ... in order, one process
-at a time, each seed running every arm in the order of ``e1_arms.STAGE1`` (none, the anchor x3, protection x3,
-expansion +- anchor, distill, the token anchor, then the oracles and replay, whose Stage 0 rows are already known),
-as many seeds as finish by the deadline; a seed cut off before every arm ran is left out of the tables (the table
-says which). B = 20 steps (one round of 20; the length Stage 0's rule chose, so the same comparison); the 100-step
-secondary is not run. Endpoints as above at B step 20: A's accuracy after B and A's NLL after B minus none's (=
-dNLL_A minus none's, the pre-B state being shared), B's accuracy and NLL, and A's accuracy at equal B loss (the
-largest B NLL of the seed's arms at step 20; each curve = the pre-B state and step 20). Per endpoint, every arm
+at a time, each seed running the product's arms in the order of ``e1_arms.STAGE1`` (none, the anchor x3, protection
+x3, expansion +- anchor, distill, the token anchor: 11 arms), as many seeds as finish by the deadline; the oracles
+and replay are not re-run (the machine's load left no time: amended before the first Stage 1 seed started): their
+Stage 0 rows at B step 20 are from the same pre-B state wherever a seed's after-A row equals Stage 0's exactly, and
+are quoted beside the table, outside its Holm family; a seed cut off before every arm ran is left out of the tables
+(the table says which). B = 20 steps (one round of 20; the length Stage 0's rule chose, so the same comparison); the
+100-step secondary is not run. Endpoints as above at B step 20: A's accuracy after B and A's NLL after B minus
+none's (= dNLL_A minus none's, the pre-B state being shared), B's accuracy and NLL, and A's accuracy at equal B loss
+(the largest B NLL of the seed's arms at step 20; each curve = the pre-B state and step 20). Per endpoint, every arm
 against none: paired mean difference over seeds, 95 % t-interval, exact Wilcoxon p, Holm over all the arm-vs-none
-tests of the table (14 when every arm ran: 13 arms and the forced readout); an effect is claimed only where the
-Holm-adjusted interval excludes 0. Read-outs fixed in advance: a dose-response of the anchor = A's accuracy after B
-rising with the coefficient; a mechanism "buys retention" only if it is claimed at equal B loss (at equal steps a
-part that learns B more slowly keeps more of A for free); the oracles' +0.10-0.12 at equal B loss (Stage 0) is the
-scale expected of the routing- and expert-side mechanisms, not of distillation and replay.
+tests of the table (10 when every arm ran); an effect is claimed only where the Holm-adjusted interval excludes 0.
+Read-outs fixed in advance: a dose-response of the anchor = A's accuracy after B rising with the coefficient; a
+mechanism "buys retention" only if it is claimed at equal B loss (at equal steps a part that learns B more slowly
+keeps more of A for free); the oracles' +0.10-0.12 at equal B loss (Stage 0) is the scale expected of the routing-
+and expert-side mechanisms, not of distillation and replay.
 
 Must not: change the library's training loop (it calls it), use DP or parties, or write outside ``--out`` and
 ``--work``.
