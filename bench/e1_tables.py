@@ -120,3 +120,18 @@ def _f(x: float | None) -> str:
 def _mean(xs) -> float:
     xs = [x for x in xs if math.isfinite(x)]
     return sum(xs) / len(xs) if xs else math.nan
+
+
+def same_pre_b(rows: list[dict], earlier: list[dict], step: int) -> str:
+    """Which seeds start B from the very state ``earlier`` (Stage 0's rows) did: the after-A row and the none arm's
+    row at ``step`` equal (every figure, exactly); only there may Stage 0's arms be read beside these."""
+    def key(rs: list[dict], seed: int, arm: str, st: int) -> tuple | None:
+        hit = [r for r in rs if r["seed"] == seed and r["arm"] == arm and r["step"] == st]
+        return tuple(hit[0][f] for f in ("acc_a", "nll_a", "acc_b", "nll_b")) if hit else None
+
+    seeds = sorted({r["seed"] for r in rows if r["arm"] == "after-a"})
+    same = [s for s in seeds if key(rows, s, "after-a", 0) is not None
+            and key(rows, s, "after-a", 0) == key(earlier, s, "after-a", 0)
+            and key(rows, s, "none", step) == key(earlier, s, "none", step)]
+    return (f"Seeds whose pre-B state and none arm at step {step} equal Stage 0's exactly: {same} "
+            f"(of {seeds}); Stage 0's oracles and replay at those seeds are the same comparison.")

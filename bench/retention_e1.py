@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--round", type=int, default=25, help="B steps per round (one checkpoint each)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--length", type=int, default=20, help="table1: B's pre-registered length (steps)")
+    ap.add_argument("--stage0", default="bench/results/e1-stage0", help="table1: Stage 0's rows, for the check")
     ap.add_argument("--cache", default="runs/e1/base-cache")
     ap.add_argument("--work", default="runs/e1/work")
     ap.add_argument("--out", default="bench/results/e1-stage0")
@@ -279,7 +280,10 @@ def main(argv: list[str] | None = None) -> None:
     elif args.what == "table":
         print(e1_tables.tables(e1_tables.load_rows(out), e1_arms.STAGE0))
     else:
-        print(e1_tables.tables(e1_tables.load_rows(out), e1_arms.STAGE1, args.length))
+        rows = e1_tables.load_rows(out)
+        print(e1_tables.tables(rows, e1_arms.STAGE1, args.length))
+        if (Path(args.stage0) / "rows.jsonl").exists():
+            print("\n" + e1_tables.same_pre_b(rows, e1_tables.load_rows(Path(args.stage0)), args.length))
 
 
 if __name__ == "__main__":
