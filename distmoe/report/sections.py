@@ -326,14 +326,14 @@ def _rl_table(run: _Run) -> list[str]:
 # What each retention mechanism did in the project's own experiments (docs/results.md: the centralised instrument
 # and the federated continual run). Numbers only from there; change them with the results.
 RETENTION_EVIDENCE = (
-    "What the project's own experiments support (docs/results.md, tiny model): only replaying the earlier task's "
-    "data kept its accuracy (+0.65 of it after the new task, centralised; +0.40 federated). Of the rehearsal-free "
+    "What the project's own experiments support (docs/results.md, tiny model): replaying the earlier task's data "
+    "kept most of its accuracy (+0.65 against no mechanism, centralised; +0.40 federated). Of the rehearsal-free "
     "mechanisms, output distillation (`retention.distill-weight`) kept the most: +0.19 [+0.12, +0.26] of the "
     "earlier task's accuracy at equal new-task loss, at −0.13 [−0.19, −0.07] of the new task's accuracy "
     "(centralised); federated it kept the earlier task's answer loss 4.1 nats lower but not its accuracy. The "
     "router anchor (`routing.anchor-kl-coef`) keeps routing close to the earlier task's (routing KL 0.11 → 0.011) "
-    "but did not keep the task; expert protection and expansion kept nothing measurable; even a frozen router with "
-    "the earlier routing forced, or the earlier task's experts frozen, kept at most +0.05 once the new task was "
+    "but did not keep the task; expert protection and expansion showed no effect (federated); even a frozen router "
+    "with the earlier routing forced, or the earlier task's experts frozen, kept at most +0.05 once the new task was "
     "learned. A larger `routing.anchor-kl-coef` or a lower `train.lr` is untested as a remedy.")
 
 
