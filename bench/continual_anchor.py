@@ -198,7 +198,8 @@ def overrides_of(arm: str, seed: int, order: str, extra: str, rounds: tuple[int,
     """The run's overrides: the arm's config file, the order's schedule (``rounds``: sft rounds of task A and
     task B; None = ``schedule.sft-rounds`` each), the arm's switches, then ``extra``."""
     base, own = RETENTION_ARMS.get(arm, (arm, ""))
-    out = dict(load_override_file(ROOT / ARMS[base]))
+    # every arm was measured with distillation off unless it turns it on (the library default until 2026-12-06)
+    out = {"retention.distill-weight": 0.0, **load_override_file(ROOT / ARMS[base])}
     a, b = ORDERS[order]
     ra, rb = (f"*{rounds[0]}", f"*{rounds[1]}") if rounds else ("", "")
     out["schedule.phases"] = f"sft:{a}{ra}, eval, stats:{a}, sft:{b}{rb}, eval"

@@ -1,9 +1,11 @@
-"""The continual-learning instrument, Stage 0: can routing stability (or expert protection) buy retention at all?
-Centralised, deterministic (one thread, fixed seeds), no DP, on the tiny default model.
+"""The continual-learning instrument: can routing stability (or expert protection) buy retention at all? Stage 0
+(the oracles and the gate) and Stage 1 (the product's mechanisms). Centralised, deterministic (one thread, fixed
+seeds), no DP, on the tiny default model.
 
     python bench/retention_e1.py base --base-seed 0 --warmup-steps 3000           # build + gate the warm base
     python bench/retention_e1.py run --seeds 0 1 2 --out bench/results/e1-stage0  # rows (JSONL), as they come
     python bench/retention_e1.py table --out bench/results/e1-stage0             # the Stage 0 tables
+    python bench/retention_e1.py table1 --out bench/results/e1-stage1            # the Stage 1 tables
 
 Design. A warm base (``distmoe.train.warmup.build_base``, every parameter trained on the public mix of every
 family), gated on >= 0.9 format-valid greedy answers on held-out public items of every family. Primary regime:
@@ -16,12 +18,13 @@ before B (exact pairing). B runs as rounds of ``--round`` steps of the party's o
 (``distmoe.train.sft.train_sft``: a fresh AdamW per round, like the federated rounds), up to ``--steps-b``, and
 A and B are evaluated after every round (the forgetting curve) from the model in memory, without noise.
 
-Arms (all from the same pre-B state): ``none``; ``router-frozen`` (routing oracle: every router weight frozen
-during B; read out twice: with its own routing, and ``router-frozen+forced`` with A's pre-B router outputs
-(logits, top-k weights and experts) forced on A's evaluation); ``experts-frozen`` (expert oracle: per MoE layer
-the smallest set of experts holding >= half of A's top-k assignments on A's training tokens before B, frozen
-during B: ``retention.protected`` at scale 0); ``replay`` (positive control: B's batches drawn from B's and A's
-training items, 1:1); ``distill`` (LwF on B's batches against the pre-B model, weight 1, tau 2).
+Arms (all from the same pre-B state; what each does: ``bench/e1_arms.py``): Stage 0's ``none``, the routing
+oracle ``router-frozen`` (read out twice: with its own routing, and ``router-frozen+forced`` with A's pre-B router
+outputs forced on A's evaluation), the expert oracle ``experts-frozen``, ``replay`` (reference: A's data) and
+``distill`` (LwF, positive control); Stage 1 adds the product's mechanisms: the batch anchor at 3 coefficients
+(``anchor-0.5``, ``anchor-5``, ``anchor-50``), the token anchor (``anchor-token``), expert protection at 3
+strengths (``protect-0``, ``protect-0.1``, ``protect-0.3``) and expansion without and with the anchor
+(``expand``, ``expand+anchor``).
 
 Endpoints, per checkpoint, on the 480 held-out items of each task, teacher-forced (one forward, no sampling):
 exact match = every answer token (and the end token) is the argmax given the gold prefix, which is exactly
@@ -39,6 +42,25 @@ rows had been looked at). The same tables at the last B checkpoint are reported 
 oracle that does not beat none by >= 0.10 in A's accuracy at equal B loss means that family of mechanisms cannot
 buy retention in this regime.
 
+Stage 1, pre-registered on 2026-12-06 before any Stage 1 run (a reduced design: the design asks >= 10 seeds on 5
+bases, which one shared 2-core machine cannot run in the time it had). Base seed 0 (Stage 0's base, rebuilt by the
+same command: its key is a hash of the config, so the same directory name), seeds 0, 1, 2, ... in order, one process
+at a time, each seed running the product's arms in the order of ``e1_arms.STAGE1`` (none, the anchor x3, protection
+x3, expansion +- anchor, distill, the token anchor: 11 arms), as many seeds as finish by the deadline; the oracles
+and replay are not re-run (the machine's load left no time: amended before the first Stage 1 seed started): their
+Stage 0 rows at B step 20 are from the same pre-B state wherever a seed's after-A row equals Stage 0's exactly, and
+are quoted beside the table, outside its Holm family; a seed cut off before every arm ran is left out of the tables
+(the table says which). B = 20 steps (one round of 20; the length Stage 0's rule chose, so the same comparison); the
+100-step secondary is not run. Endpoints as above at B step 20: A's accuracy after B and A's NLL after B minus
+none's (= dNLL_A minus none's, the pre-B state being shared), B's accuracy and NLL, and A's accuracy at equal B loss
+(the largest B NLL of the seed's arms at step 20; each curve = the pre-B state and step 20). Per endpoint, every arm
+against none: paired mean difference over seeds, 95 % t-interval, exact Wilcoxon p, Holm over all the arm-vs-none
+tests of the table (10 when every arm ran); an effect is claimed only where the Holm-adjusted interval excludes 0.
+Read-outs fixed in advance: a dose-response of the anchor = A's accuracy after B rising with the coefficient; a
+mechanism "buys retention" only if it is claimed at equal B loss (at equal steps a part that learns B more slowly
+keeps more of A for free); the oracles' +0.10-0.12 at equal B loss (Stage 0) is the scale expected of the routing-
+and expert-side mechanisms, not of distillation and replay.
+
 Must not: change the library's training loop (it calls it), use DP or parties, or write outside ``--out`` and
 ``--work``.
 """
@@ -48,7 +70,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import re
 import sys
 import time
@@ -57,7 +78,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import e1_stats  # noqa: E402  (the bench's own analysis module, beside this file)
+import e1_arms  # noqa: E402  (the bench's own modules, beside this file)
+import e1_tables  # noqa: E402
 
 from distmoe.checkpoint import load_checkpoint  # noqa: E402
 from distmoe.config import parse_run_config  # noqa: E402
@@ -67,12 +89,10 @@ from distmoe.data.template import collate, encode_example  # noqa: E402
 from distmoe.model.build import build_model, describe, router_modules  # noqa: E402
 from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state  # noqa: E402
 from distmoe.train.evaluate import generate_answers, routing_on  # noqa: E402
-from distmoe.train.retention import Retention  # noqa: E402
 from distmoe.train.sft import train_sft  # noqa: E402
 from distmoe.train.warmup import PUBLIC_SEED_OFFSET, build_base  # noqa: E402
 
-ARMS = ("none", "router-frozen", "experts-frozen", "replay", "distill")
-READOUTS = {"router-frozen+forced": "router-frozen"}  # a second readout of an arm's run
+ARMS = e1_arms.ARMS
 FORMAT = {"arith": re.compile(r"^-?\d+$"), "strings": re.compile(r"^[A-Za-z]+$"), "lookup": re.compile(r"^[A-Z]{3}$")}
 GATE_ITEMS = 60  # per family
 EVAL_BS = 96
@@ -179,9 +199,9 @@ def run_seed(args, seed: int, out: Path) -> None:
         acc_b, nll_b = (b_from["acc_b"], b_from["nll_b"]) if b_from else evaluate(model, held["b"])
         return {"arm": arm, "step": step, "acc_a": acc_a, "nll_a": nll_a, "acc_b": acc_b, "nll_b": nll_b}
 
-    def train(data, steps: int, rseed: int, retention: Retention | None = None) -> None:
+    def train(data, steps: int, rseed: int) -> None:
         tr = dataclasses.replace(cfg.train, local_steps=steps)
-        train_sft(model, data, tok.pad_token_id, tr, cfg.routing, ms.num_experts, ms.top_k, None, rseed, retention)
+        train_sft(model, data, tok.pad_token_id, tr, cfg.routing, ms.num_experts, ms.top_k, None, rseed)
 
     write({**point("base", 0), "phase": "base"})
     done_a = 0
@@ -196,131 +216,35 @@ def run_seed(args, seed: int, out: Path) -> None:
     torch.save(pre, work / "pre-b.pt")
     forced = capture_router(model, held["a"])
     protected = a_experts(model, tok, ex["a_train"], max_len, ms.top_k)
-    write({**point("after-a", 0), "phase": "after-a", "steps_a": done_a, "protected": protected.int().tolist()})
-    routers = [p for _, m in router_modules(model) for p in m.parameters()]
+    preb = e1_arms.PreB(state=pre, a_train=enc["a_train"], b_train=enc["b_train"], oracle_experts=protected,
+                        anchor=e1_arms.task_anchor(model, [collate(enc["a_train"][i:i + EVAL_BS], tok.pad_token_id)
+                                                           for i in range(0, len(enc["a_train"]), EVAL_BS)]))
+    write({**point("after-a", 0), "phase": "after-a", "steps_a": done_a, "protected": protected.int().tolist(),
+           "anchor": [[round(x, 4) for x in row] for row in preb.anchor.tolist()],
+           "protect_count": e1_arms.protected_count(preb)})
     for arm in args.arms:
         t0 = time.perf_counter()
+        if describe(model).num_experts != ms.num_experts:  # grown by an expansion arm: rebuild the model
+            model = apply_trainable(load_base(args)[0], dataclasses.replace(cfg.model, trainable="router+experts"))
         load_trainable(model, torch.load(work / "pre-b.pt"), spec_of(model, "router+experts"))
-        data, ret = enc["b_train"], None
-        if arm == "router-frozen":
-            for p in routers:
-                p.requires_grad_(False)
-        elif arm == "experts-frozen":
-            ret = Retention(protected=protected, protect_lr_scale=0.0)
-        elif arm == "replay":
-            data = enc["b_train"] + enc["a_train"]
-        elif arm == "distill":
-            ret = Retention(ref_state={k: v.clone() for k, v in pre.items()}, distill_weight=1.0,
-                            distill_temperature=2.0)
+        br = e1_arms.branch(arm, model, preb, cfg.routing)
+        grown = describe(model).num_experts
         for r, step in enumerate(range(args.round, args.steps_b + 1, args.round)):
-            train(data, args.round, seed * 1000 + r, ret)
+            tr = dataclasses.replace(cfg.train, local_steps=args.round)
+            train_sft(model, br.data, tok.pad_token_id, tr, br.routing, grown, ms.top_k, br.anchor,
+                      seed * 1000 + r, br.retention)
             row = point(arm, step)
             write({**row, "phase": "b"})
             if arm == "router-frozen":
                 write({**point("router-frozen+forced", step, forced, row), "phase": "b"})
-        for p in routers:
+        for p in br.frozen:
             p.requires_grad_(True)
         print(f"s{seed} {arm}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-# ------------------------------------------------------------------------------------------------ tables
-def load_rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.strip()]
-
-
-def stage0(rows: list[dict]) -> str:
-    """The Stage 0 tables (Markdown) from the kept rows, by the rules of ``bench/e1_stats.py``."""
-    seeds = sorted({r["seed"] for r in rows if r["phase"] == "b" and r["arm"] == "none"})
-    by = {(r["seed"], r["arm"], r["phase"], r["step"]): r for r in rows}
-    arms = [a for a in (*ARMS, *READOUTS) if a != "none" and all(any(k[0] == s and k[1] == a for k in by)
-                                                                  for s in seeds)]
-    steps = sorted({r["step"] for r in rows if r["phase"] == "b" and r["arm"] == "none" and r["seed"] in seeds})
-    steps = [st for st in steps if all((s, "none", "b", st) in by for s in seeds)]
-    base = {s: by[(s, "base", "base", 0)] for s in seeds}
-    after = {s: by[(s, "after-a", "after-a", 0)] for s in seeds}
-    kept = {st: [e1_stats.kept_fraction(base[s]["acc_a"], after[s]["acc_a"], by[(s, "none", "b", st)]["acc_a"])
-                 for s in seeds] for st in steps}
-    lines = [f"Seeds: {seeds} (n = {len(seeds)}).", "",
-             "| B step | none: A acc (mean, per seed) | kept fraction | B acc | B NLL |", "|---|---|---|---|---|"]
-    for st in steps:
-        r = [by[(s, "none", "b", st)] for s in seeds]
-        per = ", ".join(f"{x['acc_a']:.3f}" for x in r)
-        lines.append(f"| {st} | {_mean(x['acc_a'] for x in r):.3f} ({per}) | "
-                     f"{_mean(kept[st]):.2f} | {_mean(x['acc_b'] for x in r):.3f} | "
-                     f"{_mean(x['nll_b'] for x in r):.3f} |")
-    lines += ["", "Forgetting curves, every arm (mean over seeds: A acc / A NLL / B NLL):", "",
-              "| B step | " + " | ".join(("none", *arms)) + " |", "|---|" + "---|" * (len(arms) + 1)]
-    for st in steps:
-        cells = []
-        for a in ("none", *arms):
-            r = [by[(s, a, "b", st)] for s in seeds if (s, a, "b", st) in by]
-            cells.append(f"{_mean(x['acc_a'] for x in r):.3f} / {_mean(x['nll_a'] for x in r):.2f} / "
-                         f"{_mean(x['nll_b'] for x in r):.2f}" if r else "–")
-        lines.append(f"| {st} | " + " | ".join(cells) + " |")
-    length = e1_stats.choose_length(kept)
-    lines += ["", f"Before B: A acc {_mean(after[s]['acc_a'] for s in seeds):.3f}, A NLL "
-              f"{_mean(after[s]['nll_a'] for s in seeds):.3f}; base A acc "
-              f"{_mean(base[s]['acc_a'] for s in seeds):.3f}, "
-              f"A NLL {_mean(base[s]['nll_a'] for s in seeds):.3f}.",
-              f"B's length by the rule (none keeps 20–80 %, closest to 50 %): {length}.", ""]
-    if not arms:
-        return "\n".join(lines)
-    if length is None:
-        lines.append("No checkpoint in the window: the gate is not met at these lengths.")
-    else:
-        lines += compare_at(by, seeds, arms, steps, length, after, "the rule's length")
-    if steps and steps[-1] != length:
-        lines += ["", *compare_at(by, seeds, arms, steps, steps[-1], after, "the end of B (secondary)")]
-    return "\n".join(lines)
-
-
-def compare_at(by: dict, seeds: list[int], arms: list[str], steps: list[int], length: int, after: dict,
-               what: str) -> list[str]:
-    """The paired arm-vs-none tables at B step ``length``: equal B steps, then equal B loss (each curve starts at
-    the pre-B state, step 0)."""
-    full = [s for s in seeds if all((s, a, "b", length) in by for a in arms)]
-    if len(full) < 2:
-        return [f"At B step {length} ({what}): fewer than 2 seeds with every arm."]
-    lines = [f"At B step {length}, {what} (equal B steps), arm − none, paired over seeds {full}:", "",
-             "| arm | A acc | NLL_A − none's (= ΔNLL_A − none's) | B acc | B NLL |", "|---|---|---|---|---|"]
-    ends = {"A acc": "acc_a", "nll": "nll_a", "B acc": "acc_b", "B nll": "nll_b"}
-    res = {k: e1_stats.compare_arms({a: [by[(s, a, "b", length)][f] - by[(s, "none", "b", length)][f] for s in full]
-                                     for a in arms}) for k, f in ends.items()}
-    for a in arms:
-        lines.append(f"| {a} | " + " | ".join(e1_stats.fmt_test(res[k][a]) for k in ends) + " |")
-    eq = {}
-    for s in full:
-        start = (after[s]["nll_b"], after[s]["acc_a"])  # step 0: the shared pre-B state
-        curves = {a: [start] + [(by[(s, a, "b", st)]["nll_b"], by[(s, a, "b", st)]["acc_a"]) for st in steps
-                                if (s, a, "b", st) in by and st <= length] for a in ("none", *arms)}
-        target = max(c[-1][0] for c in curves.values())
-        eq[s] = {a: e1_stats.at_equal_loss(c, target) for a, c in curves.items()}
-    eq_res = e1_stats.compare_arms({a: [eq[s][a] - eq[s]["none"] for s in full] for a in arms})
-    lines += ["", f"At equal B loss (the seed's largest B NLL at step {length}), A acc, arm − none:", "",
-              "| arm | A acc at equal B loss | stop rule: mean gain ≥ +0.10 |", "|---|---|---|"]
-    for a in arms:
-        lines.append(f"| {a} | {e1_stats.fmt_test(eq_res[a])} | "
-                     f"{'passes' if eq_res[a]['mean'] >= e1_stats.STOP_RULE_GAIN else 'fails'}"
-                     f"{' (and claimed)' if eq_res[a]['claimed'] else ' (not claimed)'} |")
-    per_seed = []
-    for s in full:
-        cells = [f"{a} {by[(s, a, 'b', length)]['acc_a']:.3f}/{_f(eq[s][a])}" for a in ("none", *arms)]
-        per_seed.append(f"s{s}: " + ", ".join(cells))
-    return lines + ["", "Per seed (A acc at that step / at equal B loss): " + "; ".join(per_seed)]
-
-
-def _f(x: float | None) -> str:
-    return "–" if x is None else f"{x:.3f}"
-
-
-def _mean(xs) -> float:
-    xs = [x for x in xs if math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else math.nan
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("base", "run", "table"))
+    ap.add_argument("what", choices=("base", "run", "table", "table1"))
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--base-seed", type=int, default=0)
     ap.add_argument("--warmup-steps", type=int, default=3000)
@@ -332,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps-b", type=int, default=300)
     ap.add_argument("--round", type=int, default=25, help="B steps per round (one checkpoint each)")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--length", type=int, default=20, help="table1: B's pre-registered length (steps)")
+    ap.add_argument("--stage0", default="bench/results/e1-stage0", help="table1: Stage 0's rows, for the check")
     ap.add_argument("--cache", default="runs/e1/base-cache")
     ap.add_argument("--work", default="runs/e1/work")
     ap.add_argument("--out", default="bench/results/e1-stage0")
@@ -351,8 +277,13 @@ def main(argv: list[str] | None = None) -> None:
         (out / "args.json").write_text(json.dumps(vars(args), indent=1))
         for seed in args.seeds:
             run_seed(args, seed, out)
+    elif args.what == "table":
+        print(e1_tables.tables(e1_tables.load_rows(out), e1_arms.STAGE0))
     else:
-        print(stage0(load_rows(out)))
+        rows = e1_tables.load_rows(out)
+        print(e1_tables.tables(rows, e1_arms.STAGE1, args.length))
+        if (Path(args.stage0) / "rows.jsonl").exists():
+            print("\n" + e1_tables.same_pre_b(rows, e1_tables.load_rows(Path(args.stage0)), args.length))
 
 
 if __name__ == "__main__":

@@ -95,3 +95,6 @@ def test_every_arm_is_a_valid_run_config_in_both_orders(arm):
         if arm.startswith("balance-"):
             assert cfg.routing.balance == "bias"
             assert cfg.routing.balance_count == ("first" if arm.startswith("balance-first") else "topk")
+        # the kept rows were measured with distillation off unless the arm turns it on (it is the default now)
+        distills = "distill-weight" in bench.RETENTION_ARMS.get(arm, ("", ""))[1]
+        assert (cfg.retention.distill_weight > 0) == distills, arm

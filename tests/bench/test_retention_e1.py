@@ -8,6 +8,7 @@ Must not: run the experiment at its real size (the bench does that).
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -104,3 +105,51 @@ def test_tiny_end_to_end_run_writes_paired_rows_and_a_table(tmp_path, capsys):
     assert (tmp_path / "work" / "s0" / "pre-b.pt").is_file()
     e1.main(["table", "--out", str(out)])
     assert "B's length by the rule" in capsys.readouterr().out
+
+
+def test_stage1_arms_use_the_library_mechanisms_and_an_expansion_does_not_leak_into_the_next_arm(tmp_path, capsys):
+    """Every Stage 1 arm restarts from the same pre-B state: ``none`` after an expansion (which grows the model in
+    place) reproduces ``none`` before it exactly; each arm sets up the library's mechanism as documented."""
+    import torch
+
+    arms_mod = _load("e1_arms")
+    out = tmp_path / "out"
+    e1.main(["run", "--seeds", "0", "--warmup-steps", "1", "--keys", "2", "--steps-a", "1", "--a-round", "1",
+             "--steps-b", "1", "--round", "1", "--arms", "none", "anchor-50", "protect-0", "expand+anchor", "none",
+             "--cache", str(tmp_path / "cache"), "--work", str(tmp_path / "work"), "--out", str(out)])
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    nones = [r for r in rows if r["arm"] == "none"]
+    assert len(nones) == 2 and nones[0] == nones[1]
+    after = next(r for r in rows if r["arm"] == "after-a")
+    anchor = torch.tensor(after["anchor"])  # [L, E]
+    assert torch.allclose(anchor.sum(1), torch.ones(anchor.shape[0]), atol=1e-3)
+    e1.main(["table1", "--out", str(out), "--length", "1", "--stage0", str(tmp_path / "none")])
+    assert "B's length, fixed before the runs: 1." in capsys.readouterr().out
+
+    model, _tok, cfg, _ = e1.load_base(argparse.Namespace(base_seed=0, warmup_steps=1, cache=str(tmp_path / "cache"),
+                                                          lr=1e-3))
+    layers, experts = anchor.shape
+    pre = arms_mod.PreB(state={}, a_train=["a"], b_train=["b"], oracle_experts=anchor > 1, anchor=anchor)
+    br = arms_mod.branch("anchor-50", model, pre, cfg.routing)
+    assert br.routing.anchor_kl_coef == 50.0 and br.routing.anchor_granularity == "batch" and br.data == ["b"]
+    assert arms_mod.branch("anchor-token", model, pre, cfg.routing).routing.anchor_granularity == "token"
+    prot = arms_mod.branch("protect-0.3", model, pre, cfg.routing).retention
+    assert prot.protect_lr_scale == 0.3 and torch.equal(prot.protected, anchor > 0.2)
+    assert arms_mod.branch("replay", model, pre, cfg.routing).data == ["b", "a"]
+    br = arms_mod.branch("expand+anchor", model, pre, cfg.routing)
+    assert tuple(br.retention.frozen.shape) == (layers, experts + 2) and not br.retention.frozen[:, experts:].any()
+    assert br.retention.frozen[:, :experts].all()  # every earlier expert frozen
+    assert torch.allclose(br.anchor[:, :experts], anchor) and not br.anchor[:, experts:].any()  # none on the new
+    with pytest.raises(ValueError, match="unknown arm"):
+        arms_mod.branch("anchor-7", model, pre, cfg.routing)
+
+
+def test_same_pre_b_names_only_the_seeds_that_start_b_from_the_same_state():
+    tables = _load("e1_tables")
+
+    def r(seed, arm, step, acc):
+        return {"seed": seed, "arm": arm, "step": step, "acc_a": acc, "nll_a": 1.0, "acc_b": 0.0, "nll_b": 2.0}
+
+    new = [r(0, "after-a", 0, 0.8), r(0, "none", 20, 0.2), r(1, "after-a", 0, 0.8), r(1, "none", 20, 0.3)]
+    old = [r(0, "after-a", 0, 0.8), r(0, "none", 20, 0.2), r(1, "after-a", 0, 0.8), r(1, "none", 20, 0.31)]
+    assert "exactly: [0] (of [0, 1])" in tables.same_pre_b(new, old, 20)
