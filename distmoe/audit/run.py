@@ -6,8 +6,9 @@ the settings a check reads from the signed run-start entry), :class:`LedgerFile`
 ``loc`` (where an entry is, for findings), ``included_of``, ``flat_get`` and ``close_to``.
 
 A party ledger is the owner's across runs (one work directory, one ledger): its ``entries`` and ``by_seq`` here are
-those of the audited run (``run`` of the coordinator's run-start entry), so no check mistakes another run's entries
-for this one's; the chain itself is verified over the whole file (``distmoe.audit.integrity``).
+those of the audited run (the ids of the coordinator's entries, a resumed session's included: ``Run.run_ids``), so
+no check mistakes another run's entries for this one's; the chain itself is verified over the whole file
+(``distmoe.audit.integrity``).
 
 Must not: judge anything (the check modules do), read models, checkpoints or party data, or write anything.
 Unusable input (no run directory, no ``run.json`` or coordinator ledger, unparsable records, a receipt that is
@@ -51,9 +52,9 @@ def _read_json(path: Path, what: str) -> Any:
         raise AuditInputError(f"{path}: {what} is not valid JSON: {exc}") from exc
 
 
-def _load_ledger(name: str, path: Path, pub_path: Path, run_id: Any = None) -> LedgerFile:
-    """Parse what can be parsed (integrity is judged by ``verify_ledger``, not here); with ``run_id``, keep the
-    entries of that run only."""
+def _load_ledger(name: str, path: Path, pub_path: Path, run_ids: set[str] | None = None) -> LedgerFile:
+    """Parse what can be parsed (integrity is judged by ``verify_ledger``, not here); with ``run_ids``, keep the
+    entries of those runs only."""
     entries: list[dict[str, Any]] = []
     for raw in path.read_bytes().split(b"\n"):
         if not raw.strip():
@@ -62,7 +63,7 @@ def _load_ledger(name: str, path: Path, pub_path: Path, run_id: Any = None) -> L
             obj = json.loads(raw.decode("ascii"))
         except (ValueError, UnicodeDecodeError):
             continue
-        if isinstance(obj, dict) and (run_id is None or str(obj.get("run")) == str(run_id)):
+        if isinstance(obj, dict) and (run_ids is None or str(obj.get("run")) in run_ids):
             entries.append(obj)
     by_seq: dict[int, dict[str, Any]] = {}
     for e in entries:
@@ -135,7 +136,7 @@ class Run:
             name = p.stem
             if name in self.parties or name == COORDINATOR:
                 raise AuditInputError(f"{p}: a second ledger for node {name!r}")
-            self.parties[name] = _load_ledger(name, p, p.with_suffix(".pub"), self.coord.by_seq.get(0, {}).get("run"))
+            self.parties[name] = _load_ledger(name, p, p.with_suffix(".pub"), self.run_ids())
         server = run_dir / "privacy" / "ledger.json"
         self.server_privacy = _read_json(server, "privacy ledger") if server.exists() else None
         self.canaries_arg = Path(canaries) if canaries is not None else None
@@ -148,6 +149,14 @@ class Run:
         self.releases = [e for e in self.coord.entries if str(e.get("payload_type", "")).startswith("release:")]
         self.stats_releases = [e for e in self.releases if e.get("payload_type") == "release:router-stats"]
         self.settings: dict[str, Any] = {}
+
+    def run_ids(self) -> set[str]:
+        """The ids this run's entries carry: the run-start's and every session's after a resume (each resumed
+        session's parties log under its own id: ``session`` of the coordinator's ``run-resume`` entries)."""
+        ids = {str(e.get("run")) for e in self.coord.entries}
+        ids |= {str((e.get("info") or {}).get("session")) for e in self.coord.entries
+                if e.get("payload_type") == "run-resume"}
+        return ids
 
     @property
     def ledgers(self) -> list[LedgerFile]:

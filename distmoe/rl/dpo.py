@@ -45,9 +45,8 @@ from distmoe.model.device import autocast_for, base_dtype, device_of, to_device
 from distmoe.model.router import forward_with_router
 from distmoe.rl.engines import InferenceEngine
 from distmoe.rl.losses import mismatch_weights
-from distmoe.routing.losses import anchor_kl, aux_load_balance_loss
 from distmoe.train.optim import build_optimizer
-from distmoe.train.sft import set_checkpointing
+from distmoe.train.sft import router_terms, set_checkpointing
 from distmoe.train.stability import NonFinite, guard_gradients
 
 Encoded = tuple[list[int], list[int]]  # (input_ids, labels), labels -100 off the completion
@@ -255,15 +254,8 @@ def train_dpo(model: nn.Module, pairs: list[Pair], ref: Reference, pad_id: int, 
             loss, st = dpo_loss(seq[:b], seq[b:], ref.chosen[ids].to(device), ref.rejected[ids].to(device), dpo.beta,
                                 ref.keep[ids].to(device))
             step_parts = {"dpo_loss": st["dpo_loss"], "margin": st["margin"], "pref_acc": st["pref_acc"]}
-            if routing.aux_loss_coef > 0 and routing.balance.aux:
-                aux = aux_load_balance_loss(out.router_logits, num_experts, top_k, batch["attention_mask"],
-                                            routing.aux_loss_scope)
-                loss = loss + routing.aux_loss_coef * aux
-                step_parts["aux_loss"] = float(aux.detach())
-            if anchor is not None and routing.anchor_kl_coef > 0:
-                kl = anchor_kl(out.router_logits, batch["attention_mask"], anchor, routing.anchor_granularity)
-                loss = loss + routing.anchor_kl_coef * kl
-                step_parts["anchor_kl"] = float(kl.detach())
+            loss = router_terms(loss, out.router_logits, batch["attention_mask"], routing, num_experts, top_k, anchor,
+                                step_parts)
             if not math.isfinite(float(loss.detach())):
                 finite = False
                 break

@@ -85,17 +85,8 @@ def sft_loss(model: nn.Module, batch: dict[str, torch.Tensor], routing: RoutingC
     """Total loss of one batch and its parts."""
     out = forward_with_router(model, batch["input_ids"], batch["attention_mask"])
     task = causal_lm_loss(out.logits, batch["labels"])
-    total = task
     parts = {"task_loss": float(task.detach())}
-    if routing.aux_loss_coef > 0 and routing.balance.aux:
-        aux = aux_load_balance_loss(out.router_logits, num_experts, top_k, batch["attention_mask"],
-                                    routing.aux_loss_scope)
-        total = total + routing.aux_loss_coef * aux
-        parts["aux_loss"] = float(aux.detach())
-    if anchor is not None and routing.anchor_kl_coef > 0:
-        kl = anchor_kl(out.router_logits, batch["attention_mask"], anchor, routing.anchor_granularity)
-        total = total + routing.anchor_kl_coef * kl
-        parts["anchor_kl"] = float(kl.detach())
+    total = router_terms(task, out.router_logits, batch["attention_mask"], routing, num_experts, top_k, anchor, parts)
     r = retention
     if r is not None and r.task_anchors is not None and r.task_anchor_reduce != "off" and routing.anchor_kl_coef > 0:
         kl = task_anchor_kl(out.router_logits, batch["attention_mask"], r.task_anchors, routing.anchor_granularity,
@@ -108,6 +99,24 @@ def sft_loss(model: nn.Module, batch: dict[str, torch.Tensor], routing: RoutingC
         total = total + r.distill_weight * d
         parts["distill"] = float(d.detach())
     return total, parts
+
+
+def router_terms(total: torch.Tensor, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor,
+                 routing: RoutingConfig, num_experts: int, top_k: int, anchor: torch.Tensor | None,
+                 parts: dict[str, float]) -> torch.Tensor:
+    """``total`` plus the router's regularisers of one batch, the same in every loop that trains the router (SFT,
+    DPO): the aux load-balance loss (when the balance mode uses it) and the anchor KL (when an anchor is given),
+    each times its coefficient (``routing/losses.py``), added in that order; their values go into ``parts``
+    (``aux_loss``, ``anchor_kl``)."""
+    if routing.aux_loss_coef > 0 and routing.balance.aux:
+        aux = aux_load_balance_loss(router_logits, num_experts, top_k, attention_mask, routing.aux_loss_scope)
+        total = total + routing.aux_loss_coef * aux
+        parts["aux_loss"] = float(aux.detach())
+    if anchor is not None and routing.anchor_kl_coef > 0:
+        kl = anchor_kl(router_logits, attention_mask, anchor, routing.anchor_granularity)
+        total = total + routing.anchor_kl_coef * kl
+        parts["anchor_kl"] = float(kl.detach())
+    return total
 
 
 def _micro_batches(raw: list, size: int, pad_id: int, device: torch.device) -> list[tuple[dict, float]]:

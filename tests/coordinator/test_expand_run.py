@@ -55,8 +55,8 @@ def crashed_and_resumed(tmp_path_factory, lay_out_run):
     crashed = {"experts": coord.mspec.num_experts, "expansions": [dict(e) for e in coord.s.expansions]}
     rcfg = parse_run_config({**cfg.as_flat(), "run.resume": str(run_dir)})
     lines2: list[str] = []
-    coord2 = Coordinator(rcfg, run_dir, LocalTransport(rcfg, nodes, f"flower-{uuid.uuid4().hex[:6]}"), run_id,
-                         log=lines2.append)
+    session = f"flower-{uuid.uuid4().hex[:6]}"  # the resumed session's Flower run id, as the parties see it
+    coord2 = Coordinator(rcfg, run_dir, LocalTransport(rcfg, nodes, session), session, log=lines2.append)
     record = coord2.run()
     return {"cfg": cfg, "run_dir": run_dir, "coord": coord2, "record": record, "crashed": crashed,
             "lines": lines, "lines2": lines2}
