@@ -46,7 +46,7 @@ from distmoe.model.router import forward_with_router
 from distmoe.rl.engines import InferenceEngine
 from distmoe.rl.losses import mismatch_weights
 from distmoe.train.optim import build_optimizer
-from distmoe.train.sft import router_terms, set_checkpointing
+from distmoe.train.sft import micro_slices, router_terms, set_checkpointing
 from distmoe.train.stability import NonFinite, guard_gradients
 
 Encoded = tuple[list[int], list[int]]  # (input_ids, labels), labels -100 off the completion
@@ -240,10 +240,9 @@ def train_dpo(model: nn.Module, pairs: list[Pair], ref: Reference, pad_id: int, 
     t0 = time.perf_counter()
     for idx in batch_iterator(list(range(len(pairs))), dpo.pairs_per_step, dpo.steps, seed):
         opt.zero_grad(set_to_none=True)
-        size = train.micro_batch_size if 0 < train.micro_batch_size < len(idx) else len(idx)
         total, parts, finite = 0.0, {}, True
-        for i in range(0, len(idx), size):
-            mb = idx[i:i + size]
+        for sl in micro_slices(len(idx), train.micro_batch_size):
+            mb = idx[sl]
             weight = len(mb) / len(idx)
             batch = _pair_batch([pairs[j] for j in mb], pad_id, device)
             out = forward_with_router(model, batch["input_ids"], batch["attention_mask"])

@@ -119,10 +119,16 @@ def router_terms(total: torch.Tensor, router_logits: tuple[torch.Tensor, ...], a
     return total
 
 
+def micro_slices(n: int, size: int) -> list[slice]:
+    """One step's ``n`` items cut into micro-batches of ``size`` (``train.micro-batch-size``; 0 or >= n: one), the
+    cut every loop that accumulates gradients uses (SFT, DPO)."""
+    size = size if 0 < size < n else n
+    return [slice(i, i + size) for i in range(0, n, size)]
+
+
 def _micro_batches(raw: list, size: int, pad_id: int, device: torch.device) -> list[tuple[dict, float]]:
     """Split one step's sequences into micro-batches, each with its share of the step's supervised tokens."""
-    size = size if 0 < size < len(raw) else len(raw)
-    batches = [to_device(collate(raw[i:i + size], pad_id), device) for i in range(0, len(raw), size)]
+    batches = [to_device(collate(raw[sl], pad_id), device) for sl in micro_slices(len(raw), size)]
     counts = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
     total = sum(counts)
     return [(b, (c / total) if total else 1.0 / len(batches)) for b, c in zip(batches, counts, strict=True)]
