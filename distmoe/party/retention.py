@@ -75,3 +75,14 @@ def round_retention(cfg: RunConfig, work_dir: Path, instr: SftInstruction, layer
     on = (r.task_anchors is not None and r.task_anchor_reduce != "off") or r.protected is not None \
         or r.ref_state is not None or r.router_warmup_steps > 0 or r.frozen is not None
     return r if on else None
+
+
+def drop_pretask(work_dir: Path) -> int:
+    """Remove the pre-task reference copy of a run that has ended (``retention/pretask-*``): state a resume needs while
+    the run can continue, nothing once it completed (a completed run is never resumed). Returns the bytes freed."""
+    freed = 0
+    for path in (Path(work_dir) / "retention").glob("pretask-*.safetensors"):
+        freed += path.stat().st_size
+        path.unlink()
+    return freed
+

@@ -267,6 +267,9 @@ def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides:
         return 1, run_dir
     if status != "completed":
         return _failed(opts, run_dir, log_path, timed_out), run_dir
+    from distmoe.party.retention import drop_pretask  # (torch) only once a run completed
+
+    freed = sum(drop_pretask(run_dir / "work" / p.name) for p in parties)  # each party's pre-task copy (distillation)
     if opts.report:
         os.environ.setdefault("MPLCONFIGDIR", str(run_dir / "home" / "mpl"))  # no font cache in ~
         from distmoe.report.report import write_report
@@ -277,7 +280,8 @@ def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides:
             from distmoe.report.tensorboard import write_tensorboard
 
             say(f"  tensorboard: {write_tensorboard(run_dir)} (view: tensorboard --logdir {run_dir / 'tensorboard'})")
-    say(f"  disk: the run wrote {_size_text(disk_bytes(run_dir))} in {run_dir} (each file once)")
+    say(f"  disk: the run keeps {_size_text(disk_bytes(run_dir))} in {run_dir} (each file once"
+        + (f"; the parties' pre-task copies, {_size_text(freed)}, removed once the run completed)" if freed else ")"))
     return 0, run_dir
 
 

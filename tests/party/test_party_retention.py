@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distmoe.model.build import hash_tensors
-from distmoe.party.retention import round_retention
+from distmoe.party.retention import drop_pretask, round_retention
 from distmoe.wire.schema import SftInstruction
 
 W = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
@@ -57,6 +57,11 @@ def test_the_pre_task_model_is_kept_from_the_weights_the_coordinator_named(make_
     assert [p.name for p in (tmp_path / "retention").glob("pretask-*")] == [f"pretask-{ref2[:32]}.safetensors"]
     # no hash named (the first task, or distillation off at the coordinator): nothing kept or used
     assert round_retention(cfg, tmp_path, _instr(W), 2, 4) is None
+    # the run completed (distmoe simulate): the copy goes, the rest of the work directory stays
+    (tmp_path / "retention" / "other.json").write_text("{}")
+    size = (tmp_path / "retention" / f"pretask-{ref2[:32]}.safetensors").stat().st_size
+    assert drop_pretask(tmp_path) == size > 0 and drop_pretask(tmp_path) == 0
+    assert [p.name for p in (tmp_path / "retention").iterdir()] == ["other.json"]
 
 
 def test_after_an_expansion_every_expert_but_the_newest_k_is_frozen(make_cfg, tmp_path):
