@@ -30,6 +30,22 @@ def test_flwr_clientapp_arguments_are_read_in_both_spellings():
     assert warm.arg_value(args, "--parent-pid") == "42" and warm.arg_value(args, "--insecure") is None
 
 
+def test_the_peer_uid_is_read_from_the_kernel_not_assumed(monkeypatch):
+    """Without root: a real connected pair (the kernel fills in the peer's credentials) is accepted as the owner's,
+    and refused once the worker runs as another uid than its peer, the same comparison the root test below makes
+    with a second real account."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        assert warm._same_uid(a) is True
+        real = os.getuid()
+        monkeypatch.setattr(warm.os, "getuid", lambda: real + 1)
+        assert warm._same_uid(a) is False
+    finally:
+        a.close()
+        b.close()
+
+
+# Skipped where the tests do not run as root (CI runs them as root): only root can connect as another account.
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another uid")
 def test_a_peer_of_another_uid_is_told_apart():
     """The attack the uid check stops: another local account connecting to the worker's socket (here a
