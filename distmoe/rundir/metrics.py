@@ -1,13 +1,13 @@
-"""The run's append-only metrics log (``metrics.jsonl``) and atomic JSON/text writes (``run.json``).
+"""The run's append-only metrics log (``metrics.jsonl``): its line format, crash-safe appends and tolerant reading.
 
 Owns: the on-disk format of ``metrics.jsonl`` (one JSON object per line, non-finite floats stored as
 ``null``, a unix ``"time"`` on every event), crash-safe appends (the whole line in one ``os.write`` on an
-``O_APPEND`` descriptor, then ``fsync``), tolerant reading (a torn trailing line from a crash is skipped
-and counted; corruption anywhere else is an error naming file and line) and atomic replacement of whole
-files (``distmoe.io``).
+``O_APPEND`` descriptor, then ``fsync``: ``distmoe.io``) and tolerant reading (a torn trailing line from a
+crash is skipped and counted; corruption anywhere else is an error naming file and line). A party's own
+``<work-dir>/metrics/<party>.jsonl`` has the same format.
 
-Must not: import ``flwr`` or ``torch``, interpret events (that is the report's job), or buffer events in
-memory: every ``append`` is durable when it returns.
+Must not: import ``flwr`` or ``torch``, interpret events (that is the report's job), name where the log lies
+(``distmoe.rundir.layout``), or buffer events in memory: every ``append`` is durable when it returns.
 """
 
 from __future__ import annotations
