@@ -21,6 +21,7 @@ from pathlib import Path
 
 from distmoe.audit.result import AuditInputError, Check
 from distmoe.audit.run import Run, flat_get, info_of, loc
+from distmoe.rundir.layout import WORK_DIR
 
 SCAN_CHUNK = 1 << 22
 
@@ -43,7 +44,7 @@ def _node_canaries(run: Run, c: Check) -> dict[str, list[str]]:
     """Per party: its canary strings from ``<data-path>/canaries.txt`` named by ``nodes/node-*.toml``."""
     node_to_party = {str(rec.get("node")): str(p) for p, rec in run.run_parties.items() if isinstance(rec, dict)}
     out: dict[str, list[str]] = {}
-    for toml in sorted((run.dir / "nodes").glob("node-*.toml")):
+    for toml in run.layout.node_files():
         try:
             node_cfg = tomllib.loads(toml.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
@@ -77,7 +78,7 @@ def _scan_files(root: Path, canaries: Sequence[str]) -> list[tuple[str, str]]:
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         if here == root:
-            dirnames[:] = [d for d in dirnames if d != "work"]
+            dirnames[:] = [d for d in dirnames if d != WORK_DIR]
         dirnames.sort()
         for fn in sorted(filenames):
             p = here / fn

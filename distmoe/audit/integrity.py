@@ -20,6 +20,7 @@ from typing import Any
 from distmoe.audit.result import Check
 from distmoe.audit.run import COORDINATOR, Run, flat_get, included_of, info_of, loc
 from distmoe.ledger import canonical_json, verify_against_anchor, verify_ledger
+from distmoe.rundir.layout import RUN_RECORD
 
 STRUCTURAL = ("policy", "run-end", "run-resume", "ledger_head")
 RELEASE_TYPES = ("release:router-stats", "release:model-update", "release:rl-update", "release:eval")
@@ -101,7 +102,7 @@ def pins(run: Run) -> dict[str, list[tuple[str, str]]]:
             pins.setdefault(e["peer"], []).append((f"coordinator#{e.get('seq')} key-advert", str(key)))
     for name, rec in run.run_parties.items():
         if isinstance(rec, dict) and rec.get("ledger_public_key") is not None:
-            pins.setdefault(str(name), []).append(("run.json", str(rec["ledger_public_key"])))
+            pins.setdefault(str(name), []).append((RUN_RECORD, str(rec["ledger_public_key"])))
     return pins
 
 

@@ -76,7 +76,7 @@ def _check_privacy_ledger(run: Run, c: Check) -> None:
 
 
 def _check_metrics(run: Run, c: Check) -> None:
-    path = run.dir / "metrics.jsonl"
+    path = run.layout.metrics
     if not path.is_file():
         c.note("no metrics.jsonl: nothing to compare")
         return

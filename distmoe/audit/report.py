@@ -22,6 +22,8 @@ from typing import Any
 from distmoe.audit.engine import AuditInputError, AuditResult, audit_run
 from distmoe.audit.result import EXIT_INPUT
 from distmoe.io import sanitize, write_json_atomic, write_text_atomic
+from distmoe.rundir import RunDir
+from distmoe.rundir.layout import AUDIT_JSON, AUDIT_MD
 
 __all__ = ["cli_audit", "render_markdown", "summary", "write_audit"]
 
@@ -99,9 +101,9 @@ def render_markdown(result: AuditResult) -> str:
 
 def write_audit(result: AuditResult, out_dir: str | os.PathLike[str] | None = None) -> tuple[Path, Path]:
     """Write ``audit.json`` and ``audit.md`` atomically into ``out_dir`` (default ``RUN/audit``)."""
-    d = Path(out_dir) if out_dir is not None else result.run_dir / "audit"
+    d = Path(out_dir) if out_dir is not None else RunDir(result.run_dir).audit
     body = {**result.to_dict(), "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    jpath, mpath = d / "audit.json", d / "audit.md"
+    jpath, mpath = d / AUDIT_JSON, d / AUDIT_MD
     write_json_atomic(jpath, body)
     write_text_atomic(mpath, render_markdown(result))
     return jpath, mpath

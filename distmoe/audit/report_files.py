@@ -10,11 +10,12 @@ Must not: import ``flwr``, read party data, or write anything.
 
 from __future__ import annotations
 
-import re
 import struct
 from pathlib import Path
 
-REPORT_FILES = re.compile(r"(report\.md|loss\.png|routing\.png|tasks\.png|rl\.png)\Z")
+from distmoe.rundir import RunDir
+from distmoe.rundir.layout import REPORT_FILES
+
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 PNG_CHUNKS = {b"IHDR", b"PLTE", b"IDAT", b"IEND", b"pHYs", b"tEXt"}
 
@@ -40,18 +41,18 @@ def _check_png(path: Path, rel: str, out: list[str]) -> None:
 
 
 def check_report(run_dir: Path, out: list[str]) -> None:
-    rdir = run_dir / "report"
+    rdir = RunDir(run_dir).report
     if not rdir.is_dir():
         return
     for f in sorted(rdir.rglob("*")):
         rel = f.relative_to(run_dir).as_posix()
         if f.is_dir():
             continue
-        if f.is_symlink() or f.parent != rdir or not REPORT_FILES.match(f.name):
+        if f.is_symlink() or f.parent != rdir or f.name not in REPORT_FILES:
             out.append(f"{rel}: not a file the report writes")
         elif f.suffix == ".png":
             _check_png(f, rel, out)
-    md = rdir / "report.md"
+    md = RunDir(run_dir).report_md
     if md.is_file():
         from distmoe.report.report import render_markdown
 

@@ -2,8 +2,9 @@
 
 Owns: :class:`Run` (``run.json``, ``ledger/coordinator.jsonl`` + ``.pub``, the party ledgers
 ``work/<party>/ledger/<party>.jsonl`` + ``.pub`` or the ones given, the receipts given, ``privacy/ledger.json``,
-the settings a check reads from the signed run-start entry), :class:`LedgerFile`, and the helpers ``info_of``,
-``loc`` (where an entry is, for findings), ``included_of``, ``flat_get`` and ``close_to``.
+each read through the one reader of a run directory, ``distmoe.rundir.load_run``; the settings a check reads from
+the signed run-start entry), and the helpers ``info_of``, ``loc`` (where an entry is, for findings),
+``included_of``, ``flat_get`` and ``close_to``.
 
 A party ledger is the owner's across runs (one work directory, one ledger): its ``entries`` and ``by_seq`` here are
 those of the audited run (the ids of the coordinator's entries, a resumed session's included: ``Run.run_ids``), so
@@ -17,63 +18,17 @@ not JSON) raises :class:`~distmoe.audit.result.AuditInputError`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from distmoe.audit.result import AuditInputError, Check
+from distmoe.rundir import COORDINATOR, LedgerFile, RunDir, RunFileError, load_run, read_json
 
-COORDINATOR = "coordinator"
+__all__ = ["COORDINATOR", "LedgerFile", "Run", "close_to", "flat_get", "included_of", "info_of", "loc"]
 REL_TOL = 1e-6  # agreement between a recomputed number and the one the ledger claims
-
-
-@dataclass
-class LedgerFile:
-    """One ledger as parsed (integrity is judged by ``verify_ledger``, not here)."""
-
-    name: str
-    path: Path
-    pub_path: Path
-    pub: str | None
-    entries: list[dict[str, Any]]
-    by_seq: dict[int, dict[str, Any]]
-
-
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise AuditInputError(f"{path}: no {what}") from exc
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise AuditInputError(f"{path}: {what} is not valid JSON: {exc}") from exc
-
-
-def _load_ledger(name: str, path: Path, pub_path: Path, run_ids: set[str] | None = None) -> LedgerFile:
-    """Parse what can be parsed (integrity is judged by ``verify_ledger``, not here); with ``run_ids``, keep the
-    entries of those runs only."""
-    entries: list[dict[str, Any]] = []
-    for raw in path.read_bytes().split(b"\n"):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw.decode("ascii"))
-        except (ValueError, UnicodeDecodeError):
-            continue
-        if isinstance(obj, dict) and (run_ids is None or str(obj.get("run")) in run_ids):
-            entries.append(obj)
-    by_seq: dict[int, dict[str, Any]] = {}
-    for e in entries:
-        if isinstance(e.get("seq"), int):
-            by_seq.setdefault(e["seq"], e)
-    try:
-        pub = pub_path.read_text(encoding="ascii").strip() or None
-    except (OSError, UnicodeDecodeError):
-        pub = None
-    return LedgerFile(name, path, pub_path, pub, entries, by_seq)
 
 
 def flat_get(cfg: Mapping[str, Any], key: str) -> Any:
@@ -111,52 +66,32 @@ class Run:
     def __init__(self, run_dir: Path, party_ledgers: Sequence[str | os.PathLike[str]] | None,
                  canaries: str | os.PathLike[str] | None,
                  receipts: Sequence[str | os.PathLike[str]] | None = None):
-        self.dir = run_dir
-        if not run_dir.is_dir():
-            raise AuditInputError(f"{run_dir}: no such run directory")
-        meta = _read_json(run_dir / "run.json", "run.json")
-        if not isinstance(meta, dict):
-            raise AuditInputError(f"{run_dir / 'run.json'}: expected a JSON object")
-        self.meta = meta
-        self.config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
-        self.run_parties = meta.get("parties") if isinstance(meta.get("parties"), dict) else {}
-        cpath = run_dir / "ledger" / f"{COORDINATOR}.jsonl"
-        if not cpath.is_file():
-            raise AuditInputError(f"{cpath}: no coordinator ledger")
-        self.coord = _load_ledger(COORDINATOR, cpath, cpath.with_suffix(".pub"))
-        if party_ledgers is None:
-            paths = sorted(run_dir.glob("work/*/ledger/*.jsonl"))
-        else:
-            paths = [Path(p) for p in party_ledgers]
-            for p in paths:
-                if not p.is_file():
-                    raise AuditInputError(f"{p}: no such party ledger")
-        self.parties: dict[str, LedgerFile] = {}
-        for p in paths:
-            name = p.stem
-            if name in self.parties or name == COORDINATOR:
-                raise AuditInputError(f"{p}: a second ledger for node {name!r}")
-            self.parties[name] = _load_ledger(name, p, p.with_suffix(".pub"), self.run_ids())
-        server = run_dir / "privacy" / "ledger.json"
-        self.server_privacy = _read_json(server, "privacy ledger") if server.exists() else None
+        self.dir = Path(run_dir)
+        self.layout = RunDir(self.dir)
+        try:  # an unusable input is the audit's exit 2, never a verdict
+            files = load_run(self.dir)
+            self.meta = files.record
+            self.coord = files.coordinator_ledger
+            self.parties: dict[str, LedgerFile] = files.party_ledgers(party_ledgers)
+            self.server_privacy = files.accounts
+            self.receipts: list[tuple[Path, Any]] = [  # (path, parsed JSON): judged by distmoe.audit.receipts
+                (p, read_json(p, "receipt")) for p in map(Path, receipts or ())]
+        except RunFileError as exc:
+            raise AuditInputError(str(exc)) from exc
+        self._run_ids = files.run_ids()
+        self.config = self.meta.get("config") if isinstance(self.meta.get("config"), dict) else {}
+        self.run_parties = self.meta.get("parties") if isinstance(self.meta.get("parties"), dict) else {}
         self.canaries_arg = Path(canaries) if canaries is not None else None
         if self.canaries_arg is not None and not self.canaries_arg.is_file():
             raise AuditInputError(f"{self.canaries_arg}: no such canary list")
-        self.receipts: list[tuple[Path, Any]] = []  # (path, parsed JSON): judged by distmoe.audit.receipts
-        for p in map(Path, receipts or ()):
-            self.receipts.append((p, _read_json(p, "receipt")))
         self.start = self.coord.by_seq.get(0, {})
         self.releases = [e for e in self.coord.entries if str(e.get("payload_type", "")).startswith("release:")]
         self.stats_releases = [e for e in self.releases if e.get("payload_type") == "release:router-stats"]
         self.settings: dict[str, Any] = {}
 
     def run_ids(self) -> set[str]:
-        """The ids this run's entries carry: the run-start's and every session's after a resume (each resumed
-        session's parties log under its own id: ``session`` of the coordinator's ``run-resume`` entries)."""
-        ids = {str(e.get("run")) for e in self.coord.entries}
-        ids |= {str((e.get("info") or {}).get("session")) for e in self.coord.entries
-                if e.get("payload_type") == "run-resume"}
-        return ids
+        """The ids this run's entries carry (``distmoe.rundir.LoadedRun.run_ids``)."""
+        return set(self._run_ids)
 
     @property
     def ledgers(self) -> list[LedgerFile]:

@@ -45,6 +45,15 @@ from typing import Any
 
 from distmoe.audit.report_files import check_report
 from distmoe.config import CORRECTIONS
+from distmoe.rundir import RunDir
+from distmoe.rundir.layout import (
+    ANCHORS,
+    CHECKPOINTS,
+    NODES_DIR,
+    SIMULATION_DIRS,
+    SIMULATION_FILES,
+    UNRECORDED_DIRS,
+)
 from distmoe.wire.errors import ALL_REASONS
 from distmoe.wire.schema import EVAL_ROUTING_KEYS, RL_METRIC_KEYS, RL_SIM_METRIC_KEYS, TRAIN_METRIC_KEYS
 
@@ -53,16 +62,17 @@ LABEL = re.compile(r"[A-Za-z0-9_.:/*+-]{1,64}\Z")  # a task, phase, run id or no
 TEXT_MAX = 500  # the coordinator's own sentences (warnings, anomaly details, a failed run's error)
 SHORT_MAX = 80  # a string leaf of a nested run.json record
 MAX_FINDINGS = 50
-SERVER_FILES = re.compile(r"(metrics\.jsonl|metrics\.lost\.jsonl|run\.json|config\.toml|flower\.log|"
-                          r"nodes/[A-Za-z0-9_.-]+\.toml|privacy/ledger\.json|privacy/secagg-server\.state|"
-                          r"anchors/round-\d+\.(json|npz)|checkpoints/LATEST|checkpoints/round-\d+/.+|"
-                          # a checkpoint that failed verification on resume, moved aside for inspection
-                          r"checkpoints/corrupt-round-\d+-\d+/.+)\Z")
-SKIPPED_DIRS = ("work", "ledger", "audit", "keys", "report", "tensorboard")
+_HERE = RunDir(".")  # the server's own files, relative to the run directory
+SERVER_FILES = re.compile("(" + "|".join([
+    *(re.escape(p.as_posix()) for p in (_HERE.metrics, _HERE.metrics_lost, _HERE.record, _HERE.config,
+                                        _HERE.flower_log, _HERE.accounts, _HERE.secagg_state)),
+    rf"{NODES_DIR}/[A-Za-z0-9_.-]+\.toml", rf"{ANCHORS}/round-\d+\.(json|npz)", rf"{CHECKPOINTS}/LATEST",
+    rf"{CHECKPOINTS}/round-\d+/.+",
+    rf"{CHECKPOINTS}/corrupt-round-\d+-\d+/.+",  # a checkpoint that failed verification on resume, moved aside
+]) + r")\Z")
+SKIPPED_DIRS = UNRECORDED_DIRS
 TB_FILE = re.compile(r"events\.out\.tfevents\.[A-Za-z0-9_.-]{1,200}\Z")
 TB_EVENTS = ("train", "rl", "stats", "eval", "probe")  # distmoe.report.tensorboard.EVENTS
-SIMULATION_DIRS = ("flwr", "home", "tmp", "ray")  # distmoe simulate's FLWR_HOME, HOME, TMPDIR, Ray state
-SIMULATION_FILES = ("simulate.json", "overrides.toml", "overrides.resume.toml", "simulate.lock")  # record, config, lock
 
 Kind = Callable[[Any, "_Ctx"], bool]
 
@@ -302,7 +312,7 @@ def _check_tensorboard(run_dir: Path, ctx: _Ctx, out: list[str]) -> None:
     from distmoe.audit.tfevents import EventFileError, read_scalars
     from distmoe.report.tensorboard import scalars
 
-    tdir = run_dir / "tensorboard"
+    tdir = RunDir(run_dir).tensorboard
     if not tdir.is_dir():
         return
     try:
@@ -338,7 +348,7 @@ def _other_files(run_dir: Path, out: list[str]) -> None:
     # `distmoe simulate` keeps Flower's and Ray's state inside the run directory (FLWR_HOME with the installed
     # app bundle, HOME, TMPDIR, Ray's session) and its own simulate.json. They are the simulation's, not the
     # coordinator's: skipped here only when the run is a simulation; the canary scan still reads them.
-    simulated = (run_dir / "simulate.json").is_file()
+    simulated = RunDir(run_dir).simulate_record.is_file()
     for f in sorted(run_dir.rglob("*")):
         rel = f.relative_to(run_dir)
         if rel.parts[0] in SKIPPED_DIRS or f.is_dir():
@@ -357,10 +367,11 @@ def check_server_files(run_dir: Path, meta: Mapping[str, Any], mode: str | None)
     schedule = [s for s in meta.get("schedule") or [] if isinstance(s, str)]
     parties = set(meta.get("parties") or {}) if isinstance(meta.get("parties"), dict) else set()
     ctx = _Ctx(schedule, parties, mode or "")
-    for name in ("metrics.jsonl", "metrics.lost.jsonl"):
-        if (run_dir / name).is_file():
-            _check_metrics(run_dir / name, ctx, out, notes)
-    _check_run_json(run_dir / "run.json", meta, ctx, out, notes)
+    layout = RunDir(run_dir)
+    for path in (layout.metrics, layout.metrics_lost):
+        if path.is_file():
+            _check_metrics(path, ctx, out, notes)
+    _check_run_json(layout.record, meta, ctx, out, notes)
     check_report(run_dir, out)
     _check_tensorboard(run_dir, ctx, out)
     _other_files(run_dir, out)

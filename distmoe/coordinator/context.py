@@ -29,8 +29,8 @@ from distmoe.coordinator.state import RoundState, pinned, to_checkpoint
 from distmoe.model.adapters import ServerModel
 from distmoe.model.build import hash_tensors
 from distmoe.privacy.plan import PrivacyPlan, plan_privacy
-from distmoe.report.metrics_log import MetricsLog
 from distmoe.routing.health import RoutingWatch
+from distmoe.rundir import MetricsLog, RunDir
 from distmoe.wire.errors import ALL_REASONS, reason_name
 
 
@@ -49,8 +49,9 @@ class RunContext:
         self.ckpt_round = -1  # the round of the last checkpoint written by this process
         self.phase_label = ""  # the label of the phase of the round being played
         self.phase_end = False  # the round being played is its phase's last (always checkpointed: checkpoint_due)
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
-        self.record = RunRecord(self.run_dir / "run.json")
+        self.files = RunDir(self.run_dir)  # every path of the run directory
+        self.metrics = MetricsLog(self.files.metrics)
+        self.record = RunRecord(self.files.record)
         self.s = RoundState()
         self.plan: PrivacyPlan = plan_privacy(cfg.privacy, cfg.schedule)
         self.model: ServerModel | None = None  # what trains (lora: the adapters only, no base); set once built
@@ -146,7 +147,7 @@ class RunContext:
         s, model = self.s, self.model
         state, tensors = to_checkpoint(s, self.cfg.schedule.phases, run_id=self.run_id, session=self.session_id,
                                        epoch=self.epoch)
-        save_checkpoint(self.run_dir / "checkpoints", s.round, s.weights, hash_tensors(s.weights),
+        save_checkpoint(self.files.checkpoints, s.round, s.weights, hash_tensors(s.weights),
                         write_model=lambda d: model.save(d, s.weights),
                         meta={"run_id": self.run_id, "anchor_version": s.anchor_versions, **model.manifest_meta(),
                               **pinned(self.cfg.schedule.phases, s.round, s.current_task)},

@@ -1,10 +1,10 @@
 """The run report's reading of a run directory: records loaded once, values made safe to show.
 
-Owns: loading ``metrics.jsonl``, ``run.json`` and the coordinator's accountant record ``privacy/ledger.json``
-into one ``_Run`` (events by kind, in round order; anything unknown ignored), the value helpers (``fmt``: ints
-as is, floats to 4 significant digits, "–" for missing), the Markdown table helper, the aggregate train rows
-(derived from party rows where no aggregate was logged) and :func:`summarise` (the final aggregate eval
-metrics, reused by results tables).
+Owns: the report's view of a run: the metrics rows, the run record and the server's accountants, read through
+the one reader of a run (``distmoe.rundir.load_run``), in one ``_Run`` (events by kind, in round order; anything
+unknown ignored), the value helpers (``fmt``: ints as is, floats to 4 significant digits, "–" for missing), the
+Markdown table helper, the aggregate train rows (derived from party rows where no aggregate was logged) and
+:func:`summarise` (the final aggregate eval metrics, reused by results tables).
 
 Must not: import ``flwr`` or ``torch``, read models, checkpoints, anchors or data, or crash on a run that
 stopped halfway (missing keys, ``null`` values, absent events). The only hard errors are a missing
@@ -13,7 +13,6 @@ stopped halfway (missing keys, ``null`` values, absent events). The only hard er
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from distmoe.io import sanitize
-from distmoe.report.metrics_log import read_metrics
+from distmoe.rundir import LoadedRun, RunFileError, load_run
 
 log = logging.getLogger(__name__)
 
@@ -168,26 +167,10 @@ def _by_round(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted((e for e in events if _round_of(e) is not None), key=lambda e: _round_of(e))
 
 def _load(run_dir: Path) -> _Run:
-    run_dir = Path(run_dir)
-    metrics_path = run_dir / "metrics.jsonl"
-    if not metrics_path.is_file():
-        raise FileNotFoundError(f"run has no metrics log: {metrics_path}")
-    events = read_metrics(metrics_path)
-    record: dict[str, Any] = {}
-    problem = None
-    rec_path = run_dir / "run.json"
-    if rec_path.is_file():
-        try:
-            loaded = json.loads(rec_path.read_text(encoding="utf-8"))
-            if isinstance(loaded, dict):
-                record = loaded
-            else:
-                problem = f"{rec_path.name} is not a JSON object"
-        except (OSError, ValueError) as exc:
-            problem = f"{rec_path.name} unreadable: {exc}"
-    else:
-        problem = f"{rec_path.name} missing"
-    run = _Run(run_dir, record, problem, list(events), events.skipped)
+    files: LoadedRun = load_run(run_dir)
+    events = files.metrics  # the one hard error: no metrics log (or a corrupt line before its last)
+    problem = files.record_problem
+    run = _Run(files.root, {} if problem else files.record, problem, list(events), events.skipped)
     for e in run.events:
         kind = e.get("event")
         if kind == "train":
@@ -207,13 +190,11 @@ def _load(run_dir: Path) -> _Run:
     run.evals = _by_round(run.evals)
     run.stats = _by_round(run.stats)
     run.probes = _by_round(run.probes)
-    accounts = run_dir / "privacy" / "ledger.json"
-    if accounts.is_file():
-        try:
-            loaded = json.loads(accounts.read_text(encoding="utf-8"))
-            run.accounts = loaded if isinstance(loaded, dict) else {}
-        except (OSError, ValueError) as exc:
-            log.warning("%s unreadable: %s", accounts, exc)
+    try:
+        accounts = files.accounts
+        run.accounts = accounts if isinstance(accounts, dict) else {}
+    except RunFileError as exc:
+        log.warning("%s", exc)
     return run
 
 def _last_agg_eval(run: _Run) -> dict[str, Any] | None:

@@ -42,6 +42,7 @@ from distmoe.report.sections import (
     _warnings,
 )
 from distmoe.report.tables import _config, _privacy, _stats_table, _train_table
+from distmoe.rundir import RunDir
 
 __all__ = ["write_report", "render_markdown", "summarise", "HEALTHY_LOAD_CV"]
 
@@ -85,16 +86,16 @@ def write_report(run_dir: str | os.PathLike[str]) -> Path:
     middle is corrupt; anything else missing or partial is shown as "–" or an empty panel.
     """
     run = _load(Path(run_dir))
-    out_dir = run.run_dir / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    layout = RunDir(run.run_dir)
+    layout.report.mkdir(parents=True, exist_ok=True)
     tasks = run.tasks()
     rows, derived = _train_rows(run)
 
-    _plot_loss(run, rows, out_dir / "loss.png")
-    _plot_routing(run, out_dir / "routing.png")
-    _plot_tasks(run, tasks, out_dir / "tasks.png")
+    _plot_loss(run, rows, layout.report_plot("loss"))
+    _plot_routing(run, layout.report_plot("routing"))
+    _plot_tasks(run, tasks, layout.report_plot("tasks"))
     if run.rl:
-        _plot_rl(run, out_dir / "rl.png")
-    path = out_dir / "report.md"
+        _plot_rl(run, layout.report_plot("rl"))
+    path = layout.report_md
     write_text_atomic(path, _markdown(run, tasks, rows, derived))
     return path

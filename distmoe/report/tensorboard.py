@@ -21,11 +21,10 @@ import math
 import os
 from pathlib import Path
 
-from distmoe.report.metrics_log import read_metrics
+from distmoe.rundir import RunDir, load_run
 
-__all__ = ["write_tensorboard", "require", "scalars", "TensorBoardMissing", "EVENTS", "SKIP_KEYS", "TB_DIR"]
+__all__ = ["write_tensorboard", "require", "scalars", "TensorBoardMissing", "EVENTS", "SKIP_KEYS"]
 
-TB_DIR = "tensorboard"
 EVENTS = ("train", "rl", "stats", "eval", "probe")  # the events whose aggregate numbers become scalars
 SKIP_KEYS = frozenset({"event", "round", "time", "phase", "party", "anchor_version", "skipped"})
 INSTALL_HINT = "pip install 'distmoe[tensorboard]'"
@@ -38,7 +37,7 @@ class TensorBoardMissing(RuntimeError):
 def scalars(run_dir: str | os.PathLike[str]) -> list[tuple[str, int, float, float]]:
     """``(tag, step, value, wall_time)`` of every finite number of an aggregate row, in log order."""
     out = []
-    for e in read_metrics(Path(run_dir) / "metrics.jsonl"):
+    for e in load_run(run_dir).metrics:
         kind, rnd = e.get("event"), e.get("round")
         if kind not in EVENTS or e.get("party", "all") != "all" or not isinstance(rnd, int) or isinstance(rnd, bool):
             continue
@@ -74,12 +73,9 @@ def write_tensorboard(run_dir: str | os.PathLike[str]) -> Path:
     """Write the run's aggregate metrics as TensorBoard scalars under ``run_dir/tensorboard``; return that
     directory. Raises :class:`TensorBoardMissing` without the ``tensorboard`` package (nothing is written),
     FileNotFoundError without ``metrics.jsonl``."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "metrics.jsonl").is_file():
-        raise FileNotFoundError(f"run has no metrics log: {run_dir / 'metrics.jsonl'}")
+    points = scalars(run_dir)  # raises before anything is written: no run directory, no metrics log
     Event, Summary, EventFileWriter = _writer()
-    points = scalars(run_dir)
-    out = run_dir / TB_DIR
+    out = RunDir(run_dir).tensorboard
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("events.out.tfevents.*"):  # a re-run replaces the points, never duplicates them
         old.unlink()

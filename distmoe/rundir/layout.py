@@ -32,6 +32,8 @@ CHECKPOINTS = "checkpoints"
 ANCHORS = "anchors"
 REPORT_DIR = "report"
 REPORT_MD = "report.md"
+REPORT_PLOTS = ("loss.png", "routing.png", "tasks.png", "rl.png")  # the report's plots, beside report.md
+REPORT_FILES = (REPORT_MD, *REPORT_PLOTS)  # every file `distmoe report` writes (the audit allows no other)
 TENSORBOARD = "tensorboard"
 AUDIT_DIR = "audit"
 AUDIT_JSON = "audit.json"
@@ -143,6 +145,12 @@ class RunDir:
     @property
     def report_md(self) -> Path:
         return self.report / REPORT_MD
+
+    def report_plot(self, name: str) -> Path:
+        """One of the report's plots (``REPORT_PLOTS``, named without ``.png``: ``loss``)."""
+        if f"{name}.png" not in REPORT_PLOTS:
+            raise ValueError(f"{name!r} is not a plot of the report ({', '.join(REPORT_PLOTS)})")
+        return self.report / f"{name}.png"
 
     @property
     def tensorboard(self) -> Path:

@@ -127,7 +127,7 @@ class LoadedRun:
     def record_problem(self) -> str | None:
         """Why the run record cannot be read (``run.json missing``), None when it can."""
         try:
-            self.record
+            _ = self.record
         except RunFileError as exc:
             return exc.brief
         return None
