@@ -210,7 +210,7 @@ class Coordinator:
         schedule = [ph.label() + (f"*{ph.rounds}" if ph.rounds > 1 else "") for ph in cfg.schedule.phases]
         warn = [] if p.secure else [PLAINTEXT_WARNING]
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(ctx.run_dir / "config.toml", to_toml(cfg.as_flat()))
+        write_text_atomic(ctx.files.config, to_toml(cfg.as_flat()))
         updates = ("secure-sum + client-level DP" if p.update_noise_multiplier else "secure-sum") if p.secure \
             else "plaintext"
         ctx.record.update(run_id=ctx.run_id, name=cfg.run.name, status="running", started=time.time(),

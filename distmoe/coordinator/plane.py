@@ -89,17 +89,17 @@ def start(co: RunContext, transport: GuardedTransport, nodes: list[int], out: Pl
     setup with ``nodes`` and choose the aggregator; returns ``out`` (a new ``Plane`` when None), filled."""
     out = Plane() if out is None else out
     cfg, p = co.cfg, co.cfg.privacy
-    lpath = co.run_dir / "ledger" / "coordinator.jsonl"
+    lpath = co.files.ledger
     continuing = bool(cfg.run.resume) and lpath.exists()  # else the interrupted session never opened its ledger
     entries: list[dict] = []
     if continuing:
         out.ledger, run_start, entries = resume.reopen_ledger(co, lpath)
     else:
-        key = generate_signing_key(co.run_dir / "keys" / "coordinator.key", force=True)
+        key = generate_signing_key(co.files.ledger_key, force=True)
         if lpath.exists():
             raise RunFailed(f"{lpath} exists: a run directory is used by one run only")
         out.ledger = Ledger(lpath, key)
-        write_text_atomic(lpath.with_suffix(".pub"), public_key_hex(key) + "\n")
+        write_text_atomic(co.files.ledger_pub, public_key_hex(key) + "\n")
     ledger, n = out.ledger, len(nodes)
     L = co.mspec.num_moe_layers
     # one stage per expert count the schedule reaches (retention.expand-experts) and model-update objective

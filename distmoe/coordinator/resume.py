@@ -49,6 +49,7 @@ from distmoe.ledger import (
     verify_ledger,
 )
 from distmoe.model.adapters import ServerModel
+from distmoe.rundir import MissingRunFile, RunDir, RunFileError, read_json
 
 REFUSED = "config key 'run.resume'"
 
@@ -87,13 +88,14 @@ def check_resumable(run_dir: Path, cfg: RunConfig) -> dict:
     where = Path(cfg.run.resume)
     if where.resolve() != run_dir.resolve():
         raise RunFailed(f"{REFUSED}: value {str(where)!r} is not the run directory {run_dir} this coordinator writes")
-    path = run_dir / "run.json"
+    files = RunDir(run_dir)
+    path = files.record
     try:
-        prev = json.loads(path.read_text())
-    except FileNotFoundError:
+        prev = read_json(path, "the run record")
+    except MissingRunFile:
         raise RunFailed(f"{REFUSED}: {path} does not exist: {where} is not a distmoe run directory") from None
-    except (OSError, ValueError) as exc:
-        raise RunFailed(f"{REFUSED}: {path} is unreadable ({exc})") from None
+    except RunFileError as exc:
+        raise RunFailed(f"{REFUSED}: {path} is {exc.why}") from None
     if not isinstance(prev, dict) or not prev.get("run_id") or not isinstance(prev.get("config"), dict):
         raise RunFailed(f"{REFUSED}: {path} is not a distmoe run record (no run_id or config)")
     if prev.get("status") == "completed":
@@ -104,7 +106,7 @@ def check_resumable(run_dir: Path, cfg: RunConfig) -> dict:
         raise RunFailed(f"{REFUSED}: the config differs from the interrupted run's in "
                         + "; ".join(f"{k} (was {a!r}, now {b!r})" for k, (a, b) in changed.items())
                         + f"; a resumed run may change only {', '.join(sorted(RESUME_MAY_CHANGE))}")
-    lpath = run_dir / "ledger" / "coordinator.jsonl"
+    lpath = files.ledger
     if lpath.exists():  # else the interrupted session never opened it: the resume starts the wire afresh
         res = verify_ledger(lpath, coordinator_key(run_dir))
         errors = [e for e in res.errors if "torn trailing line" not in e]
@@ -116,13 +118,14 @@ def check_resumable(run_dir: Path, cfg: RunConfig) -> dict:
 
 def coordinator_key(run_dir: Path):
     """The run's own coordinator signing key, checked against the published ``.pub``."""
-    kpath = run_dir / "keys" / "coordinator.key"
+    files = RunDir(run_dir)
+    kpath = files.ledger_key
     try:
         key = load_signing_key(kpath)
     except (OSError, ValueError, TypeError) as exc:
         raise RunFailed(f"{REFUSED}: the coordinator key {kpath} cannot be loaded ({exc}); the ledger chain can "
                         "only be continued with the key that signed it") from None
-    pub = run_dir / "ledger" / "coordinator.pub"
+    pub = files.ledger_pub
     if not pub.exists() or pub.read_text().strip() != public_key_hex(key):
         raise RunFailed(f"{REFUSED}: {kpath} is not the key published in {pub}")
     return key
@@ -151,11 +154,11 @@ def restore(co: RunContext) -> Restored | None:
     """Model and coordinator state from the newest checkpoint that verifies (older ones on failure), recorded in
     ``metrics.jsonl`` and ``run.json``. None: the interrupted session died before its first checkpoint and before
     it contacted anyone (no ledger), so the run simply starts at round 0."""
-    root = co.run_dir / "checkpoints"
+    root = co.files.checkpoints
     path, notes = resumable(root)
     for text in notes:
         co.warn(text)
-    if path is None and not (co.run_dir / "ledger" / "coordinator.jsonl").exists():
+    if path is None and not co.files.ledger.exists():
         co.warn(f"no checkpoint in {root} and no ledger: the interrupted session died before round 0 was saved; "
                 "the run starts from round 0")
         return None
@@ -187,7 +190,7 @@ def restore(co: RunContext) -> Restored | None:
 def set_aside_lost_metrics(run_dir: Path, last_round: int) -> int:
     """Move the ``metrics.jsonl`` lines of rounds after ``last_round`` (the round lost in the crash) to
     ``metrics.lost.jsonl``; returns how many moved."""
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.exists():
         return 0
     keep, lost = [], []
@@ -200,7 +203,7 @@ def set_aside_lost_metrics(run_dir: Path, last_round: int) -> int:
             rnd = None
         (lost if isinstance(rnd, int) and rnd > last_round else keep).append(line)
     if lost:  # first kept aside durably, then removed from the log (a crash in between only duplicates)
-        with (run_dir / "metrics.lost.jsonl").open("a", encoding="utf-8") as fh:
+        with RunDir(run_dir).metrics_lost.open("a", encoding="utf-8") as fh:
             fh.writelines(lost)
             fh.flush()
             os.fsync(fh.fileno())
@@ -265,14 +268,14 @@ def restore_accountants(secure: SecureRounds, say, entries: list[dict]) -> None:
     """The server accountants of the interrupted run (into ``secure``); each must hold every DP release in the
     ledger."""
     counts = dp_release_counts(entries)
-    if not counts and not (secure.dir / "ledger.json").exists():
+    if not counts and not secure.files.accounts.exists():
         say("resume: no accountant state yet (the interrupted session died before any release)")
         return
     accs = secure.restore_accountants()
     for party, n in sorted(counts.items()):
         have = len(accs[party].events) if party in accs else 0
         if have < n:
-            raise RunFailed(f"{REFUSED}: {secure.dir / 'ledger.json'} holds {have} releases of party {party}, the "
+            raise RunFailed(f"{REFUSED}: {secure.files.accounts} holds {have} releases of party {party}, the "
                             f"ledger {n}: the accountant lags the ledger and the run cannot resume without "
                             "under-counting privacy")
     spent = ", ".join(f"{k} {a.primary_epsilon():.3f}" for k, a in sorted(accs.items()))

@@ -48,6 +48,7 @@ from distmoe.io import write_json_atomic, write_text_atomic
 from distmoe.privacy import secagg as sa
 from distmoe.privacy.accountant import Accountant, BudgetExceeded, PrivacyEvent
 from distmoe.privacy.plan import PrivacyPlan, threshold_for
+from distmoe.rundir import MissingRunFile, RunDir, RunFileError, read_json
 from distmoe.wire.schema import (
     ConsistencyRequestMsg,
     ConsistencyResponseMsg,
@@ -76,7 +77,7 @@ class SecureRounds:
     def __init__(self, cfg: RunConfig, plan: PrivacyPlan, transport, run_dir: Path, say: Callable[[str], None],
                  report_errors: Callable[[str, dict[int, str]], None]):
         self.cfg, self.plan, self.transport = cfg, plan, transport
-        self.dir = Path(run_dir) / "privacy"
+        self.files = RunDir(run_dir)  # privacy/ledger.json (the accountants) and privacy/secagg-server.state
         self.say, self.report_errors = say, report_errors
         self.server: sa.SecAggServer | None = None
         self.roster: tuple[int, ...] = ()
@@ -94,17 +95,19 @@ class SecureRounds:
 
     # ------------------------------------------------------------------ setup
     def restore_accountants(self) -> dict[str, Accountant]:
-        """Load the per-party accountants of an interrupted run from ``ledger.json`` (before ``setup``)."""
-        import json
-
-        path = self.dir / "ledger.json"
-        if not path.exists():
-            raise PrivacyStop(f"{path} is missing: the privacy spent before the restart is unknown, so the run "
-                              "cannot resume (it never resets an accountant)")
+        """Load the per-party accountants of an interrupted run from ``privacy/ledger.json`` (before ``setup``)."""
+        path = self.files.accounts
         try:
-            d = json.loads(path.read_text())
+            d = read_json(path, "the server's privacy ledger")
+        except MissingRunFile:
+            raise PrivacyStop(f"{path} is missing: the privacy spent before the restart is unknown, so the run "
+                              "cannot resume (it never resets an accountant)") from None
+        except RunFileError as exc:
+            raise PrivacyStop(f"{path} is unreadable ({exc.why}): the privacy spent before the restart is unknown, "
+                              "so the run cannot resume") from None
+        try:
             self.accountants = {str(k): Accountant.from_state_dict(v) for k, v in d["parties"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise PrivacyStop(f"{path} is unreadable ({type(exc).__name__}: {exc}): the privacy spent before the "
                               "restart is unknown, so the run cannot resume") from None
         return self.accountants
@@ -163,8 +166,8 @@ class SecureRounds:
                 "derived from it) or ask the data owner to raise its cap")
 
     def _save(self) -> None:
-        write_text_atomic(self.dir / "secagg-server.state", self.server.to_state())
-        write_json_atomic(self.dir / "ledger.json", {
+        write_text_atomic(self.files.secagg_state, self.server.to_state())
+        write_json_atomic(self.files.accounts, {
             "epsilon_budget": self.cfg.privacy.epsilon, "delta": self.cfg.privacy.delta, "plan": self.plan.as_dict(),
             "threshold": self.threshold, "roster": [self.name(n) for n in self.roster],
             "parties": {k: a.state_dict() for k, a in sorted(self.accountants.items())},

@@ -33,6 +33,7 @@ from distmoe.model.adapters import ServerModel
 from distmoe.model.build import hash_tensors
 from distmoe.model.trainable import TrainableError, TrainableSpec, check_trainable
 from distmoe.routing.anchor import Anchor, AnchorVersion
+from distmoe.rundir import RunDir
 from distmoe.train.warmup import BaseError, build_base
 
 
@@ -51,7 +52,7 @@ class StartPoint:
 def start_point(cfg: RunConfig, run_dir: Path, say: Callable[[str], None]) -> Path | None:
     """The checkpoint this new run starts from (the warm-up base is built here when not cached), or None."""
     if cfg.model.warmup_steps:
-        cache = Path(cfg.model.warmup_cache) if cfg.model.warmup_cache else Path(run_dir).parent / "base-cache"
+        cache = Path(cfg.model.warmup_cache) if cfg.model.warmup_cache else RunDir(run_dir).base_cache
         try:
             return build_base(cfg, cfg.model.warmup_steps, cache, log=say)
         except BaseError as exc:

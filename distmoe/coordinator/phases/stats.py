@@ -42,7 +42,7 @@ class Stats(PhaseStep):
         s.anchor = build_anchor(total, meta)
         if phase.task:  # the task's own anchor, for per-task anchors and expert protection (coordinator/retention.py)
             s.task_anchors[phase.task] = s.anchor
-        save_anchor(s.anchor, co.run_dir / "anchors")
+        save_anchor(s.anchor, co.files.anchors)
         co.metrics.append({"event": "stats", "round": s.round, "party": "all", "task": phase.task,
                            "anchor_version": meta.version, "num_sequences": n_seq, "parties": out.parties})
         ent = float(-(s.anchor.probs * np.log(np.clip(s.anchor.probs, 1e-9, None))).sum(1).mean())
