@@ -20,6 +20,7 @@ from distmoe.config.federation_keys import SimConfig
 from distmoe.config.keys import ConfigError, Scalar
 from distmoe.config.run_keys import HARDWARE_KEYS, TrainConfig
 from distmoe.config.schedule import TASK_RE
+from distmoe.rundir import WorkDir, node_file
 
 
 @dataclass(frozen=True)
@@ -70,14 +71,14 @@ def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeCon
     nc = dict(node_config)
     if "data-path" not in nc:
         if "partition-id" in nc and sim.nodes_dir:
-            node_file = Path(sim.nodes_dir) / f"node-{int(nc['partition-id'])}.toml"
+            path = node_file(sim.nodes_dir, int(nc["partition-id"]))
             try:
-                with node_file.open("rb") as fh:
+                with path.open("rb") as fh:
                     nc = {**tomllib.load(fh), **{k: v for k, v in nc.items() if k != "data-path"}}
             except FileNotFoundError:
-                raise ConfigError(f"node config: simulation node file {node_file} not found") from None
+                raise ConfigError(f"node config: simulation node file {path} not found") from None
             except tomllib.TOMLDecodeError as exc:
-                raise ConfigError(f"node config: {node_file} is not valid TOML: {exc}") from None
+                raise ConfigError(f"node config: {path} is not valid TOML: {exc}") from None
         else:
             raise ConfigError("node config: 'data-path' is missing: start the SuperNode with "
                               "--node-config 'data-path=\"/path/to/party-dir\"' (or use distmoe simulate)")
@@ -107,7 +108,7 @@ def parse_node_config(node_config: Mapping[str, Any], sim: SimConfig) -> NodeCon
                           "party's Ed25519 ledger-signing key, e.g. ledger.key made by 'distmoe credentials')")
     hardware = tuple((attr, nc[k]) for k, attr in HARDWARE_KEYS.items() if k in nc)
     cache = nc.get("base-cache", "")
-    base_cache = None if cache == "off" else Path(cache).expanduser() if cache else work / "base-cache"
+    base_cache = None if cache == "off" else Path(cache).expanduser() if cache else WorkDir(work).base_cache
     policy = tuple(sorted((k, v) for k, v in nc.items() if k == "policy" or k.startswith("policy-")))
     node = NodeConfig(party=party, data_path=data_path, work_dir=work, model_path=nc.get("model-path", ""),
                       epsilon_max=eps_max, ledger_key=ledger_key, hardware=hardware, base_cache=base_cache,

@@ -47,12 +47,11 @@ from distmoe.deploy.pin import active_digest
 from distmoe.io import write_json_atomic
 from distmoe.ledger import canonical_json
 from distmoe.privacy.plan import plan_privacy
+from distmoe.rundir import WorkDir
 from distmoe.wire.at_rest import PreflightError, make_private, privacy_preflight
 from distmoe.wire.errors import ErrorCode, Refused
 
 POLICY_FORMAT = "distmoe-owner-policy/1"
-WORK_SUBDIRS = ("ledger", "keys", "secagg", "privacy", "metrics", "policy")  # what a party writes there
-RUNS_FILE = "runs.json"  # <work-dir>/policy/runs.json: the Flower run ids this owner's party set up
 
 
 @dataclass(frozen=True)
@@ -128,7 +127,7 @@ class OwnerPolicy:
     def count_run(self, node: NodeConfig, run_id: str) -> None:
         """Record ``run_id`` in ``<work-dir>/policy/runs.json``; refuse a new run once ``max_runs`` others are there.
         Each run config a coordinator tries is a run: this bounds how often it can probe this party."""
-        path = node.work_dir / "policy" / RUNS_FILE
+        path = WorkDir(node.work_dir).policy_runs
         try:
             runs = list(json.loads(path.read_text())["runs"]) if path.exists() else []
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -214,7 +213,7 @@ def secure_work_dir(node: NodeConfig) -> None:
     """Make the work directory private (0700/0600) and run the pre-run privacy check on the data and work
     directories (``distmoe.wire.at_rest``: no group/other bits, no detail on stdout); ``Refused`` (``config``)
     names the problem in the party's own log."""
-    for sub in WORK_SUBDIRS:  # made now, so that they are private too (the later writers keep their modes)
+    for sub in WorkDir.SUBDIRS:  # made now, so that they are private too (the later writers keep their modes)
         (node.work_dir / sub).mkdir(parents=True, exist_ok=True)
     make_private(node.work_dir)
     try:

@@ -31,13 +31,13 @@ from distmoe.deploy.receipt import sign_receipt
 from distmoe.io import write_json_atomic
 from distmoe.party.policy import OwnerPolicy, policy_facts
 from distmoe.party.session import ledger_key
+from distmoe.rundir import WorkDir
 
 COORDINATOR = "coordinator"
 
 
 def receipt_path(node: NodeConfig, run_id: str) -> Path:
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in str(run_id))[:80] or "run"
-    return node.work_dir / "receipts" / f"{node.party}-{safe}.json"
+    return WorkDir(node.work_dir).receipt(node.party, run_id)
 
 
 def _entries(path: Path) -> list[dict[str, Any]]:
@@ -85,7 +85,7 @@ def receipt_body(entries: list[dict[str, Any]], run_id: str, party: str, delta: 
 
 def write_receipt(cfg: RunConfig, node: NodeConfig, run_id: str, policy: OwnerPolicy | None = None) -> Path:
     """Write (replace) this party's signed receipt of run ``run_id`` under the owner ``policy``; returns its path."""
-    ledger = node.work_dir / "ledger" / f"{node.party}.jsonl"
+    ledger = WorkDir(node.work_dir).ledger(node.party)
     budget = min(cfg.privacy.epsilon, node.epsilon_max or math.inf)
     body = receipt_body(_entries(ledger), run_id, node.party, cfg.privacy.delta, budget,
                         active_digest(), policy_facts(policy))

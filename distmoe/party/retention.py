@@ -25,6 +25,7 @@ from distmoe.io import write_text_atomic
 from distmoe.model.build import hash_tensors
 from distmoe.model.expand import frozen_set
 from distmoe.routing.retention import check_task_anchors, protected_experts
+from distmoe.rundir import WorkDir
 from distmoe.train.retention import Retention
 from distmoe.wire.schema import SftInstruction
 
@@ -33,14 +34,15 @@ def _pretask(work_dir: Path, instr: SftInstruction, weights: dict[str, torch.Ten
              ) -> dict[str, torch.Tensor] | None:
     from safetensors.torch import load_file, save
 
-    folder = work_dir / "retention"
-    path = folder / f"pretask-{instr.ref_hash[:32]}.safetensors"
+    files = WorkDir(work_dir)
+    folder = files.retention
+    path = files.pretask(instr.ref_hash[:32])
     if path.exists():
         return load_file(str(path))
     if hash_tensors(weights) != instr.ref_hash:
         return None  # the task's first round was missed: no pre-task model here
     folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("pretask-*.safetensors"):
+    for old in files.pretask_files():
         old.unlink()
     write_text_atomic(path, save({k: v.contiguous() for k, v in weights.items()}))
     return {k: v.clone() for k, v in weights.items()}
@@ -81,7 +83,7 @@ def drop_pretask(work_dir: Path) -> int:
     """Remove the pre-task reference copy of a run that has ended (``retention/pretask-*``): state a resume needs while
     the run can continue, nothing once it completed (a completed run is never resumed). Returns the bytes freed."""
     freed = 0
-    for path in (Path(work_dir) / "retention").glob("pretask-*.safetensors"):
+    for path in WorkDir(work_dir).pretask_files():
         freed += path.stat().st_size
         path.unlink()
     return freed

@@ -38,6 +38,7 @@ from distmoe.privacy import releases as R
 from distmoe.privacy import secagg as sa
 from distmoe.privacy import train_metrics as TM
 from distmoe.privacy.dp import canary_seed
+from distmoe.rundir import WorkDir
 from distmoe.wire.errors import ErrorCode, Refused
 from distmoe.wire.schema import (
     ConsistencyRequestMsg,
@@ -250,7 +251,7 @@ class PartyService:
         line = {"round": instr.round, "kind": type(instr).__name__, "task": instr.task,
                 **({"objective": instr.objective} if getattr(instr, "objective", None) else {}),
                 **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, **facts}
-        append_durable(self.node.work_dir / "metrics" / f"{self.name}.jsonl",
+        append_durable(WorkDir(self.node.work_dir).metrics(self.name),
                        (json.dumps(line, allow_nan=True) + "\n").encode())
 
 

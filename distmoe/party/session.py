@@ -56,6 +56,7 @@ from distmoe.privacy.metric_noise import EvalSpec
 from distmoe.privacy.plan import eval_spec, plan_privacy, stats_spec
 from distmoe.privacy.secagg.selftest import mask_check_failure, mask_statistic, prg_known_answer
 from distmoe.privacy.vectors import UpdateLayout
+from distmoe.rundir import WorkDir
 from distmoe.wire.errors import ErrorCode
 
 
@@ -68,16 +69,12 @@ class SessionError(RuntimeError):
         self.code = ErrorCode(code)
 
 
-def _safe(run_id: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in str(run_id))[:80] or "run"
-
-
 def ledger_key(node: NodeConfig):
     """The party's Ed25519 ledger signing key: node config ``ledger-key`` when given (e.g. from
     ``distmoe credentials``), else ``<work-dir>/keys/<party>-ledger.key`` (created on first use, mode 0600)."""
     if node.ledger_key is not None:
         return load_signing_key(node.ledger_key)
-    path = node.work_dir / "keys" / f"{node.party}-ledger.key"
+    path = WorkDir(node.work_dir).ledger_key(node.party)
     if path.exists():
         return load_signing_key(path)
     try:
@@ -89,7 +86,7 @@ def ledger_key(node: NodeConfig):
 def open_ledger(node: NodeConfig) -> Ledger:
     """This party's ledger ``<work-dir>/ledger/<party>.jsonl`` (+ ``.pub`` with the public key)."""
     key = ledger_key(node)
-    path = node.work_dir / "ledger" / f"{node.party}.jsonl"
+    path = WorkDir(node.work_dir).ledger(node.party)
     pub = path.with_suffix(".pub")
     if not pub.exists():
         write_text_atomic(pub, public_key_hex(key) + "\n")
@@ -116,9 +113,9 @@ class _Facts:
 class PartySession:
     def __init__(self, cfg: RunConfig, node: NodeConfig, run_id: str):
         self.cfg, self.node, self.run_id = cfg, node, str(run_id)
-        base = node.work_dir
-        self.state_path = base / "secagg" / f"{node.party}-{_safe(run_id)}.state"
-        self.facts_path = base / "privacy" / f"{node.party}-{_safe(run_id)}.json"
+        self.files = WorkDir(node.work_dir)
+        self.state_path = self.files.secagg_state(node.party, run_id)
+        self.facts_path = self.files.facts(node.party, run_id)
         self.facts: _Facts | None = None
         self.accountant: Accountant | None = None
         self.client: sa.SecAggClient | None = None
@@ -126,7 +123,7 @@ class PartySession:
             self._load()
 
     def accountant_path(self, logical_run: str) -> Path:
-        return self.node.work_dir / "privacy" / f"{self.node.party}-{_safe(logical_run)}.accountant.json"
+        return self.files.accountant(self.node.party, logical_run)
 
     # ------------------------------------------------------------------ persistence
     @property
@@ -253,7 +250,7 @@ class PartySession:
             return
         for old in sessions:
             if str(old) != self.run_id:
-                stale = self.node.work_dir / "secagg" / f"{self.node.party}-{_safe(str(old))}.state"
+                stale = self.files.secagg_state(self.node.party, str(old))
                 stale.unlink(missing_ok=True)
 
     def directory(self, req) -> sa.ShareKeys:

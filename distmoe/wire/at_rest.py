@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 
+from distmoe.rundir import WorkDir
 from distmoe.wire.errors import ErrorCode
 from distmoe.wire.party_guard import failure_log, log_detail
 
@@ -116,7 +117,7 @@ def check_logging() -> list[str]:
             fail(secret)
         except ValueError as exc:
             print(failure_log("preflight", "sft", exc))
-            log = log_detail(SimpleNamespace(path=Path(tmp) / "ledger" / "p.jsonl"), ErrorCode.INTERNAL, "preflight",
+            log = log_detail(SimpleNamespace(path=WorkDir(tmp).ledger("p")), ErrorCode.INTERNAL, "preflight",
                              f"ValueError: {exc}")
             if stat.S_IMODE(log.stat().st_mode) & 0o077:
                 problems.append(f"logging: the party's own log is created readable by others ({log.name})")

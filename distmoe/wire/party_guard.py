@@ -40,6 +40,7 @@ from flwr.app import RecordDict
 
 from distmoe.ledger import Ledger
 from distmoe.privacy.secagg.selftest import mask_check_failure, mask_statistic
+from distmoe.rundir import WorkDir
 from distmoe.wire import codec, inspect
 from distmoe.wire.codec import WireError
 from distmoe.wire.errors import REASONS, Blocked, ErrorCode, Refused, reason_text
@@ -162,7 +163,7 @@ def phase_of(mtype: str) -> str:
 
 def party_log(ledger: Ledger) -> Path:
     """The party's own error log, ``<work-dir>/party.log`` (next to ``<work-dir>/ledger/``): private to it."""
-    return Path(ledger.path).parent.parent / "party.log"
+    return WorkDir.of_ledger(ledger.path).party_log
 
 
 def log_detail(ledger: Ledger, code: int, where: str, detail: str) -> Path:
