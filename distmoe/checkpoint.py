@@ -39,12 +39,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distmoe.io import file_sha256, fsync_dir, write_text_atomic
+from distmoe.rundir import RunDir
 
 SAFETENSORS_META = {"format": "pt"}  # every tensor file as transformers writes it (equal tensors, equal bytes)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated or does not match its manifest."""
+
+
+def round_dir(root: Path, round_num: int) -> Path:
+    """The checkpoint of round ``round_num`` in the checkpoints folder ``root`` (``RunDir.checkpoints``)."""
+    return Path(root) / f"round-{int(round_num)}"
 
 
 def _fsync_tree(root: Path) -> None:
@@ -62,7 +68,7 @@ def save_checkpoint(root: Path, round_num: int, trainable: dict[str, torch.Tenso
     directory (a subdirectory: ``adapter/`` or ``model/``), ``state`` (JSON) and ``tensors`` (name -> tensors,
     each written as ``<name>.safetensors``) travel inside it; all of it is covered by the manifest."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"round-{round_num}"
+    final = round_dir(root, round_num)
     tmp = root / f".tmp-round-{round_num}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -251,12 +257,12 @@ def rollback_point(run_dir: Path, round_num: int) -> Path:
     """The verified checkpoint of round ``round_num`` of the run in ``run_dir``, the starting point of a new run
     (``run.init-from``); ``CheckpointError`` saying why not: no such run, a round never reached, a round pruned
     (naming the kept ones) or one that does not verify."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     if not root.is_dir():
         raise CheckpointError(f"{run_dir}: no checkpoints/ directory (not a distmoe run directory?)")
     rounds = kept_rounds(root)
     kept = ", ".join(f"{n}" + (f" ({why})" if why else "") for n, _, why in rounds) or "none"
-    path = root / f"round-{round_num}"
+    path = round_dir(root, round_num)
     if not path.is_dir():
         last = rounds[-1][0] if rounds else -1
         if round_num > last:

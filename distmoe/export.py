@@ -31,12 +31,13 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from distmoe.checkpoint import CheckpointError, latest, verify_checkpoint
+from distmoe.checkpoint import CheckpointError, kept_rounds, latest, round_dir, verify_checkpoint
 from distmoe.config import RENAMED, RETIRED, ConfigError, RunConfig, load_override_file, parse_run_config
 from distmoe.model.adapters import ADAPTER_DIR, MODEL_DIR, merge_adapters
 from distmoe.model.balance import BIAS_NAME
 from distmoe.model.base import base_fingerprint
 from distmoe.model.build import ModelError
+from distmoe.rundir import RunDir
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -47,9 +48,9 @@ class ExportError(ValueError):
 
 def run_config(run_dir: Path) -> RunConfig:
     """The run's config as it was resolved (``config.toml``; keys renamed since are read under their new name)."""
-    path = run_dir / "config.toml"
+    path = RunDir(run_dir).config
     if not path.is_file():
-        raise ExportError(f"{run_dir}: no config.toml (not a distmoe run directory?)")
+        raise ExportError(f"{run_dir}: no {path.name} (not a distmoe run directory?)")
     flat = {RENAMED.get(k, k): v for k, v in load_override_file(path).items() if k in RENAMED or k not in RETIRED}
     try:
         return parse_run_config(flat)
@@ -59,15 +60,15 @@ def run_config(run_dir: Path) -> RunConfig:
 
 def pick_checkpoint(run_dir: Path, round_num: int | None = None) -> tuple[Path, dict]:
     """``(checkpoint dir, verified manifest)``: round ``round_num``, else the newest (``LATEST``)."""
-    root = run_dir / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     if round_num is None:
         path = latest(root)
         if path is None:
             raise ExportError(f"{run_dir}: no checkpoint (no {root / 'LATEST'} naming an existing round directory)")
     else:
-        path = root / f"round-{round_num}"
+        path = round_dir(root, round_num)
         if not path.is_dir():
-            have = sorted(p.name for p in root.glob("round-*")) if root.is_dir() else []
+            have = [p.name for _, p, _ in kept_rounds(root)] if root.is_dir() else []
             raise ExportError(f"{run_dir}: no checkpoint for round {round_num} (have: {', '.join(have) or 'none'})")
     try:
         return path, verify_checkpoint(path)
@@ -128,7 +129,7 @@ def export_run(run_dir: str | Path, round_num: int | None = None, out: str | Pat
     cfg = run_config(run_dir)
     ck, manifest = pick_checkpoint(run_dir, round_num)
     files = manifest.get("files", {})
-    target = Path(out) if out is not None else run_dir / "export" / ck.name
+    target = Path(out) if out is not None else RunDir(run_dir).export / ck.name
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ExportError(f"--out {target}: exists and is not an empty directory")
     tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"

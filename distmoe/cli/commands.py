@@ -24,6 +24,7 @@ from distmoe.config import (
     to_toml,
 )
 from distmoe.data.formats import DataError
+from distmoe.rundir import RunDir
 from distmoe.wire.at_rest import PRIVATE_UMASK, make_private
 
 
@@ -69,8 +70,8 @@ def cmd_report(args) -> int:
     if not run_dir.is_dir():
         print(f"error: {run_dir}: no such run directory", file=sys.stderr)
         return 2
-    if not (run_dir / "metrics.jsonl").exists():
-        print(f"error: {run_dir}: no metrics.jsonl (not a distmoe run directory?)", file=sys.stderr)
+    if not RunDir(run_dir).metrics.exists():
+        print(f"error: {run_dir}: no {RunDir(run_dir).metrics.name} (not a distmoe run directory?)", file=sys.stderr)
         return 2
     if args.tensorboard:
         from distmoe.report.tensorboard import TensorBoardMissing, require
@@ -116,7 +117,7 @@ def cmd_rollback(args) -> int:
     run = Path(args.run_dir)
     try:
         if args.round is None:
-            rounds = kept_rounds(run / "checkpoints")
+            rounds = kept_rounds(RunDir(run).checkpoints)
             if not rounds:
                 raise CheckpointError(f"{run}: no checkpoints")
             for n, path, why in rounds:

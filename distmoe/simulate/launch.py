@@ -38,6 +38,7 @@ from pathlib import Path
 
 from distmoe.checkpoint import disk_bytes
 from distmoe.config import parse_run_config
+from distmoe.rundir import RunDir, RunFileError, read_json
 from distmoe.simulate.ports import start_superlink
 from distmoe.simulate.prepare import (
     SimOptions,
@@ -103,11 +104,11 @@ def _env(run_dir: Path, token: str, threads: int) -> tuple[dict, Path | None]:
     env = dict(os.environ)
     for k in [k for k in env if k.startswith(("FLWR_", "RAY_"))]:
         env.pop(k)
-    home = run_dir / "home"
-    tmp = run_dir / "tmp"
+    files = RunDir(run_dir)
+    home, tmp = files.home, files.tmp
     for d in (home, tmp):
         d.mkdir(parents=True, exist_ok=True)
-    ray_dir = run_dir / "ray"
+    ray_dir = files.ray
     short = None
     if len(str(ray_dir)) > AF_UNIX_MAX - 60:
         # Ray's socket paths would overflow AF_UNIX: use a short private directory, removed at the end
@@ -117,7 +118,7 @@ def _env(run_dir: Path, token: str, threads: int) -> tuple[dict, Path | None]:
     bindir = str(Path(sys.executable).parent)  # flower-superlink etc. live beside this interpreter
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     env.update({
-        TOKEN_ENV: token, "FLWR_HOME": str(run_dir / "flwr"), "HOME": str(home), "TMPDIR": str(tmp),
+        TOKEN_ENV: token, "FLWR_HOME": str(files.flwr_home), "HOME": str(home), "TMPDIR": str(tmp),
         "RAY_TMPDIR": str(ray_dir), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(home / "hf"),
@@ -130,8 +131,8 @@ def _env(run_dir: Path, token: str, threads: int) -> tuple[dict, Path | None]:
 
 def _read_record(run_dir: Path) -> dict:
     try:
-        return json.loads((run_dir / "run.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        return read_json(RunDir(run_dir).record, "the run record", obj=True)
+    except RunFileError:
         return {}
 
 
@@ -182,7 +183,7 @@ def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides:
     try:
         privacy_check(run_dir, parties, "before the run")  # before anything trains: modes, the logging path
         cfg = parse_run_config(overrides)
-        overrides_file = run_dir / ("overrides.resume.toml" if opts.resume is not None else "overrides.toml")
+        overrides_file = RunDir(run_dir).overrides(resume=opts.resume is not None)
         token = secrets.token_hex(8)
         cmd = [_flwr_bin(), "run", str(app_dir()), "local", "--stream",
                "--federation-config", f"num-supernodes={len(parties)} client-resources-num-cpus={opts.cpus_per_party}",
@@ -193,7 +194,7 @@ def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides:
             _remove_run_dir(run_dir)
         raise
     n = len(parties)
-    log_path = run_dir / "flower.log"
+    log_path = RunDir(run_dir).flower_log
     t0 = time.monotonic()
     status = "failed"
     timed_out = False
@@ -207,8 +208,8 @@ def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides:
             f"({', '.join(p.name for p in parties)}) | schedule {cfg.schedule.total_rounds} rounds")
         say(f"  privacy mode: {_privacy_mode(cfg)}")  # once here: the round lines do not repeat it
         say(f"  run directory: {run_dir}")
-        _, port, _ = start_superlink(env, run_dir / "flwr", lambda: processes_with_token(token), port=opts.port,
-                                     say=_err, umask=PRIVATE_UMASK)
+        _, port, _ = start_superlink(env, RunDir(run_dir).flwr_home, lambda: processes_with_token(token),
+                                     port=opts.port, say=_err, umask=PRIVATE_UMASK)
         say(f"  SuperLink: 127.0.0.1:{port} (this run's own)")
         with log_path.open("a" if opts.resume is not None else "w") as log:
             if opts.resume is not None:
@@ -252,7 +253,7 @@ def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides:
     session = proc.pid if proc is not None else None
     if start_error is not None:
         return _failed_start(opts, run_dir, start_error), run_dir
-    (run_dir / "simulate.json").write_text(json.dumps(
+    RunDir(run_dir).simulate_record.write_text(json.dumps(
         {"token": token, "port": port, "command": cmd, "stopped_pids": stopped, "wall_s": elapsed,
          "session": session, "ray_dir": env["RAY_TMPDIR"],
          "remaining": processes_with_token(token, session, env["RAY_TMPDIR"]),
@@ -269,9 +270,10 @@ def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides:
         return _failed(opts, run_dir, log_path, timed_out), run_dir
     from distmoe.party.retention import drop_pretask  # (torch) only once a run completed
 
-    freed = sum(drop_pretask(run_dir / "work" / p.name) for p in parties)  # each party's pre-task copy (distillation)
+    # each party's pre-task copy (distillation)
+    freed = sum(drop_pretask(RunDir(run_dir).party(p.name).root) for p in parties)
     if opts.report:
-        os.environ.setdefault("MPLCONFIGDIR", str(run_dir / "home" / "mpl"))  # no font cache in ~
+        os.environ.setdefault("MPLCONFIGDIR", str(RunDir(run_dir).home / "mpl"))  # no font cache in ~
         from distmoe.report.report import write_report
 
         path = write_report(run_dir)
@@ -346,11 +348,11 @@ def _failed(opts: SimOptions, run_dir: Path, log_path: Path, timed_out: bool) ->
                                   + (f" (Flower: {flower})" if flower else ""))
     if rec.get("status") != "failed" or not rec.get("error"):
         rec.update(status="failed", finished=time.time(), error=reason)
-        write_json_atomic(run_dir / "run.json", rec)
+        write_json_atomic(RunDir(run_dir).record, rec)
     _err(f"distmoe simulate: run FAILED: {reason}")
     tail = log_path.read_text(errors="replace").splitlines()[-15:] if log_path.exists() else []
     _err("  last lines of the Flower log:\n    " + "\n    ".join(tail))
-    if rec.get("run_id") and (run_dir / "checkpoints").is_dir():
+    if rec.get("run_id") and RunDir(run_dir).checkpoints.is_dir():
         _err(f"  continue it from its last good checkpoint with:\n  distmoe simulate --resume {run_dir}")
     else:
         _err(f"  nothing to resume (no checkpoint); retry with:\n  {retry_command(opts)}")
@@ -374,7 +376,7 @@ def _interrupted(opts: SimOptions, run_dir: Path, stop: Stopped) -> int:
     if rec.get("status") != "completed":  # the ServerApp died with its process: record why it stopped
         rec.update(status="interrupted", finished=time.time(),
                    error=f"stopped by {name} (distmoe simulate, PID {os.getpid()})")
-        write_json_atomic(run_dir / "run.json", rec)
+        write_json_atomic(RunDir(run_dir).record, rec)
         _err(f"distmoe simulate: run {run_dir.name} interrupted by {name}; every process it started was "
              f"stopped. Continue it with:\n  distmoe simulate --resume {run_dir}")
     else:

@@ -29,6 +29,7 @@ from distmoe.config import (
     to_toml,
 )
 from distmoe.data.formats import DataError
+from distmoe.rundir import RunDir
 from distmoe.simulate.datacheck import MAX_NEW_TOKENS_HI, check_parties, length_findings, longest_answer, tokenizer_for
 from distmoe.simulate.processes import SimulationError
 from distmoe.wire.at_rest import PRIVATE_DIR, PRIVATE_UMASK, PreflightError, make_private, privacy_preflight
@@ -188,25 +189,26 @@ def _populate(opts: SimOptions, cfg, run_dir: Path, parties: list[Path] | None, 
     """The data (synthetic unless given), work and node directories and ``overrides.toml`` of a new run."""
     from distmoe.data.synth import synth_tasks, write_synthetic
 
+    files = RunDir(run_dir)
     old_umask = os.umask(PRIVATE_UMASK)  # party files and directories are private from their creation
     try:
-        (run_dir / "work").mkdir(mode=PRIVATE_DIR, exist_ok=True)
+        files.work.mkdir(mode=PRIVATE_DIR, exist_ok=True)
         if parties is None:
             n = opts.parties if opts.parties is not None else 3
             # party-side files live under work/ (the audit checks that nothing outside it holds party data)
-            parties = write_synthetic(run_dir / "work" / "data", n, cfg.data.synth_examples, cfg.run.seed, canaries=1,
+            parties = write_synthetic(files.synth_data, n, cfg.data.synth_examples, cfg.run.seed, canaries=1,
                                       tasks=synth_tasks(cfg.schedule.tasks))
-            make_private(run_dir / "work")  # whatever the writers' own modes were
+            make_private(files.work)  # whatever the writers' own modes were
         for p in parties:
-            (run_dir / "work" / p.name).mkdir(mode=PRIVATE_DIR, exist_ok=True)
+            files.party(p.name).root.mkdir(mode=PRIVATE_DIR, exist_ok=True)
     finally:
         os.umask(old_umask)
-    nodes = run_dir / "nodes"
+    nodes = files.nodes
     nodes.mkdir(exist_ok=True)
     for i, p in enumerate(parties):
         name = p.name
-        (nodes / f"node-{i}.toml").write_text(
-            f'data-path = "{p.resolve()}"\nparty-name = "{name}"\nwork-dir = "{run_dir / "work" / name}"\n'
+        files.node_file(i).write_text(
+            f'data-path = "{p.resolve()}"\nparty-name = "{name}"\nwork-dir = "{files.party(name).root}"\n'
             # the Simulation Engine keeps each party's process, and its loaded base, across messages: no mapped copy
             'base-cache = "off"\n')
     overrides["run.dir"] = str(run_dir)
@@ -217,7 +219,7 @@ def _populate(opts: SimOptions, cfg, run_dir: Path, parties: list[Path] | None, 
         raise ConfigError(f"config key 'federation.min-available': value {overrides['federation.min-available']} "
                           f"exceeds the number of parties ({len(parties)})")
     parse_run_config(overrides)
-    (run_dir / "overrides.toml").write_text(to_toml(overrides))
+    files.overrides().write_text(to_toml(overrides))
     return parties
 
 
@@ -233,7 +235,8 @@ def prepare_resume(opts: SimOptions) -> tuple[Path, list[Path], dict]:
         raise SimulationError(f"--resume {opts.resume}: {', '.join(given)} come from the run being resumed")
     if not run_dir.is_dir():
         raise SimulationError(f"--resume {opts.resume}: no such run directory")
-    ov_path = run_dir / "overrides.toml"
+    files = RunDir(run_dir)
+    ov_path = files.overrides()
     if not ov_path.is_file():
         raise SimulationError(f"--resume {opts.resume}: {ov_path} not found: not a `distmoe simulate` run directory")
     try:
@@ -249,22 +252,22 @@ def prepare_resume(opts: SimOptions) -> tuple[Path, list[Path], dict]:
         check_resumable(run_dir, cfg)
     except RunFailed as exc:
         raise SimulationError(f"--resume {opts.resume}: {exc}") from None
-    node_files = sorted((run_dir / "nodes").glob("node-*.toml"))
+    node_files = files.node_files()
     if not node_files:
-        raise SimulationError(f"--resume {opts.resume}: no node files in {run_dir / 'nodes'}")
+        raise SimulationError(f"--resume {opts.resume}: no node files in {files.nodes}")
     parties = []
     for nf in node_files:
         try:
             parties.append(Path(tomllib.loads(nf.read_text())["data-path"]))
         except (OSError, KeyError, tomllib.TOMLDecodeError) as exc:
             raise SimulationError(f"--resume {opts.resume}: node file {nf} is unreadable: {exc}") from None
-    (run_dir / "overrides.resume.toml").write_text(to_toml(overrides))
+    files.overrides(resume=True).write_text(to_toml(overrides))
     return run_dir, parties, overrides
 
 
 def party_dirs(run_dir: Path, parties: list[Path]) -> dict[str, list[Path]]:
     """Each party's private directories: its data (copy) and its work directory."""
-    return {p.name: [p, run_dir / "work" / p.name] for p in parties}
+    return {p.name: [p, RunDir(run_dir).party(p.name).root] for p in parties}
 
 
 def privacy_check(run_dir: Path, parties: list[Path], when: str) -> None:

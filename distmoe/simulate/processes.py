@@ -20,8 +20,11 @@ import threading
 import time
 from pathlib import Path
 
+from distmoe.rundir import RunDir
+from distmoe.rundir.layout import SIMULATE_LOCK
+
 TOKEN_ENV = "DISTMOE_RUN_TOKEN"
-RUN_LOCK = "simulate.lock"  # in the run directory: {"pid", "started", "command"} of the simulate writing it
+RUN_LOCK = SIMULATE_LOCK  # in the run directory: {"pid", "started", "command"} of the simulate writing it
 
 
 class SimulationError(RuntimeError):
@@ -91,7 +94,7 @@ class RunLock:
     """``RUN_LOCK`` in a run directory: the PID of the one ``simulate`` writing it (module docstring)."""
 
     def __init__(self, run_dir: Path, say=print):
-        self.path = Path(run_dir) / RUN_LOCK
+        self.path = RunDir(run_dir).lock
         self.say = say
         self.held = False
 

@@ -26,7 +26,7 @@ from distmoe.inprocess import LocalTransport
 from distmoe.model.build import build_model, hash_tensors
 from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state
 from distmoe.privacy import metric_noise
-from distmoe.report.metrics_log import read_metrics
+from distmoe.rundir.metrics import read_metrics
 from distmoe.wire.errors import ALL_REASONS, ErrorCode, reason_text
 
 SCHEDULE = "sft:arith*2, eval, stats:arith, sft:strings, eval"

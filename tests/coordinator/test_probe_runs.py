@@ -13,7 +13,7 @@ import re
 import pytest
 
 from distmoe.audit.engine import audit_run
-from distmoe.report.metrics_log import read_metrics
+from distmoe.rundir.metrics import read_metrics
 from distmoe.report.report import render_markdown, write_report
 
 SCHEDULE = "sft:arith*2, stats:arith, sft:strings*2, eval"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from distmoe.audit.engine import audit_run
-from distmoe.report.metrics_log import read_metrics
+from distmoe.rundir.metrics import read_metrics
 
 K, U = 20, 0.02
 SETTLE = {"schedule.phases": "sft:arith*2, eval", "routing.balance": "aux+bias", "routing.balance-count": "first",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from distmoe.io import write_json_atomic
-from distmoe.report.metrics_log import MetricsLog, read_metrics
+from distmoe.rundir.metrics import MetricsLog, read_metrics
 from distmoe.report.report import summarise, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

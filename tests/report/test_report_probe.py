@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from distmoe.io import write_json_atomic
-from distmoe.report.metrics_log import MetricsLog
+from distmoe.rundir.metrics import MetricsLog
 from distmoe.report.report import render_markdown, write_report
 from distmoe.report.tensorboard import scalars
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from distmoe.io import write_json_atomic
 from distmoe.report import plots
-from distmoe.report.metrics_log import MetricsLog
+from distmoe.rundir.metrics import MetricsLog
 from distmoe.report.report import render_markdown, write_report
 
 

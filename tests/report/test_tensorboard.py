@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from distmoe.cli import main
-from distmoe.report.metrics_log import MetricsLog
+from distmoe.rundir.metrics import MetricsLog
 from distmoe.report.tensorboard import TensorBoardMissing, scalars, write_tensorboard
 
 ROWS = [
