@@ -73,7 +73,7 @@ from distmoe.model.build import build_model
 from distmoe.model.trainable import apply_trainable, spec_of
 from distmoe.privacy import secagg as sa
 from distmoe.privacy.vectors import UpdateLayout
-from distmoe.report.metrics_log import read_metrics
+from distmoe.rundir.metrics import read_metrics
 
 SCHEDULE = "sft:lookup, stats:lookup, eval"
 _DEFAULTS = parse_run_config({}).train

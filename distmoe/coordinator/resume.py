@@ -95,7 +95,7 @@ def check_resumable(run_dir: Path, cfg: RunConfig) -> dict:
     except MissingRunFile:
         raise RunFailed(f"{REFUSED}: {path} does not exist: {where} is not a distmoe run directory") from None
     except RunFileError as exc:
-        raise RunFailed(f"{REFUSED}: {path} is {exc.why}") from None
+        raise RunFailed(f"{REFUSED}: {path} {exc.why}") from None
     if not isinstance(prev, dict) or not prev.get("run_id") or not isinstance(prev.get("config"), dict):
         raise RunFailed(f"{REFUSED}: {path} is not a distmoe run record (no run_id or config)")
     if prev.get("status") == "completed":

@@ -103,8 +103,8 @@ class SecureRounds:
             raise PrivacyStop(f"{path} is missing: the privacy spent before the restart is unknown, so the run "
                               "cannot resume (it never resets an accountant)") from None
         except RunFileError as exc:
-            raise PrivacyStop(f"{path} is unreadable ({exc.why}): the privacy spent before the restart is unknown, "
-                              "so the run cannot resume") from None
+            raise PrivacyStop(f"{path} {exc.why}: the privacy spent before the restart is unknown, so the run cannot "
+                              "resume") from None
         try:
             self.accountants = {str(k): Accountant.from_state_dict(v) for k, v in d["parties"].items()}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -258,4 +258,4 @@ class PartyService:
 def work_dir_note(node: NodeConfig, ledger: Path) -> str:
     """The setup line of the party's own log (the SuperNode's stdout) naming where its records are kept."""
     return (f"distmoe party {node.party}: work directory {node.work_dir} (ledger {ledger}, privacy budget "
-            f"{node.work_dir / 'privacy'}, error detail {node.work_dir / 'party.log'})")
+            f"{WorkDir(node.work_dir).privacy}, error detail {WorkDir(node.work_dir).party_log})")

@@ -10,7 +10,8 @@ directory, ``WorkDir(root)`` for a party's work directory); the metrics log's fo
     ├── metrics.jsonl                     .metrics          one JSON object a line (rundir/metrics.py)
     ├── metrics.lost.jsonl                .metrics_lost     lines of rounds lost in a crash, set aside on resume
     ├── config.toml                       .config           the run's flat config (export rebuilds the model from it)
-    ├── ledger/coordinator.jsonl, .pub    .ledger, .ledger_pub   the coordinator's signed ledger and public key
+    ├── ledger/coordinator.jsonl          .ledger           the coordinator's signed ledger
+    ├── ledger/coordinator.pub            .ledger_pub       its public key (hex)
     ├── keys/coordinator.key              .ledger_key       its signing key (0600)
     ├── privacy/ledger.json               .accounts         the server's accountants, one per party
     ├── privacy/secagg-server.state       .secagg_state     the server's secure-aggregation state
@@ -24,7 +25,7 @@ directory, ``WorkDir(root)`` for a party's work directory); the metrics log's fo
     ├── simulate.json, simulate.lock      .simulate_record, .lock
     ├── flower.log                        .flower_log
     ├── overrides.toml, overrides.resume.toml   .overrides(resume)
-    ├── nodes/node-<i>.toml               .nodes, .node_file(i)   one node config per virtual SuperNode
+    ├── nodes/node-<i>.toml               .nodes, .node_file(i), .node_files() (node-*.toml)   one per SuperNode
     ├── flwr/ home/ tmp/ ray/             .flwr_home, .home, .tmp, .ray   Flower's and Ray's state
     └── work/                             .work
         ├── data/party-<i>/               .synth_data       the synthetic demo data
@@ -35,12 +36,13 @@ directory, ``WorkDir(root)`` for a party's work directory); the metrics log's fo
     ├── ledger/<party>.jsonl, .pub        .ledger(party)
     ├── keys/<party>-ledger.key           .ledger_key(party)
     ├── secagg/<party>-<run>.state        .secagg_state(party, run)
+    ├── privacy/                          .privacy          its privacy budget:
     ├── privacy/<party>-<run>.json        .facts(party, run)          the public parameters it agreed to
     ├── privacy/<party>-<run>.accountant.json   .accountant(party, logical run)
     ├── receipts/<party>-<run>.json       .receipt(party, run)
     ├── metrics/<party>.jsonl             .metrics(party)   its own training figures (never sent)
     ├── policy/runs.json                  .policy_runs      the runs this owner's party set up
-    ├── retention/pretask-<hash>.safetensors   .pretask(hash)
+    ├── retention/pretask-<hash>.safetensors   .pretask(hash), .pretask_files() (pretask-*.safetensors)
     ├── base-cache/                       .base_cache
     └── party.log                         .party_log        the detail of each refusal (never sent)
 

@@ -251,15 +251,20 @@ class WorkDir:
     def ledger_key(self, party: str) -> Path:
         return self.root / KEYS_DIR / f"{party}-ledger.key"
 
+    @property
+    def privacy(self) -> Path:
+        """The party's privacy budget: its accountants and the facts it agreed to, per run."""
+        return self.root / PRIVACY_DIR
+
     def secagg_state(self, party: str, run_id: str) -> Path:
         return self.root / SECAGG_DIR / f"{party}-{safe_name(run_id)}.state"
 
     def facts(self, party: str, run_id: str) -> Path:
         """The public parameters a party agreed to for one run (its privacy session's facts)."""
-        return self.root / PRIVACY_DIR / f"{party}-{safe_name(run_id)}.json"
+        return self.privacy / f"{party}-{safe_name(run_id)}.json"
 
     def accountant(self, party: str, logical_run: str) -> Path:
-        return self.root / PRIVACY_DIR / f"{party}-{safe_name(logical_run)}.accountant.json"
+        return self.privacy / f"{party}-{safe_name(logical_run)}.accountant.json"
 
     def receipt(self, party: str, run_id: str) -> Path:
         return self.root / RECEIPTS_DIR / f"{party}-{safe_name(run_id)}.json"

@@ -29,23 +29,24 @@ from distmoe.rundir.metrics import MetricsRecords, read_metrics
 
 
 class RunFileError(ValueError):
-    """A file of a run that a reader needs is unreadable; ``str`` names the file, ``why`` says what is wrong."""
+    """A file of a run that a reader needs is unreadable: ``path: <what> <why>``, e.g. ``RUN/run.json: the run
+    record is not a JSON object``."""
 
     def __init__(self, path: str | os.PathLike[str], why: str, what: str = ""):
         self.path, self.why, self.what = Path(path), why, what
-        super().__init__(f"{self.path}: {why}" + (f" ({what})" if what else ""))
+        super().__init__(f"{self.path}: " + " ".join(s for s in (what, why) if s))
 
     @property
     def brief(self) -> str:
         """``run.json missing``: the file's name and what is wrong, for a note inside a run's own report."""
-        return f"{self.path.name} {self.why}"
+        return f"{self.path.name} {self.why.removeprefix('is ')}"
 
 
 class MissingRunFile(RunFileError, FileNotFoundError):
     """A file of a run that a reader needs does not exist (or the run directory itself)."""
 
-    def __init__(self, path: str | os.PathLike[str], what: str = ""):
-        super().__init__(path, "missing", what)
+    def __init__(self, path: str | os.PathLike[str], what: str = "", why: str = "is missing"):
+        super().__init__(path, why, what)
 
 
 def read_json(path: str | os.PathLike[str], what: str, *, obj: bool = False) -> Any:
@@ -57,7 +58,8 @@ def read_json(path: str | os.PathLike[str], what: str, *, obj: bool = False) -> 
     except FileNotFoundError:
         raise MissingRunFile(path, what) from None
     except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise RunFileError(path, f"unreadable: {exc}", what) from None
+        raise RunFileError(path, f"is not valid JSON: {exc}" if isinstance(exc, ValueError) else
+                           f"is unreadable: {exc}", what) from None
     if obj and not isinstance(value, dict):
         raise RunFileError(path, "is not a JSON object", what)
     return value
@@ -112,7 +114,7 @@ class LoadedRun:
     def __init__(self, root: str | os.PathLike[str]):
         self.layout = RunDir(root)
         if not self.layout.root.is_dir():
-            raise MissingRunFile(self.layout.root, "no such run directory")
+            raise MissingRunFile(self.layout.root, "no such run directory", "")
 
     @property
     def root(self) -> Path:
@@ -167,16 +169,15 @@ class LoadedRun:
         """The party ledgers given (else those found under ``work/``), each named by its file's stem and holding
         this run's entries only; :class:`RunFileError` for a missing one or a second ledger of one node."""
         found = self.layout.party_ledgers() if paths is None else [Path(p) for p in paths]
-        out: dict[str, LedgerFile] = {}
+        seen: set[str] = {COORDINATOR}
         for p in found:
             if not p.is_file():
                 raise MissingRunFile(p, "a party ledger")
-            if p.stem in out or p.stem == COORDINATOR:
+            if p.stem in seen:
                 raise RunFileError(p, f"a second ledger for node {p.stem!r}")
-        ids = self.run_ids()
-        for p in found:
-            out[p.stem] = read_ledger(p.stem, p, ids)
-        return out
+            seen.add(p.stem)
+        ids = self.run_ids() if found else set()  # which entries are this run's: the coordinator ledger says
+        return {p.stem: read_ledger(p.stem, p, ids) for p in found}
 
 
 def load_run(root: str | os.PathLike[str]) -> LoadedRun:

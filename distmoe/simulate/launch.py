@@ -281,7 +281,8 @@ def _run_locked(opts: SimOptions, run_dir: Path, parties: list[Path], overrides:
         if cfg.report.tensorboard:
             from distmoe.report.tensorboard import write_tensorboard
 
-            say(f"  tensorboard: {write_tensorboard(run_dir)} (view: tensorboard --logdir {run_dir / 'tensorboard'})")
+            tb = write_tensorboard(run_dir)
+            say(f"  tensorboard: {tb} (view: tensorboard --logdir {tb})")
     say(f"  disk: the run keeps {_size_text(disk_bytes(run_dir))} in {run_dir} (each file once"
         + (f"; the parties' pre-task copies, {_size_text(freed)}, removed once the run completed)" if freed else ")"))
     return 0, run_dir

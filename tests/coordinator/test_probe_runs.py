@@ -13,8 +13,8 @@ import re
 import pytest
 
 from distmoe.audit.engine import audit_run
-from distmoe.rundir.metrics import read_metrics
 from distmoe.report.report import render_markdown, write_report
+from distmoe.rundir.metrics import read_metrics
 
 SCHEDULE = "sft:arith*2, stats:arith, sft:strings*2, eval"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from distmoe.io import write_json_atomic
-from distmoe.rundir.metrics import MetricsLog, read_metrics
 from distmoe.report.report import summarise, write_report
+from distmoe.rundir.metrics import MetricsLog, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PARTIES = ("party-0", "party-1")

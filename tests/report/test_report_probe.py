@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from distmoe.io import write_json_atomic
-from distmoe.rundir.metrics import MetricsLog
 from distmoe.report.report import render_markdown, write_report
 from distmoe.report.tensorboard import scalars
+from distmoe.rundir.metrics import MetricsLog
 
 CV_WARN = "round 2: routing load CV 1.400 on the probe set exceeds routing.load-cv-warn = 1 (experts unevenly used)"
 

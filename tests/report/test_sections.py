@@ -7,8 +7,8 @@ from pathlib import Path
 
 from distmoe.io import write_json_atomic
 from distmoe.report import plots
-from distmoe.rundir.metrics import MetricsLog
 from distmoe.report.report import render_markdown, write_report
+from distmoe.rundir.metrics import MetricsLog
 
 
 def _run(root: Path, acc_a_before: float = 0.81, retention: float | None = 0.12, **config) -> Path:

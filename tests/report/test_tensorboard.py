@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from distmoe.cli import main
-from distmoe.rundir.metrics import MetricsLog
 from distmoe.report.tensorboard import TensorBoardMissing, scalars, write_tensorboard
+from distmoe.rundir.metrics import MetricsLog
 
 ROWS = [
     {"event": "run_start", "run_id": "r"},
