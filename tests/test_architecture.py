@@ -9,7 +9,7 @@
   highest layer it imports;
 - no import cycle among the modules (every import counts: module level, in a function, under ``TYPE_CHECKING``,
   relative); ``KNOWN_CYCLES`` is empty, and an entry there must match a cycle exactly;
-- ``wire``, ``privacy``, ``audit`` and ``report`` import no torch (nor ``transformers`` / ``peft``), neither
+- ``wire``, ``privacy``, ``audit``, ``report`` and ``rundir`` import no torch (nor ``transformers`` / ``peft``), neither
   themselves nor through a distmoe module they import, except ``TORCH_EXCEPTIONS``;
 - no module over ``MAX_LINES`` lines.
 
@@ -351,7 +351,7 @@ def test_cycle_check_flags_a_planted_cycle(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Torch-free layers
 # ---------------------------------------------------------------------------------------------
-TORCH_FREE = ("wire", "privacy", "audit", "report")
+TORCH_FREE = ("wire", "privacy", "audit", "report", "rundir")
 HEAVY = ("torch", "transformers", "peft", "opacus")  # opacus imports torch
 # module -> the heavy package it may import, and why. The accountant's PRV and RDP analysis are opacus's
 # (privacy/accountant.py); opacus imports torch, so importing the accountant, and the audit that replays it, loads
@@ -405,12 +405,13 @@ def test_torch_free_layers_import_no_torch():
         assert pkg in {p for _, p in _heavy_imports(tree)}, f"{rel} no longer imports {pkg}: remove the exception"
 
 
-def test_wire_and_report_load_no_torch_at_run_time():
-    mods = sorted(_module(rel) for rel, _ in _sources() if rel.startswith(("distmoe/wire/", "distmoe/report/")))
+def test_wire_report_and_rundir_load_no_torch_at_run_time():
+    mods = sorted(_module(rel) for rel, _ in _sources()
+                  if rel.startswith(("distmoe/wire/", "distmoe/report/", "distmoe/rundir/")))
     code = f"import sys\nfor m in {mods!r}:\n    __import__(m)\nprint(sorted(set(sys.modules) & {set(HEAVY)!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", f"importing wire and report loaded {out.stdout.strip()}"
+    assert out.stdout.strip() == "[]", f"importing wire, report and rundir loaded {out.stdout.strip()}"
 
 
 def test_torch_check_flags_a_planted_torch_import(tmp_path):

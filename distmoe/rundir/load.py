@@ -1,5 +1,7 @@
 """The one reader of a finished or partial run directory: what the report, the audit, resume, rollback and export
-read of a run, each file read once, with an error that names the file when one a reader needs is missing or bad.
+read of a run.
+
+Each file is read once, and a file a reader needs that is missing or bad is an error that names it.
 
 Owns: :func:`load_run` and its :class:`LoadedRun` (the run record ``run.json``, the metrics rows of
 ``metrics.jsonl``, the server's accountants ``privacy/ledger.json``, the coordinator's ledger and the party ledgers

@@ -143,3 +143,10 @@ def test_the_drawing_shows_every_name():
     doc = rundir_pkg.__doc__
     missing = sorted(n for n in FILES | FOLDERS if n not in doc)
     assert not missing, f"the layout drawing in distmoe/rundir/__init__.py lacks {missing}"
+
+
+def test_the_operations_guide_shows_every_name():
+    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    tree = text.split("### What a run directory holds", 1)[1].split("## Where the logs are", 1)[0]
+    missing = sorted(n for n in FILES | FOLDERS if n not in tree)
+    assert not missing, f"docs/operations.md, 'What a run directory holds', lacks {missing}"
