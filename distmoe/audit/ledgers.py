@@ -45,8 +45,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from distmoe.rundir import COORDINATOR
+
 CHECKS = ("run-end", "coordinator-heads", "release-coverage")
-COORDINATOR = "coordinator"
 END_STATUSES = ("completed", "failed", "stopped", "interrupted")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 

@@ -31,9 +31,7 @@ from distmoe.deploy.receipt import sign_receipt
 from distmoe.io import write_json_atomic
 from distmoe.party.policy import OwnerPolicy, policy_facts
 from distmoe.party.session import ledger_key
-from distmoe.rundir import WorkDir
-
-COORDINATOR = "coordinator"
+from distmoe.rundir import COORDINATOR, WorkDir
 
 
 def receipt_path(node: NodeConfig, run_id: str) -> Path:

@@ -16,7 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-COORDINATOR = "coordinator"  # the coordinator's node name: its ledger and key are named after it
+# the coordinator's node name: its ledger and key are named after it, and parties record its ledger heads under it
+COORDINATOR = "coordinator"
 
 # the names of a run directory (RunDir), in the order of the tree in distmoe.rundir
 RUN_RECORD = "run.json"

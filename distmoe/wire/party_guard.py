@@ -40,7 +40,7 @@ from flwr.app import RecordDict
 
 from distmoe.ledger import Ledger
 from distmoe.privacy.secagg.selftest import mask_check_failure, mask_statistic
-from distmoe.rundir import WorkDir
+from distmoe.rundir import COORDINATOR, WorkDir  # COORDINATOR: the name a party records the coordinator's heads under
 from distmoe.wire import codec, inspect
 from distmoe.wire.codec import WireError
 from distmoe.wire.errors import REASONS, Blocked, ErrorCode, Refused, reason_text
@@ -61,7 +61,6 @@ from distmoe.wire.schema import (
 )
 
 REPLY_STRINGS = codec.string_fields("reply")  # {record: keys} that may hold text or bytes in a reply
-COORDINATOR = "coordinator"  # the node name under which a party records the coordinator's ledger heads
 
 
 def _all_bytes(content: RecordDict) -> list[bytes]:
@@ -205,7 +204,7 @@ def guarded_error(ledger: Ledger, canaries: list[bytes], run: str, rnd: int | No
     blob = text.encode("ascii")
     entry = ledger.append(run=run, round=rnd, phase=phase, direction="out", payload_type="error",
                           keys=["error.reason"], shapes={}, bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
-                          verdict="accepted", peer="coordinator",
+                          verdict="accepted", peer=COORDINATOR,
                           info={"canary_scan": {"strings": len(canaries), "hits": hits}, "code": int(code)})
     return codec.with_error_head(text, entry["seq"], entry["hash"])
 
@@ -215,7 +214,7 @@ def _log(ledger: Ledger, content: RecordDict, direction: str, verdict: str, run:
     d = inspect.describe(content, exclude=exclude)
     return ledger.append(run=run, round=rnd, phase=phase, direction=direction, payload_type=codec.payload_tag(content),
                          keys=d["keys"], shapes=d["shapes"], bytes=d["bytes"], sha256=d["sha256"],
-                         verdict=verdict[:500], peer="coordinator", **extra)
+                         verdict=verdict[:500], peer=COORDINATOR, **extra)
 
 
 def serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> RecordDict:
