@@ -3,6 +3,8 @@ does to the global model and the log, and the expert expansion at a new task. No
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -99,3 +101,40 @@ def test_a_new_task_grows_the_model_and_the_old_experts_stay_exact(tiny, make_ct
     for k in grown:  # experts 0..E-1 frozen: only the new expert moved
         torch.testing.assert_close(ctx.s.weights[k][:E], before[k][:E])
         torch.testing.assert_close(ctx.s.weights[k][E:], before[k][E:] + 1.0)
+
+
+def _round(ctx, loss: float, last: float = 1.8):
+    """One ``sft`` round of ``ctx``'s first phase with a zero update and the aggregate ``loss`` (``loss_last``)."""
+    phase = ctx.cfg.schedule.phases[0]
+    instr = STEP.configure(ctx, phase)
+    out = UpdateSum(_delta(ctx.s.weights, 0.0), {"loss": loss, "loss_first": loss, "loss_last": last,
+                                                 "skipped_steps": 0.0}, 3, 3, 3)
+    ctx.s, _ = STEP.aggregate(ctx, 0, phase, instr, out)
+    ctx.s = replace(ctx.s, round=ctx.s.round + 1)
+
+
+def test_a_loss_spike_beyond_the_rolling_z_score_is_flagged_in_the_record_and_the_state(make_ctx, read_metrics):
+    """Plaintext baseline (under secure aggregation no training loss reaches the server, so nothing is judged)."""
+    secure = make_ctx(**{"federation.anomaly-z": 4.0})  # the secure slots' means are not judged
+    _round(secure, math.nan, math.nan)
+    assert not read_metrics(secure, "anomaly") and secure.s.anomaly_history == {}
+    ctx = make_ctx(**{"federation.anomaly-z": 4.0, "privacy.mode": "plaintext"})  # (the same run directory)
+    for v in (2.0, 1.9, 1.95, 1.85, 1.9):
+        _round(ctx, v)
+    assert not read_metrics(ctx, "anomaly") and ctx.s.anomaly_history["train/loss"] == [2.0, 1.9, 1.95, 1.85, 1.9]
+    _round(ctx, 6.0)
+    [a] = read_metrics(ctx, "anomaly")
+    assert "rolling standard deviations" in a["detail"] and "loss 6" in a["detail"] and a["round"] == 6
+    assert json.loads((ctx.run_dir / "run.json").read_text())["anomalies"][0]["detail"] == a["detail"]
+
+
+def test_a_non_finite_aggregate_loss_is_flagged_in_the_record_and_the_report(make_ctx, read_metrics):
+    from distmoe.report.report import render_markdown
+
+    ctx = make_ctx(**{"privacy.mode": "plaintext"})
+    _round(ctx, math.nan)
+    [a] = read_metrics(ctx, "anomaly")
+    assert "non-finite" in a["detail"] and "loss" in a["detail"]
+    assert any("non-finite" in x["detail"] for x in json.loads((ctx.run_dir / "run.json").read_text())["anomalies"])
+    md = render_markdown(ctx.run_dir)
+    assert "## Anomalies" in md and "non-finite" in md
