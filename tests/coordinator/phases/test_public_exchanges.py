@@ -5,6 +5,7 @@ sends ``instruction`` and hands the replies to ``apply``."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -93,3 +94,26 @@ def test_the_probe_takes_the_median_and_names_a_disagreeing_party_once(make_ctx,
     probe.apply(ctx, replies, {})
     warns = [w["detail"] for w in read_metrics(ctx, "routing_warning") if w["kind"] == "probe"]
     assert len(warns) == 1 and "party party-1's routing probe disagrees" in warns[0]
+
+
+def test_a_high_load_cv_warns_once_in_the_record_and_the_report(make_ctx, read_metrics):
+    from distmoe.report.report import render_markdown
+
+    ctx = make_ctx("sft:arith*2", rnd=1, **{"routing.probe-every": 1, "routing.probe-prompts": 4,
+                                            "routing.load-cv-warn": 0.01})
+    ctx.probe_prompts = ("a b", "c d", "e f", "g h")
+    ctx.peer = {100: "party-0", 101: "party-1", 102: "party-2"}.__getitem__
+    L, E = ctx.mspec.num_moe_layers, ctx.mspec.num_experts
+    routing = np.full((L, E), 1.0 / E)
+    top1 = np.zeros((L, 6), np.int64)  # every token on expert 0: load CV far above 0.01
+    replies = {n: ProbeReply(f"party-{n - 100}", routing, top1) for n in (100, 101, 102)}
+    for rnd in (1, 2):  # it stays high: warned once
+        ctx.s = replace(ctx.s, round=rnd)
+        ctx.s, _ = probe.apply(ctx, replies, {})
+    warns = [w for w in read_metrics(ctx, "routing_warning") if w["kind"] == "load_cv"]
+    assert [w["round"] for w in warns] == [1]
+    rec = json.loads((ctx.run_dir / "run.json").read_text())
+    assert any("routing.load-cv-warn = 0.01" in w for w in rec["warnings"])
+    md = render_markdown(ctx.run_dir)
+    assert "routing.load-cv-warn = 0.01" in md
+    assert "### Expert selection on the probe set" in md and "Per-round routing on the public probe set" in md
