@@ -6,7 +6,7 @@ server's model (``ServerModel``: trainable weights' spec ``tspec``, routing shap
 happened (``say``, ``warn``, ``event``, ``report_errors``, ``round_failed``, ``flag_anomalies``, ``checkpoint``).
 
 Holds no transport, no aggregator and no ledger: a phase that is handed a ``RunContext`` can configure an
-instruction and fold a sum into the state, but cannot talk to a party. The round loop
+instruction and fold a sum into a new round state, but cannot talk to a party. The round loop
 (``distmoe.coordinator.loop.Coordinator``) owns the exchange and builds this context once per run; ``plane``,
 ``resume``, ``start`` and ``expand`` read it and return values the loop applies.
 
@@ -120,18 +120,20 @@ class RunContext:
             raise RunFailed(f"round {self.s.round}: {message} (federation.on-round-failure = 'stop')")
         return message
 
-    def flag_anomalies(self, event: str, agg: Mapping[str, float]) -> list[str]:
+    def flag_anomalies(self, event: str, agg: Mapping[str, float]) -> tuple[list[str], dict[str, list[float]]]:
         """Anomalies of an aggregate (``distmoe.coordinator.record``), recorded in ``run.json``
-        (``anomalies``) and ``metrics.jsonl`` (``event: anomaly``); the report lists them."""
-        if self.cfg.privacy.secure:
-            return []  # secure aggregation: only the training-metric slots' means, not judged here (docs/operations.md)
-        found = flag_anomalies(self.s.anomaly_history, event, agg, self.cfg.federation.anomaly_z)
+        (``anomalies``) and ``metrics.jsonl`` (``event: anomaly``); the report lists them. Returns them and the
+        anomaly history with this aggregate's values (a new dict, for the new round state)."""
+        history = {k: list(v) for k, v in self.s.anomaly_history.items()}
+        if self.cfg.privacy.secure:  # only the training-metric slots' means, not judged here (docs/operations.md)
+            return [], history
+        found = flag_anomalies(history, event, agg, self.cfg.federation.anomaly_z)
         for text in found:
             self.say(f"round {self.s.round}: ANOMALY: {text}")
             self.metrics.append({"event": "anomaly", "round": self.s.round, "kind": event, "party": "all",
                                  "detail": text})
             self.record.append("anomalies", {"round": self.s.round, "detail": text})
-        return found
+        return found, history
 
     def checkpoint_due(self, kind: str) -> bool:
         """Whether round ``s.round`` (of a phase of ``kind``) ends with a checkpoint: the initial model, the last round

@@ -8,9 +8,10 @@ server's model once (``distmoe.model.adapters.server_model``: its trainable tens
 allow-list, server guard, secure-aggregation setup, the aggregator chosen once for the run), then plays every round
 of ``schedule.phases``. A round (``play_round``) is a pipeline this loop owns::
 
+    ctx.s = step.begin(ctx, phase)                  # phases/<kind>.py: the state the round starts from
     instr = step.configure(ctx, phase)              # phases/<kind>.py: what every party is sent
     out   = aggregator.collect(instr, request)      # the round's one exchange, summed (aggregator.py / secure.py)
-    line  = step.aggregate(ctx, ..., instr, out)    # phases/<kind>.py: the sum folded into the global state
+    ctx.s, line = step.aggregate(ctx, ..., instr, out)  # phases/<kind>.py: a new state with the sum folded in
 
 then, after an applied update, the bias settle exchange (``phases/settle.py``) and the round's checkpoint holding
 the global model and the coordinator state (``distmoe.coordinator.state``), and the routing probe exchange
@@ -30,7 +31,8 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -138,7 +140,7 @@ class Coordinator:
                 rnd += 1
                 if rnd <= ctx.s.round:  # completed before the restart
                     continue
-                ctx.s.round = rnd
+                ctx.s = replace(ctx.s, round=rnd)
                 ctx.phase_label = phase.label()
                 t0 = time.perf_counter()
                 ctx.phase_end = rnd == total or rnd == sum(p.rounds for p in ctx.cfg.schedule.phases[:index + 1])
@@ -158,6 +160,7 @@ class Coordinator:
     def play_round(self, index: int, phase: Phase) -> str:
         """One round of the ``index``-th phase: configure, the one exchange, aggregate; returns its progress line."""
         ctx, step = self.ctx, PHASES[phase.kind]
+        ctx.s = step.begin(ctx, phase)  # a new task: the model and evaluation before it kept
         instr = step.configure(ctx, phase)
         req = step.request(ctx, index, phase, instr)
         out = self.plane.aggregator.collect(instr, req)  # every party asked, the replies summed
@@ -166,7 +169,7 @@ class Coordinator:
             if req.sum == "update":
                 ctx.metrics.append({**req.event, "party": "all", "num_examples": 0, "skipped": True})
             return text
-        text = step.aggregate(ctx, index, phase, instr, out)
+        ctx.s, text = step.aggregate(ctx, index, phase, instr, out)  # the new round state
         if step.updates_model:
             self.exchange_public(settle, "settle")  # routing.balance-settle-steps: before the checkpoint
             if ctx.checkpoint_due(phase.kind):
@@ -187,7 +190,8 @@ class Coordinator:
         nodes = self.transport.node_ids()
         replies, errors = self.transport.exchange({n: instr for n in nodes}, mod.REPLY,
                                                   ctx.cfg.federation.round_timeout, rnd=ctx.s.round, phase=name)
-        return mod.apply(ctx, replies, errors)
+        ctx.s, text = mod.apply(ctx, replies, errors)
+        return text
 
     # ------------------------------------------------------------------ steps of run()
     def _start_from(self) -> None:
@@ -196,9 +200,9 @@ class Coordinator:
         sp = start.load_start(ctx.cfg, ctx.run_dir, ctx.model, ctx.say)
         if sp is None:
             return
-        ctx.s.weights = sp.weights
+        ctx.s = replace(ctx.s, weights=sp.weights)
         if sp.anchor is not None:
-            ctx.s.anchor, ctx.s.anchor_versions = sp.anchor, sp.anchor_versions
+            ctx.s = replace(ctx.s, anchor=sp.anchor, anchor_versions=sp.anchor_versions)
         ctx.record.update(started_from=sp.info)
         ctx.metrics.append({"event": "start_from", **sp.info})
         ctx.say(start.start_line(sp))
@@ -242,7 +246,7 @@ class Coordinator:
             except ModelError as exc:
                 raise RunFailed(str(exc)) from None
         ctx.model = model
-        ctx.s.weights = dict(model.weights)
+        ctx.s = replace(ctx.s, weights=dict(model.weights))
         mspec, tspec, n_params = model.mspec, model.tspec, model.n_params
         ctx.record.update(model={"family": mspec.family, "parameters": n_params,
                                  "trainable": cfg.model.trainable, "trainable_numel": tspec.numel,
@@ -289,5 +293,3 @@ class Coordinator:
     def np_weights(w: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         return RunContext.np_weights(w)
 
-    def flag_anomalies(self, event: str, agg: Mapping[str, float]) -> list[str]:
-        return self.ctx.flag_anomalies(event, agg)

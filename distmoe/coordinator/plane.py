@@ -29,7 +29,8 @@ from distmoe.io import write_text_atomic
 from distmoe.ledger import Ledger, canonical_json, generate_signing_key, public_key_hex
 from distmoe.model.expand import per_expert, stages
 from distmoe.privacy.metric_noise import EvalSpec
-from distmoe.privacy.plan import stats_spec, threshold_for
+from distmoe.privacy.plan import threshold_for
+from distmoe.privacy.releases import stats as stats_release
 from distmoe.privacy.ring import WrapError
 from distmoe.privacy.train_metrics import release_layout
 from distmoe.privacy.vectors import UpdateLayout
@@ -107,7 +108,7 @@ def start(co: RunContext, transport: GuardedTransport, nodes: list[int], out: Pl
     facts = [layout_facts(co, n, sh, E, obj) for sh, E in stage_shapes(co) for obj in update_objectives(co)]
     if p.secure and co.plan.stats_releases:  # fail before anything is sent, naming the bound
         try:
-            stats_spec(p, co.plan.noise_multiplier, L, staged[-1][1], n,
+            stats_release.spec(p, co.plan.noise_multiplier, L, staged[-1][1], n,
                        threshold_for(n, p.min_parties, p.secagg_graph))
         except WrapError as exc:
             raise RunFailed(f"router statistics of {n} parties cannot be summed in Z_2^64: {exc}; lower "

@@ -1,11 +1,12 @@
 """The coordinator's state between rounds, and its form inside a checkpoint.
 
-Owns: ``RoundState`` (round counter, hence the schedule position; the global trainable weights; the
-router anchor and its version count; the per-task anchors; the current and trained tasks; the reference weights and the
-evaluation baseline for retention; the last evaluation; the anomaly history; the expert expansions), ``position``
-(where a round sits in the schedule) and the round trip through a checkpoint: ``to_checkpoint`` gives ``state.json``
-and its tensors, ``from_checkpoint`` rebuilds the state from what ``distmoe.checkpoint`` loaded
-(``docs/operations.md``, Resume).
+Owns: ``RoundState``, immutable: each step of a round returns a new one (``dataclasses.replace``; the round loop
+threads it) and never writes into the one it was handed (round counter, hence the schedule position; the global
+trainable weights; the router anchor and its version count; the per-task anchors; the current and trained tasks; the
+reference weights and the evaluation baseline for retention; the last evaluation; the anomaly history; the expert
+expansions), ``position`` (where a round sits in the schedule) and the round trip through a checkpoint:
+``to_checkpoint`` gives ``state.json`` and its tensors, ``from_checkpoint`` rebuilds the state from what
+``distmoe.checkpoint`` loaded (``docs/operations.md``, Resume).
 
 Must not: talk to parties, write files, or know about privacy.
 """
@@ -13,7 +14,7 @@ Must not: talk to parties, write files, or know about privacy.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ class StateError(ValueError):
     """A checkpoint's state does not belong to this run or cannot be read."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoundState:
     round: int = 0
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # global trainable weights, float32
@@ -44,16 +45,18 @@ class RoundState:
     anomaly_history: dict[str, list[float]] = field(default_factory=dict)  # "event/key" -> aggregate values
     expansions: list[dict] = field(default_factory=list)  # expert expansions so far (coordinator/expand.py)
 
-    def begin_task(self, task: str) -> None:
-        """A new task starts: remember the model and the evaluation before it (for retention)."""
-        self.ref_weights = {k: v.clone() for k, v in self.weights.items()}
-        self.baseline = {p: dict(m) for p, m in self.last_eval.items()}
-        self.current_task = task
-        self.mark_trained(task)
+    def begin_task(self, task: str) -> RoundState:
+        """The state as a new task starts: the model and the evaluation before it kept (for retention)."""
+        return replace(self.mark_trained(task), ref_weights={k: v.clone() for k, v in self.weights.items()},
+                       baseline={p: dict(m) for p, m in self.last_eval.items()}, current_task=task)
 
-    def mark_trained(self, task: str) -> None:
-        if task not in self.trained_tasks:
-            self.trained_tasks.append(task)
+    def mark_trained(self, task: str) -> RoundState:
+        """The state with ``task`` among the trained tasks."""
+        return self if task in self.trained_tasks else replace(self, trained_tasks=[*self.trained_tasks, task])
+
+    def with_weights(self, changed: dict[str, torch.Tensor]) -> RoundState:
+        """The state with the global weights of ``changed`` replaced (a new dict; the others shared)."""
+        return replace(self, weights={**self.weights, **changed})
 
 
 def position(phases: tuple[Phase, ...], rnd: int) -> dict | None:

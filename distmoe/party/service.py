@@ -176,7 +176,7 @@ class PartyService:
         if st is None:  # outside this round's U1: share keys for the next round and rejoin there
             return MaskedReply(si.release, None, sess.late_keys(instr.round)), None
         bits = st.bits or sess.params.bits  # the release's ring width as the server declared it
-        own = (sess.update_layout({k: tuple(v.shape) for k, v in instr.weights.items()}).bits
+        own = (self._update_layout(instr, sess)[0].bits
                if isinstance(instr, (SftInstruction, RlInstruction)) else 64)  # statistics, eval: always 64
         if bits != own:  # checked before any work or any privacy is spent
             raise Refused(f"round {instr.round}: the server declared Z_2^{bits} for {si.release}, this party's layout "
@@ -192,10 +192,13 @@ class PartyService:
                           ErrorCode.MODEL)
         return MaskedReply(si.release, sess.masked(st, vec, contributed=contributed, premask=premask), None), dp
 
-    # one per instruction kind: this party's figures, encoded and noised by their release (distmoe.privacy.releases)
+    # one per instruction kind: this party's figures, encoded and noised by their release (distmoe.privacy.releases),
+    # whose spec is built by the release module the coordinator opens the sum with, from this party's own config and
+    # the setup's public facts (noise multiplier, roster size n, threshold t)
     def _stats_release(self, instr: StatsInstruction, sess: PartySession, st):
         per_seq = P.router_stats_per_sequence(self.cfg, self.node, instr, self.cfg.privacy.num_sequences_max)
-        spec = sess.stats_spec(per_seq.shape[1], per_seq.shape[2])  # per_seq: [N, L, E]
+        spec = R.stats.spec(self.cfg.privacy, sess.facts.noise_multiplier, per_seq.shape[1], per_seq.shape[2],
+                            sess.n_parties, sess.params.threshold)  # per_seq: [N, L, E]
         # canaries at positions drawn from this round's U1 mask keys (no single party or the server picks them)
         seed = canary_seed(sess.params.run_id, st.round, st.participants)
         vec, dp, contributed = R.stats.encode(spec, per_seq, seed, sess.charge, sess.params.threshold, instr.round,
@@ -203,9 +206,12 @@ class PartyService:
         return vec, dp, contributed, None
 
     def _eval_release(self, instr: EvalInstruction, sess: PartySession, st):
-        vec, dp, contributed = R.evaluate.encode(sess.eval_spec(instr.tasks), P.eval_scores(self.cfg, self.node, instr),
-                                                 sess.charge, sess.params.threshold, instr.round,
-                                                 sess.accountant.epsilon_budget)
+        # this party's own privacy.metric-noise-multiplier and data.max-eval-examples (the length, 3 per task, is not
+        # theirs)
+        spec = R.evaluate.spec(self.cfg.privacy, self.cfg.data.max_eval_examples, instr.tasks, sess.n_parties,
+                               sess.params.threshold)
+        vec, dp, contributed = R.evaluate.encode(spec, P.eval_scores(self.cfg, self.node, instr), sess.charge,
+                                                 sess.params.threshold, instr.round, sess.accountant.epsilon_budget)
         return vec, dp, contributed, None
 
     def _update_release(self, instr: SftInstruction | RlInstruction, sess: PartySession, st):
@@ -228,12 +234,8 @@ class PartyService:
         sft = isinstance(instr, SftInstruction)
         upd, local = _run_sft(cfg, node, instr) if sft else (P.run_rl(cfg, node, instr), {})
         notes = P.take_notes(node.party)  # names of parameters with non-finite gradients: this party's log only
-        kind = "rl" if isinstance(instr, RlInstruction) else "sft"
-        objective = TM.objective_of(kind, getattr(instr, "objective", None))
         z_u = sess.facts.update_noise_multiplier
-        # the release's layout with this objective's training-metric slots: the coordinator opens the sum with it
-        layout, slots = R.update.layout(cfg.privacy, {k: tuple(v.shape) for k, v in instr.weights.items()},
-                                        sess.n_parties, sess.params.threshold, z_u, objective)
+        layout, slots = self._update_layout(instr, sess)
         vec, facts, sent, contributed = R.update.encode(layout, slots, upd.delta, upd.num_examples, upd.metrics)
         self._log_metrics(instr, {**upd.metrics, **local}, {**facts, **notes,
                                                             **{f"released_{k}": v for k, v in sent.items()}})
@@ -244,6 +246,14 @@ class PartyService:
         vec, dp = R.update.add_noise(layout, vec, z_u, sess.n_parties, sess.params.threshold, sess.charge,
                                      instr.round, sess.accountant.epsilon_budget)
         return vec, dp, contributed
+
+    def _update_layout(self, instr: SftInstruction | RlInstruction, sess: PartySession):
+        """The update release's layout with this objective's training-metric slots (``R.update.layout``: the
+        coordinator opens the sum with the same)."""
+        objective = TM.objective_of("rl" if isinstance(instr, RlInstruction) else "sft",
+                                    getattr(instr, "objective", None))
+        return R.update.layout(self.cfg.privacy, {k: tuple(v.shape) for k, v in instr.weights.items()},
+                               sess.n_parties, sess.params.threshold, sess.facts.update_noise_multiplier, objective)
 
     def _log_metrics(self, instr, metrics: dict, facts: dict) -> None:
         """The round's training metrics, for this party's operator only: ``<work-dir>/metrics/<party>.jsonl``

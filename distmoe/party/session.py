@@ -51,11 +51,8 @@ from distmoe.io import write_atomic, write_json_atomic, write_text_atomic
 from distmoe.ledger import Ledger, generate_signing_key, load_signing_key, public_key_hex
 from distmoe.privacy import secagg as sa
 from distmoe.privacy.accountant import Accountant, BudgetExceeded, PrivacyEvent
-from distmoe.privacy.dp import SkellamSpec
-from distmoe.privacy.metric_noise import EvalSpec
-from distmoe.privacy.plan import eval_spec, plan_privacy, stats_spec
+from distmoe.privacy.plan import plan_privacy
 from distmoe.privacy.secagg.selftest import mask_check_failure, mask_statistic, prg_known_answer
-from distmoe.privacy.vectors import UpdateLayout
 from distmoe.rundir import WorkDir
 from distmoe.wire.errors import ErrorCode
 
@@ -267,27 +264,10 @@ class PartySession:
         self.save()
         return keys
 
-    # ------------------------------------------------------------------ layouts (public facts only)
+    # ------------------------------------------------------------------ public facts of a release
     @property
     def n_parties(self) -> int:
         return len(self._need().roster)
-
-    def stats_spec(self, layers: int, experts: int) -> SkellamSpec:
-        f = self._need()
-        return stats_spec(self.cfg.privacy, f.noise_multiplier, layers, experts, self.n_parties, f.threshold)
-
-    def update_layout(self, shapes) -> UpdateLayout:
-        f = self._need()
-        return UpdateLayout.build(shapes, self.n_parties, self.cfg.privacy.update_clip,
-                                  private=f.update_noise_multiplier > 0, noise_multiplier=f.update_noise_multiplier,
-                                  threshold=f.threshold, ring=self.cfg.privacy.ring_bits)
-
-    def eval_spec(self, tasks) -> EvalSpec:
-        """The evaluation release's calibration: this party's own ``privacy.metric-noise-multiplier`` and
-        ``data.max-eval-examples`` (the layout length, 3 per task, does not depend on them)."""
-        return eval_spec(self.cfg.privacy, self.cfg.data.max_eval_examples, tuple(tasks), self.n_parties,
-                         self._need().threshold)
-
     # ------------------------------------------------------------------ rounds
     def late_keys(self, round_: int) -> sa.ShareKeys:
         keys = self.client.share_keys(round_ + 1)

@@ -9,7 +9,7 @@ the audit can replay it with :func:`epsilon_from_events`), the inversion ``targe
 
 Events. A router-statistic release on all local data is ``PrivacyEvent(z_eff, 1.0, 1, "skellam", d2=D2, d1=D1)``
 (``z_eff`` from ``SkellamSpec.effective_noise_multiplier(n_active)``: survivors only; ``D2, D1`` its integer
-sensitivities, ``distmoe.privacy.plan.stats_event``); a subsampled Gaussian is ``PrivacyEvent(z, sample_rate=B/N,
+sensitivities, ``distmoe.privacy.releases.stats.event``); a subsampled Gaussian is ``PrivacyEvent(z, sample_rate=B/N,
 steps=k)``. The unit is one sequence (add/remove). A client-level DP model update (noise std ``z_u * clip``,
 party-level sensitivity ``clip``) moves by up to ``2 * clip`` when one sequence changes, so it enters this ledger
 as a Gaussian event at ``z_u / 2`` (``distmoe.privacy.update_noise.update_event``), never at ``z_u``.
@@ -46,7 +46,7 @@ orders ``alpha >= 2`` only: a history with a Skellam event is composed and conve
 fractional orders the default run's single release read 7.999 where the integer-order bound is 8.064 (above a
 budget of 8). A Skellam event without ``d2``/``d1`` (a state written before they were recorded) is charged at
 ``d2 = d1 = MIN_SCALE`` (32): scale 32, one layer, mass-preserving rounding, the worst case of every
-``stats_spec`` (both excess terms decrease in the scale and the number of layers). PRV cannot take the Skellam
+``releases.stats.spec`` (both excess terms decrease in the scale and the number of layers). PRV cannot take the Skellam
 law, so with ``primary = "prv"`` a history with a Skellam event uses ``max`` instead.
 
 Must not: import ``flwr``, add noise, or keep numeric state that is not re-derivable from the events.

@@ -5,8 +5,8 @@ update release per ``sft``/``rl`` round when ``privacy.update-noise-multiplier >
 per ``eval`` round under secure aggregation, ``distmoe.privacy.metric_noise``), deriving the
 router-statistics noise multiplier from the budget when ``privacy.noise-multiplier = 0`` (the smallest
 ``z`` whose composition with the planned update releases stays within ``privacy.epsilon`` at
-``privacy.delta``), the secure-aggregation threshold for ``n`` parties, the Skellam calibration for
-``n`` parties and threshold ``t``, and the ledger event of a router-statistics release (:func:`stats_event`).
+``privacy.delta``), and the secure-aggregation threshold for ``n`` parties. Each release's own calibration for
+``n`` parties and threshold ``t`` and its ledger event are its release module's (``distmoe.privacy.releases``).
 
 Same events as the parties charge. The plan's router-statistics events are Skellam events accounted by
 their own RDP bound at integer orders (``distmoe.privacy.accountant``) with the sensitivities of one layer
@@ -31,8 +31,8 @@ from functools import lru_cache
 
 from distmoe.config import UPDATE_KINDS, ConfigError, PrivacyConfig, ScheduleConfig
 from distmoe.privacy.accountant import PrivacyEvent, epsilon_from_events, noise_multiplier_for
-from distmoe.privacy.dp import SkellamSpec, int_sensitivity
-from distmoe.privacy.metric_noise import EvalSpec, eval_sensitivity
+from distmoe.privacy.dp import int_sensitivity
+from distmoe.privacy.metric_noise import eval_sensitivity
 from distmoe.privacy.secagg.graph import graph_threshold
 from distmoe.privacy.update_noise import sequence_noise_multiplier
 
@@ -78,22 +78,6 @@ def _update_events(z_u: float, releases: int) -> PrivacyEvent:
 def _eval_events(z_m: float, releases: int) -> PrivacyEvent:
     d2, d1 = eval_sensitivity()
     return PrivacyEvent(z_m, 1.0, releases, "skellam", "eval", d2=d2, d1=d1)
-
-
-def eval_spec(p: PrivacyConfig, examples_max: int, tasks: tuple[str, ...], n_parties: int,
-              threshold: int) -> EvalSpec:
-    """The calibration of one evaluation release (over-provisioned for ``n - t`` dropouts), checked to fit
-    Z_2^64."""
-    spec = EvalSpec(tuple(tasks), p.metric_noise_multiplier, n_parties, n_parties - threshold, examples_max,
-                    p.metric_loss_bound)
-    spec.check_fits_ring64()
-    return spec
-
-
-def stats_event(spec: SkellamSpec, n_active: int, label: str) -> PrivacyEvent:
-    """The ledger event of one router-statistics release summed over ``n_active`` survivors."""
-    return PrivacyEvent(spec.effective_noise_multiplier(n_active), 1.0, 1, "skellam", label, d2=spec.delta2_int,
-                        d1=spec.delta1_int)
 
 
 def count_releases(p: PrivacyConfig, schedule: ScheduleConfig) -> tuple[int, int, int]:
@@ -154,14 +138,3 @@ def threshold_for(n_parties: int, min_parties: int, graph: str = "complete") -> 
     ``secagg.graph.graph_threshold``) and at least ``privacy.min-parties`` (every release is a sum over at
     least that many parties)."""
     return graph_threshold(graph, n_parties, min_parties)
-
-
-def stats_spec(p: PrivacyConfig, noise_multiplier: float, layers: int, experts: int, n_parties: int,
-               threshold: int) -> SkellamSpec:
-    if noise_multiplier <= 0:
-        raise ValueError("router statistics need a noise multiplier > 0")
-    spec = SkellamSpec(layers=layers, experts=experts, noise_multiplier=noise_multiplier, n_parties=n_parties,
-                       num_sequences_max=p.num_sequences_max, scale=p.scale, n_canaries=p.noise_canaries,
-                       max_dropouts=n_parties - threshold, rounding="mass-preserving")
-    spec.check_fits_ring64()  # every secure sum lives in Z_2^64 (WrapError names the bound otherwise)
-    return spec

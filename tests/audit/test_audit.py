@@ -33,7 +33,7 @@ from distmoe.party.receipt import receipt_body
 from distmoe.privacy.accountant import Accountant, PrivacyEvent, epsilon_from_events
 from distmoe.privacy.dp import SkellamSpec, canary_positions, canary_seed, positions_digest
 from distmoe.privacy.metric_noise import EvalSpec
-from distmoe.privacy.plan import stats_event
+from distmoe.privacy.releases.stats import event as stats_event
 from distmoe.privacy.secagg.primitives import prg
 from distmoe.privacy.secagg.selftest import mask_statistic
 from distmoe.privacy.update_noise import update_dp_facts, update_event

@@ -32,6 +32,19 @@ def test_eval_every_splits_every_update_phase_kind_dpo_included():
     assert _labels(cfg) == ["sft:a*2", "eval", "dpo:p*2", "eval", "dpo:p*2", "eval", "dpo:p", "eval"]
 
 
+def test_inserted_eval_rounds_are_played_and_counted_as_releases():
+    """Where the round loop plays the inserted evaluations (``position``: the loop's schedule walk), and that the
+    plan counts each as an evaluation release (its epsilon: the slow test below)."""
+    from distmoe.coordinator.state import position
+    from distmoe.privacy.plan import count_releases
+
+    cfg = parse_run_config({"schedule.phases": "sft:arith*2, stats:arith, sft:strings*2, eval", "eval.every": 2})
+    assert _labels(cfg) == ["sft:arith*2", "eval", "stats:arith", "sft:strings*2", "eval"]
+    phases = cfg.schedule.phases
+    evals = [r for r in range(1, cfg.schedule.total_rounds + 1) if phases[position(phases, r)["phase"]].kind == "eval"]
+    assert evals == [3, 7] and count_releases(cfg.privacy, cfg.schedule)[2] == 2
+
+
 @pytest.mark.slow
 def test_inserted_eval_rounds_are_charged_by_the_plan():
     base = {"schedule.phases": "sft:a*6, eval, stats:a, sft:b*6, eval", "privacy.epsilon": 40.0,

@@ -1,6 +1,8 @@
 """The ``dpo`` phase end to end in-process: coordinator rounds, party DPO against the phase's reference, the update
 through the same clip / secure-aggregation path as SFT, the party's own log, the audit's schemas and coverage (its
-loss and data: tests/rl/test_dpo.py, tests/data/test_data.py)."""
+loss and data: tests/rl/test_dpo.py, tests/data/test_data.py; ``dpo.reference = round``: the coordinator sends no
+reference, tests/coordinator/phases/test_phase_steps.py, and the party's reference is then the model it received,
+tests/party/test_dpo_work.py)."""
 
 from __future__ import annotations
 
@@ -85,16 +87,6 @@ def test_dpo_phase_under_secure_aggregation(tiny, pref_dirs, tmp_path: Path):
     warnings, _ = check_schedule(record, entries)
     assert warnings == []
     assert "dpo:pref" in write_report(run_dir).read_text()  # the report lists the dpo rounds as training rounds
-
-
-def test_dpo_phase_round_reference_in_plaintext(tiny, pref_dirs, tmp_path: Path):
-    """``dpo.reference = round``: each round's reference is the model as received, so every round starts at
-    loss log 2; in the plaintext baseline the (SFT-keyed) metrics reach the coordinator."""
-    _, _, events = _run(tiny, pref_dirs, tmp_path, "plaintext", **{"dpo.reference": "round"})
-    dpo = [e for e in events if e["event"] == "train" and e["phase_label"] == "dpo:pref" and e["party"] == "all"]
-    assert [e["round"] for e in dpo] == [2, 3]
-    for e in dpo:
-        assert e["loss_first"] == pytest.approx(math.log(2), abs=1e-5) and e["steps"] > 0
 
 
 def test_dpo_phase_refuses_a_task_without_pairs(tiny, pref_dirs, tmp_path: Path):

@@ -9,7 +9,7 @@ import pytest
 
 from distmoe.config import parse_run_config
 from distmoe.coordinator.phases.evaluate import retention
-from distmoe.privacy.plan import eval_spec
+from distmoe.privacy.releases.evaluate import spec as eval_spec
 from distmoe.privacy.releases.evaluate import with_noise_scale
 
 

@@ -1,6 +1,7 @@
 """Hostile or broken updates and anomalies, on whole in-process runs: the server rejects
 what no honest party can produce, logs it in its ledger, leaves the global model untouched and goes on
-(or stops, as configured); anomalous aggregate losses are flagged in the run record and the report.
+(or stops, as configured). (Anomalous aggregate losses, flagged in the run record and the report, are the ``sft``
+step's: ``tests/coordinator/phases/test_phase_sft.py``.)
 
 Under secure aggregation the server cannot see one party's update, so a party that skips its own
 clipping is caught on the decoded sum (``distmoe.aggregate.aggregate_problem``); in plaintext mode the
@@ -157,44 +158,6 @@ def test_plaintext_outlier_update_is_rejected_by_the_norm_ratio(tmp_path, monkey
               if json.loads(x).get("event") == "party_error"]
     assert any(e["party"] == "party-2" and e["code"] == "screened" and "max-norm-ratio" in e["reason"]
                for e in errors)
-
-
-@pytest.mark.integration
-def test_non_finite_aggregate_loss_is_flagged_in_record_and_report(tmp_path, monkeypatch, make_run):
-    """Plaintext baseline: under secure aggregation no training loss reaches the server."""
-    coord, _, run_dir, _, _ = make_run(tmp_path, {"schedule.phases": "sft:arith", "privacy.mode": "plaintext"})
-    real = P.run_sft
-
-    def nan_loss(cfg, node, instr):
-        upd = real(cfg, node, instr)
-        return ModelUpdate(upd.party, upd.delta, upd.num_examples, {**upd.metrics, "loss": math.nan})
-
-    monkeypatch.setattr(P, "run_sft", nan_loss)
-    monkeypatch.setitem(party_service._PLAIN, SftInstruction, nan_loss)  # the plaintext path's reference
-    coord.run()
-    rec = json.loads((run_dir / "run.json").read_text())
-    assert rec["status"] == "completed"
-    assert any("non-finite" in a["detail"] and "loss" in a["detail"] for a in rec["anomalies"])
-    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert any(e.get("event") == "anomaly" for e in events)
-    from distmoe.report.report import write_report
-
-    md = write_report(run_dir).read_text()
-    assert "## Anomalies" in md and "non-finite" in md
-
-
-@pytest.mark.integration
-def test_loss_spike_beyond_the_rolling_z_score_is_flagged(tmp_path, make_run):
-    """Plaintext baseline (under secure aggregation no training loss reaches the server, so nothing is judged)."""
-    coord, _, run_dir, _, _ = make_run(tmp_path, {"federation.anomaly-z": 4.0, "privacy.mode": "plaintext"})
-    run_dir.mkdir(parents=True, exist_ok=True)
-    secure, _, _, _, _ = make_run(tmp_path / "secure", {"federation.anomaly-z": 4.0})
-    assert secure.flag_anomalies("train", {"loss": math.nan}) == []
-    for v in (2.0, 1.9, 1.95, 1.85, 1.9):
-        assert coord.flag_anomalies("train", {"loss": v, "loss_last": v}) == []
-    found = coord.flag_anomalies("train", {"loss": 6.0, "loss_last": 1.8})
-    assert len(found) == 1 and "rolling standard deviations" in found[0] and "loss 6" in found[0]
-    assert json.loads((run_dir / "run.json").read_text())["anomalies"][0]["detail"] == found[0]
 
 
 # ------------------------------------------------------------------------------------------ bad data

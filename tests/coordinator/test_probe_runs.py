@@ -1,5 +1,7 @@
-"""Whole in-process runs with the routing probe: metrics every round under secure aggregation, the
-routing-health warnings, the eval cadence (``eval.every``) and the audit of such a run.
+"""Whole in-process runs with the routing probe: metrics every round under secure aggregation, a resume at a
+probe, and the audit of such a run. (The probe's median, its disagreeing party and the routing-health warnings are
+the probe step's: ``tests/coordinator/phases/test_public_exchanges.py``; the ``eval.every`` cadence is the
+config's: ``tests/config/test_eval_cadence.py``.)
 
 The parties run in this process (``LocalTransport``) through the wire codec, both guards and the ledgers.
 """
@@ -13,7 +15,7 @@ import re
 import pytest
 
 from distmoe.audit.engine import audit_run
-from distmoe.report.report import render_markdown, write_report
+from distmoe.report.report import write_report
 from distmoe.rundir.metrics import read_metrics
 
 SCHEDULE = "sft:arith*2, stats:arith, sft:strings*2, eval"
@@ -64,30 +66,6 @@ def test_probe_metrics_every_round_under_secagg(probe_run):
 
 
 @pytest.mark.integration
-def test_eval_cadence_inserts_charged_eval_rounds(probe_run):
-    coord, run_dir = probe_run["coord"], probe_run["dir"]
-    rec = json.loads((run_dir / "run.json").read_text())
-    assert rec["schedule"] == ["sft:arith*2", "eval", "stats:arith", "sft:strings*2", "eval"]
-    assert coord.plan.eval_releases == 2
-    assert [e["round"] for e in _rows(run_dir, "eval") if e.get("party") == "all"] == [3, 7]
-
-
-@pytest.mark.integration
-def test_load_cv_warning_reaches_run_record_and_report(probe_run):
-    run_dir = probe_run["dir"]
-    warns = _rows(run_dir, "routing_warning")
-    assert [w["kind"] for w in warns if w["kind"] == "load_cv"] == ["load_cv"]  # once, while it stays high
-    rec = json.loads((run_dir / "run.json").read_text())
-    assert any("routing.load-cv-warn = 0.01" in w for w in rec["warnings"])
-    assert any("WARNING: round 1: routing load CV" in x for x in probe_run["lines"])
-    md = (write_report(run_dir)).read_text()
-    assert md == render_markdown(run_dir)
-    assert "routing.load-cv-warn = 0.01" in md
-    assert "### Expert selection on the probe set" in md
-    assert "Per-round routing on the public probe set" in md
-
-
-@pytest.mark.integration
 def test_probe_run_passes_the_audit(probe_run, failed_checks):
     run_dir = probe_run["dir"]
     write_report(run_dir)
@@ -95,42 +73,6 @@ def test_probe_run_passes_the_audit(probe_run, failed_checks):
     assert failed_checks(result) == set(), [c for c in result.checks if c.status == "fail"]
     coord_ledger = [json.loads(x) for x in (run_dir / "ledger" / "coordinator.jsonl").read_text().splitlines()]
     assert sum(e["payload_type"] == "probe-reply" and e["verdict"] == "accepted" for e in coord_ledger) == 3 * 7
-
-
-@pytest.mark.integration
-def test_a_lying_party_is_outvoted_and_named_in_a_plaintext_run(make_run, tmp_path, monkeypatch):
-    import numpy as np
-
-    import distmoe.party.service as service
-    from distmoe.wire.schema import ProbeReply
-
-    real = service.run_probe
-
-    def lying(cfg, node, instr):
-        rep = real(cfg, node, instr)
-        if node.party != "party-1":
-            return rep
-        return ProbeReply(rep.party, np.roll(rep.routing, 1, axis=1), (rep.top1 + 1) % rep.routing.shape[1])
-
-    monkeypatch.setattr(service, "run_probe", lying)
-    # the plaintext baseline: the probe is the same exchange in both modes
-    coord, transport, run_dir, _, lines = make_run(tmp_path, {"schedule.phases": "sft:arith, stats:arith, eval",
-                                                              "routing.probe-every": 2, "routing.probe-prompts": 4,
-                                                              "privacy.mode": "plaintext"})
-    coord.run()
-    (probe,) = _rows(run_dir, "probe")
-    assert probe["round"] == 2 and probe["parties"] == 3 and probe["disagreeing"] == 1
-    assert transport.sent["query.probe"] == 3  # every second round only
-    warns = [w["detail"] for w in _rows(run_dir, "routing_warning") if w["kind"] == "probe"]
-    assert len(warns) == 1 and "party party-1's routing probe disagrees" in warns[0]
-    # the median is the honest parties' value: an honest party's own probe (rounds 2 and 3 leave the model as it is)
-    from distmoe.party.probe import run_probe
-    from distmoe.routing.probe import expert_counts
-    from distmoe.wire.schema import ProbeInstruction
-
-    honest = run_probe(coord.cfg, transport.nodes[100], ProbeInstruction(
-        2, coord.tspec.base_hash, coord.probe_prompts, coord.np_weights(coord.s.weights)))
-    assert probe["expert_counts"] == expert_counts(honest.top1, coord.mspec.num_experts).tolist()
 
 
 def test_a_bad_probe_file_stops_the_run_before_any_round(make_run, tmp_path):

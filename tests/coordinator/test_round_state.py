@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -32,12 +33,14 @@ def test_the_model_before_a_new_task_of_every_update_kind_is_pinned(kind):
 
 
 def test_begin_task_keeps_the_model_and_evaluation_before_it():
-    s = RoundState(weights={"w": torch.ones(2)}, last_eval={"all": {"acc/arith": 0.5}})
-    s.begin_task("lookup")
-    s.weights["w"] += 1
+    old = RoundState(weights={"w": torch.ones(2)}, last_eval={"all": {"acc/arith": 0.5}})
+    s = old.begin_task("lookup")
+    assert old.current_task is None and old.ref_weights is None and old.trained_tasks == []  # a new state
+    s = s.with_weights({"w": s.weights["w"] + 1})
     assert torch.equal(s.ref_weights["w"], torch.ones(2)) and s.baseline == {"all": {"acc/arith": 0.5}}
-    s.mark_trained("lookup")
-    assert s.trained_tasks == ["lookup"] and s.current_task == "lookup"
+    assert s.mark_trained("lookup") is s and s.trained_tasks == ["lookup"] and s.current_task == "lookup"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.round = 3  # type: ignore[misc]
 
 
 def test_checkpoint_round_trip_is_exact_and_refuses_another_run():

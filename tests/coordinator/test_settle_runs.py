@@ -93,8 +93,7 @@ def test_a_settled_run_passes_the_audit(settle_run, failed_checks):
     assert sum(e["payload_type"] == "settle-reply" and e["verdict"] == "accepted" for e in ledger) == 3 * 2
 
 
-@pytest.mark.integration
-def test_the_settle_exchange_is_on_the_allow_list_only_when_configured():
+def test_the_settle_exchange_is_on_the_allow_list_only_when_configured():  # no run: the policy built from facts
     from distmoe.wire.server_guard import build_policy
 
     facts = {"secure": True, "n_parties": 3, "trainable": {"w": (4, 2)}, "layers": 2, "experts": 4,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,9 +17,12 @@ from distmoe.checkpoint import CheckpointError, kept_rounds, rollback_point, sav
 from distmoe.cli import main as cli_main
 from distmoe.config import ConfigError, parse_node_config
 from distmoe.coordinator import Coordinator
+from distmoe.coordinator.context import RunContext
 from distmoe.coordinator.errors import RunFailed
+from distmoe.coordinator.start import load_start
 from distmoe.coordinator.state import pinned
 from distmoe.inprocess import LocalTransport
+from distmoe.model.adapters import server_model
 
 RUN = {"schedule.sft-rounds": 1, "train.local-steps": 2, "train.batch-size": 4, "data.max-eval-examples": 3,
        "eval.max-new-tokens": 2, "federation.min-available": 2, "federation.wait-timeout": 1.0,
@@ -111,21 +115,21 @@ def test_rollback_restores_weights_and_anchor(synth_dirs, make_cfg, tmp_path, ca
     assert any(not np.array_equal(last[k].numpy(), src[k].numpy()) for k in src)
 
 
-@pytest.mark.integration
-def test_bad_start_points_stop_the_run(synth_dirs, make_cfg, tmp_path):
-    missing = make_cfg(**{**RUN, "schedule.phases": "eval", "run.init-from": str(tmp_path / "nope")})
-    coord, _ = _run(missing, synth_dirs, tmp_path / "a")
+def test_bad_start_points_stop_the_run(make_cfg, tmp_path):
+    """``run.init-from`` a missing directory, or a checkpoint of another model shape: ``RunFailed`` naming it, before
+    any round (``start.load_start``, which the loop calls first)."""
+    missing = make_cfg(**{**RUN, "run.init-from": str(tmp_path / "nope")})
+    model = server_model(missing.model)
     with pytest.raises(RunFailed, match="not a directory"):
-        coord.run()
-    # a checkpoint of another model shape
-    other = make_cfg(**{**RUN, "schedule.phases": "eval", "model.experts": 8})
-    c3, _ = _run(other, synth_dirs, tmp_path / "b")
-    c3.run()
-    wrong = make_cfg(**{**RUN, "schedule.phases": "eval", "run.init-from": str(tmp_path / "b" / "checkpoints" /
-                                                                                 "round-0")})
-    c4, _ = _run(wrong, synth_dirs, tmp_path / "c")
+        load_start(missing, tmp_path / "a", model, lambda _s: None)
+    other = make_cfg(**{**RUN, "model.experts": 8})  # a checkpoint of another model shape, as a run writes it
+    ctx = RunContext(other, tmp_path / "b", "other", log=lambda _s: None)
+    ctx.model = server_model(other.model)
+    ctx.s = replace(ctx.s, weights=dict(ctx.model.weights))
+    ctx.checkpoint()
+    wrong = make_cfg(**{**RUN, "run.init-from": str(tmp_path / "b" / "checkpoints" / "round-0")})
     with pytest.raises(RunFailed, match="does not fit this run's model"):
-        c4.run()
+        load_start(wrong, tmp_path / "c", model, lambda _s: None)
 
 
 def test_init_from_and_warmup_exclude_each_other(make_cfg):

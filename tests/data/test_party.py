@@ -21,7 +21,8 @@ import pytest
 from distmoe.config import DataConfig, parse_run_config
 from distmoe.data.party import load_party
 from distmoe.privacy.dp import encode_per_sequence
-from distmoe.privacy.plan import eval_spec, stats_spec
+from distmoe.privacy.releases.evaluate import spec as eval_spec
+from distmoe.privacy.releases.stats import spec as stats_spec
 
 L, E, S = 4, 8, 64
 CFG = DataConfig(eval_fraction=0.2, max_train_examples=10, max_eval_examples=5, synth_examples=60, seed=0)

@@ -230,7 +230,8 @@ def test_secure_round_through_the_clientapp_messages(synth_dirs, tmp_path, tiny_
     from distmoe.ledger import verify_ledger
     from distmoe.privacy import secagg as sa
     from distmoe.privacy.dp import canary_seed
-    from distmoe.privacy.plan import plan_privacy, stats_spec
+    from distmoe.privacy.plan import plan_privacy
+    from distmoe.privacy.releases.stats import spec as stats_spec
     from distmoe.privacy.vectors import StatsLayout
     from distmoe.wire.schema import (
         ConsistencyRequestMsg,

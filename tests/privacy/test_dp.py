@@ -244,7 +244,7 @@ def test_mass_preserving_rounding_keeps_every_row_on_the_integer_simplex():
 
 def test_run_specs_use_mass_preserving_rounding_and_refuse_to_wrap_the_64_bit_ring():
     from distmoe.config import parse_run_config
-    from distmoe.privacy.plan import stats_spec
+    from distmoe.privacy.releases.stats import spec as stats_spec
     from distmoe.privacy.vectors import StatsLayout
 
     p = parse_run_config({"privacy.scale": 2**20, "privacy.num-sequences-max": 10**9, "privacy.delta": 1e-10,

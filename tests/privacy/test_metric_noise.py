@@ -12,7 +12,8 @@ import pytest
 from distmoe.config import parse_run_config
 from distmoe.privacy.accountant import ALPHAS, INT_ALPHAS, Accountant, PrivacyEvent, epsilon_from_events
 from distmoe.privacy.metric_noise import SCALE, EvalNoiseError, EvalSpec, eval_sensitivity
-from distmoe.privacy.plan import eval_spec, plan_privacy, threshold_for
+from distmoe.privacy.plan import plan_privacy, threshold_for
+from distmoe.privacy.releases.evaluate import spec as eval_spec
 from distmoe.privacy.ring import from_ring64
 from distmoe.privacy.vectors import UpdateLayout
 

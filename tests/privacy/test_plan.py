@@ -7,7 +7,9 @@ import pytest
 
 from distmoe.config import ConfigError, parse_run_config
 from distmoe.privacy.accountant import Accountant, BudgetExceeded, PrivacyEvent, epsilon_from_events, skellam_epsilon
-from distmoe.privacy.plan import plan_privacy, stats_event, stats_spec, threshold_for
+from distmoe.privacy.plan import plan_privacy, threshold_for
+from distmoe.privacy.releases.stats import event as stats_event
+from distmoe.privacy.releases.stats import spec as stats_spec
 from distmoe.privacy.update_noise import SEQUENCE_FACTOR, update_dp_facts, update_event
 from distmoe.privacy.vectors import UpdateLayout
 

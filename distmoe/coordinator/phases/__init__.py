@@ -1,13 +1,15 @@
 """One module per schedule phase, each a ``PhaseStep`` (``phases/base.py``) written once against the sums of the
 ``Aggregator`` interface.
 
-Each step has ``configure(ctx, phase) -> instruction`` (what every party is sent this round, like Flower strategies'
-``configure_*``), ``request`` (which sum the round asks for) and ``aggregate(ctx, index, phase, instr, sum) -> str``
-(fold the released sum into the global model or anchor, log it; returns the round's progress line, like
-``aggregate_*``). ``PHASES`` maps a phase kind to its step; the round loop (``coordinator/loop.py``) does the exchange
-between the two. ``update.apply_update`` is the part ``sft``, ``rl`` and ``dpo`` share (``dpo`` sends an ``sft``
-instruction with ``objective = "dpo"``). ``probe`` and ``settle`` are not schedule phases but exchanges the loop runs
-after a round (public inputs only): ``instruction`` then ``apply``.
+Each step has ``begin(ctx, phase) -> RoundState`` (the state the round starts from: a new task begins there),
+``configure(ctx, phase) -> instruction`` (what every party is sent this round, like Flower strategies'
+``configure_*``), ``request`` (which sum the round asks for) and ``aggregate(ctx, index, phase, instr, sum) ->
+(RoundState, str)`` (a new round state with the released sum folded into the global model or anchor, logged, and the
+round's progress line, like ``aggregate_*``); the round state is immutable and the loop threads it. ``PHASES`` maps
+a phase kind to its step; the round loop (``coordinator/loop.py``) does the exchange between the two.
+``update.apply_update`` is the part ``sft``, ``rl`` and ``dpo`` share (``dpo`` sends an ``sft`` instruction with
+``objective = "dpo"``). ``probe`` and ``settle`` are not schedule phases but exchanges the loop runs after a round
+(public inputs only): ``instruction`` then ``apply``, which returns the round state too.
 
 Must not: branch on the privacy mode (the aggregator does), talk to a party, or import ``flwr``.
 """

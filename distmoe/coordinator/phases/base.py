@@ -1,14 +1,19 @@
 """The shape of a schedule phase, in the style of a Flower strategy: ``configure`` then ``aggregate``.
 
-Owns: ``PhaseStep``, the interface every phase of ``distmoe.coordinator.phases`` implements:
+Owns: ``PhaseStep``, the interface every phase of ``distmoe.coordinator.phases`` implements. The round state
+(``distmoe.coordinator.state.RoundState``) is immutable: a step that changes it returns a new one, and the loop
+makes it ``ctx.s``.
 
-- ``configure(ctx, phase) -> instruction``: what every party is sent this round (Flower's ``configure_train``);
-  it may begin a task in the round state (``RoundState.begin_task``) or, for ``sft``, grow the model first.
+- ``begin(ctx, phase) -> RoundState``: the state the round starts from (default: ``ctx.s``); a new task begins
+  here (``RoundState.begin_task``: the model and evaluation before it kept), and for ``sft`` the model may grow.
+- ``configure(ctx, phase) -> instruction``: what every party is sent this round (Flower's ``configure_train``),
+  read from ``ctx.s``; it changes nothing.
 - ``request(ctx, index, phase, instr) -> SumRequest``: which sum the round asks the aggregator for
   (``distmoe.coordinator.aggregator.SumRequest``: update, router statistics or evaluation), with the release name
   and the round's ``metrics.jsonl`` fields.
-- ``aggregate(ctx, index, phase, instr, out) -> str``: fold the released sum into the round state (global weights,
-  anchor, last evaluation) and record it; returns the round's progress line (Flower's ``aggregate_train``).
+- ``aggregate(ctx, index, phase, instr, out) -> (RoundState, str)``: the new round state with the released sum
+  folded in (global weights, anchor, last evaluation), recorded, and the round's progress line (Flower's
+  ``aggregate_train``); ``ctx.s`` is left as it was.
 
 A step never sees a transport, an aggregator or a ``Skip``: the round loop (``coordinator/loop.py``) does the one
 exchange between ``configure`` and ``aggregate``, and records a round that released nothing itself. So a phase can
@@ -24,6 +29,7 @@ import abc
 from distmoe.config import Phase
 from distmoe.coordinator.aggregator import SumRequest
 from distmoe.coordinator.context import RunContext
+from distmoe.coordinator.state import RoundState
 
 
 class PhaseStep(abc.ABC):
@@ -33,14 +39,19 @@ class PhaseStep(abc.ABC):
     kind: str = ""
     updates_model: bool = False
 
+    def begin(self, ctx: RunContext, phase: Phase) -> RoundState:
+        """The round state this round starts from (a phase that begins a task overrides it)."""
+        return ctx.s
+
     @abc.abstractmethod
     def configure(self, ctx: RunContext, phase: Phase) -> object:
-        """This round's instruction to every party."""
+        """This round's instruction to every party, from ``ctx.s`` (which it leaves as it is)."""
 
     @abc.abstractmethod
     def request(self, ctx: RunContext, index: int, phase: Phase, instr: object) -> SumRequest:
         """The sum this round asks for."""
 
     @abc.abstractmethod
-    def aggregate(self, ctx: RunContext, index: int, phase: Phase, instr: object, out: object) -> str:
-        """Fold the released sum ``out`` into the round state; the round's progress line."""
+    def aggregate(self, ctx: RunContext, index: int, phase: Phase, instr: object, out: object
+                  ) -> tuple[RoundState, str]:
+        """The new round state with the released sum ``out`` folded in, and the round's progress line."""

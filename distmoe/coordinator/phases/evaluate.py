@@ -11,11 +11,13 @@ Must not: import ``flwr``, or see one party's figures under secure aggregation.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from distmoe.config import Phase
 from distmoe.coordinator.aggregator import EvalSum, SumRequest
 from distmoe.coordinator.context import RunContext
 from distmoe.coordinator.phases.base import PhaseStep
+from distmoe.coordinator.state import RoundState
 from distmoe.report.progress import noisy, within_noise
 from distmoe.wire.schema import EVAL_ROUTING_KEYS, EvalInstruction
 
@@ -37,9 +39,11 @@ class Evaluate(PhaseStep):
     def request(self, co: RunContext, index: int, phase: Phase, instr: EvalInstruction) -> SumRequest:
         return SumRequest("eval", "eval", "eval", "eval")
 
-    def aggregate(self, co: RunContext, index: int, phase: Phase, instr: EvalInstruction, out: EvalSum) -> str:
+    def aggregate(self, co: RunContext, index: int, phase: Phase, instr: EvalInstruction, out: EvalSum
+                  ) -> tuple[RoundState, str]:
         s = co.s
-        per_party, agg = out.per_party, out.per_party["all"]
+        per_party = {p: dict(m) for p, m in out.per_party.items()}  # the retention figures added to a copy
+        agg = per_party["all"]
         earlier = [t for t in s.trained_tasks if t != s.current_task]
         for party, m in per_party.items():
             before = s.baseline.get(party, {})
@@ -54,12 +58,13 @@ class Evaluate(PhaseStep):
             co.metrics.append({"event": "eval", "round": s.round, "phase_label": "eval", "party": party,  # noise
                                "anchor_version": instr.anchor_version,  # scales: run.json privacy.eval_noise_sd
                                **{k: v for k, v in m.items() if not k.startswith(NOISE_KEYS)}})
-        s.last_eval = {p: {k: v for k, v in m.items() if isinstance(v, float)} for p, m in per_party.items()}
+        last_eval = {p: {k: v for k, v in m.items() if isinstance(v, float)} for p, m in per_party.items()}
         accs = ", ".join(f"{t} {noisy(agg.get(f'acc/{t}', math.nan), agg.get(f'acc_sd/{t}', math.nan))}"
                          for t in instr.tasks)
         extra = [f"{k} {agg[k]:.3f}" for k in EVAL_ROUTING_KEYS if math.isfinite(agg.get(k, math.nan))]
         ret = [f"retention {t} {agg[f'retention/{t}']:.2f}" for t in earlier if f"retention/{t}" in agg]
-        return " | ".join([f"{out.parties}/{out.nodes} parties", f"acc: {accs}", *extra, *ret])
+        return replace(s, last_eval=last_eval), " | ".join([f"{out.parties}/{out.nodes} parties", f"acc: {accs}",
+                                                            *extra, *ret])
 
 
 def retention(before: float, before_sd: float, now: float) -> float | None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from distmoe.coordinator.context import RunContext
 from distmoe.coordinator.errors import RunFailed
+from distmoe.coordinator.state import RoundState
 from distmoe.routing.probe import ProbeError, combine, default_probe_prompts, probe_metrics, read_probe_file
 from distmoe.wire.schema import ProbeInstruction, ProbeReply
 
@@ -60,9 +61,9 @@ def instruction(co: RunContext) -> ProbeInstruction | None:
                             weights=co.np_weights(s.weights))
 
 
-def apply(co: RunContext, replies: dict[int, ProbeReply], errors: dict[int, str]) -> str:
-    """The median of the usable replies, its routing metrics recorded and watched; the text for the round's
-    progress line."""
+def apply(co: RunContext, replies: dict[int, ProbeReply], errors: dict[int, str]) -> tuple[RoundState, str]:
+    """The median of the usable replies, its routing metrics recorded and watched; the round state (unchanged: the
+    probe only measures) and the text for the round's progress line."""
     s = co.s
     L, E = co.mspec.num_moe_layers, co.mspec.num_experts
     co.report_errors("probe", errors)
@@ -71,7 +72,7 @@ def apply(co: RunContext, replies: dict[int, ProbeReply], errors: dict[int, str]
     bad = sorted(co.peer(n) for n, r in replies.items() if not _usable(r, L, E))
     if not got:
         _warn(co, "probe", f"round {s.round}: routing probe got no usable reply ({len(errors)} errors)")
-        return " | probe: no reply"
+        return s, " | probe: no reply"
     routing, top1, disagree = combine(got)
     for party in sorted(set(disagree + bad) - co.probe_warned):
         co.probe_warned.add(party)
@@ -88,7 +89,7 @@ def apply(co: RunContext, replies: dict[int, ProbeReply], errors: dict[int, str]
         _warn(co, kind, text)
     parts = [f"{name} {m[k]:.{d}f}" for k, name, d in (("routing_kl", "KL", 3), ("load_cv", "load CV", 2),
                                                         ("top1_consistency", "top-1", 2)) if math.isfinite(m[k])]
-    return " | probe: " + ", ".join(parts)
+    return s, " | probe: " + ", ".join(parts)
 
 
 def _warn(co: RunContext, kind: str, text: str) -> None:

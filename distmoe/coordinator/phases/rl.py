@@ -13,6 +13,7 @@ from distmoe.coordinator.aggregator import SumRequest, UpdateSum
 from distmoe.coordinator.context import RunContext
 from distmoe.coordinator.phases.base import PhaseStep
 from distmoe.coordinator.phases.update import apply_update, contributors, released
+from distmoe.coordinator.state import RoundState
 from distmoe.wire.schema import RlInstruction
 
 
@@ -20,9 +21,11 @@ class Rl(PhaseStep):
     kind = "rl"
     updates_model = True
 
+    def begin(self, co: RunContext, phase: Phase) -> RoundState:
+        return co.s.mark_trained(phase.task)  # rl tunes the task, it begins no stage
+
     def configure(self, co: RunContext, phase: Phase) -> RlInstruction:
         s = co.s
-        s.mark_trained(phase.task)
         return RlInstruction(round=s.round, task=phase.task, weights=co.np_weights(s.weights),
                              base_hash=co.tspec.base_hash, seed=co.cfg.run.seed * 100_003 + s.round)
 
@@ -31,8 +34,13 @@ class Rl(PhaseStep):
         return SumRequest("update", "rl", "rl-update", phase.label(),
                           co.event("rl", index, phase, engine=cfg.rl.engine, correction=cfg.rl.correction))
 
-    def aggregate(self, co: RunContext, index: int, phase: Phase, instr: RlInstruction, out: UpdateSum) -> str:
-        apply_update(co, out, self.request(co, index, phase, instr).event)
+    def aggregate(self, co: RunContext, index: int, phase: Phase, instr: RlInstruction, out: UpdateSum
+                  ) -> tuple[RoundState, str]:
+        return apply_update(co, out, self.request(co, index, phase, instr).event), self.line(out)
+
+    @staticmethod
+    def line(out: UpdateSum) -> str:
+        """The round's progress line of an applied update."""
         agg = out.metrics
         if out.uniform:  # a secure release: the RL slots' means over the contributors, and the skipped-update sum
             skipped = agg.get("skipped_steps", math.nan)  # the secure sum's one stability count (no update noise)

@@ -20,7 +20,7 @@ Writes one ``settle`` row per exchange to ``metrics.jsonl`` (``parties``, ``disa
 |change| of a bias entry).
 
 The round loop does the exchange: ``instruction`` (None when no settle is due) goes to every party, and ``apply``
-folds the replies into the global weights.
+returns the round state with the replies folded into the global weights.
 
 Must not: import ``flwr``, talk to a party, read party data, or change any weight but the routing bias.
 """
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from distmoe.coordinator.context import RunContext
+from distmoe.coordinator.state import RoundState
 from distmoe.model.balance import BIAS_NAMES, settle_rates
 from distmoe.wire.schema import SettleInstruction, SettleReply
 
@@ -71,9 +72,9 @@ def instruction(co: RunContext) -> SettleInstruction | None:
     return SettleInstruction(round=s.round, base_hash=co.tspec.base_hash, weights=co.np_weights(s.weights))
 
 
-def apply(co: RunContext, replies: dict[int, SettleReply], errors: dict[int, str]) -> str:
-    """The median of the usable settled biases, written into the global weights; recorded. Returns ``""`` (the
-    settle adds nothing to the round's line)."""
+def apply(co: RunContext, replies: dict[int, SettleReply], errors: dict[int, str]) -> tuple[RoundState, str]:
+    """The round state with the median of the usable settled biases in its global weights; recorded. Returns it and
+    ``""`` (the settle adds nothing to the round's line)."""
     s, keys = co.s, _keys(co)
     current = np.stack([s.weights[k].detach().double().cpu().numpy() for k in keys])  # [L, E]
     bound = move_bound(co.cfg.routing)
@@ -84,19 +85,18 @@ def apply(co: RunContext, replies: dict[int, SettleReply], errors: dict[int, str
     if not got:
         _warn(co, f"round {s.round}: bias settle got no usable reply ({len(errors)} errors, {len(bad)} unusable); "
                   "the bias stays as aggregated")
-        return ""
+        return s, ""
     med = np.median(np.stack(list(got.values())), 0)  # [L, E]
     disagree = sorted(p for p, b in got.items() if float(np.abs(b - med).max()) > DISAGREE_TOL)
     for party in sorted(set(disagree + bad) - co.settle_warned):
         co.settle_warned.add(party)
         _warn(co, f"round {s.round}: party {party}'s settled routing bias is unusable or disagrees with the median "
                   f"of {len(got)} parties (another device or precision, or a wrong report); the median is used")
-    for k, row in zip(keys, med, strict=True):
-        s.weights[k] = torch.from_numpy(row.astype(np.float32))
+    settled = {k: torch.from_numpy(row.astype(np.float32)) for k, row in zip(keys, med, strict=True)}
     moved = float(np.abs(med - current).max())
     co.metrics.append({"event": "settle", "round": s.round, "phase_label": co.phase_label, "parties": len(got),
                        "disagreeing": len(set(disagree + bad)), "moved": moved})
-    return ""
+    return s.with_weights(settled), ""
 
 
 def _warn(co: RunContext, text: str) -> None:

@@ -1,5 +1,5 @@
-"""Applying an aggregated model update, shared by the ``sft``, ``dpo`` and ``rl`` phases, and the released training
-figures of their round line (``released``, ``contributors``).
+"""Applying an aggregated model update (a new round state), shared by the ``sft``, ``dpo`` and ``rl`` phases, and
+the released training figures of their round line (``released``, ``contributors``).
 
 Must not: import ``flwr``, or talk to a party (the loop settles the routing bias and checkpoints afterwards).
 """
@@ -7,6 +7,7 @@ Must not: import ``flwr``, or talk to a party (the loop settles the routing bias
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -14,22 +15,22 @@ from distmoe.coordinator import expand
 from distmoe.coordinator.aggregator import UpdateSum
 from distmoe.coordinator.context import RunContext
 from distmoe.coordinator.divergence import check_update
+from distmoe.coordinator.state import RoundState
 
 
-def apply_update(co: RunContext, out: UpdateSum, event: dict) -> UpdateSum:
-    """Add an aggregated update to the global weights, log it, and watch it for anomalies and per-tensor divergence
-    (``divergence.py``)."""
+def apply_update(co: RunContext, out: UpdateSum, event: dict) -> RoundState:
+    """The round state with an aggregated update added to the global weights; logged, and watched for anomalies and
+    per-tensor divergence (``divergence.py``). ``co.s`` is left as it was."""
     s = co.s
     if event["event"] == "train":  # sft / dpo: the experts frozen after an expansion stay exact
         expand.freeze_delta(co.cfg, s, co.mspec.num_experts, out.delta)
-    for k, d in out.delta.items():
-        s.weights[k] = s.weights[k] + torch.from_numpy(d)
+    weights = {k: s.weights[k] + torch.from_numpy(d) for k, d in out.delta.items()}
     # a secure release: the weight sum is the number of contributing parties (uniform weights), not examples
     count = {"contributors": out.num_examples} if out.uniform else {"num_examples": out.num_examples}
     co.metrics.append({**event, "party": "all", **count, "parties": out.parties, **out.metrics})
-    co.flag_anomalies(event["event"], out.metrics)
+    _, history = co.flag_anomalies(event["event"], out.metrics)
     check_update(co, event["event"], out.delta)  # federation.divergence-max: a warning, the update stays applied
-    return out
+    return replace(s.with_weights(weights), anomaly_history=history)
 
 
 def released(metrics: dict[str, float], noise: dict[str, float], names: tuple[tuple[str, str, str], ...]) -> str:

@@ -2,8 +2,8 @@
 Skellam noise share, masked into one secure sum; no routing metric is released.
 
 Owns, for both sides:
-- the spec (``distmoe.privacy.plan.eval_spec`` over ``distmoe.privacy.metric_noise.EvalSpec``: ``3T`` integer
-  sums, their bounds and noise);
+- the spec (``spec``, over ``distmoe.privacy.metric_noise.EvalSpec``: ``3T`` integer sums, their bounds and noise,
+  for ``n`` parties and threshold ``t``; the one place both sides build it);
 - the party's encoding (``encode``: the sums of its per-example scores, charged at ``t`` survivors before its
   share is drawn);
 - the coordinator's opening (``prepare``): the DP event at ``n_active`` survivors, the bound check
@@ -21,12 +21,23 @@ from collections.abc import Callable
 
 import numpy as np
 
+from distmoe.config import PrivacyConfig
 from distmoe.privacy.accountant import PrivacyEvent
 from distmoe.privacy.metric_noise import EvalSpec
-from distmoe.privacy.plan import eval_spec
 from distmoe.privacy.releases.base import EvalSum, Opened, Prepared, ServerFacts, Skip
 
 UNCHANGED = "no evaluation"
+
+
+# ------------------------------------------------------------------------------------------------------ both sides
+def spec(p: PrivacyConfig, examples_max: int, tasks: tuple[str, ...], n_parties: int, threshold: int) -> EvalSpec:
+    """The calibration of one evaluation release (over-provisioned for ``n - t`` dropouts), checked to fit Z_2^64.
+    ``p``: the run's (or party's own) ``PrivacyConfig``; ``examples_max``: ``data.max-eval-examples`` (the layout
+    length, 3 per task, does not depend on it or on the noise)."""
+    out = EvalSpec(tuple(tasks), p.metric_noise_multiplier, n_parties, n_parties - threshold, examples_max,
+                   p.metric_loss_bound)
+    out.check_fits_ring64()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- the party's side
@@ -44,21 +55,21 @@ def encode(spec: EvalSpec, scores, charge: Callable[[PrivacyEvent], float], t: i
 # ---------------------------------------------------------------------------------------- the coordinator's side
 def prepare(f: ServerFacts, kind: str, release: str, instr: object) -> Prepared:
     tasks = tuple(instr.tasks)
-    spec = eval_spec(f.privacy, f.max_eval_examples, tasks, f.n, f.t)
+    sp = spec(f.privacy, f.max_eval_examples, tasks, f.n, f.t)
 
     def event_at(n_active: int) -> PrivacyEvent:
-        return spec.event(n_active, f"eval round {f.rnd}")
+        return sp.event(n_active, f"eval round {f.rnd}")
 
     def open_(res) -> Opened:
-        problem = spec.problem(res.total, len(res.included))
-        dp, info = spec.dp_params(res.n_active), {"tasks": list(tasks)}
+        problem = sp.problem(res.total, len(res.included))
+        dp, info = sp.dp_params(res.n_active), {"tasks": list(tasks)}
         if problem is not None:
             return Opened(Skip(f"aggregate rejected ({problem}): {UNCHANGED}"), dp, problem, info)
-        sd = spec.aggregate_sigma(f.n) / spec.scale  # noise of each sum, in examples (full roster)
-        return Opened(EvalSum({"all": with_noise_scale(spec, spec.decode(res.total), res.n_active)},
+        sd = sp.aggregate_sigma(f.n) / sp.scale  # noise of each sum, in examples (full roster)
+        return Opened(EvalSum({"all": with_noise_scale(sp, sp.decode(res.total), res.n_active)},
                               len(res.included), f.n), dp, None, info, privacy={"eval_noise_sd": sd})
 
-    return Prepared(spec.length, 64, event_at, open_)
+    return Prepared(sp.length, 64, event_at, open_)
 
 
 def with_noise_scale(spec, decoded: dict[str, float], n_active: int) -> dict[str, float]:

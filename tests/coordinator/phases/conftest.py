@@ -1,7 +1,8 @@
 """Shared fixtures for the phase tests: a ``RunContext`` over the tiny model's real server model, with no
 coordinator and no transport, and the read-back of its ``metrics.jsonl``.
 
-Owns: ``make_ctx`` (a context at a given round of a given schedule) and ``metric_lines``.
+Owns: ``make_ctx`` (a context at a given round of a given schedule), ``metric_lines`` and ``begin`` (a round's
+``begin`` and ``configure`` as the loop runs them: the new state made ``ctx.s``).
 
 Must not: be imported by test modules, start a party, or exchange anything (the phases are tested with hand-made
 sums, exactly what the aggregator would hand them).
@@ -10,6 +11,7 @@ sums, exactly what the aggregator would hand them).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,8 +36,7 @@ def make_ctx(tiny, tiny_model, tmp_path):
         ctx = RunContext(cfg, tmp_path / "run", "phase-test", log=lambda s: None)
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
         ctx.model = model or tiny_model
-        ctx.s.weights = {k: v.clone() for k, v in ctx.model.weights.items()}
-        ctx.s.round = rnd
+        ctx.s = replace(ctx.s, weights={k: v.clone() for k, v in ctx.model.weights.items()}, round=rnd)
         return ctx
     return make_ctx
 
@@ -50,3 +51,15 @@ def metric_lines(ctx: RunContext, event: str | None = None) -> list[dict]:
 def read_metrics():
     """``read_metrics(ctx, event=None) -> list[dict]``: the context's ``metrics.jsonl`` lines (of ``event``)."""
     return metric_lines
+
+
+def begin(step, ctx: RunContext, phase):
+    """The loop's first two steps of a round: ``ctx.s = step.begin(ctx, phase)``, then the instruction."""
+    ctx.s = step.begin(ctx, phase)
+    return step.configure(ctx, phase)
+
+
+@pytest.fixture
+def configure():
+    """``configure(step, ctx, phase) -> instruction``: ``begin`` then ``configure``, as the round loop runs them."""
+    return begin

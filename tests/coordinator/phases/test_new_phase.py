@@ -26,11 +26,10 @@ class HalfStep(Sft):
     seen: list = []
 
     def aggregate(self, ctx, index, phase, instr, out):
-        before = {k: v.clone() for k, v in ctx.s.weights.items()}
-        for k, d in out.delta.items():
-            ctx.s.weights[k] = ctx.s.weights[k] + 0.5 * torch.from_numpy(d)
+        before = ctx.s.weights
         self.seen.append((before, {k: np.array(d) for k, d in out.delta.items()}, out))
-        return contributors(out) + " | half step"
+        new = ctx.s.with_weights({k: before[k] + 0.5 * torch.from_numpy(d) for k, d in out.delta.items()})
+        return new, contributors(out) + " | half step"
 
 
 def test_a_phase_defined_in_a_test_runs_a_secure_round(make_run, tmp_path, monkeypatch, releases, failed_checks):

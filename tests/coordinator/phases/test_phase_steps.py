@@ -4,6 +4,7 @@ sends and what a released sum does to the round state and the log. No coordinato
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,29 +21,29 @@ def _zero(weights: dict) -> dict[str, np.ndarray]:
     return {k: np.zeros(tuple(v.shape), np.float32) for k, v in weights.items()}
 
 
-def test_dpo_keeps_the_phase_reference_and_sends_it_from_the_second_round(make_ctx):
-    ctx = make_ctx("sft:arith, dpo:arith*2", rnd=2)
-    ctx.s.current_task, ctx.s.trained_tasks = "arith", ["arith"]
+def test_dpo_keeps_the_phase_reference_and_sends_it_from_the_second_round(make_ctx, configure):
+    ctx = make_ctx("sft:arith, dpo:arith*2")
+    first_round = ctx.cfg.schedule.phases[0].rounds + 1  # the dpo phase's first round
+    ctx.s = replace(ctx.s, current_task="arith", trained_tasks=["arith"], round=first_round)
     step, phase = PHASES["dpo"], ctx.cfg.schedule.phases[1]
-    first = step.configure(ctx, phase)
+    first = configure(step, ctx, phase)
     assert first.objective == "dpo" and first.ref_weights is None  # round 1 of the phase: the reference is kept
     ref = {k: v.clone() for k, v in ctx.s.ref_weights.items()}
-    ctx.s.weights = {k: v + 1.0 for k, v in ctx.s.weights.items()}  # the phase's first update
-    ctx.s.round = 3
-    second = step.configure(ctx, phase)
+    ctx.s = replace(ctx.s, weights={k: v + 1.0 for k, v in ctx.s.weights.items()}, round=first_round + 1)
+    second = configure(step, ctx, phase)
     assert set(second.ref_weights) == set(ref)
     for k, v in ref.items():  # the phase's reference, not the moved global model
         np.testing.assert_array_equal(second.ref_weights[k], v.numpy())
-    per_round = make_ctx("sft:arith, dpo:arith*2", rnd=3, **{"dpo.reference": "round"})
-    per_round.s.current_task, per_round.s.ref_weights = "arith", ref
-    assert step.configure(per_round, phase).ref_weights is None  # each party's reference is the model it receives
+    per_round = make_ctx("sft:arith, dpo:arith*2", rnd=first_round + 1, **{"dpo.reference": "round"})
+    per_round.s = replace(per_round.s, current_task="arith", ref_weights=ref)
+    assert configure(step, per_round, phase).ref_weights is None  # each party's reference is the model it receives
     assert step.request(ctx, 1, phase, second).release == "model-update"  # the sft release, dpo metric slots
 
 
-def test_rl_marks_the_task_and_applies_its_update(make_ctx, read_metrics):
+def test_rl_marks_the_task_and_applies_its_update(make_ctx, read_metrics, configure):
     ctx = make_ctx("rl:arith", **{"privacy.mode": "plaintext"})
     step, phase = PHASES["rl"], ctx.cfg.schedule.phases[0]
-    instr = step.configure(ctx, phase)
+    instr = configure(step, ctx, phase)
     assert ctx.s.trained_tasks == ["arith"] and ctx.s.current_task is None  # rl tunes the task, begins no stage
     req = step.request(ctx, 0, phase, instr)
     assert (req.sum, req.kind, req.release) == ("update", "rl", "rl-update")
@@ -50,7 +51,7 @@ def test_rl_marks_the_task_and_applies_its_update(make_ctx, read_metrics):
     before = {k: v.clone() for k, v in ctx.s.weights.items()}
     agg = {"reward_first": 0.1, "reward_last": 0.4, "logp_diff_mean": 0.01, "logp_diff_max": 0.2,
            "masked_frac_low": 0.001, "masked_frac_high": 0.002, "k3": 1e-3}
-    line = step.aggregate(ctx, 0, phase, instr, UpdateSum(delta, agg, 12, 2, 3))
+    ctx.s, line = step.aggregate(ctx, 0, phase, instr, UpdateSum(delta, agg, 12, 2, 3))
     assert line.startswith("2/3 parties | reward 0.100 -> 0.400") and "masked 0.0030" in line
     for k, v in ctx.s.weights.items():
         torch.testing.assert_close(v, before[k] - 0.5)
@@ -66,7 +67,7 @@ def test_stats_builds_the_next_anchor_version_from_the_released_sum(make_ctx, re
     L, E = ctx.mspec.num_moe_layers, ctx.mspec.num_experts
     total = np.tile(np.arange(1, E + 1, dtype=np.float64), (L, 1)) * 10  # [L, E]
     total[0, 0] = -3.0  # noise below zero: clipped to no mass
-    line = step.aggregate(ctx, 1, phase, instr, StatsSum(total, 3, 3, "DP note"))
+    ctx.s, line = step.aggregate(ctx, 1, phase, instr, StatsSum(total, 3, 3, "DP note"))
     a = ctx.s.anchor
     assert a.meta.version == 1 and ctx.s.anchor_versions == 1 and ctx.s.task_anchors["arith"] is a
     assert np.allclose(a.probs.sum(1), 1.0) and a.probs[0, 0] == 0.0
@@ -82,7 +83,7 @@ def test_stats_of_all_noise_leave_the_anchor_and_never_stop_the_run(make_ctx, re
     step, phase = PHASES["stats"], ctx.cfg.schedule.phases[0]
     L, E = ctx.mspec.num_moe_layers, ctx.mspec.num_experts
     total = np.full((L, E), -1.0)
-    step.aggregate(ctx, 0, phase, step.configure(ctx, phase), StatsSum(total, 3, 3, ""))
+    ctx.s, _ = step.aggregate(ctx, 0, phase, step.configure(ctx, phase), StatsSum(total, 3, 3, ""))
     assert ctx.s.anchor is None and ctx.s.anchor_versions == 0
     assert "router statistics are empty" in read_metrics(ctx, "round_skipped")[0]["detail"]
     with pytest.raises(RunFailed):  # a failed round under `stop` does end the run: the rule is the context's
@@ -91,15 +92,14 @@ def test_stats_of_all_noise_leave_the_anchor_and_never_stop_the_run(make_ctx, re
 
 def test_eval_reports_retention_against_the_baseline_of_the_current_task(make_ctx, read_metrics):
     ctx = make_ctx("sft:arith, sft:strings, eval", rnd=3)
-    s = ctx.s
-    s.trained_tasks, s.current_task = ["arith", "strings"], "strings"
-    s.baseline = {"all": {"acc/arith": 0.8, "acc_sd/arith": 0.01}}
+    ctx.s = replace(ctx.s, trained_tasks=["arith", "strings"], current_task="strings",
+                    baseline={"all": {"acc/arith": 0.8, "acc_sd/arith": 0.01}})
     step, phase = PHASES["eval"], ctx.cfg.schedule.phases[2]
     instr = step.configure(ctx, phase)
     assert instr.tasks == ("arith", "strings") and instr.new_task == "strings"
     agg = {"acc/arith": 0.6, "acc_sd/arith": 0.02, "loss/arith": 1.0, "acc/strings": 0.5, "loss/strings": 2.0,
            "n/arith": 9.0, "n/strings": 9.0}
-    line = step.aggregate(ctx, 2, phase, instr, EvalSum({"all": dict(agg)}, 3, 3))
+    s, line = step.aggregate(ctx, 2, phase, instr, EvalSum({"all": dict(agg)}, 3, 3))
     [m] = read_metrics(ctx, "eval")
     assert m["retention/arith"] == pytest.approx(0.75) and m["new_task"] == "strings" and m["new_task_loss"] == 2.0
     assert not any(k.startswith(("acc_sd/", "loss_sd/")) for k in m)  # noise scales stay in memory

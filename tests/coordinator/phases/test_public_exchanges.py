@@ -5,6 +5,9 @@ sends ``instruction`` and hands the replies to ``apply``."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -43,13 +46,14 @@ def test_lying_parties_are_outvoted_below_the_bound_and_refused_beyond_it(make_c
     assert instr.round == 1 and set(instr.weights) == set(ctx.s.weights)
     before = _bias(ctx)
     honest = (before + 0.3 * K * U).astype(np.float32)
-    settle.apply(ctx, {100: SettleReply("party-0", honest), 101: SettleReply("party-1", honest + 0.5 * K * U),
-                       102: SettleReply("party-2", honest)}, {})
+    ctx.s, _ = settle.apply(ctx, {100: SettleReply("party-0", honest),
+                                  101: SettleReply("party-1", honest + 0.5 * K * U),
+                                  102: SettleReply("party-2", honest)}, {})
     assert np.allclose(_bias(ctx), honest, atol=1e-6)  # the median: the honest value
-    ctx.s.round, before = 2, _bias(ctx)
+    ctx.s, before = replace(ctx.s, round=2), _bias(ctx)
     honest2 = (before - 0.2 * K * U).astype(np.float32)
-    settle.apply(ctx, {100: SettleReply("party-0", honest2), 101: SettleReply("party-1", honest2 + 5.0),
-                       102: SettleReply("party-2", honest2 + 5.0)}, {})
+    ctx.s, _ = settle.apply(ctx, {100: SettleReply("party-0", honest2), 101: SettleReply("party-1", honest2 + 5.0),
+                                  102: SettleReply("party-2", honest2 + 5.0)}, {})
     assert np.allclose(_bias(ctx), honest2, atol=1e-6) and np.abs(_bias(ctx) - before).max() <= K * U + 1e-5
     rows = {r["round"]: r for r in read_metrics(ctx, "settle")}
     assert (rows[1]["parties"], rows[1]["disagreeing"]) == (3, 1)
@@ -62,7 +66,7 @@ def test_lying_parties_are_outvoted_below_the_bound_and_refused_beyond_it(make_c
 def test_without_a_usable_reply_the_bias_stays_as_aggregated(make_ctx, bias_model, read_metrics):
     ctx = make_ctx("sft:arith", model=bias_model, **SETTLE)
     before = _bias(ctx)
-    settle.apply(ctx, {100: SettleReply("p", (before + 1.0).astype(np.float32))}, {101: "timeout"})
+    ctx.s, _ = settle.apply(ctx, {100: SettleReply("p", (before + 1.0).astype(np.float32))}, {101: "timeout"})
     assert np.array_equal(_bias(ctx), before) and not read_metrics(ctx, "settle")
     assert "no usable reply" in read_metrics(ctx, "routing_warning")[0]["detail"]
 
@@ -71,9 +75,9 @@ def test_the_probe_takes_the_median_and_names_a_disagreeing_party_once(make_ctx,
     ctx = make_ctx("sft:arith*2", rnd=2, **{"routing.probe-every": 2, "routing.probe-prompts": 4})
     ctx.probe_prompts = ("a b", "c d", "e f", "g h")
     assert probe.instruction(ctx).prompts == ctx.probe_prompts
-    ctx.s.round = 3
+    ctx.s = replace(ctx.s, round=3)
     assert probe.instruction(ctx) is None  # every second round only
-    ctx.s.round = 2
+    ctx.s = replace(ctx.s, round=2)
     L, E = ctx.mspec.num_moe_layers, ctx.mspec.num_experts
     routing = np.full((L, E), 1.0 / E)
     routing[:, 0] += 0.1
@@ -81,11 +85,35 @@ def test_the_probe_takes_the_median_and_names_a_disagreeing_party_once(make_ctx,
     liar = ProbeReply("party-1", np.roll(routing, 1, axis=1), (top1 + 1) % E)
     ctx.peer = {100: "party-0", 101: "party-1", 102: "party-2"}.__getitem__
     replies = {100: ProbeReply("party-0", routing, top1), 101: liar, 102: ProbeReply("party-2", routing, top1)}
-    text = probe.apply(ctx, replies, {})
+    same, text = probe.apply(ctx, replies, {})
+    assert same is ctx.s  # the probe only measures
     [row] = read_metrics(ctx, "probe")
     assert (row["parties"], row["disagreeing"]) == (3, 1) and text.startswith(" | probe: load CV")
     assert row["expert_counts"] == [[6, 0, 0, 0]] * L  # the honest parties' top-1: all on expert 0
-    ctx.s.round = 4
+    ctx.s = replace(ctx.s, round=4)
     probe.apply(ctx, replies, {})
     warns = [w["detail"] for w in read_metrics(ctx, "routing_warning") if w["kind"] == "probe"]
     assert len(warns) == 1 and "party party-1's routing probe disagrees" in warns[0]
+
+
+def test_a_high_load_cv_warns_once_in_the_record_and_the_report(make_ctx, read_metrics):
+    from distmoe.report.report import render_markdown
+
+    ctx = make_ctx("sft:arith*2", rnd=1, **{"routing.probe-every": 1, "routing.probe-prompts": 4,
+                                            "routing.load-cv-warn": 0.01})
+    ctx.probe_prompts = ("a b", "c d", "e f", "g h")
+    ctx.peer = {100: "party-0", 101: "party-1", 102: "party-2"}.__getitem__
+    L, E = ctx.mspec.num_moe_layers, ctx.mspec.num_experts
+    routing = np.full((L, E), 1.0 / E)
+    top1 = np.zeros((L, 6), np.int64)  # every token on expert 0: load CV far above 0.01
+    replies = {n: ProbeReply(f"party-{n - 100}", routing, top1) for n in (100, 101, 102)}
+    for rnd in (1, 2):  # it stays high: warned once
+        ctx.s = replace(ctx.s, round=rnd)
+        ctx.s, _ = probe.apply(ctx, replies, {})
+    warns = [w for w in read_metrics(ctx, "routing_warning") if w["kind"] == "load_cv"]
+    assert [w["round"] for w in warns] == [1]
+    rec = json.loads((ctx.run_dir / "run.json").read_text())
+    assert any("routing.load-cv-warn = 0.01" in w for w in rec["warnings"])
+    md = render_markdown(ctx.run_dir)
+    assert "routing.load-cv-warn = 0.01" in md
+    assert "### Expert selection on the probe set" in md and "Per-round routing on the public probe set" in md

@@ -12,8 +12,10 @@ import pytest
 
 from distmoe.config import parse_run_config
 from distmoe.privacy import releases as R
-from distmoe.privacy.plan import eval_spec, plan_privacy, stats_spec
+from distmoe.privacy.plan import plan_privacy
 from distmoe.privacy.releases.base import EvalSum, ServerFacts, Skip, StatsSum, UpdateSum
+from distmoe.privacy.releases.evaluate import spec as eval_spec
+from distmoe.privacy.releases.stats import spec as stats_spec
 
 N, T = 3, 2
 SHAPES = (("w", (4, 3)), ("b", (3,)))
