@@ -6,7 +6,8 @@ replaces itself with Flower's process, so the PID is Flower's).
 
 Each process runs with Flower's state (``FLWR_HOME``), ``HOME`` and ``TMPDIR`` inside ``tmp_path``
 and carries a per-test token in its environment, so everything it started (SuperExecs, ServerApp
-and ClientApp processes included) is found and stopped by PID at the end, whatever happened.
+and ClientApp processes included) is found and stopped by PID at the end, whatever happened (the
+``deployment`` fixture of ``conftest.py``, shared with the other deployment whole runs of this folder).
 Commands (flwr 1.42, as ``distmoe deploy`` prints them):
 
     distmoe deploy owner-keys --party party-i --out <tmp>/owners/party-i     (at each data owner)
@@ -157,16 +158,6 @@ class Deployment:
         while processes_with_token(self.token) and time.monotonic() < deadline:
             stop_processes(self.token, grace=1.0)
         return processes_with_token(self.token)
-
-
-@pytest.fixture
-def deployment(tmp_path):
-    dep = Deployment(tmp_path)
-    try:
-        yield dep
-    finally:
-        leftover = dep.stop()
-        assert not leftover, f"processes with the test token still running: {leftover}" + dep.diag(10)
 
 
 def _online_nodes(dep: Deployment, cli_home: Path) -> set[str]:
