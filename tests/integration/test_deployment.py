@@ -201,10 +201,10 @@ def _federation(dep: Deployment, tmp_path: Path, parties: list[str], register: l
                             "--exec"], tmp_path / "flwr-superlink")
     cli_home = tmp_path / "flwr-cli"
     dep.distmoe(["deploy", "connection", "--credentials", str(creds), "--address", f"127.0.0.1:{port}", "--name", CONN,
-                 "--write", "--flwr-home", str(cli_home)], cli_home)
+                 "--write", "--flwr-home", str(cli_home), "--timeout", str(CLI_TIMEOUT)], cli_home)
     # the SuperLink needs a moment before its Control API answers: retry the registration until it does
     cmd = ["deploy", "register", "--credentials", str(creds), "--connection", CONN, "--flwr-home", str(cli_home),
-           "--exec", *(a for p in register for a in ("--party", p))]
+           "--timeout", str(CLI_TIMEOUT), "--exec", *(a for p in register for a in ("--party", p))]
     deadline = time.monotonic() + 30
     while True:
         res = subprocess.run([*DISTMOE, *cmd], env=dep.env(cli_home), cwd=str(tmp_path), capture_output=True,
