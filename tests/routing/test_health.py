@@ -78,3 +78,16 @@ def test_kl_rise_stays_quiet_on_the_default_runs_pattern():
         assert _kl_warnings(_series(kls)) == [], name
     rises = DEFAULT_RUNS["quick start, warned"]
     assert rises[1] < rises[2] < rises[3] < rises[4] < rises[0]  # three rises in a row, all below the first level
+
+
+def test_kl_rise_fires_when_routing_drifts_past_the_anchors_level():
+    """The default config without the anchor term (routing.anchor-kl-coef = 0, in process; its recorded probe KL of
+    rounds 7-11): the KL rises three probes in a row from 0.0057 to 0.0142, past 0.0118 at the anchor's round, and
+    the warning fires at round 11 naming both levels and the coefficient that holds routing closer."""
+    no_anchor = (0.01180093232353978, 0.005714097012225293, 0.011031729343012034, 0.011622865968165969,
+                 0.014171167704785272)
+    got = _kl_warnings(_series(no_anchor))
+    assert [r for r, _ in got] == [11]
+    assert "0.0057 -> 0.0142" in got[0][1] and "0.0118 at round 7" in got[0][1]
+    assert "routing.anchor-kl-coef" in got[0][1]
+    assert _kl_warnings(_series(no_anchor[:4])) == []  # at round 10 (0.0116) still below the anchor's level
