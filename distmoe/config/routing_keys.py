@@ -107,8 +107,8 @@ class RoutingConfig(Section):
                           "the coordinator and sent to the parties; `\"\"` = the default probe set")
     load_cv_warn: float = key(1.0, "warn when the probe's top-1 load CV exceeds this (1.0: about half the experts "
                               "idle; healthy < 0.2); 0 = off", lo=0.0, hi=100.0)
-    kl_rise_rounds: int = key(3, "warn when the probe's routing KL to the anchor rises this many rounds in a row; "
-                              "0 = off", lo=0, hi=100000)
+    kl_rise_rounds: int = key(3, "warn when the probe's routing KL to the anchor rises this many rounds in a row "
+                              "to above its level at the anchor's first probe; 0 = off", lo=0, hi=100000)
 
     def check(self) -> None:
         object.__setattr__(self, "balance", Balance(self.balance))  # a mode, asked by its parts (Balance.aux)

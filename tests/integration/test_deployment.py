@@ -6,7 +6,8 @@ replaces itself with Flower's process, so the PID is Flower's).
 
 Each process runs with Flower's state (``FLWR_HOME``), ``HOME`` and ``TMPDIR`` inside ``tmp_path``
 and carries a per-test token in its environment, so everything it started (SuperExecs, ServerApp
-and ClientApp processes included) is found and stopped by PID at the end, whatever happened.
+and ClientApp processes included) is found and stopped by PID at the end, whatever happened (the
+``deployment`` fixture of ``conftest.py``, shared with the other deployment whole runs of this folder).
 Commands (flwr 1.42, as ``distmoe deploy`` prints them):
 
     distmoe deploy owner-keys --party party-i --out <tmp>/owners/party-i     (at each data owner)
@@ -53,8 +54,9 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DISTMOE = [sys.executable, "-m", "distmoe.cli"]
 CONN = "deploy"
-NODES_DEADLINE = 90.0
+NODES_DEADLINE = 180.0
 RUN_DEADLINE = 600.0
+CLI_TIMEOUT = 180.0  # one CLI command (Python start-up and imports): about 1.5 s of CPU, a minute on a loaded machine
 N_PARTIES = 3
 
 OVERRIDES = {
@@ -120,11 +122,11 @@ class Deployment:
         self.logs[name] = log
         return proc
 
-    def cli(self, args: list[str], flwr_home: Path, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    def cli(self, args: list[str], flwr_home: Path, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
         return subprocess.run([str(BIN / "flwr"), *args], env=self.env(flwr_home), cwd=str(self.root),
                               capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
-    def distmoe(self, args: list[str], flwr_home: Path, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    def distmoe(self, args: list[str], flwr_home: Path, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
         """Run ``distmoe ARGS`` to completion; a non-zero exit fails the test with its output and the logs."""
         res = subprocess.run([*DISTMOE, *args], env=self.env(flwr_home), cwd=str(self.root), capture_output=True,
                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
@@ -157,16 +159,6 @@ class Deployment:
         while processes_with_token(self.token) and time.monotonic() < deadline:
             stop_processes(self.token, grace=1.0)
         return processes_with_token(self.token)
-
-
-@pytest.fixture
-def deployment(tmp_path):
-    dep = Deployment(tmp_path)
-    try:
-        yield dep
-    finally:
-        leftover = dep.stop()
-        assert not leftover, f"processes with the test token still running: {leftover}" + dep.diag(10)
 
 
 def _online_nodes(dep: Deployment, cli_home: Path) -> set[str]:
@@ -209,14 +201,14 @@ def _federation(dep: Deployment, tmp_path: Path, parties: list[str], register: l
                             "--exec"], tmp_path / "flwr-superlink")
     cli_home = tmp_path / "flwr-cli"
     dep.distmoe(["deploy", "connection", "--credentials", str(creds), "--address", f"127.0.0.1:{port}", "--name", CONN,
-                 "--write", "--flwr-home", str(cli_home)], cli_home)
+                 "--write", "--flwr-home", str(cli_home), "--timeout", str(CLI_TIMEOUT)], cli_home)
     # the SuperLink needs a moment before its Control API answers: retry the registration until it does
     cmd = ["deploy", "register", "--credentials", str(creds), "--connection", CONN, "--flwr-home", str(cli_home),
-           "--exec", *(a for p in register for a in ("--party", p))]
+           "--timeout", str(CLI_TIMEOUT), "--exec", *(a for p in register for a in ("--party", p))]
     deadline = time.monotonic() + 30
     while True:
         res = subprocess.run([*DISTMOE, *cmd], env=dep.env(cli_home), cwd=str(tmp_path), capture_output=True,
-                             text=True, timeout=60, stdin=subprocess.DEVNULL)
+                             text=True, timeout=CLI_TIMEOUT, stdin=subprocess.DEVNULL)
         if res.returncode == 0 or time.monotonic() > deadline:
             break
         assert dep.procs[0].poll() is None, f"SuperLink exited with {dep.procs[0].returncode}" + dep.diag()
@@ -360,7 +352,7 @@ def test_tls_node_auth_deployment_end_to_end(deployment: Deployment, tmp_path: P
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
     assert result.check("cross-check").status == "pass" and result.check("canaries").status == "pass"
     res = dep.distmoe(["audit", str(run_dir), *(a for led in ledgers for a in ("--party-ledger", str(led))),
-                       "--canaries", str(canary_file)], cli_home, timeout=120)
+                       "--canaries", str(canary_file)], cli_home)
     assert (run_dir / "audit" / "audit.json").exists(), res.stdout
 
 

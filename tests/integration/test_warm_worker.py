@@ -1,6 +1,6 @@
 """The data owner's warm ClientApp worker (``clients/warm.py``) on real Flower 1.42 processes: the TLS +
-node-auth deployment of ``test_deployment.py`` (its helpers and fixture), every SuperNode pinned with the
-default (warm) launcher.
+node-auth deployment of ``test_deployment.py`` (its helpers; the ``deployment`` fixture of ``conftest.py``),
+every SuperNode pinned with the default (warm) launcher.
 
 A whole deployed run must be served by one worker per SuperNode (the imports paid once per party, not once
 per message: ``<pin>/warm/starts.log`` has one line per worker start), each message in a forked child that
@@ -36,17 +36,6 @@ from distmoe.config import to_toml
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def warm(tmp_path):
-    """``test_deployment.py``'s deployment: every process it started is stopped by PID at the end."""
-    dep = Deployment(tmp_path)
-    try:
-        yield dep
-    finally:
-        leftover = dep.stop()
-        assert not leftover, f"processes with the test token still running: {leftover}" + dep.diag(10)
-
-
 def _workers(pin: Path) -> list[int]:
     path = pin / "warm" / "starts.log"
     return [int(line.split()[2]) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -65,8 +54,8 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
-def test_a_deployed_run_is_served_by_one_warm_worker_per_supernode(warm: Deployment, tmp_path: Path):
-    dep = warm
+def test_a_deployed_run_is_served_by_one_warm_worker_per_supernode(deployment: Deployment, tmp_path: Path):
+    dep = deployment
     names, parties, _, cli_home, _, nodes = _registered_federation(dep, tmp_path)
     pin, run_dir = tmp_path / "pin", tmp_path / "run"
     first = _workers(pin)  # started with the SuperNodes (clients.supernode), before any message
