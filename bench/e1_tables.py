@@ -22,6 +22,15 @@ def load_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.strip()]
 
 
+def units(rows: list[dict]) -> list[dict]:
+    """Rows of one base as they are; rows of several bases with ``seed`` made the unit ``(base index, seed)`` (bases
+    numbered in the order they first appear), so that seed s of two bases is two units and arms pair within one."""
+    bases = list(dict.fromkeys(r["base"] for r in rows))
+    if len(bases) < 2:
+        return rows
+    return [{**r, "seed": (bases.index(r["base"]), r["seed"])} for r in rows]
+
+
 def tables(rows: list[dict], order: tuple[str, ...], length: int | None = None) -> str:
     """Markdown tables from the kept rows: the none arm's curve, every arm's curve, then the paired comparisons at
     ``length`` (None: Stage 0's rule chooses it) and at the last B checkpoint. ``order``: the arms, in order."""
