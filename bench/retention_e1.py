@@ -287,8 +287,11 @@ def main(argv: list[str] | None = None) -> None:
         print(e1_tables.tables(e1_tables.load_rows(out), e1_arms.STAGE0))
     else:
         rows = e1_tables.load_rows(out)
-        print(e1_tables.tables(e1_tables.units(rows), e1_arms.STAGE1, args.length))
-        first = [r for r in rows if r["base"] == rows[0]["base"]]  # Stage 0 ran on the first base only
+        seed_of = e1_tables.base_seeds(Path(args.stage0), out)
+        print(e1_tables.tables(e1_tables.units(rows, seed_of), e1_arms.STAGE1, args.length))
+        first = [r for r in rows if seed_of[r["base"]] == 0]  # Stage 0 ran on base 0 only
+        if len(first) < len(rows):
+            print("\nBase 0 alone:\n\n" + e1_tables.tables(first, e1_arms.STAGE1, args.length))
         if (Path(args.stage0) / "rows.jsonl").exists():
             print("\n" + e1_tables.same_pre_b(first, e1_tables.load_rows(Path(args.stage0)), args.length))
 
