@@ -22,6 +22,29 @@ def load_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.strip()]
 
 
+def base_seeds(*dirs: Path) -> dict[str, int]:
+    """Base directory name -> base seed, from the ``base.jsonl`` records the ``base`` command writes. The name is a
+    hash of the whole run config, so one base rebuilt after an unrelated config default changed gets a second name:
+    both map to the same seed (and its rows reproduce the earlier ones exactly: the notebook records the check)."""
+    out: dict[str, int] = {}
+    for d in dirs:
+        if (d / "base.jsonl").exists():
+            lines = (d / "base.jsonl").read_text().splitlines()
+            out.update({r["base"]: r["base_seed"] for r in map(json.loads, filter(str.strip, lines))})
+    return out
+
+
+def units(rows: list[dict], seed_of: dict[str, int]) -> list[dict]:
+    """Rows of one base as they are; rows of several bases with ``seed`` made the unit ``(base seed, seed)``, so that
+    seed s of two bases is two units and arms pair within one. ``seed_of``: ``base_seeds``."""
+    missing = sorted({r["base"] for r in rows} - set(seed_of))
+    if missing:
+        raise SystemExit(f"no base.jsonl record names the base(s) {missing}: run the `base` command with --out")
+    if len({seed_of[r["base"]] for r in rows}) < 2:
+        return rows
+    return [{**r, "seed": (seed_of[r["base"]], r["seed"])} for r in rows]
+
+
 def tables(rows: list[dict], order: tuple[str, ...], length: int | None = None) -> str:
     """Markdown tables from the kept rows: the none arm's curve, every arm's curve, then the paired comparisons at
     ``length`` (None: Stage 0's rule chooses it) and at the last B checkpoint. ``order``: the arms, in order."""

@@ -4,6 +4,8 @@ end below GRPO under the exact engine, on a task whose answers are long enough f
     python bench/e2_gate.py --seeds 0 1 2 --iters 400 --out bench/results/e2          # SFT, calibration, arms
     python bench/e2_gate.py --calibrate-only --seeds 0 --out bench/results/e2         # the calibration table
     python bench/e2_gate.py --table --seeds 0 1 2 --out bench/results/e2              # the pre-registered analysis
+    python bench/e2_gate.py --seeds 0 1 2 3 4 --milestones 500 1000 1500 --out bench/results/e2-long   # 1,500 its
+    python bench/e2_gate.py --table --iters 1500 --seeds 0 1 2 3 4 --out bench/results/e2-long  # at 500/1000/1500
 
 Setup per seed (the small MoE of ``tests/rl/conftest.py``: 2 layers, 8 experts, top-2; in process, no Flower):
 task ``shift6`` (``distmoe.data.synth``: a 6-letter word with every letter moved one on, answers of 6 letters +
@@ -34,6 +36,11 @@ Pre-registered analysis (fixed before the runs):
   arm at least 0.05 below parity) and the interval's upper end is below 0.5. Otherwise no correction can show
   anything in this regime, and that is the finding. Per-seed values are reported beside the pooled one.
 * Correction arms (only if the gate passes): ``h(arm, none)`` with its interval, for each correction arm.
+
+The design's full length (fixed before those runs, 2026-12-06, after the 400-iteration gate above had failed): the
+same two arms continued to 1,500 iterations from fresh runs of the same seeds (``--milestones 500 1000 1500``; the
+first 400 iterations repeat the first gate's exactly, a check of determinism), the same gate rule applied at each
+of 500, 1,000 and 1,500 iterations (``--table --iters N``), the gate passing only if it passes at 1,500.
 """
 
 from __future__ import annotations
@@ -163,6 +170,11 @@ def run_arm(model0, tok, args, arm: str, seed: int, out: Path) -> torch.nn.Modul
     return model
 
 
+def deployed_path(out: Path, seed: int, iters: int) -> Path:
+    """Where ``evaluate`` keeps seed's deployed rewards after ``iters`` iterations (400: the first gate's name)."""
+    return out / (f"deployed-s{seed}.json" if iters == 400 else f"deployed-s{seed}-i{iters}.json")
+
+
 def evaluate(seed: int, args, out: Path) -> None:
     """Deployed rewards ``[P, S]`` of every finished arm of ``seed`` (same sampling seed for all arms)."""
     model0, tok, _ = sft_start(seed, args, out)
@@ -177,7 +189,7 @@ def evaluate(seed: int, args, out: Path) -> None:
         m.load_state_dict(torch.load(ckpt, weights_only=True)["state"])
         rec[arm] = deployed_rewards(m, tok, held, args.engine, args.win_samples, seed * 1000 + 999).tolist()
     rec["iters"] = args.iters
-    (out / f"deployed-s{seed}.json").write_text(json.dumps(rec))
+    deployed_path(out, seed, args.iters).write_text(json.dumps(rec))
 
 
 def head_to_head(recs: list[dict], x: str, y: str, boot: int = 2000) -> dict[str, float]:
@@ -205,8 +217,8 @@ def head_to_head(recs: list[dict], x: str, y: str, boot: int = 2000) -> dict[str
 
 
 def table(args, out: Path) -> dict:
-    recs = [json.loads((out / f"deployed-s{s}.json").read_text()) for s in args.seeds
-            if (out / f"deployed-s{s}.json").exists()]
+    recs = [json.loads(deployed_path(out, s, args.iters).read_text()) for s in args.seeds
+            if deployed_path(out, s, args.iters).exists()]
     gate = head_to_head(recs, "none", "exact")
     res = {"gate": gate, "engine": args.engine}
     if gate:
@@ -229,10 +241,10 @@ def table(args, out: Path) -> dict:
     for arm in ARMS:
         logs = [out / f"{arm}-s{s}.jsonl" for s in args.seeds if (out / f"{arm}-s{s}.jsonl").exists()]
         if logs:
-            rows = [json.loads(x) for p in logs for x in p.read_text().splitlines()[-50:]]
+            rows = [json.loads(x) for p in logs for x in p.read_text().splitlines()[:args.iters][-50:]]
             print(f"{arm}: last-50-iteration mean reward {statistics.mean(r['reward'] for r in rows):.3f}, "
                   f"mean |Δlogp| {statistics.mean(r['logp_diff_mean'] for r in rows):.4f}")
-    (out / "gate.json").write_text(json.dumps(res, indent=1))
+    (out / ("gate.json" if args.iters == 400 else f"gate-i{args.iters}.json")).write_text(json.dumps(res, indent=1))
     return res
 
 
@@ -242,6 +254,8 @@ def main() -> None:
     ap.add_argument("--arms", nargs="*", default=["exact", "none"], choices=list(ARMS))
     ap.add_argument("--engine", default="int2g32-experts", help="the deployed engine profile")
     ap.add_argument("--iters", type=int, default=400)
+    ap.add_argument("--milestones", type=int, nargs="*", default=[],
+                    help="run to each of these iteration counts in turn, evaluating at each (overrides --iters)")
     ap.add_argument("--chunk", type=int, default=50)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
@@ -269,11 +283,13 @@ def main() -> None:
             calibrate(model0, tok, seed, args, out)
         if args.calibrate_only:
             continue
-        for arm in args.arms:
-            t1 = time.time()
-            run_arm(model0, tok, args, arm, seed, out)
-            print(f"seed {seed} {arm}: {args.iters} iterations, {time.time() - t1:.0f} s", flush=True)
-        evaluate(seed, args, out)
+        for iters in args.milestones or [args.iters]:
+            args.iters = iters
+            for arm in args.arms:
+                t1 = time.time()
+                run_arm(model0, tok, args, arm, seed, out)
+                print(f"seed {seed} {arm}: {args.iters} iterations, {time.time() - t1:.0f} s", flush=True)
+            evaluate(seed, args, out)
         print(f"seed {seed}: {time.time() - t0:.0f} s", flush=True)
 
 

@@ -61,6 +61,12 @@ mechanism "buys retention" only if it is claimed at equal B loss (at equal steps
 keeps more of A for free); the oracles' +0.10-0.12 at equal B loss (Stage 0) is the scale expected of the routing-
 and expert-side mechanisms, not of distillation and replay.
 
+Stage 1's extension, fixed before any of its runs (2026-12-06, second session): the same command and arms for
+seeds 5, 6, 7, 8, 9 on base 0 (continuing "as many seeds as finish"), then bases 1, 2, 3, 4 (``--base-seed``, their
+own ``--work``), seeds 0 and 1 on each, in that order, as many as finish. The table pools every (base, seed) unit
+that ran every arm (``e1_tables.units``: arms pair within a unit, never across bases); the same endpoints, tests
+and Holm family as above. Base 0 alone (seeds 0-9) is reported beside the pooled table.
+
 Must not: change the library's training loop (it calls it), use DP or parties, or write outside ``--out`` and
 ``--work``.
 """
@@ -281,9 +287,13 @@ def main(argv: list[str] | None = None) -> None:
         print(e1_tables.tables(e1_tables.load_rows(out), e1_arms.STAGE0))
     else:
         rows = e1_tables.load_rows(out)
-        print(e1_tables.tables(rows, e1_arms.STAGE1, args.length))
+        seed_of = e1_tables.base_seeds(Path(args.stage0), out)
+        print(e1_tables.tables(e1_tables.units(rows, seed_of), e1_arms.STAGE1, args.length))
+        first = [r for r in rows if seed_of[r["base"]] == 0]  # Stage 0 ran on base 0 only
+        if len(first) < len(rows):
+            print("\nBase 0 alone:\n\n" + e1_tables.tables(first, e1_arms.STAGE1, args.length))
         if (Path(args.stage0) / "rows.jsonl").exists():
-            print("\n" + e1_tables.same_pre_b(rows, e1_tables.load_rows(Path(args.stage0)), args.length))
+            print("\n" + e1_tables.same_pre_b(first, e1_tables.load_rows(Path(args.stage0)), args.length))
 
 
 if __name__ == "__main__":

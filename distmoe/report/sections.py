@@ -332,11 +332,11 @@ RETENTION_EVIDENCE = (
     "earlier task's accuracy at equal new-task loss, at −0.13 [−0.19, −0.07] of the new task's accuracy "
     "(centralised); federated it kept the earlier task's answer loss 4.1 nats lower but not its accuracy. The "
     "router anchor (`routing.anchor-kl-coef`) keeps routing close to the earlier task's (routing KL 0.11 → 0.011)"
-    " but did not keep the task; expert protection and expansion kept nothing at equal new-task loss; even a "
-    "frozen router with the earlier routing forced, or the earlier task's experts frozen, kept at most +0.05 once"
+    " but did not keep the task; expert protection kept +0.02 and expansion nothing at equal new-task loss; even a"
+    " frozen router with the earlier routing forced, or the earlier task's experts frozen, kept at most +0.05 once"
     " the new task was learned. A larger `routing.anchor-kl-coef` is no remedy: at 5 and 50 the anchor kept "
-    "+0.007 and +0.013 of the earlier task's accuracy at equal new-task loss (centralised, intervals including "
-    "0). A lower `train.lr` is untested.")
+    "+0.005 and +0.009 of the earlier task's accuracy at equal new-task loss (centralised, 18 paired runs, "
+    "intervals including 0). A lower `train.lr` is untested.")
 
 
 def retention_advice(run: _Run) -> str:

@@ -153,3 +153,16 @@ def test_same_pre_b_names_only_the_seeds_that_start_b_from_the_same_state():
     new = [r(0, "after-a", 0, 0.8), r(0, "none", 20, 0.2), r(1, "after-a", 0, 0.8), r(1, "none", 20, 0.3)]
     old = [r(0, "after-a", 0, 0.8), r(0, "none", 20, 0.2), r(1, "after-a", 0, 0.8), r(1, "none", 20, 0.31)]
     assert "exactly: [0] (of [0, 1])" in tables.same_pre_b(new, old, 20)
+
+
+def test_rows_of_several_bases_pair_within_a_base(tmp_path):
+    tables = _load("e1_tables")
+    (tmp_path / "base.jsonl").write_text("".join(json.dumps({"base": b, "base_seed": s}) + "\n"
+                                                 for b, s in (("b-x", 0), ("b-x2", 0), ("b-y", 1))))
+    seed_of = tables.base_seeds(tmp_path)
+    one = [{"seed": 0, "base": "b-x"}, {"seed": 1, "base": "b-x2"}]  # one base under two names
+    assert tables.units(one, seed_of) == one  # one base: seeds stay as they are (the kept Stage 1 rows)
+    two = one + [{"seed": 0, "base": "b-y"}]
+    assert [r["seed"] for r in tables.units(two, seed_of)] == [(0, 0), (0, 1), (1, 0)]
+    with pytest.raises(SystemExit, match="b-z"):
+        tables.units([{"seed": 0, "base": "b-z"}], seed_of)

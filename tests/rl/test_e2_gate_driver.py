@@ -50,7 +50,7 @@ def test_gate_rule_needs_the_uncorrected_arm_clearly_behind(tmp_path):
     d = _driver()
     for s in (0, 1):
         (tmp_path / f"sft-s{s}.json").write_text(json.dumps({"sft_steps": 70, "heldout_reward_exact": 0.3}))
-    args = argparse.Namespace(seeds=[0, 1], engine="int2g32-experts")
+    args = argparse.Namespace(seeds=[0, 1], engine="int2g32-experts", iters=400)
     behind = [[0, 0]] * 30 + [[1, 1]] * 10  # none exact on 10 of 40 prompts, exact on 40 of 40
     for s in (0, 1):
         (tmp_path / f"deployed-s{s}.json").write_text(json.dumps(
@@ -62,3 +62,14 @@ def test_gate_rule_needs_the_uncorrected_arm_clearly_behind(tmp_path):
             {"seed": s, "sft": behind, "none": behind, "exact": behind}))
     assert d.table(args, tmp_path)["gate_passes"] is False
     assert json.loads((tmp_path / "gate.json").read_text())["gate_passes"] is False
+
+
+def test_each_milestone_keeps_its_own_deployed_rewards_and_gate(tmp_path):
+    d = _driver()
+    assert d.deployed_path(tmp_path, 3, 400).name == "deployed-s3.json"  # the first gate's files keep their names
+    assert d.deployed_path(tmp_path, 3, 1500).name == "deployed-s3-i1500.json"
+    (tmp_path / "sft-s0.json").write_text(json.dumps({"sft_steps": 70, "heldout_reward_exact": 0.3}))
+    d.deployed_path(tmp_path, 0, 400).write_text(json.dumps({"seed": 0, "sft": [[0]], "none": [[0]], "exact": [[1]]}))
+    d.deployed_path(tmp_path, 0, 1500).write_text(json.dumps({"seed": 0, "sft": [[0]], "none": [[1]], "exact": [[1]]}))
+    at = {n: d.table(argparse.Namespace(seeds=[0], engine="e", iters=n), tmp_path)["gate"]["h"] for n in (400, 1500)}
+    assert at == {400: 0.0, 1500: 0.5} and (tmp_path / "gate-i1500.json").exists() and (tmp_path / "gate.json").exists()
