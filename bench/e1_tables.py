@@ -37,7 +37,10 @@ def base_seeds(*dirs: Path) -> dict[str, int]:
 def units(rows: list[dict], seed_of: dict[str, int]) -> list[dict]:
     """Rows of one base as they are; rows of several bases with ``seed`` made the unit ``(base seed, seed)``, so that
     seed s of two bases is two units and arms pair within one. ``seed_of``: ``base_seeds``."""
-    missing = sorted({r["base"] for r in rows} - set(seed_of))
+    names = {r["base"] for r in rows}
+    if len(names) < 2:
+        return rows
+    missing = sorted(names - set(seed_of))
     if missing:
         raise SystemExit(f"no base.jsonl record names the base(s) {missing}: run the `base` command with --out")
     if len({seed_of[r["base"]] for r in rows}) < 2:

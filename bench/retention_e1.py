@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = e1_tables.load_rows(out)
         seed_of = e1_tables.base_seeds(Path(args.stage0), out)
         print(e1_tables.tables(e1_tables.units(rows, seed_of), e1_arms.STAGE1, args.length))
-        first = [r for r in rows if seed_of[r["base"]] == 0]  # Stage 0 ran on base 0 only
+        first = [r for r in rows if seed_of.get(r["base"], 0) == 0]  # Stage 0 ran on base 0 only
         if len(first) < len(rows):
             print("\nBase 0 alone:\n\n" + e1_tables.tables(first, e1_arms.STAGE1, args.length))
         if (Path(args.stage0) / "rows.jsonl").exists():

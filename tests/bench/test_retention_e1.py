@@ -164,5 +164,6 @@ def test_rows_of_several_bases_pair_within_a_base(tmp_path):
     assert tables.units(one, seed_of) == one  # one base: seeds stay as they are (the kept Stage 1 rows)
     two = one + [{"seed": 0, "base": "b-y"}]
     assert [r["seed"] for r in tables.units(two, seed_of)] == [(0, 0), (0, 1), (1, 0)]
+    assert tables.units([{"seed": 0, "base": "b-z"}], {}) == [{"seed": 0, "base": "b-z"}]  # one base: no record needed
     with pytest.raises(SystemExit, match="b-z"):
-        tables.units([{"seed": 0, "base": "b-z"}], seed_of)
+        tables.units([{"seed": 0, "base": "b-z"}, {"seed": 0, "base": "b-x"}], seed_of)
