@@ -12,8 +12,7 @@ install against the pin (an install changed after pinning, or pinned from anothe
 check the FAB's bytes against the pin (same party code, so the coordinator's ServerApp speaks the same
 protocol; the ClientApp entry point is ``clients.app:app``; no top-level module that would shadow a
 library the party imports later); install it (Flower's code); check the installed directory. It also
-shortens Flower's back-off when the message's content is not yet at the SuperNode (``PULL_BACKOFF_S``) and moves
-more of a message's objects at once (``OBJECT_TRANSFERS``). A mismatch
+shortens Flower's back-off when the message's content is not yet at the SuperNode (``PULL_BACKOFF_S``). A mismatch
 raises :class:`PinRefused` inside Flower's task, so Flower answers the
 message with its own error reply (``ClientApp raised an exception``) carrying only this module's fixed
 text: no party code ran, nothing of the party's data was read. Which files differed goes to
@@ -36,17 +35,6 @@ from distmoe.deploy import pin as code_pin
 # (``supercore/constant.py`` PULL_INITIAL_BACKOFF = 1, PULL_BACKOFF_CAP = 10): 4-18 s per message stage spent
 # sleeping. Retried here after 50 ms, doubling up to 0.5 s (a local request to the SuperNode each).
 PULL_BACKOFF_S, PULL_BACKOFF_CAP_S = 0.05, 0.5
-# Flower moves a message as one request per object (a record, each array, each 5 MB chunk: 4-55 per distmoe
-# message), at most min(2, CPU count) at once (``inflatable_utils.get_num_workers``), so on a busy machine a message
-# costs tens of request round trips per hop. Here up to ``OBJECT_TRANSFERS`` at once (local requests to the SuperNode).
-OBJECT_TRANSFERS = 8
-
-
-def more_transfers(utils) -> None:
-    """Flower's object transfer module (``flwr.supercore.inflatable.inflatable_utils``) moving up to
-    ``OBJECT_TRANSFERS`` objects of a message at once."""
-    utils.get_num_workers = lambda _max_concurrent: OBJECT_TRANSFERS
-
 REFUSAL = "distmoe code pin: the app bundle's party code is not the version this data owner pinned"
 PASSED = "distmoe code pin: the app bundle's party code matches the pin"  # + the digest, on stderr (the owner's log)
 
@@ -121,14 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     except code_pin.CodePinError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    from flwr.supercore.inflatable import inflatable_utils
     from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
     from flwr.supernode.runtime import run_clientapp as rc
 
     rc.install_from_fab = checked_installer(pin_file, rc.install_from_fab)
     rc.pull_and_inflate_object_from_tree = functools.partial(
         rc.pull_and_inflate_object_from_tree, initial_backoff=PULL_BACKOFF_S, backoff_cap=PULL_BACKOFF_CAP_S)
-    more_transfers(inflatable_utils)
     sys.argv = ["flwr-clientapp", *argv[2:]]
     flwr_clientapp()
 

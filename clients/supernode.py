@@ -13,8 +13,7 @@ the ServerApp has pushed its content (the SuperLink's ``PullMessages`` does not 
 each missing object after 1, 2, 4, 8 s (the module's ``pull_objects``, ``supercore/constant.py``
 PULL_INITIAL_BACKOFF = 1, PULL_BACKOFF_CAP = 10), and the ClientApp started for the message waits for that
 content. Here the retries start at 50 ms, doubling up to 0.5 s (one request to the SuperLink each), as the
-ClientApp's own (:mod:`clients.pinned`), and up to ``clients.pinned.OBJECT_TRANSFERS`` objects of a message move at
-once (Flower's: 2 on a 2-core machine). Everything else (TLS, node authentication, the SuperExec, the ClientApp
+ClientApp's own (:mod:`clients.pinned`). Everything else (TLS, node authentication, the SuperExec, the ClientApp
 processes) is Flower's. With ``--code-pin FILE`` first it also starts the SuperNode's warm ClientApp worker
 (:mod:`clients.warm`) before Flower's code runs, so the first message finds it ready.
 
@@ -28,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from clients.pinned import PULL_BACKOFF_CAP_S, PULL_BACKOFF_S, more_transfers
+from clients.pinned import PULL_BACKOFF_CAP_S, PULL_BACKOFF_S
 
 IDLE_POLL_S = 0.2  # seconds, the most the SuperNode sleeps between asks of the SuperLink (flwr's own: 3 s)
 LOCAL_POLL_S = 0.02  # seconds, its sleeps between looks at its own in-memory state (flwr's own: 0.5 s)
@@ -51,15 +50,11 @@ class CappedClock:
         time.sleep(min(seconds, self.cap if seconds >= 1 else self.local_cap))
 
 
-def shorten_waits(loop, utils=None) -> None:
-    """Flower's SuperNode loop module (``flwr.supernode.start_client_internal``) with the waits above shortened, and
-    its object transfer module (``utils``, ``flwr.supercore.inflatable.inflatable_utils``) moving more objects of a
-    message at once (:func:`clients.pinned.more_transfers`)."""
+def shorten_waits(loop) -> None:
+    """Flower's SuperNode loop module (``flwr.supernode.start_client_internal``) with the waits above shortened."""
     loop.time = CappedClock(IDLE_POLL_S, LOCAL_POLL_S)
     loop.pull_objects = functools.partial(loop.pull_objects, initial_backoff=PULL_BACKOFF_S,
                                           backoff_cap=PULL_BACKOFF_CAP_S)
-    if utils is not None:
-        more_transfers(utils)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,7 +63,6 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["--code-pin"] and len(args) > 1:
         pin_file, args = Path(args[1]).resolve(), args[2:]
     from flwr.supercore.address import resolve_bind_address
-    from flwr.supercore.inflatable import inflatable_utils
     from flwr.supernode import start_client_internal
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
@@ -77,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     host, port = warm.arg_value(args, "--host"), warm.arg_value(args, "--port")
     if pin_file is not None and host and port:  # the warm worker imports while the SuperNode connects
         warm.prestart(pin_file, resolve_bind_address(f"{host}:{port}"))
-    shorten_waits(start_client_internal, inflatable_utils)
+    shorten_waits(start_client_internal)
     sys.argv = ["flower-supernode", *args]
     flower_supernode()
 

@@ -4,8 +4,7 @@ Flower's ``Grid`` with its own round loop (``push_messages``, then ``pull_messag
 round carries several records and phases of different kinds. Not Flower's ``send_and_receive``: on the
 Deployment Engine it waits 3 s between pulls (flwr 1.42 ``HttpGrid``), up to 3 s lost on each of a
 round's message stages; a pull is one local request to the SuperLink, so polling faster costs little.
-For the same reason Flower's back-off for a reply's content that is not yet at the SuperLink starts at 50 ms, and
-up to ``OBJECT_TRANSFERS`` objects of a message move at once (Flower's: 2 on a 2-core machine).
+For the same reason Flower's back-off for a reply's content that is not yet at the SuperLink starts at 50 ms.
 
 ``run.resume = "<run dir>"`` continues an interrupted run in that directory (new Flower run id, same
 logical run: ``distmoe.coordinator``), e.g. ``flwr run . <federation> --run-config "run.resume='runs/42'"``.
@@ -24,7 +23,6 @@ from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.exit import add_exit_handler
-from flwr.supercore.inflatable import inflatable_utils
 from flwr.superlink.grid import http_grid
 
 from distmoe.config import parse_run_config
@@ -37,10 +35,6 @@ REPLY_POLL_S = 0.1  # seconds between pulls for the replies of one message stage
 # a reply is listed once the SuperNode pushed its message, possibly before all its content; flwr 1.42 then
 # retries each missing object after 1, 2, 4, 8 s: here after 50 ms, doubling up to 0.5 s
 http_grid.pull_objects = functools.partial(http_grid.pull_objects, initial_backoff=0.05, backoff_cap=0.5)
-# flwr 1.42 moves a message as one request per object (4-55 per distmoe message), at most min(2, CPU count) at once:
-# here up to OBJECT_TRANSFERS (local requests to the SuperLink)
-OBJECT_TRANSFERS = 8
-inflatable_utils.get_num_workers = lambda _max_concurrent: OBJECT_TRANSFERS
 
 
 class GridTransport(GuardedTransport):

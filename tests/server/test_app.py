@@ -27,8 +27,3 @@ def test_flowers_send_and_receive_waits_3_s_between_pulls_so_the_adapter_polls_i
     src = inspect.getsource(app.GridTransport._send_and_receive)
     assert "push_messages(" in src and "pull_messages(" in src and "send_and_receive(" not in src.split('"""')[-1]
     assert 0 < app.REPLY_POLL_S <= 0.1
-
-
-def test_the_serverapp_moves_more_of_a_messages_objects_at_once_than_flowers_two():
-    assert "num_workers = get_num_workers(" in inspect.getsource(inflatable_utils.pull_objects)
-    assert inflatable_utils.get_num_workers(2) == app.OBJECT_TRANSFERS >= 8
