@@ -11,7 +11,7 @@ The times come from the coordinator's own ledger (``<run>/ledger/coordinator.jso
 first instruction to the next round's first (the last: to ``run_end`` in ``metrics.jsonl``); a message
 stage is from its first instruction to the last reply before the next instruction.
 
-    python bench/deploy_round.py [--sft-rounds 3] [--cold] [--keep DIR]
+    python bench/deploy_round.py [--sft-rounds 3] [--cold] [--trace] [--keep DIR]
     python bench/deploy_round.py --table DIR      # the table again, from the runs kept in DIR
 
 ``--cold``: the owners' launcher starts a fresh ClientApp process per message (``distmoe deploy pin --cold``)
@@ -33,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO / "bench" / "deploy_trace"))
 
 import test_deployment as td  # noqa: E402  (the deployment test's process helpers)
 
@@ -144,6 +145,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sft-rounds", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="a fresh ClientApp process per message (no warm worker)")
+    ap.add_argument("--trace", action="store_true",
+                    help="time each step of every deployed message (bench/deploy_trace/; DIR/trace.jsonl)")
     ap.add_argument("--keep", metavar="DIR", help="run in DIR and keep it (default: a temporary directory)")
     ap.add_argument("--table", metavar="DIR", help="only print the table of the runs kept in DIR (--keep)")
     args = ap.parse_args()
@@ -154,8 +157,15 @@ def main() -> None:
     root = Path(args.keep).resolve() if args.keep else Path(tempfile.mkdtemp(prefix="deploy-round-"))
     root.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()
+    trace = root / "trace.jsonl"
+    if args.trace:  # every process the deployment starts inherits these (bench/deploy_trace/sitecustomize.py)
+        os.environ["DISTMOE_DEPLOY_TRACE"] = str(trace)
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "bench" / "deploy_trace"), str(REPO),
+                                                    os.environ.get("PYTHONPATH", "")])
     try:
         dep_dir, parties, dep_wall = deployed(root, args.sft_rounds, args.cold)
+        for k in ("DISTMOE_DEPLOY_TRACE",):  # the simulated run untraced
+            os.environ.pop(k, None)
         sim_dir, sim_wall = simulated(root, parties[0].parent, args.sft_rounds)
         load1 = os.getloadavg()
         sim, dep = rounds_of(sim_dir), rounds_of(dep_dir)
@@ -171,6 +181,11 @@ def main() -> None:
         print(f"rounds >= 1: simulated {sim_rounds:.1f} s, deployed {dep_rounds:.1f} s, "
               f"ratio {dep_rounds / sim_rounds:.2f}x (median per round {statistics.median(ratios):.2f}x); "
               f"whole command: simulated {sim_wall:.0f} s, deployed {dep_wall:.0f} s")
+        if args.trace:
+            import breakdown  # bench/deploy_trace/breakdown.py
+
+            print("\nwhere a deployed message's time goes (bench/deploy_trace/breakdown.py " f"{trace}):")
+            print(breakdown.table(breakdown.paths(breakdown.load(trace))))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

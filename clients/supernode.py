@@ -1,39 +1,60 @@
-"""The data owner's ``flower-supernode`` with a short idle poll (``distmoe deploy supernode --code-pin``).
+"""The data owner's ``flower-supernode`` with short waits (``distmoe deploy supernode --code-pin``).
 
 flwr 1.42's SuperNode asks the SuperLink for a message and, when there is none, sleeps a fixed 3 s
-(``supernode/start_client_internal.py``: ``time.sleep(3)``; no option or environment variable sets it),
-and checks for its ClientApp's reply every 0.5 s. Each message stage of a round therefore waits on
-average 1.5 s before the SuperNode even fetches its message; a round of three stages loses about 5 s to
-this sleep alone. This launcher runs Flower's own ``flower-supernode`` entry point unchanged, with that
-module's sleeps capped at ``IDLE_POLL_S``: the SuperNode then asks for work 5 times a second (one small
-authenticated request each; the SuperLink answers it from its state database). Everything else (TLS,
-node authentication, the SuperExec, the ClientApp processes) is Flower's. With ``--code-pin FILE`` first it
-also starts the SuperNode's warm ClientApp worker (:mod:`clients.warm`) before Flower's code runs, so the
-first message finds it ready.
+(``supernode/start_client_internal.py``: ``time.sleep(3)``; no option or environment variable sets it), and then
+checks for its ClientApp's reply, and for each of the reply's objects, every 0.5 s. Each message stage of a round
+therefore waits on average 1.5 s before the SuperNode even fetches its message. This launcher runs Flower's own
+``flower-supernode`` entry point unchanged, with that module's sleeps capped: at ``IDLE_POLL_S`` between asks of
+the SuperLink (5 a second, one small authenticated request each; the SuperLink answers it from its state
+database), at ``LOCAL_POLL_S`` between looks at its own in-memory state (the reply, its content).
 
-Must not: change anything of Flower's but those sleeps, or import anything of an app bundle.
+The SuperNode takes a message from the SuperLink as soon as the ServerApp has pushed its metadata, usually before
+the ServerApp has pushed its content (the SuperLink's ``PullMessages`` does not wait for it); flwr 1.42 then retries
+each missing object after 1, 2, 4, 8 s (the module's ``pull_objects``, ``supercore/constant.py``
+PULL_INITIAL_BACKOFF = 1, PULL_BACKOFF_CAP = 10), and the ClientApp started for the message waits for that
+content. Here the retries start at 50 ms, doubling up to 0.5 s (one request to the SuperLink each), as the
+ClientApp's own (:mod:`clients.pinned`). Everything else (TLS, node authentication, the SuperExec, the ClientApp
+processes) is Flower's. With ``--code-pin FILE`` first it also starts the SuperNode's warm ClientApp worker
+(:mod:`clients.warm`) before Flower's code runs, so the first message finds it ready.
+
+Must not: change anything of Flower's but those sleeps and back-offs, or import anything of an app bundle.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
 
-IDLE_POLL_S = 0.2  # seconds, the most the SuperNode sleeps between asks (flwr's own: 3 s idle, 0.5 s for a reply)
+from clients.pinned import PULL_BACKOFF_CAP_S, PULL_BACKOFF_S
+
+IDLE_POLL_S = 0.2  # seconds, the most the SuperNode sleeps between asks of the SuperLink (flwr's own: 3 s)
+LOCAL_POLL_S = 0.02  # seconds, its sleeps between looks at its own in-memory state (flwr's own: 0.5 s)
 
 
 class CappedClock:
-    """``time`` for Flower's SuperNode loop: every function as it is, ``sleep`` capped at ``cap`` seconds."""
+    """``time`` for Flower's SuperNode loop: every function as it is, ``sleep`` capped at ``cap`` seconds, and at
+    ``local_cap`` for a sleep under 1 s (flwr 1.42's 0.5 s waits for the ClientApp's reply and its content, which
+    look at the SuperNode's own in-memory state; its only longer sleep is the 3 s idle poll of the SuperLink)."""
 
-    def __init__(self, cap: float):
+    def __init__(self, cap: float, local_cap: float | None = None):
         self.cap = cap
+        self.local_cap = cap if local_cap is None else local_cap
 
     def __getattr__(self, name: str):
         return getattr(time, name)
 
     def sleep(self, seconds: float) -> None:
-        time.sleep(min(float(seconds), self.cap))
+        seconds = float(seconds)
+        time.sleep(min(seconds, self.cap if seconds >= 1 else self.local_cap))
+
+
+def shorten_waits(loop) -> None:
+    """Flower's SuperNode loop module (``flwr.supernode.start_client_internal``) with the waits above shortened."""
+    loop.time = CappedClock(IDLE_POLL_S, LOCAL_POLL_S)
+    loop.pull_objects = functools.partial(loop.pull_objects, initial_backoff=PULL_BACKOFF_S,
+                                          backoff_cap=PULL_BACKOFF_CAP_S)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     host, port = warm.arg_value(args, "--host"), warm.arg_value(args, "--port")
     if pin_file is not None and host and port:  # the warm worker imports while the SuperNode connects
         warm.prestart(pin_file, resolve_bind_address(f"{host}:{port}"))
-    start_client_internal.time = CappedClock(IDLE_POLL_S)
+    shorten_waits(start_client_internal)
     sys.argv = ["flower-supernode", *args]
     flower_supernode()
 

@@ -147,7 +147,8 @@ class Coordinator:
                 text = self.play_round(index, phase)
                 if ctx.ckpt_round != ctx.s.round and ctx.checkpoint_due(phase.kind):
                     ctx.checkpoint()  # a resume point (checkpoint.every; the due rounds: RunContext.checkpoint_due)
-                text += self.exchange_public(probe, "probe")  # the round's global model on the public probe set
+                # the round's global model on the public probe set (not sent again for a model already probed)
+                text += probe.repeat(ctx) or self.exchange_public(probe, "probe")
                 for line in fit([f"round {rnd}/{total} ({time.perf_counter() - t0:.1f} s)", phase.label(),
                                  *text.split(" | ")]):  # lines of <= 100 columns
                     ctx.say(line)

@@ -27,6 +27,11 @@ def _field(line: str, start: str) -> bool:
     return re.search(r"\|\s+" + re.escape(start), line) is not None
 
 
+def _sent(probes):
+    """The rounds whose probe was exchanged: the first, and each after a round that changed the weights."""
+    return [p["round"] for p in probes if p["round"] == 1 or p["phase_label"].split(":")[0] in ("sft", "rl", "dpo")]
+
+
 def _rows(run_dir, event):
     return [e for e in read_metrics(run_dir / "metrics.jsonl") if e.get("event") == event]
 
@@ -61,8 +66,26 @@ def test_probe_metrics_every_round_under_secagg(probe_run):
     kl = {p["round"]: p["routing_kl"] for p in probes}
     assert all(kl[r] is None for r in kl if r < stats_round)  # no anchor yet
     assert all(kl[r] is not None and kl[r] >= 0 for r in kl if r >= stats_round)
-    assert probe_run["transport"].sent["query.probe"] == 3 * total
+    # a probe after a round that changed no weight (stats, eval) is not sent again: the last probe's median stands
+    assert len(_sent(probes)) < total and probe_run["transport"].sent["query.probe"] == 3 * len(_sent(probes))
     assert any(_field(x, "probe: ") and "load CV" in x for x in probe_run["lines"])
+
+
+@pytest.mark.integration
+def test_a_probe_not_sent_again_reads_what_the_parties_would_answer(probe_run):
+    """The last round (eval) changed no weight, so its probe was not sent: its row is an honest party's own probe of
+    the final model, exactly, and the same as the probe before it."""
+    from distmoe.party.probe import run_probe
+    from distmoe.routing.probe import expert_counts
+    from distmoe.wire.schema import ProbeInstruction
+
+    coord, transport = probe_run["coord"], probe_run["transport"]
+    last, before = _rows(probe_run["dir"], "probe")[-1], _rows(probe_run["dir"], "probe")[-2]
+    assert last["phase_label"] == "eval" and last["top1_consistency"] == 1.0
+    honest = run_probe(coord.cfg, transport.nodes[100], ProbeInstruction(
+        last["round"], coord.tspec.base_hash, coord.probe_prompts, coord.np_weights(coord.s.weights)))
+    assert last["expert_counts"] == expert_counts(honest.top1, coord.mspec.num_experts).tolist()
+    assert last["expert_counts"] == before["expert_counts"] and last["parties"] == 3
 
 
 @pytest.mark.integration
@@ -72,7 +95,9 @@ def test_probe_run_passes_the_audit(probe_run, failed_checks):
     result = audit_run(run_dir)
     assert failed_checks(result) == set(), [c for c in result.checks if c.status == "fail"]
     coord_ledger = [json.loads(x) for x in (run_dir / "ledger" / "coordinator.jsonl").read_text().splitlines()]
-    assert sum(e["payload_type"] == "probe-reply" and e["verdict"] == "accepted" for e in coord_ledger) == 3 * 7
+    sent = _sent(_rows(run_dir, "probe"))
+    assert len(sent) == 4  # of 7 rounds, the 4 sft rounds changed the weights (not the stats and eval rounds)
+    assert sum(e["payload_type"] == "probe-reply" and e["verdict"] == "accepted" for e in coord_ledger) == 3 * len(sent)
 
 
 def test_a_bad_probe_file_stops_the_run_before_any_round(make_run, tmp_path):

@@ -8,6 +8,7 @@ The ``ledger-key`` node-config key is followed through to the ledger the party s
 
 from __future__ import annotations
 
+import inspect
 import shlex
 import tomllib
 from pathlib import Path
@@ -348,3 +349,16 @@ def test_register_exec_prints_the_node_id_a_real_superlink_gave_each_owner(tmp_p
         link.terminate()
         link.wait(timeout=30)
         log.close()
+
+
+def test_flowers_superexec_reads_the_task_poll_interval_the_pinned_supernode_sets(monkeypatch):
+    """The SuperExec's task poll (flwr 1.42 ``supercore/superexec/run_superexec.py``, 1 s by default) is Flower's
+    own setting: a Flower that renames or bounds it differently fails here instead of polling at 1 s again."""
+    from flwr.supercore.superexec import run_superexec
+
+    assert run_superexec._TASK_POLL_INTERVAL_ENV == dc.SUPEREXEC_POLL_ENV
+    assert "time.sleep(task_poll_interval)" in inspect.getsource(run_superexec.run_superexec)
+    monkeypatch.setenv(dc.SUPEREXEC_POLL_ENV, dc.SUPEREXEC_POLL_S)
+    assert run_superexec._get_task_poll_interval() == float(dc.SUPEREXEC_POLL_S)
+    monkeypatch.delenv(dc.SUPEREXEC_POLL_ENV)
+    assert run_superexec._get_task_poll_interval() == 1.0

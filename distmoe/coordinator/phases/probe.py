@@ -15,7 +15,11 @@ goes to ``run.json`` ``warnings`` and the progress stream. A probe that gets no 
 it never fails a round or the run. After a resume the top-1 consistency and the KL-rise count start afresh.
 
 The round loop does the exchange: ``instruction`` (None when no probe is due) goes to every party, and ``apply``
-combines the replies.
+combines the replies. A probe due on a model the last probe already measured (after a ``stats`` or ``eval`` round,
+which change no weight) is not sent again (``repeat``): the replies are a deterministic function of the public
+prompts, the base and the weights, all unchanged, so the last probe's median stands for it and its metrics are
+recomputed against the anchor of now; in a deployment that saves one message stage per such round. A party that
+joined since the last probe is probed at the next change of the weights.
 
 Must not: import ``flwr``, talk to a party, read party data, or change the model or the anchor.
 """
@@ -29,6 +33,7 @@ import numpy as np
 from distmoe.coordinator.context import RunContext
 from distmoe.coordinator.errors import RunFailed
 from distmoe.coordinator.state import RoundState
+from distmoe.model.build import hash_tensors
 from distmoe.routing.probe import ProbeError, combine, default_probe_prompts, probe_metrics, read_probe_file
 from distmoe.wire.schema import ProbeInstruction, ProbeReply
 
@@ -54,11 +59,31 @@ def _usable(rep: ProbeReply, layers: int, experts: int) -> bool:
 
 def instruction(co: RunContext) -> ProbeInstruction | None:
     """The probe of the global model after round ``co.s.round``; None when it is not due."""
-    every, s = co.cfg.routing.probe_every, co.s
-    if every <= 0 or not co.probe_prompts or s.round % every:
+    s = co.s
+    if not _due(co):
         return None
     return ProbeInstruction(round=s.round, base_hash=co.tspec.base_hash, prompts=co.probe_prompts,
                             weights=co.np_weights(s.weights))
+
+
+def _measured(co: RunContext) -> str:
+    """What a probe of the model now measures: the base and the global weights (the prompts are the run's)."""
+    return f"{co.tspec.base_hash}:{hash_tensors(co.s.weights)}"
+
+
+def repeat(co: RunContext) -> str:
+    """The progress text of a due probe of the model the last probe measured, from that probe's median (its row
+    written again for this round); "" when no probe is due or the model changed since (the loop then exchanges)."""
+    last = co.probe_last
+    if last is None or not _due(co) or last[0] != _measured(co):
+        return ""
+    _, routing, top1, parties, disagreeing = last
+    return _record(co, routing, top1, parties, disagreeing)
+
+
+def _due(co: RunContext) -> bool:
+    every = co.cfg.routing.probe_every
+    return every > 0 and bool(co.probe_prompts) and co.s.round % every == 0
 
 
 def apply(co: RunContext, replies: dict[int, ProbeReply], errors: dict[int, str]) -> tuple[RoundState, str]:
@@ -78,18 +103,25 @@ def apply(co: RunContext, replies: dict[int, ProbeReply], errors: dict[int, str]
         co.probe_warned.add(party)
         _warn(co, "probe", f"round {s.round}: party {party}'s routing probe disagrees with the median of {len(got)} "
                            "parties (another device or precision, or a wrong report); the median is used")
+    co.probe_last = (_measured(co), routing, top1, len(got), len(set(disagree + bad)))
+    return s, _record(co, routing, top1, len(got), len(set(disagree + bad)))
+
+
+def _record(co: RunContext, routing: np.ndarray, top1: np.ndarray, parties: int, disagreeing: int) -> str:
+    """The probe's metrics row, health watch and progress text from the parties' median."""
+    s, E = co.s, co.mspec.num_experts
     anchor_version = s.anchor.meta.version if s.anchor is not None else 0
     m = probe_metrics(routing, top1, E, s.anchor.probs if s.anchor is not None else None, co.probe_prev_top1)
     co.probe_prev_top1 = top1
-    co.metrics.append({"event": "probe", "round": s.round, "phase_label": co.phase_label, "parties": len(got),
-                       "disagreeing": len(set(disagree + bad)), "anchor_version": anchor_version,
+    co.metrics.append({"event": "probe", "round": s.round, "phase_label": co.phase_label, "parties": parties,
+                       "disagreeing": disagreeing, "anchor_version": anchor_version,
                        "routing_kl": m["routing_kl"], "load_cv": m["load_cv"],
                        "top1_consistency": m["top1_consistency"], "expert_counts": m["expert_counts"]})
     for kind, text in co.routing_watch.observe(s.round, m["load_cv"], m["routing_kl"], anchor_version):
         _warn(co, kind, text)
     parts = [f"{name} {m[k]:.{d}f}" for k, name, d in (("routing_kl", "KL", 3), ("load_cv", "load CV", 2),
                                                         ("top1_consistency", "top-1", 2)) if math.isfinite(m[k])]
-    return s, " | probe: " + ", ".join(parts)
+    return " | probe: " + ", ".join(parts)
 
 
 def _warn(co: RunContext, kind: str, text: str) -> None:

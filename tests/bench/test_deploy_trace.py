@@ -1,0 +1,61 @@
+"""``bench/deploy_trace/``: the trace hook in a real Python process (every Flower function it times is where it
+expects it: a Flower that moves one fails here, not silently in the benchmark), nothing at all without its
+environment variable, and the breakdown's reading of one message's path."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_DIR = Path(__file__).resolve().parents[2] / "bench" / "deploy_trace"
+_spec = importlib.util.spec_from_file_location("deploy_trace_breakdown", _DIR / "breakdown.py")
+breakdown = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(breakdown)
+
+_IMPORTS = ("import flwr.supernode.start_client_internal as s, flwr.superlink.grid.http_grid as h, "
+            "flwr.supernode.runtime.run_clientapp as r, flwr.clientapp.client_app as c, clients.pinned as p, "
+            "flwr.supercore.superexec.executor.subprocess_executor as x; "
+            "print(s._push_messages.__name__, r.pull_task_input.__qualname__, c.ClientApp.__call__.__qualname__)")
+
+
+def _run(tmp_path: Path, traced: bool) -> list[dict]:
+    log = tmp_path / "trace.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "DISTMOE_DEPLOY_TRACE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(_DIR), str(_DIR.parents[1]), env.get("PYTHONPATH", "")])
+    if traced:
+        env["DISTMOE_DEPLOY_TRACE"] = str(log)
+    res = subprocess.run([sys.executable, "-c", _IMPORTS, "--token", "t", "--code-pin", "x"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.mark.slow  # a real Python process importing flwr (several seconds on a loaded machine)
+def test_the_hook_wraps_every_timed_function_in_a_real_process_and_only_when_asked(tmp_path):
+    events = _run(tmp_path, traced=True)
+    assert [e["ev"] for e in events] == ["proc.start"] and events[0]["launcher"] is True
+    assert _run(tmp_path / "off", traced=False) == []
+
+
+def test_one_messages_path_becomes_its_steps():
+    ev = [("srv.push.begin", 10.0, {}), ("sn.recv", 10.2, {"mid": "m", "type": "query.unmask", "node": "9"}),
+          ("srv.push.end", 10.5, {"mids": ["m"], "dst": [1]}), ("pull_objects", 10.6, {"unavailable": 2}),
+          ("sn.stored", 10.7, {}), ("sx.launch", 10.3, {"node": "9"}),
+          ("proc.start", 10.4, {"node": "9", "launcher": True}), ("wc.child", 10.45, {"node": "9"}),
+          ("ca.pull.end", 10.8, {"mid": "m"}), ("ca.call.begin", 11.0, {}), ("ca.call.end", 11.5, {}),
+          ("ca.push.end", 11.6, {}), ("sn.send.begin", 11.65, {"reply_to": "m"}), ("sn.push.end", 11.9, {}),
+          ("srv.pull", 12.0, {"got": [["m", 1]]})]
+    pids = {"srv": 1, "sn.": 2, "pul": 2, "sx.": 3, "pro": 4, "wc.": 5, "ca.": 5}
+    events = sorted(({"ev": e, "t": t, "pid": pids[e[:3]], **kw} for e, t, kw in ev), key=lambda e: e["t"])
+    (p,) = breakdown.paths(events)
+    assert p["type"] == "query.unmask" and p["sn_unavailable"] == 2 and p["stage"] == 12.0
+    steps = {label: p[b] - p[a] for label, a, b in breakdown.STEPS if a in p and b in p}
+    assert len(steps) == len(breakdown.STEPS)
+    assert abs(steps["party's work (ClientApp.__call__)"] - 0.5) < 1e-9
+    assert "query.unmask: 1 messages" in breakdown.table([p])
