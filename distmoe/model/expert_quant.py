@@ -38,6 +38,7 @@ from torch import nn
 from distmoe.model.expert_lora import RoutedExpertsLoRA, expert_wrappers
 
 BLOCK = 64
+CHUNK_VALUES = 1 << 18  # expert weights quantised per call (1 MB in float32), in whole experts
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
 LOADED = "_distmoe_nf4_loaded"  # an expert stack's {projection: NF4Stack} quantised while loading
 _GUARD = "_distmoe_nf4_guard"  # the forward pre-hook that refuses a stack whose weights are placeholders
@@ -67,9 +68,17 @@ class NF4Stack(nn.Module):
         if (a * b) % BLOCK:
             raise QuantError(f"an expert weight of {a} x {b} values is not a whole number of {BLOCK}-value NF4 "
                              "blocks; set model.quantize-experts = \"none\"")
-        packed, state = _bnb().quantize_4bit(weight.detach().contiguous(), blocksize=BLOCK, quant_type="nf4")
-        self.register_buffer("packed", packed.reshape(e, -1))  # [E, a*b/2]
-        self.register_buffer("absmax", state.absmax.float().reshape(e, -1))  # [E, a*b/64]
+        # a few experts at a time: bitsandbytes' CPU kernel holds several temporaries of its input's size (measured:
+        # a 100 MB stack at once raised the RSS by 300 MB), and blocks never straddle experts, so the bytes are the same
+        step = max(1, CHUNK_VALUES // (a * b))
+        packed, absmax = [], []
+        for i in range(0, e, step):
+            p, state = _bnb().quantize_4bit(weight[i:i + step].detach().contiguous(), blocksize=BLOCK,
+                                            quant_type="nf4")
+            packed.append(p.reshape(-1, a * b // 2))  # [chunk, a*b/2]
+            absmax.append(state.absmax.float().reshape(-1, a * b // BLOCK))  # [chunk, a*b/64]
+        self.register_buffer("packed", torch.cat(packed))  # [E, a*b/2]
+        self.register_buffer("absmax", torch.cat(absmax))  # [E, a*b/64]
         self.register_buffer("code", state.code.float())  # [16]
         self.shape = (e, a, b)
         self.dtype = weight.dtype

@@ -209,7 +209,8 @@ def predict(a: Arch, s: Settings) -> dict[str, float]:
         experts = a.moe_layers * a.experts * 3 * a.hidden * a.expert_width
         base -= experts * (s.dtype_bytes - (0.5 + 4 / 64))
     adapters = a.trainable * 16
-    load = a.params * s.dtype_bytes if s.cpu else 0  # the checkpoint is read in full precision, then quantised
+    load = a.params * s.dtype_bytes if s.cpu else 0  # the checkpoint's pages, mapped while it is read
+    load += IMPORTS_GB * GB if s.cpu else 0  # on the CPU the party process holds its imports too
     sft = base + adapters + activations(a, s.batch * s.seq, c, s.checkpointing) + load
     mb = max(1, s.rollouts // s.minibatches)
     kv = 2 * a.layers * a.kv_width * s.rollouts * s.rl_len * c

@@ -126,3 +126,21 @@ def test_a_stack_loaded_in_4_bits_refuses_to_run_until_the_routed_expert_lora_in
     model = build_model(cfg)[0]  # the placeholders are not the weights: no silent zero experts
     with pytest.raises(QuantError, match="quantised to 4 bits while loading"), torch.no_grad():
         model(input_ids=torch.tensor([[5, 9]]), use_cache=False)
+
+
+def test_a_4bit_training_step_keeps_no_dequantised_expert_weights_for_the_backward(checkpoints):
+    model = _adapted(checkpoints["qwen3_moe"], "nf4")
+    stacks = {m.shape[1:] for m in model.modules() if isinstance(m, NF4Stack)}
+    stacks |= {s[::-1] for s in stacks}
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+    assert saved and not [s for s in saved if len(s) == 3 and s[1:] in stacks]  # dequantised again in the backward
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
