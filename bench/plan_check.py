@@ -39,6 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_model as rm  # noqa: E402  (the shapes, the checkpoint writer, the batch, the roles and RSS readers)
 
 MB = 1e6
+# real_model.py's shapes and a small one for the test suite (tests/bench/test_plan_check.py): 0.03B, 100 MB of experts
+SHAPES = {**rm.SHAPES, ("qwen3_moe", "small"): dict(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=2,
+                                                      num_attention_heads=4, num_key_value_heads=1, num_experts=64,
+                                                      vocab_size=8192)}
 ROUNDS = ("sft", "rl-exact", "rl-bf16", "stats", "sft-nf4", "load", "load-nf4-after", "load-nf4")
 
 
@@ -132,7 +136,7 @@ def predicted(round_: str, ckpt: Path, args) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", nargs="+", default=["0.1b"], choices=["0.1b", "0.5b", "1b"])
+    ap.add_argument("--sizes", nargs="+", default=["0.1b"], choices=["small", "0.1b", "0.5b", "1b"])
     ap.add_argument("--family", default="qwen3_moe", choices=["olmoe", "qwen3_moe"])
     ap.add_argument("--rounds", nargs="+", default=list(ROUNDS),
                     help=f"any of {', '.join(ROUNDS)} or rl-<engine profile>")
@@ -157,7 +161,7 @@ def main() -> None:
             ckpt = root / f"{args.family}-{size}"
             if not (ckpt / "config.json").exists():
                 rm.say(f"{args.family} {size}: building and saving the checkpoint")
-                rm.save_checkpoint(args.family, rm.SHAPES[(args.family, size)], ckpt)
+                rm.save_checkpoint(args.family, SHAPES[(args.family, size)], ckpt)
             for round_ in args.rounds:
                 rm.say(f"{args.family} {size}: {round_}")
                 res = measure(round_, ckpt, args)

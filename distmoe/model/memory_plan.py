@@ -16,7 +16,8 @@ widths, ``V`` the vocabulary, ``L`` layers)::
                                                           product and down projection) [+ N (2H + 6 I_shared) c]
     logits      N V (c + 12)                             (the logits, their float32 copy, log-softmax, gradient)
     activations L (attention + moe) + logits; with gradient checkpointing L N H c + one layer + logits
-    load (CPU)  base: the checkpoint's pages mapped while it is loaded (measured: they stay resident)
+    load (CPU)  base: the checkpoint's pages mapped while it is loaded (measured: they stay resident; with 4-bit
+                experts too, which are quantised while the checkpoint is read), plus the imports (0.4 GB)
 
 ``sft`` = base + adapters + activations(micro-batch x seq) + load; ``rl`` = base + adapters + activations of one
 minibatch of rollouts + the KV cache of generation + what the inference engine holds (``engine_bytes``: a view
