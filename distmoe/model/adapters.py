@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -208,7 +208,8 @@ def merge_adapters(cfg: ModelConfig, adapter_dir: Path, model_path: str = "") ->
     ``merge_and_unload`` is used as is; the export test checks the merged logits against the adapted model's."""
     from peft import PeftModel
 
-    base, tok = build_model(cfg, model_path)
+    # merged into the full-precision experts, whatever the run stored them in (model.quantize-experts)
+    base, tok = build_model(replace(cfg, quantize_experts="none"), model_path)
     adapted = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False)
     merged = adapted.merge_and_unload()
     merged.eval()

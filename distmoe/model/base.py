@@ -152,7 +152,10 @@ def prepared_model(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU,
     _PREPARED.clear()  # one base per process: a different one replaces it (memory stays one model)
     path = model_path or cfg.path
     # (a model with a routing bias, routing.balance "bias", is not mapped: the bias is not part of the checkpoint)
-    keep = bool(path) and cache_dir is not None and rt.quantize == "none" and not cfg.balance_bias
+    # (nor are 4-bit experts, model.quantize-experts: they are quantised while the checkpoint loads, and the cache
+    # would hold the full-precision base the 4-bit load exists to avoid)
+    keep = (bool(path) and cache_dir is not None and rt.quantize == "none" and not cfg.balance_bias
+            and cfg.quantize_experts == "none")
     fingerprint = base_fingerprint(cfg, model_path) if keep else ""
     mapped = mapped_base(Path(path), cache_dir, fingerprint, rt) if keep else None
     if mapped is not None:

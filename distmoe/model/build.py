@@ -72,7 +72,9 @@ def build_model(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU) -> tu
 
     ``model_path`` (from the node config) overrides ``cfg.path``; both empty means the tiny
     default with the character tokenizer. The tiny default is always initialised in float32 on
-    the CPU (bit-identical on every node, whatever its hardware) and then cast and moved.
+    the CPU (bit-identical on every node, whatever its hardware) and then cast and moved. With
+    ``model.quantize-experts = "nf4"`` a checkpoint's expert stacks are quantised while it loads
+    (``expert_quant.quantize_while_loading``) and only ``apply_trainable`` with the same config can run them.
     """
     path = model_path or cfg.path
     if not path:
@@ -86,7 +88,7 @@ def build_model(cfg: ModelConfig, model_path: str = "", rt: Runtime = CPU) -> tu
         if rt.dtype != torch.float32 or rt.device.type != "cpu":
             model = model.to(device=rt.device, dtype=rt.dtype)
     else:
-        model, tok = load_checkpoint(Path(path), rt)
+        model, tok = load_checkpoint(Path(path), rt, experts_4bit=cfg.quantize_experts == "nf4")
     if cfg.balance_bias:  # routing.balance with a bias: part of the model, zero at the start (model/balance.py)
         install_bias(model)
     model.eval()
@@ -129,11 +131,18 @@ def read_hf_config(path: Path):
     return hf_cfg
 
 
-def load_checkpoint(path: Path, rt: Runtime = CPU) -> tuple[nn.Module, object]:
+def load_checkpoint(path: Path, rt: Runtime = CPU, experts_4bit: bool = False) -> tuple[nn.Module, object]:
+    """``(model, tokenizer)`` of a local checkpoint; ``experts_4bit``: every fused expert stack quantised to NF4
+    as it is read, so the full-precision stacks never coexist (``expert_quant.quantize_while_loading``)."""
+    from contextlib import nullcontext
+
     from transformers import AutoModelForCausalLM
 
     read_hf_config(path)
-    model = AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(rt))
+    if experts_4bit:
+        from distmoe.model.expert_quant import quantize_while_loading
+    with quantize_while_loading() if experts_4bit else nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(rt))
     if rt.device.type != "cuda" and str(next(model.parameters()).device) != str(rt.device):
         model = model.to(rt.device)
     return model, finish_loaded(model, path)

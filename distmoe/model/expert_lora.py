@@ -23,7 +23,8 @@ Covers every expert stack transformers ships with ``@use_experts_implementation`
 family's own gate (``_apply_gate``: SwiGLU, GPT-OSS's clamped interleaved GLU) or activation, the optional
 post-expert norm.
 
-A stack stored in 4 bits (``expert_quant.py``) is dequantised here, for the routed experts only.
+A stack stored in 4 bits (``expert_quant.py``) is dequantised here, for the routed experts only, and dequantised
+again in the backward (``torch.utils.checkpoint``) rather than kept for it.
 
 Owns: the routed forward and its installation on a peft model. Must not: decide what trains
 (``trainable.py``), touch the router or attention adapters (peft's own modules), or change any tensor's name.
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 # (device type, dtype) for which torch's grouped_mm failed once: the per-expert loop is used from then on
 _NO_GROUPED: set[tuple[str, torch.dtype]] = set()
@@ -118,16 +120,24 @@ def _projection(experts: nn.Module, name: str, inp: torch.Tensor, offs: torch.Te
     (``expert_quant.py``) dequantises the ``routed`` experts ``[R]`` only and runs over their groups alone."""
     q = _quantized(experts, name)
     if q is not None:
-        w = q.dequantize(routed)  # [R, out, in] (or [R, in, out]): the routed experts only
         offs = offs[routed]  # [R] the routed groups' cumulative row ends (the others are empty)
+        dtype = q.dtype
+
+        def base(x: torch.Tensor) -> torch.Tensor:
+            w = q.dequantize(routed)  # [R, out, in] (or [R, in, out]): the routed experts only
+            return grouped_matmul(x, w if experts.is_transposed else w.transpose(-2, -1), offs)  # [S, out]
+
+        # dequantised again in the backward instead of kept for it (QLoRA, sec. 3): a training step holds the
+        # routed experts' full-precision weights of one projection at a time, not of every layer until backward
+        out = checkpoint(base, inp, use_reentrant=False) if torch.is_grad_enabled() else base(inp)
     else:
         w = getattr(experts, name)  # [E, out, in], or [E, in, out] when is_transposed
-    w_t = w if experts.is_transposed else w.transpose(-2, -1)  # [E or R, in, out]
-    out = grouped_matmul(inp, w_t, offs)  # [S, out]
+        dtype = w.dtype
+        out = grouped_matmul(inp, w if experts.is_transposed else w.transpose(-2, -1), offs)  # [S, out]
     if experts.has_bias:
         out = out + getattr(experts, f"{name}_bias")[ids]  # [S, out]
     if lora is not None:
-        a_t, b_t, scale = _factors(lora, adapter, w.dtype)
+        a_t, b_t, scale = _factors(lora, adapter, dtype)
         if q is not None:
             a_t, b_t = a_t[routed], b_t[routed]  # [R, in, r], [R, r, out]
         out = out + scale * grouped_matmul(grouped_matmul(inp, a_t, offs), b_t, offs)  # [S, r] -> [S, out]

@@ -16,7 +16,8 @@ widths, ``V`` the vocabulary, ``L`` layers)::
                                                           product and down projection) [+ N (2H + 6 I_shared) c]
     logits      N V (c + 12)                             (the logits, their float32 copy, log-softmax, gradient)
     activations L (attention + moe) + logits; with gradient checkpointing L N H c + one layer + logits
-    load (CPU)  base: the checkpoint's pages mapped while it is loaded (measured: they stay resident)
+    load (CPU)  base: the checkpoint's pages mapped while it is loaded (measured: they stay resident; with 4-bit
+                experts too, which are quantised while the checkpoint is read), plus the imports (0.4 GB)
 
 ``sft`` = base + adapters + activations(micro-batch x seq) + load; ``rl`` = base + adapters + activations of one
 minibatch of rollouts + the KV cache of generation + what the inference engine holds (``engine_bytes``: a view
@@ -209,7 +210,8 @@ def predict(a: Arch, s: Settings) -> dict[str, float]:
         experts = a.moe_layers * a.experts * 3 * a.hidden * a.expert_width
         base -= experts * (s.dtype_bytes - (0.5 + 4 / 64))
     adapters = a.trainable * 16
-    load = a.params * s.dtype_bytes if s.cpu else 0  # the checkpoint is read in full precision, then quantised
+    load = a.params * s.dtype_bytes if s.cpu else 0  # the checkpoint's pages, mapped while it is read
+    load += IMPORTS_GB * GB if s.cpu else 0  # on the CPU the party process holds its imports too
     sft = base + adapters + activations(a, s.batch * s.seq, c, s.checkpointing) + load
     mb = max(1, s.rollouts // s.minibatches)
     kv = 2 * a.layers * a.kv_width * s.rollouts * s.rl_len * c

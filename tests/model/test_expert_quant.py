@@ -9,7 +9,7 @@ import torch
 from distmoe.config import ConfigError, parse_run_config
 from distmoe.model import expert_lora
 from distmoe.model.build import SUPPORTED_FAMILIES, build_model
-from distmoe.model.expert_quant import BLOCK, NF4Stack, QuantError, quantize_experts
+from distmoe.model.expert_quant import BLOCK, PROJECTIONS, NF4Stack, QuantError, quantize_experts
 from distmoe.model.fabricate import write_checkpoint
 from distmoe.model.trainable import apply_trainable
 
@@ -96,3 +96,51 @@ def test_disabled_adapters_run_the_nf4_base(checkpoints):
         with model.disable_adapter():
             off = model(input_ids=ids, use_cache=False).logits
     assert torch.isfinite(off).all() and not torch.equal(on, off)
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_experts_loaded_straight_into_4_bits_equal_quantising_after_the_load(family, checkpoints):
+    path = str(checkpoints[family])
+    nf4 = parse_run_config({"model.path": path, "model.trainable": "lora", "model.quantize-experts": "nf4"}).model
+    full = parse_run_config({"model.path": path, "model.trainable": "lora"}).model
+    loaded = build_model(nf4)[0]
+    stacks = [m for m in loaded.modules() if hasattr(m, "has_gate")]
+    # while loading, every stack's weight became its 4-bit form and a one-element placeholder of the same shape
+    assert stacks and all(p.stride() == (0, 0, 0) for m in stacks for n, p in m.named_parameters(recurse=False)
+                          if n in PROJECTIONS)
+    streamed = apply_trainable(loaded, nf4)
+    after = apply_trainable(build_model(full)[0], nf4)  # the full-precision load, quantised afterwards
+    s, a = streamed.state_dict(), after.state_dict()
+    assert s.keys() == a.keys() and any(k.endswith("_nf4.packed") for k in s)
+    for k in s:
+        assert torch.equal(s[k], a[k]), k
+    ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ls, la = streamed(input_ids=ids, use_cache=False).logits, after(input_ids=ids, use_cache=False).logits
+    assert torch.equal(ls, la)
+
+
+def test_a_stack_loaded_in_4_bits_refuses_to_run_until_the_routed_expert_lora_installs_it(checkpoints):
+    path = str(checkpoints["olmoe"])
+    cfg = parse_run_config({"model.path": path, "model.trainable": "lora", "model.quantize-experts": "nf4"}).model
+    model = build_model(cfg)[0]  # the placeholders are not the weights: no silent zero experts
+    with pytest.raises(QuantError, match="quantised to 4 bits while loading"), torch.no_grad():
+        model(input_ids=torch.tensor([[5, 9]]), use_cache=False)
+
+
+def test_a_4bit_training_step_keeps_no_dequantised_expert_weights_for_the_backward(checkpoints):
+    model = _adapted(checkpoints["qwen3_moe"], "nf4")
+    stacks = {m.shape[1:] for m in model.modules() if isinstance(m, NF4Stack)}
+    stacks |= {s[::-1] for s in stacks}
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+    assert saved and not [s for s in saved if len(s) == 3 and s[1:] in stacks]  # dequantised again in the backward
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
