@@ -143,8 +143,10 @@ def test_a_process_with_only_the_runs_ray_dir_is_found_and_stopped(tmp_path):
     ray_dir = str(tmp_path / "ray")
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     env["RAY_TMPDIR"] = ray_dir
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"], env=env,
+                            start_new_session=True, stdout=subprocess.PIPE, text=True)
     try:
+        assert proc.stdout.readline().strip() == "ready"  # exec'd: its environment is its own, not the forked parent's
         assert processes_with_token("no-such-token") == []  # neither token nor session finds it
         assert processes_with_token("no-such-token", ray_dir=ray_dir) == [proc.pid]
         assert stop_processes("no-such-token", grace=2.0, ray_dir=ray_dir) == [proc.pid]
