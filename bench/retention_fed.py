@@ -3,7 +3,7 @@ distillation kept task A at equal B loss, centralised): the same question asked 
 3 parties, secure aggregation, DP-noised router anchors at epsilon 8, driven in process (``bench/continual_anchor.py
 --exec inproc``: the exact coordinator and party code over ``distmoe.inprocess.LocalTransport``).
 
-    python bench/retention_fed.py run --seeds 0 1 2 3 4 5 6 7 8 9 --repeat 0   # rows: bench/results/e1-federated
+    python bench/retention_fed.py run --seeds 0 1 2 3 4 5 6 7 8 9 --repeat 0 1 2   # rows: bench/results/e1-federated
     python bench/retention_fed.py table                                # the Markdown tables from the kept rows
 
 Pre-registered on 2026-12-06, before any run of this bench.

@@ -110,3 +110,9 @@ def test_checkpoint_chain_starts_before_b_and_skips_a_repeated_model(tmp_path):
     assert [m["round"] for m, _ in chain] == [5, 6, 7]
     with pytest.raises(SystemExit, match="before task lookup"):
         fed._checkpoints(tmp_path, "lookup")
+
+
+def test_a_repeat_of_a_seed_not_run_is_refused_before_anything_runs(tmp_path):
+    with pytest.raises(SystemExit, match="--repeat 5: not among --seeds"):
+        fed.run([0, 1], tmp_path / "runs", tmp_path / "keep", [5])
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "keep").exists()
