@@ -82,8 +82,8 @@ def task_models(run_dir: Path) -> list[tuple[dict, Path]]:
 
 
 def checkpoint_eval(run_dir: Path) -> dict:
-    """Noise-free accuracy and NLL matrices ``acc[i][j]``, ``nll[i][j]`` (model after task i, task j; 0-based) over
-    the parties' pooled held-out items that fit ``model.max-seq-len``."""
+    """Noise-free accuracy and NLL matrices ``acc_matrix[i][j]``, ``nll_matrix[i][j]`` (model after task i, task j;
+    0-based) over the parties' pooled held-out items that fit ``model.max-seq-len``."""
     import torch
 
     from distmoe.checkpoint import load_trainable_file
@@ -98,7 +98,7 @@ def checkpoint_eval(run_dir: Path) -> dict:
     cfg = parse_run_config(json.loads((run_dir / "run.json").read_text())["config"])
     data = [load_party(p, cfg.data) for p in sorted((run_dir / "work" / "data").glob("party-*"))]
     models = task_models(run_dir)
-    out: dict = {"hashes": [m["trainable_hash"] for m, _ in models], "acc": [], "nll": [], "n": []}
+    out: dict = {"hashes": [m["trainable_hash"] for m, _ in models], "acc_matrix": [], "nll_matrix": [], "n": []}
     for _man, d in models:
         model, tok = build_model(cfg.model, str(d / "model"))
         model = apply_trainable(model, cfg.model)
@@ -115,8 +115,8 @@ def checkpoint_eval(run_dir: Path) -> dict:
             accs.append(statistics.fmean(float(ok) for ok, _ in scores))
             nlls.append(statistics.fmean(loss for _, loss in scores))
             ns.append(len(scores))
-        out["acc"].append(accs)
-        out["nll"].append(nlls)
+        out["acc_matrix"].append(accs)
+        out["nll_matrix"].append(nlls)
         out["n"] = ns
     return out
 
@@ -133,6 +133,11 @@ def endpoints(acc: list[list[float]], nll: list[list[float]]) -> dict[str, float
             "nll_old": statistics.fmean(nll[last][j] for j in range(last))}
 
 
+def row_of(arm: str, seed: int, ev: dict) -> dict:
+    """A kept row: the arm, the seed, ``checkpoint_eval``'s matrices and hashes, and the endpoints."""
+    return {"arm": arm, "seed": seed, **ev, **endpoints(ev["acc_matrix"], ev["nll_matrix"])}
+
+
 def run(seeds: list[int], runs_dir: Path, keep: Path) -> None:
     for seed in seeds:
         for name, arm in ARMS.items():
@@ -144,13 +149,14 @@ def run(seeds: list[int], runs_dir: Path, keep: Path) -> None:
             d = ca.run_one(arm, seed, "lookup-arith", runs_dir, SETTINGS, "inproc", None, (R, R))
             run_s = json.loads((d / "bench.json").read_text())["wall_s"]
             ev = checkpoint_eval(d)
-            row = {"arm": name, "seed": seed, **ev, **endpoints(ev["acc"], ev["nll"]), "run_s": run_s,
-                   "wall_s": round(time.perf_counter() - t, 1), "released": released(d)}
+            row = {**row_of(name, seed, ev), "run_s": run_s, "wall_s": round(time.perf_counter() - t, 1),
+                   "released": released(d)}
             dest.mkdir(parents=True, exist_ok=True)
             (dest / "row.json").write_text(json.dumps(row) + "\n")
             shutil.rmtree(d / "checkpoints", ignore_errors=True)  # about 300 MB a run
+            diag = [round(ev["acc_matrix"][i][i], 3) for i in range(len(TASKS))]
             print(f"{name} s{seed}: ACC {row['acc']:.3f} BWT {row['bwt']:+.3f} NLL_old {row['nll_old']:.2f}, "
-                  f"diag {[round(ev['acc'][i][i], 3) for i in range(len(TASKS))]}, {row['wall_s']:.0f} s", flush=True)
+                  f"diag {diag}, {row['wall_s']:.0f} s", flush=True)
 
 
 def released(run_dir: Path) -> list[dict[str, float]]:
@@ -184,7 +190,7 @@ def _cell(vals: list[float]) -> str:
     return f"{statistics.fmean(vals):.3f} ± {sd:.3f}"
 
 
-def matrix(by: dict, seeds: list[int], arm: str, key: str = "acc") -> list[str]:
+def matrix(by: dict, seeds: list[int], arm: str, key: str = "acc_matrix") -> list[str]:
     """The mean matrix of ``arm`` over ``seeds`` as Markdown rows (row = after task i, column = task j)."""
     lines = ["| after \\ on | " + " | ".join(TASKS) + " |", "|---|" + "---|" * len(TASKS)]
     for i, t in enumerate(TASKS):
@@ -219,7 +225,7 @@ def tables(rows: list[dict]) -> str:
     for s in seeds:
         cells = []
         for a in ARMS:
-            m = by[(s, a)]["acc"]
+            m = by[(s, a)]["acc_matrix"]
             cells.append(" ".join(f"{m[j][j]:.2f}→{m[-1][j]:.2f}" for j in range(len(TASKS))))
         lines.append(f"- s{s}: " + " / ".join(cells))
     walls = [by[(s, a)]["wall_s"] for s in seeds for a in ARMS]
