@@ -217,6 +217,8 @@ def tables(rows: list[dict]) -> str:
              f"Held-out items per task ({', '.join(TASKS)}): {by[(seeds[0], 'none')]['n']}.", ""]
     for a in ARMS:
         lines += [f"Accuracy matrix R[i][j], {a}, mean over seeds (noise-free):", "", *matrix(by, seeds, a), ""]
+    for a in ARMS:  # descriptive, outside the tests
+        lines += [f"Answer NLL matrix (nats), {a}, mean over seeds:", "", *matrix(by, seeds, a, "nll_matrix"), ""]
     lines += ["Per arm, mean ± sd over seeds:", "", "| arm | " + " | ".join(ENDPOINTS.values()) + " |",
               "|---|" + "---|" * len(ENDPOINTS)]
     for a in ARMS:
