@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from flwr.app import ConfigRecord, Message, RecordDict
 
+from distmoe.wire import packing
 from distmoe.wire.records import BASIC_KINDS, In, Kind, Out, WireError
 from distmoe.wire.schema import (  # noqa: F401  (MSG_* are part of the codec's interface)
     BY_CLASS,
@@ -223,12 +224,13 @@ def strip_ledger(content: RecordDict) -> RecordDict:
 
 
 def reply_content(content: RecordDict, to: Message) -> Message:
-    """A reply carrying an already encoded (and guarded) record dict."""
-    return Message(content=content, reply_to=to)
+    """A reply carrying an already encoded (and guarded) record dict, its arrays packed (``packing``)."""
+    return Message(content=packing.pack(content), reply_to=to)
 
 
 def instruction_content(content: RecordDict, node_id: int, message_type: str) -> Message:
-    return Message(content=content, dst_node_id=node_id, message_type=message_type)
+    """An instruction carrying an already encoded (and logged) record dict, its arrays packed (``packing``)."""
+    return Message(content=packing.pack(content), dst_node_id=node_id, message_type=message_type)
 
 
 def message_type_of(payload: object) -> str:
