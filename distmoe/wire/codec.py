@@ -84,8 +84,9 @@ def encode(payload: object) -> RecordDict:
 
 
 def decode(content: RecordDict, expected: type | None = None) -> object:
-    """Payload of a record dict; a sender's ledger head record, if any, is checked and left aside
-    (read it with :func:`ledger_head`)."""
+    """Payload of a record dict, packed as Flower carried it (``packing.unpack``) or not; a sender's ledger head
+    record, if any, is checked and left aside (read it with :func:`ledger_head`)."""
+    content = packing.unpack(content)
     if LEDGER_RECORD in content:
         ledger_head(content)
         content = strip_ledger(content)
