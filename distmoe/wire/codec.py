@@ -209,6 +209,8 @@ def with_ledger_head(content: RecordDict, seq: int, head: str) -> RecordDict:
 
 
 def ledger_head(content: RecordDict) -> tuple[int, str] | None:
+    """The sender's ``(seq, hash)`` ledger head of a record dict (packed as Flower carried it, or not), or None."""
+    content = packing.unpack(content)
     if LEDGER_RECORD not in content:
         return None
     rec = content.config_records[LEDGER_RECORD]

@@ -238,8 +238,8 @@ def _serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> Record
     run, phase, ledger = str(run_id), phase_of(mtype), party.ledger
     instr, rnd, head, extra = None, None, None, {}
     try:
-        head = codec.ledger_head(content)  # the coordinator's ledger head as of this instruction
         content = packing.unpack(content)  # as Flower carried it: logged and checked as its logical records
+        head = codec.ledger_head(content)  # the coordinator's ledger head as of this instruction
         instr, exp, rnd = read_instruction(mtype, content, party.secure)
         verdict = "accepted"
         if head is None:  # fail-closed: an instruction the coordinator did not log is not acted on
