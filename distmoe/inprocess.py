@@ -1,6 +1,7 @@
 """An in-process transport for tests and benchmarks: every instruction and reply goes through the
-same path as on Flower (server guard -> codec records -> ``party_guard.serve`` with the party service,
-its outbound guard and ledger -> server guard), but the parties run in this process.
+same path as on Flower (server guard -> codec records, packed as Flower carries them (``wire.packing``) ->
+``party_guard.serve`` with the party service, its outbound guard and ledger -> packed -> server guard), but the
+parties run in this process.
 
 Not a replacement for Flower's engines (the integration tests use those); it exists so that the
 coordinator's schedule, the secure aggregation and the fault cases can be tested in seconds. Faults
@@ -22,6 +23,7 @@ from distmoe.config import NodeConfig, RunConfig
 from distmoe.party.service import PartyService
 from distmoe.wire import codec
 from distmoe.wire.errors import ErrorCode, Refused, reason_text
+from distmoe.wire.packing import pack
 from distmoe.wire.party_guard import serve
 from distmoe.wire.server_guard import GuardedTransport
 
@@ -54,7 +56,8 @@ class LocalTransport(GuardedTransport):
                 continue
             self.sent[mtype] = self.sent.get(mtype, 0) + 1
             try:
-                reply = serve(mtype, content, PartyService(self.cfg, self.nodes[node], node, self.run_id), self.run_id)
+                reply = serve(mtype, pack(content), PartyService(self.cfg, self.nodes[node], node, self.run_id),
+                              self.run_id)
             except Refused as exc:
                 got[node] = codec.ErrorReply(str(exc), int(exc.code))
                 continue
@@ -64,5 +67,6 @@ class LocalTransport(GuardedTransport):
             if self.late is not None and self.late(mtype, node):
                 got[node] = f"no reply within {timeout:.0f} s (straggler at {mtype}: its reply came too late)"
                 continue
-            got[node] = self.tamper(node, mtype, reply) if self.tamper is not None else reply
+            reply = self.tamper(node, mtype, reply) if self.tamper is not None else reply
+            got[node] = reply if isinstance(reply, (str, codec.ErrorReply)) else pack(reply)  # as on Flower: packed
         return got

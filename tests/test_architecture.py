@@ -1,8 +1,8 @@
 """Architecture rules from ``docs/architecture.md`` §3-§4, checked on the source with ``ast``.
 
 - ``flwr`` is imported only in ``server/``, ``clients/`` and ``distmoe/wire/``;
-- Flower records and messages are constructed only in the codec (``CODEC``: ``distmoe/wire/codec.py`` and its
-  two field-kind modules);
+- Flower records and messages are constructed only in the codec (``CODEC``: ``distmoe/wire/codec.py``, its
+  two field-kind modules and its packing at the message boundary);
 - ``run_config`` / ``node_config`` are read only in ``distmoe/config/``, ``server/`` and ``clients/``;
 - the packages of ``distmoe`` form the layers of ``LAYERS`` (``distmoe/module_map.py``): a module imports only from
   its own package or from a lower layer (no upward or sideways imports), and ``wire`` sits directly above the
@@ -34,7 +34,8 @@ RECORD_NAMES = {"ArrayRecord", "MetricRecord", "ConfigRecord", "RecordDict", "Me
 CONFIG_ATTRS = {"run_config", "node_config"}
 
 MAX_LINES = 400
-CODEC = {"distmoe/wire/codec.py", "distmoe/wire/records.py", "distmoe/wire/secagg_kinds.py"}
+CODEC = {"distmoe/wire/codec.py", "distmoe/wire/records.py", "distmoe/wire/secagg_kinds.py",
+         "distmoe/wire/packing.py"}
 
 
 def _sources(root: Path = ROOT) -> list[tuple[str, ast.AST]]:

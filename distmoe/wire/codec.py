@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from flwr.app import ConfigRecord, Message, RecordDict
 
+from distmoe.wire import packing
 from distmoe.wire.records import BASIC_KINDS, In, Kind, Out, WireError
 from distmoe.wire.schema import (  # noqa: F401  (MSG_* are part of the codec's interface)
     BY_CLASS,
@@ -83,8 +84,9 @@ def encode(payload: object) -> RecordDict:
 
 
 def decode(content: RecordDict, expected: type | None = None) -> object:
-    """Payload of a record dict; a sender's ledger head record, if any, is checked and left aside
-    (read it with :func:`ledger_head`)."""
+    """Payload of a record dict, packed as Flower carried it (``packing.unpack``) or not; a sender's ledger head
+    record, if any, is checked and left aside (read it with :func:`ledger_head`)."""
+    content = packing.unpack(content)
     if LEDGER_RECORD in content:
         ledger_head(content)
         content = strip_ledger(content)
@@ -207,6 +209,8 @@ def with_ledger_head(content: RecordDict, seq: int, head: str) -> RecordDict:
 
 
 def ledger_head(content: RecordDict) -> tuple[int, str] | None:
+    """The sender's ``(seq, hash)`` ledger head of a record dict (packed as Flower carried it, or not), or None."""
+    content = packing.unpack(content)
     if LEDGER_RECORD not in content:
         return None
     rec = content.config_records[LEDGER_RECORD]
@@ -223,12 +227,13 @@ def strip_ledger(content: RecordDict) -> RecordDict:
 
 
 def reply_content(content: RecordDict, to: Message) -> Message:
-    """A reply carrying an already encoded (and guarded) record dict."""
-    return Message(content=content, reply_to=to)
+    """A reply carrying an already encoded (and guarded) record dict, its arrays packed (``packing``)."""
+    return Message(content=packing.pack(content), reply_to=to)
 
 
 def instruction_content(content: RecordDict, node_id: int, message_type: str) -> Message:
-    return Message(content=content, dst_node_id=node_id, message_type=message_type)
+    """An instruction carrying an already encoded (and logged) record dict, its arrays packed (``packing``)."""
+    return Message(content=packing.pack(content), dst_node_id=node_id, message_type=message_type)
 
 
 def message_type_of(payload: object) -> str:

@@ -41,7 +41,7 @@ from flwr.app import RecordDict
 from distmoe.ledger import Ledger
 from distmoe.privacy.secagg.selftest import mask_check_failure, mask_statistic
 from distmoe.rundir import COORDINATOR, WorkDir  # COORDINATOR: the name a party records the coordinator's heads under
-from distmoe.wire import codec, inspect
+from distmoe.wire import codec, inspect, packing
 from distmoe.wire.codec import WireError
 from distmoe.wire.errors import REASONS, Blocked, ErrorCode, Refused, reason_text
 from distmoe.wire.schema import (
@@ -238,6 +238,7 @@ def _serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> Record
     run, phase, ledger = str(run_id), phase_of(mtype), party.ledger
     instr, rnd, head, extra = None, None, None, {}
     try:
+        content = packing.unpack(content)  # as Flower carried it: logged and checked as its logical records
         head = codec.ledger_head(content)  # the coordinator's ledger head as of this instruction
         instr, exp, rnd = read_instruction(mtype, content, party.secure)
         verdict = "accepted"

@@ -31,7 +31,7 @@ from flwr.app import RecordDict
 
 from distmoe.ledger import Ledger, canonical_json
 from distmoe.privacy import secagg as sa
-from distmoe.wire import codec, inspect
+from distmoe.wire import codec, inspect, packing
 from distmoe.wire.codec import WireError
 from distmoe.wire.errors import FLOWER_LINK_CODES, REASON_TEXTS, Reason, code_of
 from distmoe.wire.party_guard import REPLY_STRINGS
@@ -240,13 +240,16 @@ class ServerGuard:
             raise WireError(text, reason=name)
         if isinstance(reply, str):  # no reply at all (the transport's note)
             raise WireError(reply, reason="no-reply")
+        head, payload, problem = None, None, None
+        try:  # what Flower carried packed (``packing``): checked, logged and hashed as its logical records
+            reply = packing.unpack(reply)
+        except WireError as exc:
+            problem = str(exc)
         d = inspect.describe(reply, exclude=(codec.LEDGER_RECORD,))
         ptype = codec.payload_tag(reply)
-        head = None
-        payload = None
         try:
             head = codec.ledger_head(reply)
-            problem = check_against_policy(self.policy, ptype, d)
+            problem = problem or check_against_policy(self.policy, ptype, d)
             if problem is None:
                 inspect.check_strings(codec.strip_ledger(reply), REPLY_STRINGS)
                 payload = codec.decode(reply, expected)
@@ -261,9 +264,7 @@ class ServerGuard:
                 problem = f"party name {payload.party!r} is already taken by another node"
         if problem is None and head is None:
             problem = "the reply carries no ledger head (it did not pass the party's outbound guard)"
-        peer = self.peer(node)
-        if isinstance(payload, KeyAdvertReply) and problem is None:
-            peer = payload.party
+        peer = payload.party if isinstance(payload, KeyAdvertReply) and problem is None else self.peer(node)
         extra = {"info": info} if info else {}
         if head is not None:
             extra["anchor"] = {"node": peer, "seq": int(head[0]), "hash": head[1]}
@@ -388,8 +389,7 @@ class GuardedTransport(abc.ABC):
         enc = {i: (c, inspect.describe(c)) for i, p in once.items() for c in [codec.encode(p)]}  # hashed once, shared
         out = {node: self.guard.outbound(node, p, rnd, phase, enc.get(id(p))) for node, p in instructions.items()}
         got = self._send(out, timeout)
-        replies: dict[int, object] = {}
-        errors: dict[int, str] = {}
+        replies, errors = {}, {}  # node -> the checked payload / the reason it was refused
         for node in instructions:
             reply = got.get(node, f"no reply within {timeout:.0f} s (federation.round-timeout)")
             try:
