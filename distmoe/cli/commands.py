@@ -212,7 +212,8 @@ def _privacy_lines(cfg) -> list[str]:
                    f"{plan.update_noise_multiplier:g}")
     if plan.eval_releases:
         out.append(f"# privacy: evaluation figures with distributed DP on {plan.eval_releases} release(s) at z_m = "
-                   f"{plan.metric_noise_multiplier:g}; uniform FedAvg weights, training metrics stay at the parties")
+                   f"{plan.metric_noise_multiplier:g}; uniform FedAvg weights; training metrics only as "
+                   "bounded slots of the update's secure sum")
     return out
 
 

@@ -30,6 +30,17 @@ def test_config_validate_names_the_bad_key(capsys, tmp_path: Path):
     assert "routing.anchor-coef" in err and "anchor-kl-coef" in err  # names the key and the near ones
 
 
+def test_config_validate_privacy_lines_say_training_metrics_leave_only_as_update_sum_slots(capsys, tmp_path: Path):
+    # the training figures ride in the update's secure sum (a learning curve every round): the privacy summary of
+    # `config validate` must say so, not that they stay at the parties
+    f = tmp_path / "o.toml"
+    f.write_text('[schedule]\nphases = "sft:lookup, eval"\n')
+    assert main(["config", "validate", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "stay at the parties" not in out
+    assert "training metrics only as bounded slots of the update's secure sum" in out
+
+
 def test_config_validate_names_key_value_and_range(capsys, tmp_path: Path):
     f = tmp_path / "bad.toml"
     f.write_text("[model]\ntop-k = 9\n")
