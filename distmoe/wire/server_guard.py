@@ -388,10 +388,10 @@ class GuardedTransport(abc.ABC):
         once = {id(p): p for p in instructions.values() if sum(q is p for q in instructions.values()) > 1}
         enc = {i: (c, inspect.describe(c)) for i, p in once.items() for c in [codec.encode(p)]}  # hashed once, shared
         out = {node: self.guard.outbound(node, p, rnd, phase, enc.get(id(p))) for node, p in instructions.items()}
-        got = self._send(out, timeout)
+        t0, got = time.monotonic(), self._send(out, timeout)  # it may return before the timeout (nodes gone)
         replies, errors = {}, {}  # node -> the checked payload / the reason it was refused
         for node in instructions:
-            reply = got.get(node, f"no reply within {timeout:.0f} s (federation.round-timeout)")
+            reply = got.get(node, f"no reply after {time.monotonic() - t0:.0f} s (round-timeout {timeout:.0f} s)")
             try:
                 replies[node] = self.guard.inbound(node, reply, expected, rnd, phase,
                                                    (lengths or {}).get(node))

@@ -134,3 +134,24 @@ def test_one_probe_for_several_nodes_is_encoded_and_hashed_once(tmp_path, monkey
     outs = [e for e in map(json.loads, (tmp_path / "c.jsonl").read_text().splitlines()) if e["direction"] == "out"]
     assert len(outs) == 3 and len({e["sha256"] for e in outs}) == 1
     assert outs[0]["sha256"] == inspect.digest(codec.strip_ledger(contents[0]))
+
+
+def test_no_reply_says_how_long_was_waited_not_the_whole_timeout(tmp_path):
+    """A transport that returns before the round timeout (its nodes left the federation) must not be reported as
+    "no reply within <timeout>": the reason says how long the exchange waited, beside the timeout."""
+    from distmoe.wire.server_guard import GuardedTransport
+
+    class GoneNodes(GuardedTransport):
+        def node_ids(self):
+            return [0, 1]
+
+        def _send(self, out, timeout):
+            return {}  # Flower returned without replies long before the timeout
+
+    t = GoneNodes()
+    t.attach(ServerGuard(Ledger(tmp_path / "c.jsonl", generate_signing_key(tmp_path / "c.key")), "run-1",
+                         _policy(True)))
+    replies, errors = t.exchange({n: _instr() for n in (0, 1)}, ProbeReply, 900.0, rnd=4, phase="probe")
+    assert not replies and set(errors) == {0, 1}
+    text = str(errors[0])
+    assert text.startswith("no reply after 0 s") and "round-timeout 900 s" in text and "within 900" not in text
