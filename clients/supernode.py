@@ -14,10 +14,15 @@ each missing object after 1, 2, 4, 8 s (the module's ``pull_objects``, ``superco
 PULL_INITIAL_BACKOFF = 1, PULL_BACKOFF_CAP = 10), and the ClientApp started for the message waits for that
 content. Here the retries start at 50 ms, doubling up to 0.5 s (one request to the SuperLink each), as the
 ClientApp's own (:mod:`clients.pinned`). Everything else (TLS, node authentication, the SuperExec, the ClientApp
-processes) is Flower's. With ``--code-pin FILE`` first it also starts the SuperNode's warm ClientApp worker
+processes) is Flower's. A SuperLink error on the SuperNode's ask for a message (HTTP 5xx; gRPC ``UNKNOWN`` or
+``INTERNAL``: e.g. ``database is locked`` from the SuperLink's SQLite state under load) ends flwr 1.42's loop, and
+the SuperNode deactivates itself while its process stays up, taking no more messages; here such an error is logged
+and the ask repeated after a back-off, and only ``TRANSIENT_MAX`` of them in a row end the loop as before. With
+``--code-pin FILE`` first it also starts the SuperNode's warm ClientApp worker
 (:mod:`clients.warm`) before Flower's code runs, so the first message finds it ready.
 
-Must not: change anything of Flower's but those sleeps and back-offs, or import anything of an app bundle.
+Must not: change anything of Flower's but those sleeps, back-offs and that retry, or import anything of an app
+bundle.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from pathlib import Path
 from clients.pinned import PULL_BACKOFF_CAP_S, PULL_BACKOFF_S
 
 IDLE_POLL_S = 0.2  # seconds, the most the SuperNode sleeps between asks of the SuperLink (flwr's own: 3 s)
+TRANSIENT_MAX = 20  # SuperLink errors in a row on the ask for a message before the loop ends as Flower's does
+TRANSIENT_BACKOFF_CAP_S = 5.0  # seconds, the longest wait before asking again after such an error
 LOCAL_POLL_S = 0.02  # seconds, its sleeps between looks at its own in-memory state (flwr's own: 0.5 s)
 
 
@@ -48,6 +55,51 @@ class CappedClock:
     def sleep(self, seconds: float) -> None:
         seconds = float(seconds)
         time.sleep(min(seconds, self.cap if seconds >= 1 else self.local_cap))
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a SuperLink-side error that asking again may clear (HTTP 5xx; gRPC UNKNOWN/INTERNAL)."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if isinstance(status, int):
+        return status >= 500
+    code = getattr(exc, "code", None)
+    if callable(code):
+        import grpc
+
+        try:
+            return code() in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+        except Exception:  # noqa: BLE001 - not a gRPC error after all
+            return False
+    return False
+
+
+def survive_server_errors(pull, sleep=time.sleep, log=None):
+    """``pull`` (Flower's ``_pull_and_store_message``) that answers "no message" (None) on a transient SuperLink
+    error, after a back-off of 0.2 s doubling to ``TRANSIENT_BACKOFF_CAP_S``, and raises the ``TRANSIENT_MAX``-th
+    in a row (then Flower's loop ends as it would have at the first)."""
+    in_a_row = 0
+
+    def guarded(*args, **kwargs):
+        nonlocal in_a_row
+        try:
+            out = pull(*args, **kwargs)
+        except Exception as exc:
+            if not transient(exc) or in_a_row + 1 >= TRANSIENT_MAX:
+                raise
+            in_a_row += 1
+            wait = min(IDLE_POLL_S * 2 ** (in_a_row - 1), TRANSIENT_BACKOFF_CAP_S)
+            (log or _warn)(f"distmoe supernode: the SuperLink failed the ask for a message ({exc}); asking again in "
+                           f"{wait:.1f} s ({in_a_row} in a row; at {TRANSIENT_MAX} the SuperNode stops)")
+            sleep(wait)
+            return None
+        in_a_row = 0
+        return out
+
+    return guarded
+
+
+def _warn(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def shorten_waits(loop) -> None:
@@ -72,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     if pin_file is not None and host and port:  # the warm worker imports while the SuperNode connects
         warm.prestart(pin_file, resolve_bind_address(f"{host}:{port}"))
     shorten_waits(start_client_internal)
+    start_client_internal._pull_and_store_message = survive_server_errors(
+        start_client_internal._pull_and_store_message)
     sys.argv = ["flower-supernode", *args]
     flower_supernode()
 

@@ -63,3 +63,74 @@ def test_the_waits_on_the_supernodes_own_state_are_capped_shorter_than_the_super
     t0 = time.monotonic()
     clock.sleep(0.5)
     assert time.monotonic() - t0 < 0.3
+
+
+def _http_error(status: int):
+    import httpx
+
+    req = httpx.Request("POST", "https://superlink:9095/api/v0/fleet/pull-messages")
+    return httpx.HTTPStatusError(f"Server error '{status}'", request=req, response=httpx.Response(status, request=req))
+
+
+def _pull_args(receive):
+    """Arguments of flwr 1.42's ``_pull_and_store_message`` with ``receive`` as the ask for a message."""
+    return dict(state=None, object_store=None, node_config={}, receive=receive, get_run=None, get_fab=None,
+                pull_object=None, confirm_message_received=None, trusted_entities=None)
+
+
+def test_flowers_loop_ends_on_one_superlink_error_on_the_ask_for_a_message():
+    """What the launcher guards: in flwr 1.42 an HTTP 500 on ``pull-messages`` (the SuperLink's SQLite state
+    answering ``database is locked`` under load) propagates out of ``_pull_and_store_message`` and so out of the
+    SuperNode's loop, which then deactivates the node (a Flower that handles it itself fails here)."""
+    import pytest
+
+    def receive():
+        raise _http_error(500)
+
+    with pytest.raises(Exception, match="500"):
+        start_client_internal._pull_and_store_message(**_pull_args(receive))
+    assert "_pull_and_store_message(" in inspect.getsource(start_client_internal.start_client_internal)
+
+
+def test_a_superlink_error_on_the_ask_is_asked_again_and_the_loop_goes_on():
+    """Flower's real ``_pull_and_store_message``, guarded: two HTTP 500s answer "no message" (the loop asks again
+    after a back-off), then the SuperLink has no message (None, as Flower returns); the count resets."""
+    from clients.supernode import survive_server_errors
+
+    answers = iter([_http_error(500), _http_error(503), None])
+    waits, said = [], []
+
+    def receive():
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    pull = survive_server_errors(start_client_internal._pull_and_store_message, sleep=waits.append, log=said.append)
+    assert [pull(**_pull_args(receive)) for _ in range(3)] == [None, None, None]
+    assert waits == [IDLE_POLL_S, 2 * IDLE_POLL_S] and "500" in said[0] and "2 in a row" in said[1]
+
+
+def test_errors_that_asking_again_cannot_clear_and_a_run_of_server_errors_still_end_the_loop():
+    """Not transient (401: the node's key refused; 404) raise at once, as in Flower; ``TRANSIENT_MAX`` SuperLink
+    errors in a row raise too, so a SuperLink that stays broken still stops the SuperNode."""
+    import pytest
+
+    from clients.supernode import TRANSIENT_MAX, survive_server_errors, transient
+
+    assert transient(_http_error(500)) and not transient(_http_error(401)) and not transient(_http_error(404))
+    assert not transient(ValueError("x"))
+
+    def failing(status):
+        def receive():
+            raise _http_error(status)
+        return receive
+
+    pull = survive_server_errors(start_client_internal._pull_and_store_message, sleep=lambda s: None,
+                                 log=lambda s: None)
+    with pytest.raises(Exception, match="401"):
+        pull(**_pull_args(failing(401)))
+    for _ in range(TRANSIENT_MAX - 1):
+        assert pull(**_pull_args(failing(500))) is None
+    with pytest.raises(Exception, match="500"):
+        pull(**_pull_args(failing(500)))
