@@ -25,9 +25,11 @@ Must not: train, read checkpoints or decide what the runs are (the bench does); 
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 
 from scipy import stats as sps
 
@@ -116,3 +118,17 @@ def fmt_test(t: dict[str, float]) -> str:
     return (f"{t['mean']:+.3f} [{t['lo']:+.3f}, {t['hi']:+.3f}] (Holm [{t['adj_lo']:+.3f}, {t['adj_hi']:+.3f}], "
             f"p_t {t['p_t']:.3f} → {t['p_t_holm']:.3f}, W {t['p_wilcoxon']:.2f} → {t['p_wilcoxon_holm']:.2f})"
             + (" **claimed**" if t["claimed"] else ""))
+
+
+def load_rows(keep: Path) -> list[dict]:
+    """The kept rows of a federated bench: ``<keep>/<run>/row.json``, in name order."""
+    return [json.loads(p.read_text()) for p in sorted(Path(keep).glob("*/row.json"))]
+
+
+def complete_seeds(rows: list[dict], arms: Sequence[str]) -> tuple[list[int], list[int]]:
+    """(seeds with a row of every arm, seeds cut off before every arm ran)."""
+    have: dict[int, set[str]] = {}
+    for r in rows:
+        have.setdefault(int(r["seed"]), set()).add(r["arm"])
+    done = sorted(s for s, got in have.items() if set(arms) <= got)
+    return done, sorted(set(have) - set(done))

@@ -172,17 +172,12 @@ def released(run_dir: Path) -> list[dict[str, float]]:
             for e in events if e.get("event") == "eval" and e.get("party") == "all"]
 
 
-def load_rows(keep: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(keep.glob("*/row.json"))]
+load_rows = e1_stats.load_rows
 
 
 def complete_seeds(rows: list[dict]) -> tuple[list[int], list[int]]:
     """(seeds with a row of every arm, seeds cut off before every arm ran)."""
-    have: dict[int, set[str]] = {}
-    for r in rows:
-        have.setdefault(int(r["seed"]), set()).add(r["arm"])
-    done = sorted(s for s, arms in have.items() if set(ARMS) <= arms)
-    return done, sorted(set(have) - set(done))
+    return e1_stats.complete_seeds(rows, ARMS)
 
 
 def compare(by: dict, seeds: list[int], key: str) -> dict[str, dict[str, float]]:

@@ -169,17 +169,12 @@ def run(seeds: list[int], runs_dir: Path, keep: Path, repeat: list[int]) -> None
               f"B {row['acc_b_after']:.3f}, {row['wall_s']:.0f} s", flush=True)
 
 
-def load_rows(keep: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(keep.glob("*/row.json"))]
+load_rows = e1_stats.load_rows
 
 
 def complete_seeds(rows: list[dict]) -> tuple[list[int], list[int]]:
     """(seeds with a row of every arm, seeds cut off before every arm ran)."""
-    have: dict[int, set[str]] = {}
-    for r in rows:
-        have.setdefault(int(r["seed"]), set()).add(r["arm"])
-    done = sorted(s for s, arms in have.items() if set(ARMS) <= arms)
-    return done, sorted(set(have) - set(done))
+    return e1_stats.complete_seeds(rows, ARMS)
 
 
 def pairing(rows: list[dict], seeds: list[int]) -> list[str]:
