@@ -37,26 +37,20 @@ OTHER_INDEX = 2_000_000  # the held-out all-style probe's first generator index 
 
 
 def measure(run_dir: Path) -> list[dict]:
+    import run_checkpoints as rc
     import torch
 
-    from distmoe.checkpoint import load_trainable_file
-    from distmoe.config import parse_run_config
     from distmoe.model.balance import BalanceTracker, biases, has_bias, settle_rates
-    from distmoe.model.build import build_model
-    from distmoe.model.trainable import apply_trainable, load_trainable, spec_of
     from distmoe.routing import probe as pr
     from distmoe.routing.metrics import load_cv
     from distmoe.train.public_balance import PublicBalance, settle_bias
 
-    cfg = parse_run_config(json.loads((run_dir / "run.json").read_text())["config"])
-    ckpts = {json.loads(m.read_text())["round"]: m.parent
-             for m in (run_dir / "checkpoints").glob("round-*/manifest.json")}
+    cfg = rc.run_config(run_dir)
+    ckpts = {r: d for r, (_man, d) in rc.kept(run_dir).items()}
     if not ckpts or not (ckpts[max(ckpts)] / "model").is_dir():
         sys.exit(f"{run_dir}: no kept final checkpoint (run without --prune)")
     final = ckpts[max(ckpts)]
-    model, tok = build_model(cfg.model, str(final / "model"))
-    model = apply_trainable(model, cfg.model)
-    load_trainable(model, load_trainable_file(final), spec_of(model, cfg.model.trainable))
+    model, tok = rc.model_at(cfg, final)
     if not has_bias(model):
         sys.exit(f"{run_dir}: the model has no routing bias (routing.balance \"bias\" or \"aux+bias\")")
     start = [b.detach().clone() for b in biases(model)]

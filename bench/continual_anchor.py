@@ -300,11 +300,9 @@ def probe_rows(run_dir: Path, b: str) -> dict[str, float]:
     ``kept = "before task <b>"``) on the probe prompts: the share of (layer, prompt token) pairs whose top-1
     expert is the same."""
     import numpy as np
+    import run_checkpoints as rc
 
-    from distmoe.checkpoint import load_trainable_file
     from distmoe.coordinator.phases.probe import prompts_for
-    from distmoe.model.build import build_model
-    from distmoe.model.trainable import apply_trainable, load_trainable, spec_of
     from distmoe.routing.probe import probe_routing
 
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
@@ -312,21 +310,15 @@ def probe_rows(run_dir: Path, b: str) -> dict[str, float]:
     last = probes[-1] if probes else {}
     out = {"routing KL after B": float(last.get("routing_kl", math.nan)), "top-1 consistency": math.nan,
            "load CV": float(last.get("load_cv", math.nan))}
-    ckpts = {}
-    for m in (run_dir / "checkpoints").glob("round-*/manifest.json"):
-        man = json.loads(m.read_text())
-        ckpts[man["round"]] = (man.get("kept", ""), m.parent)
-    before = [d for _r, (kept, d) in sorted(ckpts.items()) if kept == f"before task {b}"]
+    ckpts = rc.kept(run_dir)
+    before = [d for _r, (man, d) in sorted(ckpts.items()) if man.get("kept") == f"before task {b}"]
     if not before or not (ckpts[max(ckpts)][1] / "model").is_dir():
         return out
-    cfg = parse_run_config(json.loads((run_dir / "run.json").read_text())["config"])
+    cfg = rc.run_config(run_dir)
     prompts = prompts_for(cfg)
     tops = []
     for d in (before[-1], ckpts[max(ckpts)][1]):
-        model, tok = build_model(cfg.model, str(d / "model"))
-        # the round's trainable tensors (the routing bias of routing.balance "bias" lives only there)
-        model = apply_trainable(model, cfg.model)
-        load_trainable(model, load_trainable_file(d), spec_of(model, cfg.model.trainable))
+        model, tok = rc.model_at(cfg, d)
         tops.append(probe_routing(model, tok, prompts, cfg.model.max_seq_len, cfg.eval.batch_size)[1])  # [L, N]
     out["top-1 consistency"] = float(np.mean(tops[0] == tops[1]))
     return out

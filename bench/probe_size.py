@@ -63,20 +63,15 @@ def template_mask(tok, prompts: tuple[str, ...], max_len: int) -> np.ndarray:
 
 
 def measure(run_dir: Path, draws: int, large: int) -> list[dict]:
-    from distmoe.checkpoint import load_trainable_file
-    from distmoe.config import parse_run_config
+    import run_checkpoints as rc
+
     from distmoe.coordinator.phases.probe import prompts_for
-    from distmoe.model.build import build_model
-    from distmoe.model.trainable import apply_trainable, load_trainable, spec_of
     from distmoe.routing.probe import default_probe_prompts, probe_routing
 
-    cfg = parse_run_config(json.loads((run_dir / "run.json").read_text())["config"])
+    cfg = rc.run_config(run_dir)
     probes = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
               if line and json.loads(line).get("event") == "probe"]
-    ckpts = {}
-    for m in (run_dir / "checkpoints").glob("round-*/manifest.json"):
-        man = json.loads(m.read_text())
-        ckpts[man["round"]] = (man.get("kept", ""), m.parent)
+    ckpts = {r: (man.get("kept", ""), d) for r, (man, d) in rc.kept(run_dir).items()}
     if not ckpts or not (ckpts[max(ckpts)][1] / "model").is_dir():
         sys.exit(f"{run_dir}: no kept final checkpoint (run without --prune)")
     before = [(r, d) for r, (kept, d) in sorted(ckpts.items()) if kept.startswith("before task")]
@@ -90,9 +85,7 @@ def measure(run_dir: Path, draws: int, large: int) -> list[dict]:
     rng = np.random.default_rng(0)
     out = []
     for name, (rnd, d) in models.items():
-        model, tok = build_model(cfg.model, str(d / "model"))
-        model = apply_trainable(model, cfg.model)
-        load_trainable(model, load_trainable_file(d), spec_of(model, cfg.model.trainable))
+        model, tok = rc.model_at(cfg, d)
         experts = None
         res = {"run": run_dir.name, "model": name, "round": rnd}
         for sname, prompts in sets.items():

@@ -59,6 +59,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import continual_anchor as ca  # noqa: E402  (the federated driver, beside this file)
 import e1_stats  # noqa: E402
+import run_checkpoints as rc  # noqa: E402
 
 TASKS = ("lookup", "arith", "strings")
 R = 3  # sft rounds a task
@@ -74,10 +75,7 @@ KEEP = Path(__file__).resolve().parent / "results" / "e1-chain"
 
 def task_models(run_dir: Path) -> list[tuple[dict, Path]]:
     """[(manifest, dir)] of the model after each task: the checkpoints kept before T2 and T3, and the last round."""
-    mans = {}
-    for m in (run_dir / "checkpoints").glob("round-*/manifest.json"):
-        man = json.loads(m.read_text())
-        mans[man["round"]] = (man, m.parent)
+    mans = rc.kept(run_dir)
     out = []
     for t in TASKS[1:]:
         kept = [r for r in sorted(mans) if mans[r][0].get("kept") == f"before task {t}"]
@@ -92,32 +90,17 @@ def checkpoint_eval(run_dir: Path) -> dict:
     0-based) over the parties' pooled held-out items that fit ``model.max-seq-len``."""
     import torch
 
-    from distmoe.checkpoint import load_trainable_file
-    from distmoe.config import parse_run_config
-    from distmoe.data.party import load_party
-    from distmoe.data.template import encode_fitting
-    from distmoe.model.build import build_model
-    from distmoe.model.trainable import apply_trainable, load_trainable, spec_of
-    from distmoe.train.evaluate import example_scores
-
     torch.set_num_threads(1)
-    cfg = parse_run_config(json.loads((run_dir / "run.json").read_text())["config"])
-    data = [load_party(p, cfg.data) for p in sorted((run_dir / "work" / "data").glob("party-*"))]
+    cfg = rc.run_config(run_dir)
+    data = rc.party_data(run_dir, cfg)
     models = task_models(run_dir)
     out: dict = {"hashes": [m["trainable_hash"] for m, _ in models], "acc_matrix": [], "nll_matrix": [], "n": []}
     for _man, d in models:
-        model, tok = build_model(cfg.model, str(d / "model"))
-        model = apply_trainable(model, cfg.model)
-        load_trainable(model, load_trainable_file(d), spec_of(model, cfg.model.trainable))
+        model, tok = rc.model_at(cfg, d)
         model.eval()
         accs, nlls, ns = [], [], []
         for task in TASKS:
-            scores = []
-            for pd in data:
-                held = pd.heldout(task) if pd.has(task) else []
-                kept, _, _ = encode_fitting(tok, held, cfg.model.max_seq_len)
-                if kept:
-                    scores += example_scores(model, tok, task, kept, cfg.model.max_seq_len, cfg.eval)
+            scores = rc.pooled_scores(model, tok, cfg, data, task)
             accs.append(statistics.fmean(float(ok) for ok, _ in scores))
             nlls.append(statistics.fmean(loss for _, loss in scores))
             ns.append(len(scores))

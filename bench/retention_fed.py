@@ -72,6 +72,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import continual_anchor as ca  # noqa: E402  (the federated driver, beside this file)
 import e1_stats  # noqa: E402
+import run_checkpoints as rc  # noqa: E402
 
 ARMS = {"none": "no-anchor", "anchor": "anchor", "distillation": "distillation"}  # name -> continual_anchor arm
 ORDER = "lookup-arith"
@@ -85,10 +86,7 @@ KEEP = Path(__file__).resolve().parent / "results" / "e1-federated"
 
 def _checkpoints(run_dir: Path, b: str) -> tuple[dict, list[tuple[dict, Path]]]:
     """(manifest of the checkpoint kept before task ``b``, [(manifest, dir)] from that one to the last round)."""
-    mans = {}
-    for m in (run_dir / "checkpoints").glob("round-*/manifest.json"):
-        man = json.loads(m.read_text())
-        mans[man["round"]] = (man, m.parent)
+    mans = rc.kept(run_dir)
     before = [r for r, (man, _) in sorted(mans.items()) if man.get("kept") == f"before task {b}"]
     if not before:
         raise SystemExit(f"{run_dir}: no checkpoint kept 'before task {b}'")
@@ -105,34 +103,18 @@ def checkpoint_eval(run_dir: Path) -> dict:
     and mean answer NLL over the parties' pooled held-out items that fit ``model.max-seq-len``."""
     import torch
 
-    from distmoe.checkpoint import load_trainable_file
-    from distmoe.config import parse_run_config
-    from distmoe.data.party import load_party
-    from distmoe.data.template import encode_fitting
-    from distmoe.model.build import build_model
-    from distmoe.model.trainable import apply_trainable, load_trainable, spec_of
-    from distmoe.train.evaluate import example_scores
-
     torch.set_num_threads(1)
-    cfg = parse_run_config(json.loads((run_dir / "run.json").read_text())["config"])
+    cfg = rc.run_config(run_dir)
     a, b = ca.ORDERS[ORDER]
     m_before, chain = _checkpoints(run_dir, b)
-    parties = sorted((run_dir / "work" / "data").glob("party-*"))
-    data = [load_party(p, cfg.data) for p in parties]
+    data = rc.party_data(run_dir, cfg)
     out: dict = {"hash_before": m_before["trainable_hash"], "hash_after": chain[-1][0]["trainable_hash"], "curve": []}
     for i, (_man, d) in enumerate(chain):
-        model, tok = build_model(cfg.model, str(d / "model"))
-        model = apply_trainable(model, cfg.model)
-        load_trainable(model, load_trainable_file(d), spec_of(model, cfg.model.trainable))
+        model, tok = rc.model_at(cfg, d)
         model.eval()
         point = {"b_round": i}
         for key, task in (("a", a), ("b", b)):
-            scores = []
-            for pd in data:
-                held = pd.heldout(task) if pd.has(task) else []
-                kept, _, _ = encode_fitting(tok, held, cfg.model.max_seq_len)
-                if kept:
-                    scores += example_scores(model, tok, task, kept, cfg.model.max_seq_len, cfg.eval)
+            scores = rc.pooled_scores(model, tok, cfg, data, task)
             point[f"acc_{key}"] = statistics.fmean(float(ok) for ok, _ in scores)
             point[f"nll_{key}"] = statistics.fmean(loss for _, loss in scores)
             out[f"n_{key}"] = len(scores)
