@@ -70,6 +70,8 @@ def serve(path: str, parent: int) -> None:
     listener.listen(64)
     import flwr.supernode.cli.flwr_clientapp  # noqa: F401  (the imports a child then needs no more)
     import flwr.supernode.runtime.run_clientapp  # noqa: F401
+    import numpy  # noqa: F401  (the floor app's own imports)
+    from flwr import clientapp, serverapp  # noqa: F401
 
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
@@ -100,28 +102,32 @@ def serve(path: str, parent: int) -> None:
             os.unlink(path)
 
 
+def _connect(path: str) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+
 def launch(args: list[str]) -> int:
     address = _arg(args, "--runtime-api-address") or "default"
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "floor-" + hashlib.sha256(address.encode()).hexdigest()[:12])
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with open(path + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            sock.connect(path)
-        except OSError:
+        sock = _connect(path)
+        if sock is None:  # this SuperNode's warm process is not up yet: start it (it imports, then listens)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             subprocess.Popen([sys.executable, "-P", __file__, "--serve", path, _arg(args, "--parent-pid") or "1"],
                              stdin=subprocess.DEVNULL, start_new_session=True)
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    sock.connect(path)
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.02)
+            deadline = time.monotonic() + 120
+            while (sock := _connect(path)) is None:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the floor's warm ClientApp process did not listen at {path}")
+                time.sleep(0.02)
     request = json.dumps({"argv": args, "cwd": os.getcwd()}).encode()
     socket.send_fds(sock, [struct.pack("!I", len(request)) + request], [0, 1, 2])
     line = sock.makefile("r").readline()
