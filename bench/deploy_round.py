@@ -68,7 +68,7 @@ def run_end(run_dir: Path) -> float:
 def stages_of(run_dir: Path) -> list[dict]:
     """[{round, phase, type, start, end}] per message stage, in run order, from the coordinator ledger."""
     groups: list[dict] = []  # one per message stage: consecutive instructions, then their replies
-    for e in (e for e in ledger_entries(run_dir) if e.get("phase") != "run-start" and "time" in e):
+    for e in (e for e in ledger_entries(run_dir) if e.get("phase") not in ("run-start", "run-end") and "time" in e):
         out = e.get("direction") == "out"
         if out and (not groups or groups[-1]["replied"]):
             groups.append({"round": e["round"], "phase": e["phase"], "type": e["payload_type"],
