@@ -1,21 +1,32 @@
-"""Benchmark: the time of each round and message stage of one schedule, deployed vs simulated, same machine.
+"""Benchmark: the time of each round and message stage of one schedule, deployed vs simulated vs Flower's own floor.
 
-Deployed: real Flower 1.42 processes on loopback, as ``docs/deploy.md`` runs them: a SuperLink with TLS and
-SuperNode authentication, three data owners' SuperNodes with their own keys and the code pin (each through
-``distmoe deploy ... --exec``; the helpers of ``tests/integration/test_deployment.py``), ``flwr run`` of this
-checkout. Simulated: ``distmoe simulate`` (Flower's Simulation Engine) over the same party data and the same
-run-config overrides. The two runs go one after the other, so both see the same machine; compare only the
-ratios of one invocation (on a shared machine the absolute times move with the load, printed with them).
+Arms (``bench/deploy_arms.py``), interleaved in one invocation on one deployment (a SuperLink with TLS and SuperNode
+authentication, three data owners' SuperNodes with their own keys, loopback, as ``docs/deploy.md`` runs them):
 
-The times come from the coordinator's own ledger (``<run>/ledger/coordinator.jsonl``): a round is from its
-first instruction to the next round's first (the last: to ``run_end`` in ``metrics.jsonl``); a message
-stage is from its first instruction to the last reply before the next instruction.
+- ``distmoe``: distmoe deployed, the owners' launchers (code pin, warm worker, Flower's waits cut);
+- ``floor-cut``: a plain Flower 1.42 app (``bench/flower_floor/``) that pushes, stage by stage, the messages distmoe's
+  arm pushed (same records, array byte lengths and config sizes) and whose ClientApp replies at once with distmoe's
+  reply's records, with the same cuts of Flower's waits: Flower's transport and nothing else, the floor;
+- ``simulated``: ``distmoe simulate`` (Flower's Simulation Engine) over the same data and run config;
+- ``floor-stock``: the same floor on Flower as it ships (its 3 s and 1 s polls, 1-8 s back-offs, a fresh
+  ``flwr-clientapp`` per message).
 
-    python bench/deploy_round.py [--sft-rounds 3] [--cold] [--trace] [--keep DIR]
-    python bench/deploy_round.py --table DIR      # the table again, from the runs kept in DIR
+``--repeat N`` runs the arms N times in that order (the floors replay the messages of the repetition's own distmoe
+run). The machine's load average is read before and after each arm; compare only ratios of one invocation.
 
-``--cold``: the owners' launcher starts a fresh ClientApp process per message (``distmoe deploy pin --cold``)
-instead of the SuperNode's warm worker. Goal: deployed <= 1.5x simulated per round.
+Times: distmoe's from the coordinator's ledger (``<run>/ledger/coordinator.jsonl``): a round from its first
+instruction to the next round's first (the last: to ``run_end`` in ``metrics.jsonl``); a stage from its first
+instruction to the last reply before the next instruction. The floor's from its ServerApp (each stage from its push
+to its last reply), grouped into distmoe's rounds stage by stage.
+
+    python bench/deploy_round.py [--schedule bench|walkthrough] [--sft-rounds N] [--arms ...] [--repeat N]
+                                 [--cold] [--trace] [--keep DIR]
+    python bench/deploy_round.py --table DIR      # the tables again, from the runs kept in DIR
+
+``--schedule walkthrough``: the run config of ``docs/deploy.md`` §1.5 (``configs/continual.toml``: the default model
+and local work, 40 steps of 16 sequences per SFT round; 3 owners, privacy.epsilon 4, min-parties 3), with
+``--sft-rounds`` rounds per SFT phase. ``--cold``: distmoe's owners start a fresh ClientApp process per message.
+Goal: deployed <= 1.5x simulated per round.
 """
 
 from __future__ import annotations
@@ -25,20 +36,20 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "bench" / "deploy_trace"))
 
-import test_deployment as td  # noqa: E402  (the deployment test's process helpers)
+import deploy_arms as da  # noqa: E402
+import test_deployment as td  # noqa: E402  (on sys.path through deploy_arms)
 
-from distmoe.config import to_toml  # noqa: E402
-from distmoe.deploy import pin as cp  # noqa: E402
+from distmoe.config import flatten  # noqa: E402
 
 
 def ledger_entries(run_dir: Path) -> list[dict]:
@@ -54,11 +65,10 @@ def run_end(run_dir: Path) -> float:
     raise SystemExit(f"{run_dir}: no run_end in metrics.jsonl (the run did not finish)")
 
 
-def rounds_of(run_dir: Path) -> list[dict]:
-    """[{round, phase, seconds, stages: {instruction type: seconds}}] in run order, from the coordinator ledger."""
-    entries = [e for e in ledger_entries(run_dir) if e.get("phase") != "run-start" and "time" in e]
+def stages_of(run_dir: Path) -> list[dict]:
+    """[{round, phase, type, start, end}] per message stage, in run order, from the coordinator ledger."""
     groups: list[dict] = []  # one per message stage: consecutive instructions, then their replies
-    for e in entries:
+    for e in (e for e in ledger_entries(run_dir) if e.get("phase") not in ("run-start", "run-end") and "time" in e):
         out = e.get("direction") == "out"
         if out and (not groups or groups[-1]["replied"]):
             groups.append({"round": e["round"], "phase": e["phase"], "type": e["payload_type"],
@@ -66,129 +76,170 @@ def rounds_of(run_dir: Path) -> list[dict]:
         elif groups:
             groups[-1]["end"] = e["time"]
             groups[-1]["replied"] |= not out
+    return groups
+
+
+def rounds_from(stages: list[dict], end: float) -> list[dict]:
+    """[{round, phase, seconds, stages: {type: seconds}}]: a round from its first stage to the next round's first."""
     rounds: list[dict] = []
-    for g in groups:
+    for g in stages:
         key = (g["round"], g["phase"])
         if not rounds or (rounds[-1]["round"], rounds[-1]["phase"]) != key:
             rounds.append({"round": g["round"], "phase": g["phase"], "start": g["start"], "stages": {}})
         stage = rounds[-1]["stages"]
         stage[g["type"]] = stage.get(g["type"], 0.0) + g["end"] - g["start"]
-    ends = [r["start"] for r in rounds[1:]] + [run_end(run_dir)]
-    for r, end in zip(rounds, ends, strict=True):
-        r["seconds"] = end - r["start"]
+    for r, nxt in zip(rounds, [r["start"] for r in rounds[1:]] + [end], strict=True):
+        r["seconds"] = nxt - r["start"]
     return rounds
 
 
-def overrides(sft_rounds: int, run_dir: Path) -> dict:
-    return {**td.OVERRIDES, "schedule.sft-rounds": sft_rounds, "run.dir": str(run_dir)}
+def rounds_of(run_dir: Path) -> list[dict]:
+    return rounds_from(stages_of(run_dir), run_end(run_dir))
 
 
-def deployed(root: Path, sft_rounds: int, cold: bool) -> tuple[Path, list[Path], float]:
-    dep = td.Deployment(root)
-    try:
-        _, parties, _, cli_home, _, _ = td._registered_federation(dep, root)
-        if cold:  # Flower's way: one fresh ClientApp process per message (same pin checks)
-            launcher = root / "pin" / "bin" / cp.LAUNCHER
-            launcher.write_text(cp.launcher_script((root / "pin" / cp.PIN_FILE).resolve(), sys.executable, warm=False))
-        run_dir = root / "deployed"
-        cfg = root / "deployed.toml"
-        cfg.write_text(to_toml(overrides(sft_rounds, run_dir)))
-        t0 = time.monotonic()
-        cli = dep.start("flwr-run", [str(td.BIN / "flwr"), "run", str(REPO), td.CONN, "--stream",
-                                     "--run-config", str(cfg)], cli_home)
-        while time.monotonic() - t0 < td.RUN_DEADLINE:
-            status = td._record(run_dir).get("status")
-            if status in ("completed", "failed") or (cli.poll() is not None and cli.returncode != 0):
-                break
-            time.sleep(0.5)
-        wall = time.monotonic() - t0
-        if td._record(run_dir).get("status") != "completed":
-            raise SystemExit(f"deployed run did not complete: {td._record(run_dir)}" + dep.diag())
-        return run_dir, parties, wall
-    finally:
-        left = dep.stop()
-        if left:
-            print(f"warning: processes left running: {left}", file=sys.stderr)
+def floor_rounds(dep_stages: list[dict], records: list[dict]) -> list[dict] | None:
+    """The floor's stage records as distmoe's rounds (stage i of the floor replays distmoe's stage i)."""
+    recs = [r for r in records if "stage" in r]
+    ends = [r["time"] for r in records if r.get("event") == "end"]
+    if len(recs) != len(dep_stages) or not ends:
+        print(f"warning: the floor ran {len(recs)} stages, distmoe's ledger has {len(dep_stages)}", file=sys.stderr)
+        return None
+    return rounds_from([{**d, "start": r["start"], "end": r["end"]} for d, r in zip(dep_stages, recs, strict=True)],
+                       ends[0])
 
 
-def simulated(root: Path, data: Path, sft_rounds: int) -> tuple[Path, float]:
-    run_dir = root / "sim-runs" / "sim"  # distmoe simulate's run directory (--runs-dir, --run-id)
-    cfg = root / "simulated.toml"
-    cfg.write_text(to_toml({k: v for k, v in overrides(sft_rounds, run_dir).items() if k != "run.dir"}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLWR_", "RAY_"))}
-    env.update({"FLWR_HOME": str(root / "flwr-sim"), "HOME": str(root / "home"), "OMP_NUM_THREADS": "1",
-                "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
-    t0 = time.monotonic()
-    res = subprocess.run([*td.DISTMOE, "simulate", "--data", str(data), "--config", str(cfg), "--no-report",
-                          "--runs-dir", str(root / "sim-runs"), "--run-id", "sim"], env=env, cwd=str(root),
-                         capture_output=True, text=True, timeout=td.RUN_DEADLINE)
-    if res.returncode != 0:
-        raise SystemExit(f"simulate exited {res.returncode}:\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
-    return run_dir, time.monotonic() - t0
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
 
 
-def table(sim: list[dict], dep: list[dict]) -> tuple[str, list[float]]:
-    head = f"{'round':>5}  {'phase':<7} {'simulated s':>11} {'deployed s':>10} {'ratio':>6}"
-    lines = [head + "   stages deployed/simulated s", "-" * 100]
-    ratios = []
-    for s, d in zip(sim, dep, strict=False):
-        ratio = d["seconds"] / s["seconds"] if s["seconds"] > 0 else float("inf")
+def table(sim: list[dict], dep: list[dict], cut: list[dict] | None, stock: list[dict] | None) -> str:
+    """Per round: seconds of each arm and the ratios; per stage: distmoe / floor-cut / floor-stock / simulated s."""
+    cols = ("simulated", "distmoe", "floor-cut", "floor-stock")
+    lines = [f"{'round':>5}  {'phase':<7} " + " ".join(f"{c + ' s':>13}" for c in cols)
+             + "  dep/sim  dep/floor  floor/sim   stages: distmoe/floor-cut/floor-stock/simulated s", "-" * 150]
+    totals = dict.fromkeys(cols, 0.0)
+    for i, (s, d) in enumerate(zip(sim, dep, strict=False)):
+        c = cut[i] if cut and i < len(cut) else None
+        k = stock[i] if stock and i < len(stock) else None
+        secs = [s["seconds"], d["seconds"], c["seconds"] if c else None, k["seconds"] if k else None]
         if s["round"] > 0:
-            ratios.append(ratio)
-        stages = ", ".join(f"{k} {d['stages'].get(k, 0):.1f}/{v:.1f}" for k, v in s["stages"].items())
-        lines.append(f"{s['round']:>5}  {s['phase']:<7} {s['seconds']:>11.2f} {d['seconds']:>10.2f} {ratio:>5.2f}x   "
-                     + stages)
-    return "\n".join(lines), ratios
+            for col, v in zip(cols, secs, strict=True):
+                totals[col] += v or 0.0
+        stages = ", ".join(f"{t} " + "/".join("-" if x is None else f"{x['stages'].get(t, 0):.1f}"
+                                              for x in (d, c, k)) + f"/{v:.1f}" for t, v in s["stages"].items())
+        lines.append(f"{s['round']:>5}  {s['phase']:<7} " + " ".join("{:>13}".format("-" if v is None else f"{v:.2f}")
+                                                                   for v in secs)
+                     + f"  {_ratio(secs[1], secs[0]):>7}  {_ratio(secs[1], secs[2]):>9}  {_ratio(secs[2], secs[0]):>9}"
+                     + "   " + stages)
+    t = totals
+    lines.append(f"{'>= 1':>5}  {'all':<7} " + " ".join(f"{t[c]:>13.2f}" for c in cols)
+                 + f"  {_ratio(t['distmoe'], t['simulated']):>7}  {_ratio(t['distmoe'], t['floor-cut']):>9}"
+                 + f"  {_ratio(t['floor-cut'], t['simulated']):>9}")
+    ratios = [d["seconds"] / s["seconds"] for s, d in zip(sim, dep, strict=False) if s["round"] > 0 and s["seconds"]]
+    if ratios:
+        lines.append(f"median per round: distmoe / simulated {statistics.median(ratios):.2f}x")
+    if cut and t["simulated"]:
+        verdict = ("so Flower's transport alone already exceeds 1.5x the simulated round at this schedule: the goal "
+                   "cannot be met by any change inside distmoe" if t["floor-cut"] > 1.5 * t["simulated"]
+                   else "so the goal is within Flower's transport at this schedule")
+        lines.append(f"floor (Flower's transport of these messages, with the cuts): {t['floor-cut']:.1f} s against "
+                     f"1.5 x simulated = {1.5 * t['simulated']:.1f} s, {verdict}")
+    return "\n".join(lines)
+
+
+def schedule_overrides(name: str, sft_rounds: int) -> dict:
+    if name == "bench":
+        return {**td.OVERRIDES, "schedule.sft-rounds": sft_rounds}
+    walk = flatten(tomllib.loads((REPO / "configs" / "continual.toml").read_text()))
+    return {**walk, "federation.min-available": td.N_PARTIES, "privacy.epsilon": 4.0,
+            "privacy.min-parties": td.N_PARTIES, "schedule.sft-rounds": sft_rounds}
+
+
+def report(root: Path) -> None:
+    res = json.loads((root / "bench.json").read_text())
+    print(f"deploy_round: schedule {res['schedule']!r} ({res['phases']!r}, {res['sft_rounds']} sft rounds), "
+          f"{'cold ClientApp per message' if res['cold'] else 'warm worker'}, {td.N_PARTIES} parties, "
+          f"{os.cpu_count()} CPUs")
+    for rep in res["reps"]:
+        print(f"\nrepetition {rep['rep']}: " + "; ".join(
+            f"{a['arm']} {a['wall']:.0f} s (load {a['load'][0]:.1f} -> {a['load'][1]:.1f})" for a in rep["arms"]))
+        got = {a["arm"]: a for a in rep["arms"]}
+        if "distmoe" not in got or "simulated" not in got:
+            continue
+        dep_dir = Path(got["distmoe"]["dir"])
+        dep_stages = stages_of(dep_dir)
+        floors = {arm: floor_rounds(dep_stages, got[arm]["records"]) if arm in got else None
+                  for arm in ("floor-cut", "floor-stock")}
+        print(table(rounds_of(Path(got["simulated"]["dir"])), rounds_of(dep_dir), floors["floor-cut"],
+                    floors["floor-stock"]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schedule", choices=("bench", "walkthrough"), default="bench")
     ap.add_argument("--sft-rounds", type=int, default=3)
-    ap.add_argument("--cold", action="store_true", help="a fresh ClientApp process per message (no warm worker)")
+    ap.add_argument("--arms", nargs="+", choices=da.ARMS, default=list(da.ARMS))
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--deadline", type=float, default=None, help="seconds per run (600; walkthrough 2400)")
+    ap.add_argument("--cold", action="store_true", help="distmoe: a fresh ClientApp process per message")
     ap.add_argument("--trace", action="store_true",
                     help="time each step of every deployed message (bench/deploy_trace/; DIR/trace.jsonl)")
     ap.add_argument("--keep", metavar="DIR", help="run in DIR and keep it (default: a temporary directory)")
-    ap.add_argument("--table", metavar="DIR", help="only print the table of the runs kept in DIR (--keep)")
+    ap.add_argument("--table", metavar="DIR", help="only print the tables of the runs kept in DIR (--keep)")
     args = ap.parse_args()
     if args.table:
-        root = Path(args.table)
-        print(table(rounds_of(root / "sim-runs" / "sim"), rounds_of(root / "deployed"))[0])
+        report(Path(args.table))
         return
+    if any(a.startswith("floor") for a in args.arms) and "distmoe" not in args.arms:
+        raise SystemExit("the floor replays the messages of distmoe's arm: --arms must include distmoe")
+    deadline = args.deadline or (2400.0 if args.schedule == "walkthrough" else 600.0)
     root = Path(args.keep).resolve() if args.keep else Path(tempfile.mkdtemp(prefix="deploy-round-"))
     root.mkdir(parents=True, exist_ok=True)
-    load0 = os.getloadavg()
-    trace = root / "trace.jsonl"
-    if args.trace:  # every process the deployment starts inherits these (bench/deploy_trace/sitecustomize.py)
-        os.environ["DISTMOE_DEPLOY_TRACE"] = str(trace)
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "bench" / "deploy_trace"), str(REPO),
-                                                    os.environ.get("PYTHONPATH", "")])
+    overrides = schedule_overrides(args.schedule, args.sft_rounds)
+    shapes = root / "shapes.jsonl"
+    # every process the deployment starts inherits these (bench/deploy_trace/sitecustomize.py); the SuperLink's
+    # ServerApps record the messages they push (the floor's plan), with --trace every step of every message
+    os.environ["DISTMOE_DEPLOY_SHAPES"] = str(shapes)
+    if args.trace:
+        os.environ["DISTMOE_DEPLOY_TRACE"] = str(root / "trace.jsonl")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "bench" / "deploy_trace"), str(REPO),
+                                                os.environ.get("PYTHONPATH", "")])
+    res = {"schedule": args.schedule, "phases": overrides["schedule.phases"], "sft_rounds": args.sft_rounds,
+           "cold": args.cold, "reps": []}
+    fed = da.Federation(root, 64 if args.schedule == "walkthrough" else 24, args.cold)
     try:
-        dep_dir, parties, dep_wall = deployed(root, args.sft_rounds, args.cold)
-        for k in ("DISTMOE_DEPLOY_TRACE",):  # the simulated run untraced
-            os.environ.pop(k, None)
-        sim_dir, sim_wall = simulated(root, parties[0].parent, args.sft_rounds)
-        load1 = os.getloadavg()
-        sim, dep = rounds_of(sim_dir), rounds_of(dep_dir)
-        if [(r["round"], r["phase"]) for r in sim] != [(r["round"], r["phase"]) for r in dep]:
-            print("warning: the two runs' rounds differ", file=sys.stderr)
-        text, ratios = table(sim, dep)
-        print(f"deploy_round: {'cold ClientApp per message' if args.cold else 'warm worker'}, "
-              f"{len(parties)} parties, schedule {td.OVERRIDES['schedule.phases']!r} with {args.sft_rounds} sft "
-              f"rounds; load average {load0[0]:.1f} before, {load1[0]:.1f} after ({os.cpu_count()} CPUs)")
-        print(text)
-        sim_rounds = sum(r["seconds"] for r in sim if r["round"] > 0)
-        dep_rounds = sum(r["seconds"] for r in dep if r["round"] > 0)
-        print(f"rounds >= 1: simulated {sim_rounds:.1f} s, deployed {dep_rounds:.1f} s, "
-              f"ratio {dep_rounds / sim_rounds:.2f}x (median per round {statistics.median(ratios):.2f}x); "
-              f"whole command: simulated {sim_wall:.0f} s, deployed {dep_wall:.0f} s")
-        if args.trace:
-            import breakdown  # bench/deploy_trace/breakdown.py
-
-            print("\nwhere a deployed message's time goes (bench/deploy_trace/breakdown.py " f"{trace}):")
-            print(breakdown.table(breakdown.paths(breakdown.load(trace))))
+        for rep in range(1, args.repeat + 1):
+            arms: list[dict] = []
+            res["reps"].append({"rep": rep, "arms": arms})
+            plan = root / f"plan-{rep}.json"
+            for arm in (a for a in da.ARMS if a in args.arms):
+                tag, load0, t0 = f"{arm}-{rep}", os.getloadavg(), time.time()
+                out: dict = {"arm": arm}
+                if arm == "distmoe":
+                    out["dir"], out["wall"] = da.distmoe_arm(fed, tag, overrides, deadline)
+                    plan.write_text(json.dumps(da.plan_from_shapes(shapes, t0, time.time())))
+                elif arm == "simulated":
+                    sim = {k: v for k, v in overrides.items() if k != "run.dir"}
+                    out["dir"], out["wall"] = da.simulated(root, fed.parties[0].parent, tag, sim, deadline)
+                else:
+                    out["records"], out["wall"] = da.floor_arm(fed, tag, plan, arm == "floor-cut", deadline)
+                out["load"], out["t"] = [load0[0], os.getloadavg()[0]], [t0, time.time()]
+                out["dir"] = str(out.get("dir", ""))
+                arms.append(out)
+                (root / "bench.json").write_text(json.dumps(res, indent=1))
+                print(f"{tag}: {out['wall']:.0f} s, load {out['load'][0]:.1f} -> {out['load'][1]:.1f}", flush=True)
     finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+        fed.stop()
+    report(root)
+    if args.trace:
+        import breakdown  # bench/deploy_trace/breakdown.py
+
+        spans = [a["t"] for rep in res["reps"] for a in rep["arms"] if a["arm"] == "distmoe"]
+        events = [e for e in breakdown.load(root / "trace.jsonl") if any(t0 <= e["t"] <= t1 for t0, t1 in spans)]
+        print("\nwhere a deployed message of distmoe's arm spends its time (bench/deploy_trace/breakdown.py):")
+        print(breakdown.table(breakdown.paths(events)))
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

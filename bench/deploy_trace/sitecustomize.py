@@ -13,12 +13,20 @@ The path it times: ServerApp ``HttpGrid.push_messages`` -> SuperNode ``receive``
 ``push_message`` -> SuperNode ``send`` (it noticed the reply) and the reply's objects pushed -> ServerApp
 ``pull_messages`` returning the reply.
 
-Must not: change what any wrapped function does or returns, or run at all without ``DISTMOE_DEPLOY_TRACE``.
+With ``DISTMOE_DEPLOY_SHAPES`` naming a file (``bench/deploy_round.py`` sets it for distmoe's deployed arm), the
+ServerApp's ``push_messages`` and ``pull_messages`` also append the records of each message they move: per record its
+name and kind, per array its key, byte length and a digest of its bytes, per other record its serialized size
+(``{"ev": "push", "type", "mids", "shapes"}``, ``{"ev": "reply", "reply_to", "shape"}``). ``bench/deploy_arms.py``
+turns that into the plan of Flower's own floor (``bench/flower_floor/``): the same messages, moved by a plain app.
+
+Must not: change what any wrapped function does or returns, or run at all without ``DISTMOE_DEPLOY_TRACE`` or
+``DISTMOE_DEPLOY_SHAPES``.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.abc
 import json
 import os
@@ -26,6 +34,7 @@ import sys
 import time
 
 LOG = os.environ.get("DISTMOE_DEPLOY_TRACE")
+SHAPES = os.environ.get("DISTMOE_DEPLOY_SHAPES")
 _NODE: list[str] = []  # this process's SuperNode, as its Runtime API port (set where an argument names it)
 
 
@@ -46,14 +55,34 @@ def _node_of(args) -> str | None:
     return port
 
 
-def emit(event: str, **detail) -> None:
-    rec = {"t": time.time(), "pid": os.getpid(), "ev": event, "proc": os.path.basename(sys.argv[0] if sys.argv else ""),
-           **({"node": _NODE[-1]} if _NODE else {}), **detail}
-    fd = os.open(LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+def _append(path: str, rec: dict) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         os.write(fd, (json.dumps(rec, default=str) + "\n").encode())
     finally:
         os.close(fd)
+
+
+def shape_of(msg) -> list:
+    """``[[name, "array", [[key, bytes, digest], ...]] | [name, "config" | "metric", serialized bytes], ...]``."""
+    from flwr.app import ArrayRecord, MetricRecord
+
+    out = []
+    for name, rec in msg.content.items():
+        if isinstance(rec, ArrayRecord):
+            out.append([name, "array", [[key, len(a.data), hashlib.sha256(a.data).hexdigest()[:16]]
+                                        for key, a in rec.items()]])
+        else:
+            out.append([name, "metric" if isinstance(rec, MetricRecord) else "config", len(rec.deflate())])
+    return out
+
+
+def emit(event: str, **detail) -> None:
+    if not LOG:
+        return
+    rec = {"t": time.time(), "pid": os.getpid(), "ev": event, "proc": os.path.basename(sys.argv[0] if sys.argv else ""),
+           **({"node": _NODE[-1]} if _NODE else {}), **detail}
+    _append(LOG, rec)
 
 
 def _started() -> float | None:
@@ -115,9 +144,13 @@ def _http_grid(m):
 
     def push_messages(self, messages):
         messages = list(messages)
+        shapes = [shape_of(msg) for msg in messages] if SHAPES else None
         emit("srv.push.begin", n=len(messages), type=messages[0].metadata.message_type if messages else "")
         ids = list(push(self, messages))
         emit("srv.push.end", mids=ids, dst=[msg.metadata.dst_node_id for msg in messages])
+        if SHAPES:
+            _append(SHAPES, {"ev": "push", "t": time.time(), "type": messages[0].metadata.message_type if messages
+                             else "", "mids": ids, "shapes": shapes})
         return ids
 
     def pull_messages(self, message_ids):
@@ -125,6 +158,9 @@ def _http_grid(m):
         out = list(pull(self, message_ids))
         if out:
             emit("srv.pull", t0=t0, got=[[r.metadata.reply_to_message_id, r.metadata.src_node_id] for r in out])
+        for r in out if SHAPES else ():
+            _append(SHAPES, {"ev": "reply", "t": time.time(), "reply_to": r.metadata.reply_to_message_id,
+                             "shape": None if r.has_error() else shape_of(r)})
         return out
 
     grid.push_messages, grid.pull_messages = push_messages, pull_messages
@@ -216,11 +252,14 @@ PATCHES = {
 }
 
 
+SHAPES_PATCH = "flwr.superlink.grid.http_grid"  # the only module patched with DISTMOE_DEPLOY_SHAPES alone
+
+
 class _Hook(importlib.abc.MetaPathFinder):
     """Finds nothing itself: wraps the loader of a patched module so the patch runs right after the module's code."""
 
     def find_spec(self, name, path, target=None):
-        if name not in PATCHES:
+        if name not in PATCHES or (not LOG and name != SHAPES_PATCH):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -247,4 +286,5 @@ if LOG:
     # started by the SuperExec with the message's token
     emit("proc.start", started=_started(), argv=" ".join(sys.argv[:3])[:200],
          launcher="--token" in sys.argv and "--code-pin" in sys.argv)
+if LOG or SHAPES:
     sys.meta_path.insert(0, _Hook())

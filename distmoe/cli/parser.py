@@ -61,6 +61,8 @@ EXAMPLES: dict[str, tuple[str, ...]] = {  # `distmoe <command> --help` ends with
     "deploy register": ("distmoe deploy register --credentials ~/distmoe-creds --connection distmoe --exec",),
     "deploy connection": ("distmoe deploy connection --credentials ~/distmoe-creds --address "
                           "superlink.example.org:9092 --write",),
+    "deploy wait": ("distmoe deploy wait ~/distmoe-coordinator/runs/exp1",
+                    "distmoe deploy wait ~/distmoe-coordinator/runs/exp1 --timeout 3600"),
 }
 
 AUDIT_EXIT = """exit status:

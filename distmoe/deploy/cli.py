@@ -1,4 +1,4 @@
-"""The ``distmoe credentials`` and ``distmoe deploy superlink|supernode|register|connection|owner-keys|pin``
+"""The ``distmoe credentials`` and ``distmoe deploy superlink|supernode|register|connection|owner-keys|pin|wait``
 subcommands.
 
 Owns: their argument parsers and the print-or-exec behaviour. By default each ``deploy`` command
@@ -157,6 +157,15 @@ def cmd_deploy_connection(args) -> int:
     return 0
 
 
+def cmd_deploy_wait(args) -> int:
+    from distmoe.deploy.wait import wait_for_run
+
+    try:
+        return wait_for_run(Path(args.run_dir).expanduser(), args.timeout, args.poll)
+    except ValueError as exc:
+        return _fail(exc)
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Register ``credentials`` and ``deploy`` on the top-level ``distmoe`` parser."""
     c = sub.add_parser("credentials", help="make a federation's CA, SuperLink certificate and data-owner keys")
@@ -273,3 +282,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--flwr-home", metavar="DIR", help="the flwr CLI's FLWR_HOME (default: ~/.flwr)")
     k.add_argument("--timeout", type=float, default=30.0, help=argparse.SUPPRESS)
     k.set_defaults(fn=cmd_deploy_connection)
+
+    w = dsub.add_parser("wait", help="coordinator: wait until a run has ended (its run.json says so; flwr run "
+                                     "--stream can return before), exit 0 if it completed, 1 if not, 124 on --timeout")
+    w.add_argument("run_dir", metavar="RUN_DIR", help="the run's run.dir (where its run.json is written)")
+    w.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (default: wait as long as it "
+                                                               "takes)")
+    w.add_argument("--poll", type=float, default=2.0, metavar="S", help="seconds between looks at run.json")
+    w.set_defaults(fn=cmd_deploy_wait)

@@ -59,3 +59,17 @@ def test_one_messages_path_becomes_its_steps():
     assert len(steps) == len(breakdown.STEPS)
     assert abs(steps["party's work (ClientApp.__call__)"] - 0.5) < 1e-9
     assert "query.unmask: 1 messages" in breakdown.table([p])
+
+
+@pytest.mark.slow  # a real Python process importing flwr
+def test_the_shape_record_alone_wraps_only_the_serverapps_grid(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTMOE_DEPLOY_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(_DIR), str(_DIR.parents[1]), env.get("PYTHONPATH", "")])
+    env["DISTMOE_DEPLOY_SHAPES"] = str(tmp_path / "shapes.jsonl")
+    code = ("import flwr.superlink.grid.http_grid as h, flwr.supernode.runtime.run_clientapp as r; "
+            "print(h.HttpGrid.push_messages.__module__, h.HttpGrid.pull_messages.__module__, "
+            "r.pull_task_input.__module__)")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["sitecustomize", "sitecustomize", "flwr.supernode.runtime.run_clientapp"]
+    assert not (tmp_path / "trace.jsonl").exists()
