@@ -18,6 +18,12 @@ benchmark baseline only, which the server warns about and the audit fails.
 public prompts down, the model's routing on those prompts up in the clear, a function of public inputs only
 (``docs/privacy.md`` §3).
 
+The probe carried on a phase instruction (``probe``: the public prompts, record key ``meta.probe_prompts``) is
+answered beside its reply (``ModelUpdate``, ``RouterStats``, ``EvalReply`` or ``MaskedReply`` with ``probe``: a
+``ProbePart``, the records ``probe`` and ``top1``), in the clear in both modes, outside any masked vector
+(``docs/privacy.md`` §3); ``CARRIED_BY`` / ``CARRIES_PROBE`` name those types. The secure-aggregation stages' own
+payloads are ``distmoe.wire.secagg_payloads``'.
+
 ``SettleInstruction`` / ``SettleReply`` (``query.settle``, both modes, with ``routing.balance-settle-steps``): the
 aggregated global weights down, the routing bias settled on them over the public balance prompts up in the clear,
 likewise a function of public inputs only (``docs/privacy.md`` §3).

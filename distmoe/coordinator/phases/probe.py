@@ -105,10 +105,13 @@ def repeat(co: RunContext) -> str:
     """The progress text of a due probe of the model the last probe measured, from that probe's median (its row
     written again for this round); "" when no probe is due or the model changed since (the loop then exchanges)."""
     last = co.probe_last
-    if last is None or not _due(co) or last[0] != _measured(co):
+    if last is None or not _due(co):
+        return ""
+    m = _now(co)
+    if last[0] != m.key:
         return ""
     _, routing, top1, parties, disagreeing = last
-    return _record(co, _now(co), routing, top1, parties, disagreeing)
+    return _record(co, m, routing, top1, parties, disagreeing)
 
 
 def _due(co: RunContext) -> bool:
