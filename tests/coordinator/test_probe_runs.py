@@ -138,9 +138,9 @@ def test_a_run_killed_at_a_probe_resumes_and_keeps_probing(lay_out_run, tmp_path
                                               **{"routing.probe-every": 1, "routing.probe-prompts": 4})
     seen = {"k": 0}
 
-    def drop(mtype, node):  # the coordinator dies at round 3's instruction (second party): it carries round 2's probe
+    def drop(mtype, node):  # the coordinator dies sending round 3's instruction, which carries round 2's probe
         seen["k"] += mtype == "train.stats"
-        if mtype == "train.stats" and seen["k"] == 2:
+        if mtype == "train.stats" and seen["k"] == 1:
             raise _Killed("killed at the probe of round 2")
         return False
 
@@ -166,18 +166,25 @@ def _stages(entries, rnd):
 
 
 @pytest.mark.integration
-def test_a_carried_probe_measures_exactly_what_its_own_stage_measured(make_run, tmp_path, monkeypatch):
-    """The same seeded run twice: the probe carried on the next round's instruction, and (``defer`` off) on its own
-    message stage after each round as before. The probe rows are identical (the same weights are probed), and a
-    training round is three message stages instead of four."""
+def test_a_carried_probe_measures_exactly_what_its_own_stage_measured(lay_out_run, tmp_path, monkeypatch):
+    """The same seeded run on the same party data twice: the probe carried on the next round's instruction, and
+    (``defer`` off) on its own message stage after each round as before. The probe rows are identical (the same
+    weights are probed), and a training round is three message stages instead of four."""
+    from distmoe.coordinator import Coordinator
     from distmoe.coordinator.phases import probe
+    from distmoe.inprocess import LocalTransport
 
-    over = {"schedule.phases": "sft:arith*3, eval", "routing.probe-every": 1, "routing.probe-prompts": 6}
-    coord, transport, run_dir, _, _ = make_run(tmp_path / "carried", over)
-    assert coord.run()["status"] == "completed"
+    over = {"routing.probe-every": 1, "routing.probe-prompts": 6}
+
+    def run(tmp, data_from=None):
+        cfg, nodes, run_dir, run_id = lay_out_run(tmp, "sft:arith*3, eval", data_from=data_from, **over)
+        transport = LocalTransport(cfg, nodes, run_id)
+        assert Coordinator(cfg, run_dir, transport, run_id, log=lambda _s: None).run()["status"] == "completed"
+        return transport, run_dir
+
+    transport, run_dir = run(tmp_path / "carried")
     monkeypatch.setattr(probe, "defer", lambda co, keeps: False)
-    coord2, transport2, run_dir2, _, _ = make_run(tmp_path / "alone", over)
-    assert coord2.run()["status"] == "completed"
+    transport2, run_dir2 = run(tmp_path / "alone", data_from=run_dir)
     carried, alone = ([{k: v for k, v in p.items() if k != "time"} for p in _rows(d, "probe")]
                       for d in (run_dir, run_dir2))
     assert [p["round"] for p in carried] == [1, 2, 3, 4] and carried == alone
