@@ -169,12 +169,13 @@ def _stages(entries, rnd):
 def test_a_carried_probe_measures_exactly_what_its_own_stage_measured(lay_out_run, tmp_path, monkeypatch):
     """The same seeded run on the same party data twice: the probe carried on the next round's instruction, and
     (``defer`` off) on its own message stage after each round as before. The probe rows are identical (the same
-    weights are probed), and a training round is three message stages instead of four."""
+    weights are probed), and a training round is three message stages instead of four. (64-bit update sums, rounded
+    to nearest: the default 32-bit ring rounds stochastically with fresh randomness, so no two runs are identical.)"""
     from distmoe.coordinator import Coordinator
     from distmoe.coordinator.phases import probe
     from distmoe.inprocess import LocalTransport
 
-    over = {"routing.probe-every": 1, "routing.probe-prompts": 6}
+    over = {"routing.probe-every": 1, "routing.probe-prompts": 6, "privacy.ring-bits": "64"}
 
     def run(tmp, data_from=None):
         cfg, nodes, run_dir, run_id = lay_out_run(tmp, "sft:arith*3, eval", data_from=data_from, **over)
