@@ -22,9 +22,10 @@ coordinator ledger's timestamps: round ``k`` starts at its first entry and ends 
 last round at the ``run-end`` entry). Round 1 carries the one-off start (actors, keys) and distmoe's last round
 always writes a checkpoint: the figure compared is the mean of rounds 2..R-1 (``steady``, what a long run's rounds
 cost); the mean of all rounds is printed beside it. For distmoe each round is also split from the ledger into
-``update`` (instructions out to the released sum) and ``after`` (checkpoint, routing probe). Ratios are taken within one
-repetition (the arms ran back to back), then summarised as median and range over repetitions. The load average is
-printed with every arm (ratios only mean something in the same run).
+``update`` (instructions out to the released sum; it includes the routing probe of the round before, carried on
+the round's instruction) and ``after`` (checkpoint; the probe's own stage only after the last round). Ratios are
+taken within one repetition (the arms ran back to back), then summarised as median and range over repetitions. The
+load average is printed with every arm (ratios only mean something in the same run).
 
 Also checked once: the peer's initial weights equal distmoe's round-0 checkpoint tensor by tensor (``bit-identical``).
 
@@ -119,7 +120,8 @@ def peer_rounds(round_log: Path, rounds: int) -> list[float]:
 def ledger_rounds(run_dir: Path, rounds: int) -> tuple[list[float], dict[str, list[float]]]:
     """Per-round seconds from the coordinator ledger: round k from its first entry to round k + 1's first entry
     (the last round to the ``run-end`` entry); and each round's parts: ``update`` (first instruction to the
-    released sum), ``after`` (the sum to the next round: checkpoint, routing probe)."""
+    released sum; the probe of the round before rides on its instruction), ``after`` (the sum to the next round:
+    checkpoint; the probe's own stage only after the last round)."""
     first: dict[int, float] = {}
     release: dict[int, float] = {}
     end = None

@@ -93,9 +93,9 @@ class TimedTransport(LocalTransport):
         self.party_cpu_s: dict[int, float] = defaultdict(float)  # the parties' CPU seconds, all their threads
         self._rnd = 0
 
-    def exchange(self, instructions, expected, timeout, *, rnd=None, phase="", lengths=None):
+    def exchange(self, instructions, expected, timeout, *, rnd=None, phase="", lengths=None, probe=None):
         self._rnd = int(rnd or 0)
-        return super().exchange(instructions, expected, timeout, rnd=rnd, phase=phase, lengths=lengths)
+        return super().exchange(instructions, expected, timeout, rnd=rnd, phase=phase, lengths=lengths, probe=probe)
 
     def _send(self, out, timeout):
         t, c = time.perf_counter(), time.process_time()  # in process: nothing else runs during the parties' calls

@@ -30,7 +30,8 @@ from distmoe.coordinator.context import RunContext
 from distmoe.coordinator.errors import RunFailed
 from distmoe.privacy import train_metrics as TM
 from distmoe.privacy.releases.base import EvalSum, Skip, StatsSum, UpdateSum
-from distmoe.wire.schema import EVAL_ROUTING_KEYS, EvalReply, ModelUpdate, RouterStats
+from distmoe.wire.allow_list import ProbeBounds
+from distmoe.wire.schema import EVAL_ROUTING_KEYS, EvalReply, ModelUpdate, ProbePart, RouterStats
 from distmoe.wire.server_guard import GuardedTransport, ServerGuard
 
 SUMS = ("update", "stats", "eval")  # what a phase can ask the aggregator for
@@ -40,14 +41,16 @@ SUMS = ("update", "stats", "eval")  # what a phase can ask the aggregator for
 class SumRequest:
     """What a phase asks of its round: ``sum`` (one of ``SUMS``), its wire kind (``sft``, ``rl``, ``stats``,
     ``eval``: the SecAgg round's phase and the ledger's), the release name (``model-update``, ``rl-update``,
-    ``router-stats``, ``eval``), the label for its error lines, and ``event``: the fields of the round's
-    ``metrics.jsonl`` lines (update sums)."""
+    ``router-stats``, ``eval``), the label for its error lines, ``event``: the fields of the round's
+    ``metrics.jsonl`` lines (update sums), and ``probe``: the bounds of the routing probe the instruction carries
+    (``phases/probe.py``; the collected probes are in ``Aggregator.probes`` afterwards)."""
 
     sum: str
     kind: str
     release: str
     label: str
     event: dict = field(default_factory=dict)
+    probe: ProbeBounds | None = None  # the instruction carries the routing probe: each reply's probe bounds
 
 
 class Aggregator(abc.ABC):
@@ -55,6 +58,7 @@ class Aggregator(abc.ABC):
 
     def __init__(self, co: RunContext, transport: GuardedTransport, guard: ServerGuard):
         self.co, self.transport, self.guard = co, transport, guard
+        self.probes: dict[int, ProbePart] = {}  # node -> the routing probe carried on its reply, last ``collect``
 
     @abc.abstractmethod
     def collect(self, instr: object, req: SumRequest) -> UpdateSum | StatsSum | EvalSum | Skip:
@@ -118,6 +122,7 @@ class PlaintextAggregator(Aggregator):
     """``privacy.mode = "plaintext"``: a benchmark baseline; the server sees every reply."""
 
     def collect(self, instr, req):
+        self.probes, self._probe = {}, req.probe
         if req.sum == "update":
             return self.updates(instr, req.kind, req.release, req.event)
         if req.sum == "stats":
@@ -130,7 +135,8 @@ class PlaintextAggregator(Aggregator):
         co = self.co
         nodes = self.nodes()
         replies, errors = self.transport.exchange({n: instr for n in nodes}, expected, co.cfg.federation.round_timeout,
-                                                rnd=co.s.round, phase=phase)
+                                                rnd=co.s.round, phase=phase, probe=self._probe)
+        self.probes = {n: r.probe for n, r in replies.items() if r.probe is not None}  # whatever the sum's fate
         return replies, errors, len(nodes)
 
     def _release(self, phase: str, release: str, total: np.ndarray, included: list[str], **info) -> None:

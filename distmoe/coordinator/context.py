@@ -62,6 +62,7 @@ class RunContext:
         # what the last probe measured (base, weights hash) and its median: (key, routing, top1, parties, disagreeing)
         self.probe_last: tuple[str, np.ndarray, np.ndarray, int, int] | None = None
         self.probe_warned: set[str] = set()
+        self.probe_pending = None  # phases/probe.Measured: a due probe the next round's instruction carries
         self.settle_warned: set[str] = set()  # parties named once for an unusable or disagreeing bias settle
         self.routing_watch = RoutingWatch(cfg.routing.load_cv_warn, cfg.routing.kl_rise_rounds,
                                           str(cfg.routing.balance))

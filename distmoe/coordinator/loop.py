@@ -14,10 +14,12 @@ of ``schedule.phases``. A round (``play_round``) is a pipeline this loop owns::
     ctx.s, line = step.aggregate(ctx, ..., instr, out)  # phases/<kind>.py: a new state with the sum folded in
 
 then, after an applied update, the bias settle exchange (``phases/settle.py``) and the round's checkpoint holding
-the global model and the coordinator state (``distmoe.coordinator.state``), and the routing probe exchange
-(``phases/probe.py``). Phases see a ``RunContext`` (``coordinator/context.py``), never the transport. Parties that
-fail (error replies, malformed payloads, timeouts) are logged and left out of the round; a round without a usable
-sum leaves the model unchanged and, with ``federation.on-round-failure = "stop"``, ends the run.
+the global model and the coordinator state (``distmoe.coordinator.state``), and the routing probe of the round's
+model (``phases/probe.py``): carried on the next round's instruction when that round sends the same weights
+(answered beside its replies, so it costs no stage of its own), else its own exchange. Phases see a ``RunContext``
+(``coordinator/context.py``), never the transport. Parties that fail (error replies, malformed payloads, timeouts)
+are logged and left out of the round; a round without a usable sum leaves the model unchanged and, with
+``federation.on-round-failure = "stop"``, ends the run.
 
 The one transport type is ``distmoe.wire.server_guard.GuardedTransport``: the ServerApp's over Flower's ``Grid``
 (``server/app.py``); tests and benchmarks use the in-process one (``distmoe.inprocess``). Layout and protocol:
@@ -134,24 +136,34 @@ class Coordinator:
     def _run_schedule(self) -> None:
         ctx = self.ctx
         total = ctx.cfg.schedule.total_rounds
-        rnd = 0
-        for index, phase in enumerate(ctx.cfg.schedule.phases):
-            for _ in range(phase.rounds):
-                rnd += 1
-                if rnd <= ctx.s.round:  # completed before the restart
-                    continue
-                ctx.s = replace(ctx.s, round=rnd)
-                ctx.phase_label = phase.label()
-                t0 = time.perf_counter()
-                ctx.phase_end = rnd == total or rnd == sum(p.rounds for p in ctx.cfg.schedule.phases[:index + 1])
-                text = self.play_round(index, phase)
-                if ctx.ckpt_round != ctx.s.round and ctx.checkpoint_due(phase.kind):
-                    ctx.checkpoint()  # a resume point (checkpoint.every; the due rounds: RunContext.checkpoint_due)
-                # the round's global model on the public probe set (not sent again for a model already probed)
-                text += probe.repeat(ctx) or self.exchange_public(probe, "probe")
-                for line in fit([f"round {rnd}/{total} ({time.perf_counter() - t0:.1f} s)", phase.label(),
-                                 *text.split(" | ")]):  # lines of <= 100 columns
-                    ctx.say(line)
+        rounds = [(i, ph) for i, ph in enumerate(ctx.cfg.schedule.phases) for _ in range(ph.rounds)]  # per round
+        if ctx.cfg.run.resume and 0 < ctx.s.round <= total:  # the checkpointed round's probe, if it never ran
+            probe.resume_pending(ctx, rounds[ctx.s.round - 1][1].label())
+            if not self._keeps(rounds, ctx.s.round):  # no next round to carry it: exchanged now
+                ctx.say(self._exchange_pending().removeprefix(" | "))
+        for rnd, (index, phase) in enumerate(rounds, 1):
+            if rnd <= ctx.s.round:  # completed before the restart
+                continue
+            ctx.s = replace(ctx.s, round=rnd)
+            ctx.phase_label = phase.label()
+            t0 = time.perf_counter()
+            ctx.phase_end = rnd == total or rnd == sum(p.rounds for p in ctx.cfg.schedule.phases[:index + 1])
+            text = self.play_round(index, phase)
+            if ctx.ckpt_round != ctx.s.round and ctx.checkpoint_due(phase.kind):
+                ctx.checkpoint()  # a resume point (checkpoint.every; the due rounds: RunContext.checkpoint_due)
+            # the round's global model on the public probe set: not sent again for a model already probed, and
+            # carried on the next round's instruction when that round sends these weights (phases/probe.py)
+            text += probe.repeat(ctx) or ("" if probe.defer(ctx, self._keeps(rounds, rnd))
+                                          else self.exchange_public(probe, "probe"))
+            for line in fit([f"round {rnd}/{total} ({time.perf_counter() - t0:.1f} s)", phase.label(),
+                             *text.split(" | ")]):  # lines of <= 100 columns
+                ctx.say(line)
+
+    def _keeps(self, rounds: list[tuple[int, Phase]], rnd: int) -> bool:
+        """Whether the round after ``rnd`` exists and sends the global weights as they are now (it can carry the
+        probe of round ``rnd``: ``phases/probe.py``)."""
+        nxt = rounds[rnd][1] if rnd < len(rounds) else None
+        return nxt is not None and PHASES[nxt.kind].keeps_weights(self.ctx, nxt)
 
     def start_plane(self, nodes: list[int]) -> None:
         """Ledger, allow-list, guard, secure setup, aggregator (``distmoe.coordinator.plane``)."""
@@ -159,23 +171,27 @@ class Coordinator:
         plane.start(self.ctx, self.transport, nodes, self.plane)
 
     def play_round(self, index: int, phase: Phase) -> str:
-        """One round of the ``index``-th phase: configure, the one exchange, aggregate; returns its progress line."""
+        """One round of the ``index``-th phase: configure, the one exchange, aggregate; returns its progress line.
+        The probe of the round before rides on the instruction when pending (``phases/probe.py``: recorded as that
+        round's, before this round's sum is folded in); one the instruction cannot carry is exchanged first."""
         ctx, step = self.ctx, PHASES[phase.kind]
         ctx.s = step.begin(ctx, phase)  # a new task: the model and evaluation before it kept
-        instr = step.configure(ctx, phase)
-        req = step.request(ctx, index, phase, instr)
+        instr, bounds = probe.carry(ctx, step.configure(ctx, phase))
+        before = self._exchange_pending() if bounds is None else ""  # a pending probe this instruction cannot carry
+        req = replace(step.request(ctx, index, phase, instr), probe=bounds)
         out = self.plane.aggregator.collect(instr, req)  # every party asked, the replies summed
+        carried = probe.apply_carried(ctx, self.plane.aggregator.probes) if bounds is not None else ""
         if isinstance(out, Skip):  # nothing released: the state stays as it is
             text = ctx.round_failed(out.text, failed=out.failed)
             if req.sum == "update":
                 ctx.metrics.append({**req.event, "party": "all", "num_examples": 0, "skipped": True})
-            return text
+            return text + before + carried
         ctx.s, text = step.aggregate(ctx, index, phase, instr, out)  # the new round state
         if step.updates_model:
             self.exchange_public(settle, "settle")  # routing.balance-settle-steps: before the checkpoint
             if ctx.checkpoint_due(phase.kind):
                 ctx.checkpoint()
-        return text
+        return text + before + carried
 
     def _peer(self, node: int) -> str:
         guard = self.plane.guard if self.plane is not None else None
@@ -188,11 +204,18 @@ class Coordinator:
         instr = mod.instruction(ctx)
         if instr is None:
             return ""
-        nodes = self.transport.node_ids()
-        replies, errors = self.transport.exchange({n: instr for n in nodes}, mod.REPLY,
-                                                  ctx.cfg.federation.round_timeout, rnd=ctx.s.round, phase=name)
-        ctx.s, text = mod.apply(ctx, replies, errors)
+        ctx.s, text = mod.apply(ctx, *self._to_all(instr, mod.REPLY, name))
         return text
+
+    def _exchange_pending(self) -> str:
+        """The pending probe (``phases/probe.py``) on its own exchange, recorded as its round's; "" when none."""
+        instr = probe.pending_instruction(self.ctx)
+        return "" if instr is None else probe.apply_pending(self.ctx, *self._to_all(instr, probe.REPLY, "probe"))
+
+    def _to_all(self, instr, reply: type, name: str) -> tuple[dict, dict]:
+        """``instr`` to every connected party: their checked replies and the reasons of the others."""
+        return self.transport.exchange({n: instr for n in self.transport.node_ids()}, reply,
+                                       self.ctx.cfg.federation.round_timeout, rnd=instr.round, phase=name)
 
     # ------------------------------------------------------------------ steps of run()
     def _start_from(self) -> None:

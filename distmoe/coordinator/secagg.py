@@ -49,6 +49,7 @@ from distmoe.privacy import secagg as sa
 from distmoe.privacy.accountant import Accountant, BudgetExceeded, PrivacyEvent
 from distmoe.privacy.plan import PrivacyPlan, threshold_for
 from distmoe.rundir import MissingRunFile, RunDir, RunFileError, read_json
+from distmoe.wire.allow_list import ProbeBounds
 from distmoe.wire.schema import (
     ConsistencyRequestMsg,
     ConsistencyResponseMsg,
@@ -85,6 +86,7 @@ class SecureRounds:
         self.accountants: dict[str, Accountant] = {}
         self.refused: list[dict] = []  # rounds refused by the contributor count (ledger.json "refused")
         self.caps: dict[str, float] = {}  # party -> its declared epsilon-max (node config), from its key advert
+        self.probes: dict = {}  # node -> the routing probe carried beside its masked input in the last round
 
     @property
     def names(self) -> dict[int, str]:
@@ -177,10 +179,12 @@ class SecureRounds:
 
     # ------------------------------------------------------------------ one round
     def round(self, rnd: int, phase: str, instr: object, release: str, length: int,
-              dp_event: Callable[[int], PrivacyEvent] | None = None, *, bits: int = 64) -> SecureSum | None:
+              dp_event: Callable[[int], PrivacyEvent] | None = None, *, bits: int = 64,
+              probe: ProbeBounds | None = None) -> SecureSum | None:
         """One secure sum in Z_2^bits (the release's declared width, sent in every ``RoundStart``);
         ``dp_event(n_active)`` gives the release's event at ``n_active`` survivors (None: not a DP
-        release). Returns None when the round released nothing."""
+        release). Returns None when the round released nothing. ``probe``: the instruction carries the routing
+        probe (the bounds each reply's must meet); the probes that came beside the masked inputs are in ``probes``."""
         timeout = self.cfg.federation.round_timeout
         try:
             starts = self.server.begin_round(rnd, length, bits)
@@ -189,7 +193,8 @@ class SecureRounds:
             self.say(f"round {rnd}: too few parties shared keys ({exc}); collecting keys for the next round")
         msgs = {n: SecureInstruction(instr, starts.get(n), release) for n in self.roster}
         replies, errors = self.transport.exchange(msgs, MaskedReply, timeout, rnd=rnd, phase=phase,
-                                                  lengths={n: length for n in starts})
+                                                  lengths={n: length for n in starts}, probe=probe)
+        self.probes = {n: r.probe for n, r in replies.items() if r.probe is not None}  # in the clear: public inputs
         self.report_errors(phase, errors)
         masked = [r.masked for r in replies.values() if r.masked is not None]
         self.server.add_share_keys([r.late_keys for r in replies.values() if r.late_keys is not None])

@@ -39,7 +39,9 @@ class SecureAggregator(Aggregator):
         """The round's one secure sum of the release ``req`` asks for (``RELEASES``), opened, checked, logged."""
         co, rnd, release = self.co, self.co.s.round, RELEASES[req.sum]
         prep = release.prepare(self.facts(), req.kind, req.release, instr)
-        res = self.rounds.round(rnd, req.kind, instr, req.release, prep.length, prep.event_at, bits=prep.bits)
+        res = self.rounds.round(rnd, req.kind, instr, req.release, prep.length, prep.event_at, bits=prep.bits,
+                                probe=req.probe)
+        self.probes = self.rounds.probes  # carried on the masked inputs, whatever the sum's fate
         if res is None:
             return Skip(f"no secure sum this round: {release.UNCHANGED}")
         opened = prep.open(res)

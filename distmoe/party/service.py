@@ -2,14 +2,15 @@
 party is asked, used by the ClientApp (``clients/app.py``) and the in-process transport alike, both
 through the outbound guard (``distmoe.wire.party_guard.serve``).
 
-Owns: the dispatch of each decoded instruction to the party's own work (``distmoe.party.work``: SFT,
-RL, router statistics, evaluation) or secure-aggregation stage (``distmoe.party.session``: setup,
-directory, masked input, consistency check, unmask), the assembly of a secure phase's reply (``_SECURE``: per
-instruction kind, the party's figures encoded, noised and charged by their release module,
-``distmoe.privacy.releases``; then the masked input), the party's identity on the wire
-(name, ledger, canary strings from ``<data-path>/canaries.txt``), and turning the party's own errors
-(``SessionError``, ``PartyError``, ``DataError``, ``ConfigError``) into ``Refused`` with the fixed reason
-code of the closed table (``distmoe.wire.errors.REASONS``); their text is detail for the party's own log.
+Owns: the probe a phase instruction may carry (``distmoe.party.probe.run_carried``: on the instruction's weights,
+before any local work, answered beside the reply), the dispatch of each decoded instruction to the party's own
+work (``distmoe.party.work``: SFT, RL, router statistics, evaluation) or secure-aggregation stage
+(``distmoe.party.session``: setup, directory, masked input, consistency check, unmask), the assembly of a secure
+phase's reply (``_SECURE``: per instruction kind, the party's figures encoded, noised and charged by their release
+module, ``distmoe.privacy.releases``; then the masked input), the party's identity on the wire (name, ledger,
+canary strings from ``<data-path>/canaries.txt``), and turning the party's own errors (``SessionError``,
+``PartyError``, ``DataError``, ``ConfigError``) into ``Refused`` with the fixed reason code of the closed table
+(``distmoe.wire.errors.REASONS``); their text is detail for the party's own log.
 With an owner policy (``distmoe.party.policy``) every message's run config is checked against the owner's floors
 before any work, and the setup request's threshold and noise at setup, before any key leaves; the policy and the
 code-pin digest go into the key advert's ledger entry (``take_ledger_info``).
@@ -30,7 +31,7 @@ from distmoe.io import append_durable
 from distmoe.party import work as P
 from distmoe.party.dpo_work import run_dpo
 from distmoe.party.policy import ledger_facts, owner_policy, secure_work_dir
-from distmoe.party.probe import run_probe
+from distmoe.party.probe import run_carried, run_probe
 from distmoe.party.receipt import write_receipt
 from distmoe.party.session import PartySession, SessionError, open_ledger
 from distmoe.party.settle import run_settle
@@ -41,6 +42,7 @@ from distmoe.privacy.dp import canary_seed
 from distmoe.rundir import WorkDir
 from distmoe.wire.errors import ErrorCode, Refused
 from distmoe.wire.schema import (
+    CARRIED_BY,
     ConsistencyRequestMsg,
     ConsistencyResponseMsg,
     DirectoryRequest,
@@ -96,6 +98,7 @@ class PartyService:
         self.cfg, self.node, self.node_id, self.run_id = cfg, node, int(node_id), str(run_id)
         self.name = node.party
         self._ledger_info: dict = {}
+        self._probe_bounds = None  # the last carried probe's bounds, for the outbound guard (take_probe_bounds)
         self.secure = cfg.privacy.secure
         self.ledger = open_ledger(node)
         self.canaries = load_canaries(node)
@@ -126,6 +129,7 @@ class PartyService:
 
     def _answer(self, mtype: str, instr: object) -> tuple[object, dict | None]:
         cfg, node = self.cfg, self.node
+        self._probe_bounds = None  # nothing stale from an earlier message
         if self.policy is not None:  # before any work: the run config against the owner's floors
             self.policy.check_run(cfg)
             rnd = getattr(getattr(instr, "instruction", instr), "round", None)
@@ -135,6 +139,21 @@ class PartyService:
                 self.policy.count_run(node, self.run_id)
                 secure_work_dir(node)
                 print(work_dir_note(node, Path(self.ledger.path)), flush=True)
+        inner = getattr(instr, "instruction", instr)  # a secure phase instruction's phase instruction
+        if isinstance(inner, CARRIED_BY) and inner.probe is not None:  # before any local work (party/probe.py)
+            part, self._probe_bounds = run_carried(cfg, node, inner)
+            reply, dp = self._work(mtype, instr)
+            return dataclasses.replace(reply, probe=part), dp
+        return self._work(mtype, instr)
+
+    def take_probe_bounds(self):
+        """The bounds of the last carried probe (``wire.allow_list.ProbeBounds``: from this party's own model and
+        config), once; None when the last answer carried none. The outbound guard checks the reply against them."""
+        bounds, self._probe_bounds = self._probe_bounds, None
+        return bounds
+
+    def _work(self, mtype: str, instr: object) -> tuple[object, dict | None]:
+        cfg, node = self.cfg, self.node
         if isinstance(instr, ProbeInstruction):  # public inputs only, in the clear in both modes (docs/privacy.md §3)
             return run_probe(cfg, node, instr), None
         if isinstance(instr, SettleInstruction):  # likewise public inputs only (docs/privacy.md §3, the bias settle)

@@ -10,8 +10,9 @@ and passes it through ``OutboundGuard``. The guard decodes the reply again with 
 checks it against what this message type may answer (payload type, exact records and keys, the
 masked-vector length the round declared and its uniformity statistic (``mask_check``, recorded in the
 "out" entry: ``distmoe.privacy.secagg.selftest``), the update shapes of the instruction, only allow-listed
-string fields: ``codec.string_fields``), scans every byte of it for this party's canary strings,
-writes the "out" ledger entry, and attaches the new ledger head to the reply. A nonconforming reply is
+string fields: ``codec.string_fields``; a carried routing probe exactly when the instruction asked for one, within
+the shapes of the party's own model: ``allow_list.check_probe_part``), scans every byte of it for this party's
+canary strings, writes the "out" ledger entry, and attaches the new ledger head to the reply. A nonconforming reply is
 replaced by an error: it is logged as rejected and nothing of it leaves (fail-closed). Errors leave as
 fixed reason codes only (``guarded_error``): the reply carries the code's text from the closed table
 ``distmoe.wire.errors.REASONS`` and the ledger head, nothing else; the detail (which may name data files,
@@ -42,10 +43,12 @@ from distmoe.ledger import Ledger
 from distmoe.privacy.secagg.selftest import mask_check_failure, mask_statistic
 from distmoe.rundir import COORDINATOR, WorkDir  # COORDINATOR: the name a party records the coordinator's heads under
 from distmoe.wire import codec, inspect, packing
+from distmoe.wire.allow_list import ProbeBounds, check_probe_part
 from distmoe.wire.codec import WireError
 from distmoe.wire.errors import REASONS, Blocked, ErrorCode, Refused, reason_text
 from distmoe.wire.schema import (
     BY_MESSAGE_TYPE,
+    CARRIES_PROBE,
     ConsistencyRequestMsg,
     DirectoryRequest,
     EvalInstruction,
@@ -108,6 +111,8 @@ class Expectation:
     round: int | None = None
     shapes: dict[str, tuple[int, ...]] | None = None  # plaintext update shapes
     eval_keys: tuple[str, ...] | None = None
+    probe: bool = False  # the instruction carries a routing probe request: the reply must carry the probe
+    probe_bounds: ProbeBounds | None = None  # its shapes, from the party's own model (``take_probe_bounds``)
 
 
 class OutboundGuard:
@@ -123,6 +128,11 @@ class OutboundGuard:
             payload = codec.decode(content, exp.reply)
         except (WireError, inspect.InspectError) as exc:
             raise Blocked(f"reply does not conform to the schema: {exc}") from None
+        if isinstance(payload, CARRIES_PROBE):  # a carried probe exactly when asked, within the party's own bounds
+            if exp.probe and exp.probe_bounds is None:
+                raise Blocked("a routing probe was asked for, but the party named no bounds for it")
+            if (why := check_probe_part(payload.probe, exp.probe_bounds if exp.probe else None)) is not None:
+                raise Blocked(why)
         if isinstance(payload, MaskedReply):
             if payload.release != exp.release:
                 raise Blocked(f"masked input labelled {payload.release!r}, this message type releases {exp.release!r}")
@@ -257,6 +267,8 @@ def _serve(mtype: str, content: RecordDict, party: Party, run_id: str) -> Record
         refuse(ErrorCode.REFUSED, f"party {party.name}: instruction {mtype} does not conform: {verdict[10:500]}")
     try:
         reply, dp = party.answer(mtype, instr)
+        bounds = getattr(party, "take_probe_bounds", None)  # a carried probe's shapes (``distmoe.party.probe``)
+        exp.probe_bounds = bounds() if callable(bounds) else None
         out = codec.encode(reply)
     except Refused as exc:
         refuse(exc.code, str(exc))
@@ -296,10 +308,11 @@ def read_instruction(mtype: str, content: RecordDict, secure: bool) -> tuple[obj
         st = si.start
         if st is not None and st.round != si.instruction.round:
             raise Refused(f"round start for round {st.round} inside a round {si.instruction.round} instruction")
-        return si, Expectation(MaskedReply, release, st.length if st else None, si.instruction.round), \
-            si.instruction.round
+        exp = Expectation(MaskedReply, release, st.length if st else None, si.instruction.round,
+                          probe=getattr(si.instruction, "probe", None) is not None)
+        return si, exp, si.instruction.round
     instr = codec.decode(content, instr_t)
-    exp = Expectation(pt.reply)
+    exp = Expectation(pt.reply, probe=getattr(instr, "probe", None) is not None)
     if isinstance(instr, (SftInstruction, RlInstruction)):
         exp.shapes = {k: tuple(v.shape) for k, v in instr.weights.items()}
     if isinstance(instr, EvalInstruction):

@@ -30,6 +30,7 @@ from distmoe.wire.schema import (
     RL_SIM_METRIC_KEYS,
     TRAIN_METRIC_KEYS,
     PayloadType,
+    ProbePart,
 )
 
 _PARTY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -320,6 +321,44 @@ def _prompts(v, tag: str) -> tuple[str, ...]:
     return items
 
 
+PROBE_ROW_TOL = 1e-3  # a carried probe's routing rows are distributions: each sums to 1 within this
+
+
+def probe_part_problem(routing: np.ndarray, top1: np.ndarray) -> str | None:
+    """None if a carried probe's arrays are what a probe can produce: ``routing`` a finite float64 ``[L, E]`` of
+    distributions (entries in [0, 1], rows summing to 1), ``top1`` an int32 ``[L, N]``, ``N >= 1``, of expert indices
+    in ``[0, E)``; else the reason. The shapes against the model and the prompts: each guard (``check_probe_part``)."""
+    r, t = np.asarray(routing), np.asarray(top1)
+    if r.dtype != np.float64 or r.ndim != 2 or 0 in r.shape or not np.all(np.isfinite(r)):
+        return f"probe routing must be a finite float64 [L, E] array, got {r.dtype} {list(r.shape)}"
+    if np.any(r < 0) or np.any(r > 1) or np.any(np.abs(r.sum(1) - 1) > PROBE_ROW_TOL):
+        return "probe routing rows must be distributions (entries in [0, 1], each row summing to 1)"
+    if t.dtype != np.int32 or t.ndim != 2 or t.shape[0] != r.shape[0] or t.shape[1] < 1:
+        return f"probe top1 must be an int32 [L, N] array with L = {r.shape[0]}, got {t.dtype} {list(t.shape)}"
+    if np.any(t < 0) or np.any(t >= r.shape[1]):
+        return f"probe top1 holds values outside the experts [0, {r.shape[1]})"
+    return None
+
+
+def _probe_part() -> Kind:
+    """A carried routing probe (``schema.ProbePart``) in the records ``probe`` (``routing``) and ``top1``."""
+    def put(out: Out, at: str, v) -> None:
+        why = probe_part_problem(np.asarray(v.routing), np.asarray(v.top1))
+        if why:
+            raise WireError(f"{out.tag}: {why}")
+        out.recs[at] = _arrays({"routing": np.asarray(v.routing)})
+        out.recs["top1"] = _arrays({"top1": np.asarray(v.top1)})
+
+    def take(inp: In, at: str, got: dict):
+        part = ProbePart(inp.arrays(at, {"routing"})["routing"], inp.arrays("top1", {"top1"})["top1"])
+        why = probe_part_problem(part.routing, part.top1)
+        if why:
+            raise WireError(f"{inp.tag}: {why}")
+        return part
+
+    return Kind(put, take)
+
+
 def _text(v, tag: str, key: str) -> str:
     return str(v)
 
@@ -351,4 +390,5 @@ BASIC_KINDS: dict[str, Kind] = {
     "probe-routing": _single("routing", np.float64),
     "probe-top1": _single("top1", np.int32),
     "settle-bias": _single("bias", np.float64),
+    "probe-part": _probe_part(),
 }

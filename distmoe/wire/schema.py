@@ -18,6 +18,12 @@ benchmark baseline only, which the server warns about and the audit fails.
 public prompts down, the model's routing on those prompts up in the clear, a function of public inputs only
 (``docs/privacy.md`` §3).
 
+The probe carried on a phase instruction (``probe``: the public prompts, record key ``meta.probe_prompts``) is
+answered beside its reply (``ModelUpdate``, ``RouterStats``, ``EvalReply`` or ``MaskedReply`` with ``probe``: a
+``ProbePart``, the records ``probe`` and ``top1``), in the clear in both modes, outside any masked vector
+(``docs/privacy.md`` §3); ``CARRIED_BY`` / ``CARRIES_PROBE`` name those types. The secure-aggregation stages' own
+payloads are ``distmoe.wire.secagg_payloads``'.
+
 ``SettleInstruction`` / ``SettleReply`` (``query.settle``, both modes, with ``routing.balance-settle-steps``): the
 aggregated global weights down, the routing bias settled on them over the public balance prompts up in the clear,
 likewise a function of public inputs only (``docs/privacy.md`` §3).
@@ -35,6 +41,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from distmoe.wire.secagg_payloads import (  # noqa: F401  (part of the schema's interface)
+    ConsistencyRequestMsg,
+    ConsistencyResponseMsg,
+    DirectoryRequest,
+    KeyAdvertReply,
+    SetupRequest,
+    ShareKeysReply,
+    UnmaskRequestMsg,
+    UnmaskResponseMsg,
+)
 
 TRAIN_METRIC_KEYS = ("loss", "task_loss", "aux_loss", "anchor_kl", "loss_first", "loss_last",
                      "steps", "skipped_steps", "time_s",
@@ -69,6 +86,7 @@ class SftInstruction:
     task_anchors: np.ndarray | None = None
     task_round: int = 1
     ref_hash: str = ""
+    probe: tuple[str, ...] | None = None  # the routing probe of ``weights`` carried on this round
 
 
 OBJECTIVES = ("dpo",)  # an SftInstruction's objectives besides SFT (None); every one releases a model update
@@ -81,6 +99,7 @@ class RlInstruction:
     weights: dict[str, np.ndarray]
     base_hash: str
     seed: int
+    probe: tuple[str, ...] | None = None  # the routing probe of ``weights`` carried on this round
 
 
 @dataclass(frozen=True)
@@ -89,6 +108,7 @@ class StatsInstruction:
     task: str  # "" = every local task
     weights: dict[str, np.ndarray]
     base_hash: str
+    probe: tuple[str, ...] | None = None  # the routing probe of ``weights`` carried on this round
 
 
 @dataclass(frozen=True)
@@ -101,6 +121,17 @@ class EvalInstruction:
     ref_weights: dict[str, np.ndarray] | None  # the global model before the current task
     anchor: np.ndarray | None
     anchor_version: int
+    probe: tuple[str, ...] | None = None  # the routing probe of ``weights`` carried on this round
+
+
+@dataclass(frozen=True)
+class ProbePart:
+    """The routing probe carried on a phase reply, in the clear in both modes: a ``ProbeReply``'s arrays, computed on
+    the instruction's global weights before any local work (``docs/privacy.md`` §3). The codec bounds it (finite,
+    ``routing`` rows are distributions, ``top1`` in ``[0, E)``); both guards check its shapes."""
+
+    routing: np.ndarray  # [L, E] float64
+    top1: np.ndarray  # [L, N] int32, 1 <= N <= prompts x model.max-seq-len
 
 
 @dataclass(frozen=True)
@@ -110,18 +141,21 @@ class ModelUpdate:
     num_examples: int
     metrics: dict[str, float]  # sft: exactly TRAIN_METRIC_KEYS; rl: RL_METRIC_KEYS + route_disagree_l<i>
     kind: str = "sft"  # sft | rl
+    probe: ProbePart | None = None  # the carried routing probe (when the instruction asked for one)
 
 
 @dataclass(frozen=True)
 class RouterStats:
     sums: np.ndarray  # [L, E] float64: sum over sequences of per-sequence mean routing
     # no separate count: every row sums to the number of sequences
+    probe: ProbePart | None = None  # the carried routing probe (when the instruction asked for one)
 
 
 @dataclass(frozen=True)
 class EvalReply:
     party: str
     metrics: dict[str, float]  # exactly eval_metric_keys(tasks); NaN where not available
+    probe: ProbePart | None = None  # the carried routing probe (when the instruction asked for one)
 
 
 @dataclass(frozen=True)
@@ -174,47 +208,6 @@ def rl_metric_keys(num_moe_layers: int, simulator: bool) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class SetupRequest:
-    """Server -> party, once per run: the public secure-aggregation parameters and the privacy plan the
-    server will account with (a party only ever tightens them: it uses the larger noise)."""
-
-    secagg_run: bytes  # 16 random bytes, bound into every key derivation
-    threshold: int
-    max_length: int
-    n_invited: int
-    noise_multiplier: float  # router statistics
-    update_noise_multiplier: float
-    # the logical run (the coordinator's run id, the same across a resume, which may come with a new
-    # Flower run id) and the setup epoch (0 at the start, k after the k-th resume): a party keys its
-    # privacy accountant by the logical run, so a resumed run never starts a fresh budget
-    logical_run: str = ""
-    epoch: int = 0
-
-
-@dataclass(frozen=True)
-class KeyAdvertReply:
-    party: str
-    c_pk: bytes  # X25519 share-encryption key of this run
-    ledger_public_key: str  # hex Ed25519 key that signs this party's ledger
-    sig_pk: bytes  # Ed25519 key that signs this party's consistency-check answers (SecAgg, this run)
-    # the party's own budget cap (node config ``epsilon-max``; 0 = none): configuration, not data. The
-    # coordinator refuses to start a schedule whose planned epsilon the cap cannot cover
-    epsilon_max: float = 0.0
-
-
-@dataclass(frozen=True)
-class DirectoryRequest:
-    directory: object  # secagg.KeyDirectory
-    first_round: int
-    names: tuple[tuple[int, str], ...]  # (node id, party name) of the roster, for the parties' ledgers
-
-
-@dataclass(frozen=True)
-class ShareKeysReply:
-    keys: object  # secagg.ShareKeys
-
-
-@dataclass(frozen=True)
 class SecureInstruction:
     """A phase instruction plus this node's ``RoundStart`` (None: the node is not in this round's U1 and
     answers with share keys for the next round only)."""
@@ -229,26 +222,7 @@ class MaskedReply:
     release: str
     masked: object | None  # secagg.MaskedInput (with next round's share keys)
     late_keys: object | None  # secagg.ShareKeys when the node was outside U1
-
-
-@dataclass(frozen=True)
-class ConsistencyRequestMsg:
-    request: object  # secagg.ConsistencyRequest
-
-
-@dataclass(frozen=True)
-class ConsistencyResponseMsg:
-    response: object  # secagg.ConsistencyResponse
-
-
-@dataclass(frozen=True)
-class UnmaskRequestMsg:
-    request: object  # secagg.UnmaskRequest
-
-
-@dataclass(frozen=True)
-class UnmaskResponseMsg:
-    response: object  # secagg.UnmaskResponse
+    probe: ProbePart | None = None  # the carried routing probe (when the instruction asked for one)
 
 
 # Flower message types of the instructions ("train.<action>" / "evaluate" / "query.<stage>")
@@ -307,7 +281,8 @@ class PayloadType:
 
 # kinds whose record holds float arrays: "weights"/"deltas" one per trainable tensor (float32 for deltas),
 # "probs" one [L, E] float32 array named "probs", "sums" one [L, E] float64 array named "sums"
-ARRAY_KINDS = ("weights", "deltas", "probs", "sums", "probe-routing", "probe-top1", "settle-bias")
+ARRAY_KINDS = ("weights", "deltas", "probs", "sums", "probe-routing", "probe-top1", "settle-bias",
+               "probe-part")  # "probe-part": the records "probe" (routing) and "top1"
 
 
 def _meta(*specs: str) -> tuple[Field, ...]:
@@ -315,31 +290,38 @@ def _meta(*specs: str) -> tuple[Field, ...]:
     return tuple(Field(a, f"meta.{a}", k) for a, k in (x.split(":") for x in specs))
 
 
+# the carried routing probe: its request on a phase instruction (the public prompts), its answer on the reply
+_ASK = Field("probe", "meta.probe_prompts", "prompts?")
+_PART = Field("probe", "probe", "probe-part?")
+
 PAYLOADS: tuple[PayloadType, ...] = (
     PayloadType(SftInstruction, "sft-instruction", "instruction",
                 _meta("round:int", "task:str", "base_hash:str", "seed:int", "anchor_version:int",
                       "objective:objective?", "task_round:int", "ref_hash:str")
                 + (Field("weights", "arrays", "weights"), Field("anchor", "anchor", "probs?"),
-                   Field("ref_weights", "ref", "weights?"), Field("task_anchors", "task_anchors", "probs?")),
+                   Field("ref_weights", "ref", "weights?"), Field("task_anchors", "task_anchors", "probs?"), _ASK),
                 ("arrays", "ref", "anchor", "task_anchors", "meta"), MSG_SFT, ModelUpdate, "model-update", "sft"),
     PayloadType(RlInstruction, "rl-instruction", "instruction",
-                _meta("round:int", "task:str", "base_hash:str", "seed:int") + (Field("weights", "arrays", "weights"),),
+                _meta("round:int", "task:str", "base_hash:str", "seed:int")
+                + (Field("weights", "arrays", "weights"), _ASK),
                 ("arrays", "meta"), MSG_RL, ModelUpdate, "rl-update", "rl"),
     PayloadType(StatsInstruction, "stats-instruction", "instruction",
-                _meta("round:int", "task:str", "base_hash:str") + (Field("weights", "arrays", "weights"),),
+                _meta("round:int", "task:str", "base_hash:str") + (Field("weights", "arrays", "weights"), _ASK),
                 ("arrays", "meta"), MSG_STATS, RouterStats, "router-stats", "stats"),
     PayloadType(EvalInstruction, "eval-instruction", "instruction",
                 _meta("round:int", "tasks:tasks", "new_task:str", "base_hash:str", "anchor_version:int")
                 + (Field("weights", "arrays", "weights"), Field("ref_weights", "ref", "weights?"),
-                   Field("anchor", "anchor", "probs?")),
+                   Field("anchor", "anchor", "probs?"), _ASK),
                 ("arrays", "ref", "anchor", "meta"), MSG_EVAL, EvalReply, "eval", "eval"),
     PayloadType(ModelUpdate, "model-update", "reply",
                 _meta("num_examples:count", "party:party", "kind:str")
-                + (Field("delta", "arrays", "deltas"), Field("metrics", "metrics", "update-metrics")),
-                ("arrays", "metrics", "meta")),
-    PayloadType(RouterStats, "router-stats", "reply", (Field("sums", "stats", "sums"),), ("stats", "meta")),
+                + (Field("delta", "arrays", "deltas"), Field("metrics", "metrics", "update-metrics"), _PART),
+                ("arrays", "metrics", "meta", "probe", "top1")),
+    PayloadType(RouterStats, "router-stats", "reply", (Field("sums", "stats", "sums"), _PART),
+                ("stats", "meta", "probe", "top1")),
     PayloadType(EvalReply, "eval-reply", "reply",
-                _meta("party:party") + (Field("metrics", "metrics", "eval-metrics"),), ("metrics", "meta")),
+                _meta("party:party") + (Field("metrics", "metrics", "eval-metrics"), _PART),
+                ("metrics", "meta", "probe", "top1")),
     PayloadType(SetupRequest, "setup-request", "instruction",
                 _meta("secagg_run:bytes", "threshold:int", "max_length:int", "n_invited:int", "noise_multiplier:float",
                       "update_noise_multiplier:float", "logical_run:logical-run", "epoch:epoch"),
@@ -358,8 +340,8 @@ PAYLOADS: tuple[PayloadType, ...] = (
                 ("sa_parts", "sa_shares", "sa")),
     PayloadType(MaskedReply, "masked-input", "reply",
                 (Field("release", "meta.release", "release"), Field("masked", "masked", "masked-input"),
-                 Field("late_keys", "next", "late-keys")),
-                ("meta", "masked", "masked_y", "masked_count", "next", "next_shares")),
+                 Field("late_keys", "next", "late-keys"), _PART),
+                ("meta", "masked", "masked_y", "masked_count", "next", "next_shares", "probe", "top1")),
     PayloadType(ConsistencyRequestMsg, "consistency-request", "instruction",
                 (Field("request", "check", "consistency-request"),), ("meta", "check", "check_shares"),
                 MSG_CONSISTENCY, ConsistencyResponseMsg, "", "unmask"),
@@ -383,6 +365,8 @@ PAYLOADS: tuple[PayloadType, ...] = (
                 _meta("party:party") + (Field("bias", "bias", "settle-bias"),), ("bias", "meta")),
 )
 BY_CLASS = {pt.cls: pt for pt in PAYLOADS}
+CARRIES_PROBE = tuple(pt.cls for pt in PAYLOADS if _PART in pt.fields)  # the replies a carried probe rides on
+CARRIED_BY = tuple(pt.cls for pt in PAYLOADS if _ASK in pt.fields)  # the instructions that may carry its request
 BY_TAG = {pt.tag: pt for pt in PAYLOADS if pt.tag}
 BY_MESSAGE_TYPE = {pt.message_type: pt for pt in PAYLOADS if pt.message_type}
 PAYLOAD_TAGS = {pt.cls: pt.tag for pt in PAYLOADS if pt.tag}

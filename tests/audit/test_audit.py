@@ -67,7 +67,7 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
     """Write an honest run (setup key exchange + 2 router-stats rounds) under ``root/run``; knobs break it.
 
     ``responders``: {round: parties that reply}; ``blocked``: {(round, party)} replies the client guard
-    blocked; ``extra_key``: (round, party) whose reply carries a key outside the policy;
+    blocked; ``extra_key``: (round, party[, keys...]) whose reply carries these keys (default: one outside the policy);
     ``sha_mismatch``: (round, party) whose reply the coordinator logs with another digest; ``update_z``:
     add a round-3 DP model-update release at that z_u (all parties); ``forge``: dp fields it claims instead;
     ``mask_check``: {(round, party): facts} recorded as that masked input's uniformity statistic (default: the
@@ -116,8 +116,8 @@ def make_run(root, *, mode="secagg", epsilon=8.0, min_parties=2, canary_noise=1.
 
     def reply(rnd, phase, p, ptype, keys, shapes, dp=None, info=None):
         d = describe_payload(f"{ptype}/{rnd}/{p}/reply".encode())
-        if (rnd, p) == extra_key:
-            keys = [*keys, "stats.raw"]
+        if extra_key is not None and (rnd, p) == tuple(extra_key[:2]):
+            keys = [*keys, *(extra_key[2:] or ("stats.raw",))]
         rejected = (rnd, p) in blocked
         out_info = {"canary_scan": {"strings": N_CANARY_STRINGS, "hits": 0}} if scan else {}
         if ptype.startswith("masked-input:"):
@@ -369,6 +369,22 @@ def test_key_outside_policy_fails_allow_list(tmp_path):
     assert _failed(result) == ["allow-list"]
     assert all("stats.raw" in f for f in result.check("allow-list").findings)
     assert {f.split("#")[0] for f in result.check("allow-list").findings} == {"coordinator", "party-0"}
+
+
+def test_a_carried_probe_is_a_declared_release_and_an_undeclared_clear_field_fails(tmp_path):
+    """The routing probe carried beside a masked input (``probe.routing``, ``top1.top1``) is declared in the signed
+    policy (optional keys, a fixed ``[L, E]`` shape): the audit accepts it. Anything else in the clear beside the
+    masked input (here ``probe.hidden``) is undeclared and fails the allow-list, in both ledgers."""
+    rule = POLICY["masked-input:router-stats"]
+    declared = {**POLICY, "masked-input:router-stats": {**rule, "keys": [*rule["keys"], "probe.routing", "top1.top1"],
+                                                        "required": rule["keys"]}}
+    run, _ = make_run(tmp_path / "ok", policy=declared, extra_key=(2, "party-0", "probe.routing", "top1.top1"))
+    assert _failed(audit_run(run)) == []
+    run, _ = make_run(tmp_path / "bad", policy=declared, extra_key=(2, "party-0", "probe.routing", "probe.hidden"))
+    result = audit_run(run)
+    assert _failed(result) == ["allow-list"]
+    assert {f.split("#")[0] for f in result.check("allow-list").findings} == {"coordinator", "party-0"}
+    assert all("probe.hidden" in f for f in result.check("allow-list").findings)
 
 
 @pytest.mark.parametrize("rule, ok", [

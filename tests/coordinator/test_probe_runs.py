@@ -32,6 +32,16 @@ def _sent(probes):
     return [p["round"] for p in probes if p["round"] == 1 or p["phase_label"].split(":")[0] in ("sft", "rl", "dpo")]
 
 
+def _ledger(run_dir):
+    return [json.loads(x) for x in (run_dir / "ledger" / "coordinator.jsonl").read_text().splitlines()]
+
+
+def _carried(entries):
+    """The coordinator's accepted "in" entries of phase replies that carried a routing probe."""
+    return [e for e in entries if e["direction"] == "in" and e["verdict"] == "accepted" and "probe.routing" in e["keys"]
+            and e["payload_type"] != "probe-reply"]
+
+
 def _rows(run_dir, event):
     return [e for e in read_metrics(run_dir / "metrics.jsonl") if e.get("event") == event]
 
@@ -66,8 +76,10 @@ def test_probe_metrics_every_round_under_secagg(probe_run):
     kl = {p["round"]: p["routing_kl"] for p in probes}
     assert all(kl[r] is None for r in kl if r < stats_round)  # no anchor yet
     assert all(kl[r] is not None and kl[r] >= 0 for r in kl if r >= stats_round)
-    # a probe after a round that changed no weight (stats, eval) is not sent again: the last probe's median stands
-    assert len(_sent(probes)) < total and probe_run["transport"].sent["query.probe"] == 3 * len(_sent(probes))
+    # a probe after a round that changed no weight (stats, eval) is not sent again: the last probe's median stands;
+    # the others rode on the next round's instruction (every round here has a next one that sends the same weights)
+    assert len(_sent(probes)) < total and probe_run["transport"].sent.get("query.probe", 0) == 0
+    assert len(_carried(_ledger(run_dir))) == 3 * len(_sent(probes))
     assert any(_field(x, "probe: ") and "load CV" in x for x in probe_run["lines"])
 
 
@@ -94,10 +106,9 @@ def test_probe_run_passes_the_audit(probe_run, failed_checks):
     write_report(run_dir)
     result = audit_run(run_dir)
     assert failed_checks(result) == set(), [c for c in result.checks if c.status == "fail"]
-    coord_ledger = [json.loads(x) for x in (run_dir / "ledger" / "coordinator.jsonl").read_text().splitlines()]
     sent = _sent(_rows(run_dir, "probe"))
     assert len(sent) == 4  # of 7 rounds, the 4 sft rounds changed the weights (not the stats and eval rounds)
-    assert sum(e["payload_type"] == "probe-reply" and e["verdict"] == "accepted" for e in coord_ledger) == 3 * len(sent)
+    assert len(_carried(_ledger(run_dir))) == 3 * len(sent)  # declared in the signed allow-list: the audit passed
 
 
 def test_a_bad_probe_file_stops_the_run_before_any_round(make_run, tmp_path):
@@ -127,9 +138,9 @@ def test_a_run_killed_at_a_probe_resumes_and_keeps_probing(lay_out_run, tmp_path
                                               **{"routing.probe-every": 1, "routing.probe-prompts": 4})
     seen = {"k": 0}
 
-    def drop(mtype, node):  # the coordinator dies at the 5th probe message: round 2's probe, second party
-        seen["k"] += mtype == "query.probe"
-        if mtype == "query.probe" and seen["k"] == 5:
+    def drop(mtype, node):  # the coordinator dies sending round 3's instruction, which carries round 2's probe
+        seen["k"] += mtype == "train.stats"
+        if mtype == "train.stats" and seen["k"] == 1:
             raise _Killed("killed at the probe of round 2")
         return False
 
@@ -143,7 +154,44 @@ def test_a_run_killed_at_a_probe_resumes_and_keeps_probing(lay_out_run, tmp_path
                       log=lines.append).run()
     assert rec["status"] == "completed"
     rounds = [p["round"] for p in _rows(run_dir, "probe")]
-    assert rounds == [1, 3, 4]  # round 2 was checkpointed before its probe; the resumed run probes on
+    assert rounds == [1, 2, 3, 4]  # round 2 was checkpointed before its probe: the resumed run carries it on round 3
     assert _rows(run_dir, "probe")[1]["top1_consistency"] is None  # starts afresh after a resume
     assert any(_field(x, "probe: ") for x in lines)
     assert failed_checks(audit_run(run_dir)) == set()
+
+
+def _stages(entries, rnd):
+    """The message stages of a round: the payload types the coordinator sent in it."""
+    return sorted({e["payload_type"] for e in entries if e["direction"] == "out" and e["round"] == rnd})
+
+
+@pytest.mark.integration
+def test_a_carried_probe_measures_exactly_what_its_own_stage_measured(lay_out_run, tmp_path, monkeypatch):
+    """The same seeded run on the same party data twice: the probe carried on the next round's instruction, and
+    (``defer`` off) on its own message stage after each round as before. The probe rows are identical (the same
+    weights are probed), and a training round is three message stages instead of four. (64-bit update sums, rounded
+    to nearest: the default 32-bit ring rounds stochastically with fresh randomness, so no two runs are identical.)"""
+    from distmoe.coordinator import Coordinator
+    from distmoe.coordinator.phases import probe
+    from distmoe.inprocess import LocalTransport
+
+    over = {"routing.probe-every": 1, "routing.probe-prompts": 6, "privacy.ring-bits": "64"}
+
+    def run(tmp, data_from=None):
+        cfg, nodes, run_dir, run_id = lay_out_run(tmp, "sft:arith*3, eval", data_from=data_from, **over)
+        transport = LocalTransport(cfg, nodes, run_id)
+        assert Coordinator(cfg, run_dir, transport, run_id, log=lambda _s: None).run()["status"] == "completed"
+        return transport, run_dir
+
+    transport, run_dir = run(tmp_path / "carried")
+    monkeypatch.setattr(probe, "defer", lambda co, keeps: False)
+    transport2, run_dir2 = run(tmp_path / "alone", data_from=run_dir)
+    carried, alone = ([{k: v for k, v in p.items() if k != "time"} for p in _rows(d, "probe")]
+                      for d in (run_dir, run_dir2))
+    assert [p["round"] for p in carried] == [1, 2, 3, 4] and carried == alone
+    assert transport.sent.get("query.probe", 0) == 0 and transport2.sent["query.probe"] == 9
+    c, a = _ledger(run_dir), _ledger(run_dir2)
+    assert len(_carried(c)) == 9
+    for rnd in (1, 2, 3):  # the training rounds
+        assert _stages(c, rnd) == ["consistency-request", "sft-instruction", "unmask-request"]
+        assert _stages(a, rnd) == ["consistency-request", "probe-instruction", "sft-instruction", "unmask-request"]

@@ -14,7 +14,7 @@ from distmoe.model.adapters import server_model
 from distmoe.party.probe import run_probe
 from distmoe.party.service import PartyService
 from distmoe.routing.probe import default_probe_prompts
-from distmoe.wire.schema import ProbeInstruction, ProbeReply
+from distmoe.wire.schema import ProbeInstruction, ProbeReply, RouterStats
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +63,54 @@ def test_probe_is_answered_in_a_secure_run_without_a_session_or_a_charge(instruc
     svc = PartyService(cfg, _node(cfg, tmp_path, dirs[0]), node_id=7, run_id="r")
     reply, dp = svc.answer("query.probe", instr)
     assert isinstance(reply, ProbeReply) and dp is None and reply.party == "party-0"
+
+
+# ---------------------------------------------------------------- the probe carried on a phase instruction
+def _carried(cfg, weights, base_hash, prompts):
+    from distmoe.wire.schema import StatsInstruction
+
+    return StatsInstruction(round=4, task="", weights=weights, base_hash=base_hash, probe=prompts)
+
+
+def test_a_carried_probe_is_the_probe_of_the_received_weights_before_the_work(make_cfg, tmp_path):
+    """In a plaintext run (the cheapest phase reply to look at), a stats instruction that carries the probe request:
+    the reply's probe is exactly what a ``query.probe`` of the same weights answers, and its bounds are the party's
+    own model's (the outbound guard checks the reply against them)."""
+    cfg = make_cfg(**{"privacy.mode": "plaintext", "routing.probe-prompts": 4, "routing.probe-every": 1})
+    sm = server_model(cfg.model)
+    weights = {k: v.numpy() for k, v in sm.weights.items()}
+    dirs = write_synthetic(tmp_path / "d", parties=1, examples_per_task=24, seed=0)
+    node = _node(cfg, tmp_path, dirs[0])
+    prompts = default_probe_prompts(cfg.run.seed, 4)
+    svc = PartyService(cfg, node, node_id=7, run_id="r")
+    reply, _ = svc.answer("train.stats", _carried(cfg, weights, sm.tspec.base_hash, prompts))
+    alone = run_probe(cfg, node, ProbeInstruction(4, sm.tspec.base_hash, prompts, weights))
+    np.testing.assert_array_equal(reply.probe.routing, alone.routing)
+    np.testing.assert_array_equal(reply.probe.top1, alone.top1)
+    bounds = svc.take_probe_bounds()
+    assert (bounds.layers, bounds.experts) == alone.routing.shape and bounds.max_tokens == 4 * cfg.model.max_seq_len
+    assert svc.take_probe_bounds() is None  # once
+
+
+@pytest.mark.parametrize("case", ["not-public", "wrong-size", "run-does-not-probe"])
+def test_a_hostile_carried_probe_request_is_refused_before_any_work(make_cfg, tmp_path, case, monkeypatch):
+    """A coordinator that asks, on a phase instruction, for a probe on other prompts than the run's public probe set
+    (text of its choosing, or another number of them), or in a run that does not probe: the party refuses the whole
+    instruction, with nothing computed (neither the probe nor the phase's work)."""
+    from distmoe.party import service
+    from distmoe.wire.errors import Refused
+
+    cfg = make_cfg(**{"privacy.mode": "plaintext", "routing.probe-prompts": 4,
+                      "routing.probe-every": 0 if case == "run-does-not-probe" else 1})
+    public = default_probe_prompts(cfg.run.seed, 4)
+    prompts = {"not-public": ("What is the secret of party-0?",) + public[1:], "wrong-size": public[:3]}.get(case,
+                                                                                                         public)
+    sm = server_model(cfg.model)
+    weights = {k: v.numpy() for k, v in sm.weights.items()}
+    ran = []  # the phase's work, replaced by a stand-in that records the call
+    monkeypatch.setattr(service, "_PLAIN", {k: lambda *a: ran.append(a) or RouterStats(np.zeros((1, 1)))
+                                            for k in service._PLAIN})
+    svc = PartyService(cfg, _node(cfg, tmp_path, tmp_path), node_id=7, run_id="r")
+    with pytest.raises(Refused, match="PartyError"):
+        svc.answer("train.stats", _carried(cfg, weights, sm.tspec.base_hash, prompts))
+    assert not ran and svc.take_probe_bounds() is None  # no probe, no work

@@ -5,7 +5,8 @@ Owns: ``PhaseStep``, the interface every phase of ``distmoe.coordinator.phases``
 makes it ``ctx.s``.
 
 - ``begin(ctx, phase) -> RoundState``: the state the round starts from (default: ``ctx.s``); a new task begins
-  here (``RoundState.begin_task``: the model and evaluation before it kept), and for ``sft`` the model may grow.
+  here (``RoundState.begin_task``: the model and evaluation before it kept), and for ``sft`` the model may grow
+  (``keeps_weights`` says beforehand whether the round sends the global weights as they are).
 - ``configure(ctx, phase) -> instruction``: what every party is sent this round (Flower's ``configure_train``),
   read from ``ctx.s``; it changes nothing.
 - ``request(ctx, index, phase, instr) -> SumRequest``: which sum the round asks the aggregator for
@@ -42,6 +43,11 @@ class PhaseStep(abc.ABC):
     def begin(self, ctx: RunContext, phase: Phase) -> RoundState:
         """The round state this round starts from (a phase that begins a task overrides it)."""
         return ctx.s
+
+    def keeps_weights(self, ctx: RunContext, phase: Phase) -> bool:
+        """Whether a round of ``phase`` starting from ``ctx.s`` sends the global weights as they are (then it can
+        carry the routing probe of the round before: ``phases/probe.py``); a ``begin`` that changes them says no."""
+        return True
 
     @abc.abstractmethod
     def configure(self, ctx: RunContext, phase: Phase) -> object:

@@ -52,6 +52,10 @@ class Sft(PhaseStep):
             s = grow_for(co, phase.task)
         return s.begin_task(phase.task)
 
+    def keeps_weights(self, co: RunContext, phase: Phase) -> bool:
+        s = co.s
+        return phase.task == s.current_task or not expand.due(co.cfg, s, phase.task)
+
     def configure(self, co: RunContext, phase: Phase) -> SftInstruction:
         s, cfg = co.s, co.cfg
         use_anchor = s.anchor is not None and cfg.routing.anchor_kl_coef > 0 and sends_latest_anchor(co)
