@@ -98,16 +98,17 @@ def _checkpoints(run_dir: Path, b: str) -> tuple[dict, list[tuple[dict, Path]]]:
     return mans[before[-1]][0], chain
 
 
-def checkpoint_eval(run_dir: Path) -> dict:
+def checkpoint_eval(run_dir: Path, tasks: tuple[str, str] | None = None, data: list | None = None) -> dict:
     """Noise-free endpoints from the run's checkpoints: per model (before B, after B) and task, exact-match accuracy
-    and mean answer NLL over the parties' pooled held-out items that fit ``model.max-seq-len``."""
+    and mean answer NLL over the parties' pooled held-out items that fit ``model.max-seq-len``. ``tasks``: (A, B),
+    default this bench's order; ``data``: the parties' ``PartyData``, default ``rc.party_data`` of the run."""
     import torch
 
     torch.set_num_threads(1)
     cfg = rc.run_config(run_dir)
-    a, b = ca.ORDERS[ORDER]
+    a, b = tasks or ca.ORDERS[ORDER]
     m_before, chain = _checkpoints(run_dir, b)
-    data = rc.party_data(run_dir, cfg)
+    data = rc.party_data(run_dir, cfg) if data is None else data
     out: dict = {"hash_before": m_before["trainable_hash"], "hash_after": chain[-1][0]["trainable_hash"], "curve": []}
     for i, (_man, d) in enumerate(chain):
         model, tok = rc.model_at(cfg, d)
