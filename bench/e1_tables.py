@@ -1,6 +1,7 @@
 """The tables of the continual-learning instrument (``bench/retention_e1.py``) from its kept rows: Stage 0 (B's
 length chosen by the rule, the stop rule per oracle) and Stage 1 (B's length fixed in advance, every arm against
-none), both by the pre-registered analysis of ``bench/e1_stats.py``.
+none), both by the pre-registered analysis of ``bench/e1_stats.py``; the routing overlap of the task pairs
+(``bench/e1_pairs.py``).
 
 Must not: train, evaluate or write rows; read anything but the rows it is given.
 """
@@ -161,3 +162,21 @@ def same_pre_b(rows: list[dict], earlier: list[dict], step: int) -> str:
             and key(rows, s, "none", step) == key(earlier, s, "none", step)]
     return (f"Seeds whose pre-B state and none arm at step {step} equal Stage 0's exactly: {same} "
             f"(of {seeds}); Stage 0's oracles and replay at those seeds are the same comparison.")
+
+
+def load_overlap(out: Path) -> tuple[list[dict], str | None]:
+    """The rows of the ``overlap`` measurement kept in ``<out>/overlap.jsonl`` and the pair it chose."""
+    rows = [json.loads(x) for x in (out / "overlap.jsonl").read_text().splitlines() if x.strip()]
+    return rows, next((r["pair"] for r in rows if r.get("chosen")), None)
+
+
+def overlap_table(rows: list[dict], chosen: str | None) -> str:
+    """A's vs B's answer-token routing on the warm base, per pair: mean JS distance and intersection, per layer."""
+    lines = ["| A vs B | JS distance, mean (per layer) | intersection, mean (per layer) | B acc / NLL on the base "
+             "| can run |", "|---|---|---|---|---|"]
+    for r in rows:
+        js, inter = ", ".join(f"{x:.3f}" for x in r["js"]), ", ".join(f"{x:.3f}" for x in r["intersection"])
+        nll = f" / {r['base_nll_b']:.2f}" if "base_nll_b" in r else ""
+        lines.append(f"| {r['pair']} | {r['js_mean']:.3f} ({js}) | {r['intersection_mean']:.3f} ({inter}) | "
+                     f"{r['base_acc_b']:.3f}{nll} | {'yes' if r['runnable'] else 'no'} |")
+    return "\n".join(lines + ["", f"Chosen by the pre-registered rule: {chosen or 'none (no pair qualifies)'}."])
