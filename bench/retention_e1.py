@@ -6,6 +6,7 @@ seeds), no DP, on the tiny default model.
     python bench/retention_e1.py run --seeds 0 1 2 --out bench/results/e1-stage0  # rows (JSONL), as they come
     python bench/retention_e1.py table --out bench/results/e1-stage0             # the Stage 0 tables
     python bench/retention_e1.py table1 --out bench/results/e1-stage1            # the Stage 1 tables
+    python bench/retention_e1.py overlap --out bench/results/e1-route-apart      # the routing overlap of the pairs
 
 Design. A warm base (``distmoe.train.warmup.build_base``, every parameter trained on the public mix of every
 family), gated on >= 0.9 format-valid greedy answers on held-out public items of every family. Primary regime:
@@ -85,6 +86,9 @@ comparison at step 100 (the end of B) is read, as a secondary; paired difference
 arm-vs-none tests (forced routing counted as its own test, as in Stage 0), at equal B steps and at equal B loss;
 an effect claimed only where the Holm interval excludes 0; the stop rule (+0.10 at equal B loss) for the oracles.
 Also read (descriptive, not a test: B differs): how much of A none keeps here against T1 -> T2 at the same seeds.
+Measured at 20:41 UTC, before any run (JS distance / intersection, mean of 4 layers): T1 train vs held 0.016 / 0.99
+(noise floor), T1-T2 0.131 / 0.88, T1-strings 0.289 / 0.70 (base answers B: 0.91), T1-arith 0.290 / 0.70 (cannot
+run; base 0.98), T1-shift6 0.359 / 0.63 (base 0.00): the run is ``--pair t1-shift6``.
 
 Must not: change the library's training loop (it calls it), use DP or parties, or write outside ``--out`` and
 ``--work``.
