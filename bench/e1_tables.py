@@ -180,3 +180,26 @@ def overlap_table(rows: list[dict], chosen: str | None) -> str:
         lines.append(f"| {r['pair']} | {r['js_mean']:.3f} ({js}) | {r['intersection_mean']:.3f} ({inter}) | "
                      f"{r['base_acc_b']:.3f}{nll} | {'yes' if r['runnable'] else 'no'} |")
     return "\n".join(lines + ["", f"Chosen by the pre-registered rule: {chosen or 'none (no pair qualifies)'}."])
+
+
+def none_beside(rows: list[dict], earlier: list[dict]) -> str:
+    """Descriptive, not a test (B differs): the none arm's curve here beside ``earlier``'s (T1 -> T2) at the seeds
+    both ran, and at which of them the pre-B state is the same (the after-A rows equal exactly)."""
+    def get(rs: list[dict], seed: int, arm: str, step: int) -> dict | None:
+        return next((r for r in rs if r["seed"] == seed and r["arm"] == arm and r["step"] == step), None)
+
+    seeds = sorted({r["seed"] for r in rows if r["arm"] == "none"} & {r["seed"] for r in earlier if r["arm"] == "none"})
+    same = [s for s in seeds if get(rows, s, "after-a", 0) is not None and
+            all(get(rows, s, "after-a", 0)[f] == get(earlier, s, "after-a", 0)[f] for f in ("acc_a", "nll_a"))]
+    steps = sorted({r["step"] for r in rows if r["arm"] == "none" and r["phase"] == "b"})
+    lines = [f"None beside T1 -> T2 at seeds {seeds} (the same pre-B state at {same}); mean A acc / B acc / B NLL:",
+             "", "| B step | this pair | T1 -> T2 |", "|---|---|---|"]
+    for st in steps:
+        cells = []
+        for rs in (rows, earlier):
+            got = [get(rs, s, "none", st) for s in seeds]
+            got = [g for g in got if g is not None]
+            cells.append(" / ".join(f"{_mean(g[f] for g in got):.3f}" for f in ("acc_a", "acc_b", "nll_b"))
+                         if len(got) == len(seeds) else "–")
+        lines.append(f"| {st} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

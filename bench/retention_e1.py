@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--round", type=int, default=25, help="B steps per round (one checkpoint each)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--length", type=int, default=20, help="table1: B's pre-registered length (steps)")
-    ap.add_argument("--stage0", default="bench/results/e1-stage0", help="table1: Stage 0's rows, for the check")
+    ap.add_argument("--stage0", default="bench/results/e1-stage0", help="table1, table: Stage 0's rows")
     ap.add_argument("--cache", default="runs/e1/base-cache")
     ap.add_argument("--work", default="runs/e1/work")
     ap.add_argument("--out", default="bench/results/e1-stage0")
@@ -377,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
         print(e1_tables.tables(rows, e1_pairs.ROUTE_APART_ARMS if paired else e1_arms.STAGE0))
         if paired and (out / "overlap.jsonl").exists():
             print("\n" + e1_tables.overlap_table(*e1_tables.load_overlap(out)))
+        if paired and (Path(args.stage0) / "rows.jsonl").exists():
+            print("\n" + e1_tables.none_beside(rows, e1_tables.load_rows(Path(args.stage0))))
     else:
         rows = e1_tables.load_rows(out)
         seed_of = e1_tables.base_seeds(Path(args.stage0), out)
