@@ -182,13 +182,13 @@ def overlap_table(rows: list[dict], chosen: str | None) -> str:
     return "\n".join(lines + ["", f"Chosen by the pre-registered rule: {chosen or 'none (no pair qualifies)'}."])
 
 
-def none_beside(rows: list[dict], earlier: list[dict]) -> str:
+def none_beside(rows: list[dict], earlier: list[dict], arms: tuple[str, ...]) -> str:
     """Descriptive, not a test (B differs): the none arm's curve here beside ``earlier``'s (T1 -> T2) at the seeds
-    both ran, and at which of them the pre-B state is the same (the after-A rows equal exactly)."""
+    both ran (here: every one of ``arms``), and at which of them the pre-B state is the same (after-A rows equal)."""
     def get(rs: list[dict], seed: int, arm: str, step: int) -> dict | None:
         return next((r for r in rs if r["seed"] == seed and r["arm"] == arm and r["step"] == step), None)
 
-    seeds = sorted({r["seed"] for r in rows if r["arm"] == "none"} & {r["seed"] for r in earlier if r["arm"] == "none"})
+    seeds = sorted(set(e1_stats.complete_seeds(rows, arms)[0]) & {r["seed"] for r in earlier if r["arm"] == "none"})
     same = [s for s in seeds if get(rows, s, "after-a", 0) is not None and
             all(get(rows, s, "after-a", 0)[f] == get(earlier, s, "after-a", 0)[f] for f in ("acc_a", "nll_a"))]
     steps = sorted({r["step"] for r in rows if r["arm"] == "none" and r["phase"] == "b"})

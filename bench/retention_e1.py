@@ -378,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
         if paired and (out / "overlap.jsonl").exists():
             print("\n" + e1_tables.overlap_table(*e1_tables.load_overlap(out)))
         if paired and (Path(args.stage0) / "rows.jsonl").exists():
-            print("\n" + e1_tables.none_beside(rows, e1_tables.load_rows(Path(args.stage0))))
+            print("\n" + e1_tables.none_beside(rows, e1_tables.load_rows(Path(args.stage0)),
+                                                    e1_pairs.ROUTE_APART_ARMS))
     else:
         rows = e1_tables.load_rows(out)
         seed_of = e1_tables.base_seeds(Path(args.stage0), out)
