@@ -1,6 +1,7 @@
 """The tables of the continual-learning instrument (``bench/retention_e1.py``) from its kept rows: Stage 0 (B's
 length chosen by the rule, the stop rule per oracle) and Stage 1 (B's length fixed in advance, every arm against
-none), both by the pre-registered analysis of ``bench/e1_stats.py``.
+none), both by the pre-registered analysis of ``bench/e1_stats.py``; the routing overlap of the task pairs
+(``bench/e1_pairs.py``).
 
 Must not: train, evaluate or write rows; read anything but the rows it is given.
 """
@@ -161,3 +162,44 @@ def same_pre_b(rows: list[dict], earlier: list[dict], step: int) -> str:
             and key(rows, s, "none", step) == key(earlier, s, "none", step)]
     return (f"Seeds whose pre-B state and none arm at step {step} equal Stage 0's exactly: {same} "
             f"(of {seeds}); Stage 0's oracles and replay at those seeds are the same comparison.")
+
+
+def load_overlap(out: Path) -> tuple[list[dict], str | None]:
+    """The rows of the ``overlap`` measurement kept in ``<out>/overlap.jsonl`` and the pair it chose."""
+    rows = [json.loads(x) for x in (out / "overlap.jsonl").read_text().splitlines() if x.strip()]
+    return rows, next((r["pair"] for r in rows if r.get("chosen")), None)
+
+
+def overlap_table(rows: list[dict], chosen: str | None) -> str:
+    """A's vs B's answer-token routing on the warm base, per pair: mean JS distance and intersection, per layer."""
+    lines = ["| A vs B | JS distance, mean (per layer) | intersection, mean (per layer) | B acc / NLL on the base "
+             "| can run |", "|---|---|---|---|---|"]
+    for r in rows:
+        js, inter = ", ".join(f"{x:.3f}" for x in r["js"]), ", ".join(f"{x:.3f}" for x in r["intersection"])
+        nll = f" / {r['base_nll_b']:.2f}" if "base_nll_b" in r else ""
+        lines.append(f"| {r['pair']} | {r['js_mean']:.3f} ({js}) | {r['intersection_mean']:.3f} ({inter}) | "
+                     f"{r['base_acc_b']:.3f}{nll} | {'yes' if r['runnable'] else 'no'} |")
+    return "\n".join(lines + ["", f"Chosen by the pre-registered rule: {chosen or 'none (no pair qualifies)'}."])
+
+
+def none_beside(rows: list[dict], earlier: list[dict], arms: tuple[str, ...]) -> str:
+    """Descriptive, not a test (B differs): the none arm's curve here beside ``earlier``'s (T1 -> T2) at the seeds
+    both ran (here: every one of ``arms``), and at which of them the pre-B state is the same (after-A rows equal)."""
+    def get(rs: list[dict], seed: int, arm: str, step: int) -> dict | None:
+        return next((r for r in rs if r["seed"] == seed and r["arm"] == arm and r["step"] == step), None)
+
+    seeds = sorted(set(e1_stats.complete_seeds(rows, arms)[0]) & {r["seed"] for r in earlier if r["arm"] == "none"})
+    same = [s for s in seeds if get(rows, s, "after-a", 0) is not None and
+            all(get(rows, s, "after-a", 0)[f] == get(earlier, s, "after-a", 0)[f] for f in ("acc_a", "nll_a"))]
+    steps = sorted({r["step"] for r in rows if r["arm"] == "none" and r["phase"] == "b"})
+    lines = [f"None beside T1 -> T2 at seeds {seeds} (the same pre-B state at {same}); mean A acc / B acc / B NLL:",
+             "", "| B step | this pair | T1 -> T2 |", "|---|---|---|"]
+    for st in steps:
+        cells = []
+        for rs in (rows, earlier):
+            got = [get(rs, s, "none", st) for s in seeds]
+            got = [g for g in got if g is not None]
+            cells.append(" / ".join(f"{_mean(g[f] for g in got):.3f}" for f in ("acc_a", "acc_b", "nll_b"))
+                         if len(got) == len(seeds) else "–")
+        lines.append(f"| {st} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -6,6 +6,7 @@ seeds), no DP, on the tiny default model.
     python bench/retention_e1.py run --seeds 0 1 2 --out bench/results/e1-stage0  # rows (JSONL), as they come
     python bench/retention_e1.py table --out bench/results/e1-stage0             # the Stage 0 tables
     python bench/retention_e1.py table1 --out bench/results/e1-stage1            # the Stage 1 tables
+    python bench/retention_e1.py overlap --out bench/results/e1-route-apart      # the routing overlap of the pairs
 
 Design. A warm base (``distmoe.train.warmup.build_base``, every parameter trained on the public mix of every
 family), gated on >= 0.9 format-valid greedy answers on held-out public items of every family. Primary regime:
@@ -67,6 +68,28 @@ own ``--work``), seeds 0 and 1 on each, in that order, as many as finish. The ta
 that ran every arm (``e1_tables.units``: arms pair within a unit, never across bases); the same endpoints, tests
 and Holm family as above. Base 0 alone (seeds 0-9) is reported beside the pooled table.
 
+A pair whose tokens route apart, pre-registered on 2026-12-06 before any of its runs (``--pair``, ``e1_pairs``;
+T1 -> T2 stays the default, so every command above reproduces its rows exactly). The pair is chosen by measurement
+before any run (``overlap``, kept in ``<out>/overlap.jsonl``): on warm base 0 with seed 0's items, the mean over
+MoE layers of the Jensen-Shannon distance between A's and B's answer-token routing (``e1_pairs``); run is the pair,
+among the other-family ones whose B holds 480 held-out items apart from its 480 training items and which the base
+does not already answer (held-out exact match < 0.5: a B the base knows barely moves the model), with the largest
+distance. Run: base 0 (the cached Stage 0 base), seeds 0, 1, 2, ... one process each, one at a time, as many as
+finish by 21:40 UTC (a seed cut off is left out, the table says which), the arms of
+``e1_pairs.ROUTE_APART_ARMS`` in that order: none, router-frozen (read out also with A's routing forced),
+experts-frozen, distill, replay, anchor-5, protect-0.1 (Stage 0's oracles and controls plus one strength of the
+anchor and of protection, the strongest affordable ones; the other strengths, the token anchor and expansion are
+left out so that a seed fits in ~15 min on the shared machine). A as in Stage 0 (the same T1, so the same pre-B
+state), B to 100 steps in rounds of 20. Analysis exactly as Stage 0's ``table``: B's length by the rule from the none
+arm; if no checkpoint lies in [0.2, 0.8] (a B that routes apart may leave A alone), that is the finding and the
+comparison at step 100 (the end of B) is read, as a secondary; paired differences, 95 % t, Wilcoxon, Holm over the
+arm-vs-none tests (forced routing counted as its own test, as in Stage 0), at equal B steps and at equal B loss;
+an effect claimed only where the Holm interval excludes 0; the stop rule (+0.10 at equal B loss) for the oracles.
+Also read (descriptive, not a test: B differs): how much of A none keeps here against T1 -> T2 at the same seeds.
+Measured at 20:41 UTC, before any run (JS distance / intersection, mean of 4 layers): T1 train vs held 0.016 / 0.99
+(noise floor), T1-T2 0.131 / 0.88, T1-strings 0.289 / 0.70 (base answers B: 0.91), T1-arith 0.290 / 0.70 (cannot
+run; base 0.98), T1-shift6 0.359 / 0.63 (base 0.00): the run is ``--pair t1-shift6``.
+
 Must not: change the library's training loop (it calls it), use DP or parties, or write outside ``--out`` and
 ``--work``.
 """
@@ -76,8 +99,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -85,12 +110,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e1_arms  # noqa: E402  (the bench's own modules, beside this file)
+import e1_pairs  # noqa: E402
 import e1_tables  # noqa: E402
 
 from distmoe.checkpoint import load_checkpoint  # noqa: E402
 from distmoe.config import parse_run_config  # noqa: E402
-from distmoe.data.formats import parse_line  # noqa: E402
-from distmoe.data.synth import TASK_FAMILIES, disjoint_lookup, generate  # noqa: E402
+from distmoe.data.formats import DataError, parse_line  # noqa: E402
+from distmoe.data.synth import TASK_FAMILIES, generate  # noqa: E402
 from distmoe.data.template import collate, encode_example  # noqa: E402
 from distmoe.model.build import build_model, describe, router_modules  # noqa: E402
 from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state  # noqa: E402
@@ -102,6 +128,32 @@ ARMS = e1_arms.ARMS
 FORMAT = {"arith": re.compile(r"^-?\d+$"), "strings": re.compile(r"^[A-Za-z]+$"), "lookup": re.compile(r"^[A-Z]{3}$")}
 GATE_ITEMS = 60  # per family
 EVAL_BS = 96
+
+
+class Timing:
+    """Appends a seed's wall time and the machine's load (1-min load average, sampled every 30 s) to a JSONL file."""
+
+    def __init__(self, path: Path, **what) -> None:
+        self.path, self.what, self.loads, self.stop = path, what, [], threading.Event()
+
+    def _sample(self) -> None:
+        while not self.stop.wait(30.0):
+            self.loads.append(os.getloadavg()[0])
+
+    def __enter__(self) -> Timing:
+        self.t0, self.start = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.loads.append(os.getloadavg()[0])
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        with self.path.open("a") as f:
+            f.write(json.dumps({**self.what, "start": self.start, "wall_s": round(time.perf_counter() - self.t0, 1),
+                                "load_mean": round(sum(self.loads) / len(self.loads), 2),
+                                "load_max": max(self.loads), "finished": exc[0] is None}) + "\n")
 
 
 def config(args, seed: int, trainable: str = "all"):
@@ -189,7 +241,8 @@ def run_seed(args, seed: int, out: Path) -> None:
     torch.manual_seed(seed)
     model = apply_trainable(model, dataclasses.replace(cfg.model, trainable="router+experts"))
     ms, max_len = describe(model), cfg.model.max_seq_len
-    (a_train, a_held), (b_train, b_held) = disjoint_lookup(seed, 2, args.keys)
+    (a_train, a_held), (b_train, b_held) = e1_pairs.pair_tasks(args.pair, seed, args.keys)
+    tag = {} if args.pair == e1_pairs.DEFAULT_PAIR else {"pair": args.pair}  # the default's rows stay as they were
     ex = {k: [parse_line(o, f"{k}:{i}") for i, o in enumerate(v)]
           for k, v in {"a_train": a_train, "a_held": a_held, "b_train": b_train, "b_held": b_held}.items()}
     enc = {k: [encode_example(tok, e, max_len) for e in v] for k, v in ex.items()}
@@ -198,7 +251,7 @@ def run_seed(args, seed: int, out: Path) -> None:
 
     def write(row: dict) -> None:
         with (out / "rows.jsonl").open("a") as f:
-            f.write(json.dumps({"seed": seed, "base": base.parent.name, **row}) + "\n")
+            f.write(json.dumps({"seed": seed, "base": base.parent.name, **tag, **row}) + "\n")
 
     def point(arm: str, step: int, forced=None, b_from: dict | None = None) -> dict:
         acc_a, nll_a = evaluate(model, held["a"], forced)
@@ -248,9 +301,41 @@ def run_seed(args, seed: int, out: Path) -> None:
         print(f"s{seed} {arm}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
+def measure_pairs(args, out: Path) -> None:
+    """The routing overlap of A's and B's answer tokens for every pair on the warm base (``e1_pairs``), B's
+    accuracy on the base, and the pre-registered choice, into ``<out>/overlap.jsonl`` and as a table."""
+    model, tok, cfg, base = load_base(args)
+    seed, max_len = args.seeds[0], cfg.model.max_seq_len
+
+    def batches(objs: list[dict], name: str) -> list[dict]:
+        enc = [encode_example(tok, parse_line(o, f"{name}:{i}"), max_len) for i, o in enumerate(objs)]
+        return [collate(enc[i:i + EVAL_BS], tok.pad_token_id) for i in range(0, len(enc), EVAL_BS)]
+
+    (a_train, a_held), _ = e1_pairs.pair_tasks(e1_pairs.DEFAULT_PAIR, seed, args.keys)
+    ra = e1_pairs.answer_routing(model, batches(a_held, "A"))
+    rows = [{"pair": "t1 training vs t1 held-out (the same task: noise floor)", "runnable": False,
+             "base_acc_b": evaluate(model, batches(a_train, "A-train"))[0],
+             **e1_pairs.overlap(ra, e1_pairs.answer_routing(model, batches(a_train, "A-train")))}]
+    for pair in e1_pairs.PAIRS:
+        try:
+            b_held, runnable = e1_pairs.pair_tasks(pair, seed, args.keys)[1][1], True
+        except DataError:  # too few distinct items to run; measured on the family's items, repeats and all
+            b_held, runnable = generate(e1_pairs.FAMILY_OF_B[pair], 0, 6 * args.keys, seed), False
+        bb = batches(b_held, pair)
+        acc, nll = evaluate(model, bb)
+        rows.append({"pair": pair, "runnable": runnable, "base_acc_b": acc, "base_nll_b": nll,
+                     **e1_pairs.overlap(ra, e1_pairs.answer_routing(model, bb))})
+    chosen = e1_pairs.choose(rows)
+    with (out / "overlap.jsonl").open("w") as f:  # one measurement per out dir: the one that chose the pair
+        for r in rows:
+            f.write(json.dumps({"base": base.parent.name, "seed": seed, **r, "chosen": r["pair"] == chosen}) + "\n")
+    print(e1_tables.overlap_table(rows, chosen))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("base", "run", "table", "table1"))
+    ap.add_argument("what", choices=("base", "run", "table", "table1", "overlap"))
+    ap.add_argument("--pair", default=e1_pairs.DEFAULT_PAIR, choices=e1_pairs.PAIRS, help="task A -> task B")
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--base-seed", type=int, default=0)
     ap.add_argument("--warmup-steps", type=int, default=3000)
@@ -263,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--round", type=int, default=25, help="B steps per round (one checkpoint each)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--length", type=int, default=20, help="table1: B's pre-registered length (steps)")
-    ap.add_argument("--stage0", default="bench/results/e1-stage0", help="table1: Stage 0's rows, for the check")
+    ap.add_argument("--stage0", default="bench/results/e1-stage0", help="table1, table: Stage 0's rows")
     ap.add_argument("--cache", default="runs/e1/base-cache")
     ap.add_argument("--work", default="runs/e1/work")
     ap.add_argument("--out", default="bench/results/e1-stage0")
@@ -282,9 +367,19 @@ def main(argv: list[str] | None = None) -> None:
     elif args.what == "run":
         (out / "args.json").write_text(json.dumps(vars(args), indent=1))
         for seed in args.seeds:
-            run_seed(args, seed, out)
+            with Timing(out / "timing.jsonl", seed=seed, pair=args.pair, arms=args.arms):
+                run_seed(args, seed, out)
+    elif args.what == "overlap":
+        measure_pairs(args, out)
     elif args.what == "table":
-        print(e1_tables.tables(e1_tables.load_rows(out), e1_arms.STAGE0))
+        rows = e1_tables.load_rows(out)
+        paired = any("pair" in r for r in rows)  # a run of another pair: its own arms
+        print(e1_tables.tables(rows, e1_pairs.ROUTE_APART_ARMS if paired else e1_arms.STAGE0))
+        if paired and (out / "overlap.jsonl").exists():
+            print("\n" + e1_tables.overlap_table(*e1_tables.load_overlap(out)))
+        if paired and (Path(args.stage0) / "rows.jsonl").exists():
+            print("\n" + e1_tables.none_beside(rows, e1_tables.load_rows(Path(args.stage0)),
+                                                    e1_pairs.ROUTE_APART_ARMS))
     else:
         rows = e1_tables.load_rows(out)
         seed_of = e1_tables.base_seeds(Path(args.stage0), out)

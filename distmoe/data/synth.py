@@ -25,6 +25,10 @@ them in a few dozen local steps). Every prompt is "<what to do>" then the operan
   asked in the 12 phrasings of ``LOOKUP_PHRASINGS + LOOKUP_EXTRA_PHRASINGS``, 6 of them (a seeded choice per key)
   for training and the other 6 held out, so ``keys = 80`` gives 480 held-out items per table.
 
+* ``disjoint_split`` (for the continual-learning instrument's task pairs, ``bench/e1_pairs.py``): ``n_train``
+  and ``n_held`` items of one family with no prompt in both, or ``DataError`` when the family has too few distinct
+  items (``arith``: 400 distinct prompts in party 0's window, so no two disjoint sets of 480).
+
 Examples within a party's task are distinct while the family has enough distinct items; beyond
 that they repeat (the party split keeps identical examples on one side).
 
@@ -233,6 +237,31 @@ def disjoint_lookup(seed: int, tables: int, keys: int) -> list[tuple[list[dict[s
         rng.shuffle(train)
         out.append((train, held))
     return out
+
+
+def prompt_of(obj: dict[str, Any]) -> str:
+    """The prompt a JSONL object asks (what makes two items the same item): the last user turn of ``messages``
+    (a system turn does not make another item), ``prompt`` of a preference pair, else ``instruction\ninput``."""
+    if "messages" in obj:
+        return [m["content"] for m in obj["messages"] if m["role"] == "user"][-1]
+    if "prompt" in obj:
+        return obj["prompt"]
+    return f"{obj['instruction']}\n{obj['input']}"
+
+
+def disjoint_split(task: str, seed: int, n_train: int, n_held: int, party: int = 0
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(train, heldout)``: the first ``n_train`` and the next ``n_held`` items of ``generate(task, party, ...)``,
+    every prompt distinct (so no held-out item is a training item). Deterministic in the arguments; ``DataError``
+    naming the task when its family cannot give that many distinct prompts."""
+    if n_train < 1 or n_held < 1:
+        raise DataError(f"disjoint_split: n_train {n_train} and n_held {n_held} must be >= 1")
+    objs = generate(task, party, n_train + n_held, seed)
+    distinct = len({prompt_of(o) for o in objs})
+    if distinct < len(objs):
+        raise DataError(f"disjoint_split: task {task!r} (party {party}) gives {distinct} distinct prompts in "
+                        f"{len(objs)} items; it cannot hold {n_train} training and {n_held} held-out items apart")
+    return objs[:n_train], objs[n_train:]
 
 
 def shift_word(word: str) -> str:

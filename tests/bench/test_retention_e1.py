@@ -167,3 +167,78 @@ def test_rows_of_several_bases_pair_within_a_base(tmp_path):
     assert tables.units([{"seed": 0, "base": "b-z"}], {}) == [{"seed": 0, "base": "b-z"}]  # one base: no record needed
     with pytest.raises(SystemExit, match="b-z"):
         tables.units([{"seed": 0, "base": "b-z"}, {"seed": 0, "base": "b-x"}], seed_of)
+
+
+def test_pairs_keep_t1_as_a_and_hold_b_apart():
+    from distmoe.data.formats import DataError
+    from distmoe.data.synth import disjoint_lookup, prompt_of
+
+    pairs = _load("e1_pairs")
+    assert pairs.pair_tasks("t1-t2", 3, 80) == disjoint_lookup(3, 2, 80)  # the default: exactly Stage 0's tasks
+    (a_train, a_held), (b_train, b_held) = pairs.pair_tasks("t1-shift6", 3, 80)
+    assert (a_train, a_held) == disjoint_lookup(3, 2, 80)[0]  # the same A, so the same pre-B state
+    assert len(b_train) == len(b_held) == 480 and not {prompt_of(o) for o in b_train} & {prompt_of(o) for o in b_held}
+    assert all(len(o["output"]) == 6 for o in b_held)
+    with pytest.raises(DataError, match="arith"):
+        pairs.pair_tasks("t1-arith", 3, 80)
+    with pytest.raises(ValueError, match="unknown pair"):
+        pairs.pair_tasks("t1-t3", 3, 80)
+
+
+def test_overlap_and_the_choice_rule_against_hand_values():
+    import torch
+
+    pairs = _load("e1_pairs")
+    p = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    q = torch.tensor([[0.0, 0.0, 0.5, 0.5], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    o = pairs.overlap(p, q)
+    assert o["js"] == [1.0, 0.0] and o["intersection"] == [0.0, 1.0] and o["js_mean"] == 0.5
+    r = [{"pair": "t1-t2", "runnable": True, "base_acc_b": 0.0, "js_mean": 0.9},  # same family: never chosen
+         {"pair": "t1-arith", "runnable": False, "base_acc_b": 0.0, "js_mean": 0.8},  # cannot run
+         {"pair": "t1-strings", "runnable": True, "base_acc_b": 0.9, "js_mean": 0.7},  # the base already answers it
+         {"pair": "t1-shift6", "runnable": True, "base_acc_b": 0.0, "js_mean": 0.3}]
+    assert pairs.choose(r) == "t1-shift6"
+    assert pairs.choose(r[:3]) is None
+
+
+def test_answer_routing_counts_only_the_positions_that_predict_an_answer(tmp_path):
+    import torch
+
+    from distmoe.data.formats import parse_line
+    from distmoe.data.template import collate, encode_example
+
+    pairs = _load("e1_pairs")
+    model, tok, cfg, _ = e1.load_base(argparse.Namespace(base_seed=0, warmup_steps=1, cache=str(tmp_path / "cache"),
+                                                         lr=1e-3))
+    objs = pairs.pair_tasks("t1-shift6", 0, 2)[1][1]
+    batch = collate([encode_example(tok, parse_line(o, f"b:{i}"), cfg.model.max_seq_len) for i, o in enumerate(objs)],
+                    tok.pad_token_id)
+    got = pairs.answer_routing(model, [batch])  # [L, E]
+    experts = [layer[2] for layer in e1.capture_router(model, [batch])[0]]  # L x [B*S, k]
+    sup = (torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100) != -100).reshape(-1)
+    assert int(sup.sum()) == len(objs) * 7  # the last prompt token + 6 letters; the end token predicts nothing
+    for li, idx in enumerate(experts):
+        want = torch.bincount(idx[sup].reshape(-1), minlength=got.shape[1]).double()
+        assert torch.allclose(got[li], want / want.sum())
+        every = torch.bincount(idx.reshape(-1), minlength=got.shape[1]).double()  # prompt and padding too
+        assert not torch.allclose(got[li], every / every.sum())
+
+
+@pytest.mark.integration  # a tiny run of another pair: the overlap, its rows and its table
+def test_a_pair_that_routes_apart_is_measured_run_and_tabulated(tmp_path, capsys):
+    out, common = tmp_path / "out", ["--warmup-steps", "1", "--keys", "2", "--cache", str(tmp_path / "cache")]
+    e1.main(["overlap", "--seeds", "0", "--out", str(out), *common])
+    measured = [json.loads(x) for x in (out / "overlap.jsonl").read_text().splitlines()]
+    assert [r["pair"] for r in measured][1:] == ["t1-t2", "t1-strings", "t1-shift6", "t1-arith"]
+    e1.main(["run", "--pair", "t1-shift6", "--seeds", "0", "--steps-a", "1", "--a-round", "1", "--steps-b", "2",
+             "--round", "1", "--arms", "none", "anchor-5", "--work", str(tmp_path / "work"), "--out", str(out),
+             *common])
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    assert {r["pair"] for r in rows} == {"t1-shift6"} and {("anchor-5", 2), ("none", 2)} <= {(r["arm"], r["step"])
+                                                                                            for r in rows}
+    timing = json.loads((out / "timing.jsonl").read_text())
+    assert timing["seed"] == 0 and timing["finished"] and timing["wall_s"] > 0
+    capsys.readouterr()
+    e1.main(["table", "--out", str(out)])
+    shown = capsys.readouterr().out
+    assert "anchor-5" in shown and "JS distance" in shown and "Chosen by the pre-registered rule" in shown

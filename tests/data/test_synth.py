@@ -1,6 +1,7 @@
 """``distmoe.data.synth.disjoint_lookup``: tables with disjoint keys, distinct codes and 480 held-out items each,
-every key trained and held out in different phrasings, deterministic in its arguments; ``shift6``: 6-letter answers,
-distinct words, exact-match verification.
+every key trained and held out in different phrasings, deterministic in its arguments; ``disjoint_split``: a
+family's training and held-out items share no prompt, or a clear error where the family has too few; ``shift6``:
+6-letter answers, distinct words, exact-match verification.
 
 Must not: train anything.
 """
@@ -16,8 +17,10 @@ from distmoe.data.synth import (
     SHIFT6_PHRASINGS,
     check_answer,
     disjoint_lookup,
+    disjoint_split,
     generate,
     lookup_table,
+    prompt_of,
     shift_word,
     synth_tasks,
     write_synthetic,
@@ -44,6 +47,25 @@ def test_disjoint_tables_hold_480_unseen_phrasings_each():
 def test_disjoint_lookup_refuses_bad_sizes():
     with pytest.raises(DataError, match="keys"):
         disjoint_lookup(0, 2, 1000)
+
+
+@pytest.mark.parametrize("task", ["strings", "shift6"])
+def test_disjoint_split_holds_480_items_out_with_no_prompt_in_training(task):
+    train, held = disjoint_split(task, 0, 480, 480)
+    assert len(train) == len(held) == 480
+    assert not {prompt_of(o) for o in train} & {prompt_of(o) for o in held}
+    assert len({prompt_of(o) for o in held}) == 480
+    assert disjoint_split(task, 0, 480, 480) == (train, held) and disjoint_split(task, 1, 480, 480) != (train, held)
+    assert train + held == generate(task, 0, 960, 0)  # the family's own items, nothing invented
+
+
+def test_disjoint_split_refuses_a_family_with_too_few_distinct_prompts():
+    with pytest.raises(DataError, match="'arith'.*400 distinct prompts"):
+        disjoint_split("arith", 0, 480, 480)  # party 0's window: 256 sums + 144 differences over 4 phrasings
+    with pytest.raises(DataError, match="n_held"):
+        disjoint_split("shift6", 0, 10, 0)
+    assert prompt_of({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "Sort\nabc"},
+                                   {"role": "assistant", "content": "abc"}]}) == "Sort\nabc"
 
 
 def test_shift6_answers_are_six_shifted_letters_of_distinct_words():
