@@ -67,6 +67,14 @@ own ``--work``), seeds 0 and 1 on each, in that order, as many as finish. The ta
 that ran every arm (``e1_tables.units``: arms pair within a unit, never across bases); the same endpoints, tests
 and Holm family as above. Base 0 alone (seeds 0-9) is reported beside the pooled table.
 
+The oracles and replay on every unit, fixed before any of its runs (2026-12-06, third session): Stage 1 quotes the
+oracles and replay from Stage 0 only (base 0, seeds 0-4). Arms ``none``, ``router-frozen`` (with its forced
+readout), ``experts-frozen`` and ``replay``, B = 20 steps (one round, Stage 1's length), out
+``bench/results/e1-oracles``; units in this order, one process at a time, as many as finish: bases 1, 2, 3, 4 with
+seeds 0 and 1, then base 0 seeds 5-9, then base 0 seeds 0-4. Table: ``table --length 20`` (Stage 0's tables at
+B's pre-registered length, units (base, seed), Holm over the 4 arm-vs-none tests of an endpoint; the stop rule's
++0.10 at equal B loss read as in Stage 0). Check: the ``none`` rows equal Stage 1's rows of the same unit.
+
 Must not: change the library's training loop (it calls it), use DP or parties, or write outside ``--out`` and
 ``--work``.
 """
@@ -262,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps-b", type=int, default=300)
     ap.add_argument("--round", type=int, default=25, help="B steps per round (one checkpoint each)")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--length", type=int, default=20, help="table1: B's pre-registered length (steps)")
+    ap.add_argument("--length", type=int, default=None,
+                    help="B's pre-registered length in steps (table1: 20 when not given; table: Stage 0's rule)")
     ap.add_argument("--stage0", default="bench/results/e1-stage0", help="table1: Stage 0's rows, for the check")
     ap.add_argument("--cache", default="runs/e1/base-cache")
     ap.add_argument("--work", default="runs/e1/work")
@@ -284,8 +293,10 @@ def main(argv: list[str] | None = None) -> None:
         for seed in args.seeds:
             run_seed(args, seed, out)
     elif args.what == "table":
-        print(e1_tables.tables(e1_tables.load_rows(out), e1_arms.STAGE0))
+        seed_of = e1_tables.base_seeds(Path(args.stage0), out)
+        print(e1_tables.tables(e1_tables.units(e1_tables.load_rows(out), seed_of), e1_arms.STAGE0, args.length))
     else:
+        args.length = 20 if args.length is None else args.length
         rows = e1_tables.load_rows(out)
         seed_of = e1_tables.base_seeds(Path(args.stage0), out)
         print(e1_tables.tables(e1_tables.units(rows, seed_of), e1_arms.STAGE1, args.length))
