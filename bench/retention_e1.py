@@ -90,6 +90,22 @@ Measured at 20:41 UTC, before any run (JS distance / intersection, mean of 4 lay
 (noise floor), T1-T2 0.131 / 0.88, T1-strings 0.289 / 0.70 (base answers B: 0.91), T1-arith 0.290 / 0.70 (cannot
 run; base 0.98), T1-shift6 0.359 / 0.63 (base 0.00): the run is ``--pair t1-shift6``.
 
+The oracles and replay on every unit, fixed before any of its runs (2026-12-06, third session): Stage 1 quotes the
+oracles and replay from Stage 0 only (base 0, seeds 0-4). Arms ``none``, ``router-frozen`` (with its forced
+readout), ``experts-frozen`` and ``replay``, B = 20 steps (one round, Stage 1's length), out
+``bench/results/e1-oracles``; units in this order, one process at a time, as many as finish: bases 1, 2, 3, 4 with
+seeds 0 and 1, then base 0 seeds 5-9, then base 0 seeds 0-4. Table: ``table --length 20`` (Stage 0's tables at
+B's pre-registered length, units (base, seed), Holm over the 4 arm-vs-none tests of an endpoint; the stop rule's
++0.10 at equal B loss read as in Stage 0). Check: the ``none`` rows equal Stage 1's rows of the same unit.
+
+Stage 1 at 100 B steps, fixed before any of its runs (2026-12-06, third session): the same units and flags as
+Stage 1 but ``--steps-b 100`` (5 rounds of 20), arms ``none``, ``anchor-0.5``, ``anchor-50``, ``protect-0.1``,
+``expand``, ``distill``, ``router-frozen`` (+ forced), ``experts-frozen``, ``replay``, out
+``bench/results/e1-stage1-100``; units in this order, as many as finish: (1, 0), (2, 0), (3, 0), (4, 0), (0, 0),
+(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), then base 0 seeds 2-9. Table: ``table --length 100`` (Holm over the 9
+arm-vs-none tests of an endpoint, the oracles included; claims only where the Holm interval excludes 0), with
+``--length 20`` as the check that step 20 reproduces the Stage 1 and oracle rows.
+
 Must not: change the library's training loop (it calls it), use DP or parties, or write outside ``--out`` and
 ``--work``.
 """
@@ -347,7 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps-b", type=int, default=300)
     ap.add_argument("--round", type=int, default=25, help="B steps per round (one checkpoint each)")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--length", type=int, default=20, help="table1: B's pre-registered length (steps)")
+    ap.add_argument("--length", type=int, default=None,
+                    help="B's pre-registered length in steps (table1: 20 when not given; table: Stage 0's rule)")
     ap.add_argument("--stage0", default="bench/results/e1-stage0", help="table1, table: Stage 0's rows")
     ap.add_argument("--cache", default="runs/e1/base-cache")
     ap.add_argument("--work", default="runs/e1/work")
@@ -372,15 +389,17 @@ def main(argv: list[str] | None = None) -> None:
     elif args.what == "overlap":
         measure_pairs(args, out)
     elif args.what == "table":
-        rows = e1_tables.load_rows(out)
+        seed_of = e1_tables.base_seeds(Path(args.stage0), out)
+        rows = e1_tables.units(e1_tables.load_rows(out), seed_of)
         paired = any("pair" in r for r in rows)  # a run of another pair: its own arms
-        print(e1_tables.tables(rows, e1_pairs.ROUTE_APART_ARMS if paired else e1_arms.STAGE0))
+        print(e1_tables.tables(rows, e1_pairs.ROUTE_APART_ARMS if paired else e1_arms.STAGE0, args.length))
         if paired and (out / "overlap.jsonl").exists():
             print("\n" + e1_tables.overlap_table(*e1_tables.load_overlap(out)))
         if paired and (Path(args.stage0) / "rows.jsonl").exists():
             print("\n" + e1_tables.none_beside(rows, e1_tables.load_rows(Path(args.stage0)),
                                                     e1_pairs.ROUTE_APART_ARMS))
     else:
+        args.length = 20 if args.length is None else args.length
         rows = e1_tables.load_rows(out)
         seed_of = e1_tables.base_seeds(Path(args.stage0), out)
         print(e1_tables.tables(e1_tables.units(rows, seed_of), e1_arms.STAGE1, args.length))
