@@ -8,7 +8,8 @@ and ``B_e`` ``[out, r]``, applied only to the ``(token, expert)`` pairs the rout
 and time that scale with the experts' weights, not with the routed tokens. Here the base projection is the
 grouped matmul transformers' own ``grouped_mm`` experts run (``torch.nn.functional.grouped_mm`` over tokens
 sorted by expert; the frozen 3-D weight takes no gradient), and the adapter is two more grouped matmuls of
-rank ``r`` on the same sorted tokens.
+rank ``r`` on the same sorted tokens, added in place to the base product by one autograd node (``_RoutedLoRA``)
+whose backward forms exactly ``dx``, ``dA`` and ``dB``.
 
 The adapters stay peft's own tensors: ``install`` only changes the class of peft's outermost ``ParamWrapper``
 of each adapted expert stack to ``RoutedExpertsLoRA`` (a subclass whose ``forward`` is the routed one), so the
