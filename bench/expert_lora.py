@@ -4,10 +4,11 @@ plain peft attention-only LoRA step, at the same tokens, on the scaled Qwen3-MoE
 ``bench/real_model.py`` (random init, saved as a checkpoint and loaded as a party loads it).
 
     python bench/expert_lora.py [--sizes 0.1b 1b] [--families qwen3_moe olmoe] [--arms routed peft attention]
-                                [--steps 3] [--warmup 1] [--batch-size 4] [--seq-len 128] [--threads 2] [--out f.json]
+                                [--steps 3] [--warmup 1] [--no-memory] [--batch-size 4] [--seq-len 128]
+                                [--threads 2] [--out f.json]
 
 Arms (one plain step each: ``model(input_ids, attention_mask, labels)``, ``loss.backward()``,
-``clip_grad_norm_``, AdamW on the arm's trainable tensors):
+``clip_grad_norm_``, the party's AdamW, ``distmoe.train.optim.adamw``, on the arm's trainable tensors):
 
 - ``routed``: distmoe's ``apply_trainable`` (adapters on attention, router and experts; experts routed);
 - ``peft``: the same adapters with peft's own ``ParamWrapper`` forward on the experts (``expert_lora.install(...,
@@ -46,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_model as rm  # noqa: E402  (the shapes, the checkpoint writer, the batch and the RSS readers)
 
 ARMS = ("routed", "peft", "attention")
+PHASES = ("forward", "backward", "optimizer")
 MB = 1e6
 
 
@@ -98,23 +100,31 @@ def switch(model, arm: str) -> list:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def plain_step(model, params, opt, batch) -> None:
+def plain_step(model, params, opt, batch) -> dict[str, float]:
+    """One step; returns the wall seconds of its phases: ``forward``, ``backward``, ``optimizer`` (the clip
+    and AdamW)."""
+    t0 = time.perf_counter()
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
                 use_cache=False)
+    t1 = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     out.loss.backward()
+    t2 = time.perf_counter()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
+    return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": time.perf_counter() - t2}
 
 
 def _mem_main(args) -> dict:
+    from distmoe.train.optim import adamw
+
     t = time.perf_counter()
     model, _ = build_arm(args.ckpt, args.arm)
     base = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     params = [p for p in model.parameters() if p.requires_grad]
     after_load = rm._rss_split_mb()
     batch = rm.make_batch(args.batch_size, args.seq_len, model.config.vocab_size)
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = adamw(params, lr=1e-4)
     model.train()
     for _ in range(2):
         plain_step(model, params, opt, batch)
@@ -123,15 +133,19 @@ def _mem_main(args) -> dict:
 
 
 def _time_main(args) -> dict:
+    from distmoe.train.optim import adamw
+
     model, _ = build_arm(args.ckpt, "routed")
     batch = rm.make_batch(args.batch_size, args.seq_len, model.config.vocab_size)
     arms = [a for a in ARMS if a in args.arms]
     opts = {}
     for arm in arms:
         params = switch(model, arm)
-        opts[arm] = (params, torch.optim.AdamW(params, lr=1e-4))
+        opts[arm] = (params, adamw(params, lr=1e-4))
     wall: dict[str, list[float]] = {a: [] for a in arms}
     cpu: dict[str, list[float]] = {a: [] for a in arms}
+    phases: dict[str, list[dict[str, float]]] = {a: [] for a in arms}
+    loads = [os.getloadavg()[0]]
     model.train()
     for i in range(args.warmup + args.steps):
         order = arms if i % 2 == 0 else arms[::-1]
@@ -140,19 +154,23 @@ def _time_main(args) -> dict:
             params, opt = opts[arm]
             switch(model, arm)
             t, c = time.perf_counter(), time.process_time()
-            plain_step(model, params, opt, batch)
+            split = plain_step(model, params, opt, batch)
             took[arm] = time.perf_counter() - t
             if i >= args.warmup:
                 wall[arm].append(took[arm])
                 cpu[arm].append(time.process_time() - c)
-        rm.say("  step " + f"{i + 1}/{args.warmup + args.steps}: " + ", ".join(f"{a} {took[a]:.2f} s" for a in arms))
+                phases[arm].append(split)
+        rm.say("  step " + f"{i + 1}/{args.warmup + args.steps}: " + ", ".join(f"{a} {took[a]:.2f} s" for a in arms)
+               + f" (load {os.getloadavg()[0]:.1f})")
+        loads.append(os.getloadavg()[0])
     ref = "attention" if "attention" in arms else arms[0]
-    res: dict = {"tokens": int(batch["attention_mask"].sum()), "ref": ref, "load1": os.getloadavg()[0]}
+    res: dict = {"tokens": int(batch["attention_mask"].sum()), "ref": ref, "load1": [min(loads), max(loads)]}
     for arm in arms:
         res[arm] = {"wall_s": statistics.median(wall[arm]), "cpu_s": statistics.median(cpu[arm]),
                     "ratio_wall": statistics.median(wall[arm]) / statistics.median(wall[ref]),
                     "ratio_cpu": statistics.median(cpu[arm]) / statistics.median(cpu[ref]),
-                    "ratio_pairs": statistics.median(a / b for a, b in zip(wall[arm], wall[ref], strict=True))}
+                    "ratio_pairs": statistics.median(a / b for a, b in zip(wall[arm], wall[ref], strict=True)),
+                    **{f"{k}_s": statistics.median(p[k] for p in phases[arm]) for k in PHASES}}
     return res
 
 
@@ -176,7 +194,7 @@ def cell(family: str, size: str, args, root: Path, baseline: float) -> dict:
     info = rm.save_checkpoint(family, rm.SHAPES[(family, size)], ckpt)
     rm.say(f"{family} {size}: {info['parameters'] / 1e9:.3f}B parameters ({info['config']})")
     out = {"family": family, "size": size, **info, "mem": {}}
-    for arm in args.arms:
+    for arm in args.arms if args.memory else ():
         m = _sub(args, "mem", ckpt, arm)
         m["net_mb"] = m["peak_rss_mb"] - baseline
         out["mem"][arm] = m
@@ -202,14 +220,16 @@ def print_tables(cells: list[dict], baseline: float, args) -> None:
                   f"{m['trainable'] / 1e6:.2f}M | {m['net_mb']:.0f} MB | {m['net_mb'] / m['base_mb']:.2f} | {goal} |")
     if any("time" in c for c in cells):
         print("\n| family | size | tokens | arm | median step s | CPU s | / attention (wall) | (CPU) | (pairs) | "
-              "load (1 min) |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "forward / backward / optimizer s | load (1 min) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for c in cells:
             t = c.get("time")
             for arm in (a for a in ARMS if t and a in t):
                 r = t[arm]
+                split = " / ".join(f"{r[f'{k}_s']:.2f}" for k in PHASES)
                 print(f"| {c['family']} | {c['size']} | {t['tokens']} | {arm} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | "
-                      f"{r['ratio_wall']:.3f} | {r['ratio_cpu']:.3f} | {r['ratio_pairs']:.3f} | {t['load1']:.1f} |")
+                      f"{r['ratio_wall']:.3f} | {r['ratio_cpu']:.3f} | {r['ratio_pairs']:.3f} | {split} | "
+                      f"{t['load1'][0]:.1f}-{t['load1'][1]:.1f} |")
 
 
 def main() -> None:
@@ -219,6 +239,8 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per arm (0: memory only)")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="the per-arm peak RSS subprocesses (--no-memory: the timing only)")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)

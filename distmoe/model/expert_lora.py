@@ -8,7 +8,8 @@ and ``B_e`` ``[out, r]``, applied only to the ``(token, expert)`` pairs the rout
 and time that scale with the experts' weights, not with the routed tokens. Here the base projection is the
 grouped matmul transformers' own ``grouped_mm`` experts run (``torch.nn.functional.grouped_mm`` over tokens
 sorted by expert; the frozen 3-D weight takes no gradient), and the adapter is two more grouped matmuls of
-rank ``r`` on the same sorted tokens.
+rank ``r`` on the same sorted tokens, added in place to the base product by one autograd node (``_RoutedLoRA``)
+whose backward forms exactly ``dx``, ``dA`` and ``dB``.
 
 The adapters stay peft's own tensors: ``install`` only changes the class of peft's outermost ``ParamWrapper``
 of each adapted expert stack to ``RoutedExpertsLoRA`` (a subclass whose ``forward`` is the routed one), so the
@@ -42,21 +43,24 @@ from torch.utils.checkpoint import checkpoint
 _NO_GROUPED: set[tuple[str, torch.dtype]] = set()
 
 
+def _native(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.nn.functional.grouped_mm`` runs here: the CPU, CUDA sm80+ in bf16."""
+    return hasattr(F, "grouped_mm") and (device.type, dtype) not in _NO_GROUPED and (
+        device.type == "cpu" or (device.type == "cuda" and dtype == torch.bfloat16
+                                 and torch.cuda.get_device_capability(device) >= (8, 0)))
+
+
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``x`` ``[S, in]`` sorted by group, ``w`` ``[G, in, out]``, ``offs`` ``[G]`` cumulative row ends (int32)
     -> ``[S, out]``, row block ``g`` times ``w[g]``. ``torch.nn.functional.grouped_mm`` where it runs (the CPU,
     CUDA sm80+ in bf16), else a loop over the groups; either way autograd computes a gradient only for the
     operands that require one (a frozen ``w`` gets none)."""
     x = x.to(w.dtype)
-    key = (x.device.type, w.dtype)
-    native = hasattr(F, "grouped_mm") and key not in _NO_GROUPED and (
-        x.device.type == "cpu" or (x.device.type == "cuda" and w.dtype == torch.bfloat16
-                                   and torch.cuda.get_device_capability(x.device) >= (8, 0)))
-    if native:
+    if _native(x.device, w.dtype):
         try:
             return F.grouped_mm(x, w, offs=offs)
         except (RuntimeError, NotImplementedError):
-            _NO_GROUPED.add(key)  # an unsupported shape or stride on this device: loop from now on
+            _NO_GROUPED.add((x.device.type, w.dtype))  # an unsupported shape or stride here: loop from now on
     parts, start = [], 0
     for g, end in enumerate(offs.tolist()):
         if end > start:
@@ -65,15 +69,60 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
 
 
+def grouped_outer(p: torch.Tensor, q: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``p`` ``[S, m]`` and ``q`` ``[S, n]`` sorted by group, ``offs`` ``[G]`` cumulative row ends -> ``[G, m, n]``,
+    block ``g`` the product ``p_g^T q_g`` of group ``g``'s rows (zero for an empty group): the weight gradient of
+    ``grouped_matmul``. Native ``grouped_mm`` (2-D by 2-D) where ``grouped_matmul`` runs it, else a loop."""
+    if _native(p.device, p.dtype):
+        try:
+            return F.grouped_mm(p.t(), q, offs=offs)
+        except (RuntimeError, NotImplementedError):
+            _NO_GROUPED.add((p.device.type, p.dtype))
+    out, start = p.new_zeros(offs.numel(), p.shape[1], q.shape[1]), 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[g] = p[start:end].t() @ q[start:end]  # [m, n]
+        start = end
+    return out
+
+
+class _RoutedLoRA(torch.autograd.Function):
+    """``out += scale * (x A_g^T) B_g^T`` on each row block ``g``, in place on the base projection's output
+    ``out`` ``[S, out]``, as one autograd node. Its backward computes what LoRA needs and nothing else: ``dx``,
+    ``dA`` (in ``A``'s own ``[G, r, in]`` layout: no transposed copy), ``dB`` and ``out``'s own gradient, passed
+    through; the scale is applied to the rank-``r`` rows ``u`` ``[S, r]``, never to an ``[S, out]`` tensor, and
+    nothing of the base's size is saved (``x``, ``u`` and the factors only)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        # out [S, out], x [S, in], a [G, r, in], b_t [G, r, out], offs [G]
+        u = grouped_matmul(x, a.transpose(-2, -1), offs).mul_(scale)  # [S, r]
+        out.add_(grouped_matmul(u, b_t, offs))  # [S, out]
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(x, u, a, b_t, offs)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # grad [S, out]
+        x, u, a, b_t, offs = ctx.saved_tensors
+        grad_u = grouped_matmul(grad, b_t.transpose(-2, -1), offs).mul_(ctx.scale)  # [S, r]
+        da = grouped_outer(grad_u, x, offs) if ctx.needs_input_grad[2] else None  # [G, r, in]
+        db = grouped_outer(u, grad, offs) if ctx.needs_input_grad[3] else None  # [G, r, out]
+        dx = grouped_matmul(grad_u, a, offs) if ctx.needs_input_grad[1] else None  # [S, in]
+        return grad, dx, da, db, None, None
+
+
 def _factors(wrapper: ParamWrapper, adapter: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """peft's factors of one 3-D ``ParamWrapper`` as grouped-matmul operands: ``A^T`` ``[E, in, r]``,
+    """peft's factors of one 3-D ``ParamWrapper`` as grouped-matmul operands: ``A`` ``[E, r, in]`` (a view),
     ``B^T`` ``[E, r, out]`` (in the base's dtype, as peft's own fold casts them) and the scaling ``alpha / r``."""
     e = wrapper.num_experts
     a = _weight(wrapper.lora_A[adapter])  # [r*E, in]: expert e's rows e*r .. e*r + r - 1
     b = _weight(wrapper.lora_B[adapter])  # [out, r*E]: column j*E + e is rank j of expert e
-    a_t = a.reshape(e, -1, a.shape[-1]).transpose(1, 2)  # [E, in, r]
+    a_e = a.reshape(e, -1, a.shape[-1])  # [E, r, in]
     b_t = b.reshape(b.shape[0], -1, e).permute(2, 1, 0).contiguous()  # [E, r, out]
-    return a_t.to(dtype), b_t.to(dtype), float(wrapper.scaling[adapter])
+    return a_e.to(dtype), b_t.to(dtype), float(wrapper.scaling[adapter])
 
 
 def _weight(linear: nn.Module) -> torch.Tensor:
@@ -137,10 +186,10 @@ def _projection(experts: nn.Module, name: str, inp: torch.Tensor, offs: torch.Te
     if experts.has_bias:
         out = out + getattr(experts, f"{name}_bias")[ids]  # [S, out]
     if lora is not None:
-        a_t, b_t, scale = _factors(lora, adapter, dtype)
+        a_e, b_t, scale = _factors(lora, adapter, dtype)
         if q is not None:
-            a_t, b_t = a_t[routed], b_t[routed]  # [R, in, r], [R, r, out]
-        out = out + scale * grouped_matmul(grouped_matmul(inp, a_t, offs), b_t, offs)  # [S, r] -> [S, out]
+            a_e, b_t = a_e[routed], b_t[routed]  # [R, r, in], [R, r, out]
+        out = _RoutedLoRA.apply(out, inp.to(dtype), a_e, b_t, offs, scale)  # [S, out] += scale (inp A^T) B^T
     return out
 
 

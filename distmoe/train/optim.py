@@ -41,6 +41,20 @@ def lr_factor(cfg: TrainConfig, group: str):
     return cosine if cfg.expert_schedule == "cosine" and group != "router" else constant
 
 
+FUSED_DEVICES = ("cpu", "cuda")
+
+
+def adamw(params, **kw) -> torch.optim.AdamW:
+    """torch's AdamW over ``params`` (tensors or groups), fused (one kernel per tensor instead of a dozen
+    elementwise passes: about 2.5x faster on 3M adapter values on the CPU, ``docs/checkpoints.md``) where every
+    parameter is a floating-point tensor on the CPU or CUDA, torch's default implementation elsewhere. The update
+    is the same AdamW (Loshchilov & Hutter 2019, algorithm 2), to rounding."""
+    groups = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g for g in params]
+    tensors = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+    fused = bool(tensors) and all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in tensors)
+    return torch.optim.AdamW(groups, fused=fused or None, **kw)
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Optimizer,
                                                                   torch.optim.lr_scheduler.LambdaLR]:
     lrs = {"experts": cfg.lr_experts, "router": cfg.lr_router * cfg.router_lr_scale, "rest": cfg.lr}
@@ -48,6 +62,6 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Opt
               for name, ps in grouped_parameters(model).items() if ps]
     if not groups:
         raise ValueError("no trainable parameters (check model.trainable)")
-    opt = torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-8)
+    opt = adamw(groups, betas=(0.9, 0.98), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, [lr_factor(cfg, g["name"]) for g in groups])
     return opt, sched

@@ -15,7 +15,7 @@ from distmoe.data.template import encode_example
 from distmoe.model.build import build_model, describe
 from distmoe.model.trainable import apply_trainable, trainable_state
 from distmoe.train.evaluate import evaluate_party, routing_on, routing_set
-from distmoe.train.optim import build_optimizer
+from distmoe.train.optim import adamw, build_optimizer
 from distmoe.train.sft import train_sft
 
 TRAIN = {"train.local-steps": 8, "train.batch-size": 8, "train.lr": 5e-3, "train.lr-experts": 5e-3,
@@ -153,6 +153,26 @@ def test_build_optimizer_groups_and_warmup(make_cfg):
         opt.step()
         sched.step()
     assert router["lr"] == pytest.approx(3e-3)
+
+
+def test_adamw_is_fused_on_the_cpu_and_makes_torchs_default_update():
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(300, 7, generator=g), torch.randn(5, generator=g)]
+    grads = [[torch.randn(t.shape, generator=g) for t in start] for _ in range(3)]
+    runs = {}
+    for name, make in {"distmoe": adamw, "torch": torch.optim.AdamW}.items():
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = make([{"params": params[:1], "lr": 1e-2}, {"params": params[1:], "lr": 3e-3}], weight_decay=0.01)
+        for step in grads:
+            for p, gr in zip(params, step, strict=True):
+                p.grad = gr.clone()
+            opt.step()
+        runs[name] = (opt, params)
+    assert runs["distmoe"][0].defaults["fused"] and not runs["torch"][0].defaults["fused"]
+    for got, want in zip(runs["distmoe"][1], runs["torch"][1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        assert (got - start[0 if got.dim() == 2 else 1]).abs().max() > 1e-3  # the parameters moved
+    assert not adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))]).defaults["fused"]
 
 
 def test_build_optimizer_router_experts_mode_has_no_rest(make_cfg):
