@@ -76,15 +76,17 @@ def _env(root: Path, token: str) -> dict:
     return env
 
 
-def run_peer(root: Path, data: Path, rounds: int, timeout: float) -> list[float]:
-    """One peer run; its per-round seconds from Flower's round log lines."""
+def run_peer(root: Path, data: Path, rounds: int, timeout: float, fused: bool = False) -> list[float]:
+    """One peer run; its per-round seconds from Flower's round log lines. ``fused``: the peer's AdamW is torch's
+    fused kernel, as distmoe's parties' is (``--peer-fused``), so that the ratio holds no optimizer difference."""
     root.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(8)
     env = _env(root, token)
     round_log = root / "rounds.log"
     cmd = [str(Path(PY).parent / "flwr"), "run", str(PEER_APP), "local", "--stream",
            "--federation-config", "num-supernodes=3 client-resources-num-cpus=1",
-           "--run-config", f"num-server-rounds={rounds} data-root='{data}' round-log='{round_log}'"]
+           "--run-config", f"num-server-rounds={rounds} data-root='{data}' round-log='{round_log}'"
+           + (" fused=true" if fused else "")]
     try:
         start_superlink(env, root / "flwr", lambda: processes_with_token(token, ray_dir=env["RAY_TMPDIR"]))
         with (root / "flower.log").open("w") as log:
@@ -200,6 +202,8 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=["peer", "plaintext", "default"])
     ap.add_argument("--out", type=Path, default=Path("runs") / "peer-flower")
     ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--peer-fused", action="store_true",
+                    help="the peer's AdamW is torch's fused kernel, like distmoe's parties' (default: torch's default)")
     args = ap.parse_args()
     if "peer" not in args.arms:
         raise SystemExit("--arms must include peer (the ratios are against it)")
@@ -221,7 +225,7 @@ def main() -> None:
             t0 = time.monotonic()
             parts: dict[str, list[float]] = {}
             if arm == "peer":
-                per = run_peer(root, data, args.rounds, args.timeout)
+                per = run_peer(root, data, args.rounds, args.timeout, args.peer_fused)
             else:
                 per, parts, run_dir = run_distmoe(root, data, args.rounds, arm_overrides(arm), args.timeout)
                 if checked is None:

@@ -93,7 +93,10 @@ def train(msg: Message, context: Context) -> Message:
     seed = 1000 * rnd + pid
     torch.manual_seed(seed)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=float(msg.content["config"]["lr"]), weight_decay=0.0)
+    # ``fused``: torch's fused AdamW kernel, which distmoe's parties use on the CPU and CUDA (the same update to
+    # rounding); off by default: torch's default implementation, what a plain app gets
+    opt = torch.optim.AdamW(model.parameters(), lr=float(msg.content["config"]["lr"]), weight_decay=0.0,
+                            fused=bool(rc.get("fused", False)) or None)
     losses = []
     for raw in batch_iterator(encoded, int(rc["batch-size"]), int(rc["local-steps"]), seed):
         batch = collate(raw, tok.pad_token_id)  # input_ids, attention_mask, labels: [B, T]
