@@ -102,9 +102,11 @@ Stage 1 at 100 B steps, fixed before any of its runs (2026-12-06, third session)
 Stage 1 but ``--steps-b 100`` (5 rounds of 20), arms ``none``, ``anchor-0.5``, ``anchor-50``, ``protect-0.1``,
 ``expand``, ``distill``, ``router-frozen`` (+ forced), ``experts-frozen``, ``replay``, out
 ``bench/results/e1-stage1-100``; units in this order, as many as finish: (1, 0), (2, 0), (3, 0), (4, 0), (0, 0),
-(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), then base 0 seeds 2-9. Table: ``table --length 100`` (Holm over the 9
+(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), then base 0 seeds 2-9. Table: ``table1 --length 100`` (Holm over the 9
 arm-vs-none tests of an endpoint, the oracles included; claims only where the Holm interval excludes 0), with
-``--length 20`` as the check that step 20 reproduces the Stage 1 and oracle rows.
+``--length 20`` as the check that step 20 reproduces the Stage 1 and oracle rows. (This paragraph first named
+``table``, which prints Stage 0's arms only; corrected to ``table1``, Stage 1's arms, the oracles included, before
+any figure was written up; the analysis is unchanged.)
 
 Must not: change the library's training loop (it calls it), use DP or parties, or write outside ``--out`` and
 ``--work``.
