@@ -51,6 +51,10 @@ file, so B's training differed between runs of one seed (a null band of 0.27-0.5
   left out of the tables (the table says which); fewer than 10 complete seeds are reported as such, never topped
   up by other rows. Seed 0's none arm runs twice (after seed 0's arms): identical final trainable hashes mean
   that a paired difference holds no run-to-run noise (null band exactly 0).
+  Continuation, declared on 2026-12-06 at 23:24 UTC before any run of these seeds: seeds 3..9 run the same way
+  (``run --seeds 3 4 5 6 7 8 9 --repeat``, no repeat arm), on the code of the first three seeds (the commit
+  before the parties' fused optimizer, so every seed has the same optimizer), as many as finish by 01:45 UTC;
+  the tables then pool every complete seed of 0..9, and say how many.
 * Endpoints, evaluated without noise from the checkpoints on the pooled held-out items
   (``retention_fed.checkpoint_eval``): A's exact-match accuracy after B (absolute), A's answer NLL after B (nats
   per answer token), B's accuracy and NLL after B; beside them A's accuracy and NLL before B (whether A was
