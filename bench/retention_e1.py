@@ -89,6 +89,12 @@ Also read (descriptive, not a test: B differs): how much of A none keeps here ag
 Measured at 20:41 UTC, before any run (JS distance / intersection, mean of 4 layers): T1 train vs held 0.016 / 0.99
 (noise floor), T1-T2 0.131 / 0.88, T1-strings 0.289 / 0.70 (base answers B: 0.91), T1-arith 0.290 / 0.70 (cannot
 run; base 0.98), T1-shift6 0.359 / 0.63 (base 0.00): the run is ``--pair t1-shift6``.
+Its replication on the other bases, declared on 2026-12-06 at 23:36 UTC before any of its runs: the same flags and
+arms on bases 1, 2, 3, 4 with seed 0 (then seed 1 of each, in that order, as time allows until 01:45 UTC; a unit
+cut off is left out), on the code of the base-0 rows (the commit before the parties' fused optimizer), out
+``bench/results/e1-route-apart-bases`` (apart from base 0's rows, whose table stays as it is), analysed by the same
+``table`` command over its units (B's length by the rule from its own none arm). The route-apart finding
+"forced routing keeps A at equal B loss" replicates if its Holm interval there excludes 0 with a positive sign.
 
 The oracles and replay on every unit, fixed before any of its runs (2026-12-06, third session): Stage 1 quotes the
 oracles and replay from Stage 0 only (base 0, seeds 0-4). Arms ``none``, ``router-frozen`` (with its forced
