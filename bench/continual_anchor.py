@@ -13,6 +13,8 @@ coordinator and party code path (wire guards, ledgers, secure aggregation, DP), 
 another in this process, without Ray or Flower. ``--exec simulate``: each run is a real ``distmoe simulate``
 (Flower Simulation Engine), minutes slower per run. Finished runs (``run.json`` status ``completed``) are reused,
 an unfinished run directory is started again; before each run the driver waits while ``--quiet-file`` exists.
+The bench's own files of a run (``bench.json``, ``row.json``, ``coordinator.log``) go beside the run
+directory, never in it (``bench/bench_files.py``), so that ``distmoe audit`` passes on it.
 
 Arms: ``anchor`` / ``no-anchor`` / ``anchor-token`` (the three configs), the retention mechanisms of
 ``docs/algorithms.md`` (Retention), each on one of them with its switch (``RETENTION_ARMS``), ``combined``
@@ -50,13 +52,15 @@ import statistics
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
-from distmoe.config import DataConfig, load_override_file, parse_kv_pairs, parse_node_config, parse_run_config
-from distmoe.data.formats import DataError, read_jsonl
-from distmoe.data.party import load_party, split_examples, split_key
-from distmoe.report.report import summarise
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_files import bench_dir, bench_file, run_prepared, write_bench_file  # noqa: E402  (beside this file)
+
+from distmoe.config import DataConfig, load_override_file, parse_kv_pairs, parse_run_config  # noqa: E402
+from distmoe.data.formats import DataError, read_jsonl  # noqa: E402
+from distmoe.data.party import load_party, split_examples, split_key  # noqa: E402
+from distmoe.report.report import summarise  # noqa: E402
 
 ARMS = {"anchor": "configs/continual.toml", "no-anchor": "configs/continual-no-anchor.toml",
         "anchor-token": "configs/continual-token.toml"}
@@ -219,7 +223,7 @@ def _completed(run_dir: Path) -> bool:
     ``--keep-rows`` copies into ``bench/results/``)."""
     rec = run_dir / "run.json"
     if not rec.exists():
-        return (run_dir / "row.json").exists() and (run_dir / "bench.json").exists()
+        return bench_file(run_dir, "row.json").exists() and bench_file(run_dir, "bench.json").exists()
     return json.loads(rec.read_text()).get("status") == "completed"
 
 
@@ -232,8 +236,6 @@ def _replay_data(arm: str, order: str, cfg, parties: list[Path], log) -> None:
 
 
 def run_inproc(arm: str, seed: int, order: str, runs_dir: Path, run_id: str, extra: str, rounds) -> None:
-    from distmoe.coordinator import Coordinator
-    from distmoe.inprocess import LocalTransport
     from distmoe.simulate import SimOptions, prepare
 
     opts = SimOptions(overrides=overrides_of(arm, seed, order, extra, rounds), run_id=run_id, runs_dir=runs_dir,
@@ -241,16 +243,7 @@ def run_inproc(arm: str, seed: int, order: str, runs_dir: Path, run_id: str, ext
     run_dir, parties, overrides = prepare(opts)
     cfg = parse_run_config(overrides)
     _replay_data(arm, order, cfg, parties, print)
-    nodes = {100 + i: parse_node_config(tomllib.loads((run_dir / "nodes" / f"node-{i}.toml").read_text()), cfg.sim)
-             for i in range(len(parties))}
-    log = (run_dir / "coordinator.log").open("w")
-    try:
-        rec = Coordinator(cfg, run_dir, LocalTransport(cfg, nodes, run_id), run_id,
-                          log=lambda s: print(s, file=log, flush=True)).run()
-    finally:
-        log.close()
-    if rec.get("status") != "completed":
-        raise RuntimeError(f"{run_dir}: run did not complete: {rec.get('error')}")
+    run_prepared(cfg, run_dir, parties, run_id)
 
 
 def run_simulate(arm: str, seed: int, order: str, runs_dir: Path, run_id: str, extra: str, rounds) -> None:
@@ -284,11 +277,12 @@ def run_one(arm: str, seed: int, order: str, runs_dir: Path, extra: str, exec_: 
     wait_quiet(quiet)
     if run_dir.exists():  # an unfinished run: start it again
         shutil.rmtree(run_dir)
+    shutil.rmtree(bench_dir(run_dir), ignore_errors=True)  # nothing of an earlier try stands for this run
     t = time.perf_counter()
     (run_inproc if exec_ == "inproc" else run_simulate)(arm, seed, order, runs_dir, run_id, extra, rounds)
     wall = time.perf_counter() - t
-    (run_dir / "bench.json").write_text(json.dumps({"arm": arm, "order": order, "seed": seed, "exec": exec_,
-                                                    "wall_s": round(wall, 1)}) + "\n")
+    write_bench_file(run_dir, "bench.json", json.dumps({"arm": arm, "order": order, "seed": seed, "exec": exec_,
+                                                         "wall_s": round(wall, 1)}) + "\n")
     print(f"{run_id}: {wall:.0f} s", flush=True)
     return run_dir
 
@@ -325,8 +319,8 @@ def probe_rows(run_dir: Path, b: str) -> dict[str, float]:
 
 
 def row_of(run_dir: Path) -> dict[str, float]:
-    if (run_dir / "row.json").exists():  # kept when --prune removed the checkpoints
-        return json.loads((run_dir / "row.json").read_text())
+    if bench_file(run_dir, "row.json").exists():  # kept when --prune removed the checkpoints
+        return json.loads(bench_file(run_dir, "row.json").read_text())
     s = summarise(run_dir)
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     evals = [e for e in events if e.get("event") == "eval" and e.get("party") == "all"]
@@ -338,7 +332,8 @@ def row_of(run_dir: Path) -> dict[str, float]:
     num = lambda k: float(s[k]) if s.get(k) is not None else math.nan  # noqa: E731
     before = evals[0] if len(evals) > 1 else {}
     num0 = lambda k: float(before[k]) if before.get(k) is not None else math.nan  # noqa: E731
-    bench = json.loads((run_dir / "bench.json").read_text()) if (run_dir / "bench.json").exists() else {}
+    bench = json.loads(bench_file(run_dir, "bench.json").read_text()) if bench_file(run_dir, "bench.json").exists() \
+        else {}
     names = (("routing KL after B", "routing_kl"), ("top-1 consistency", "top1_consistency"), ("load CV", "load_cv"))
     routing = {k: num(k2) for k, k2 in names}
     if all(math.isnan(v) for v in routing.values()):  # secure aggregation: the public probe's figures
@@ -393,14 +388,14 @@ def keep_row(run_dir: Path, row: dict[str, float], dest: Path) -> Path:
     out = dest / run_dir.name
     out.mkdir(parents=True, exist_ok=True)
     (out / "row.json").write_text(json.dumps(row) + "\n")
-    shutil.copyfile(run_dir / "bench.json", out / "bench.json")
+    shutil.copyfile(bench_file(run_dir, "bench.json"), out / "bench.json")
     return out
 
 
 def _arm_of(run_dir: Path, r: dict[str, float]) -> tuple[str, str]:
     """(arm, order) of a run directory: from its bench.json, else from its name (``<arm>-s<seed>``) and config."""
-    if (run_dir / "bench.json").exists():
-        b = json.loads((run_dir / "bench.json").read_text())
+    if bench_file(run_dir, "bench.json").exists():
+        b = json.loads(bench_file(run_dir, "bench.json").read_text())
         return b["arm"], b["order"]
     arm = run_dir.name.rsplit("-s", 1)[0]
     arm = arm if arm in RETENTION_ARMS else "anchor" if r["anchor-kl-coef"] > 0 else "no-anchor"
@@ -450,7 +445,7 @@ def main() -> None:
                     d = run_one(arm, seed, order, Path(args.runs_dir), args.run_config, args.exec_, quiet, rounds)
                     row = row_of(d)
                     if args.prune:
-                        (d / "row.json").write_text(json.dumps(row) + "\n")
+                        write_bench_file(d, "row.json", json.dumps(row) + "\n")
                         shutil.rmtree(d / "checkpoints", ignore_errors=True)
                     if args.keep_rows:
                         keep_row(d, row, Path(args.keep_rows))

@@ -57,6 +57,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_files  # noqa: E402
 import continual_anchor as ca  # noqa: E402  (the federated driver, beside this file)
 import e1_stats  # noqa: E402
 import run_checkpoints as rc  # noqa: E402
@@ -136,7 +137,7 @@ def run(seeds: list[int], runs_dir: Path, keep: Path) -> None:
                 continue
             t = time.perf_counter()
             d = ca.run_one(arm, seed, "lookup-arith", runs_dir, SETTINGS, "inproc", None, (R, R))
-            run_s = json.loads((d / "bench.json").read_text())["wall_s"]
+            run_s = json.loads(bench_files.bench_file(d, "bench.json").read_text())["wall_s"]
             ev = checkpoint_eval(d)
             row = {**row_of(name, seed, ev), "run_s": run_s, "wall_s": round(time.perf_counter() - t, 1),
                    "released": released(d)}

@@ -70,6 +70,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_files  # noqa: E402  (the bench's own files of a run, beside its run directory)
 import continual_anchor as ca  # noqa: E402  (the federated driver, beside this file)
 import e1_stats  # noqa: E402
 import run_checkpoints as rc  # noqa: E402
@@ -146,7 +147,7 @@ def run(seeds: list[int], runs_dir: Path, keep: Path, repeat: list[int]) -> None
                "released": {k: v for k, v in ca.row_of(d).items() if "accuracy" in k or "loss" in k}}
         dest.mkdir(parents=True, exist_ok=True)
         (dest / "row.json").write_text(json.dumps(row) + "\n")
-        (d / "row.json").write_text(json.dumps(row) + "\n")
+        bench_files.write_bench_file(d, "row.json", json.dumps(row) + "\n")
         shutil.rmtree(d / "checkpoints", ignore_errors=True)  # about 300 MB a run
         print(f"{name} s{seed}: A {row['acc_a_before']:.3f} -> {row['acc_a_after']:.3f}, "
               f"B {row['acc_b_after']:.3f}, {row['wall_s']:.0f} s", flush=True)

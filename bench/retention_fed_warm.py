@@ -80,16 +80,16 @@ import random
 import shutil
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_files  # noqa: E402  (the bench's own files of a run, beside its run directory)
 import continual_anchor as ca  # noqa: E402  (the federated driver, beside this file)
 import e1_stats  # noqa: E402
 import retention_fed as rf  # noqa: E402
 import run_checkpoints as rc  # noqa: E402
 
-from distmoe.config import parse_node_config, parse_run_config  # noqa: E402
+from distmoe.config import parse_run_config  # noqa: E402
 from distmoe.data.party import load_party  # noqa: E402
 from distmoe.data.synth import disjoint_lookup, make_canary  # noqa: E402
 
@@ -136,13 +136,11 @@ def schedule(a_rounds: int, b_rounds: int) -> str:
 def run_one(name: str, seed: int, runs_dir: Path, base: Path, rounds: tuple[int, int]) -> tuple[Path, list[Path]]:
     """One federated run in process (``continual_anchor.run_inproc``'s path, on this bench's data); a leftover
     run directory of the same name is removed first. Returns (run directory, party directories)."""
-    from distmoe.coordinator import Coordinator
-    from distmoe.inprocess import LocalTransport
     from distmoe.simulate import SimOptions, prepare
 
     run_id = f"{name}-s{seed}"
     run_dir, data = runs_dir / run_id, runs_dir / f"{run_id}-data"
-    for p in (run_dir, data):
+    for p in (run_dir, data, bench_files.bench_dir(run_dir)):
         shutil.rmtree(p, ignore_errors=True)
     write_data(data, seed)
     over = ca.overrides_of(ARMS[name.removesuffix("-repeat").removeprefix("pilot-")], seed, "lookup-arith",
@@ -150,14 +148,7 @@ def run_one(name: str, seed: int, runs_dir: Path, base: Path, rounds: tuple[int,
     over["schedule.phases"] = schedule(*rounds)
     run_dir, parties, over = prepare(SimOptions(overrides=over, data=data, run_id=run_id, runs_dir=runs_dir,
                                                 echo=False))
-    cfg = parse_run_config(over)
-    nodes = {100 + i: parse_node_config(tomllib.loads((run_dir / "nodes" / f"node-{i}.toml").read_text()), cfg.sim)
-             for i in range(len(parties))}
-    with (run_dir / "coordinator.log").open("w") as log:
-        rec = Coordinator(cfg, run_dir, LocalTransport(cfg, nodes, run_id), run_id,
-                          log=lambda s: print(s, file=log, flush=True)).run()
-    if rec.get("status") != "completed":
-        raise RuntimeError(f"{run_dir}: run did not complete: {rec.get('error')}")
+    bench_files.run_prepared(parse_run_config(over), run_dir, parties, run_id)
     return run_dir, parties
 
 
@@ -177,7 +168,7 @@ def one(name: str, seed: int, runs_dir: Path, base: Path, rounds: tuple[int, int
            "wall_s": round(time.perf_counter() - t, 1), "load": [round(load0, 2), round(os.getloadavg()[0], 2)],
            "rounds": list(rounds), "base": json.loads((base / "manifest.json").read_text())["trainable_hash"],
            "released": {k: v for k, v in ca.row_of(d).items() if "accuracy" in k or "loss" in k}}
-    (d / "row.json").write_text(json.dumps(row) + "\n")
+    bench_files.write_bench_file(d, "row.json", json.dumps(row) + "\n")
     if prune:
         shutil.rmtree(d / "checkpoints", ignore_errors=True)  # about 0.5 GB a run
     return row, d, parties

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_files  # noqa: E402
 import continual_anchor as CA  # noqa: E402
 import e1_stats  # noqa: E402
 
@@ -73,12 +74,12 @@ def main() -> None:
             row = CA.row_of(d)
             loss_b = summarise(d).get("loss/arith")  # the final evaluation's held-out answer loss of task B
             row["answer loss B (arith)"] = float(loss_b) if loss_b is not None else math.nan
-            (d / "row.json").write_text(json.dumps(row) + "\n")
+            bench_files.write_bench_file(d, "row.json", json.dumps(row) + "\n")
             shutil.rmtree(d / "checkpoints", ignore_errors=True)  # about 300 MB a run
             if kept is not None:
                 kept.mkdir(parents=True, exist_ok=True)
                 (kept / "row.json").write_text(json.dumps(row) + "\n")
-                shutil.copyfile(d / "bench.json", kept / "bench.json")
+                shutil.copyfile(bench_files.bench_file(d, "bench.json"), kept / "bench.json")
             rows.setdefault(setting, {})[seed] = row
     for m in METRICS:
         print(f"\n### {m}\n\n| setting | per seed ({', '.join(f's{s}' for s in args.seeds)}) | mean | "

@@ -661,20 +661,24 @@ def test_forged_sequence_level_claim_fails_epsilon(tmp_path):
 
 
 def test_simulation_state_is_the_simulations_only_in_a_simulated_run(tmp_path):
-    """`distmoe simulate` keeps Flower's state (the installed app bundle) in the run directory; outside a
-    simulation a file there is not one the server writes."""
+    """`distmoe simulate` keeps Flower's state (the installed app bundle) and its overrides.toml in the run
+    directory; outside a simulation (an in-process run) a file there is not one the server writes, and a file no
+    distmoe writer makes (a harness's own log) is not one in either."""
     from distmoe.audit.schemas import _other_files
 
     (tmp_path / "flwr" / "apps" / "x").mkdir(parents=True)
     (tmp_path / "flwr" / "apps" / "x" / "app.py").write_text("print(1)\n")
+    (tmp_path / "overrides.toml").write_text("")
+    (tmp_path / "coordinator.log").write_text("round 1 ...\n")
     (tmp_path / "metrics.jsonl").write_text("")
     out: list[str] = []
     _other_files(tmp_path, out)
-    assert out == ["flwr/apps/x/app.py: not a file the server writes"]
+    assert out == [f"{f}: not a file the server writes" for f in ("coordinator.log", "flwr/apps/x/app.py",
+                                                                  "overrides.toml")]
     (tmp_path / "simulate.json").write_text("{}")
     out = []
     _other_files(tmp_path, out)
-    assert out == []
+    assert out == ["coordinator.log: not a file the server writes"]
 
 
 # ------------------------------------------------------------- a cut or rewritten coordinator ledger

@@ -68,7 +68,8 @@ def test_kept_rows_in_the_repository_rebuild_the_table(tmp_path):
         run.mkdir(parents=True)
         row = {"retention of A (arith)": ret, "accuracy B (lookup)": 0.5, "wall time (s)": 90.0, "seed": float(seed),
                "anchor-kl-coef": 0.0}
-        (run / "bench.json").write_text(json.dumps({"arm": "expansion", "order": "arith-lookup", "seed": seed}))
+        bench.write_bench_file(run, "bench.json", json.dumps({"arm": "expansion", "order": "arith-lookup",
+                                                              "seed": seed}))  # beside the run directory
         kept = bench.keep_row(run, row, tmp_path / "kept")
         assert kept == tmp_path / "kept" / run.name and bench._completed(kept)
         rows.setdefault(bench._arm_of(kept, bench.row_of(kept)), []).append(bench.row_of(kept))

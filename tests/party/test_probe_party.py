@@ -1,5 +1,6 @@
 """Unit tests: a party's routing probe is a function of the instruction alone (public prompts, received weights),
-never of the party's private data."""
+never of the party's private data; a probe request, stand-alone or carried, on other prompts than the run's public
+probe set is refused before any work."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ from distmoe.wire.schema import ProbeInstruction, ProbeReply, RouterStats
 
 @pytest.fixture(scope="module")
 def instruction(make_cfg):
-    cfg = make_cfg(**{"privacy.mode": "secagg"})
+    cfg = make_cfg(**{"privacy.mode": "secagg", "routing.probe-every": 1, "routing.probe-prompts": 6})
     sm = server_model(cfg.model)
     weights = {k: v.numpy() for k, v in sm.weights.items()}
-    return cfg, ProbeInstruction(round=3, base_hash=sm.tspec.base_hash, prompts=default_probe_prompts(0, 6),
-                                 weights=weights)
+    return cfg, ProbeInstruction(round=3, base_hash=sm.tspec.base_hash,
+                                 prompts=default_probe_prompts(cfg.run.seed, 6), weights=weights)
 
 
 def _node(cfg, tmp, data):
@@ -114,3 +115,70 @@ def test_a_hostile_carried_probe_request_is_refused_before_any_work(make_cfg, tm
     with pytest.raises(Refused, match="PartyError"):
         svc.answer("train.stats", _carried(cfg, weights, sm.tspec.base_hash, prompts))
     assert not ran and svc.take_probe_bounds() is None  # no probe, no work
+
+
+# ---------------------------------------------------------------- a hostile coordinator's probe request, at the guard
+HOSTILE = {  # a hostile coordinator's prompts in place of the run's 4 public ones (the wire's bounds admit them all)
+    "private-looking": lambda public: ("Patient record of party-0: diagnosis",) + public[1:],
+    "many-varied": lambda public: tuple(f"Prompt {i}: what does party-0's data say about topic {i}?"
+                                        for i in range(256)),
+    "fewer": lambda public: public[:3],
+    "run-does-not-probe": lambda public: public,
+}
+
+
+def _serve_probe(cfg, tmp_path, instr, monkeypatch):
+    """``instr`` sent as a hostile coordinator would, past its own guard (encoded with a ledger head), to a real
+    party through its outbound guard; -> (the reply or the ``Refused``, the party's ledger, its base loads)."""
+    import json
+
+    from distmoe.party import probe
+    from distmoe.wire import codec
+    from distmoe.wire.errors import Refused
+    from distmoe.wire.party_guard import serve
+    from distmoe.wire.schema import MSG_PROBE
+
+    loads = []  # every load of the base a probe's forward pass needs (the real one, recorded)
+    real = probe.prepare_model
+    monkeypatch.setattr(probe, "prepare_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    svc = PartyService(cfg, _node(cfg, tmp_path, tmp_path), node_id=7, run_id="r")
+    try:
+        out = serve(MSG_PROBE, codec.with_ledger_head(codec.encode(instr), 1, "0" * 64), svc, "r")
+    except Refused as exc:
+        out = exc
+    ledger = [json.loads(x) for x in open(svc.ledger.path).read().splitlines() if x]
+    return out, ledger, loads, svc
+
+
+def test_the_public_stand_alone_probe_request_passes_the_party_guard(make_cfg, tmp_path, monkeypatch):
+    """The honest request (the run's public prompts) is measured: the recording below sees the forward pass."""
+    cfg = make_cfg(**{"privacy.mode": "plaintext", "routing.probe-every": 1, "routing.probe-prompts": 4})
+    sm = server_model(cfg.model)
+    instr = ProbeInstruction(9, sm.tspec.base_hash, default_probe_prompts(cfg.run.seed, 4),
+                             {k: v.numpy() for k, v in sm.weights.items()})
+    out, ledger, loads, _ = _serve_probe(cfg, tmp_path, instr, monkeypatch)
+    assert len(loads) == 1 and ledger[-1]["payload_type"] == "probe-reply" and ledger[-1]["verdict"] == "accepted"
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_stand_alone_probe_request_is_refused_before_any_forward_pass(make_cfg, tmp_path, monkeypatch,
+                                                                                case):
+    """The stand-alone probe (``query.probe``, after a run's last round or before a round that grows the model)
+    with prompts of the coordinator's choosing (text that reads routing on private-looking inputs, or many varied
+    prompts), another number of them, or in a run that does not probe: the party refuses it with code ``refused``
+    before its base is loaded (no forward pass), logs the refusal in its signed ledger as it does a carried one,
+    and names the request and its round in its own log."""
+    from distmoe.wire.errors import ErrorCode, Refused
+    from distmoe.wire.party_guard import party_log
+
+    cfg = make_cfg(**{"privacy.mode": "plaintext", "routing.probe-prompts": 4,
+                      "routing.probe-every": 0 if case == "run-does-not-probe" else 1})
+    sm = server_model(cfg.model)
+    prompts = HOSTILE[case](default_probe_prompts(cfg.run.seed, 4))
+    instr = ProbeInstruction(9, sm.tspec.base_hash, prompts, {k: v.numpy() for k, v in sm.weights.items()})
+    out, ledger, loads, svc = _serve_probe(cfg, tmp_path, instr, monkeypatch)
+    assert isinstance(out, Refused) and out.code == ErrorCode.REFUSED and not loads
+    assert [e["direction"] for e in ledger] == ["in", "out"] and ledger[0]["verdict"] == "accepted"
+    assert ledger[1]["payload_type"] == "error" and ledger[1]["info"]["code"] == int(ErrorCode.REFUSED)
+    detail = party_log(svc.ledger).read_text()
+    assert "round 9: a stand-alone routing probe request (query.probe)" in detail and "refused" in detail
