@@ -117,7 +117,7 @@ def table(sim: list[dict], dep: list[dict], cut: list[dict] | None, stock: list[
     cols = ("simulated", "distmoe", "floor-cut", "floor-stock")
     lines = [f"{'round':>5}  {'phase':<7} " + " ".join(f"{c + ' s':>13}" for c in cols)
              + "  dep/sim  dep/floor  floor/sim   stages: distmoe/floor-cut/floor-stock/simulated s", "-" * 150]
-    totals = dict.fromkeys(cols, 0.0)
+    totals, ran = dict.fromkeys(cols, 0.0), set()  # ran: the arms with a time (an arm left out prints "-")
     for i, (s, d) in enumerate(zip(sim, dep, strict=False)):
         c = cut[i] if cut and i < len(cut) else None
         k = stock[i] if stock and i < len(stock) else None
@@ -125,6 +125,7 @@ def table(sim: list[dict], dep: list[dict], cut: list[dict] | None, stock: list[
         if s["round"] > 0:
             for col, v in zip(cols, secs, strict=True):
                 totals[col] += v or 0.0
+                ran.update([col] if v is not None else [])
         stages = ", ".join(f"{t} " + "/".join("-" if x is None else f"{x['stages'].get(t, 0):.1f}"
                                               for x in (d, c, k)) + f"/{v:.1f}" for t, v in s["stages"].items())
         lines.append(f"{s['round']:>5}  {s['phase']:<7} " + " ".join("{:>13}".format("-" if v is None else f"{v:.2f}")
@@ -132,7 +133,7 @@ def table(sim: list[dict], dep: list[dict], cut: list[dict] | None, stock: list[
                      + f"  {_ratio(secs[1], secs[0]):>7}  {_ratio(secs[1], secs[2]):>9}  {_ratio(secs[2], secs[0]):>9}"
                      + "   " + stages)
     t = totals
-    lines.append(f"{'>= 1':>5}  {'all':<7} " + " ".join(f"{t[c]:>13.2f}" for c in cols)
+    lines.append(f"{'>= 1':>5}  {'all':<7} " + " ".join(f"{t[c]:>13.2f}" if c in ran else f"{'-':>13}" for c in cols)
                  + f"  {_ratio(t['distmoe'], t['simulated']):>7}  {_ratio(t['distmoe'], t['floor-cut']):>9}"
                  + f"  {_ratio(t['floor-cut'], t['simulated']):>9}")
     ratios = [d["seconds"] / s["seconds"] for s, d in zip(sim, dep, strict=False) if s["round"] > 0 and s["seconds"]]
@@ -155,6 +156,13 @@ def schedule_overrides(name: str, sft_rounds: int) -> dict:
             "privacy.min-parties": td.N_PARTIES, "schedule.sft-rounds": sft_rounds}
 
 
+def kept_dir(root: Path, run_dir: str) -> Path:
+    """An arm's run directory as ``bench.json`` names it, else its copy under ``root`` (``bench/results/``
+    keeps only each run's ``ledger/coordinator.jsonl`` and ``metrics.jsonl``, at ``<root>/<run name>/``)."""
+    path = Path(run_dir)
+    return path if path.is_dir() else root / path.name
+
+
 def report(root: Path) -> None:
     res = json.loads((root / "bench.json").read_text())
     print(f"deploy_round: schedule {res['schedule']!r} ({res['phases']!r}, {res['sft_rounds']} sft rounds), "
@@ -166,11 +174,11 @@ def report(root: Path) -> None:
         got = {a["arm"]: a for a in rep["arms"]}
         if "distmoe" not in got or "simulated" not in got:
             continue
-        dep_dir = Path(got["distmoe"]["dir"])
+        dep_dir = kept_dir(root, got["distmoe"]["dir"])
         dep_stages = stages_of(dep_dir)
         floors = {arm: floor_rounds(dep_stages, got[arm]["records"]) if arm in got else None
                   for arm in ("floor-cut", "floor-stock")}
-        print(table(rounds_of(Path(got["simulated"]["dir"])), rounds_of(dep_dir), floors["floor-cut"],
+        print(table(rounds_of(kept_dir(root, got["simulated"]["dir"])), rounds_of(dep_dir), floors["floor-cut"],
                     floors["floor-stock"]))
 
 

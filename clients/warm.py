@@ -198,8 +198,12 @@ def _child(pin_file: Path, req: dict, fds: list[int]) -> None:  # pragma: no cov
         os._exit(code)
 
 
-def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+def _receive(conn: socket.socket) -> tuple[dict, list[int]] | None:
+    """A launcher's request: its arguments and working directory, and its stdin/stdout/stderr; None when the peer
+    closed without sending anything (``prestart``'s check that the worker listens: not a request, nothing to log)."""
     data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
+    if not data and not fds:
+        return None
     if len(data) < 4:
         raise ValueError("short request")
     size = struct.unpack("!I", data[:4])[0]
@@ -260,11 +264,15 @@ def serve(pin_file: Path, name: str, parent_pid: int | None) -> None:
                 try:
                     if not _same_uid(conn):
                         raise PermissionError("peer of another uid")
-                    req, fds = _receive(conn)
+                    got = _receive(conn)
                 except (OSError, ValueError) as exc:
                     print(f"distmoe warm worker: request refused: {exc}", file=sys.stderr, flush=True)
                     conn.close()
                     continue
+                if got is None:  # a connection that only checked the worker listens
+                    conn.close()
+                    continue
+                req, fds = got
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()

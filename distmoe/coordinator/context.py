@@ -59,6 +59,7 @@ class RunContext:
         # the routing probe (distmoe.coordinator.phases.probe): its prompts, the last probe's top-1, the health watch
         self.probe_prompts: tuple[str, ...] = ()
         self.probe_prev_top1: np.ndarray | None = None
+        self.probe_anchor_version = 0  # the anchor version the last probe row was measured against
         # what the last probe measured (base, weights hash) and its median: (key, routing, top1, parties, disagreeing)
         self.probe_last: tuple[str, np.ndarray, np.ndarray, int, int] | None = None
         self.probe_warned: set[str] = set()

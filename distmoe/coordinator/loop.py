@@ -153,8 +153,9 @@ class Coordinator:
                 ctx.checkpoint()  # a resume point (checkpoint.every; the due rounds: RunContext.checkpoint_due)
             # the round's global model on the public probe set: not sent again for a model already probed, and
             # carried on the next round's instruction when that round sends these weights (phases/probe.py)
-            text += probe.repeat(ctx) or ("" if probe.defer(ctx, self._keeps(rounds, rnd))
-                                          else self.exchange_public(probe, "probe"))
+            again = probe.repeat(ctx)
+            text += again if again is not None else ("" if probe.defer(ctx, self._keeps(rounds, rnd))
+                                                     else self.exchange_public(probe, "probe"))
             for line in fit([f"round {rnd}/{total} ({time.perf_counter() - t0:.1f} s)", phase.label(),
                              *text.split(" | ")]):  # lines of <= 100 columns
                 ctx.say(line)

@@ -29,6 +29,7 @@ from distmoe.rundir.layout import RUN_RECORD
 
 RUNNING = "running"
 TIMED_OUT = 124  # the exit status of timeout(1)
+NO_RECORD_HINT_S = 60.0  # the ServerApp writes run.json within seconds of its start: say so once after this long
 
 
 def run_status(run_dir: Path) -> tuple[str | None, str | None]:
@@ -54,7 +55,7 @@ def wait_for_run(run_dir: Path, timeout: float | None = None, poll: float = 2.0,
     start = clock()
     say(f"waiting for {run_dir / RUN_RECORD} to say the run ended"
         + (f" (at most {timeout:.0f} s)" if timeout is not None else ""))
-    seen = None
+    seen, hinted = None, False
     while True:
         status, error = run_status(run_dir)
         if status is not None and status != RUNNING:
@@ -64,6 +65,10 @@ def wait_for_run(run_dir: Path, timeout: float | None = None, poll: float = 2.0,
         if status != seen and status is not None:
             say(f"run {run_dir}: {status}")
             seen = status
+        if status is None and not hinted and clock() - start >= NO_RECORD_HINT_S:  # a wrong RUN_DIR waits forever
+            hinted = True
+            say(f"still no {run_dir / RUN_RECORD} after {NO_RECORD_HINT_S:.0f} s: is {run_dir} the run's run.dir "
+                "(the path in the run config)? 'flwr ls <connection>' shows whether the run started; still waiting")
         if timeout is not None and clock() - start >= timeout:
             say(f"run {run_dir}: still {status or 'not started (no ' + RUN_RECORD + ')'} after {timeout:.0f} s; "
                 "'flwr ls <connection>' shows Flower's view of the run")

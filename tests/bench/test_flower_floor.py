@@ -80,3 +80,15 @@ def test_the_floors_stages_become_distmoes_rounds():
     assert [(r["round"], r["seconds"]) for r in rounds] == [(0, 20.0), (1, 25.0)]
     assert rounds[1]["stages"] == {"sft-instruction": 2.0, "unmask": 2.0}
     assert deploy_round.floor_rounds(dep[:3], recs) is None  # a floor that did not replay every stage is not read
+
+
+def test_the_kept_walkthrough_rows_rebuild_the_published_table(capsys):
+    """``--table`` on the rows ``bench/results/`` keeps (run directories named relative to them, ledger and metrics
+    only): the deployed and simulated rounds are read again, and the arm the invocation left out prints "-"."""
+    deploy_round.report(_BENCH / "results" / "deploy-round-walkthrough")
+    out = capsys.readouterr().out
+    total = next(line for line in out.splitlines() if line.lstrip().startswith(">= 1"))
+    sim, dep, cut, stock = total.split()[3:7]
+    assert float(dep) / float(sim) > 1.0 and float(cut) > 0 and stock == "-"
+    assert f"{float(dep) / float(sim):.2f}x" in total
+    assert len([line for line in out.splitlines() if line.split()[:1] and line.split()[0].isdigit()]) == 8  # 0-7

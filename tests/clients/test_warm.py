@@ -78,3 +78,22 @@ def test_a_peer_of_another_uid_is_told_apart():
         os.waitpid(pid, 0)
     srv.close()
     shutil.rmtree(shared)
+
+
+def test_a_connection_that_only_checks_the_worker_listens_is_no_refused_request():
+    """``prestart`` connects and closes to see the worker listen: that is no request (the worker used to log
+    "request refused: short request" at every SuperNode start); a request cut short still is refused."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    b.close()
+    try:
+        assert warm._receive(a) is None
+    finally:
+        a.close()
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        b.sendall(b"\x00\x00")
+        b.close()
+        with pytest.raises(ValueError, match="short request"):
+            warm._receive(a)
+    finally:
+        a.close()

@@ -80,7 +80,12 @@ def test_probe_metrics_every_round_under_secagg(probe_run):
     # the others rode on the next round's instruction (every round here has a next one that sends the same weights)
     assert len(_sent(probes)) < total and probe_run["transport"].sent.get("query.probe", 0) == 0
     assert len(_carried(_ledger(run_dir))) == 3 * len(_sent(probes))
-    assert any(_field(x, "probe: ") and "load CV" in x for x in probe_run["lines"])
+    lines = probe_run["lines"]
+    assert any(_field(x, "probe of round ") and "load CV" in x for x in lines)
+    # a probe not sent again adds to the progress line only a KL to an anchor built since the last probe: never the
+    # same load CV again nor a top-1 consistency of 1 with itself (it read as a second, improved probe)
+    repeated = [x for x in lines if _field(x, "probe: ")]
+    assert repeated and all("load CV" not in x and "top-1" not in x and "KL" in x for x in repeated)
 
 
 @pytest.mark.integration

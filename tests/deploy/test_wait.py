@@ -61,3 +61,21 @@ def test_a_run_still_running_at_the_timeout_exits_124(tmp_path: Path, capsys):
 def test_bad_options_are_named(tmp_path: Path, capsys):
     assert main(["deploy", "wait", str(tmp_path), "--poll", "0"]) == 2
     assert "--poll" in capsys.readouterr().err
+
+
+def test_a_run_dir_that_never_gets_a_record_is_named_once(tmp_path: Path):
+    """A mistyped RUN_DIR (or a run that never started) would wait in silence forever: after a minute without
+    ``run.json`` the command says so once, naming the directory and where to look, and goes on waiting."""
+    from distmoe.deploy import wait
+
+    now = [0.0]
+    lines: list[str] = []
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    missing = tmp_path / "runs" / "exp1"
+    assert wait_for_run(missing, timeout=3 * wait.NO_RECORD_HINT_S, poll=5.0, say=lines.append,
+                        clock=lambda: now[0], sleep=sleep) == TIMED_OUT
+    hints = [x for x in lines if x.startswith("still no ")]
+    assert len(hints) == 1 and str(missing) in hints[0] and "run.dir" in hints[0] and "flwr ls" in hints[0], lines

@@ -101,17 +101,22 @@ def _measured(co: RunContext) -> str:
     return f"{co.tspec.base_hash}:{hash_tensors(co.s.weights)}"
 
 
-def repeat(co: RunContext) -> str:
-    """The progress text of a due probe of the model the last probe measured, from that probe's median (its row
-    written again for this round); "" when no probe is due or the model changed since (the loop then exchanges)."""
+def repeat(co: RunContext) -> str | None:
+    """A due probe of the model the last probe measured, from that probe's median (its row written again for this
+    round); None when no probe is due or the model changed since (the loop then exchanges). Its progress text is only
+    the KL to an anchor built since the last probe: the same load CV again and a top-1 consistency of 1 with itself
+    would read as a second, improved probe beside the one the round carried."""
     last = co.probe_last
     if last is None or not _due(co):
-        return ""
+        return None
     m = _now(co)
     if last[0] != m.key:
-        return ""
+        return None
     _, routing, top1, parties, disagreeing = last
-    return _record(co, m, routing, top1, parties, disagreeing)
+    before = co.probe_anchor_version
+    text = _record(co, m, routing, top1, parties, disagreeing)
+    new_anchor = m.anchor is not None and m.anchor.meta.version != before
+    return text.split(", ")[0] if new_anchor and text.startswith(" | probe: KL ") else ""
 
 
 def _due(co: RunContext) -> bool:
@@ -203,7 +208,7 @@ def _record(co: RunContext, m: Measured, routing: np.ndarray, top1: np.ndarray, 
     E, anchor = co.mspec.num_experts, m.anchor
     anchor_version = anchor.meta.version if anchor is not None else 0
     mt = probe_metrics(routing, top1, E, anchor.probs if anchor is not None else None, co.probe_prev_top1)
-    co.probe_prev_top1 = top1
+    co.probe_prev_top1, co.probe_anchor_version = top1, anchor_version
     co.metrics.append({"event": "probe", "round": m.round, "phase_label": m.phase_label, "parties": parties,
                        "disagreeing": disagreeing, "anchor_version": anchor_version,
                        "routing_kl": mt["routing_kl"], "load_cv": mt["load_cv"],
