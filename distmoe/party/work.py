@@ -143,16 +143,17 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
     keys = TRAIN_METRIC_KEYS
-    zero_update = ModelUpdate(party=node.party, num_examples=0, metrics={k: float("nan") for k in keys},
-                              delta={k: np.zeros_like(v, dtype=np.float32) for k, v in instr.weights.items()})
+    def zero_update() -> ModelUpdate:  # made only when returned (a whole model of zeros)
+        return ModelUpdate(party=node.party, num_examples=0, metrics={k: float("nan") for k in keys},
+                           delta={k: np.zeros_like(v, dtype=np.float32) for k, v in instr.weights.items()})
     if not data.has(instr.task):
-        return zero_update  # this party holds no data for the task: it contributes nothing (weight 0)
+        return zero_update()  # this party holds no data for the task: it contributes nothing (weight 0)
     model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
     ms = describe(model)
     _, encoded, left_out = encode_fitting(tok, data.train(instr.task), cfg.model.max_seq_len)
     if not encoded:
         left_out_note(node, instr, left_out)
-        return zero_update  # no answer fits model.max-seq-len: as a party without data (no size-telling error code)
+        return zero_update()  # no answer fits model.max-seq-len: as a party without data (no size-telling error code)
     anchor = anchor_of(instr, ms)
     try:
         retention = round_retention(cfg, node.work_dir, instr, ms.num_moe_layers, ms.num_experts,
@@ -171,8 +172,8 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
     res = train_sft(model, encoded, tok.pad_token_id, node.train(cfg.train), cfg.routing, ms.num_experts, ms.top_k,
                     anchor, seed=party_seed(instr.seed, node.party), retention=retention, public=public)
-    after = trainable_state(model)
-    delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
+    params = dict(model.named_parameters())  # the delta straight from the trained tensors (no copy of them first)
+    delta = {k: (params[k].detach().to("cpu", torch.float32) - before[k]).numpy() for k in spec.keys}
     s = res.summary()
     metrics = {k: float(s.get(k, float("nan"))) for k in keys}  # the dpo_* keys: NaN in an sft round
     progress(node, f"round {instr.round} sft:{instr.task}: loss {metrics['loss_first']:.4f} -> "
