@@ -71,6 +71,13 @@ TIMED = [
     ("server guard inbound", "distmoe.wire.server_guard", "inbound", "ServerGuard"),
     ("secure collect (whole exchange)", "distmoe.coordinator.secure", "collect", "SecureAggregator"),
     ("checkpoint", "distmoe.coordinator.context", "checkpoint", "RunContext"),
+    ("secagg server: receive masked inputs", "distmoe.privacy.secagg.server", "receive_masked", "SecAggServer"),
+    ("secagg server: unmask (reconstruct, remove masks)", "distmoe.privacy.secagg.server_unmask", "finish",
+     "ServerUnmasking"),
+    ("sum bound check (aggregate_problem)", "distmoe.privacy.releases.update", "aggregate_problem"),
+    ("sft aggregate (the model update)", "distmoe.coordinator.phases.sft", "aggregate", "Sft"),
+    ("sft configure (the instruction)", "distmoe.coordinator.phases.sft", "configure", "Sft"),
+    ("carried probe's replies (combine, record)", "distmoe.coordinator.phases.probe", "apply_carried"),
 ]
 _ACC: dict[tuple[str, str], list[float]] = {}  # (side, label) -> [thread seconds, calls]
 _SIDE = {"party": 0}

@@ -71,9 +71,22 @@ def runtime(cfg: RunConfig, node: NodeConfig) -> Runtime:
     return resolve_runtime(node.train(cfg.train), cfg.model.trainable)
 
 
-def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarray], base_hash: str):
+# (model, weights) a read-only use (the carried probe) left loaded: the next ``prepare_model`` call of the same message
+# with the very same weights object on the same model skips the copy and its checks (done on these weights already)
+_LOADED: list[tuple] = []
+
+
+def forget_loaded() -> None:
+    """Drop what ``prepare_model(..., read_only=True)`` left (the service calls it when the message's work ends)."""
+    _LOADED.clear()
+
+
+def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarray], base_hash: str,
+                  read_only: bool = False):
     """The (per-process cached) base on this party's device, checked against the server's fingerprint, with
-    the global trainable weights loaded."""
+    the global trainable weights loaded. ``read_only``: the caller only reads the model (a forward pass in eval
+    mode, no optimizer), so the next call, when it passes this same ``weights`` object for the same model, finds
+    them loaded already; any next call consumes that, so a load is skipped at most once and never after a change."""
     rt = runtime(cfg, node)
     fingerprint = base_fingerprint(cfg.model, node.model_path)
     if base_hash and fingerprint != base_hash:
@@ -92,7 +105,11 @@ def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarra
         clear_cache()
         model, tok = prepared_model(cfg.model, node.model_path, rt, node.base_cache)
     spec = spec_of(model, cfg.model.trainable, fingerprint)
-    load_trainable(model, _to_torch(weights), spec)
+    last = _LOADED.pop() if _LOADED else None
+    if last is None or last[0] is not model or last[1] is not weights:
+        load_trainable(model, _to_torch(weights), spec)
+    if read_only:
+        _LOADED.append((model, weights))
     return model, tok, spec
 
 
