@@ -211,6 +211,55 @@ def profile_peer(cfg, data, rounds: int, steps: int) -> dict[int, tuple[float, f
     return out
 
 
+def ledger_stages(run_dir: Path) -> None:
+    """Per round of a real run (``distmoe simulate``), the wall-clock path from the ledgers' timestamps: each message
+    stage from the coordinator's first instruction to its last reply logged; inside it, the slowest party's time
+    from the coordinator's send to the party's own ``in`` entry (transport, queueing, decode and hash), the party's
+    work (``in`` to ``out``) and from its ``out`` to the coordinator's ``in`` (transport, the pull); and the
+    coordinator's own time between stages (reply checks, unmasking, aggregation, checkpoint, the next
+    instruction), when no party works."""
+    import json as _json
+
+    def read(path: Path) -> list[dict]:
+        return [_json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+    coord = read(run_dir / "ledger" / "coordinator.jsonl")
+    parties = {p.stem: read(p) for p in sorted(run_dir.glob("work/*/**/ledger/*.jsonl"))}
+    rounds = sorted({e["round"] for e in coord if isinstance(e.get("round"), int) and e["round"] >= 1})
+    print(f"{run_dir}: stage = first instruction out -> last reply in at the coordinator; 'to party' / 'work' / "
+          "'back' = the slowest party's share; 'coord' = coordinator time before the stage's first instruction")
+    prev_end = None
+    for r in rounds:
+        es = [e for e in coord if e.get("round") == r]
+        stages: list[tuple[str, list[dict], list[dict]]] = []
+        for e in es:
+            if e["direction"] == "out" and e["payload_type"] not in ("run-end",):
+                if not stages or stages[-1][2]:
+                    stages.append((e["payload_type"], [], []))
+                stages[-1][1].append(e)
+            elif e["direction"] == "in" and stages and not e["payload_type"].startswith("release:"):
+                stages[-1][2].append(e)
+        release = next((e["time"] for e in es if e["payload_type"].startswith("release:")), None)
+        parts = []
+        for name, outs, ins in stages:
+            t_out, t_in = outs[0]["time"], (ins[-1]["time"] if ins else outs[-1]["time"])
+            gap = t_out - prev_end if prev_end is not None else float("nan")
+            worst = (0.0, 0.0, 0.0)
+            for pe in parties.values():
+                got = [x for x in pe if x.get("round") == r and x["direction"] == "in"
+                       and x["payload_type"] == name]
+                sent = [x for x in pe if x.get("round") == r and x["direction"] == "out"
+                        and x["seq"] > (got[0]["seq"] if got else 1 << 60)]
+                if got and sent:
+                    w = (got[0]["time"] - t_out, sent[0]["time"] - got[0]["time"], t_in - sent[0]["time"])
+                    worst = max(worst, w, key=lambda x: x[0] + x[1])
+            parts.append(f"{name} {t_in - t_out:.3f} (coord {gap:.3f}, to party {worst[0]:.3f}, work {worst[1]:.3f}"
+                         f", back {worst[2]:.3f})")
+            prev_end = t_in
+        after = f"; release at +{release - es[0]['time']:.3f}" if release is not None else ""
+        print(f"round {r}: " + " | ".join(parts) + after)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["default", "plaintext"], default="default")
@@ -224,7 +273,12 @@ def main() -> None:
                     help="also run cProfile (its per-call cost inflates Python-heavy functions: for finding, not "
                          "for the figures)")
     ap.add_argument("--pstats", type=Path, help="with --cprofile: dump the raw profile here")
+    ap.add_argument("--ledger", type=Path, metavar="RUN_DIR",
+                    help="only print the wall-clock stage path of a real run's ledgers (distmoe simulate's run dir)")
     args = ap.parse_args()
+    if args.ledger is not None:
+        ledger_stages(args.ledger)
+        return
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()[0]

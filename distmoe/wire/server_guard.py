@@ -240,18 +240,21 @@ class GuardedTransport(abc.ABC):
             raise RuntimeError("transport has no server guard attached")
         once = {id(p): p for p in instructions.values() if sum(q is p for q in instructions.values()) > 1}
         memo: dict = {}  # digests of records several instructions share (a secure instruction's weights)
-        with codec.sharing():  # a phase instruction in several secure instructions: encoded once, records shared
+        # a phase instruction in several secure instructions: encoded once, records shared; the stage's "out" entries
+        # in one group commit, durable before any of them is sent
+        with codec.sharing(), self.guard.ledger.batch():
             enc = {i: (c, inspect.describe(c)) for i, p in once.items() for c in [codec.encode(p)]}  # hashed once
             out = {node: self.guard.outbound(node, p, rnd, phase, enc.get(id(p)), memo)
                    for node, p in instructions.items()}
         del memo
         t0, got = time.monotonic(), self._send(out, timeout)  # it may return before the timeout (nodes gone)
         replies, errors = {}, {}  # node -> the checked payload / the reason it was refused
-        for node in instructions:
-            reply = got.get(node, f"no reply after {time.monotonic() - t0:.0f} s (round-timeout {timeout:.0f} s)")
-            try:
-                replies[node] = self.guard.inbound(node, reply, expected, rnd, phase,
-                                                   (lengths or {}).get(node), probe)
-            except WireError as exc:
-                errors[node] = Reason(exc.reason, str(exc))
+        with self.guard.ledger.batch():  # the stage's "in" entries: durable before anything acts on the replies
+            for node in instructions:
+                reply = got.get(node, f"no reply after {time.monotonic() - t0:.0f} s (round-timeout {timeout:.0f} s)")
+                try:
+                    replies[node] = self.guard.inbound(node, reply, expected, rnd, phase,
+                                                       (lengths or {}).get(node), probe)
+                except WireError as exc:
+                    errors[node] = Reason(exc.reason, str(exc))
         return replies, errors
