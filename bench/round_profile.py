@@ -111,6 +111,21 @@ def _wrap(label: str, fn):
 def install_timers() -> None:
     import importlib
 
+    real_fsync = os.fsync
+
+    def fsync(fd):  # counted per side: an fsync costs wall time (the disk), not CPU
+        if _ON["on"]:
+            acc = _ACC.setdefault(("party" if _SIDE["party"] else "coordinator", "os.fsync (count)"), [0.0, 0])
+            t0 = time.perf_counter()
+            try:
+                return real_fsync(fd)
+            finally:
+                acc[0] += time.perf_counter() - t0
+                acc[1] += 1
+        return real_fsync(fd)
+
+    os.fsync = fsync
+
     for label, mod, attr, *cls in TIMED:
         owner = importlib.import_module(mod)
         if cls:
@@ -300,7 +315,7 @@ def main() -> None:
     print("\ncomponents: thread CPU ms per steady round (all 3 parties together; inclusive), calls per round")
     comps = {}
     for side in ("party", "coordinator"):
-        for label, *_ in TIMED:
+        for label, *_ in [*TIMED, ("os.fsync (count)",)]:
             if (side, label) in _ACC:
                 sec, calls = _ACC[(side, label)]
                 comps[f"{side}: {label}"] = 1000 * sec / n

@@ -5,6 +5,7 @@ both guards still refuse what they refused, on the unpacked records."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -284,3 +285,29 @@ def test_one_exchanges_secure_instructions_share_the_weights_and_log_the_same_di
         again = codec.encode(msgs[5])
     assert again["arrays"] is not shared[5]["arrays"]
     assert codec.encode(msgs[5])["arrays"] is not codec.encode(msgs[6])["arrays"]  # no sharing outside an exchange
+
+
+def test_a_partys_in_and_out_entries_of_one_message_are_one_group_commit(tmp_path, monkeypatch):
+    """``serve`` logs the instruction (``in``) and the reply (``out``) in one ``Ledger.batch``: one fsync of the party
+    ledger per message, done before the reply (or the error) leaves ``serve``; both entries are there and verify."""
+    import distmoe.ledger.writer as ledger_writer
+    from distmoe.ledger import public_key_hex, verify_ledger
+
+    guard = ServerGuard(Ledger(tmp_path / "c.jsonl", generate_signing_key(tmp_path / "c.key")), "run-1", _policy())
+    key = generate_signing_key(tmp_path / "p.key")
+    party = _Party(Ledger(tmp_path / "p.jsonl", key))
+    mtype, content = guard.outbound(0, ProbeInstruction(4, "h", ("p",), W), 4, "probe")
+    serve(mtype, packing.pack(content), party, "run-1")  # creates the ledger file (and syncs its directory)
+    synced, real = [], ledger_writer.os.fsync
+    monkeypatch.setattr(ledger_writer.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+                        or real(fd))
+    before = len((tmp_path / "p.jsonl").read_text().splitlines())
+    reply = serve(mtype, packing.pack(content), party, "run-1")
+    assert synced == [str(tmp_path / "p.jsonl")]  # one fsync for the two entries, before serve returned
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == before + 2
+    assert guard.inbound(0, packing.pack(reply), ProbeReply, 4, "probe").party == "party-0"
+    synced.clear()
+    with pytest.raises(Refused):  # a refusal: its in entry and its error entry, one fsync, before the error leaves
+        serve(mtype, _poison(packing.pack(content), "arrays", "w", np.inf), party, "run-1")
+    assert synced == [str(tmp_path / "p.jsonl")]
+    assert verify_ledger(tmp_path / "p.jsonl", public_key_hex(key)).ok
