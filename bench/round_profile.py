@@ -1,24 +1,27 @@
-"""Where distmoe's per-round CPU time goes, against the plain-Flower peer's doing the same training, in one process.
+"""Where distmoe's per-round time goes, against the plain-Flower peer's doing the same training, in one process.
 
-    python bench/round_profile.py [--mode default|plaintext] [--rounds 4] [--steps 40] [--out DIR] [--top 50]
-                                  [--json out.json] [--no-peer]
+    python bench/round_profile.py [--mode default|plaintext] [--rounds 4] [--steps 40] [--out DIR] [--json FILE]
+                                  [--no-peer] [--cprofile [--top N] [--pstats FILE]]
+    python bench/round_profile.py --ledger RUN_DIR
 
 The run is ``bench/peer_flower.py``'s distmoe arm (``schedule.phases = 'sft:lookup'``, 3 parties of synthetic
 data, the default model, ``train.local-steps`` steps of 16, ``privacy.mode`` as given) driven by the coordinator over
 ``distmoe.inprocess.LocalTransport``: the parties' exact code path (guards, codec, ledgers, secure aggregation, the
-carried routing probe), packed as Flower carries it, all in this one process and thread. Rounds 2..R-1 (the
-steady rounds ``bench/peer_flower.py`` compares) run under ``cProfile`` with ``time.thread_time`` as its clock, so a
-loaded machine inflates no figure with other processes' time; ``time.process_time`` beside it adds this process's
-other threads (the mask expansion on spare threads, ``privacy.secagg-premask``).
+carried routing probe), packed as Flower carries it, all in this one process and thread. In rounds 2..R-1 (the
+steady rounds ``bench/peer_flower.py`` compares) named steps (``TIMED``) add up their ``time.thread_time``, split by
+side (inside a party's ``serve`` or not), so a loaded machine inflates no figure with other processes' time; the
+round's total ``time.process_time`` beside it adds this process's other threads (the mask expansion on spare
+threads, ``privacy.secagg-premask``); ``os.fsync`` calls are counted per side with their wall time (the disk's, not
+CPU). ``--cprofile`` adds cProfile for finding candidates only: its per-call cost inflates Python-heavy functions.
 
 The peer's per-round work is then timed the same way on the same data and model: per party, what its ClientApp's
 ``train`` handler does (``bench/peer_flower/peer_app.py``: the ``ArrayRecord`` into the model, the AdamW steps with
 torch's fused kernel, the reply's ``ArrayRecord``) and Flower's ``FedAvg`` aggregation at the server.
 
-Printed: CPU seconds per steady round (distmoe, peer, difference), the components of distmoe's round (cumulative
-thread time of named functions, per round) and the top functions by own time. Not measured here: what the
-Simulation Engine adds to both (Ray, Flower's message serialisation: the same records and sizes in both arms) and
-the wall-clock stalls between message stages (read those from the coordinator ledger's timestamps of a real run).
+``--ledger RUN_DIR`` reads a real run's ledgers instead (``distmoe simulate``'s run directory): per round and
+message stage, the coordinator's time before it, the slowest party's wait for the message, its work and the way
+back (``ledger_stages``): the wall-clock stalls no CPU profile shows. Not measured here: what the Simulation Engine
+adds to both arms (Ray, Flower's message serialisation: the same records and sizes in both).
 
 Must not: be imported by the library (bench only).
 """
@@ -115,7 +118,7 @@ def install_timers() -> None:
 
     def fsync(fd):  # counted per side: an fsync costs wall time (the disk), not CPU
         if _ON["on"]:
-            acc = _ACC.setdefault(("party" if _SIDE["party"] else "coordinator", "os.fsync (count)"), [0.0, 0])
+            acc = _ACC.setdefault(("party" if _SIDE["party"] else "coordinator", "os.fsync (wall ms, count)"), [0.0, 0])
             t0 = time.perf_counter()
             try:
                 return real_fsync(fd)
@@ -315,7 +318,7 @@ def main() -> None:
     print("\ncomponents: thread CPU ms per steady round (all 3 parties together; inclusive), calls per round")
     comps = {}
     for side in ("party", "coordinator"):
-        for label, *_ in [*TIMED, ("os.fsync (count)",)]:
+        for label, *_ in [*TIMED, ("os.fsync (wall ms, count)",)]:
             if (side, label) in _ACC:
                 sec, calls = _ACC[(side, label)]
                 comps[f"{side}: {label}"] = 1000 * sec / n
