@@ -46,6 +46,7 @@ class LocalTransport(GuardedTransport):
 
     def _send(self, out: dict[int, tuple[str, object]], timeout: float) -> dict[int, object]:
         got: dict[int, object] = {}  # node -> the reply's Flower record dict, an ErrorReply, or a reason
+        memo: dict = {}  # as ``codec.instruction_content`` on Flower: a record several instructions share, packed once
         for node, (mtype, content) in out.items():
             self.timeouts[mtype] = timeout
             if node in self.down:
@@ -56,7 +57,7 @@ class LocalTransport(GuardedTransport):
                 continue
             self.sent[mtype] = self.sent.get(mtype, 0) + 1
             try:
-                reply = serve(mtype, pack(content), PartyService(self.cfg, self.nodes[node], node, self.run_id),
+                reply = serve(mtype, pack(content, memo), PartyService(self.cfg, self.nodes[node], node, self.run_id),
                               self.run_id)
             except Refused as exc:
                 got[node] = codec.ErrorReply(str(exc), int(exc.code))

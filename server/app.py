@@ -1,10 +1,11 @@
 """distmoe ServerApp: drives the configured schedule (``distmoe.coordinator.Coordinator``) over
-Flower's ``Grid`` with its own round loop (``push_messages``, then ``pull_messages`` every
-``REPLY_POLL_S`` until every reply is in or the timeout passes) rather than a stock strategy, since a
-round carries several records and phases of different kinds. Not Flower's ``send_and_receive``: on the
-Deployment Engine it waits 3 s between pulls (flwr 1.42 ``HttpGrid``), up to 3 s lost on each of a
-round's message stages; a pull is one local request to the SuperLink, so polling faster costs little.
-For the same reason Flower's back-off for a reply's content that is not yet at the SuperLink starts at 50 ms.
+Flower's ``Grid`` with its own round loop (``push_messages``, then ``pull_messages`` at most every
+``REPLY_POLL_S``, sooner just after the push or a reply, until every reply is in or the timeout passes)
+rather than a stock strategy, since a round carries several records and phases of different kinds. Not
+Flower's ``send_and_receive``: on the Deployment Engine it waits 3 s between pulls (flwr 1.42 ``HttpGrid``), up
+to 3 s lost on each of a round's message stages; a pull is one local request to the SuperLink, so polling faster
+costs little. For the same reason Flower's back-off for a reply's content that is not yet at the SuperLink starts
+at 50 ms.
 
 ``run.resume = "<run dir>"`` continues an interrupted run in that directory (new Flower run id, same
 logical run: ``distmoe.coordinator``), e.g. ``flwr run . <federation> --run-config "run.resume='runs/42'"``.
@@ -31,7 +32,11 @@ from distmoe.wire import codec
 from distmoe.wire.server_guard import GuardedTransport
 
 app = ServerApp()
-REPLY_POLL_S = 0.1  # seconds between pulls for the replies of one message stage (the Simulation Engine's own)
+REPLY_POLL_FIRST_S = 0.005
+REPLY_POLL_S = 0.1  # the most seconds between pulls for the replies of one message stage (the Simulation Engine's own)
+# the first pull after a push, or after a pull that brought a reply, waits this long; each pull with nothing new waits
+# twice as long, up to REPLY_POLL_S: a short stage (the consistency check, unmasking) is seen within a few ms of its
+# replies, not up to 100 ms later, at a handful of extra pulls per stage
 # a reply is listed once the SuperNode pushed its message, possibly before all its content; flwr 1.42 then
 # retries each missing object after 1, 2, 4, 8 s: here after 50 ms, doubling up to 0.5 s
 http_grid.pull_objects = functools.partial(http_grid.pull_objects, initial_backoff=0.05, backoff_cap=0.5)
@@ -48,7 +53,9 @@ class GridTransport(GuardedTransport):
         return sorted(self.grid.get_node_ids())
 
     def _send(self, out, timeout: float):
-        msgs = [codec.instruction_content(content, node, mtype) for node, (mtype, content) in out.items()]
+        memo: dict = {}  # a record several instructions share (the weights) is packed once
+        msgs = [codec.instruction_content(content, node, mtype, memo) for node, (mtype, content) in out.items()]
+        del memo
         got = {}
         for msg in self._send_and_receive(msgs, timeout):
             node = msg.metadata.src_node_id
@@ -59,10 +66,12 @@ class GridTransport(GuardedTransport):
         return got
 
     def _send_and_receive(self, msgs, timeout: float) -> list:
-        """Push ``msgs``, then pull their replies every ``REPLY_POLL_S`` until all are in or ``timeout`` passes."""
+        """Push ``msgs``, then pull their replies until all are in or ``timeout`` passes: ``REPLY_POLL_FIRST_S`` after
+        the push or a pull that brought a reply, doubling while nothing comes, at most ``REPLY_POLL_S``."""
         waiting = set(self.grid.push_messages(msgs))
         end = time.monotonic() + timeout
         replies = []
+        wait = REPLY_POLL_FIRST_S
         while waiting:
             pulled = list(self.grid.pull_messages(waiting))
             replies += pulled
@@ -70,7 +79,8 @@ class GridTransport(GuardedTransport):
             left = end - time.monotonic()
             if not waiting or left <= 0:
                 break
-            time.sleep(min(REPLY_POLL_S, left))
+            wait = REPLY_POLL_FIRST_S if pulled else min(2 * wait, REPLY_POLL_S)
+            time.sleep(min(wait, left))
         return replies
 
 

@@ -1,7 +1,8 @@
 """One party's local data directory: its tasks and their deterministic train / held-out split.
 
 Owns: task discovery (every ``*.jsonl`` directly in the party directory is one task, named by the
-file stem), validation of every file through ``read_jsonl``, the split and the example caps.
+file stem), validation of every file through ``read_jsonl``, the split and the example caps, and the per-process
+memo of each file's examples and split (``_read_split``: keyed by the SHA-256 of the file's bytes).
 
 The split (data-independent, so that adding or removing one example never moves another): each example is
 keyed by ``sha256(<canonical example JSON> + "\\n" + <seed>)`` and is held out iff the key's first 8 bytes, as
@@ -121,6 +122,33 @@ def split_examples(examples: list[Example], eval_fraction: float, seed: int
     return train, heldout
 
 
+_READ: dict[str, tuple[tuple, tuple[list[Example], list[Example], list[Example]]]] = {}  # path -> (key, split)
+
+
+def _content_key(path: Path) -> bytes:
+    try:
+        return hashlib.sha256(path.read_bytes()).digest()
+    except OSError:
+        return b""  # not memoised: ``read_jsonl`` names the problem
+
+
+def _read_split(path: Path, eval_fraction: float, seed: int) -> tuple[list[Example], list[Example], list[Example]]:
+    """``(examples, train, held-out)`` of one task file, memoised per process by the SHA-256 of the file's bytes, the
+    fraction and the seed: the split is a pure function of those, so a party's next round on the Simulation Engine
+    parses and splits nothing again, and a changed file is read afresh. A file that fails validation is never
+    memoised (``DataError`` every time). The lists are shared between calls: callers copy before changing them."""
+    digest = _content_key(path)
+    key = (digest, eval_fraction, seed)
+    hit = _READ.get(str(path))
+    if digest and hit is not None and hit[0] == key:
+        return hit[1]
+    examples = read_jsonl(path)
+    train_all, heldout = split_examples(examples, eval_fraction, seed)
+    if digest and _content_key(path) == digest:  # unchanged while it was read
+        _READ[str(path)] = (key, (examples, train_all, heldout))
+    return examples, train_all, heldout
+
+
 def load_party(data_dir: Path, cfg: DataConfig) -> PartyData:
     """Discover, validate and split every task in ``data_dir``; any problem raises ``DataError``."""
     data_dir = Path(data_dir)
@@ -142,8 +170,7 @@ def load_party(data_dir: Path, cfg: DataConfig) -> PartyData:
         if not TASK_NAME_RE.match(task):
             raise DataError(f"{path}: task name {task!r} must start with a letter or digit and use only "
                             "letters, digits, '-' and '_'")
-        examples = read_jsonl(path)
-        train_all, heldout = split_examples(examples, cfg.eval_fraction, cfg.seed)
+        examples, train_all, heldout = _read_split(path, cfg.eval_fraction, cfg.seed)
         train = train_all[: cfg.max_train_examples] if cfg.max_train_examples > 0 else train_all
         if cfg.max_eval_examples > 0:
             heldout = heldout[: cfg.max_eval_examples]

@@ -43,17 +43,19 @@ def run_probe(cfg: RunConfig, node: NodeConfig, instr: ProbeInstruction) -> Prob
 
 
 def run_carried(cfg: RunConfig, node: NodeConfig, instr) -> tuple[ProbePart, ProbeBounds]:
-    """The probe a phase instruction carries (``instr.probe``), on its global weights, before any local work."""
+    """The probe a phase instruction carries (``instr.probe``), on its global weights, before any local work; read-only
+    on the instruction's own weights, so the phase work that follows finds them loaded (``prepare_model``)."""
     reply, bounds = _probe(cfg, node, ProbeInstruction(instr.round, instr.base_hash, instr.probe, instr.weights),
-                           f"round {instr.round}: a routing probe request carried on the phase instruction")
+                           f"round {instr.round}: a routing probe request carried on the phase instruction", True)
     return ProbePart(reply.routing, reply.top1), bounds
 
 
-def _probe(cfg: RunConfig, node: NodeConfig, instr: ProbeInstruction, where: str) -> tuple[ProbeReply, ProbeBounds]:
+def _probe(cfg: RunConfig, node: NodeConfig, instr: ProbeInstruction, where: str, read_only: bool = False
+           ) -> tuple[ProbeReply, ProbeBounds]:
     """The one path of every probe request: ``check_request`` before anything else, then the forward pass."""
     check_request(cfg, tuple(instr.prompts), where)
     torch.set_num_threads(cfg.train.threads)
-    model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash)
+    model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash, read_only)
     routing, top1 = probe_routing(model, tok, tuple(instr.prompts), cfg.model.max_seq_len, cfg.eval.batch_size)
     ms = describe(model)
     bounds = ProbeBounds(ms.num_moe_layers, ms.num_experts, len(instr.prompts) * cfg.model.max_seq_len)

@@ -141,8 +141,11 @@ class PartyService:
                 print(work_dir_note(node, Path(self.ledger.path)), flush=True)
         inner = getattr(instr, "instruction", instr)  # a secure phase instruction's phase instruction
         if isinstance(inner, CARRIED_BY) and inner.probe is not None:  # before any local work (party/probe.py)
-            part, self._probe_bounds = run_carried(cfg, node, inner)
-            reply, dp = self._work(mtype, instr)
+            try:
+                part, self._probe_bounds = run_carried(cfg, node, inner)
+                reply, dp = self._work(mtype, instr)
+            finally:
+                P.forget_loaded()  # the probe's loaded weights are this message's only
             return dataclasses.replace(reply, probe=part), dp
         return self._work(mtype, instr)
 

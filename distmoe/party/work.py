@@ -71,9 +71,22 @@ def runtime(cfg: RunConfig, node: NodeConfig) -> Runtime:
     return resolve_runtime(node.train(cfg.train), cfg.model.trainable)
 
 
-def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarray], base_hash: str):
+# (model, weights) a read-only use (the carried probe) left loaded: the next ``prepare_model`` call of the same message
+# with the very same weights object on the same model skips the copy and its checks (done on these weights already)
+_LOADED: list[tuple] = []
+
+
+def forget_loaded() -> None:
+    """Drop what ``prepare_model(..., read_only=True)`` left (the service calls it when the message's work ends)."""
+    _LOADED.clear()
+
+
+def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarray], base_hash: str,
+                  read_only: bool = False):
     """The (per-process cached) base on this party's device, checked against the server's fingerprint, with
-    the global trainable weights loaded."""
+    the global trainable weights loaded. ``read_only``: the caller only reads the model (a forward pass in eval
+    mode, no optimizer), so the next call, when it passes this same ``weights`` object for the same model, finds
+    them loaded already; any next call consumes that, so a load is skipped at most once and never after a change."""
     rt = runtime(cfg, node)
     fingerprint = base_fingerprint(cfg.model, node.model_path)
     if base_hash and fingerprint != base_hash:
@@ -92,7 +105,11 @@ def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarra
         clear_cache()
         model, tok = prepared_model(cfg.model, node.model_path, rt, node.base_cache)
     spec = spec_of(model, cfg.model.trainable, fingerprint)
-    load_trainable(model, _to_torch(weights), spec)
+    last = _LOADED.pop() if _LOADED else None
+    if last is None or last[0] is not model or last[1] is not weights:
+        load_trainable(model, _to_torch(weights), spec)
+    if read_only:
+        _LOADED.append((model, weights))
     return model, tok, spec
 
 
@@ -143,16 +160,17 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
     keys = TRAIN_METRIC_KEYS
-    zero_update = ModelUpdate(party=node.party, num_examples=0, metrics={k: float("nan") for k in keys},
-                              delta={k: np.zeros_like(v, dtype=np.float32) for k, v in instr.weights.items()})
+    def zero_update() -> ModelUpdate:  # made only when returned (a whole model of zeros)
+        return ModelUpdate(party=node.party, num_examples=0, metrics={k: float("nan") for k in keys},
+                           delta={k: np.zeros_like(v, dtype=np.float32) for k, v in instr.weights.items()})
     if not data.has(instr.task):
-        return zero_update  # this party holds no data for the task: it contributes nothing (weight 0)
+        return zero_update()  # this party holds no data for the task: it contributes nothing (weight 0)
     model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
     ms = describe(model)
     _, encoded, left_out = encode_fitting(tok, data.train(instr.task), cfg.model.max_seq_len)
     if not encoded:
         left_out_note(node, instr, left_out)
-        return zero_update  # no answer fits model.max-seq-len: as a party without data (no size-telling error code)
+        return zero_update()  # no answer fits model.max-seq-len: as a party without data (no size-telling error code)
     anchor = anchor_of(instr, ms)
     try:
         retention = round_retention(cfg, node.work_dir, instr, ms.num_moe_layers, ms.num_experts,
@@ -171,8 +189,8 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}
     res = train_sft(model, encoded, tok.pad_token_id, node.train(cfg.train), cfg.routing, ms.num_experts, ms.top_k,
                     anchor, seed=party_seed(instr.seed, node.party), retention=retention, public=public)
-    after = trainable_state(model)
-    delta = {k: (after[k] - before[k]).numpy() for k in spec.keys}
+    params = dict(model.named_parameters())  # the delta straight from the trained tensors (no copy of them first)
+    delta = {k: (params[k].detach().to("cpu", torch.float32) - before[k]).numpy() for k in spec.keys}
     s = res.summary()
     metrics = {k: float(s.get(k, float("nan"))) for k in keys}  # the dpo_* keys: NaN in an sft round
     progress(node, f"round {instr.round} sft:{instr.task}: loss {metrics['loss_first']:.4f} -> "

@@ -185,31 +185,52 @@ def _value(h, v: object, where: str) -> None:
         raise InspectError(f"{where}: unsupported value type {type(v).__name__}")
 
 
-def digest(content: RecordDict, exclude: Collection[str] = ()) -> str:
+def _record(h, name: str, rec: object) -> None:
+    kind = _kind(rec, name)
+    h.update(kind[0].encode())
+    _blob(h, name.encode("utf8"))
+    h.update(struct.pack(">Q", len(rec)))
+    for key in sorted(rec):
+        v = rec[key]
+        _blob(h, key.encode("utf8"))
+        if kind == "array":
+            _blob(h, v.dtype.encode())
+            _blob(h, v.stype.encode())
+            h.update(struct.pack(">Q", len(v.shape)) + b"".join(struct.pack(">q", d) for d in v.shape))
+            _blob(h, v.data)
+        else:
+            _value(h, v, f"{name}.{key}")
+
+
+def digest(content: RecordDict, exclude: Collection[str] = (), memo: dict | None = None) -> str:
     """Deterministic SHA-256 (hex) of the records not named in ``exclude``, independent of
     insertion order; every name, key, dtype, shape, stype, byte and value is length-prefixed
-    and type-tagged, so any change to them changes the digest."""
-    h = hashlib.sha256(b"distmoe.wire.inspect/v1")
-    for name in sorted(n for n in content if n not in exclude):
+    and type-tagged, so any change to them changes the digest.
+
+    ``memo`` (one dict for the messages of one exchange): the hash state after each leading run of records, keyed by
+    their names and object identities, so that messages whose first records (in name order) are the same record
+    objects (one model's weights sent to several parties, each with its own round start) hash those bytes once. The
+    digest is the same with or without it; the memo holds the records, so no identity is reused while it lives."""
+    names = sorted(n for n in content if n not in exclude)
+    key: tuple = ()
+    start = 0
+    if memo is not None:
+        for i, name in enumerate(names):
+            nxt = (*key, (name, id(content[name])))
+            if nxt not in memo:
+                break
+            key, start = nxt, i + 1
+    h = memo[key][1].copy() if key else hashlib.sha256(b"distmoe.wire.inspect/v1")
+    for name in names[start:]:
         rec = content[name]
-        kind = _kind(rec, name)
-        h.update(kind[0].encode())
-        _blob(h, name.encode("utf8"))
-        h.update(struct.pack(">Q", len(rec)))
-        for key in sorted(rec):
-            v = rec[key]
-            _blob(h, key.encode("utf8"))
-            if kind == "array":
-                _blob(h, v.dtype.encode())
-                _blob(h, v.stype.encode())
-                h.update(struct.pack(">Q", len(v.shape)) + b"".join(struct.pack(">q", d) for d in v.shape))
-                _blob(h, v.data)
-            else:
-                _value(h, v, f"{name}.{key}")
+        _record(h, name, rec)
+        if memo is not None:
+            key = (*key, (name, id(rec)))
+            memo[key] = (rec, h.copy())
     return h.hexdigest()
 
 
-def describe(content: RecordDict, exclude: Collection[str] = ()) -> dict:
+def describe(content: RecordDict, exclude: Collection[str] = (), memo: dict | None = None) -> dict:
     """A loggable summary: ``{"keys": sorted ["<record>.<key>"], "shapes": {"<record>.<key>": dims}
     (arrays only), "bytes": record_bytes(content), "sha256": digest(content, exclude)}``; records named
     in ``exclude`` are left out of all four."""
@@ -222,7 +243,7 @@ def describe(content: RecordDict, exclude: Collection[str] = ()) -> dict:
             if kind == "array":
                 shapes[f"{name}.{key}"] = list(v.shape)
     return {"keys": sorted(keys), "shapes": shapes, "bytes": _items_bytes(kept),
-            "sha256": digest(content, exclude)}
+            "sha256": digest(content, exclude, memo)}
 
 
 def _has_text(v: object) -> bool:

@@ -48,8 +48,32 @@ def _u8_npy(parts: list[bytes]) -> bytes:
     return b"".join([hdr.getvalue(), *parts])
 
 
-def pack(content: RecordDict) -> RecordDict:
-    """``content`` packed (module docstring): the ``PACKED`` ArrayRecord (when it has arrays) and ``MANIFEST``."""
+_SEGMENT = ("records", "keys", "dtypes", "stypes", "ndims", "dims", "offsets", "sizes")  # one array record's fields
+
+
+def _pack_record(name: str, rec: ArrayRecord) -> tuple[dict[str, list], Array]:
+    """One ArrayRecord's manifest fields (``_SEGMENT``; offsets from its own first byte) and its packed array."""
+    seg: dict[str, list] = {f: [] for f in _SEGMENT}
+    parts, offset = [], 0
+    for key, arr in rec.items():
+        data = bytes(arr.data)
+        seg["records"].append(name)
+        seg["keys"].append(key)
+        seg["dtypes"].append(str(arr.dtype))
+        seg["stypes"].append(str(arr.stype))
+        seg["ndims"].append(len(arr.shape))
+        seg["dims"].extend(int(d) for d in arr.shape)
+        seg["offsets"].append(offset)
+        seg["sizes"].append(len(data))
+        parts.append(data)
+        offset += len(data)
+    return seg, Array(dtype="uint8", shape=(offset,), stype=inspect.STYPE, data=_u8_npy(parts))
+
+
+def pack(content: RecordDict, memo: dict | None = None) -> RecordDict:
+    """``content`` packed (module docstring): the ``PACKED`` ArrayRecord (when it has arrays) and ``MANIFEST``.
+    ``memo`` (one dict for the messages of one exchange): an ArrayRecord object that several of them carry (one
+    model's weights to every party) is packed once and its packed array shared (arrays are never changed)."""
     if PACKED in content or MANIFEST in content:
         raise WireError(f"record names {PACKED!r} and {MANIFEST!r} are reserved for packing (already packed?)")
     if not len(content):
@@ -66,20 +90,14 @@ def pack(content: RecordDict) -> RecordDict:
                 man["value_keys"].append(key)
             continue
         man["kinds"].append("array")
-        parts, offset = [], 0
-        for key, arr in rec.items():
-            data = bytes(arr.data)
-            man["records"].append(name)
-            man["keys"].append(key)
-            man["dtypes"].append(str(arr.dtype))
-            man["stypes"].append(str(arr.stype))
-            man["ndims"].append(len(arr.shape))
-            man["dims"].extend(int(d) for d in arr.shape)
-            man["offsets"].append(offset)
-            man["sizes"].append(len(data))
-            parts.append(data)
-            offset += len(data)
-        packed[name] = Array(dtype="uint8", shape=(offset,), stype=inspect.STYPE, data=_u8_npy(parts))
+        hit = memo.get((name, id(rec))) if memo is not None else None
+        if hit is None or hit[0] is not rec:
+            hit = (rec, *_pack_record(name, rec))
+            if memo is not None:  # the memo holds the record: its id is not reused while the memo lives
+                memo[(name, id(rec))] = hit
+        _, seg, packed[name] = hit
+        for f in _SEGMENT:
+            man[f].extend(seg[f])
     out = {PACKED: ArrayRecord(array_dict=packed)} if packed else {}
     out[MANIFEST] = ConfigRecord({**man, **values})
     return RecordDict(out)

@@ -63,9 +63,12 @@ class ServerGuard:
         return self.names.get(node, f"node-{node}")
 
     def outbound(self, node: int, payload: object, rnd: int | None, phase: str,
-                 encoded: tuple[RecordDict, dict] | None = None) -> tuple[str, RecordDict]:
+                 encoded: tuple[RecordDict, dict] | None = None, memo: dict | None = None) -> tuple[str, RecordDict]:
+        """``encoded``: this payload's records and description, made once for every node of the exchange it goes to;
+        ``memo``: the exchange's digest memo (``inspect.digest``: leading records shared with another node's
+        instruction, e.g. the weights in each party's secure instruction, are hashed once)."""
         content = codec.encode(payload) if encoded is None else codec.shared(encoded[0])
-        d = inspect.describe(content) if encoded is None else encoded[1]  # ``encoded``: once per exchange
+        d = inspect.describe(content, memo=memo) if encoded is None else encoded[1]
         ptype = codec.payload_tag(content)
         problem = check_against_policy(self.policy, ptype, d)
         entry = self.ledger.append(run=self.run_id, round=rnd, phase=phase, direction="out", payload_type=ptype,
@@ -236,15 +239,22 @@ class GuardedTransport(abc.ABC):
         if self.guard is None:
             raise RuntimeError("transport has no server guard attached")
         once = {id(p): p for p in instructions.values() if sum(q is p for q in instructions.values()) > 1}
-        enc = {i: (c, inspect.describe(c)) for i, p in once.items() for c in [codec.encode(p)]}  # hashed once, shared
-        out = {node: self.guard.outbound(node, p, rnd, phase, enc.get(id(p))) for node, p in instructions.items()}
+        memo: dict = {}  # digests of records several instructions share (a secure instruction's weights)
+        # a phase instruction in several secure instructions: encoded once, records shared; the stage's "out" entries
+        # in one group commit, durable before any of them is sent
+        with codec.sharing(), self.guard.ledger.batch():
+            enc = {i: (c, inspect.describe(c)) for i, p in once.items() for c in [codec.encode(p)]}  # hashed once
+            out = {node: self.guard.outbound(node, p, rnd, phase, enc.get(id(p)), memo)
+                   for node, p in instructions.items()}
+        del memo
         t0, got = time.monotonic(), self._send(out, timeout)  # it may return before the timeout (nodes gone)
         replies, errors = {}, {}  # node -> the checked payload / the reason it was refused
-        for node in instructions:
-            reply = got.get(node, f"no reply after {time.monotonic() - t0:.0f} s (round-timeout {timeout:.0f} s)")
-            try:
-                replies[node] = self.guard.inbound(node, reply, expected, rnd, phase,
-                                                   (lengths or {}).get(node), probe)
-            except WireError as exc:
-                errors[node] = Reason(exc.reason, str(exc))
+        with self.guard.ledger.batch():  # the stage's "in" entries: durable before anything acts on the replies
+            for node in instructions:
+                reply = got.get(node, f"no reply after {time.monotonic() - t0:.0f} s (round-timeout {timeout:.0f} s)")
+                try:
+                    replies[node] = self.guard.inbound(node, reply, expected, rnd, phase,
+                                                       (lengths or {}).get(node), probe)
+                except WireError as exc:
+                    errors[node] = Reason(exc.reason, str(exc))
         return replies, errors

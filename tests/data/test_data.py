@@ -424,3 +424,32 @@ def test_check_answer_rules():
     assert check_answer("strings", "", "CBA\n", "CBA") and not check_answer("strings", "", "cba", "CBA")
     assert check_answer("arith-hard", "", "4", "4.0")  # family prefix selects the verifier
     assert check_answer("custom", "", " x ", "x") and not check_answer("custom", "", "y", "x")
+
+
+def test_load_party_reads_a_file_again_only_when_its_bytes_change(tmp_path, monkeypatch):
+    import distmoe.data.party as party_mod
+
+    d = _party(tmp_path)
+    reads = []
+    real = party_mod.read_jsonl
+    monkeypatch.setattr(party_mod, "read_jsonl", lambda p, *a: reads.append(Path(p).name) or real(p, *a))
+    first = load_party(d, CFG)
+    assert sorted(reads) == ["alpha.jsonl", "beta.jsonl"]
+    again = load_party(d, CFG)  # the same bytes: nothing parsed again, the same split
+    assert sorted(reads) == ["alpha.jsonl", "beta.jsonl"]
+    assert again.train("alpha") == first.train("alpha") and again.heldout("alpha") == first.heldout("alpha")
+    # rewritten in place with the same size (same inode, possibly the same timestamps): read afresh
+    path = d / "beta.jsonl"
+    before = path.stat().st_size
+    _write(path, [{"instruction": "ONLY", "output": "ONE"}, {"instruction": "TWO", "output": "2"}])
+    assert path.stat().st_size == before
+    changed = load_party(d, CFG)
+    assert reads.count("beta.jsonl") == 2
+    assert {ex.as_messages()[0]["content"] for ex in changed.train("beta") + changed.heldout("beta")} == {"ONLY", "TWO"}
+    # another seed splits afresh; a file that stops validating fails every time (never served from the memo)
+    load_party(d, DataConfig(**{**CFG.__dict__, "seed": 7}))
+    assert reads.count("alpha.jsonl") == 2
+    _write(path, ["{not json"])
+    for _ in range(2):
+        with pytest.raises(DataError):
+            load_party(d, CFG)

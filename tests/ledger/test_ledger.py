@@ -291,3 +291,45 @@ def test_ledger_accepts_key_path(tmp_path):
     led.append(**_fields(0))
     assert led.public_key_hex == public_key_hex(k)
     assert verify_ledger(led.path, public_key_hex(k)).ok
+
+
+def test_a_batch_is_one_group_commit_durable_when_it_ends(tmp_path, key, monkeypatch):
+    """Inside ``batch()`` this thread's appends are written at once and fsynced together when the block ends (one
+    stage's messages to every party); outside, and from another thread meanwhile, each append is fsynced before it
+    returns; ``append_final`` is durable when it returns even inside a batch. The ledger verifies throughout."""
+    import threading
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(ledger_writer.os, "fsync", lambda fd: synced.append(fd) or real(fd))
+    led = Ledger(tmp_path / "ledger" / "c.jsonl", key)
+    led.append(**_fields(0))  # creates the file (its directory is synced too)
+    led.append(**_fields(0, round=99))
+    base = len(synced)
+    synced.clear()
+    assert base >= 1
+    with led.batch():
+        for i in range(1, 4):
+            led.append(**_fields(i))
+        assert len(synced) == 0  # written, not yet synced
+        assert len(_lines(led.path)) == 5
+        other = threading.Thread(target=lambda: led.append(**_fields(9, phase="eval")))
+        other.start()
+        other.join()
+        assert len(synced) == 1  # another thread's append is synced as always
+        with led.batch():  # nested: the outer block syncs
+            led.append(**_fields(4))
+        assert len(synced) == 1
+    assert len(synced) == 2  # one fsync for the batch's four entries
+    with led.batch():
+        pass
+    assert len(synced) == 2  # nothing written, nothing to sync
+    with pytest.raises(RuntimeError), led.batch():  # a failure inside still syncs what was written
+        led.append(**_fields(5))
+        raise RuntimeError("boom")
+    assert len(synced) == 3
+    with led.batch():
+        led.append_final("end", **_fields(6))
+        assert len(synced) == 4
+    assert len(synced) == 4
+    assert verify_ledger(led.path, public_key_hex(key)).ok

@@ -49,3 +49,40 @@ def test_num_sequences_max_binary_search_learns_nothing(synth_dirs, tiny, tmp_pa
     assert set(seen.values()) == {"answer"}, seen  # the reply kind is the same whatever the private size
     for (name, bound), n in rows.items():  # every row or none: never a cut (replace-one)
         assert n == (sizes[name] if sizes[name] <= bound else 0), (name, bound, n)
+
+
+def test_the_carried_probes_weights_are_loaded_once_and_never_reused_after_a_change(synth_dirs, tiny, tmp_path,
+                                                                                   monkeypatch):
+    """The probe a phase instruction carries runs on the instruction's own weights and only reads the model; the
+    phase work of the same message then finds them loaded (one copy and finite check fewer). The skip needs the very
+    same weights object on the same model and is consumed by the next call: a changed model (training) or other
+    weights are always loaded, and the phase work trains from exactly the instruction's weights."""
+    import numpy as np
+    import torch
+
+    from distmoe.party import work
+
+    cfg = parse_run_config(dict(tiny))
+    node = parse_node_config({"data-path": str(synth_dirs[0]), "work-dir": str(tmp_path / "w")}, SimConfig())
+    model, _ = build_model(cfg.model)
+    model = apply_trainable(model, cfg.model)
+    w = {k: v.numpy() + 0.25 for k, v in trainable_state(model).items()}
+    loads = []
+    real = work.load_trainable
+    monkeypatch.setattr(work, "load_trainable", lambda m, s, sp: loads.append(1) or real(m, s, sp))
+    m1, _, _ = work.prepare_model(cfg, node, w, "", read_only=True)  # the probe
+    m2, _, _ = work.prepare_model(cfg, node, w, "")  # the phase work: the same weights, already loaded
+    assert m1 is m2 and len(loads) == 1
+    assert all(np.array_equal(v.numpy(), w[k]) for k, v in trainable_state(m2).items())
+    with torch.no_grad():  # training changes the model: the skip was consumed, the next call loads again
+        next(p for p in m2.parameters() if p.requires_grad).add_(1.0)
+    m3, _, _ = work.prepare_model(cfg, node, w, "")
+    assert len(loads) == 2 and all(np.array_equal(v.numpy(), w[k]) for k, v in trainable_state(m3).items())
+    work.prepare_model(cfg, node, w, "", read_only=True)
+    other = {k: v + 1 for k, v in w.items()}  # equal keys, another object: loaded
+    m4, _, _ = work.prepare_model(cfg, node, other, "")
+    assert len(loads) == 4 and all(np.array_equal(v.numpy(), other[k]) for k, v in trainable_state(m4).items())
+    work.prepare_model(cfg, node, w, "", read_only=True)
+    work.forget_loaded()  # the service drops it when the message's work ends
+    work.prepare_model(cfg, node, w, "")
+    assert len(loads) == 6

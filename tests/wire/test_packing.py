@@ -5,6 +5,7 @@ both guards still refuse what they refused, on the unpacked records."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -237,3 +238,76 @@ def test_the_party_guard_refuses_a_packed_instruction_that_lies_or_carries_a_nan
                 if json.loads(x)["direction"] == "in"]
     assert "'w'" in verdicts[-2] and "NaN or Inf" in verdicts[-2], verdicts[-2]
     assert "packing: array arrays.b" in verdicts[-1], verdicts[-1]
+
+
+def _round_starts(nodes=(5, 6, 7)) -> dict:
+    import os
+
+    from distmoe.privacy import secagg as sa
+
+    fed = sa.LocalFederation(sa.SecAggParams(os.urandom(16), 2, 64, 10), list(nodes))
+    directory = fed.server.register([c.advertise() for c in fed.clients.values()])
+    for c in fed.clients.values():
+        c.receive_directory(directory)
+    fed.server.add_share_keys([c.share_keys(1) for c in fed.clients.values()])
+    return fed.server.begin_round(1, 6)
+
+
+def test_one_exchanges_secure_instructions_share_the_weights_and_log_the_same_digests():
+    """Each party's secure instruction wraps the same phase instruction (the same weights) in its own round start:
+    within one exchange (``codec.sharing``, one digest memo, one pack memo) the weights are encoded, hashed and
+    packed once, and every message's digest, records and decoded payload are exactly those made without sharing.
+    A different instruction with the same record names in the same memos is not taken for the first one."""
+    from distmoe.wire.schema import SecureInstruction, SftInstruction
+
+    starts = _round_starts()
+    first = SftInstruction(1, "arith", W, "h", 0, None, 0)
+    other = SftInstruction(1, "arith", {k: v + 1 for k, v in W.items()}, "h", 0, None, 0)
+    msgs = {n: SecureInstruction(first, starts[n], "model-update") for n in starts}
+    msgs[99] = SecureInstruction(other, starts[5], "model-update")
+    plain = {n: codec.encode(si) for n, si in msgs.items()}
+    digests, dmemo, pmemo = {}, {}, {}
+    with codec.sharing():
+        shared = {n: codec.encode(si) for n, si in msgs.items()}
+    for n, content in shared.items():
+        digests[n] = inspect.digest(content, memo=dmemo)
+        assert digests[n] == inspect.digest(plain[n])  # what the ledger records: unchanged by the sharing
+        _same_records(packing.unpack(packing.pack(content, pmemo)), packing.unpack(packing.pack(plain[n])))
+        got = codec.decode(content, SecureInstruction)
+        assert got.start == msgs[n].start and got.instruction.round == 1
+        _assert_same(got.instruction, msgs[n].instruction)
+    assert shared[5]["arrays"] is shared[6]["arrays"] is shared[7]["arrays"]  # encoded once
+    assert shared[99]["arrays"] is not shared[5]["arrays"] and digests[99] != digests[5]
+    assert len({digests[n] for n in starts}) == 3  # each party's own round start is in its digest
+    packs = [packing.pack(shared[n], pmemo)[PACKED]["arrays"] for n in (5, 6, 99)]
+    assert packs[0].data is packs[1].data and packs[2].data is not packs[0].data  # packed once; the other on its own
+    with codec.sharing():  # a new exchange starts afresh
+        again = codec.encode(msgs[5])
+    assert again["arrays"] is not shared[5]["arrays"]
+    assert codec.encode(msgs[5])["arrays"] is not codec.encode(msgs[6])["arrays"]  # no sharing outside an exchange
+
+
+def test_a_partys_in_and_out_entries_of_one_message_are_one_group_commit(tmp_path, monkeypatch):
+    """``serve`` logs the instruction (``in``) and the reply (``out``) in one ``Ledger.batch``: one fsync of the party
+    ledger per message, done before the reply (or the error) leaves ``serve``; both entries are there and verify."""
+    import distmoe.ledger.writer as ledger_writer
+    from distmoe.ledger import public_key_hex, verify_ledger
+
+    guard = ServerGuard(Ledger(tmp_path / "c.jsonl", generate_signing_key(tmp_path / "c.key")), "run-1", _policy())
+    key = generate_signing_key(tmp_path / "p.key")
+    party = _Party(Ledger(tmp_path / "p.jsonl", key))
+    mtype, content = guard.outbound(0, ProbeInstruction(4, "h", ("p",), W), 4, "probe")
+    serve(mtype, packing.pack(content), party, "run-1")  # creates the ledger file (and syncs its directory)
+    synced, real = [], ledger_writer.os.fsync
+    monkeypatch.setattr(ledger_writer.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+                        or real(fd))
+    before = len((tmp_path / "p.jsonl").read_text().splitlines())
+    reply = serve(mtype, packing.pack(content), party, "run-1")
+    assert synced == [str(tmp_path / "p.jsonl")]  # one fsync for the two entries, before serve returned
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == before + 2
+    assert guard.inbound(0, packing.pack(reply), ProbeReply, 4, "probe").party == "party-0"
+    synced.clear()
+    with pytest.raises(Refused):  # a refusal: its in entry and its error entry, one fsync, before the error leaves
+        serve(mtype, _poison(packing.pack(content), "arrays", "w", np.inf), party, "run-1")
+    assert synced == [str(tmp_path / "p.jsonl")]
+    assert verify_ledger(tmp_path / "p.jsonl", public_key_hex(key)).ok
