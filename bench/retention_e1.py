@@ -108,7 +108,7 @@ arm-vs-none tests of an endpoint, the oracles included; claims only where the Ho
 ``table``, which prints Stage 0's arms only; corrected to ``table1``, Stage 1's arms, the oracles included, before
 any figure was written up; the analysis is unchanged.)
 
-The pair lookup -> arith, pre-registered on 2026-12-06 at 23:33 UTC before any of its runs (``--pair t1-arith``; B =
+The pair lookup -> arith, pre-registered on 2026-12-06 at 23:31 UTC before any of its runs (``--pair t1-arith``; B =
 ``arith`` of party 0 from the smallest operand window that holds 480 training and 480 held-out items apart, 0..13,
 ``distmoe.data.synth.arith_window``). Measured before any run (``overlap``, ``bench/results/e1-lookup-arith``): JS
 0.282 / intersection 0.71; the base answers 0.479 of B's held-out items (the one-digit facts; NLL 3.61). Run exactly
