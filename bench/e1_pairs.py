@@ -7,8 +7,9 @@ and Stage 1, so a seed's pre-B state is theirs; B has ``6 * keys`` training and 
 * ``t1-t2`` (the default): B = table T2 (disjoint keys, same format: the pair Stage 0 and Stage 1 ran).
 * ``t1-strings``: B = ``strings`` of party 0 (Reverse / Uppercase of 3-letter words), ``t1-shift6``: B = ``shift6``
   (every letter of a 6-letter word one place on), ``t1-arith``: B = ``arith`` of party 0: other families, split
-  by ``distmoe.data.synth.disjoint_split`` (no held-out prompt among the training items; ``arith`` has 400 distinct
-  prompts, too few for 2 x 480, so it is measured but cannot be run).
+  by ``distmoe.data.synth.disjoint_split`` (no held-out prompt among the training items; ``arith``, 400 distinct
+  prompts in party 0's own window, is drawn there from the smallest wider window that holds 2 x 480: operands
+  0..13). A family that cannot give that many raises ``DataError``: measured (``overlap``) but not run.
 
 Routing overlap (``answer_routing``, ``overlap``): on the warm base, teacher-forced, per MoE layer the histogram of
 the router's top-k choices over the positions that predict an answer token (the last prompt token and every answer

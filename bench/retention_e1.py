@@ -114,6 +114,19 @@ arm-vs-none tests of an endpoint, the oracles included; claims only where the Ho
 ``table``, which prints Stage 0's arms only; corrected to ``table1``, Stage 1's arms, the oracles included, before
 any figure was written up; the analysis is unchanged.)
 
+The pair lookup -> arith, pre-registered on 2026-12-06 at 23:31 UTC before any of its runs (``--pair t1-arith``; B =
+``arith`` of party 0 from the smallest operand window that holds 480 training and 480 held-out items apart, 0..13,
+``distmoe.data.synth.arith_window``). Measured before any run (``overlap``, ``bench/results/e1-lookup-arith``): JS
+0.282 / intersection 0.71; the base answers 0.479 of B's held-out items (the one-digit facts; NLL 3.61). Run exactly
+as the route-apart run: base 0 (the cached Stage 0 base), seeds 0, 1, 2, ... (at least 6 planned) one process each,
+one at a time, as many as finish by 00:50 UTC (a seed cut off is left out, the table says which), the arms of
+``e1_pairs.ROUTE_APART_ARMS`` in that order, ``--steps-a 300 --a-round 100 --a-target 0.8 --steps-b 100 --round
+20``, out ``bench/results/e1-lookup-arith``. Analysis exactly as the route-apart run's ``table``: B's length by the
+rule from the none arm (if no checkpoint lies in [0.2, 0.8], that is the finding and step 100 is read as a
+secondary); paired differences, 95 % t, Wilcoxon, Holm over the arm-vs-none tests (forced routing its own test), at
+equal B steps and at equal B loss; an effect claimed only where the Holm interval excludes 0; the stop rule (+0.10
+at equal B loss) for the oracles. Descriptive only: none's A beside T1 -> T2 at the same seeds.
+
 Must not: change the library's training loop (it calls it), use DP or parties, or write outside ``--out`` and
 ``--work``.
 """

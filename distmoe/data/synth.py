@@ -27,7 +27,10 @@ them in a few dozen local steps). Every prompt is "<what to do>" then the operan
 
 * ``disjoint_split`` (for the continual-learning instrument's task pairs, ``bench/e1_pairs.py``): ``n_train``
   and ``n_held`` items of one family with no prompt in both, or ``DataError`` when the family has too few distinct
-  items (``arith``: 400 distinct prompts in party 0's window, so no two disjoint sets of 480).
+  items. ``arith`` (400 distinct prompts in party 0's window) is drawn there from the smallest window, the party's
+  own widened upward (``arith_window``), that holds them all (960 items: operands 0..13, two-digit operands new
+  to the default data); where the party's own window suffices the items are exactly ``generate``'s. The default
+  data (``generate``, ``write_synthetic``) never widens.
 
 Examples within a party's task are distinct while the family has enough distinct items; beyond
 that they repeat (the party split keeps identical examples on one side).
@@ -146,14 +149,21 @@ def _take(items: list[Any], n: int, rng: random.Random) -> list[Any]:
 ARITH_PHRASINGS = ("Compute", "Calculate", "Evaluate", "Solve")
 
 
-def _gen_arith(party: int, n: int, rng: random.Random, seed: int) -> list[dict[str, str]]:
+ARITH_MAX_OPERAND = 99  # disjoint_split's widest arith window (answers stay non-negative integers, <= 198)
+
+
+def _arith_plus_count(party: int, n: int) -> int:
+    """How many of a party's ``n`` arith items are sums (mostly sums on even parties, mostly differences on odd)."""
+    return round(n * (0.75 if party % 2 == 0 else 0.25))
+
+
+def _gen_arith(party: int, n: int, rng: random.Random, seed: int, hi: int | None = None) -> list[dict[str, str]]:
     lo = party % 3
-    hi = lo + 7
-    plus_share = 0.75 if party % 2 == 0 else 0.25
+    hi = lo + 7 if hi is None else hi  # the party's own window; wider only where disjoint_split asks for it
     nums = range(lo, hi + 1)
     plus = [(ph, a, "+", b) for ph in ARITH_PHRASINGS for a in nums for b in nums]
     minus = [(ph, a, "-", b) for ph in ARITH_PHRASINGS for a in nums for b in nums if a >= b]
-    n_plus = round(n * plus_share)
+    n_plus = _arith_plus_count(party, n)
     items = _take(plus, n_plus, rng) + _take(minus, n - n_plus, rng)
     rng.shuffle(items)
     return [{"instruction": ph, "input": f"{a}{op}{b}", "output": str(a + b if op == "+" else a - b)}
@@ -249,14 +259,32 @@ def prompt_of(obj: dict[str, Any]) -> str:
     return f"{obj['instruction']}\n{obj['input']}"
 
 
+def arith_window(party: int, n: int) -> int:
+    """The top operand of the smallest arith window that gives ``party`` ``n`` distinct items in its operator mix:
+    the party's own ``p%3 .. p%3+7`` (400 prompts on party 0), widened upward, at most to ``ARITH_MAX_OPERAND``
+    (``DataError`` beyond). ``m`` operands give ``4 m^2`` sums and ``4 m (m+1) / 2`` differences over 4 phrasings."""
+    lo, n_plus = party % 3, _arith_plus_count(party, n)
+    for hi in range(lo + 7, ARITH_MAX_OPERAND + 1):
+        m = hi - lo + 1
+        if 4 * m * m >= n_plus and 2 * m * (m + 1) >= n - n_plus:
+            return hi
+    m = ARITH_MAX_OPERAND - lo + 1
+    raise DataError(f"arith (party {party}): {n} distinct items need more than operands {lo}..{ARITH_MAX_OPERAND} "
+                    f"give ({4 * m * m} sums, {2 * m * (m + 1)} differences)")
+
+
 def disjoint_split(task: str, seed: int, n_train: int, n_held: int, party: int = 0
                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``(train, heldout)``: the first ``n_train`` and the next ``n_held`` items of ``generate(task, party, ...)``,
-    every prompt distinct (so no held-out item is a training item). Deterministic in the arguments; ``DataError``
-    naming the task when its family cannot give that many distinct prompts."""
+    """``(train, heldout)``: the first ``n_train`` and the next ``n_held`` items of ``generate(task, party, ...)``
+    (``arith``: in ``arith_window``'s window), every prompt distinct (so no held-out item is a training item).
+    Deterministic in the arguments; ``DataError`` naming the task when its family cannot give that many."""
     if n_train < 1 or n_held < 1:
         raise DataError(f"disjoint_split: n_train {n_train} and n_held {n_held} must be >= 1")
-    objs = generate(task, party, n_train + n_held, seed)
+    if task == "arith":  # generate's own stream, in the smallest window that holds them: generate's items if it does
+        hi = arith_window(party, n_train + n_held)
+        objs = _gen_arith(party, n_train + n_held, _rng(task, party, seed), seed, hi)
+    else:
+        objs = generate(task, party, n_train + n_held, seed)
     distinct = len({prompt_of(o) for o in objs})
     if distinct < len(objs):
         raise DataError(f"disjoint_split: task {task!r} (party {party}) gives {distinct} distinct prompts in "
@@ -304,8 +332,11 @@ def generate(task: str, party: int, n: int, seed: int) -> list[dict[str, Any]]:
     """The JSONL objects of ``task`` for ``party`` (deterministic in all arguments)."""
     if task not in _GENERATORS:
         raise DataError(f"unknown synthetic task {task!r} (available: {', '.join(_GENERATORS)})")
-    rng = random.Random(f"distmoe-synth:{seed}:{task}:party-{party}")  # str seeds hash via sha512: stable
-    return _GENERATORS[task](party, n, rng, seed)
+    return _GENERATORS[task](party, n, _rng(task, party, seed), seed)
+
+
+def _rng(task: str, party: int, seed: int) -> random.Random:
+    return random.Random(f"distmoe-synth:{seed}:{task}:party-{party}")  # str seeds hash via sha512: stable
 
 
 def make_canary() -> str:
