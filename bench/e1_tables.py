@@ -23,6 +23,19 @@ def load_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.strip()]
 
 
+PRIMARY = "router+experts"  # the regime of a row without a "trainable" key (every row kept before the option)
+
+
+def regime(rows: list[dict], where: str) -> str:
+    """The one regime (``model.trainable`` during A and B) of ``rows``; ``SystemExit`` naming ``where`` when they
+    mix regimes (arms pair only within a regime: a secondary run keeps its rows in an ``--out`` of its own)."""
+    got = sorted({r.get("trainable", PRIMARY) for r in rows})
+    if len(got) > 1:
+        raise SystemExit(f"{where}: rows of several regimes (model.trainable {', '.join(got)}); the regimes do not "
+                         f"pair: keep each in its own --out")
+    return got[0] if got else PRIMARY
+
+
 def base_seeds(*dirs: Path) -> dict[str, int]:
     """Base directory name -> base seed, from the ``base.jsonl`` records the ``base`` command writes. The name is a
     hash of the whole run config, so one base rebuilt after an unrelated config default changed gets a second name:
