@@ -110,7 +110,7 @@ arm-vs-none tests of an endpoint, the oracles included; claims only where the Ho
 any figure was written up; the analysis is unchanged.)
 
 The secondary regime, everything trained (``--trainable all``: ``model.trainable = "all"`` during A and B; what
-each arm means there: ``bench/e1_arms.py``), Stage 0, pre-registered on 2026-12-06 at 23:30 UTC before any of its
+each arm means there: ``bench/e1_arms.py``), Stage 0, pre-registered on 2026-12-06 at 23:27 UTC before any of its
 runs. Warm base 0 (the cached Stage 0 base, ``--cache`` the shared base cache, read only), pair ``t1-t2``, Stage 0's
 flags exactly (``--steps-a 300 --a-round 100 --a-target 0.8 --steps-b 100 --round 20``, lr 1e-3 for every
 parameter, the backbone's too), arms ``none router-frozen experts-frozen distill replay`` in that order in one
