@@ -362,6 +362,10 @@ def main(argv: list[str] | None = None) -> None:
             print("\n" + e1_tables.overlap_table(*e1_tables.load_overlap(out)))
         if paired and earlier is not None:
             print("\n" + e1_tables.none_beside(rows, earlier, e1_pairs.ROUTE_APART_ARMS))
+        regime = e1_tables.regime(rows, str(out))
+        if not paired and regime != REGIMES[0] and (Path(args.stage0) / "rows.jsonl").exists():
+            print("\n" + e1_tables.none_beside(rows, e1_tables.load_rows(Path(args.stage0)), e1_arms.STAGE0,
+                                                (f"{regime} (here)", f"{REGIMES[0]} (--stage0)")))
     else:
         args.length = 20 if args.length is None else args.length
         rows = e1_tables.load_rows(out)
