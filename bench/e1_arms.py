@@ -21,6 +21,26 @@ A's anchor ``a: [L, E]`` is what the coordinator builds from task A's ``stats:``
   ``experts-frozen`` (the expert oracle: per layer the fewest experts holding >= half of A's top-k assignments,
   protection at scale 0), ``replay`` (B's batches drawn from B's and A's training items, 1:1).
 
+Regimes (``--trainable``, ``REGIMES``): what trains during A and B. ``router+experts`` (primary, the default: the
+backbone frozen after the warm base, so forgetting must go through routers and experts; every arm above as
+written) and ``all`` (secondary: every parameter trains during A and B, ``model.trainable = "all"``). In ``all``
+each arm freezes or constrains only what it names, and everything else, the backbone (embeddings, attention,
+norms, the head) included, trains:
+
+* ``none``, ``replay``: plain SFT of every parameter (replay on B's and A's items, 1:1).
+* ``router-frozen``: only the routers' weights frozen. Their inputs (the hidden states) still move with the
+  backbone, so A's routing is not kept by this arm alone; ``router-frozen+forced`` replaces every router's output
+  (logits, weights, chosen experts) on A's evaluation with the pre-B model's: A's routing exactly as before B,
+  whatever the backbone did (the routing oracle); the experts' inputs and the experts themselves still change.
+* ``experts-frozen``: only the oracle's experts' slices of the expert tensors frozen (protection at scale 0);
+  their inputs move with the backbone, so this bounds what keeping A's experts' weights can buy, not A's
+  expert outputs.
+* ``anchor-*``, ``anchor-token``: the anchor KL added to the loss; nothing frozen.
+* ``protect-*``: the update of A's protected experts' slices scaled by ``s``; nothing else constrained.
+* ``expand``, ``expand+anchor``: the 8 earlier experts and their router rows frozen; the 2 new experts, the new
+  router rows and the backbone train.
+* ``distill``: the reference is the whole pre-B model (in this regime the pre-B state holds every parameter).
+
 Must not: train, evaluate or write rows (the bench does), or change the library.
 """
 
@@ -34,11 +54,13 @@ import torch
 from distmoe.config.routing_keys import RoutingConfig
 from distmoe.model.build import describe, router_modules
 from distmoe.model.expand import default_sources, expand_experts, frozen_set, pad_anchor
+from distmoe.model.trainable import apply_trainable
 from distmoe.routing.anchor import AnchorVersion, build_anchor
 from distmoe.routing.retention import protected_experts
 from distmoe.routing.stats import router_stats
 from distmoe.train.retention import Retention
 
+REGIMES = ("router+experts", "all")  # model.trainable during A and B; the first is the default (rows untagged)
 STAGE0 = ("none", "router-frozen", "experts-frozen", "replay", "distill")
 ANCHOR_COEFS = {"anchor-0.5": 0.5, "anchor-5": 5.0, "anchor-50": 50.0}
 TOKEN_COEF = 0.5
@@ -87,6 +109,14 @@ def task_anchor(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) 
 def protected_count(pre: PreB) -> int:
     """How many experts (over all MoE layers) the ``protect-*`` arms protect."""
     return int(protected_experts(pre.anchor[None], PROTECT_MASS).sum())
+
+
+def regime_model(model: torch.nn.Module, model_cfg, regime: str) -> torch.nn.Module:
+    """``model`` with ``model.trainable = regime`` applied (``distmoe.model.trainable.apply_trainable``); ``ValueError``
+    naming an unknown regime."""
+    if regime not in REGIMES:
+        raise ValueError(f"unknown regime (--trainable) {regime!r}; known: {', '.join(REGIMES)}")
+    return apply_trainable(model, dataclasses.replace(model_cfg, trainable=regime))
 
 
 def branch(arm: str, model: torch.nn.Module, pre: PreB, routing: RoutingConfig) -> Branch:

@@ -23,6 +23,19 @@ def load_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.strip()]
 
 
+PRIMARY = "router+experts"  # the regime of a row without a "trainable" key (every row kept before the option)
+
+
+def regime(rows: list[dict], where: str) -> str:
+    """The one regime (``model.trainable`` during A and B) of ``rows``; ``SystemExit`` naming ``where`` when they
+    mix regimes (arms pair only within a regime: a secondary run keeps its rows in an ``--out`` of its own)."""
+    got = sorted({r.get("trainable", PRIMARY) for r in rows})
+    if len(got) > 1:
+        raise SystemExit(f"{where}: rows of several regimes (model.trainable {', '.join(got)}); the regimes do not "
+                         f"pair: keep each in its own --out")
+    return got[0] if got else PRIMARY
+
+
 def base_seeds(*dirs: Path) -> dict[str, int]:
     """Base directory name -> base seed, from the ``base.jsonl`` records the ``base`` command writes. The name is a
     hash of the whole run config, so one base rebuilt after an unrelated config default changed gets a second name:
@@ -182,9 +195,11 @@ def overlap_table(rows: list[dict], chosen: str | None) -> str:
     return "\n".join(lines + ["", f"Chosen by the pre-registered rule: {chosen or 'none (no pair qualifies)'}."])
 
 
-def none_beside(rows: list[dict], earlier: list[dict], arms: tuple[str, ...]) -> str:
-    """Descriptive, not a test (B differs): the none arm's curve here beside ``earlier``'s (T1 -> T2) at the seeds
-    both ran (here: every one of ``arms``), and at which of them the pre-B state is the same (after-A rows equal)."""
+def none_beside(rows: list[dict], earlier: list[dict], arms: tuple[str, ...],
+                labels: tuple[str, str] = ("this pair", "T1 -> T2")) -> str:
+    """Descriptive, not a test (B or the regime differs): the none arm's curve here beside ``earlier``'s (``labels``:
+    here, there) at the seeds both ran (here: every one of ``arms``), and at which of them the pre-B state is the
+    same (after-A rows equal)."""
     def get(rs: list[dict], seed: int, arm: str, step: int) -> dict | None:
         return next((r for r in rs if r["seed"] == seed and r["arm"] == arm and r["step"] == step), None)
 
@@ -192,8 +207,8 @@ def none_beside(rows: list[dict], earlier: list[dict], arms: tuple[str, ...]) ->
     same = [s for s in seeds if get(rows, s, "after-a", 0) is not None and
             all(get(rows, s, "after-a", 0)[f] == get(earlier, s, "after-a", 0)[f] for f in ("acc_a", "nll_a"))]
     steps = sorted({r["step"] for r in rows if r["arm"] == "none" and r["phase"] == "b"})
-    lines = [f"None beside T1 -> T2 at seeds {seeds} (the same pre-B state at {same}); mean A acc / B acc / B NLL:",
-             "", "| B step | this pair | T1 -> T2 |", "|---|---|---|"]
+    lines = [f"None beside {labels[1]} at seeds {seeds} (the same pre-B state at {same}); mean A acc / B acc / "
+             "B NLL:", "", f"| B step | {labels[0]} | {labels[1]} |", "|---|---|---|"]
     for st in steps:
         cells = []
         for rs in (rows, earlier):

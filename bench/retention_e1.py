@@ -7,6 +7,7 @@ seeds), no DP, on the tiny default model.
     python bench/retention_e1.py table --out bench/results/e1-stage0             # the Stage 0 tables
     python bench/retention_e1.py table1 --out bench/results/e1-stage1            # the Stage 1 tables
     python bench/retention_e1.py overlap --out bench/results/e1-route-apart      # the routing overlap of the pairs
+    python bench/retention_e1.py run --trainable all --out bench/results/e1-secondary  # everything trained
 
 Design. A warm base (``distmoe.train.warmup.build_base``, every parameter trained on the public mix of every
 family), gated on >= 0.9 format-valid greedy answers on held-out public items of every family. Primary regime:
@@ -126,6 +127,26 @@ rule from the none arm (if no checkpoint lies in [0.2, 0.8], that is the finding
 secondary); paired differences, 95 % t, Wilcoxon, Holm over the arm-vs-none tests (forced routing its own test), at
 equal B steps and at equal B loss; an effect claimed only where the Holm interval excludes 0; the stop rule (+0.10
 at equal B loss) for the oracles. Descriptive only: none's A beside T1 -> T2 at the same seeds.
+The secondary regime, everything trained (``--trainable all``: ``model.trainable = "all"`` during A and B; what
+each arm means there: ``bench/e1_arms.py``), Stage 0, pre-registered on 2026-12-06 at 23:27 UTC before any of its
+runs. Warm base 0 (the cached Stage 0 base, ``--cache`` the shared base cache, read only), pair ``t1-t2``, Stage 0's
+flags exactly (``--steps-a 300 --a-round 100 --a-target 0.8 --steps-b 100 --round 20``, lr 1e-3 for every
+parameter, the backbone's too), arms ``none router-frozen experts-frozen distill replay`` in that order in one
+process per seed (Stage 0 ran distill in a second process: the same pre-B state, the re-run of A being exact),
+``--work runs/e1/work-all``, out ``bench/results/e1-secondary`` (its rows carry ``"trainable": "all"``; the
+tables refuse an out that mixes regimes). Seeds 0, 1, 2, ... in order, one process at a time at normal priority,
+as many as finish by 00:50 UTC (at least 5 planned); a seed still running then is stopped and its rows are left
+out of the kept rows (the notebook says which). Analysis exactly as Stage 0's: ``table --out
+bench/results/e1-secondary``: B's length by the rule from the none arm (``e1_stats.choose_length``, the checkpoint
+whose mean kept fraction is closest to 0.5 inside [0.2, 0.8]); at that length, each arm against none, A's accuracy
+after B at equal B steps and at equal B loss, paired differences over seeds, 95 % t-interval, exact Wilcoxon,
+Holm over the 5 arm-vs-none tests of an endpoint (the forced-routing readout its own test); an effect claimed only
+where the Holm interval excludes 0; the stop rule: an oracle (routing: ``router-frozen+forced``; experts:
+``experts-frozen``) that does not beat none by >= 0.10 in A's accuracy at equal B loss means that family cannot buy
+retention in this regime. If no checkpoint lies in [0.2, 0.8], the gate is not met at these lengths: that is the
+finding, and the comparisons at step 20 (the primary's length, ``table --length 20``) and step 100 (the end of B)
+are read as secondary. Descriptive only (not a test: A trains other parameters): none's curve here beside the
+primary's at the same seeds.
 
 Must not: change the library's training loop (it calls it), use DP or parties, or write outside ``--out`` and
 ``--work``.
@@ -137,7 +158,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 import threading
 import time
@@ -147,24 +167,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e1_arms  # noqa: E402  (the bench's own modules, beside this file)
+import e1_eval  # noqa: E402
 import e1_pairs  # noqa: E402
 import e1_tables  # noqa: E402
 
 from distmoe.checkpoint import load_checkpoint  # noqa: E402
 from distmoe.config import parse_run_config  # noqa: E402
 from distmoe.data.formats import DataError, parse_line  # noqa: E402
-from distmoe.data.synth import TASK_FAMILIES, generate  # noqa: E402
+from distmoe.data.synth import generate  # noqa: E402
 from distmoe.data.template import collate, encode_example  # noqa: E402
-from distmoe.model.build import build_model, describe, router_modules  # noqa: E402
-from distmoe.model.trainable import apply_trainable, load_trainable, spec_of, trainable_state  # noqa: E402
-from distmoe.train.evaluate import generate_answers, routing_on  # noqa: E402
+from distmoe.model.build import build_model, describe  # noqa: E402
+from distmoe.model.trainable import load_trainable, spec_of, trainable_state  # noqa: E402
 from distmoe.train.sft import train_sft  # noqa: E402
-from distmoe.train.warmup import PUBLIC_SEED_OFFSET, build_base  # noqa: E402
+from distmoe.train.warmup import build_base  # noqa: E402
 
 ARMS = e1_arms.ARMS
-FORMAT = {"arith": re.compile(r"^-?\d+$"), "strings": re.compile(r"^[A-Za-z]+$"), "lookup": re.compile(r"^[A-Z]{3}$")}
-GATE_ITEMS = 60  # per family
-EVAL_BS = 96
+REGIMES = e1_arms.REGIMES
+EVAL_BS = e1_eval.EVAL_BS
+# the read-outs, in e1_eval (names kept here: the tests and the notebook's snippets call them from this module)
+capture_router, evaluate, a_experts, format_gate = (e1_eval.capture_router, e1_eval.evaluate, e1_eval.a_experts,
+                                                    e1_eval.format_gate)
 
 
 class Timing:
@@ -208,78 +230,14 @@ def load_base(args):
     return model, tok, cfg, base
 
 
-def format_gate(model, tok, cfg, base_seed: int) -> dict[str, float]:
-    """Share of format-valid greedy answers per family on unseen public items (party window 5 of the warm-up seed)."""
-    out = {}
-    for fam in TASK_FAMILIES:
-        exs = [parse_line(o, f"gate {fam}:{i}")
-               for i, o in enumerate(generate(fam, 5, GATE_ITEMS, base_seed + PUBLIC_SEED_OFFSET + 7))]
-        preds = generate_answers(model, tok, exs, cfg.model.max_seq_len, cfg.eval)
-        out[fam] = sum(bool(FORMAT[fam].match(p.strip())) for p in preds) / len(preds)
-    return out
-
-
-def capture_router(model, batches) -> list[list[tuple]]:
-    """Per batch, per MoE layer: the router's (logits, weights, experts) on that batch."""
-    out = []
-    for batch in batches:
-        got: list[tuple] = []
-        hooks = [m.register_forward_hook(lambda _m, _i, o, keep=got: keep.append(tuple(t.detach().clone() for t in o)))
-                 for _, m in router_modules(model)]
-        with torch.no_grad():
-            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        for h in hooks:
-            h.remove()
-        out.append(got)
-    return out
-
-
-@torch.no_grad()
-def evaluate(model, batches, forced: list[list[tuple]] | None = None) -> tuple[float, float]:
-    """(exact-match accuracy, mean NLL per answer token) over the batches, teacher-forced; ``forced``: router
-    outputs to substitute per batch and layer (``capture_router``)."""
-    model.eval()
-    ok, nll = [], []
-    for bi, batch in enumerate(batches):
-        hooks = []
-        if forced is not None:
-            for li, (_, m) in enumerate(router_modules(model)):
-                hooks.append(m.register_forward_hook(lambda _m, _i, _o, fix=forced[bi][li]: fix))
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       use_cache=False).logits  # [B, S, V]
-        for h in hooks:
-            h.remove()
-        labels = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)  # [B, S] next-token labels
-        sup = labels != -100  # [B, S]
-        ce = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100,
-                                               reduction="none")  # [B, S]
-        hit = (logits.argmax(-1) == labels) | ~sup  # [B, S]
-        ok.extend(hit.all(1).tolist())
-        nll.extend((ce.sum(1) / sup.sum(1)).tolist())
-    return sum(ok) / len(ok), sum(nll) / len(nll)
-
-
-def a_experts(model, tok, examples, max_len: int, top_k: int) -> torch.Tensor:
-    """``[L, E]`` bool: per MoE layer the fewest experts that take >= half of A's top-k assignments."""
-    _, valid = routing_on(model, tok, examples, max_len, EVAL_BS)
-    rows = []
-    for v in valid:  # [N, E] per layer
-        counts = torch.bincount(torch.topk(v, top_k, -1).indices.reshape(-1), minlength=v.shape[-1]).float()
-        order = torch.argsort(counts, descending=True)
-        share = torch.cumsum(counts[order], 0) / counts.sum()
-        keep = torch.zeros(v.shape[-1], dtype=torch.bool)
-        keep[order[: int((share < 0.5).sum()) + 1]] = True
-        rows.append(keep)
-    return torch.stack(rows)
-
-
 def run_seed(args, seed: int, out: Path) -> None:
     model, tok, cfg, base = load_base(args)
     torch.manual_seed(seed)
-    model = apply_trainable(model, dataclasses.replace(cfg.model, trainable="router+experts"))
+    model = e1_arms.regime_model(model, cfg.model, args.trainable)
     ms, max_len = describe(model), cfg.model.max_seq_len
     (a_train, a_held), (b_train, b_held) = e1_pairs.pair_tasks(args.pair, seed, args.keys)
     tag = {} if args.pair == e1_pairs.DEFAULT_PAIR else {"pair": args.pair}  # the default's rows stay as they were
+    tag |= {} if args.trainable == REGIMES[0] else {"trainable": args.trainable}  # (e1_tables.regime reads it)
     ex = {k: [parse_line(o, f"{k}:{i}") for i, o in enumerate(v)]
           for k, v in {"a_train": a_train, "a_held": a_held, "b_train": b_train, "b_held": b_held}.items()}
     enc = {k: [encode_example(tok, e, max_len) for e in v] for k, v in ex.items()}
@@ -307,7 +265,7 @@ def run_seed(args, seed: int, out: Path) -> None:
         if evaluate(model, held["a"])[0] >= args.a_target:
             break
     pre = trainable_state(model)
-    work = Path(args.work) / f"s{seed}"
+    work = Path(args.work) / (f"s{seed}" if args.trainable == REGIMES[0] else f"s{seed}-{args.trainable}")
     work.mkdir(parents=True, exist_ok=True)
     torch.save(pre, work / "pre-b.pt")
     forced = capture_router(model, held["a"])
@@ -321,8 +279,8 @@ def run_seed(args, seed: int, out: Path) -> None:
     for arm in args.arms:
         t0 = time.perf_counter()
         if describe(model).num_experts != ms.num_experts:  # grown by an expansion arm: rebuild the model
-            model = apply_trainable(load_base(args)[0], dataclasses.replace(cfg.model, trainable="router+experts"))
-        load_trainable(model, torch.load(work / "pre-b.pt"), spec_of(model, "router+experts"))
+            model = e1_arms.regime_model(load_base(args)[0], cfg.model, args.trainable)
+        load_trainable(model, torch.load(work / "pre-b.pt"), spec_of(model, args.trainable))
         br = e1_arms.branch(arm, model, preb, cfg.routing)
         grown = describe(model).num_experts
         for r, step in enumerate(range(args.round, args.steps_b + 1, args.round)):
@@ -373,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=("base", "run", "table", "table1", "overlap"))
     ap.add_argument("--pair", default=e1_pairs.DEFAULT_PAIR, choices=e1_pairs.PAIRS, help="task A -> task B")
+    ap.add_argument("--trainable", default=REGIMES[0], choices=REGIMES,
+                    help="what trains during A and B (model.trainable): the primary regime or everything")
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--base-seed", type=int, default=0)
     ap.add_argument("--warmup-steps", type=int, default=3000)
@@ -403,33 +363,49 @@ def main(argv: list[str] | None = None) -> None:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row))
     elif args.what == "run":
+        if (out / "rows.jsonl").exists():  # one regime per --out: never append rows of another
+            e1_tables.regime(e1_tables.load_rows(out) + [{"trainable": args.trainable}], str(out))
         (out / "args.json").write_text(json.dumps(vars(args), indent=1))
         for seed in args.seeds:
-            with Timing(out / "timing.jsonl", seed=seed, pair=args.pair, arms=args.arms):
+            with Timing(out / "timing.jsonl", seed=seed, pair=args.pair, trainable=args.trainable, arms=args.arms):
                 run_seed(args, seed, out)
     elif args.what == "overlap":
         measure_pairs(args, out)
     elif args.what == "table":
         seed_of = e1_tables.base_seeds(Path(args.stage0), out)
         rows = e1_tables.units(e1_tables.load_rows(out), seed_of)
-        paired = any("pair" in r for r in rows)  # a run of another pair: its own arms
+        paired, earlier = any("pair" in r for r in rows), same_regime(rows, out, Path(args.stage0))
         print(e1_tables.tables(rows, e1_pairs.ROUTE_APART_ARMS if paired else e1_arms.STAGE0, args.length))
         if paired and (out / "overlap.jsonl").exists():
             print("\n" + e1_tables.overlap_table(*e1_tables.load_overlap(out)))
-        if paired and (Path(args.stage0) / "rows.jsonl").exists():
-            print("\n" + e1_tables.none_beside(rows, e1_tables.load_rows(Path(args.stage0)),
-                                                    e1_pairs.ROUTE_APART_ARMS))
+        if paired and earlier is not None:
+            print("\n" + e1_tables.none_beside(rows, earlier, e1_pairs.ROUTE_APART_ARMS))
+        regime = e1_tables.regime(rows, str(out))
+        if not paired and regime != REGIMES[0] and (Path(args.stage0) / "rows.jsonl").exists():
+            print("\n" + e1_tables.none_beside(rows, e1_tables.load_rows(Path(args.stage0)), e1_arms.STAGE0,
+                                                (f"{regime} (here)", f"{REGIMES[0]} (--stage0)")))
     else:
         args.length = 20 if args.length is None else args.length
         rows = e1_tables.load_rows(out)
-        seed_of = e1_tables.base_seeds(Path(args.stage0), out)
+        seed_of, earlier = e1_tables.base_seeds(Path(args.stage0), out), same_regime(rows, out, Path(args.stage0))
         print(e1_tables.tables(e1_tables.units(rows, seed_of), e1_arms.STAGE1, args.length))
         first = [r for r in rows if seed_of.get(r["base"], 0) == 0]  # Stage 0 ran on base 0 only
         if len(first) < len(rows):
             print("\nBase 0 alone:\n\n" + e1_tables.tables(first, e1_arms.STAGE1, args.length))
-        if (Path(args.stage0) / "rows.jsonl").exists():
-            print("\n" + e1_tables.same_pre_b(first, e1_tables.load_rows(Path(args.stage0)), args.length))
+        if earlier is not None:
+            print("\n" + e1_tables.same_pre_b(first, earlier, args.length))
 
+
+def same_regime(rows: list[dict], out: Path, stage0: Path) -> list[dict] | None:
+    """Check that ``rows`` hold one regime (``SystemExit`` naming ``out`` when they mix), say it when it is not the
+    primary, and return the ``--stage0`` rows to read beside them: only when they exist and are of the same regime."""
+    regime = e1_tables.regime(rows, str(out))
+    if regime != REGIMES[0]:
+        print(f"Regime: model.trainable = {regime!r} during A and B (not the primary {REGIMES[0]!r}).\n")
+    if not (stage0 / "rows.jsonl").exists():
+        return None
+    earlier = e1_tables.load_rows(stage0)
+    return earlier if e1_tables.regime(earlier, str(stage0)) == regime else None
 
 if __name__ == "__main__":
     main()

@@ -242,3 +242,120 @@ def test_a_pair_that_routes_apart_is_measured_run_and_tabulated(tmp_path, capsys
     e1.main(["table", "--out", str(out)])
     shown = capsys.readouterr().out
     assert "anchor-5" in shown and "JS distance" in shown and "Chosen by the pre-registered rule" in shown
+
+
+def _one_b_step(arm: str, regime: str):
+    """The tiny model in ``regime``, one B step of ``arm`` from it as the bench takes it: (model, names of the
+    tensors and expert slices that the step left exactly as they were, the arm's Branch)."""
+    import dataclasses
+
+    import torch
+
+    from distmoe.config import parse_run_config
+    from distmoe.data.formats import parse_line
+    from distmoe.data.synth import disjoint_lookup
+    from distmoe.data.template import collate, encode_example
+    from distmoe.model.build import build_model, describe
+    from distmoe.model.trainable import trainable_state
+    from distmoe.train.sft import train_sft
+
+    arms_mod = _load("e1_arms")
+    cfg = parse_run_config({"run.seed": 0, "train.threads": 1, "train.lr": 1e-2, "train.lr-experts": 1e-2,
+                            "train.lr-router": 1e-2})
+    model, tok = build_model(cfg.model)
+    model = arms_mod.regime_model(model, cfg.model, regime)
+    (a, _), (b, _) = disjoint_lookup(0, 2, 2)
+    enc = {k: [encode_example(tok, parse_line(o, f"{k}:{i}"), 96) for i, o in enumerate(v)]
+           for k, v in (("a", a), ("b", b))}
+    spec = describe(model)
+    layers, experts = len(spec.moe_layers), spec.num_experts
+    oracle = torch.zeros(layers, experts, dtype=torch.bool)
+    oracle[:, :3] = True  # experts 0-2 of every layer: the expert oracle's set here
+    pre = arms_mod.PreB(state=trainable_state(model), a_train=enc["a"], b_train=enc["b"], oracle_experts=oracle,
+                        anchor=arms_mod.task_anchor(model, [collate(enc["a"], tok.pad_token_id)]))
+    br = arms_mod.branch(arm, model, pre, cfg.routing)
+    grown = describe(model).num_experts
+    train_sft(model, br.data, tok.pad_token_id, dataclasses.replace(cfg.train, local_steps=1), br.routing, grown,
+              spec.top_k, br.anchor, 0, br.retention)
+    after = dict(model.named_parameters())
+    kept = set()
+    for name, old in pre.state.items():
+        new = after[name].detach()[: old.shape[0]] if ".experts." in name or name.endswith("gate.weight") else \
+            after[name].detach()
+        if new.dim() >= 2 and new.shape[0] == experts:  # an expert tensor [E, ...] or a router [E, H]: per expert
+            kept |= {f"{name}[{e}]" for e in range(experts) if torch.equal(new[e], old[e])}
+        elif torch.equal(new, old):
+            kept.add(name)
+    return model, kept, br, pre
+
+
+def test_the_all_regime_trains_every_parameter_and_each_arm_freezes_only_what_it_names():
+    """One B step per arm from the same state: in ``all`` the backbone moves; an arm keeps exactly what it names,
+    plus only the expert slices that no token of the step was routed to (those ``none`` keeps too)."""
+    model, idle, _, pre = _one_b_step("none", "all")
+    assert "model.embed_tokens.weight" in pre.state and "model.layers.0.self_attn.q_proj.weight" in pre.state
+    assert all("[" in n for n in idle)  # every tensor trained; at most a few experts' slices got no token
+    routers = {f"model.layers.{i}.mlp.gate.weight" for i in range(4)}
+    oracle = {f"model.layers.{i}.mlp.experts.{t}[{e}]" for i in range(4) for t in ("gate_up_proj", "down_proj")
+              for e in range(3)}
+    _, kept, br, _ = _one_b_step("router-frozen", "all")
+    rows = {f"{r}[{e}]" for r in routers for e in range(8)}
+    assert rows <= kept and all("[" in n for n in kept) and kept - rows <= idle
+    for p in br.frozen:
+        p.requires_grad_(True)  # (the bench's restore after the arm)
+    _, kept, _, _ = _one_b_step("experts-frozen", "all")  # only experts 0-2's slices of the expert tensors
+    assert oracle <= kept and kept - oracle <= idle
+    _, kept, br, pre = _one_b_step("distill", "all")
+    assert set(br.retention.ref_state) == set(pre.state) and kept <= idle  # the whole pre-B model is the reference
+    model, kept, _, _ = _one_b_step("expand", "all")  # the 8 earlier experts and their router rows, nothing else
+    assert {f"model.layers.{i}.mlp.{t}[{e}]" for i in range(4) for e in range(8)
+            for t in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")} <= kept
+    assert all("[" in n for n in kept) and all(p.requires_grad for p in model.parameters())
+    from distmoe.config import parse_run_config
+    from distmoe.model.trainable import trainable_names
+
+    primary = _load("e1_arms").regime_model(model, parse_run_config({"run.seed": 0}).model, "router+experts")
+    assert "model.embed_tokens.weight" not in trainable_names(primary) and routers <= set(trainable_names(primary))
+    with pytest.raises(ValueError, match="unknown regime"):
+        _load("e1_arms").regime_model(model, None, "lora")
+
+
+def test_rows_of_two_regimes_never_mix(tmp_path, capsys):
+    tables = _load("e1_tables")
+    primary = [{"seed": 0, "base": "b", "arm": "none"}]
+    secondary = [{"seed": 0, "base": "b", "trainable": "all", "arm": "none"}]
+    assert tables.regime(primary, "x") == "router+experts" and tables.regime(secondary, "x") == "all"
+    with pytest.raises(SystemExit, match="several regimes"):
+        tables.regime(primary + secondary, "x")
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "rows.jsonl").write_text(json.dumps(primary[0]) + "\n")
+    with pytest.raises(SystemExit, match="several regimes"):  # refused before anything trains or is written
+        e1.main(["run", "--trainable", "all", "--seeds", "0", "--out", str(tmp_path / "p"),
+                 "--cache", str(tmp_path / "cache")])
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "p" / "args.json").exists()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in primary + secondary))
+    with pytest.raises(SystemExit, match="several regimes"):
+        e1.main(["table", "--out", str(tmp_path / "m")])
+    assert e1.same_regime(secondary, tmp_path / "s", tmp_path / "p") is None  # the primary's rows not read beside
+    assert e1.same_regime(primary, tmp_path / "q", tmp_path / "p") == primary
+    assert "Regime: model.trainable = 'all'" in capsys.readouterr().out
+
+
+@pytest.mark.integration  # a tiny run of the secondary regime: its own pre-B file, tagged rows, its table
+def test_a_tiny_run_of_the_all_regime_keeps_its_rows_apart(tmp_path, capsys):
+    import torch
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    e1.main(["run", "--trainable", "all", "--seeds", "0", "--warmup-steps", "1", "--keys", "2", "--steps-a", "1",
+             "--a-round", "1", "--steps-b", "2", "--round", "1", "--arms", "none", "router-frozen", "distill",
+             "--cache", str(tmp_path / "cache"), "--work", str(work), "--out", str(out)])
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    assert {r["trainable"] for r in rows} == {"all"} and ("router-frozen+forced", 2) in {(r["arm"], r["step"])
+                                                                                         for r in rows}
+    assert "model.embed_tokens.weight" in torch.load(work / "s0-all" / "pre-b.pt") and not (work / "s0").exists()
+    assert json.loads((out / "args.json").read_text())["trainable"] == "all"
+    capsys.readouterr()
+    e1.main(["table", "--out", str(out), "--stage0", str(tmp_path / "none")])
+    shown = capsys.readouterr().out
+    assert shown.startswith("Regime: model.trainable = 'all'") and "router-frozen+forced" in shown
