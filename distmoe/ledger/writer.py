@@ -130,13 +130,7 @@ class Ledger:
         finally:
             with self._lock:
                 self._batch = None
-                if self._unsynced:
-                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                    self._unsynced = False
+                self._sync_unsynced()
 
     def append_final(self, why: str, **fields: Any) -> dict[str, Any]:
         """Append one last entry and refuse every later append in this process, under one lock: after a stop
@@ -146,14 +140,18 @@ class Ledger:
                 raise LedgerError(f"{self.path}: sealed ({self._sealed}); no further entries")
             entry = self._append(fields)
             self._sealed = why
-            if self._unsynced:  # the last entry is durable when this returns, batch or not
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                self._unsynced = False
+            self._sync_unsynced()  # the last entry is durable when this returns, batch or not
             return entry
+
+    def _sync_unsynced(self) -> None:
+        """fsync the file if an append since the last sync was left to a batch's end (the caller holds the lock)."""
+        if self._unsynced:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._unsynced = False
 
     def _append(self, fields: Mapping[str, Any]) -> dict[str, Any]:
         body = validate_fields(fields)
