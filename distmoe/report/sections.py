@@ -330,13 +330,16 @@ RETENTION_EVIDENCE = (
     "kept most of its accuracy (+0.65 against no mechanism, centralised; +0.40 federated). Of the rehearsal-free "
     "mechanisms, output distillation (`retention.distill-weight`) kept the most: +0.19 [+0.12, +0.26] of the "
     "earlier task's accuracy at equal new-task loss, at −0.13 [−0.19, −0.07] of the new task's accuracy "
-    "(centralised); federated it kept the earlier task's answer loss 4.1 nats lower but not its accuracy. The "
+    "(centralised); federated from a warm base it kept +0.076 [+0.058, +0.094] of the earlier task's accuracy "
+    "(10 paired seeds), and from random initialisation its answer loss 4.1 nats lower but not its accuracy. The "
     "router anchor (`routing.anchor-kl-coef`) keeps routing close to the earlier task's (routing KL 0.11 → 0.011)"
     " but did not keep the task; expert protection kept +0.02 and expansion nothing at equal new-task loss; even a"
-    " frozen router with the earlier routing forced, or the earlier task's experts frozen, kept at most +0.05 once"
-    " the new task was learned. A larger `routing.anchor-kl-coef` is no remedy: at 5 and 50 the anchor kept "
+    " frozen router with the earlier routing forced, or the earlier task's experts frozen, kept at most +0.13 at "
+    "equal new-task loss (+0.18 with the routing forced where the two tasks route apart). A larger "
+    "`routing.anchor-kl-coef` is no remedy: at 5 and 50 the anchor kept "
     "+0.005 and +0.009 of the earlier task's accuracy at equal new-task loss (centralised, 18 paired runs, "
-    "intervals including 0). A lower `train.lr` is untested.")
+    "intervals including 0), and at 5 with arithmetic as the new task it kept less than no mechanism (−0.062). "
+    "A lower `train.lr` is untested.")
 
 
 def retention_advice(run: _Run) -> str:
