@@ -125,10 +125,12 @@ def load_rows(keep: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(Path(keep).glob("*/row.json"))]
 
 
-def complete_seeds(rows: list[dict], arms: Sequence[str]) -> tuple[list[int], list[int]]:
-    """(seeds with a row of every arm, seeds cut off before every arm ran)."""
-    have: dict[int, set[str]] = {}
+def complete_seeds(rows: list[dict], arms: Sequence[str]) -> tuple[list, list]:
+    """(seeds with a row of every arm, seeds cut off before every arm ran); a seed is an int, or a (base, seed) unit
+    where the rows span several bases."""
+    have: dict = {}
     for r in rows:
-        have.setdefault(int(r["seed"]), set()).add(r["arm"])
+        seed = tuple(r["seed"]) if isinstance(r["seed"], (list, tuple)) else int(r["seed"])
+        have.setdefault(seed, set()).add(r["arm"])
     done = sorted(s for s, got in have.items() if set(arms) <= got)
     return done, sorted(set(have) - set(done))

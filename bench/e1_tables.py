@@ -204,6 +204,8 @@ def none_beside(rows: list[dict], earlier: list[dict], arms: tuple[str, ...],
         return next((r for r in rs if r["seed"] == seed and r["arm"] == arm and r["step"] == step), None)
 
     seeds = sorted(set(e1_stats.complete_seeds(rows, arms)[0]) & {r["seed"] for r in earlier if r["arm"] == "none"})
+    if not seeds:
+        return f"None beside {labels[1]}: no seed (unit) ran in both."
     same = [s for s in seeds if get(rows, s, "after-a", 0) is not None and
             all(get(rows, s, "after-a", 0)[f] == get(earlier, s, "after-a", 0)[f] for f in ("acc_a", "nll_a"))]
     steps = sorted({r["step"] for r in rows if r["arm"] == "none" and r["phase"] == "b"})

@@ -335,8 +335,8 @@ RETENTION_EVIDENCE = (
     "router anchor (`routing.anchor-kl-coef`) keeps routing close to the earlier task's (routing KL 0.11 → 0.011)"
     " but did not keep the task; expert protection kept +0.02 and expansion nothing at equal new-task loss; even a"
     " frozen router with the earlier routing forced, or the earlier task's experts frozen, kept at most +0.13 at "
-    "equal new-task loss (+0.18 with the routing forced where the two tasks route apart). A larger "
-    "`routing.anchor-kl-coef` is no remedy: at 5 and 50 the anchor kept "
+    "equal new-task loss (+0.18 with the routing forced where the two tasks route apart, on one base of five). "
+    "A larger `routing.anchor-kl-coef` is no remedy: at 5 and 50 the anchor kept "
     "+0.005 and +0.009 of the earlier task's accuracy at equal new-task loss (centralised, 18 paired runs, "
     "intervals including 0), and at 5 with arithmetic as the new task it kept less than no mechanism (−0.062). "
     "A lower `train.lr` is untested.")

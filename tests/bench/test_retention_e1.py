@@ -42,6 +42,13 @@ def test_paired_matches_hand_computed_t_interval():
         st.paired([0.1])
 
 
+def test_complete_seeds_keeps_base_seed_units_of_several_bases_apart():
+    rows = [{"seed": (b, s), "arm": a} for b in (1, 2) for s in (0, 1) for a in ("none", "distill")]
+    rows += [{"seed": [3, 0], "arm": "none"}]  # a unit cut off before its second arm (JSON gives a list)
+    assert st.complete_seeds(rows, ("none", "distill")) == ([(1, 0), (1, 1), (2, 0), (2, 1)], [(3, 0)])
+    assert st.complete_seeds([{"seed": "2", "arm": "none"}], ("none",)) == ([2], [])
+
+
 def test_holm_adjusts_step_down_and_stays_monotone():
     adj = st.holm({"a": 0.01, "b": 0.04, "c": 0.03})
     assert adj["a"] == (pytest.approx(0.03), 1)
