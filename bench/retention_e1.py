@@ -127,7 +127,7 @@ rule from the none arm (if no checkpoint lies in [0.2, 0.8], that is the finding
 secondary); paired differences, 95 % t, Wilcoxon, Holm over the arm-vs-none tests (forced routing its own test), at
 equal B steps and at equal B loss; an effect claimed only where the Holm interval excludes 0; the stop rule (+0.10
 at equal B loss) for the oracles. Descriptive only: none's A beside T1 -> T2 at the same seeds.
-Its replication on the other bases, declared on 2026-12-07 at 02:50 UTC before any of its runs: the same flags and
+Its replication on the other bases, declared on 2026-12-07 at 02:35 UTC before any of its runs: the same flags and
 arms (``--pair t1-arith``, ``e1_pairs.ROUTE_APART_ARMS``) on bases 1, 2, 3, 4 with seed 0, then seed 1 of each, in
 that order, one process at a time at low priority, as many as finish by 04:20 UTC (a unit cut off is left out), on
 the code of the commit that adds this paragraph, out ``bench/results/e1-lookup-arith-bases`` (apart from base 0's
