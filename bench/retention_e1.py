@@ -177,6 +177,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e1_arms  # noqa: E402  (the bench's own modules, beside this file)
 import e1_eval  # noqa: E402
 import e1_pairs  # noqa: E402
+import e1_report  # noqa: E402
 import e1_tables  # noqa: E402
 
 from distmoe.checkpoint import load_checkpoint  # noqa: E402
@@ -195,6 +196,7 @@ EVAL_BS = e1_eval.EVAL_BS
 # the read-outs, in e1_eval (names kept here: the tests and the notebook's snippets call them from this module)
 capture_router, evaluate, a_experts, format_gate = (e1_eval.capture_router, e1_eval.evaluate, e1_eval.a_experts,
                                                     e1_eval.format_gate)
+same_regime = e1_report.same_regime  # (the table commands, in e1_report; the name kept here likewise)
 
 
 class Timing:
@@ -380,40 +382,10 @@ def main(argv: list[str] | None = None) -> None:
     elif args.what == "overlap":
         measure_pairs(args, out)
     elif args.what == "table":
-        seed_of = e1_tables.base_seeds(Path(args.stage0), out)
-        rows = e1_tables.units(e1_tables.load_rows(out), seed_of)
-        paired, earlier = any("pair" in r for r in rows), same_regime(rows, out, Path(args.stage0))
-        print(e1_tables.tables(rows, e1_pairs.ROUTE_APART_ARMS if paired else e1_arms.STAGE0, args.length))
-        if paired and (out / "overlap.jsonl").exists():
-            print("\n" + e1_tables.overlap_table(*e1_tables.load_overlap(out)))
-        if paired and earlier is not None:
-            print("\n" + e1_tables.none_beside(rows, earlier, e1_pairs.ROUTE_APART_ARMS))
-        regime = e1_tables.regime(rows, str(out))
-        if not paired and regime != REGIMES[0] and (Path(args.stage0) / "rows.jsonl").exists():
-            print("\n" + e1_tables.none_beside(rows, e1_tables.load_rows(Path(args.stage0)), e1_arms.STAGE0,
-                                                (f"{regime} (here)", f"{REGIMES[0]} (--stage0)")))
+        e1_report.show_table(out, Path(args.stage0), args.length)
     else:
-        args.length = 20 if args.length is None else args.length
-        rows = e1_tables.load_rows(out)
-        seed_of, earlier = e1_tables.base_seeds(Path(args.stage0), out), same_regime(rows, out, Path(args.stage0))
-        print(e1_tables.tables(e1_tables.units(rows, seed_of), e1_arms.STAGE1, args.length))
-        first = [r for r in rows if seed_of.get(r["base"], 0) == 0]  # Stage 0 ran on base 0 only
-        if len(first) < len(rows):
-            print("\nBase 0 alone:\n\n" + e1_tables.tables(first, e1_arms.STAGE1, args.length))
-        if earlier is not None:
-            print("\n" + e1_tables.same_pre_b(first, earlier, args.length))
+        e1_report.show_table1(out, Path(args.stage0), 20 if args.length is None else args.length)
 
-
-def same_regime(rows: list[dict], out: Path, stage0: Path) -> list[dict] | None:
-    """Check that ``rows`` hold one regime (``SystemExit`` naming ``out`` when they mix), say it when it is not the
-    primary, and return the ``--stage0`` rows to read beside them: only when they exist and are of the same regime."""
-    regime = e1_tables.regime(rows, str(out))
-    if regime != REGIMES[0]:
-        print(f"Regime: model.trainable = {regime!r} during A and B (not the primary {REGIMES[0]!r}).\n")
-    if not (stage0 / "rows.jsonl").exists():
-        return None
-    earlier = e1_tables.load_rows(stage0)
-    return earlier if e1_tables.regime(earlier, str(stage0)) == regime else None
 
 if __name__ == "__main__":
     main()

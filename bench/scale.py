@@ -174,11 +174,11 @@ class StageTransport(LocalTransport):
         super().__init__(*a, **kw)
         self.serve_s: dict[str, list[float]] = defaultdict(list)
 
-    def _send(self, out, timeout):
+    def _send(self, out, timeout, memo=None):
         got = {}
         for node, item in out.items():
             t = time.perf_counter()
-            got.update(super()._send({node: item}, timeout))
+            got.update(super()._send({node: item}, timeout, memo))
             self.serve_s[item[0]].append(time.perf_counter() - t)
         return got
 

@@ -97,10 +97,10 @@ class TimedTransport(LocalTransport):
         self._rnd = int(rnd or 0)
         return super().exchange(instructions, expected, timeout, rnd=rnd, phase=phase, lengths=lengths, probe=probe)
 
-    def _send(self, out, timeout):
+    def _send(self, out, timeout, memo=None):
         t, c = time.perf_counter(), time.process_time()  # in process: nothing else runs during the parties' calls
         try:
-            return super()._send(out, timeout)
+            return super()._send(out, timeout, memo)
         finally:
             self.party_s[self._rnd] += time.perf_counter() - t
             self.party_cpu_s[self._rnd] += time.process_time() - c
@@ -200,7 +200,7 @@ class ProcessTransport(TimedTransport):
         self.index = {node: i for i, node in enumerate(sorted(nodes))}
         self.serve_s: dict[int, float] = defaultdict(float)
 
-    def _send(self, out, timeout):
+    def _send(self, out, timeout, memo=None):
         from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
         from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
 

@@ -25,7 +25,7 @@ from distmoe.wire import codec
 from distmoe.wire.errors import ErrorCode, Refused, reason_text
 from distmoe.wire.packing import pack
 from distmoe.wire.party_guard import serve
-from distmoe.wire.server_guard import GuardedTransport
+from distmoe.wire.server_guard import ExchangeMemo, GuardedTransport
 
 
 class LocalTransport(GuardedTransport):
@@ -44,9 +44,10 @@ class LocalTransport(GuardedTransport):
     def node_ids(self) -> list[int]:
         return sorted(self.nodes)
 
-    def _send(self, out: dict[int, tuple[str, object]], timeout: float) -> dict[int, object]:
+    def _send(self, out: dict[int, tuple[str, object]], timeout: float, memo: ExchangeMemo | None = None
+              ) -> dict[int, object]:
         got: dict[int, object] = {}  # node -> the reply's Flower record dict, an ErrorReply, or a reason
-        memo: dict = {}  # as ``codec.instruction_content`` on Flower: a record several instructions share, packed once
+        # packed as ``codec.instruction_content`` does on Flower, with the exchange's memo (a shared record once)
         for node, (mtype, content) in out.items():
             self.timeouts[mtype] = timeout
             if node in self.down:

@@ -29,7 +29,7 @@ from flwr.superlink.grid import http_grid
 from distmoe.config import parse_run_config
 from distmoe.coordinator import Coordinator
 from distmoe.wire import codec
-from distmoe.wire.server_guard import GuardedTransport
+from distmoe.wire.server_guard import ExchangeMemo, GuardedTransport
 
 app = ServerApp()
 REPLY_POLL_FIRST_S = 0.005
@@ -52,10 +52,9 @@ class GridTransport(GuardedTransport):
     def node_ids(self) -> list[int]:
         return sorted(self.grid.get_node_ids())
 
-    def _send(self, out, timeout: float):
-        memo: dict = {}  # a record several instructions share (the weights) is packed once
+    def _send(self, out, timeout: float, memo: ExchangeMemo | None = None):
+        # packed with the exchange's memo (``ExchangeMemo``): a record several instructions share (the weights) once
         msgs = [codec.instruction_content(content, node, mtype, memo) for node, (mtype, content) in out.items()]
-        del memo
         got = {}
         for msg in self._send_and_receive(msgs, timeout):
             node = msg.metadata.src_node_id

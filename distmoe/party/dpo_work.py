@@ -30,6 +30,7 @@ from distmoe.data.template import encode_example, encode_fitting
 from distmoe.model.build import describe
 from distmoe.model.trainable import trainable_state
 from distmoe.party.work import (
+    Loaded,
     PartyError,
     anchor_of,
     left_out_note,
@@ -56,7 +57,8 @@ def _mean(xs: list[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
-def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> tuple[ModelUpdate, dict[str, float]]:
+def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction, loaded: Loaded | None = None
+            ) -> tuple[ModelUpdate, dict[str, float]]:
     """``(update, DPO figures for the party's own log)`` of one ``dpo`` round on ``instr.task``."""
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
@@ -68,7 +70,7 @@ def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> tuple[Mo
         raise PartyError(f"party {node.party}: task {instr.task!r} holds no preference pairs (a dpo phase needs "
                          "lines {\"prompt\", \"chosen\", \"rejected\"}; docs/operations.md, Data)")
     ref_w = instr.ref_weights if instr.ref_weights is not None else instr.weights
-    model, tok, spec = prepare_model(cfg, node, ref_w, instr.base_hash)
+    model, tok, spec = prepare_model(cfg, node, ref_w, instr.base_hash, loaded)
     ms = describe(model)
     n_len, pad, bs = cfg.model.max_seq_len, tok.pad_token_id, cfg.dpo.pairs_per_step
 
@@ -85,7 +87,7 @@ def run_dpo(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> tuple[Mo
                           high=cfg.rl.icepop_high)
     local = _margin_stats(preference_margins(model, held, pad, bs), "dpo_heldout_ref")
     if instr.ref_weights is not None:  # start from the global weights (the cached base: only the weights load)
-        model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
+        model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash, loaded)
     local.update(_margin_stats(preference_margins(model, held, pad, bs), "dpo_heldout_before"))
     anchor = anchor_of(instr, ms)
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}

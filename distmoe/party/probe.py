@@ -30,7 +30,7 @@ import torch
 
 from distmoe.config import NodeConfig, RunConfig
 from distmoe.model.build import describe
-from distmoe.party.work import PartyError, prepare_model
+from distmoe.party.work import Loaded, PartyError, prepare_model
 from distmoe.routing.probe import ProbeError, default_probe_prompts, probe_routing, read_probe_file
 from distmoe.wire.allow_list import ProbeBounds
 from distmoe.wire.errors import ErrorCode
@@ -42,20 +42,21 @@ def run_probe(cfg: RunConfig, node: NodeConfig, instr: ProbeInstruction) -> Prob
     return _probe(cfg, node, instr, f"round {instr.round}: a stand-alone routing probe request (query.probe)")[0]
 
 
-def run_carried(cfg: RunConfig, node: NodeConfig, instr) -> tuple[ProbePart, ProbeBounds]:
+def run_carried(cfg: RunConfig, node: NodeConfig, instr, loaded: Loaded) -> tuple[ProbePart, ProbeBounds]:
     """The probe a phase instruction carries (``instr.probe``), on its global weights, before any local work; read-only
-    on the instruction's own weights, so the phase work that follows finds them loaded (``prepare_model``)."""
+    on the instruction's own weights, so the phase work that follows with the same note (``loaded``: the message's)
+    finds them loaded (``prepare_model``)."""
     reply, bounds = _probe(cfg, node, ProbeInstruction(instr.round, instr.base_hash, instr.probe, instr.weights),
-                           f"round {instr.round}: a routing probe request carried on the phase instruction", True)
+                           f"round {instr.round}: a routing probe request carried on the phase instruction", loaded)
     return ProbePart(reply.routing, reply.top1), bounds
 
 
-def _probe(cfg: RunConfig, node: NodeConfig, instr: ProbeInstruction, where: str, read_only: bool = False
+def _probe(cfg: RunConfig, node: NodeConfig, instr: ProbeInstruction, where: str, loaded: Loaded | None = None
            ) -> tuple[ProbeReply, ProbeBounds]:
     """The one path of every probe request: ``check_request`` before anything else, then the forward pass."""
     check_request(cfg, tuple(instr.prompts), where)
     torch.set_num_threads(cfg.train.threads)
-    model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash, read_only)
+    model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash, loaded, read_only=loaded is not None)
     routing, top1 = probe_routing(model, tok, tuple(instr.prompts), cfg.model.max_seq_len, cfg.eval.batch_size)
     ms = describe(model)
     bounds = ProbeBounds(ms.num_moe_layers, ms.num_experts, len(instr.prompts) * cfg.model.max_seq_len)

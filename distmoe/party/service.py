@@ -62,16 +62,16 @@ from distmoe.wire.schema import (
 )
 
 
-def _run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction):
+def _run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction, loaded: P.Loaded | None = None):
     """``(update, what only this party's log gets)`` of a training round on an ``sft`` instruction: a ``dpo``
     round (``objective = "dpo"``) keeps its DPO figures for that log."""
     if instr.objective == "dpo":
-        return run_dpo(cfg, node, instr)
-    return P.run_sft(cfg, node, instr), {}
+        return run_dpo(cfg, node, instr, loaded)
+    return P.run_sft(cfg, node, instr, loaded), {}
 
 
-_PLAIN = {SftInstruction: lambda cfg, node, instr: _run_sft(cfg, node, instr)[0], RlInstruction: P.run_rl,
-          StatsInstruction: P.run_stats, EvalInstruction: P.run_eval}
+_PLAIN = {SftInstruction: lambda cfg, node, instr, loaded: _run_sft(cfg, node, instr, loaded)[0],
+          RlInstruction: P.run_rl, StatsInstruction: P.run_stats, EvalInstruction: P.run_eval}
 
 
 # instruction -> the PartyService method that computes this party's figures and encodes them with their release
@@ -141,11 +141,9 @@ class PartyService:
                 print(work_dir_note(node, Path(self.ledger.path)), flush=True)
         inner = getattr(instr, "instruction", instr)  # a secure phase instruction's phase instruction
         if isinstance(inner, CARRIED_BY) and inner.probe is not None:  # before any local work (party/probe.py)
-            try:
-                part, self._probe_bounds = run_carried(cfg, node, inner)
-                reply, dp = self._work(mtype, instr)
-            finally:
-                P.forget_loaded()  # the probe's loaded weights are this message's only
+            loaded = P.Loaded()  # the probe's loaded weights, for this message's phase work only
+            part, self._probe_bounds = run_carried(cfg, node, inner, loaded)
+            reply, dp = self._work(mtype, instr, loaded)
             return dataclasses.replace(reply, probe=part), dp
         return self._work(mtype, instr)
 
@@ -155,14 +153,15 @@ class PartyService:
         bounds, self._probe_bounds = self._probe_bounds, None
         return bounds
 
-    def _work(self, mtype: str, instr: object) -> tuple[object, dict | None]:
+    def _work(self, mtype: str, instr: object, loaded: P.Loaded | None = None) -> tuple[object, dict | None]:
+        """``loaded``: this message's note of the weights its carried probe left loaded (``work.Loaded``)."""
         cfg, node = self.cfg, self.node
         if isinstance(instr, ProbeInstruction):  # public inputs only, in the clear in both modes (docs/privacy.md §3)
             return run_probe(cfg, node, instr), None
         if isinstance(instr, SettleInstruction):  # likewise public inputs only (docs/privacy.md §3, the bias settle)
             return run_settle(cfg, node, instr), None
         if not self.secure and type(instr) in _PLAIN:
-            return _PLAIN[type(instr)](cfg, node, instr), None
+            return _PLAIN[type(instr)](cfg, node, instr, loaded), None
         if not self.secure:
             raise Refused(f"{mtype}: secure-aggregation messages in a plaintext-mode run")
         sess = PartySession(cfg, node, self.run_id)
@@ -183,7 +182,7 @@ class PartyService:
             return ConsistencyResponseMsg(sess.consistency(instr.request)), None
         if isinstance(instr, UnmaskRequestMsg):
             return UnmaskResponseMsg(sess.unmask(instr.request)), None
-        return self._secure_phase(instr, sess)
+        return self._secure_phase(instr, sess, loaded)
 
     def _check_data(self) -> None:
         """Validate every task file of this party (``DataError`` names file, line and field: detail for the
@@ -193,7 +192,8 @@ class PartyService:
         except DataError as exc:
             raise Refused(f"party {self.name}: invalid data, not joining this run: {exc}", ErrorCode.DATA) from None
 
-    def _secure_phase(self, si: SecureInstruction, sess: PartySession) -> tuple[MaskedReply, dict | None]:
+    def _secure_phase(self, si: SecureInstruction, sess: PartySession, loaded: P.Loaded | None
+                      ) -> tuple[MaskedReply, dict | None]:
         instr, st = si.instruction, si.start
         if st is None:  # outside this round's U1: share keys for the next round and rejoin there
             return MaskedReply(si.release, None, sess.late_keys(instr.round)), None
@@ -203,7 +203,7 @@ class PartyService:
         if bits != own:  # checked before any work or any privacy is spent
             raise Refused(f"round {instr.round}: the server declared Z_2^{bits} for {si.release}, this party's layout "
                           f"uses Z_2^{own}: refused (mismatched privacy.ring-bits or config?)", ErrorCode.MODEL)
-        vec, dp, contributed, premask = getattr(self, _SECURE[type(instr)])(instr, sess, st)
+        vec, dp, contributed, premask = getattr(self, _SECURE[type(instr)])(instr, sess, st, loaded)
         length = st.length or sess.params.length
         if vec.dtype != sa.primitives.word_dtype(bits):  # the layout encodes in its own width (checked above)
             raise Refused(f"round {instr.round}: {si.release} encoded {vec.dtype} words for Z_2^{bits}",
@@ -217,8 +217,8 @@ class PartyService:
     # one per instruction kind: this party's figures, encoded and noised by their release (distmoe.privacy.releases),
     # whose spec is built by the release module the coordinator opens the sum with, from this party's own config and
     # the setup's public facts (noise multiplier, roster size n, threshold t)
-    def _stats_release(self, instr: StatsInstruction, sess: PartySession, st):
-        per_seq = P.router_stats_per_sequence(self.cfg, self.node, instr, self.cfg.privacy.num_sequences_max)
+    def _stats_release(self, instr: StatsInstruction, sess: PartySession, st, loaded: P.Loaded | None):
+        per_seq = P.router_stats_per_sequence(self.cfg, self.node, instr, self.cfg.privacy.num_sequences_max, loaded)
         spec = R.stats.spec(self.cfg.privacy, sess.facts.noise_multiplier, per_seq.shape[1], per_seq.shape[2],
                             sess.n_parties, sess.params.threshold)  # per_seq: [N, L, E]
         # canaries at positions drawn from this round's U1 mask keys (no single party or the server picks them)
@@ -227,26 +227,26 @@ class PartyService:
                                               sess.accountant.epsilon_budget)
         return vec, dp, contributed, None
 
-    def _eval_release(self, instr: EvalInstruction, sess: PartySession, st):
+    def _eval_release(self, instr: EvalInstruction, sess: PartySession, st, loaded: P.Loaded | None):
         # this party's own privacy.metric-noise-multiplier and data.max-eval-examples (the length, 3 per task, is not
         # theirs)
         spec = R.evaluate.spec(self.cfg.privacy, self.cfg.data.max_eval_examples, instr.tasks, sess.n_parties,
                                sess.params.threshold)
-        vec, dp, contributed = R.evaluate.encode(spec, P.eval_scores(self.cfg, self.node, instr), sess.charge,
+        vec, dp, contributed = R.evaluate.encode(spec, P.eval_scores(self.cfg, self.node, instr, loaded), sess.charge,
                                                  sess.params.threshold, instr.round, sess.accountant.epsilon_budget)
         return vec, dp, contributed, None
 
-    def _update_release(self, instr: SftInstruction | RlInstruction, sess: PartySession, st):
+    def _update_release(self, instr: SftInstruction | RlInstruction, sess: PartySession, st, loaded: P.Loaded | None):
         # the masks do not depend on the update: expanded on a spare core while this party trains
         join = (sess.start_premask(st) if self.cfg.privacy.secagg_premask and sa.primitives.MASK_THREADS > 1
                 else (lambda: None))
         try:
-            vec, dp, contributed = self._update_vector(instr, sess)
+            vec, dp, contributed = self._update_vector(instr, sess, loaded)
         finally:
             premask = join()  # never left running past this message, also when training failed
         return vec, dp, contributed, premask
 
-    def _update_vector(self, instr: SftInstruction | RlInstruction, sess: PartySession):
+    def _update_vector(self, instr: SftInstruction | RlInstruction, sess: PartySession, loaded: P.Loaded | None):
         """Train locally; the update as this round's ``[D]`` vector (noised under client-level DP), with the
         objective's training metrics clipped to their public bounds in the last words (``train_metrics``); every
         other figure stays in this party's own log (``UpdateLayout``: uniform weights)."""
@@ -254,7 +254,7 @@ class PartyService:
         P.take_notes(node.party)  # nothing stale from an earlier call
         # `local`: what only this party's log gets besides the update (a dpo round's DPO figures)
         sft = isinstance(instr, SftInstruction)
-        upd, local = _run_sft(cfg, node, instr) if sft else (P.run_rl(cfg, node, instr), {})
+        upd, local = _run_sft(cfg, node, instr, loaded) if sft else (P.run_rl(cfg, node, instr, loaded), {})
         notes = P.take_notes(node.party)  # names of parameters with non-finite gradients: this party's log only
         z_u = sess.facts.update_noise_multiplier
         layout, slots = self._update_layout(instr, sess)

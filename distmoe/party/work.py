@@ -5,7 +5,8 @@ The ClientApp handlers are thin wrappers around these. Each call takes the party
 initialised identically from ``model.seed``, a checkpoint from the node's own path), checks its
 fingerprint against the server's (``base_hash``), loads the global trainable weights, and reads only
 this party's own data directory. Nothing but that cached base is kept in process memory between
-calls (in deployment every message runs in a new process).
+calls (in deployment every message runs in a new process); what one message's carried probe left loaded is that
+message's own note (``Loaded``), passed down, never module state.
 
 An example whose answer does not fit ``model.max-seq-len`` is left out of every path here (training, router
 statistics, evaluation; ``template.encode_fitting``), never refused: a refusal would let a coordinator that searches
@@ -71,22 +72,32 @@ def runtime(cfg: RunConfig, node: NodeConfig) -> Runtime:
     return resolve_runtime(node.train(cfg.train), cfg.model.trainable)
 
 
-# (model, weights) a read-only use (the carried probe) left loaded: the next ``prepare_model`` call of the same message
-# with the very same weights object on the same model skips the copy and its checks (done on these weights already)
-_LOADED: list[tuple] = []
+class Loaded:
+    """One message's note of what a read-only use (the carried probe) left loaded in the party's model: the next
+    ``prepare_model`` call given the same note, with the very same weights object on the same model, skips the copy
+    and its checks (done on these weights already). The service makes one per message and passes it down; nothing
+    outlives the message (another message, or another run in this process, has its own or none), and the note holds
+    the weights, so no identity is reused while it lives."""
 
+    def __init__(self) -> None:
+        self._last: tuple | None = None  # (model, weights) as the read-only use left them
 
-def forget_loaded() -> None:
-    """Drop what ``prepare_model(..., read_only=True)`` left (the service calls it when the message's work ends)."""
-    _LOADED.clear()
+    def keep(self, model, weights: dict[str, np.ndarray]) -> None:
+        self._last = (model, weights)
+
+    def take(self, model, weights: dict[str, np.ndarray]) -> bool:
+        """Whether ``model`` holds exactly ``weights`` already; consumed either way (a skip at most once)."""
+        last, self._last = self._last, None
+        return last is not None and last[0] is model and last[1] is weights
 
 
 def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarray], base_hash: str,
-                  read_only: bool = False):
+                  loaded: Loaded | None = None, read_only: bool = False):
     """The (per-process cached) base on this party's device, checked against the server's fingerprint, with
-    the global trainable weights loaded. ``read_only``: the caller only reads the model (a forward pass in eval
-    mode, no optimizer), so the next call, when it passes this same ``weights`` object for the same model, finds
-    them loaded already; any next call consumes that, so a load is skipped at most once and never after a change."""
+    the global trainable weights loaded. ``loaded``: this message's note (``Loaded``); ``read_only``: the caller only
+    reads the model (a forward pass in eval mode, no optimizer), so the next call with the same note, when it passes
+    this same ``weights`` object for the same model, finds them loaded already; any next call with the note consumes
+    that, so a load is skipped at most once and never after a change."""
     rt = runtime(cfg, node)
     fingerprint = base_fingerprint(cfg.model, node.model_path)
     if base_hash and fingerprint != base_hash:
@@ -105,11 +116,10 @@ def prepare_model(cfg: RunConfig, node: NodeConfig, weights: dict[str, np.ndarra
         clear_cache()
         model, tok = prepared_model(cfg.model, node.model_path, rt, node.base_cache)
     spec = spec_of(model, cfg.model.trainable, fingerprint)
-    last = _LOADED.pop() if _LOADED else None
-    if last is None or last[0] is not model or last[1] is not weights:
+    if loaded is None or not loaded.take(model, weights):
         load_trainable(model, _to_torch(weights), spec)
-    if read_only:
-        _LOADED.append((model, weights))
+    if read_only and loaded is not None:
+        loaded.keep(model, weights)
     return model, tok, spec
 
 
@@ -155,7 +165,7 @@ def anchor_of(instr: SftInstruction, ms) -> torch.Tensor | None:
     return anchor
 
 
-def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpdate:
+def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction, loaded: Loaded | None = None) -> ModelUpdate:
     """An ``sft`` round (a ``dpo`` round, ``objective = "dpo"``, is ``dpo_work.run_dpo``: the service dispatches)."""
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
@@ -165,7 +175,7 @@ def run_sft(cfg: RunConfig, node: NodeConfig, instr: SftInstruction) -> ModelUpd
                            delta={k: np.zeros_like(v, dtype=np.float32) for k, v in instr.weights.items()})
     if not data.has(instr.task):
         return zero_update()  # this party holds no data for the task: it contributes nothing (weight 0)
-    model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
+    model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash, loaded)
     ms = describe(model)
     _, encoded, left_out = encode_fitting(tok, data.train(instr.task), cfg.model.max_seq_len)
     if not encoded:
@@ -240,7 +250,7 @@ def progress(node: NodeConfig, text: str) -> None:
 
 
 def router_stats_per_sequence(cfg: RunConfig, node: NodeConfig, instr: StatsInstruction,
-                              max_sequences: int | None = None) -> np.ndarray:
+                              max_sequences: int | None = None, loaded: Loaded | None = None) -> np.ndarray:
     """``[N, L, E]`` per-sequence mean router distributions of the global model on every training example of the
     split (``PartyData.stats_train``: no cap, so one added or removed example changes exactly one row). A party with
     more than ``max_sequences`` (the public bound ``privacy.num-sequences-max``) is never cut to the first N (a cut
@@ -251,7 +261,7 @@ def router_stats_per_sequence(cfg: RunConfig, node: NodeConfig, instr: StatsInst
     data = load_data(cfg, node)
     tasks = [instr.task] if instr.task else list(data.tasks)
     examples = [ex for t in tasks if data.has(t) for ex in data.stats_train(t)]
-    model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash)
+    model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash, loaded)
     ms = describe(model)
     if max_sequences is not None and len(examples) > max_sequences:
         progress(node, f"round {instr.round}: {len(examples)} training sequences for the router statistics, above "
@@ -269,9 +279,9 @@ def router_stats_per_sequence(cfg: RunConfig, node: NodeConfig, instr: StatsInst
     return per_sequence_stats(model, batches)
 
 
-def run_stats(cfg: RunConfig, node: NodeConfig, instr: StatsInstruction) -> RouterStats:
+def run_stats(cfg: RunConfig, node: NodeConfig, instr: StatsInstruction, loaded: Loaded | None = None) -> RouterStats:
     """Plaintext mode only: the ``[L, E]`` sum in the clear."""
-    return RouterStats(sums=router_stats_per_sequence(cfg, node, instr).sum(0))
+    return RouterStats(sums=router_stats_per_sequence(cfg, node, instr, loaded=loaded).sum(0))
 
 
 def fitting_heldout(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction, data: PartyData, tok
@@ -286,19 +296,19 @@ def fitting_heldout(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction, da
     return out
 
 
-def run_eval(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> EvalReply:
+def run_eval(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction, loaded: Loaded | None = None) -> EvalReply:
     torch.set_num_threads(cfg.train.threads)
     data = load_data(cfg, node)
     ref_valid = None
     # the reference's routing first: one model in memory, two weight sets
     first = instr.ref_weights if instr.ref_weights is not None else instr.weights
-    model, tok, _ = prepare_model(cfg, node, first, instr.base_hash)
+    model, tok, _ = prepare_model(cfg, node, first, instr.base_hash, loaded)
     heldout = fitting_heldout(cfg, node, instr, data, tok)
     if instr.ref_weights is not None:
         fixed = routing_set(heldout)
         if fixed:
             _, ref_valid = routing_on(model, tok, fixed, cfg.model.max_seq_len, cfg.eval.batch_size)
-        model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash)
+        model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash, loaded)
     ms = describe(model)
     anchor = torch.from_numpy(np.asarray(instr.anchor)) if instr.anchor is not None else None
     metrics = evaluate_party(model, tok, heldout, cfg.model.max_seq_len, cfg.eval, ms.num_experts,
@@ -307,7 +317,8 @@ def run_eval(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> EvalRe
     return EvalReply(party=node.party, metrics={k: float(metrics.get(k, float("nan"))) for k in keys})
 
 
-def eval_scores(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> dict[str, list[tuple[bool, float]]]:
+def eval_scores(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction, loaded: Loaded | None = None
+                ) -> dict[str, list[tuple[bool, float]]]:
     """Secure mode: ``(answered correctly, mean answer loss)`` per held-out example of each task (at most
     ``data.max-eval-examples``, ``load_party``'s cap) whose answer fits ``model.max-seq-len``, for the noised
     per-example sum (``distmoe.privacy.metric_noise``). No routing metrics: they are not released under secure
@@ -316,14 +327,14 @@ def eval_scores(cfg: RunConfig, node: NodeConfig, instr: EvalInstruction) -> dic
     data = load_data(cfg, node)
     if not any(data.has(t) and data.heldout(t) for t in instr.tasks):
         return {t: [] for t in instr.tasks}
-    model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash)
+    model, tok, _ = prepare_model(cfg, node, instr.weights, instr.base_hash, loaded)
     model.eval()
     heldout = fitting_heldout(cfg, node, instr, data, tok)
     return {t: (example_scores(model, tok, t, ex, cfg.model.max_seq_len, cfg.eval) if ex else [])
             for t, ex in heldout.items()}
 
 
-def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdate:
+def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction, loaded: Loaded | None = None) -> ModelUpdate:
     """Local GRPO on this party's prompts of ``instr.task``; the update travels like an SFT update."""
     from distmoe.rl.grpo import run_grpo
 
@@ -333,7 +344,7 @@ def run_rl(cfg: RunConfig, node: NodeConfig, instr: RlInstruction) -> ModelUpdat
         zero = {k: np.zeros_like(v, dtype=np.float32) for k, v in instr.weights.items()}
         return ModelUpdate(party=node.party, delta=zero, num_examples=0, kind="rl",
                            metrics={k: float("nan") for k in RL_METRIC_KEYS})
-    model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash)
+    model, tok, spec = prepare_model(cfg, node, instr.weights, instr.base_hash, loaded)
     prompts = data.train(instr.task)
     r = cfg.rl  # rl.prompts-per-step above the prompt count: drawn with replacement (a refusal would tell the count)
     before = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in instr.weights.items()}

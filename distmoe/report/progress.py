@@ -50,6 +50,9 @@ def noisy(value: float, scale: float, digits: int = 2) -> str:
     return f"{value:.{digits}f} ± {scale:.{digits}f}"
 
 
+RETENTION_NA = "n/a (earlier accuracy within noise)"  # retention against an earlier accuracy that was noise
+
+
 def within_noise(value: float, scale: float) -> bool:
     """Is ``value`` within one noise scale of 0 (so a ratio against it is undefined)?"""
     return math.isfinite(scale) and scale > 0 and (not math.isfinite(value) or abs(value) <= scale)

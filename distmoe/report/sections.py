@@ -33,6 +33,7 @@ from distmoe.report.load import (
     fmt,
 )
 from distmoe.report.plots import _series
+from distmoe.report.progress import RETENTION_NA
 
 
 def _parse_time(v: Any) -> datetime | None:
@@ -159,6 +160,17 @@ def _with_noise(value: float | None, sd: float | None) -> Any:
     return "≈ 0 (within noise)" if abs(value) <= sd else f"{value:.2f} ± {sd:.2f}"
 
 
+def _retention_cell(last: Mapping[str, Any], t: str, ret: float | None, acc: float | None, acc_sd: float | None
+                    ) -> Any:
+    """The final table's retention of ``t``: ``RETENTION_NA`` where the run left it undefined (``null``: the
+    accuracy before the task was noise), ``≈ 0 (within noise)`` where the accuracy now is within its noise of 0."""
+    if f"retention/{t}" in last and last[f"retention/{t}"] is None:
+        return RETENTION_NA
+    if ret is not None and acc is not None and acc_sd is not None and abs(acc) <= acc_sd:
+        return "≈ 0 (within noise)"
+    return ret
+
+
 def _final_eval(run: _Run, tasks: list[str]) -> list[str]:
     last = _last_agg_eval(run)
     out = ["## Final evaluation (aggregate)", ""]
@@ -171,7 +183,7 @@ def _final_eval(run: _Run, tasks: list[str]) -> list[str]:
             "(`eval.max-new-tokens`), matches the reference answer exactly (numerically for `arith`); an answer "
             "longer than that can never count (`distmoe data validate` names such tasks). Loss: the mean "
             "per-token loss on the reference answer.", ""]
-    rows = []
+    rows, retained = [], []
     noised = False
     for t in tasks:
         if not any(f"{p}/{t}" in last for p in ("acc", "loss", "n", "retention")):
@@ -180,19 +192,23 @@ def _final_eval(run: _Run, tasks: list[str]) -> list[str]:
         acc_sd = _noise_sd(run, acc, n)
         noised = noised or acc_sd is not None
         loss_sd = _noise_sd(run, loss, n, _num(_config_value(run, "privacy.metric-loss-bound")) or 0.0)
-        rows.append((t, _with_noise(acc, acc_sd), _with_noise(loss, loss_sd), _count(n),
-                     _num(last.get(f"retention/{t}"))))
+        ret = _num(last.get(f"retention/{t}"))
+        cell = _retention_cell(last, t, ret, acc, acc_sd)
+        if ret is not None:
+            retained.append((t, ret, cell))
+        rows.append((t, _with_noise(acc, acc_sd), _with_noise(loss, loss_sd), _count(n), cell))
     out += _table(("task", "accuracy", "loss", "n", "retention"), rows) if rows else ["No per-task metrics."]
     out.append("")
     if noised:
         out += ["Accuracies and losses under secure aggregation carry distributed DP noise; `± x` is its scale (one "
-                "standard deviation), and `≈ 0 (within noise)` a figure within one scale of 0. Retention is left "
-                "undefined (–) where the accuracy before the current task was within its noise of 0.", ""]
+                "standard deviation), and `≈ 0 (within noise)` a figure within one scale of 0 (a retention too, where "
+                f"the accuracy now is). Retention is left undefined, `{RETENTION_NA}`, where the accuracy before "
+                "the current task was within its noise of 0.", ""]
     elif run.secure:
         out += ["Under secure aggregation these figures come from sums over the parties with distributed DP noise "
                 "(`privacy.metric-noise-multiplier`, docs/privacy.md §4.5): a small difference between two "
                 "rounds may be noise.", ""]
-    collapsed = [(t, r) for t, *_, r in rows if r is not None and r < RETENTION_COLLAPSE]
+    collapsed = [(t, cell) for t, r, cell in retained if r < RETENTION_COLLAPSE]
     if collapsed:
         out += [f"**Retention collapsed**: {', '.join(f'`{t}` {fmt(r)}' for t, r in collapsed)} (below "
                 f"{RETENTION_COLLAPSE:g}: the model kept less than half of its earlier accuracy on "

@@ -17,9 +17,6 @@ Must not: know about models, data or training.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 from flwr.app import ConfigRecord, Message, RecordDict
@@ -53,31 +50,14 @@ MESSAGE_TYPE = {pt.cls: pt.message_type for pt in PAYLOADS if pt.message_type}
 LEDGER_RECORD = "ledger"  # the sender's ledger head, attached by the outbound guard; not part of the digest
 
 
-# within ``sharing()``: id(phase instruction) -> (the instruction, its records), so that the secure instructions of one
-# exchange, which wrap the same phase instruction (the same weights) in each party's own round start, encode it once
-# and share its records (encoded records are never changed; each message gets its own record dict)
-_SHARED: ContextVar[dict | None] = ContextVar("distmoe_codec_shared", default=None)
-
-
-@contextmanager
-def sharing() -> Iterator[None]:
-    """Encode every phase instruction nested in the secure instructions of this block once (see ``_SHARED``)."""
-    token = _SHARED.set({})
-    try:
-        yield
-    finally:
-        _SHARED.reset(token)
-
-
 def _put_instruction(out: Out, at: str, instr) -> None:
-    memo = _SHARED.get()
-    if memo is None:
+    # the secure instructions of one exchange wrap the same phase instruction (the same weights) in each party's own
+    # round start: with the exchange's memo it is encoded once and its records shared (encoded records are never
+    # changed; each message gets its own record dict)
+    if out.memo is None:
         out.recs.update(encode(instr).items())
-        return
-    hit = memo.get(id(instr))
-    if hit is None or hit[0] is not instr:  # the memo holds the instruction: its id is not reused meanwhile
-        hit = memo[id(instr)] = (instr, encode(instr))
-    out.recs.update(hit[1].items())
+    else:
+        out.recs.update(out.memo.once("encode", (instr,), lambda: encode(instr)).items())
 
 
 def _take_instruction(inp: In, at: str, got: dict):
@@ -95,11 +75,13 @@ KINDS: dict[str, Kind] = {**BASIC_KINDS, **SECAGG_KINDS, "instruction": Kind(_pu
 assert {f.kind.rstrip("?") for pt in PAYLOADS for f in pt.fields} <= set(KINDS)
 
 
-def encode(payload: object) -> RecordDict:
+def encode(payload: object, memo=None) -> RecordDict:
+    """``payload``'s record dict. ``memo``: the exchange's ``server_guard.ExchangeMemo`` (a phase instruction that
+    several of its secure instructions wrap is encoded once, its records shared), or None."""
     pt = BY_CLASS.get(type(payload))
     if pt is None:
         raise WireError(f"not a wire payload: {type(payload).__name__}")
-    out = Out(pt, payload)
+    out = Out(pt, payload, memo)
     if pt.tag:
         out.config("meta")["payload"] = pt.tag
     for f in pt.fields:
@@ -257,9 +239,9 @@ def reply_content(content: RecordDict, to: Message) -> Message:
     return Message(content=packing.pack(content), reply_to=to)
 
 
-def instruction_content(content: RecordDict, node_id: int, message_type: str, memo: dict | None = None) -> Message:
+def instruction_content(content: RecordDict, node_id: int, message_type: str, memo=None) -> Message:
     """An instruction carrying an already encoded (and logged) record dict, its arrays packed (``packing``; ``memo``:
-    the instructions of one exchange pack a record they share once)."""
+    the exchange's ``server_guard.ExchangeMemo``, so its instructions pack a record they share once)."""
     return Message(content=packing.pack(content, memo), dst_node_id=node_id, message_type=message_type)
 
 

@@ -202,35 +202,32 @@ def _record(h, name: str, rec: object) -> None:
             _value(h, v, f"{name}.{key}")
 
 
-def digest(content: RecordDict, exclude: Collection[str] = (), memo: dict | None = None) -> str:
+def digest(content: RecordDict, exclude: Collection[str] = (), memo=None) -> str:
     """Deterministic SHA-256 (hex) of the records not named in ``exclude``, independent of
     insertion order; every name, key, dtype, shape, stype, byte and value is length-prefixed
     and type-tagged, so any change to them changes the digest.
 
-    ``memo`` (one dict for the messages of one exchange): the hash state after each leading run of records, keyed by
-    their names and object identities, so that messages whose first records (in name order) are the same record
+    ``memo`` (the exchange's ``server_guard.ExchangeMemo``): the hash state after each leading run of records, keyed by
+    their names and record objects, so that messages whose first records (in name order) are the same record
     objects (one model's weights sent to several parties, each with its own round start) hash those bytes once. The
-    digest is the same with or without it; the memo holds the records, so no identity is reused while it lives."""
+    digest is the same with or without it."""
     names = sorted(n for n in content if n not in exclude)
-    key: tuple = ()
-    start = 0
+    start, h = 0, None
     if memo is not None:
-        for i, name in enumerate(names):
-            nxt = (*key, (name, id(content[name])))
-            if nxt not in memo:
+        for i in range(len(names)):
+            got = memo.get("digest", tuple(content[n] for n in names[:i + 1]), tuple(names[:i + 1]))
+            if got is None:
                 break
-            key, start = nxt, i + 1
-    h = memo[key][1].copy() if key else hashlib.sha256(b"distmoe.wire.inspect/v1")
-    for name in names[start:]:
-        rec = content[name]
-        _record(h, name, rec)
+            start, h = i + 1, got
+    h = h.copy() if h is not None else hashlib.sha256(b"distmoe.wire.inspect/v1")
+    for i in range(start, len(names)):
+        _record(h, names[i], content[names[i]])
         if memo is not None:
-            key = (*key, (name, id(rec)))
-            memo[key] = (rec, h.copy())
+            memo.put("digest", tuple(content[n] for n in names[:i + 1]), h.copy(), tuple(names[:i + 1]))
     return h.hexdigest()
 
 
-def describe(content: RecordDict, exclude: Collection[str] = (), memo: dict | None = None) -> dict:
+def describe(content: RecordDict, exclude: Collection[str] = (), memo=None) -> dict:
     """A loggable summary: ``{"keys": sorted ["<record>.<key>"], "shapes": {"<record>.<key>": dims}
     (arrays only), "bytes": record_bytes(content), "sha256": digest(content, exclude)}``; records named
     in ``exclude`` are left out of all four."""

@@ -70,10 +70,10 @@ def _pack_record(name: str, rec: ArrayRecord) -> tuple[dict[str, list], Array]:
     return seg, Array(dtype="uint8", shape=(offset,), stype=inspect.STYPE, data=_u8_npy(parts))
 
 
-def pack(content: RecordDict, memo: dict | None = None) -> RecordDict:
+def pack(content: RecordDict, memo=None) -> RecordDict:
     """``content`` packed (module docstring): the ``PACKED`` ArrayRecord (when it has arrays) and ``MANIFEST``.
-    ``memo`` (one dict for the messages of one exchange): an ArrayRecord object that several of them carry (one
-    model's weights to every party) is packed once and its packed array shared (arrays are never changed)."""
+    ``memo`` (the exchange's ``server_guard.ExchangeMemo``): an ArrayRecord object that several of its messages carry
+    (one model's weights to every party) is packed once and its packed array shared (arrays are never changed)."""
     if PACKED in content or MANIFEST in content:
         raise WireError(f"record names {PACKED!r} and {MANIFEST!r} are reserved for packing (already packed?)")
     if not len(content):
@@ -90,12 +90,8 @@ def pack(content: RecordDict, memo: dict | None = None) -> RecordDict:
                 man["value_keys"].append(key)
             continue
         man["kinds"].append("array")
-        hit = memo.get((name, id(rec))) if memo is not None else None
-        if hit is None or hit[0] is not rec:
-            hit = (rec, *_pack_record(name, rec))
-            if memo is not None:  # the memo holds the record: its id is not reused while the memo lives
-                memo[(name, id(rec))] = hit
-        _, seg, packed[name] = hit
+        seg, packed[name] = (_pack_record(name, rec) if memo is None else
+                             memo.once("pack", (rec,), lambda n=name, r=rec: _pack_record(n, r), (name,)))
         for f in _SEGMENT:
             man[f].extend(seg[f])
     out = {PACKED: ArrayRecord(array_dict=packed)} if packed else {}

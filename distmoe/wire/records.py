@@ -140,8 +140,9 @@ def _release(name: str, tag: str) -> str:
 # The table-driven codec: an Out collects records while encoding, an In tracks what decoding read
 # ------------------------------------------------------------------------------------------------
 class Out:
-    def __init__(self, pt: PayloadType, payload: object):
+    def __init__(self, pt: PayloadType, payload: object, memo=None):
         self.pt, self.payload, self.tag = pt, payload, pt.tag or "secure instruction"
+        self.memo = memo  # the exchange's memo (``server_guard.ExchangeMemo``) or None: what its messages share
         self.recs: dict[str, dict | ArrayRecord | MetricRecord | ConfigRecord] = {}
 
     def config(self, name: str) -> dict:

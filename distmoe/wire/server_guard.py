@@ -13,6 +13,8 @@ Owns:
   sender's ledger head as an anchor. A reply that fails is rejected: logged with the reason, and that
   party is left out of the round.
 - ``GuardedTransport``: the coordinator's one transport type, ``exchange`` over any ``_send`` (Grid, in-process).
+- ``ExchangeMemo``: what the messages of one exchange share, made once (the encoded phase instruction, the digest of
+  leading records, the packed weights); ``exchange`` makes one per exchange and passes it down explicitly.
 
 Must not: read party data, or hand a payload to the coordinator that did not pass the guard.
 """
@@ -62,13 +64,17 @@ class ServerGuard:
     def peer(self, node: int) -> str:
         return self.names.get(node, f"node-{node}")
 
-    def outbound(self, node: int, payload: object, rnd: int | None, phase: str,
-                 encoded: tuple[RecordDict, dict] | None = None, memo: dict | None = None) -> tuple[str, RecordDict]:
-        """``encoded``: this payload's records and description, made once for every node of the exchange it goes to;
-        ``memo``: the exchange's digest memo (``inspect.digest``: leading records shared with another node's
-        instruction, e.g. the weights in each party's secure instruction, are hashed once)."""
-        content = codec.encode(payload) if encoded is None else codec.shared(encoded[0])
-        d = inspect.describe(content, memo=memo) if encoded is None else encoded[1]
+    def outbound(self, node: int, payload: object, rnd: int | None, phase: str, memo: ExchangeMemo | None = None
+                 ) -> tuple[str, RecordDict]:
+        """``memo``: the exchange's (``ExchangeMemo``): a payload object sent to several nodes is encoded and described
+        once, a phase instruction several secure instructions wrap is encoded once, and leading records shared with
+        another node's instruction (the weights in each party's secure instruction) are hashed once."""
+        if memo is None:
+            content = codec.encode(payload)
+            d = inspect.describe(content)
+        else:
+            content, d = memo.once("describe", (payload,), lambda: _described(payload, memo))
+            content = codec.shared(content)  # this node's own record dict (its ledger head goes in it)
         ptype = codec.payload_tag(content)
         problem = check_against_policy(self.policy, ptype, d)
         entry = self.ledger.append(run=self.run_id, round=rnd, phase=phase, direction="out", payload_type=ptype,
@@ -212,7 +218,41 @@ def _flower_link_error(reply: codec.ErrorReply) -> str | None:
     return f"Flower: {reply.reason}" if reply.reason in known else None
 
 
+def _described(payload: object, memo: ExchangeMemo) -> tuple[RecordDict, dict]:
+    content = codec.encode(payload, memo)
+    return content, inspect.describe(content, memo=memo)
+
+
 # ---------------------------------------------------------------------------------------- transport
+class ExchangeMemo:
+    """What the messages of one exchange share, made once: the encoding of a phase instruction that several secure
+    instructions wrap (``codec.encode``), the hash state after a leading run of records several messages carry
+    (``inspect.digest``), an ArrayRecord's packed form (``packing.pack``), a payload object sent to several nodes
+    with its description (``ServerGuard.outbound``). Keyed by the identity of the objects it was made from, which it
+    holds, so no identity is reused while it lives; it lives for one exchange (``GuardedTransport.exchange`` makes
+    it and passes it down explicitly), so two exchanges never share anything. ``made`` counts what was made, per
+    kind (what a test of the sharing reads)."""
+
+    def __init__(self) -> None:
+        self._got: dict[tuple, tuple] = {}  # (kind, tag, ids) -> (the objects, what was made from them)
+        self.made: dict[str, int] = {}
+
+    def get(self, kind: str, objs: tuple, tag: tuple = ()):
+        """What was made of exactly these objects (and ``tag``), or None."""
+        hit = self._got.get((kind, tag, tuple(map(id, objs))))
+        return None if hit is None else hit[1]
+
+    def put(self, kind: str, objs: tuple, value, tag: tuple = ()):
+        self._got[(kind, tag, tuple(map(id, objs)))] = (objs, value)
+        self.made[kind] = self.made.get(kind, 0) + 1
+        return value
+
+    def once(self, kind: str, objs: tuple, make, tag: tuple = ()):
+        """``make()`` the first time for these objects (and ``tag``), what it made every later time."""
+        got = self.get(kind, objs, tag)
+        return got if got is not None else self.put(kind, objs, make(), tag)
+
+
 class GuardedTransport(abc.ABC):
     """``exchange`` = encode + log every instruction, send, check + log every reply. Subclasses give
     ``_send({node: (message_type, content)}, timeout) -> {node: RecordDict | error reason}``."""
@@ -227,8 +267,10 @@ class GuardedTransport(abc.ABC):
         """The nodes connected now."""
 
     @abc.abstractmethod
-    def _send(self, out: dict[int, tuple[str, RecordDict]], timeout: float) -> dict[int, RecordDict | str]:
-        """Deliver every message; return each node's reply content or error reason."""
+    def _send(self, out: dict[int, tuple[str, RecordDict]], timeout: float, memo: ExchangeMemo
+              ) -> dict[int, RecordDict | str]:
+        """Deliver every message (packed with the exchange's ``memo``: ``codec.instruction_content``); return each
+        node's reply content or error reason."""
 
     def exchange(self, instructions: dict[int, object], expected: type, timeout: float, *, rnd: int | None = None,
                  phase: str = "", lengths: Mapping[int, int] | None = None, probe: ProbeBounds | None = None
@@ -238,16 +280,10 @@ class GuardedTransport(abc.ABC):
         the routing probe request, and each reply must carry the probe within these bounds."""
         if self.guard is None:
             raise RuntimeError("transport has no server guard attached")
-        once = {id(p): p for p in instructions.values() if sum(q is p for q in instructions.values()) > 1}
-        memo: dict = {}  # digests of records several instructions share (a secure instruction's weights)
-        # a phase instruction in several secure instructions: encoded once, records shared; the stage's "out" entries
-        # in one group commit, durable before any of them is sent
-        with codec.sharing(), self.guard.ledger.batch():
-            enc = {i: (c, inspect.describe(c)) for i, p in once.items() for c in [codec.encode(p)]}  # hashed once
-            out = {node: self.guard.outbound(node, p, rnd, phase, enc.get(id(p)), memo)
-                   for node, p in instructions.items()}
-        del memo
-        t0, got = time.monotonic(), self._send(out, timeout)  # it may return before the timeout (nodes gone)
+        memo = ExchangeMemo()  # this exchange's: what its instructions share is encoded, hashed and packed once
+        with self.guard.ledger.batch():  # the stage's "out" entries in one group commit, durable before any is sent
+            out = {node: self.guard.outbound(node, p, rnd, phase, memo) for node, p in instructions.items()}
+        t0, got = time.monotonic(), self._send(out, timeout, memo)  # it may return before the timeout (nodes gone)
         replies, errors = {}, {}  # node -> the checked payload / the reason it was refused
         with self.guard.ledger.batch():  # the stage's "in" entries: durable before anything acts on the replies
             for node in instructions:

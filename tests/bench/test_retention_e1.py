@@ -9,6 +9,7 @@ Must not: run the experiment at its real size (the bench does that).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -251,35 +252,52 @@ def test_a_pair_that_routes_apart_is_measured_run_and_tabulated(tmp_path, capsys
     assert "anchor-5" in shown and "JS distance" in shown and "Chosen by the pre-registered rule" in shown
 
 
-def _one_b_step(arm: str, regime: str):
-    """The tiny model in ``regime``, one B step of ``arm`` from it as the bench takes it: (model, names of the
-    tensors and expert slices that the step left exactly as they were, the arm's Branch)."""
-    import dataclasses
+LAYERS = 2
+NARROW = {"model.layers": LAYERS, "model.hidden-size": 32, "model.moe-intermediate-size": 32, "model.heads": 2,
+          "model.kv-heads": 1, "model.head-dim": 16}  # the tiny model's 8 experts per layer, at a fraction of its size
 
-    import torch
 
+@functools.cache
+def _b_setup():
+    """Built once for every arm (each takes its own copy): the config, the narrow tiny model, its tokenizer, the
+    encoded A and B examples and the A anchor of the model."""
     from distmoe.config import parse_run_config
     from distmoe.data.formats import parse_line
     from distmoe.data.synth import disjoint_lookup
     from distmoe.data.template import collate, encode_example
-    from distmoe.model.build import build_model, describe
+    from distmoe.model.build import build_model
+
+    cfg = parse_run_config({"run.seed": 0, "train.threads": 1, "train.lr": 1e-2, "train.lr-experts": 1e-2,
+                            "train.lr-router": 1e-2, **NARROW})
+    model, tok = build_model(cfg.model)
+    (a, _), (b, _) = disjoint_lookup(0, 2, 2)
+    enc = {k: [encode_example(tok, parse_line(o, f"{k}:{i}"), 96) for i, o in enumerate(v)]
+           for k, v in (("a", a), ("b", b))}
+    anchor = _load("e1_arms").task_anchor(model, [collate(enc["a"], tok.pad_token_id)])
+    return cfg, model, tok, enc, anchor
+
+
+def _one_b_step(arm: str, regime: str):
+    """The tiny model in ``regime``, one B step of ``arm`` from it as the bench takes it: (model, names of the
+    tensors and expert slices that the step left exactly as they were, the arm's Branch)."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    from distmoe.model.build import describe
     from distmoe.model.trainable import trainable_state
     from distmoe.train.sft import train_sft
 
     arms_mod = _load("e1_arms")
-    cfg = parse_run_config({"run.seed": 0, "train.threads": 1, "train.lr": 1e-2, "train.lr-experts": 1e-2,
-                            "train.lr-router": 1e-2})
-    model, tok = build_model(cfg.model)
-    model = arms_mod.regime_model(model, cfg.model, regime)
-    (a, _), (b, _) = disjoint_lookup(0, 2, 2)
-    enc = {k: [encode_example(tok, parse_line(o, f"{k}:{i}"), 96) for i, o in enumerate(v)]
-           for k, v in (("a", a), ("b", b))}
+    cfg, base, tok, enc, anchor = _b_setup()
+    model = arms_mod.regime_model(copy.deepcopy(base), cfg.model, regime)
     spec = describe(model)
     layers, experts = len(spec.moe_layers), spec.num_experts
     oracle = torch.zeros(layers, experts, dtype=torch.bool)
     oracle[:, :3] = True  # experts 0-2 of every layer: the expert oracle's set here
     pre = arms_mod.PreB(state=trainable_state(model), a_train=enc["a"], b_train=enc["b"], oracle_experts=oracle,
-                        anchor=arms_mod.task_anchor(model, [collate(enc["a"], tok.pad_token_id)]))
+                        anchor=anchor.clone())
     br = arms_mod.branch(arm, model, pre, cfg.routing)
     grown = describe(model).num_experts
     train_sft(model, br.data, tok.pad_token_id, dataclasses.replace(cfg.train, local_steps=1), br.routing, grown,
@@ -302,8 +320,8 @@ def test_the_all_regime_trains_every_parameter_and_each_arm_freezes_only_what_it
     model, idle, _, pre = _one_b_step("none", "all")
     assert "model.embed_tokens.weight" in pre.state and "model.layers.0.self_attn.q_proj.weight" in pre.state
     assert all("[" in n for n in idle)  # every tensor trained; at most a few experts' slices got no token
-    routers = {f"model.layers.{i}.mlp.gate.weight" for i in range(4)}
-    oracle = {f"model.layers.{i}.mlp.experts.{t}[{e}]" for i in range(4) for t in ("gate_up_proj", "down_proj")
+    routers = {f"model.layers.{i}.mlp.gate.weight" for i in range(LAYERS)}
+    oracle = {f"model.layers.{i}.mlp.experts.{t}[{e}]" for i in range(LAYERS) for t in ("gate_up_proj", "down_proj")
               for e in range(3)}
     _, kept, br, _ = _one_b_step("router-frozen", "all")
     rows = {f"{r}[{e}]" for r in routers for e in range(8)}
@@ -315,13 +333,13 @@ def test_the_all_regime_trains_every_parameter_and_each_arm_freezes_only_what_it
     _, kept, br, pre = _one_b_step("distill", "all")
     assert set(br.retention.ref_state) == set(pre.state) and kept <= idle  # the whole pre-B model is the reference
     model, kept, _, _ = _one_b_step("expand", "all")  # the 8 earlier experts and their router rows, nothing else
-    assert {f"model.layers.{i}.mlp.{t}[{e}]" for i in range(4) for e in range(8)
+    assert {f"model.layers.{i}.mlp.{t}[{e}]" for i in range(LAYERS) for e in range(8)
             for t in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")} <= kept
     assert all("[" in n for n in kept) and all(p.requires_grad for p in model.parameters())
     from distmoe.config import parse_run_config
     from distmoe.model.trainable import trainable_names
 
-    primary = _load("e1_arms").regime_model(model, parse_run_config({"run.seed": 0}).model, "router+experts")
+    primary = _load("e1_arms").regime_model(model, parse_run_config({"run.seed": 0, **NARROW}).model, "router+experts")
     assert "model.embed_tokens.weight" not in trainable_names(primary) and routers <= set(trainable_names(primary))
     with pytest.raises(ValueError, match="unknown regime"):
         _load("e1_arms").regime_model(model, None, "lora")

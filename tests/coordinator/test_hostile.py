@@ -69,8 +69,8 @@ def _blow_up(monkeypatch, party: str, factor: float, clip: bool):
     its honest layout would apply (a party that bypasses its own code, not its outbound guard)."""
     real_sft, real_encode = P.run_sft, UpdateLayout.encode
 
-    def sft(cfg, node, instr):
-        upd = real_sft(cfg, node, instr)
+    def sft(cfg, node, instr, loaded=None):
+        upd = real_sft(cfg, node, instr, loaded)
         if node.party != party:
             return upd
         return ModelUpdate(upd.party, {k: v * factor for k, v in upd.delta.items()}, upd.num_examples, upd.metrics)

@@ -65,8 +65,8 @@ def _lie(monkeypatch, value, party="party-0"):
 
     real = work.run_sft
 
-    def lying(cfg, node, instr):
-        upd = real(cfg, node, instr)
+    def lying(cfg, node, instr, loaded=None):
+        upd = real(cfg, node, instr, loaded)
         if node.party == party:
             upd.metrics["task_loss"] = value
         return upd

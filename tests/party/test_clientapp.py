@@ -196,7 +196,7 @@ def test_max_seq_len_binary_search_learns_nothing(synth_dirs, tiny_plain, tmp_pa
 
 def test_any_exception_message_does_not_leave_the_party(synth_dirs, tiny_plain, tmp_path, monkeypatch):
     """The generic path sent ``f"{type(exc).__name__}: {exc}"``: whatever a library put in the message."""
-    def boom(cfg, node, instr):
+    def boom(cfg, node, instr, loaded=None):
         raise ValueError("row 17: 'patient 4711 has condition X' is not a valid label")
 
     monkeypatch.setitem(service._PLAIN, StatsInstruction, boom)

@@ -56,7 +56,8 @@ def test_the_carried_probes_weights_are_loaded_once_and_never_reused_after_a_cha
     """The probe a phase instruction carries runs on the instruction's own weights and only reads the model; the
     phase work of the same message then finds them loaded (one copy and finite check fewer). The skip needs the very
     same weights object on the same model and is consumed by the next call: a changed model (training) or other
-    weights are always loaded, and the phase work trains from exactly the instruction's weights."""
+    weights are always loaded, and the phase work trains from exactly the instruction's weights. The note is the
+    message's (``work.Loaded``): a call without it always loads."""
     import numpy as np
     import torch
 
@@ -70,19 +71,49 @@ def test_the_carried_probes_weights_are_loaded_once_and_never_reused_after_a_cha
     loads = []
     real = work.load_trainable
     monkeypatch.setattr(work, "load_trainable", lambda m, s, sp: loads.append(1) or real(m, s, sp))
-    m1, _, _ = work.prepare_model(cfg, node, w, "", read_only=True)  # the probe
-    m2, _, _ = work.prepare_model(cfg, node, w, "")  # the phase work: the same weights, already loaded
+    msg = work.Loaded()  # one message's note
+    m1, _, _ = work.prepare_model(cfg, node, w, "", msg, read_only=True)  # the probe
+    m2, _, _ = work.prepare_model(cfg, node, w, "", msg)  # the phase work: the same weights, already loaded
     assert m1 is m2 and len(loads) == 1
     assert all(np.array_equal(v.numpy(), w[k]) for k, v in trainable_state(m2).items())
     with torch.no_grad():  # training changes the model: the skip was consumed, the next call loads again
         next(p for p in m2.parameters() if p.requires_grad).add_(1.0)
-    m3, _, _ = work.prepare_model(cfg, node, w, "")
+    m3, _, _ = work.prepare_model(cfg, node, w, "", msg)
     assert len(loads) == 2 and all(np.array_equal(v.numpy(), w[k]) for k, v in trainable_state(m3).items())
-    work.prepare_model(cfg, node, w, "", read_only=True)
+    work.prepare_model(cfg, node, w, "", msg, read_only=True)
     other = {k: v + 1 for k, v in w.items()}  # equal keys, another object: loaded
-    m4, _, _ = work.prepare_model(cfg, node, other, "")
+    m4, _, _ = work.prepare_model(cfg, node, other, "", msg)
     assert len(loads) == 4 and all(np.array_equal(v.numpy(), other[k]) for k, v in trainable_state(m4).items())
-    work.prepare_model(cfg, node, w, "", read_only=True)
-    work.forget_loaded()  # the service drops it when the message's work ends
-    work.prepare_model(cfg, node, w, "")
+    work.prepare_model(cfg, node, w, "", msg, read_only=True)
+    work.prepare_model(cfg, node, w, "")  # without the message's note (another message): loaded
     assert len(loads) == 6
+
+
+def test_what_one_messages_probe_left_loaded_is_never_seen_by_another_message_or_run(synth_dirs, tiny, tmp_path,
+                                                                                    monkeypatch):
+    """Two messages in one process (the Simulation Engine keeps its processes), the first cut short right after its
+    carried probe (an error, a run stopped): the second, with the very same weights object on the cached model, finds
+    nothing of the first's note and loads its weights, so the model holds exactly them and not what the first left;
+    a second run in the process with other weights likewise."""
+    import numpy as np
+    import torch
+
+    from distmoe.party import work
+
+    cfg = parse_run_config(dict(tiny))
+    node = parse_node_config({"data-path": str(synth_dirs[0]), "work-dir": str(tmp_path / "w")}, SimConfig())
+    model, _ = build_model(cfg.model)
+    w = {k: v.numpy() + 0.25 for k, v in trainable_state(apply_trainable(model, cfg.model)).items()}
+    loads = []
+    real = work.load_trainable
+    monkeypatch.setattr(work, "load_trainable", lambda m, s, sp: loads.append(1) or real(m, s, sp))
+    first, _, _ = work.prepare_model(cfg, node, w, "", work.Loaded(), read_only=True)  # message 1: its probe only
+    with torch.no_grad():  # what the rest of the process did to the cached model meanwhile (another message)
+        next(p for p in first.parameters() if p.requires_grad).add_(1.0)
+    second, _, _ = work.prepare_model(cfg, node, w, "", work.Loaded())  # message 2: its own note
+    assert second is first and len(loads) == 2
+    assert all(np.array_equal(v.numpy(), w[k]) for k, v in trainable_state(second).items())
+    work.prepare_model(cfg, node, w, "", work.Loaded(), read_only=True)  # a run cut short after a probe
+    w2 = {k: v + 1 for k, v in w.items()}  # the next run's first message, its own weights
+    run2, _, _ = work.prepare_model(cfg, node, w2, "", work.Loaded())
+    assert len(loads) == 4 and all(np.array_equal(v.numpy(), w2[k]) for k, v in trainable_state(run2).items())

@@ -11,7 +11,8 @@ from distmoe.report.report import render_markdown, write_report
 from distmoe.rundir.metrics import MetricsLog
 
 
-def _run(root: Path, acc_a_before: float = 0.81, retention: float | None = 0.12, **config) -> Path:
+def _run(root: Path, acc_a_before: float = 0.81, retention: float | None = 0.12, na: bool = False, **config
+         ) -> Path:
     run_dir = root / "run"
     run_dir.mkdir(parents=True)
     write_json_atomic(run_dir / "run.json", {
@@ -29,8 +30,8 @@ def _run(root: Path, acc_a_before: float = 0.81, retention: float | None = 0.12,
                 "contributors": 3, "parties": 3})
     last = {"event": "eval", "round": 4, "party": "all", "phase_label": "eval", "acc/a": 0.0, "n/a": 144.0,
             "loss/a": 9.8, "acc/b": 0.7, "n/b": 144.0, "loss/b": 0.0, "new_task": "b", "new_task_loss": 0.0}
-    if retention is not None:
-        last["retention/a"] = retention
+    if retention is not None or na:
+        last["retention/a"] = retention  # None (na): undefined, the accuracy before was within its noise
     log.append(last)
     for r, label, top1 in ((1, "sft:a", None), (2, "eval", 1.0), (3, "sft:b", 0.4), (4, "eval", 1.0)):
         log.append({"event": "probe", "round": r, "phase_label": label, "parties": 3, "disagreeing": 0,
@@ -38,6 +39,20 @@ def _run(root: Path, acc_a_before: float = 0.81, retention: float | None = 0.12,
                     "expert_counts": [[1, 1, 1, 1]]})
     log.append({"event": "run_end", "status": "completed", "rounds": 4})
     return run_dir
+
+
+def test_retention_against_a_noise_baseline_reads_undefined_and_is_never_called_a_collapse(tmp_path: Path) -> None:
+    """The run left retention undefined (``null``: the accuracy before the task was within its noise of 0): the
+    report says so, plots nothing for it and names no collapse; a retention whose accuracy now is within its noise
+    of 0 reads ``≈ 0 (within noise)``, never ``0.00``."""
+    md = write_report(_run(tmp_path / "na", acc_a_before=0.004, retention=None, na=True)).read_text(encoding="utf-8")
+    section = md[md.index("## Final evaluation"):md.index("## Routing")]
+    assert "| a | ≈ 0 (within noise) | 9.80 ± 0.83 | 144 | n/a (earlier accuracy within noise) |" in section
+    assert "Retention collapsed" not in md and "| 0.00 |" not in section
+    assert md == render_markdown(tmp_path / "na" / "run")
+    md = write_report(_run(tmp_path / "zero", retention=0.0)).read_text(encoding="utf-8")
+    assert "| a | ≈ 0 (within noise) | 9.80 ± 0.83 | 144 | ≈ 0 (within noise) |" in md
+    assert "**Retention collapsed**: `a` ≈ 0 (within noise)" in md
 
 
 def test_final_evaluation_says_what_accuracy_measures_and_how_sure_it_is(tmp_path: Path) -> None:
@@ -54,7 +69,7 @@ def test_final_evaluation_says_what_accuracy_measures_and_how_sure_it_is(tmp_pat
 
 def test_collapse_advice_says_only_what_the_results_support(tmp_path: Path) -> None:
     md = write_report(_run(tmp_path)).read_text(encoding="utf-8")
-    assert "**Retention collapsed**: `a` 0.12" in md
+    assert "**Retention collapsed**: `a` ≈ 0 (within noise)" in md  # `a`'s accuracy now is within its noise of 0
     assert "A larger `routing.anchor-kl-coef` is no remedy: at 5 and 50 the anchor kept +0.005 and +0.009" in md
     assert "holds more of it" not in md  # the old advice no experiment supports
     assert "replaying the earlier task's data kept most of its accuracy (+0.65 against no mechanism" in md

@@ -255,10 +255,11 @@ def _round_starts(nodes=(5, 6, 7)) -> dict:
 
 def test_one_exchanges_secure_instructions_share_the_weights_and_log_the_same_digests():
     """Each party's secure instruction wraps the same phase instruction (the same weights) in its own round start:
-    within one exchange (``codec.sharing``, one digest memo, one pack memo) the weights are encoded, hashed and
+    within one exchange (one ``ExchangeMemo`` for encoding, digests and packing) the weights are encoded, hashed and
     packed once, and every message's digest, records and decoded payload are exactly those made without sharing.
-    A different instruction with the same record names in the same memos is not taken for the first one."""
+    A different instruction with the same record names in the same memo is not taken for the first one."""
     from distmoe.wire.schema import SecureInstruction, SftInstruction
+    from distmoe.wire.server_guard import ExchangeMemo
 
     starts = _round_starts()
     first = SftInstruction(1, "arith", W, "h", 0, None, 0)
@@ -266,25 +267,22 @@ def test_one_exchanges_secure_instructions_share_the_weights_and_log_the_same_di
     msgs = {n: SecureInstruction(first, starts[n], "model-update") for n in starts}
     msgs[99] = SecureInstruction(other, starts[5], "model-update")
     plain = {n: codec.encode(si) for n, si in msgs.items()}
-    digests, dmemo, pmemo = {}, {}, {}
-    with codec.sharing():
-        shared = {n: codec.encode(si) for n, si in msgs.items()}
+    digests, memo = {}, ExchangeMemo()
+    shared = {n: codec.encode(si, memo) for n, si in msgs.items()}
     for n, content in shared.items():
-        digests[n] = inspect.digest(content, memo=dmemo)
+        digests[n] = inspect.digest(content, memo=memo)
         assert digests[n] == inspect.digest(plain[n])  # what the ledger records: unchanged by the sharing
-        _same_records(packing.unpack(packing.pack(content, pmemo)), packing.unpack(packing.pack(plain[n])))
+        _same_records(packing.unpack(packing.pack(content, memo)), packing.unpack(packing.pack(plain[n])))
         got = codec.decode(content, SecureInstruction)
         assert got.start == msgs[n].start and got.instruction.round == 1
         _assert_same(got.instruction, msgs[n].instruction)
     assert shared[5]["arrays"] is shared[6]["arrays"] is shared[7]["arrays"]  # encoded once
     assert shared[99]["arrays"] is not shared[5]["arrays"] and digests[99] != digests[5]
     assert len({digests[n] for n in starts}) == 3  # each party's own round start is in its digest
-    packs = [packing.pack(shared[n], pmemo)[PACKED]["arrays"] for n in (5, 6, 99)]
+    packs = [packing.pack(shared[n], memo)[PACKED]["arrays"] for n in (5, 6, 99)]
     assert packs[0].data is packs[1].data and packs[2].data is not packs[0].data  # packed once; the other on its own
-    with codec.sharing():  # a new exchange starts afresh
-        again = codec.encode(msgs[5])
-    assert again["arrays"] is not shared[5]["arrays"]
-    assert codec.encode(msgs[5])["arrays"] is not codec.encode(msgs[6])["arrays"]  # no sharing outside an exchange
+    assert codec.encode(msgs[5], ExchangeMemo())["arrays"] is not shared[5]["arrays"]  # a new exchange starts afresh
+    assert codec.encode(msgs[5])["arrays"] is not codec.encode(msgs[6])["arrays"]  # no sharing without a memo
 
 
 def test_a_partys_in_and_out_entries_of_one_message_are_one_group_commit(tmp_path, monkeypatch):

@@ -118,7 +118,7 @@ def test_one_probe_for_several_nodes_is_encoded_and_hashed_once(tmp_path, monkey
         def node_ids(self):
             return [0, 1, 2]
 
-        def _send(self, out, timeout):
+        def _send(self, out, timeout, memo=None):
             self.sent = out
             return {}
 
@@ -145,7 +145,7 @@ def test_no_reply_says_how_long_was_waited_not_the_whole_timeout(tmp_path):
         def node_ids(self):
             return [0, 1]
 
-        def _send(self, out, timeout):
+        def _send(self, out, timeout, memo=None):
             return {}  # Flower returned without replies long before the timeout
 
     t = GoneNodes()

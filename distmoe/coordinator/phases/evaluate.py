@@ -2,8 +2,10 @@
 
 Retention of an earlier task ``t`` is ``acc/t now / acc/t before the current task started`` (the
 baseline kept when the task began), reported for the aggregate and, in the plaintext baseline, per party;
-undefined (not reported) when the earlier accuracy is within its noise scale of 0 (``acc_sd/t``, secure
-aggregation), since a ratio to noise says nothing. Noised accuracies print with their noise scale.
+undefined when the earlier accuracy is within its noise scale of 0 (``acc_sd/t``, secure aggregation), since a ratio
+to noise says nothing: ``retention/t`` is then ``null`` in ``metrics.jsonl`` and the round line and the report say
+``n/a (earlier accuracy within noise)`` (``report.progress.RETENTION_NA``). Where the accuracy now is within its
+noise of 0, so is the retention: it reads ``≈ 0 (within noise)``. Noised accuracies print with their noise scale.
 
 Must not: import ``flwr``, or see one party's figures under secure aggregation.
 """
@@ -18,7 +20,7 @@ from distmoe.coordinator.aggregator import EvalSum, SumRequest
 from distmoe.coordinator.context import RunContext
 from distmoe.coordinator.phases.base import PhaseStep
 from distmoe.coordinator.state import RoundState
-from distmoe.report.progress import noisy, within_noise
+from distmoe.report.progress import RETENTION_NA, noisy, within_noise
 from distmoe.wire.schema import EVAL_ROUTING_KEYS, EvalInstruction
 
 NOISE_KEYS = ("acc_sd/", "loss_sd/")  # in memory (progress line, retention); not metrics.jsonl keys
@@ -48,10 +50,10 @@ class Evaluate(PhaseStep):
         for party, m in per_party.items():
             before = s.baseline.get(party, {})
             for t in earlier:
-                r = retention(before.get(f"acc/{t}", math.nan), before.get(f"acc_sd/{t}", math.nan),
-                              m.get(f"acc/{t}", math.nan))
-                if r is not None:
-                    m[f"retention/{t}"] = r
+                acc, sd = before.get(f"acc/{t}", math.nan), before.get(f"acc_sd/{t}", math.nan)
+                r = retention(acc, sd, m.get(f"acc/{t}", math.nan))
+                if r is not None or (math.isfinite(acc) and within_noise(acc, sd)):
+                    m[f"retention/{t}"] = r  # None: undefined, the earlier accuracy was noise (RETENTION_NA)
             if s.current_task:
                 m["new_task"] = s.current_task
                 m["new_task_loss"] = m.get(f"loss/{s.current_task}", math.nan)
@@ -62,9 +64,19 @@ class Evaluate(PhaseStep):
         accs = ", ".join(f"{t} {noisy(agg.get(f'acc/{t}', math.nan), agg.get(f'acc_sd/{t}', math.nan))}"
                          for t in instr.tasks)
         extra = [f"{k} {agg[k]:.3f}" for k in EVAL_ROUTING_KEYS if math.isfinite(agg.get(k, math.nan))]
-        ret = [f"retention {t} {agg[f'retention/{t}']:.2f}" for t in earlier if f"retention/{t}" in agg]
+        ret = [f"retention {t} {_retention_text(agg, t)}" for t in earlier if f"retention/{t}" in agg]
         return replace(s, last_eval=last_eval), " | ".join([f"{out.parties}/{out.nodes} parties", f"acc: {accs}",
                                                             *extra, *ret])
+
+
+def _retention_text(agg: dict, t: str) -> str:
+    """The round line's retention of ``t``: ``RETENTION_NA`` when undefined (the earlier accuracy was noise),
+    ``≈ 0 (within noise)`` when the accuracy now is within its noise of 0, else the ratio."""
+    r = agg[f"retention/{t}"]
+    if r is None:
+        return RETENTION_NA
+    return "≈ 0 (within noise)" if within_noise(agg.get(f"acc/{t}", math.nan), agg.get(f"acc_sd/{t}", math.nan)) \
+        else f"{r:.2f}"
 
 
 def retention(before: float, before_sd: float, now: float) -> float | None:

@@ -114,9 +114,9 @@ def repeat(co: RunContext) -> str | None:
         return None
     _, routing, top1, parties, disagreeing = last
     before = co.probe_anchor_version
-    text = _record(co, m, routing, top1, parties, disagreeing)
+    mt = _record(co, m, routing, top1, parties, disagreeing)
     new_anchor = m.anchor is not None and m.anchor.meta.version != before
-    return text.split(", ")[0] if new_anchor and text.startswith(" | probe: KL ") else ""
+    return _text(mt, ("routing_kl",)) if new_anchor and math.isfinite(mt["routing_kl"]) else ""
 
 
 def _due(co: RunContext) -> bool:
@@ -199,12 +199,12 @@ def _apply(co: RunContext, m: Measured, replies: dict[int, object], errors: dict
                                     f"{len(got)} parties (another device or precision, or a wrong report); the "
                                     "median is used")
     co.probe_last = (m.key, routing, top1, len(got), len(set(disagree + bad)))
-    return _record(co, m, routing, top1, len(got), len(set(disagree + bad)))
+    return _text(_record(co, m, routing, top1, len(got), len(set(disagree + bad))))
 
 
 def _record(co: RunContext, m: Measured, routing: np.ndarray, top1: np.ndarray, parties: int,
-            disagreeing: int) -> str:
-    """The probe's metrics row, health watch and progress text from the parties' median."""
+            disagreeing: int) -> dict:
+    """The probe's metrics row and health watch from the parties' median; returns its metrics (``probe_metrics``)."""
     E, anchor = co.mspec.num_experts, m.anchor
     anchor_version = anchor.meta.version if anchor is not None else 0
     mt = probe_metrics(routing, top1, E, anchor.probs if anchor is not None else None, co.probe_prev_top1)
@@ -215,8 +215,15 @@ def _record(co: RunContext, m: Measured, routing: np.ndarray, top1: np.ndarray, 
                        "top1_consistency": mt["top1_consistency"], "expert_counts": mt["expert_counts"]})
     for kind, text in co.routing_watch.observe(m.round, mt["load_cv"], mt["routing_kl"], anchor_version):
         _warn(co, m.round, kind, text)
-    parts = [f"{name} {mt[k]:.{d}f}" for k, name, d in (("routing_kl", "KL", 3), ("load_cv", "load CV", 2),
-                                                         ("top1_consistency", "top-1", 2)) if math.isfinite(mt[k])]
+    return mt
+
+
+_SHOWN = (("routing_kl", "KL", 3), ("load_cv", "load CV", 2), ("top1_consistency", "top-1", 2))
+
+
+def _text(mt: dict, keys: tuple[str, ...] = tuple(k for k, _, _ in _SHOWN)) -> str:
+    """The probe's progress text: each of ``keys`` (in ``_SHOWN``'s order) that is finite, with its name."""
+    parts = [f"{name} {mt[k]:.{d}f}" for k, name, d in _SHOWN if k in keys and math.isfinite(mt[k])]
     return " | probe: " + ", ".join(parts)
 
 

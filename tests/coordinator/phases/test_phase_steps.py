@@ -106,6 +106,28 @@ def test_eval_reports_retention_against_the_baseline_of_the_current_task(make_ct
     assert "retention arith 0.75" in line and s.last_eval["all"]["acc/arith"] == 0.6
 
 
+def test_eval_says_retention_is_undefined_against_a_noise_baseline_and_near_zero_against_a_noise_accuracy(
+        make_ctx, read_metrics):
+    """An earlier accuracy within its noise of 0: retention is undefined, ``null`` in metrics.jsonl and
+    ``n/a (earlier accuracy within noise)`` on the round line (never a ratio to noise such as ``0.00``); an accuracy
+    now within its noise of 0 against a real earlier one: its retention reads ``≈ 0 (within noise)``."""
+    ctx = make_ctx("sft:arith, sft:strings, sft:lookup, eval", rnd=4)
+    ctx.s = replace(ctx.s, trained_tasks=["arith", "strings", "lookup"], current_task="lookup",
+                    baseline={"all": {"acc/arith": 0.004, "acc_sd/arith": 0.03, "acc/strings": 0.5,
+                                      "acc_sd/strings": 0.03}})
+    step, phase = PHASES["eval"], ctx.cfg.schedule.phases[3]
+    instr = step.configure(ctx, phase)
+    agg = {"acc/arith": 0.3, "acc_sd/arith": 0.03, "acc/strings": 0.01, "acc_sd/strings": 0.03, "acc/lookup": 0.5,
+           "acc_sd/lookup": 0.03, **{f"n/{t}": 9.0 for t in ("arith", "strings", "lookup")}}
+    _, line = step.aggregate(ctx, 3, phase, instr, EvalSum({"all": dict(agg)}, 3, 3))
+    [m] = read_metrics(ctx, "eval")
+    assert "retention/arith" in m and m["retention/arith"] is None
+    assert m["retention/strings"] == pytest.approx(0.02)
+    flat = " ".join(line.split())  # the round line may wrap
+    assert "retention arith n/a (earlier accuracy within noise)" in flat
+    assert "retention strings ≈ 0 (within noise)" in flat and "0.00" not in flat and "0.02" not in flat
+
+
 def test_retention_is_undefined_when_the_baseline_is_noise():
     assert retention(0.8, 0.01, 0.6) == pytest.approx(0.75)
     assert retention(0.02, 0.05, 0.6) is None  # the earlier accuracy is within its noise scale of 0

@@ -117,3 +117,30 @@ def test_a_high_load_cv_warns_once_in_the_record_and_the_report(make_ctx, read_m
     md = render_markdown(ctx.run_dir)
     assert "routing.load-cv-warn = 0.01" in md
     assert "### Expert selection on the probe set" in md and "Per-round routing on the public probe set" in md
+
+
+def test_a_probe_not_sent_again_shows_only_the_kl_to_an_anchor_built_since(make_ctx, read_metrics):
+    """``repeat`` (the model did not change since the last probe): its row is written again for the round, and its
+    progress text is the KL to an anchor built since that probe only, from the recorded figure (never the load CV or
+    a top-1 consistency of 1 with itself); nothing when no new anchor was built."""
+    import re
+
+    from distmoe.routing.anchor import Anchor, AnchorVersion
+
+    ctx = make_ctx("sft:arith, stats:arith, eval", rnd=1, **{"routing.probe-every": 1, "routing.probe-prompts": 4})
+    ctx.probe_prompts = ("a b", "c d", "e f", "g h")
+    L, E = ctx.mspec.num_moe_layers, ctx.mspec.num_experts
+    routing = np.full((L, E), 1.0 / E)
+    routing[:, 0] += 0.1
+    reply = ProbeReply("party-0", routing, np.zeros((L, 6), np.int64))
+    ctx.peer = {100: "party-0"}.__getitem__
+    _, text = probe.apply(ctx, {100: reply}, {})
+    assert "load CV" in text and "KL" not in text  # no anchor yet
+    ctx.s = replace(ctx.s, round=2)  # a stats round: the same weights, a new anchor
+    ctx.s = replace(ctx.s, anchor=Anchor(np.full((L, E), 1.0 / E), AnchorVersion(1, 2, "x", {}, 1.0, "arith")))
+    again = probe.repeat(ctx)
+    rows = read_metrics(ctx, "probe")
+    assert [r["round"] for r in rows] == [1, 2] and rows[1]["routing_kl"] > 0
+    assert re.fullmatch(r" \| probe: KL \d+\.\d{3}", again) and again == f" | probe: KL {rows[1]['routing_kl']:.3f}"
+    ctx.s = replace(ctx.s, round=3)  # an eval round: no new anchor since
+    assert probe.repeat(ctx) == "" and [r["round"] for r in read_metrics(ctx, "probe")] == [1, 2, 3]
