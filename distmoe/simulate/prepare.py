@@ -29,6 +29,7 @@ from distmoe.config import (
     to_toml,
 )
 from distmoe.data.formats import DataError
+from distmoe.report.progress import wrap
 from distmoe.rundir import RunDir
 from distmoe.simulate.datacheck import MAX_NEW_TOKENS_HI, check_parties, length_findings, longest_answer, tokenizer_for
 from distmoe.simulate.processes import SimulationError
@@ -163,8 +164,9 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     if derived is not None and opts.echo:
         print(f"distmoe simulate: schedule derived from the tasks in --data ({', '.join(sorted(held))}; name "
               f"order, set it with --schedule): {schedule_text(cfg.schedule)}", flush=True)
-    for note in notes if opts.echo else ():
-        print(f"distmoe simulate: {note}", file=sys.stderr if note.startswith("warning") else sys.stdout, flush=True)
+    for note in notes if opts.echo else ():  # a data warning is long: lines of at most 100 columns
+        print("\n".join(wrap(f"distmoe simulate: {note}", 100)),
+              file=sys.stderr if note.startswith("warning") else sys.stdout, flush=True)
     existed = run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     try:

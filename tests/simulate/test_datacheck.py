@@ -90,7 +90,9 @@ def test_simulate_data_derives_eval_max_new_tokens_from_the_answers(tmp_path: Pa
     _, _, ov = prepare(SimOptions(overrides={"eval.max-new-tokens": 12}, data=data, runs_dir=tmp_path / "runs",
                                   run_id="s"))
     assert ov["eval.max-new-tokens"] == 12  # set by the user: kept, and the warning says why it is short
-    assert "answers are longer than eval.max-new-tokens = 12" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "answers are longer than eval.max-new-tokens = 12" in " ".join(err.split())
+    assert all(len(x) <= 100 for x in err.splitlines()), err  # a long warning in lines of at most 100 columns
 
 
 def test_planted_canaries_do_not_count_as_answers(tmp_path: Path):
