@@ -137,11 +137,18 @@ def _party_lines(ax, run: _Run, events: list[dict[str, Any]], key: str, thin: bo
 
 def _agg_line(ax, events: list[dict[str, Any]], key: str, label: str = "all",
               task_of: Mapping[int, Any] | None = None) -> int:
-    xs, ys = _series((e for e in events if _party_of(e) == AGG), key)
+    agg = [e for e in events if _party_of(e) == AGG]
+    xs, ys = _series(agg, key)
     n = len(xs)
     if xs:
+        ex, ey = _series(agg, f"{key}_sd")  # a released slot's update-noise std: error bars of one std
+        vals = dict(zip(xs, ys, strict=True))
         xs, ys = _broken(xs, ys, task_of)
         ax.plot(xs, ys, color="black", linewidth=2.2, marker=_marker(n), markersize=4, label=label, zorder=5)
+        bars = [(x, vals[x], sd) for x, sd in zip(ex, ey, strict=True) if x in vals]
+        if bars:
+            ax.errorbar([b[0] for b in bars], [b[1] for b in bars], yerr=[b[2] for b in bars], fmt="none",
+                        ecolor="0.35", elinewidth=1.0, capsize=3, label="± 1 noise std (update DP)", zorder=4)
     return n
 
 def _task_boundaries(ax, rows: list[dict[str, Any]]) -> None:

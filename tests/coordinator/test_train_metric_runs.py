@@ -131,5 +131,11 @@ def test_rl_figures_under_update_noise_are_noised_and_audited(tmp_path, make_run
     assert rel["dp"]["metric_slots"] == 5 and rel["dp"]["sensitivity"] == pytest.approx(rel["dp"]["clip"])
     assert rel["dp"]["delta_clip"] == pytest.approx(rel["dp"]["clip"] * math.sqrt(1 - 0.25**2))
     assert any("reward" in x and "±" in x for x in lines)
-    result = audit_run(run_dir)
+    # each figure's noise std beside it in metrics.jsonl, so the report and TensorBoard show its scale too
+    keys = ("reward", "masked_frac_low", "masked_frac_high", "k3", "logp_diff_mean")
+    assert all(row[f"{k}_sd"] > 0 for k in keys), row
+    assert ("rl/reward_sd", row["round"]) in {(t, step) for t, step, _, _ in scalars(run_dir)}
+    rl = write_report(run_dir).read_text().split("## RL rounds (aggregate)")[1]
+    assert " ± " in rl or "≈ 0 (within noise)" in rl
+    result = audit_run(run_dir)  # the _sd keys pass the audit's metrics schema
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]
