@@ -252,9 +252,10 @@ class Coordinator:
         for w in warn:
             ctx.say(f"WARNING: {w}", wrapped=True)
         if p.secure:
-            ctx.say(f"privacy: secure aggregation on every reply; router statistics with distributed DP at "
-                     f"z = {ctx.plan.noise_multiplier:.3f}{' (derived)' if ctx.plan.derived else ''} over "
-                     f"{ctx.plan.stats_releases} release(s), evaluations at z_m = "
+            stats = (f"router statistics with distributed DP at z = {ctx.plan.noise_multiplier:.3f}"
+                     f"{' (derived)' if ctx.plan.derived else ''} over {ctx.plan.stats_releases} release(s)"
+                     if ctx.plan.stats_releases else "no router-statistics release")  # not 'z = 0.000 over 0'
+            ctx.say(f"privacy: secure aggregation on every reply; {stats}, evaluations at z_m = "
                      f"{ctx.plan.metric_noise_multiplier:g} over {ctx.plan.eval_releases}: planned epsilon "
                      f"{ctx.plan.planned_epsilon:.3f} <= "
                      f"{p.epsilon:g} at delta {p.delta:g} per party", wrapped=True)

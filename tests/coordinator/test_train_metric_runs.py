@@ -52,6 +52,7 @@ def test_decoded_mean_loss_is_the_mean_of_the_parties_own_losses(tmp_path, make_
         assert abs(row["task_loss"] - sum(mine) / 3) <= _tolerance(rel), (row["task_loss"], mine)
         assert rel["info"]["metric_slots"] == [["task_loss", 0.0, BOUND]]
     assert all(f"task loss {r['task_loss']:.3f}" in "\n".join(lines) for r in rows)  # the round line
+    assert "no router-statistics release" in "\n".join(lines)  # the header, not 'z = 0.000 over 0 release(s)'
     assert [(t, step) for t, step, _, _ in scalars(run_dir) if t == "train/task_loss"] == [("train/task_loss", 1),
                                                                                            ("train/task_loss", 2)]
     assert "mean task loss†" in write_report(run_dir).read_text()  # the report's train table (and loss.png)
