@@ -131,7 +131,8 @@ def test_rl_figures_under_update_noise_are_noised_and_audited(tmp_path, make_run
     assert {"reward", "masked_frac_low", "masked_frac_high", "k3", "logp_diff_mean"} <= set(row)
     assert rel["dp"]["metric_slots"] == 5 and rel["dp"]["sensitivity"] == pytest.approx(rel["dp"]["clip"])
     assert rel["dp"]["delta_clip"] == pytest.approx(rel["dp"]["clip"] * math.sqrt(1 - 0.25**2))
-    assert any("reward" in x and "±" in x for x in lines)
+    assert any(" ± " in x for x in lines)  # the RL round line: each noised figure with its std
+    assert any("reward " in x and (" ± " in x or "reward ≈ 0 (within noise)" in x) for x in lines)
     # each figure's noise std beside it in metrics.jsonl, so the report and TensorBoard show its scale too
     keys = ("reward", "masked_frac_low", "masked_frac_high", "k3", "logp_diff_mean")
     assert all(row[f"{k}_sd"] > 0 for k in keys), row

@@ -40,7 +40,7 @@ def apply_update(co: RunContext, out: UpdateSum, event: dict) -> RoundState:
 def released(metrics: dict[str, float], noise: dict[str, float], names: tuple[tuple[str, str, str], ...]) -> str:
     """The training-metric slots' means of a secure round as ``name value`` (``± std`` where the update noise is
     on, and ``≈ 0 (within noise)`` for a mean within one std of 0), for the round line; ``names``: ``(key, label,
-    format)``."""
+    format)``; one round-line field per figure, so the line packs into 100 columns (``distmoe.report.progress.fit``)."""
     parts = []
     for key, label, fmt in names:
         v = metrics.get(key, math.nan)
@@ -50,7 +50,7 @@ def released(metrics: dict[str, float], noise: dict[str, float], names: tuple[tu
                 parts.append(f"{label} ≈ 0 (within noise)")
             else:
                 parts.append(f"{label} {v:{fmt}}" + (f" ± {sd:{fmt}}" if sd else ""))
-    return ", ".join(parts) if parts else "no training figures (no contributor)"
+    return " | ".join(parts) if parts else "no training figures (no contributor)"  # a field each: fit() packs them
 
 
 def contributors(out: UpdateSum) -> str:
