@@ -165,6 +165,7 @@ def test_loss_plot_draws_the_update_noise_as_error_bars(tmp_path: Path, monkeypa
     write_report(_secure_update_run(tmp_path, noised=True))
     assert ([1, 2], [2.5, 0.3], [0.41, 0.41]) in drawn  # loss.png: the task loss with one std each
     assert ([3], [0.62], [0.05]) in drawn  # rl.png: the mean reward
+    assert ([3], [0.021], [0.05]) in drawn  # rl.png: the mismatch panel's K3
     drawn.clear()
     write_report(_secure_update_run(tmp_path / "plain", noised=False))
     assert drawn == []  # no noise, no error bars
