@@ -139,7 +139,8 @@ COMMON = {"event": _label, "time": _num}
 ROUND = {"round": _int, "anchor_version": _int}
 UPDATE = {**ROUND, "phase": _int, "phase_label": _phase, "task": _task, "party": _agg_party, "num_examples": _num,
           "contributors": _int, "parties": _int, "skipped": _flag,
-          **{k: _num for k in (*TRAIN_METRIC_KEYS, *RL_METRIC_KEYS, *RL_SIM_METRIC_KEYS)}}
+          **{k: _num for k in (*TRAIN_METRIC_KEYS, *RL_METRIC_KEYS, *RL_SIM_METRIC_KEYS)},
+          **{f"{k}_sd": _num for k in (*TRAIN_METRIC_KEYS, *RL_METRIC_KEYS)}}  # a slot's update-noise std
 EVENTS: dict[str, dict[str, Kind]] = {
     "run_start": {"run_id": _label, "schedule": _list_of(_phase), "warnings": _list_of(_text)},
     "run_resume": {"run_id": _label, "session": _label, "epoch": _int, "from_round": _int, "checkpoint": _label,

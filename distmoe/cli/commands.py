@@ -172,7 +172,8 @@ def cmd_data_synth(args) -> int:
 def cmd_data_validate(args) -> int:
     """Every problem of every party directory at once, with the same file-mode check a run makes before it
     starts, and the length warnings (``distmoe.simulate.datacheck``); exit 2 when anything must be fixed."""
-    from distmoe.simulate.datacheck import check_parties, party_dirs_of
+    from distmoe.report.progress import wrap
+    from distmoe.simulate.datacheck import check_parties, derived_max_new_tokens, party_dirs_of, tokenizer_for
 
     cfg = parse_run_config(_overrides(args))
     root = Path(args.dir)
@@ -186,8 +187,15 @@ def cmd_data_validate(args) -> int:
         where = next(d for d in dirs if d.name == name)
         clean = not any(str(where) in e for e in report.errors)
         print(f"{where}: {'ok' if clean else 'lines valid, see the problems below'} ({counts})")
-    for w in report.warnings:
-        print(f"warning: {w}", file=sys.stderr)
+    notes = [f"warning: {w}" for w in report.warnings]
+    if report.parties and "eval.max-new-tokens" not in _overrides(args):  # what `simulate --data` would use
+        n = derived_max_new_tokens(tokenizer_for(cfg), report.parties, cfg.model.max_seq_len)
+        if n != cfg.eval.max_new_tokens:
+            notes.append(f"note: eval.max-new-tokens is not set: `distmoe simulate --data` sets it to {n} (the "
+                         f"longest answer, in tokens); a deployment uses the run config's value "
+                         f"({cfg.eval.max_new_tokens})")
+    for note in notes:  # lines of at most 100 columns
+        print("\n".join(wrap(note, 100)), file=sys.stderr)
     if report.errors:
         n = len(report.errors)
         print(f"error: {n} problem{'s' if n > 1 else ''}:\n  " + "\n  ".join(report.errors), file=sys.stderr)

@@ -29,6 +29,7 @@ from distmoe.coordinator.state import RoundState, pinned, to_checkpoint
 from distmoe.model.adapters import ServerModel
 from distmoe.model.build import hash_tensors
 from distmoe.privacy.plan import PrivacyPlan, plan_privacy
+from distmoe.report.progress import wrap
 from distmoe.routing.health import RoutingWatch
 from distmoe.rundir import MetricsLog, RunDir
 from distmoe.wire.errors import ALL_REASONS, reason_name
@@ -79,12 +80,16 @@ class RunContext:
         return self.model.mspec if self.model is not None else None
 
     # ------------------------------------------------------------------ recording
-    def say(self, text: str) -> None:
-        self.log(f"distmoe | {text}")
+    def say(self, text: str, wrapped: bool = False) -> None:
+        """One line of the progress stream. ``wrapped``: a long text without a path or command to copy (a warning,
+        the privacy header) in lines of at most 100 columns as the terminal shows them
+        (``distmoe.report.progress.wrap``); a round line is already packed (``fit``)."""
+        for line in wrap(text) if wrapped else [text]:
+            self.log(f"distmoe | {line}")
 
     def warn(self, text: str) -> None:
         """A resume warning: printed, and kept in ``run.json`` ``warnings`` and the ``run-resume`` entry."""
-        self.say(f"WARNING: {text}")
+        self.say(f"WARNING: {text}", wrapped=True)
         self.resume_warnings.append(text)
         self.record.append("warnings", text)
 
@@ -116,7 +121,7 @@ class RunContext:
         (``federation.on-round-failure = skip``, or ``failed`` False) or stop the run."""
         label = self.phase_label
         text = f"round {self.s.round} ({label}) released nothing: {message}"
-        self.say(f"WARNING: {text}")
+        self.say(f"WARNING: {text}", wrapped=True)
         self.record.append("warnings", text)
         self.metrics.append({"event": "round_skipped", "round": self.s.round, "phase_label": label,
                              "detail": text})

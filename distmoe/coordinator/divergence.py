@@ -60,7 +60,7 @@ def check_update(co: RunContext, event: str, delta: Mapping[str, np.ndarray]) ->
         return None
     rnd = co.s.round
     text = divergence_warning(flagged, limit, len(delta), event)[:TEXT_MAX]
-    co.say(f"round {rnd}: WARNING: {text}")
+    co.say(f"round {rnd}: WARNING: {text}", wrapped=True)
     co.record.append("warnings", f"round {rnd}: {text}")
     co.metrics.append({"event": "anomaly", "round": rnd, "kind": event, "party": "all", "detail": text})
     return text

@@ -250,14 +250,15 @@ class Coordinator:
                                     "plan": ctx.plan.as_dict(), "epsilon_budget": p.epsilon, "delta": p.delta},
                            parties={})
         for w in warn:
-            ctx.say(f"WARNING: {w}")
+            ctx.say(f"WARNING: {w}", wrapped=True)
         if p.secure:
-            ctx.say(f"privacy: secure aggregation on every reply; router statistics with distributed DP at "
-                     f"z = {ctx.plan.noise_multiplier:.3f}{' (derived)' if ctx.plan.derived else ''} over "
-                     f"{ctx.plan.stats_releases} release(s), evaluations at z_m = "
+            stats = (f"router statistics with distributed DP at z = {ctx.plan.noise_multiplier:.3f}"
+                     f"{' (derived)' if ctx.plan.derived else ''} over {ctx.plan.stats_releases} release(s)"
+                     if ctx.plan.stats_releases else "no router-statistics release")  # not 'z = 0.000 over 0'
+            ctx.say(f"privacy: secure aggregation on every reply; {stats}, evaluations at z_m = "
                      f"{ctx.plan.metric_noise_multiplier:g} over {ctx.plan.eval_releases}: planned epsilon "
                      f"{ctx.plan.planned_epsilon:.3f} <= "
-                     f"{p.epsilon:g} at delta {p.delta:g} per party")
+                     f"{p.epsilon:g} at delta {p.delta:g} per party", wrapped=True)
         ctx.metrics.append({"event": "run_start", "run_id": ctx.run_id, "schedule": schedule, "warnings": warn})
 
     def _build_model(self) -> None:
@@ -311,8 +312,8 @@ class Coordinator:
     aggregator = property(lambda self: self.plane.aggregator if self.plane is not None else None)
     guard = property(lambda self: self.plane.guard if self.plane is not None else None)
 
-    def say(self, text: str) -> None:
-        self.ctx.say(text)
+    def say(self, text: str, wrapped: bool = False) -> None:
+        self.ctx.say(text, wrapped)
 
     @staticmethod
     def np_weights(w: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:

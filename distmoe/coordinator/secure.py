@@ -46,7 +46,7 @@ class SecureAggregator(Aggregator):
             return Skip(f"no secure sum this round: {release.UNCHANGED}")
         opened = prep.open(res)
         for text in opened.warnings:
-            co.say(text)
+            co.say(text, wrapped=True)  # the release's warnings (e.g. the row-noise check)
         self._log(res, req.kind, req.release, opened.dp, opened.problem, **opened.info)
         if opened.privacy and any((co.record.get("privacy") or {}).get(k) != v for k, v in opened.privacy.items()):
             co.record.update(privacy={**(co.record.get("privacy") or {}), **opened.privacy})  # the report's scales

@@ -119,11 +119,16 @@ def _plan(p: PrivacyConfig, schedule: ScheduleConfig) -> PrivacyPlan:
                        n_stats, n_upd, 0.0, float(p.scale), p.metric_noise_multiplier if n_eval else 0.0, n_eval)
     eps = _eps(plan.events(), p.delta)
     if eps > p.epsilon * (1 + 1e-9):
-        raise ConfigError(f"config key 'privacy.noise-multiplier': the planned releases ({n_stats} router-statistics"
+        # the keys whose releases the schedule has: a run without stats rounds is not told to derive their noise
+        keys = [k for k, n in (("privacy.noise-multiplier", n_stats and not derived),
+                               ("privacy.update-noise-multiplier", n_upd), ("privacy.metric-noise-multiplier", n_eval))
+                if n] or ["privacy.noise-multiplier"]
+        derive = ", or set privacy.noise-multiplier = 0 to derive it" if n_stats and not derived else ""
+        raise ConfigError(f"config key '{keys[0]}': the planned releases ({n_stats} router-statistics"
                           f" at z = {z:g}, {n_upd} updates at z_u = {p.update_noise_multiplier:g}, z_u/2 per "
                           f"sequence, {n_eval} evaluations at z_m = {p.metric_noise_multiplier:g}) spend epsilon "
-                          f"{eps:.3f} > privacy.epsilon = {p.epsilon:g}; raise the noise or the budget, or set "
-                          "privacy.noise-multiplier = 0 to derive it")
+                          f"{eps:.3f} > privacy.epsilon = {p.epsilon:g}; raise {' or '.join(keys)} or "
+                          f"privacy.epsilon, or plan fewer of these rounds{derive}")
     return PrivacyPlan(**{**plan.as_dict(), "planned_epsilon": eps})
 
 

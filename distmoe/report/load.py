@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from distmoe.io import sanitize
+from distmoe.report.progress import noisy
 from distmoe.rundir import LoadedRun, RunFileError, load_run
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,12 @@ def fmt(v: Any) -> str:
         return f"{v:.4g}" if math.isfinite(v) else DASH
     s = str(v)
     return s if s else DASH
+
+def _slot(row: Mapping[str, Any], key: str) -> Any:
+    """A released training-metric slot's mean (``key``); under update noise (``<key>_sd`` in the row) with its noise
+    std, ``0.812 ± 0.041``, or ``≈ 0 (within noise)`` within one std of 0."""
+    v, sd = _num(row.get(key)), _num(row.get(f"{key}_sd"))
+    return v if v is None or sd is None else noisy(v, sd, 3)
 
 def _cell(v: Any) -> str:
     return fmt(v).replace("|", "\\|").replace("\n", " ")

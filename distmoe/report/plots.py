@@ -137,12 +137,22 @@ def _party_lines(ax, run: _Run, events: list[dict[str, Any]], key: str, thin: bo
 
 def _agg_line(ax, events: list[dict[str, Any]], key: str, label: str = "all",
               task_of: Mapping[int, Any] | None = None) -> int:
-    xs, ys = _series((e for e in events if _party_of(e) == AGG), key)
+    agg = [e for e in events if _party_of(e) == AGG]
+    xs, ys = _series(agg, key)
     n = len(xs)
     if xs:
+        _noise_bars(ax, agg, key, xs, ys, ecolor="0.35", label="± 1 noise std (update DP)", zorder=4)
         xs, ys = _broken(xs, ys, task_of)
         ax.plot(xs, ys, color="black", linewidth=2.2, marker=_marker(n), markersize=4, label=label, zorder=5)
     return n
+
+def _noise_bars(ax, agg: list[dict[str, Any]], key: str, xs: list[int], ys: list[float], **style: Any) -> None:
+    """One update-noise std (``<key>_sd``, a released training figure under client-level DP) as error bars."""
+    vals = dict(zip(xs, ys, strict=True))
+    bars = [(x, vals[x], sd) for x, sd in zip(*_series(agg, f"{key}_sd"), strict=True) if x in vals]
+    if bars:
+        ax.errorbar([b[0] for b in bars], [b[1] for b in bars], yerr=[b[2] for b in bars], fmt="none",
+                    elinewidth=1.0, capsize=3, **style)
 
 def _task_boundaries(ax, rows: list[dict[str, Any]]) -> None:
     """Dotted vertical line + label where the training task changes."""
@@ -269,10 +279,12 @@ def _plot_rl(run: _Run, path: Path) -> None:
     for key, label, color in (("logp_diff_mean", "mean |dlogp|", "tab:blue"), ("k3", "K3 KL", "tab:orange"),
                               ("masked_frac_low", "masked share (k < low)", "tab:red"),
                               ("masked_frac_high", "masked share (k > high)", "tab:purple")):
-        xs, ys = _series((e for e in run.rl if _party_of(e) == AGG), key)
+        agg = [e for e in run.rl if _party_of(e) == AGG]
+        xs, ys = _series(agg, key)
         if xs:
             ax_m.plot(xs, ys, color=color, linewidth=1.8, marker=_marker(len(xs)), markersize=4, label=label)
             n += len(xs)
+            _noise_bars(ax_m, agg, key, xs, ys, ecolor=color, alpha=0.6)
     _style(ax_m, "Train/inference mismatch (aggregate)", "value", _rounds(run.rl))
     if n:
         _legend(ax_m)

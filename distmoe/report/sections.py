@@ -29,6 +29,7 @@ from distmoe.report.load import (
     _party_of,
     _round_of,
     _Run,
+    _slot,
     _table,
     fmt,
 )
@@ -328,14 +329,26 @@ def _per_party(run: _Run, tasks: list[str]) -> list[str]:
 def _rl_table(run: _Run) -> list[str]:
     if not run.rl:
         return []
+    eng = next((e for e in run.rl if e.get("engine")), {})
+    note = f"Engine `{eng.get('engine', '–')}`, correction `{eng.get('correction', '–')}`."
+    agg = [e for e in run.rl if _party_of(e) == AGG]
+    if run.secure and not any(_num(e.get("reward_first")) is not None for e in agg):
+        # secure aggregation releases only the RL slots' means over the contributors: no columns of dashes
+        rows = [(_round_of(e), e.get("task"), _count(e.get("contributors", e.get("parties"))), _slot(e, "reward"),
+                 _slot(e, "logp_diff_mean"), _slot(e, "k3"), _slot(e, "masked_frac_low"), _slot(e, "masked_frac_high"))
+                for e in agg]
+        head = ("round", "task", "contributing parties", "mean reward†", "mean |Δlogp|†", "K3†", "masked low†",
+                "masked high†")
+        foot = ("† the means over the contributing parties of each party's figure, clipped to [0, 1] (docs/privacy.md "
+                "§3, Training-metric slots); with client-level DP on updates `± x` is the update noise's standard "
+                "deviation. Kept share = 1 − masked low − masked high.")
+        return ["## RL rounds (aggregate)", "", note, "", *_table(head, rows), "", foot, "", "![rl](rl.png)", ""]
     rows = [(_round_of(e), e.get("task"), _arrow(e.get("reward_first"), e.get("reward_last")), e.get("logp_diff_mean"),
              e.get("logp_diff_max"), e.get("k3"), e.get("masked_frac_low"), e.get("masked_frac_high"),
              e.get("seq_masked_frac"), e.get("clip_frac"), e.get("masked_entropy"), e.get("skipped_steps"))
             for e in run.rl if _party_of(e) == AGG]
     head = ("round", "task", "reward first → last", "mean |Δlogp|", "max |Δlogp|", "K3", "masked low",
             "masked high", "seqs w/ masked", "clip frac", "masked-token entropy", "skipped")
-    eng = next((e for e in run.rl if e.get("engine")), {})
-    note = f"Engine `{eng.get('engine', '–')}`, correction `{eng.get('correction', '–')}`."
     return ["## RL rounds (aggregate)", "", note, "", *_table(head, rows), "", "![rl](rl.png)", ""]
 
 

@@ -28,6 +28,7 @@ from distmoe.report.load import (
     _party_of,
     _round_of,
     _Run,
+    _slot,
     _table,
     fmt,
 )
@@ -45,9 +46,16 @@ def _train_table(rows: list[dict[str, Any]], derived: bool, secure: bool = False
         if any(_num(r.get("skipped_steps")) is not None for r in rows):  # the secure sum of NaN/Inf steps skipped
             body = [(*b, _count(r.get("skipped_steps"))) for b, r in zip(body, rows, strict=True)]
             header = (*header, "skipped NaN/Inf steps (sum)")
-        body = [(*b, _num(r.get("task_loss"))) for b, r in zip(body, rows, strict=True)]  # the released slot mean
+        body = [(*b, _slot(r, "task_loss")) for b, r in zip(body, rows, strict=True)]  # the released slot mean
         header = (*header, "mean task loss†")
+        if any(_num(r.get("dpo_margin")) is not None for r in rows):  # dpo rounds: their two further slots
+            body = [(*b, _slot(r, "dpo_margin"), _slot(r, "dpo_acc")) for b, r in zip(body, rows, strict=True)]
+            header = (*header, "mean DPO margin†", "preference accuracy†")
         out += _table(header, body)
+        if any(_num(r.get("task_loss_sd")) is not None for r in rows):
+            out += ["", "With client-level DP on updates (`privacy.update-noise-multiplier`) the training figures "
+                    "carry the update noise: `± x` is its standard deviation, `≈ 0 (within noise)` a figure within "
+                    "one of 0 (docs/privacy.md §3, Training-metric slots)."]
     else:
         body = [
             (

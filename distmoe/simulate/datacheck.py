@@ -8,8 +8,8 @@ findings (:func:`length_findings`): answers longer than evaluation generates (``
 can never be matched, prompts longer than ``model.max-seq-len`` leaves them are cut from the left, examples
 whose answer does not fit ``model.max-seq-len`` at all are left out of training, statistics and evaluation (a
 party leaves them out rather than refusing the run, which would tell the coordinator its longest answer); each
-finding says the numbers and the key to change. :func:`longest_answer` is what ``simulate --data``
-derives ``eval.max-new-tokens`` from when the user has not set it.
+finding says the numbers and the key to change. :func:`derived_max_new_tokens` is what ``simulate --data`` sets
+``eval.max-new-tokens`` to when the user has not set it (``data validate`` says so).
 
 Token counts use the run's own tokenizer (the tiny default's character tokenizer, or ``model.path``'s) and
 its chat template, as training and evaluation encode them.
@@ -95,6 +95,12 @@ def longest_answer(tok, parties: dict[str, PartyData]) -> int:
     """The longest answer of any task of any party, in tokens."""
     return max((answer_tokens(tok, ex) for p in parties.values() for exs in _examples(p).values() for ex in exs),
                default=1)
+
+
+def derived_max_new_tokens(tok, parties: dict[str, PartyData], max_seq_len: int) -> int:
+    """What ``simulate --data`` sets ``eval.max-new-tokens`` to when the user has not: the longest answer in tokens,
+    within the key's range and leaving at least 16 prompt tokens of ``model.max-seq-len`` at evaluation."""
+    return min(longest_answer(tok, parties), MAX_NEW_TOKENS_HI, max(1, max_seq_len - 16))
 
 
 def length_findings(tok, name: str, party: PartyData, max_new_tokens: int, max_seq_len: int) -> list[str]:

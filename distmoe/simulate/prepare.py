@@ -29,8 +29,9 @@ from distmoe.config import (
     to_toml,
 )
 from distmoe.data.formats import DataError
+from distmoe.report.progress import wrap
 from distmoe.rundir import RunDir
-from distmoe.simulate.datacheck import MAX_NEW_TOKENS_HI, check_parties, length_findings, longest_answer, tokenizer_for
+from distmoe.simulate.datacheck import check_parties, derived_max_new_tokens, length_findings, tokenizer_for
 from distmoe.simulate.processes import SimulationError
 from distmoe.wire.at_rest import PRIVATE_DIR, PRIVATE_UMASK, PreflightError, make_private, privacy_preflight
 
@@ -134,8 +135,7 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
             overrides["schedule.phases"] = derived
         tok = tokenizer_for(cfg)
         if "eval.max-new-tokens" not in overrides:  # evaluation generates as long as the longest answer
-            room = max(1, cfg.model.max_seq_len - 16)  # at least 16 prompt tokens stay at evaluation
-            overrides["eval.max-new-tokens"] = min(longest_answer(tok, report.parties), MAX_NEW_TOKENS_HI, room)
+            overrides["eval.max-new-tokens"] = derived_max_new_tokens(tok, report.parties, cfg.model.max_seq_len)
             notes.append(f"eval.max-new-tokens = {overrides['eval.max-new-tokens']} (the longest answer in --data, "
                          "in tokens; set the key to choose it yourself)")
         cfg = parse_run_config(overrides)
@@ -163,8 +163,9 @@ def prepare(opts: SimOptions) -> tuple[Path, list[Path], dict]:
     if derived is not None and opts.echo:
         print(f"distmoe simulate: schedule derived from the tasks in --data ({', '.join(sorted(held))}; name "
               f"order, set it with --schedule): {schedule_text(cfg.schedule)}", flush=True)
-    for note in notes if opts.echo else ():
-        print(f"distmoe simulate: {note}", file=sys.stderr if note.startswith("warning") else sys.stdout, flush=True)
+    for note in notes if opts.echo else ():  # a data warning is long: lines of at most 100 columns
+        print("\n".join(wrap(f"distmoe simulate: {note}", 100)),
+              file=sys.stderr if note.startswith("warning") else sys.stdout, flush=True)
     existed = run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     try:

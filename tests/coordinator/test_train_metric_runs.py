@@ -52,6 +52,7 @@ def test_decoded_mean_loss_is_the_mean_of_the_parties_own_losses(tmp_path, make_
         assert abs(row["task_loss"] - sum(mine) / 3) <= _tolerance(rel), (row["task_loss"], mine)
         assert rel["info"]["metric_slots"] == [["task_loss", 0.0, BOUND]]
     assert all(f"task loss {r['task_loss']:.3f}" in "\n".join(lines) for r in rows)  # the round line
+    assert "no router-statistics release" in "\n".join(lines)  # the header, not 'z = 0.000 over 0 release(s)'
     assert [(t, step) for t, step, _, _ in scalars(run_dir) if t == "train/task_loss"] == [("train/task_loss", 1),
                                                                                            ("train/task_loss", 2)]
     assert "mean task loss†" in write_report(run_dir).read_text()  # the report's train table (and loss.png)
@@ -130,6 +131,13 @@ def test_rl_figures_under_update_noise_are_noised_and_audited(tmp_path, make_run
     assert {"reward", "masked_frac_low", "masked_frac_high", "k3", "logp_diff_mean"} <= set(row)
     assert rel["dp"]["metric_slots"] == 5 and rel["dp"]["sensitivity"] == pytest.approx(rel["dp"]["clip"])
     assert rel["dp"]["delta_clip"] == pytest.approx(rel["dp"]["clip"] * math.sqrt(1 - 0.25**2))
-    assert any("reward" in x and "±" in x for x in lines)
-    result = audit_run(run_dir)
+    assert any(" ± " in x for x in lines)  # the RL round line: each noised figure with its std
+    assert any("reward " in x and (" ± " in x or "reward ≈ 0 (within noise)" in x) for x in lines)
+    # each figure's noise std beside it in metrics.jsonl, so the report and TensorBoard show its scale too
+    keys = ("reward", "masked_frac_low", "masked_frac_high", "k3", "logp_diff_mean")
+    assert all(row[f"{k}_sd"] > 0 for k in keys), row
+    assert ("rl/reward_sd", row["round"]) in {(t, step) for t, step, _, _ in scalars(run_dir)}
+    rl = write_report(run_dir).read_text().split("## RL rounds (aggregate)")[1]
+    assert " ± " in rl or "≈ 0 (within noise)" in rl
+    result = audit_run(run_dir)  # the _sd keys pass the audit's metrics schema
     assert result.verdict == "pass", [(c.name, c.findings) for c in result.checks if c.status == "fail"]

@@ -89,3 +89,15 @@ def test_default_plan_epsilon_is_cross_checked_with_dp_accounting():
     assert ref_rdp <= rdp_eps <= ref_rdp + 0.01
     assert abs(prv - ref_pld) <= 0.02
     assert plan.planned_epsilon == pytest.approx(7.996, abs=5e-4)
+
+
+def test_a_schedule_without_stats_rounds_is_not_told_to_derive_their_noise():
+    """Update noise over a schedule without ``stats`` rounds spends the budget: the error names the update and
+    evaluation noise keys, not ``privacy.noise-multiplier`` (which no release of that run uses) nor its derivation."""
+    cfg = parse_run_config({"privacy.update-noise-multiplier": 1.0, "schedule.phases": "sft:lookup*5, eval"})
+    with pytest.raises(ConfigError) as ei:
+        plan_privacy(cfg.privacy, cfg.schedule)
+    msg = str(ei.value)
+    assert msg.startswith("config key 'privacy.update-noise-multiplier':"), msg
+    assert "raise privacy.update-noise-multiplier or privacy.metric-noise-multiplier or privacy.epsilon" in msg
+    assert "to derive it" not in msg

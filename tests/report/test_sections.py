@@ -104,3 +104,68 @@ def test_top1_consistency_is_plotted_on_training_rounds_only(tmp_path: Path, mon
     ax = figs["routing.png"].axes[2]
     (line,) = [x for x in ax.lines if x.get_label().startswith("probe")]
     assert list(line.get_xdata()) == [3] and list(line.get_ydata()) == [0.4]  # not the 1.0 of eval rounds 2, 4
+
+
+def _secure_update_run(root: Path, noised: bool) -> Path:
+    """A secure run's released training figures (sft, dpo, rl slot means), with their update-noise stds or not."""
+    run_dir = root / "run"
+    run_dir.mkdir(parents=True)
+    write_json_atomic(run_dir / "run.json", {
+        "run_id": "r", "status": "completed", "warnings": [], "schedule": ["sft:a", "dpo:a", "rl:a"],
+        "privacy": {"mode": "secagg", "secure_aggregation": True}, "config": {}})
+    sd = (lambda **kv: kv) if noised else (lambda **kv: {})
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    log.append({"event": "train", "round": 1, "phase_label": "sft:a", "task": "a", "party": "all", "contributors": 3,
+                "parties": 3, "task_loss": 2.5, **sd(task_loss_sd=0.41)})
+    log.append({"event": "train", "round": 2, "phase_label": "dpo:a", "task": "a", "party": "all", "contributors": 3,
+                "parties": 3, "task_loss": 0.3, "dpo_margin": 1.25, "dpo_acc": 0.75,
+                **sd(task_loss_sd=0.41, dpo_margin_sd=0.82, dpo_acc_sd=0.05)})
+    log.append({"event": "rl", "round": 3, "phase_label": "rl:a", "task": "a", "party": "all", "contributors": 3,
+                "parties": 3, "engine": "prune-2", "correction": "icepop", "reward": 0.62, "masked_frac_low": 0.013,
+                "masked_frac_high": 0.0, "k3": 0.021, "logp_diff_mean": 0.108,
+                **sd(reward_sd=0.05, masked_frac_low_sd=0.05, masked_frac_high_sd=0.05, k3_sd=0.05,
+                     logp_diff_mean_sd=0.05)})
+    log.append({"event": "run_end", "status": "completed", "rounds": 3})
+    return run_dir
+
+
+def test_secure_rl_and_dpo_figures_are_in_the_report_tables(tmp_path: Path) -> None:
+    """Under secure aggregation the RL table shows the released mean reward, |Δlogp|, K3 and masked shares (not a
+    'reward first → last' of dashes), and dpo rounds their released margin and preference accuracy."""
+    md = write_report(_secure_update_run(tmp_path, noised=False)).read_text(encoding="utf-8")
+    rl = md.split("## RL rounds (aggregate)")[1]
+    assert "| 3 | a | 3 | 0.62 | 0.108 | 0.021 | 0.013 | 0 |" in rl and "first → last" not in rl
+    assert "mean DPO margin†" in md and "| 2 | dpo:a | a | 3 | applied | 0.3 | 1.25 | 0.75 |" in md
+
+
+def test_noised_training_figures_carry_their_noise_scale(tmp_path: Path) -> None:
+    """With update noise each released figure shows its std, and a mean within one std of 0 reads '≈ 0 (within
+    noise)'; loss.png draws the std as error bars."""
+    run_dir = _secure_update_run(tmp_path, noised=True)
+    md = write_report(run_dir).read_text(encoding="utf-8")
+    assert "| 1 | sft:a | a | 3 | applied | 2.500 ± 0.410 |" in md
+    assert "| 2 | dpo:a | a | 3 | applied | ≈ 0 (within noise) | 1.250 ± 0.820 | 0.750 ± 0.050 |" in md
+    rl = md.split("## RL rounds (aggregate)")[1]
+    assert "| 3 | a | 3 | 0.620 ± 0.050 | 0.108 ± 0.050 | ≈ 0 (within noise) | ≈ 0 (within noise) |" in rl
+    assert "carry the update noise" in md
+
+
+def test_loss_plot_draws_the_update_noise_as_error_bars(tmp_path: Path, monkeypatch) -> None:
+    """loss.png and rl.png draw a released figure's update-noise std as error bars, and only where it is noised."""
+    import matplotlib.axes
+
+    drawn: list[tuple] = []
+    real = matplotlib.axes.Axes.errorbar
+
+    def spy(self, x, y, *a, **kw):
+        drawn.append((list(x), list(y), list(kw.get("yerr", []))))
+        return real(self, x, y, *a, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", spy)
+    write_report(_secure_update_run(tmp_path, noised=True))
+    assert ([1, 2], [2.5, 0.3], [0.41, 0.41]) in drawn  # loss.png: the task loss with one std each
+    assert ([3], [0.62], [0.05]) in drawn  # rl.png: the mean reward
+    assert ([3], [0.021], [0.05]) in drawn  # rl.png: the mismatch panel's K3
+    drawn.clear()
+    write_report(_secure_update_run(tmp_path / "plain", noised=False))
+    assert drawn == []  # no noise, no error bars

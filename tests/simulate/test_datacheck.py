@@ -90,7 +90,9 @@ def test_simulate_data_derives_eval_max_new_tokens_from_the_answers(tmp_path: Pa
     _, _, ov = prepare(SimOptions(overrides={"eval.max-new-tokens": 12}, data=data, runs_dir=tmp_path / "runs",
                                   run_id="s"))
     assert ov["eval.max-new-tokens"] == 12  # set by the user: kept, and the warning says why it is short
-    assert "answers are longer than eval.max-new-tokens = 12" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "answers are longer than eval.max-new-tokens = 12" in " ".join(err.split())
+    assert all(len(x) <= 100 for x in err.splitlines()), err  # a long warning in lines of at most 100 columns
 
 
 def test_planted_canaries_do_not_count_as_answers(tmp_path: Path):
@@ -102,3 +104,21 @@ def test_planted_canaries_do_not_count_as_answers(tmp_path: Path):
     (d / "canaries.txt").write_text(canary + "\n")  # what `distmoe data synth --canaries` lists
     make_private(d)
     assert check_parties([d], cfg).warnings == []
+
+
+def test_validate_says_what_simulate_data_sets_eval_max_new_tokens_to(tmp_path: Path, capsys):
+    """`data validate` warns at the configured eval.max-new-tokens (what a deployment uses) and, the key unset,
+    says the value `simulate --data` derives, the one prepare() sets; the output fits 100 columns."""
+    for p in ("a", "b"):
+        _party(tmp_path / "d", p, GOOD)
+    assert main(["data", "validate", str(tmp_path / "d")]) == 0
+    err = capsys.readouterr().err
+    flat = " ".join(err.split())
+    assert "answers are longer than eval.max-new-tokens = 10" in flat
+    assert "note: eval.max-new-tokens is not set: `distmoe simulate --data` sets it to 24" in flat
+    assert all(len(x) <= 100 for x in err.splitlines()), err
+    _, _, ov = prepare(SimOptions(overrides={}, data=tmp_path / "d", runs_dir=tmp_path / "runs", run_id="r"))
+    assert ov["eval.max-new-tokens"] == 24  # the same value
+    capsys.readouterr()
+    assert main(["data", "validate", str(tmp_path / "d"), "--run-config", "eval.max-new-tokens=12"]) == 0
+    assert "note:" not in capsys.readouterr().err  # set by the user: only the warning

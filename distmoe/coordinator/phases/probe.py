@@ -103,9 +103,9 @@ def _measured(co: RunContext) -> str:
 
 def repeat(co: RunContext) -> str | None:
     """A due probe of the model the last probe measured, from that probe's median (its row written again for this
-    round); None when no probe is due or the model changed since (the loop then exchanges). Its progress text is only
-    the KL to an anchor built since the last probe: the same load CV again and a top-1 consistency of 1 with itself
-    would read as a second, improved probe beside the one the round carried."""
+    round, without a top-1 consistency); None when no probe is due or the model changed since (the loop then
+    exchanges). Its progress text is only the KL to an anchor built since the last probe: the same load CV again and
+    a top-1 consistency of 1 with itself would read as a second, improved probe beside the one the round carried."""
     last = co.probe_last
     if last is None or not _due(co):
         return None
@@ -114,7 +114,7 @@ def repeat(co: RunContext) -> str | None:
         return None
     _, routing, top1, parties, disagreeing = last
     before = co.probe_anchor_version
-    mt = _record(co, m, routing, top1, parties, disagreeing)
+    mt = _record(co, m, routing, top1, parties, disagreeing, repeated=True)
     new_anchor = m.anchor is not None and m.anchor.meta.version != before
     return _text(mt, ("routing_kl",)) if new_anchor and math.isfinite(mt["routing_kl"]) else ""
 
@@ -203,11 +203,15 @@ def _apply(co: RunContext, m: Measured, replies: dict[int, object], errors: dict
 
 
 def _record(co: RunContext, m: Measured, routing: np.ndarray, top1: np.ndarray, parties: int,
-            disagreeing: int) -> dict:
-    """The probe's metrics row and health watch from the parties' median; returns its metrics (``probe_metrics``)."""
+            disagreeing: int, repeated: bool = False) -> dict:
+    """The probe's metrics row and health watch from the parties' median; returns its metrics (``probe_metrics``).
+    ``repeated``: the last probe's median standing for an unchanged model (``repeat``): its row has no top-1
+    consistency (a 1 with itself would plot and log, in ``metrics.jsonl``, the report's table and TensorBoard, as an
+    improvement)."""
     E, anchor = co.mspec.num_experts, m.anchor
     anchor_version = anchor.meta.version if anchor is not None else 0
-    mt = probe_metrics(routing, top1, E, anchor.probs if anchor is not None else None, co.probe_prev_top1)
+    mt = probe_metrics(routing, top1, E, anchor.probs if anchor is not None else None,
+                       None if repeated else co.probe_prev_top1)
     co.probe_prev_top1, co.probe_anchor_version = top1, anchor_version
     co.metrics.append({"event": "probe", "round": m.round, "phase_label": m.phase_label, "parties": parties,
                        "disagreeing": disagreeing, "anchor_version": anchor_version,
@@ -228,6 +232,6 @@ def _text(mt: dict, keys: tuple[str, ...] = tuple(k for k, _, _ in _SHOWN)) -> s
 
 
 def _warn(co: RunContext, rnd: int, kind: str, text: str) -> None:
-    co.say(f"WARNING: {text}")
+    co.say(f"WARNING: {text}", wrapped=True)
     co.record.append("warnings", text)
     co.metrics.append({"event": "routing_warning", "round": rnd, "kind": kind, "detail": text})

@@ -100,6 +100,6 @@ def apply(co: RunContext, replies: dict[int, SettleReply], errors: dict[int, str
 
 
 def _warn(co: RunContext, text: str) -> None:
-    co.say(f"WARNING: {text}")
+    co.say(f"WARNING: {text}", wrapped=True)
     co.record.append("warnings", text)
     co.metrics.append({"event": "routing_warning", "round": co.s.round, "kind": "settle", "detail": text})
