@@ -9,6 +9,8 @@ at 50 ms.
 
 ``run.resume = "<run dir>"`` continues an interrupted run in that directory (new Flower run id, same
 logical run: ``distmoe.coordinator``), e.g. ``flwr run . <federation> --run-config "run.resume='runs/42'"``.
+A stop signal closes the run as interrupted (:func:`stop_reason` says why: when this process's parent, the SuperLink's
+SuperExec, is gone, the SuperLink stopped, and flwr 1.42 does not continue the run when it restarts).
 
 Must not: load party data or build records by hand (only ``distmoe.wire.codec`` does).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -84,8 +87,20 @@ class GridTransport(GuardedTransport):
         return replies
 
 
+def stop_reason(parent_pid: int, run_dir: Path) -> str:
+    """Why Flower's graceful exit stops this ServerApp: its SuperLink stopped when ``parent_pid`` (its parent at the
+    start, the SuperLink's SuperExec, which exits with its SuperLink) is no longer its parent; else a stop signal."""
+    if os.getppid() == parent_pid:
+        return "stopped by a signal (Flower's graceful exit)"
+    return ("the SuperLink stopped (its SuperExec, this ServerApp's parent, is gone; flwr 1.42 ends a run's ServerApp "
+            "with its SuperLink and a restarted SuperLink does not continue the run): restart the SuperLink, then "
+            f"continue the run from its last checkpoint with flwr run <app> <connection> --run-config "
+            f"\"run.resume='{run_dir}'\"")
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    parent = os.getppid()
     cfg = parse_run_config(context.run_config)
     run_id = str(context.run_id)
     if cfg.run.resume:  # continue an interrupted run there (docs/operations.md, Resume)
@@ -95,6 +110,5 @@ def main(grid: Grid, context: Context) -> None:
     coord = Coordinator(cfg, run_dir, GridTransport(grid), run_id, log=lambda s: log(logging.INFO, s))
     # SIGTERM/SIGINT/SIGQUIT reach Flower's handler in the process's main thread (the Simulation Engine runs this
     # function in a worker thread, where no signal arrives): close the ledger as interrupted before Flower exits.
-    add_exit_handler(lambda: coord.interrupt("stopped by a signal (Flower's graceful exit)"),
-                     run_before_force_exit=True)
+    add_exit_handler(lambda: coord.interrupt(stop_reason(parent, run_dir)), run_before_force_exit=True)
     coord.run()

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import pytest
 from flwr.supercore.inflatable import inflatable_utils
 from flwr.superlink.grid import http_grid
 
@@ -65,3 +71,47 @@ def test_a_short_stage_is_seen_within_ms_of_its_replies_and_a_long_one_costs_few
     got = app.GridTransport(long)._send_and_receive([], timeout=5.0)
     assert [m.metadata.reply_to_message_id for m in got] == ["a"] and long.pulls <= 20, long.pulls
     assert 0 < app.REPLY_POLL_FIRST_S < app.REPLY_POLL_S
+
+
+
+
+_CHILD = """import os, sys, time
+from pathlib import Path
+from server.app import stop_reason
+parent, out = os.getppid(), Path(sys.argv[1])
+out.write_text(stop_reason(parent, Path("runs/7")) + "\\n")
+while os.getppid() == parent:  # until the middle process has exited: this one is reparented
+    time.sleep(0.05)
+out.write_text(out.read_text() + stop_reason(parent, Path("runs/7")) + "\\n")
+"""
+_MIDDLE = """import subprocess, sys, time
+from pathlib import Path
+subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]])
+while not Path(sys.argv[2]).exists():  # the child has its parent's PID (and wrote its first line)
+    time.sleep(0.05)
+"""
+
+
+def test_the_stop_reason_names_the_superlink_when_the_parent_changed():
+    assert app.stop_reason(os.getppid(), Path("runs/7")) == "stopped by a signal (Flower's graceful exit)"
+    text = app.stop_reason(-1, Path("runs/7"))  # no process has PID -1: the parent at the start is gone
+    assert text.startswith("the SuperLink stopped") and "run.resume='runs/7'" in text, text
+
+
+@pytest.mark.integration
+def test_a_stop_after_the_superexec_is_gone_names_the_superlink_and_the_resume(tmp_path):
+    """A real process tree: a middle process starts the child and exits (as the SuperLink's SuperExec exits with its
+    SuperLink); the orphaned child says that the SuperLink stopped and how to resume; while its parent lives, that
+    it was stopped by a signal."""
+
+    child, out = tmp_path / "child.py", tmp_path / "out.txt"
+    child.write_text(_CHILD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    subprocess.run([sys.executable, "-c", _MIDDLE, str(child), str(out)], env=env, timeout=120, check=True)
+    deadline = time.monotonic() + 60
+    while (not out.exists() or out.read_text().count("\n") < 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0] == "stopped by a signal (Flower's graceful exit)", lines
+    assert lines[1].startswith("the SuperLink stopped") and "run.resume='runs/7'" in lines[1], lines
