@@ -1,15 +1,22 @@
-"""The coordinator's SuperLink killed mid-run (SIGKILL, as a crash or an out-of-memory kill does) and restarted on the
-same state database, port and credentials, on the deployment of ``test_deployment.py`` (TLS, SuperNode
-authentication, three pinned owners' SuperNodes through ``distmoe deploy supernode``).
+"""The coordinator's SuperLink failing the owners' SuperNodes for a while, and killed mid-run (SIGKILL, as a crash
+or an out-of-memory kill does) and restarted on the same state database, port and credentials, on the deployment of
+``test_deployment.py`` (TLS, SuperNode authentication, three pinned owners' SuperNodes through
+``distmoe deploy supernode``).
 
-What flwr 1.42 does, and what this test holds it to (``docs/deploy.md`` §1.2, "When the SuperLink stops"): the
-run's ServerApp does not outlive its SuperLink (the SuperLink's SuperExec watches the SuperLink's PID and exits with
-it, and the ServerApp, watching its SuperExec's, is stopped by Flower's graceful exit), so the coordinator closes the
-run as ``interrupted`` with a reason that names the SuperLink and ``distmoe deploy wait`` exits 1 with the next step;
-a restarted SuperLink does not start that run again. The owners' SuperNodes retry the connection all the while,
-never exit, and are online again once the SuperLink is back; the coordinator's ``run.resume`` then continues the run
-from its last checkpoint over the same owners, and the audit over the coordinator's ledger, every owner's own
-ledger and signed receipt passes: nothing of the interrupted session is lost or contradicted.
+A SuperLink whose state database is locked (as another writer or a stalled disk does) answers each SuperNode's ask
+for a message with HTTP 500 after SQLite's 5 s busy wait (``database is locked``): flwr 1.42's SuperNode ends its
+loop at the first and takes no more messages; ``clients.supernode`` asks again after a back-off, so each owner's
+SuperNode logs the failures, stays up and is online again once the lock is gone.
+
+What flwr 1.42 does on a SuperLink killed mid-run, and what this test holds it to (``docs/deploy.md`` §1.2, "When
+the SuperLink stops"): the run's ServerApp does not outlive its SuperLink (the SuperLink's SuperExec watches the
+SuperLink's PID and exits with it, and the ServerApp, watching its SuperExec's, is stopped by Flower's graceful
+exit), so the coordinator closes the run as ``interrupted`` with a reason that names the SuperLink and ``distmoe
+deploy wait`` exits 1 with the next step; a restarted SuperLink does not start that run again. The owners'
+SuperNodes retry the connection all the while, never exit, and are online again once the SuperLink is back; the
+coordinator's ``run.resume`` then continues the run from its last checkpoint over the same owners, and the audit over
+the coordinator's ledger, every owner's own ledger and signed receipt passes: nothing of the interrupted session is
+lost or contradicted.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -28,6 +36,7 @@ from distmoe.config import to_toml
 from distmoe.data.synth import write_synthetic
 from distmoe.wire.at_rest import make_private
 
+LOCKED_S = 16.0  # seconds the SuperLink's state database is locked: 3 failed asks of each SuperNode (5 s each)
 DOWN_S = 15.0  # seconds the SuperLink stays down: the SuperNodes' connection retries must outlast it
 END_DEADLINE = 120.0  # seconds for the interrupted run's record to say so once the SuperLink is gone
 
@@ -56,10 +65,8 @@ def _superlink(dep: td.Deployment, tmp_path: Path, creds: Path, port: int, name:
                             str(tmp_path / "flwr-superlink"), "--exec"], tmp_path / "flwr-superlink")
 
 
-@pytest.mark.slow
-def test_a_superlink_killed_mid_run_interrupts_it_and_resume_completes_it(deployment: td.Deployment,
-                                                                         tmp_path: Path):
-    dep = deployment
+def _owners(dep: td.Deployment, tmp_path: Path):
+    """Three registered owners' SuperNodes online: (names, data dirs, credentials, port, CLI home, ids, nodes)."""
     names = [f"party-{i}" for i in range(td.N_PARTIES)]
     parties = write_synthetic(tmp_path / "data", td.N_PARTIES, 24, 0, canaries=1)
     for pdir in parties:
@@ -68,6 +75,37 @@ def test_a_superlink_killed_mid_run_interrupts_it_and_resume_completes_it(deploy
     nodes = [td._start_supernode(dep, tmp_path, creds, name, port, pdir) for name, pdir in zip(names, parties,
                                                                                                 strict=True)]
     td._wait_online(dep, cli_home, set(ids.values()), [dep.procs[0], *nodes])
+    return names, parties, creds, port, cli_home, ids, nodes
+
+
+@pytest.mark.slow
+def test_supernodes_outlast_a_superlink_that_fails_their_asks_for_a_while(deployment: td.Deployment,
+                                                                          tmp_path: Path):
+    dep = deployment
+    names, _, _, _, cli_home, ids, nodes = _owners(dep, tmp_path)
+    db = sqlite3.connect(str(tmp_path / "state.db"), timeout=30, isolation_level=None)
+    try:
+        db.execute("BEGIN EXCLUSIVE")  # every write of the SuperLink (each ask's claim of a message) now fails
+        time.sleep(LOCKED_S)
+    finally:
+        db.close()  # the lock goes with the connection
+    msg = dep.diag()
+    for name, node in zip(names, nodes, strict=True):
+        assert node.poll() is None, f"supernode-{name} exited {node.returncode}" + msg
+        log = dep.logs[f"supernode-{name}"].read_text(errors="replace")
+        assert "distmoe supernode: the SuperLink failed the ask for a message" in log, f"supernode-{name}" + msg
+    assert "database is locked" in dep.logs["superlink"].read_text(errors="replace"), msg
+    deadline = time.monotonic() + 90  # each SuperNode's next ask, and its heartbeat, succeed again
+    while td._online_nodes(dep, cli_home) != set(ids.values()) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    assert td._online_nodes(dep, cli_home) == set(ids.values()), "a SuperNode went offline" + dep.diag()
+
+
+@pytest.mark.slow
+def test_a_superlink_killed_mid_run_interrupts_it_and_resume_completes_it(deployment: td.Deployment,
+                                                                         tmp_path: Path):
+    dep = deployment
+    names, parties, creds, port, cli_home, ids, nodes = _owners(dep, tmp_path)
     run_dir = tmp_path / "run"
     overrides = {**td.OVERRIDES, "run.dir": str(run_dir), "checkpoint.every": 1}
     cfg = tmp_path / "overrides.toml"
