@@ -98,6 +98,18 @@ def rounds_from(stages: list[dict], end: float) -> list[dict]:
     return rounds
 
 
+def faults(run_dir: Path) -> str | None:
+    """What makes a run's times no measure of the work (a party's error reply, a round that released nothing: its
+    parties did not do the round's work), or None."""
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    errors = [e for e in events if e.get("event") == "party_error"]
+    skipped = sorted({e["round"] for e in events if e.get("event") == "round_skipped"})
+    if not errors and not skipped:
+        return None
+    return (f"{run_dir.name}: {len(errors)} party error replies ({', '.join(sorted({e['code'] for e in errors}))}), "
+            f"rounds that released nothing: {skipped or 'none'}; its times are not comparable")
+
+
 def rounds_of(run_dir: Path) -> list[dict]:
     return rounds_from(stages_of(run_dir), run_end(run_dir))
 
@@ -166,12 +178,15 @@ def arm_order(arms: list[str], rep: int, abba: bool) -> list[str]:
 
 
 def pair_ratios(root: Path, res: dict) -> list[dict]:
-    """Per repetition with both arms: {rep, distmoe, simulated, ratio, loads}, seconds of rounds >= 1."""
+    """Per repetition with both arms and no ``faults``: {rep, distmoe, simulated, ratio, order, loads}, seconds of
+    rounds >= 1."""
     out = []
     for rep in res["reps"]:
         got = {a["arm"]: a for a in rep["arms"]}
         if "distmoe" not in got or "simulated" not in got:
             continue
+        if any(faults(kept_dir(root, got[arm]["dir"])) for arm in ("distmoe", "simulated")):
+            continue  # report() says why
         secs = {arm: sum(r["seconds"] for r in rounds_of(kept_dir(root, got[arm]["dir"])) if r["round"] > 0)
                 for arm in ("distmoe", "simulated")}
         out.append({"rep": rep["rep"], **secs, "ratio": secs["distmoe"] / secs["simulated"],
@@ -254,13 +269,17 @@ def report(root: Path) -> None:
         if "distmoe" not in got or "simulated" not in got:
             continue
         dep_dir = kept_dir(root, got["distmoe"]["dir"])
+        for arm in ("distmoe", "simulated"):
+            fault = faults(kept_dir(root, got[arm]["dir"]))
+            if fault:
+                print(f"warning: {fault} (left out of the pairs)")
         dep_stages = stages_of(dep_dir)
         floors = {arm: floor_rounds(dep_stages, got[arm]["records"]) if arm in got else None
                   for arm in ("floor-cut", "floor-stock")}
         print(table(rounds_of(kept_dir(root, got["simulated"]["dir"])), rounds_of(dep_dir), floors["floor-cut"],
                     floors["floor-stock"]))
     pairs = pair_ratios(root, res)
-    if len(pairs) > 1:
+    if pairs and (len(pairs) > 1 or res.get("abba")):
         print(pairs_text(pairs))
 
 
