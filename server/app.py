@@ -94,8 +94,8 @@ def stop_reason(parent_pid: int, run_dir: Path) -> str:
         return "stopped by a signal (Flower's graceful exit)"
     return ("the SuperLink stopped (its SuperExec, this ServerApp's parent, is gone; flwr 1.42 ends a run's ServerApp "
             "with its SuperLink and a restarted SuperLink does not continue the run): restart the SuperLink, then "
-            f"continue the run from its last checkpoint with flwr run <app> <connection> --run-config "
-            f"\"run.resume='{run_dir}'\"")
+            f"continue the run from its last checkpoint: flwr run with the run's own run config and "
+            f"run.resume = '{run_dir}' added (docs/operations.md, Resume)")
 
 
 @app.main()

@@ -30,8 +30,8 @@ from distmoe.rundir.layout import RUN_RECORD
 
 RUNNING = "running"
 TIMED_OUT = 124  # the exit status of timeout(1)
-RESUME_HINT = ("once the cause is fixed, the run continues from its last checkpoint with: flwr run <app> <connection> "
-               "--run-config \"run.resume='{run_dir}'\" (docs/operations.md, Resume)")
+RESUME_HINT = ("once the cause is fixed, the run continues from its last checkpoint: flwr run <app> <connection> "
+               "with the run's own run config and run.resume = '{run_dir}' added (docs/operations.md, Resume)")
 NO_RECORD_HINT_S = 60.0  # the ServerApp writes run.json within seconds of its start: say so once after this long
 
 

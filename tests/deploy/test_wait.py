@@ -49,7 +49,7 @@ def test_a_failed_run_exits_1_with_its_error(tmp_path: Path, capsys):
     writer.join()
     out = capsys.readouterr().out
     assert "failed" in out and "PrivacyStop: budget" in out, out
-    assert f"run.resume='{run}'" in out, out  # the next step
+    assert f"run.resume = '{run}'" in out, out  # the next step
 
 
 def test_a_completed_run_gives_no_resume_step(tmp_path: Path, capsys):

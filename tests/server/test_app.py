@@ -95,7 +95,7 @@ while not Path(sys.argv[2]).exists():  # the child has its parent's PID (and wro
 def test_the_stop_reason_names_the_superlink_when_the_parent_changed():
     assert app.stop_reason(os.getppid(), Path("runs/7")) == "stopped by a signal (Flower's graceful exit)"
     text = app.stop_reason(-1, Path("runs/7"))  # no process has PID -1: the parent at the start is gone
-    assert text.startswith("the SuperLink stopped") and "run.resume='runs/7'" in text, text
+    assert text.startswith("the SuperLink stopped") and "run.resume = 'runs/7'" in text, text
 
 
 @pytest.mark.integration
@@ -114,4 +114,4 @@ def test_a_stop_after_the_superexec_is_gone_names_the_superlink_and_the_resume(t
     lines = out.read_text().splitlines()
     assert len(lines) == 2, lines
     assert lines[0] == "stopped by a signal (Flower's graceful exit)", lines
-    assert lines[1].startswith("the SuperLink stopped") and "run.resume='runs/7'" in lines[1], lines
+    assert lines[1].startswith("the SuperLink stopped") and "run.resume = 'runs/7'" in lines[1], lines
