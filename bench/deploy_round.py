@@ -149,8 +149,9 @@ def table(sim: list[dict], dep: list[dict], cut: list[dict] | None, stock: list[
                                                                    for v in secs)
                      + f"  {_ratio(secs[1], secs[0]):>7}  {_ratio(secs[1], secs[2]):>9}  {_ratio(secs[2], secs[0]):>9}"
                      + "   " + stages)
-    t = totals
-    lines.append(f"{'>= 1':>5}  {'all':<7} " + " ".join(f"{t[c]:>13.2f}" if c in ran else f"{'-':>13}" for c in cols)
+    t = {c: v if c in ran else None for c, v in totals.items()}  # an arm left out has no total (no 0.00x ratio)
+    lines.append(f"{'>= 1':>5}  {'all':<7} "
+                 + " ".join(f"{t[c]:>13.2f}" if t[c] is not None else f"{'-':>13}" for c in cols)
                  + f"  {_ratio(t['distmoe'], t['simulated']):>7}  {_ratio(t['distmoe'], t['floor-cut']):>9}"
                  + f"  {_ratio(t['floor-cut'], t['simulated']):>9}")
     ratios = [d["seconds"] / s["seconds"] for s, d in zip(sim, dep, strict=False) if s["round"] > 0 and s["seconds"]]

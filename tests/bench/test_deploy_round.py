@@ -84,3 +84,12 @@ def test_a_run_whose_parties_refused_is_left_out_of_the_pairs(tmp_path: Path, ca
     assert [p["rep"] for p in pairs] == [1]
     deploy_round.report(root)
     assert "warning: simulated-2: 1 party error replies (withheld)" in capsys.readouterr().out
+
+
+def test_the_kept_abba_rows_rebuild_the_published_pairs(capsys):
+    root = _BENCH / "results" / "deploy-round-walkthrough-abba"
+    pairs = deploy_round.pair_ratios(root, json.loads((root / "bench.json").read_text()))
+    assert [(p["order"][0], round(p["ratio"], 2)) for p in pairs] == [("distmoe", 1.51), ("simulated", 2.34)]
+    assert [round(p["loads"]["distmoe"], 1) for p in pairs] == [11.2, 15.0]
+    deploy_round.report(root)
+    assert "mean distmoe / simulated over 2 pairs: 1.93x" in capsys.readouterr().out
