@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from distmoe.wire import codec
 from distmoe.wire.server_guard import GuardedTransport
 
 app = ServerApp()
+PARENT_POLL_S = 0.5  # seconds between looks at this process's parent (watch_parent)
 REPLY_POLL_FIRST_S = 0.005
 REPLY_POLL_S = 0.1  # the most seconds between pulls for the replies of one message stage (the Simulation Engine's own)
 # the first pull after a push, or after a pull that brought a reply, waits this long; each pull with nothing new waits
@@ -98,9 +101,31 @@ def stop_reason(parent_pid: int, run_dir: Path) -> str:
             f"run.resume = '{run_dir}' added (docs/operations.md, Resume)")
 
 
+def watch_parent(parent_pid: int, poll: float = PARENT_POLL_S) -> threading.Thread:
+    """Stop this process as Flower's graceful exit does (SIGINT to itself) once ``parent_pid`` is no longer its parent:
+    its SuperExec exited, as it does with its SuperLink. flwr 1.42's own watch (``start_parent_process_monitor``) asks
+    only whether that PID exists, which an exited SuperExec still does until its new parent reaps it (the SuperLink
+    that started it is gone), and raises the signal in its own thread, so that the handler waits until the main
+    thread's current call returns: a ServerApp outlived its SuperLink by minutes with the run ``running``."""
+    main_thread = threading.main_thread().ident
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll)
+        # to the main thread, where Flower's handler runs: a signal raised in this thread would wait there until the
+        # main thread's current call (a sleep between retries of a SuperLink that is gone) returned by itself
+        signal.pthread_kill(main_thread, signal.SIGINT)
+
+    thread = threading.Thread(target=watch, name="distmoe-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     parent = os.getppid()
+    if threading.current_thread() is threading.main_thread():  # a deployed ServerApp process (simulation: a thread)
+        watch_parent(parent)
     cfg = parse_run_config(context.run_config)
     run_id = str(context.run_id)
     if cfg.run.resume:  # continue an interrupted run there (docs/operations.md, Resume)

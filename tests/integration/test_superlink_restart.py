@@ -34,6 +34,7 @@ import test_deployment as td
 
 from distmoe.config import to_toml
 from distmoe.data.synth import write_synthetic
+from distmoe.simulate import processes_with_token
 from distmoe.wire.at_rest import make_private
 
 LOCKED_S = 16.0  # seconds the SuperLink's state database is locked: 3 failed asks of each SuperNode (5 s each)
@@ -44,6 +45,13 @@ END_DEADLINE = 120.0  # seconds for the interrupted run's record to say so once 
 def _events(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def _processes(dep: td.Deployment) -> str:
+    """The test's processes (PID, parent, state, command) for a failure message."""
+    pids = {str(p) for p in processes_with_token(dep.token)}
+    rows = subprocess.run(["ps", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True).stdout.splitlines()
+    return "\n----- processes -----\n" + "\n".join(r[:200] for r in rows if r.split(None, 1)[0] in pids)
 
 
 def _run(dep: td.Deployment, name: str, cli_home: Path, cfg: Path, run_dir: Path, until) -> subprocess.Popen:
@@ -124,8 +132,8 @@ def test_a_superlink_killed_mid_run_interrupts_it_and_resume_completes_it(deploy
     while td._record(run_dir).get("status") == "running" and time.monotonic() - killed < END_DEADLINE:
         time.sleep(0.5)
     rec = td._record(run_dir)
-    msg = dep.diag()
-    assert rec.get("status") == "interrupted", f"run record after the SuperLink's kill: {rec}" + msg
+    msg = dep.diag() + _processes(dep)
+    assert rec.get("status") == "interrupted", f"run record after the SuperLink's kill: {rec.get('status')}" + msg
     assert "SuperLink" in rec.get("error", "") and "run.resume" in rec.get("error", ""), rec
     wait = subprocess.run([*td.DISTMOE, "deploy", "wait", str(run_dir), "--timeout", "5"], capture_output=True,
                           text=True, env=dep.env(cli_home), timeout=td.CLI_TIMEOUT)

@@ -73,16 +73,21 @@ def test_a_short_stage_is_seen_within_ms_of_its_replies_and_a_long_one_costs_few
     assert 0 < app.REPLY_POLL_FIRST_S < app.REPLY_POLL_S
 
 
-
-
-_CHILD = """import os, sys, time
+_CHILD = """import os, signal, sys, time
 from pathlib import Path
-from server.app import stop_reason
+from server.app import stop_reason, watch_parent
 parent, out = os.getppid(), Path(sys.argv[1])
-out.write_text(stop_reason(parent, Path("runs/7")) + "\\n")
-while os.getppid() == parent:  # until the middle process has exited: this one is reparented
-    time.sleep(0.05)
-out.write_text(out.read_text() + stop_reason(parent, Path("runs/7")) + "\\n")
+out.write_text(stop_reason(parent, Path("runs/7")) + "\\n")  # while the parent lives
+
+
+def stopped(*_):  # Flower's graceful exit runs distmoe's exit handler here
+    out.write_text(out.read_text() + stop_reason(parent, Path("runs/7")) + "\\n")
+    os._exit(0)
+
+
+signal.signal(signal.SIGINT, stopped)
+watch_parent(parent, 0.05)
+time.sleep(120)  # only the SIGINT of watch_parent ends this early
 """
 _MIDDLE = """import subprocess, sys, time
 from pathlib import Path
@@ -90,6 +95,23 @@ subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]])
 while not Path(sys.argv[2]).exists():  # the child has its parent's PID (and wrote its first line)
     time.sleep(0.05)
 """
+
+
+def test_watch_parent_sends_sigint_once_the_parent_is_another():
+    import signal
+
+    got: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda *_: got.append(1))
+    try:
+        app.watch_parent(os.getppid(), poll=0.5)  # the parent is there: nothing (a daemon thread, polling slowly)
+        app.watch_parent(-1, poll=0.01).join(10)  # no process has PID -1: the parent at the start is gone
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:  # the handler runs in the main thread
+            time.sleep(0.01)
+        time.sleep(0.6)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert got == [1]
 
 
 def test_the_stop_reason_names_the_superlink_when_the_parent_changed():
@@ -101,8 +123,8 @@ def test_the_stop_reason_names_the_superlink_when_the_parent_changed():
 @pytest.mark.integration
 def test_a_stop_after_the_superexec_is_gone_names_the_superlink_and_the_resume(tmp_path):
     """A real process tree: a middle process starts the child and exits (as the SuperLink's SuperExec exits with its
-    SuperLink); the orphaned child says that the SuperLink stopped and how to resume; while its parent lives, that
-    it was stopped by a signal."""
+    SuperLink); ``watch_parent`` stops the orphaned child with SIGINT (Flower's graceful exit), which says that the
+    SuperLink stopped and how to resume; while its parent lives, that it was stopped by a signal."""
 
     child, out = tmp_path / "child.py", tmp_path / "out.txt"
     child.write_text(_CHILD)
