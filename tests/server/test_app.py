@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from flwr.supercore.inflatable import inflatable_utils
@@ -77,11 +76,11 @@ _CHILD = """import os, signal, sys, time
 from pathlib import Path
 from server.app import stop_reason, watch_parent
 parent, out = os.getppid(), Path(sys.argv[1])
-out.write_text(stop_reason(parent, Path("runs/7")) + "\\n")  # while the parent lives
+out.write_text(stop_reason(parent) + "\\n")  # while the parent lives
 
 
 def stopped(*_):  # Flower's graceful exit runs distmoe's exit handler here
-    out.write_text(out.read_text() + stop_reason(parent, Path("runs/7")) + "\\n")
+    out.write_text(out.read_text() + stop_reason(parent) + "\\n")
     os._exit(0)
 
 
@@ -115,9 +114,9 @@ def test_watch_parent_sends_sigint_once_the_parent_is_another():
 
 
 def test_the_stop_reason_names_the_superlink_when_the_parent_changed():
-    assert app.stop_reason(os.getppid(), Path("runs/7")) == "stopped by a signal (Flower's graceful exit)"
-    text = app.stop_reason(-1, Path("runs/7"))  # no process has PID -1: the parent at the start is gone
-    assert text.startswith("the SuperLink stopped") and "run.resume = 'runs/7'" in text, text
+    assert app.stop_reason(os.getppid()) == "stopped by a signal (Flower's graceful exit)"
+    text = app.stop_reason(-1)  # no process has PID -1: the parent at the start is gone
+    assert text == app.SUPERLINK_STOPPED and "run.resume" in text and len(text) <= 80, text  # the audit's limit
 
 
 @pytest.mark.integration
@@ -136,4 +135,4 @@ def test_a_stop_after_the_superexec_is_gone_names_the_superlink_and_the_resume(t
     lines = out.read_text().splitlines()
     assert len(lines) == 2, lines
     assert lines[0] == "stopped by a signal (Flower's graceful exit)", lines
-    assert lines[1].startswith("the SuperLink stopped") and "run.resume = 'runs/7'" in lines[1], lines
+    assert lines[1] == app.SUPERLINK_STOPPED, lines
