@@ -12,7 +12,11 @@ authentication, three data owners' SuperNodes with their own keys, loopback, as 
   ``flwr-clientapp`` per message).
 
 ``--repeat N`` runs the arms N times in that order (the floors replay the messages of the repetition's own distmoe
-run). The machine's load average is read before and after each arm; compare only ratios of one invocation.
+run); with ``--abba`` every second repetition runs them in the reverse order (a floor still right after distmoe), so
+that with ``--repeat 2`` (or 4, ...) distmoe and simulated see, on average, the same load on a machine whose load
+drifts: each repetition is one pair, and the report gives each pair's distmoe / simulated ratio (rounds >= 1) and
+their mean with a 95 % t-interval. The machine's 1-minute load average is read before and after each arm and every
+2 s during it (its mean is the arm's load); compare only ratios of one invocation.
 
 Times: distmoe's from the coordinator's ledger (``<run>/ledger/coordinator.jsonl``): a round from its first
 instruction to the next round's first (the last: to ``run_end`` in ``metrics.jsonl``); a stage from its first
@@ -20,7 +24,7 @@ instruction to the last reply before the next instruction. The floor's from its 
 to its last reply), grouped into distmoe's rounds stage by stage.
 
     python bench/deploy_round.py [--schedule bench|walkthrough] [--sft-rounds N] [--arms ...] [--repeat N]
-                                 [--cold] [--trace] [--keep DIR]
+                                 [--abba] [--cold] [--trace] [--keep DIR]
     python bench/deploy_round.py --table DIR      # the tables again, from the runs kept in DIR
 
 ``--schedule walkthrough``: the run config of ``docs/deploy.md`` §1.5 (``configs/continual.toml``: the default model
@@ -38,6 +42,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -93,6 +98,18 @@ def rounds_from(stages: list[dict], end: float) -> list[dict]:
     return rounds
 
 
+def faults(run_dir: Path) -> str | None:
+    """What makes a run's times no measure of the work (a party's error reply, a round that released nothing: its
+    parties did not do the round's work), or None."""
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    errors = [e for e in events if e.get("event") == "party_error"]
+    skipped = sorted({e["round"] for e in events if e.get("event") == "round_skipped"})
+    if not errors and not skipped:
+        return None
+    return (f"{run_dir.name}: {len(errors)} party error replies ({', '.join(sorted({e['code'] for e in errors}))}), "
+            f"rounds that released nothing: {skipped or 'none'}; its times are not comparable")
+
+
 def rounds_of(run_dir: Path) -> list[dict]:
     return rounds_from(stages_of(run_dir), run_end(run_dir))
 
@@ -132,8 +149,9 @@ def table(sim: list[dict], dep: list[dict], cut: list[dict] | None, stock: list[
                                                                    for v in secs)
                      + f"  {_ratio(secs[1], secs[0]):>7}  {_ratio(secs[1], secs[2]):>9}  {_ratio(secs[2], secs[0]):>9}"
                      + "   " + stages)
-    t = totals
-    lines.append(f"{'>= 1':>5}  {'all':<7} " + " ".join(f"{t[c]:>13.2f}" if c in ran else f"{'-':>13}" for c in cols)
+    t = {c: v if c in ran else None for c, v in totals.items()}  # an arm left out has no total (no 0.00x ratio)
+    lines.append(f"{'>= 1':>5}  {'all':<7} "
+                 + " ".join(f"{t[c]:>13.2f}" if t[c] is not None else f"{'-':>13}" for c in cols)
                  + f"  {_ratio(t['distmoe'], t['simulated']):>7}  {_ratio(t['distmoe'], t['floor-cut']):>9}"
                  + f"  {_ratio(t['floor-cut'], t['simulated']):>9}")
     ratios = [d["seconds"] / s["seconds"] for s, d in zip(sim, dep, strict=False) if s["round"] > 0 and s["seconds"]]
@@ -146,6 +164,83 @@ def table(sim: list[dict], dep: list[dict], cut: list[dict] | None, stock: list[
         lines.append(f"floor (Flower's transport of these messages, with the cuts): {t['floor-cut']:.1f} s against "
                      f"1.5 x simulated = {1.5 * t['simulated']:.1f} s, {verdict}")
     return "\n".join(lines)
+
+
+def arm_order(arms: list[str], rep: int, abba: bool) -> list[str]:
+    """The arms of repetition ``rep`` (1-based) in run order: ``da.ARMS``'s, reversed in even repetitions under
+    ``abba`` with each floor kept right after distmoe (a floor replays that repetition's distmoe messages)."""
+    order = [a for a in da.ARMS if a in arms]
+    if not abba or rep % 2:
+        return order
+    rev = [a for a in reversed(order) if not a.startswith("floor")]
+    floors = [a for a in order if a.startswith("floor")]
+    at = rev.index("distmoe") + 1 if "distmoe" in rev else len(rev)
+    return rev[:at] + floors + rev[at:]
+
+
+def pair_ratios(root: Path, res: dict) -> list[dict]:
+    """Per repetition with both arms and no ``faults``: {rep, distmoe, simulated, ratio, order, loads}, seconds of
+    rounds >= 1."""
+    out = []
+    for rep in res["reps"]:
+        got = {a["arm"]: a for a in rep["arms"]}
+        if "distmoe" not in got or "simulated" not in got:
+            continue
+        if any(faults(kept_dir(root, got[arm]["dir"])) for arm in ("distmoe", "simulated")):
+            continue  # report() says why
+        secs = {arm: sum(r["seconds"] for r in rounds_of(kept_dir(root, got[arm]["dir"])) if r["round"] > 0)
+                for arm in ("distmoe", "simulated")}
+        out.append({"rep": rep["rep"], **secs, "ratio": secs["distmoe"] / secs["simulated"],
+                    "order": [a["arm"] for a in rep["arms"]],
+                    "loads": {arm: got[arm].get("load_mean", statistics.fmean(got[arm]["load"]))
+                              for arm in ("distmoe", "simulated")}})
+    return out
+
+
+def mean_interval(xs: list[float], level: float = 0.95) -> tuple[float, float | None, float | None]:
+    """Mean of ``xs`` and its two-sided Student-t interval at ``level`` (None, None for fewer than 2 values)."""
+    mean = statistics.fmean(xs)
+    if len(xs) < 2:
+        return mean, None, None
+    from scipy import stats as sps
+
+    half = sps.t.ppf(0.5 + level / 2, len(xs) - 1) * statistics.stdev(xs) / len(xs) ** 0.5
+    return mean, mean - half, mean + half
+
+
+def pairs_text(pairs: list[dict]) -> str:
+    lines = ["\npairs (rounds >= 1; each arm's mean load average over its run):"]
+    for p in pairs:
+        lines.append(f"  repetition {p['rep']} ({' -> '.join(p['order'])}): distmoe {p['distmoe']:.1f} s "
+                     f"(load {p['loads']['distmoe']:.1f}), simulated {p['simulated']:.1f} s "
+                     f"(load {p['loads']['simulated']:.1f}): {p['ratio']:.2f}x")
+    mean, lo, hi = mean_interval([p["ratio"] for p in pairs])
+    span = f", 95 % t-interval [{lo:.2f}, {hi:.2f}]" if lo is not None else ""
+    loads = [statistics.fmean(p["loads"][a] for p in pairs) for a in ("distmoe", "simulated")]
+    lines.append(f"  mean distmoe / simulated over {len(pairs)} pairs: {mean:.2f}x{span}; mean load "
+                 f"distmoe {loads[0]:.1f}, simulated {loads[1]:.1f}")
+    return "\n".join(lines)
+
+
+class LoadSampler:
+    """The 1-minute load average every ``every`` seconds in a thread, while in the ``with`` block."""
+
+    def __init__(self, every: float = 2.0):
+        self.every, self.samples, self._stop = every, [os.getloadavg()[0]], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
 
 
 def schedule_overrides(name: str, sft_rounds: int) -> dict:
@@ -175,11 +270,30 @@ def report(root: Path) -> None:
         if "distmoe" not in got or "simulated" not in got:
             continue
         dep_dir = kept_dir(root, got["distmoe"]["dir"])
+        for arm in ("distmoe", "simulated"):
+            fault = faults(kept_dir(root, got[arm]["dir"]))
+            if fault:
+                print(f"warning: {fault} (left out of the pairs)")
         dep_stages = stages_of(dep_dir)
         floors = {arm: floor_rounds(dep_stages, got[arm]["records"]) if arm in got else None
                   for arm in ("floor-cut", "floor-stock")}
         print(table(rounds_of(kept_dir(root, got["simulated"]["dir"])), rounds_of(dep_dir), floors["floor-cut"],
                     floors["floor-stock"]))
+    pairs = pair_ratios(root, res)
+    if pairs and (len(pairs) > 1 or res.get("abba")):
+        print(pairs_text(pairs))
+
+
+def run_arm(arm: str, out: dict, fed, tag: str, overrides: dict, deadline: float, root: Path, plan: Path,
+            shapes: Path, t0: float) -> None:
+    if arm == "distmoe":
+        out["dir"], out["wall"] = da.distmoe_arm(fed, tag, overrides, deadline)
+        plan.write_text(json.dumps(da.plan_from_shapes(shapes, t0, time.time())))
+    elif arm == "simulated":
+        sim = {k: v for k, v in overrides.items() if k != "run.dir"}
+        out["dir"], out["wall"] = da.simulated(root, fed.parties[0].parent, tag, sim, deadline)
+    else:
+        out["records"], out["wall"] = da.floor_arm(fed, tag, plan, arm == "floor-cut", deadline)
 
 
 def main() -> None:
@@ -188,6 +302,7 @@ def main() -> None:
     ap.add_argument("--sft-rounds", type=int, default=3)
     ap.add_argument("--arms", nargs="+", choices=da.ARMS, default=list(da.ARMS))
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--abba", action="store_true", help="reverse the arms' order in every second repetition")
     ap.add_argument("--deadline", type=float, default=None, help="seconds per run (600; walkthrough 2400)")
     ap.add_argument("--cold", action="store_true", help="distmoe: a fresh ClientApp process per message")
     ap.add_argument("--trace", action="store_true",
@@ -213,29 +328,25 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "bench" / "deploy_trace"), str(REPO),
                                                 os.environ.get("PYTHONPATH", "")])
     res = {"schedule": args.schedule, "phases": overrides["schedule.phases"], "sft_rounds": args.sft_rounds,
-           "cold": args.cold, "reps": []}
+           "cold": args.cold, "abba": args.abba, "reps": []}
     fed = da.Federation(root, 64 if args.schedule == "walkthrough" else 24, args.cold)
     try:
         for rep in range(1, args.repeat + 1):
             arms: list[dict] = []
             res["reps"].append({"rep": rep, "arms": arms})
             plan = root / f"plan-{rep}.json"
-            for arm in (a for a in da.ARMS if a in args.arms):
-                tag, load0, t0 = f"{arm}-{rep}", os.getloadavg(), time.time()
+            for arm in arm_order(args.arms, rep, args.abba):
+                tag, t0 = f"{arm}-{rep}", time.time()
                 out: dict = {"arm": arm}
-                if arm == "distmoe":
-                    out["dir"], out["wall"] = da.distmoe_arm(fed, tag, overrides, deadline)
-                    plan.write_text(json.dumps(da.plan_from_shapes(shapes, t0, time.time())))
-                elif arm == "simulated":
-                    sim = {k: v for k, v in overrides.items() if k != "run.dir"}
-                    out["dir"], out["wall"] = da.simulated(root, fed.parties[0].parent, tag, sim, deadline)
-                else:
-                    out["records"], out["wall"] = da.floor_arm(fed, tag, plan, arm == "floor-cut", deadline)
-                out["load"], out["t"] = [load0[0], os.getloadavg()[0]], [t0, time.time()]
+                with LoadSampler() as load:
+                    run_arm(arm, out, fed, tag, overrides, deadline, root, plan, shapes, t0)
+                out["load"], out["t"] = [load.samples[0], load.samples[-1]], [t0, time.time()]
+                out["load_mean"] = statistics.fmean(load.samples)
                 out["dir"] = str(out.get("dir", ""))
                 arms.append(out)
                 (root / "bench.json").write_text(json.dumps(res, indent=1))
-                print(f"{tag}: {out['wall']:.0f} s, load {out['load'][0]:.1f} -> {out['load'][1]:.1f}", flush=True)
+                print(f"{tag}: {out['wall']:.0f} s, load {out['load'][0]:.1f} -> {out['load'][1]:.1f} "
+                      f"(mean {out['load_mean']:.1f})", flush=True)
     finally:
         fed.stop()
     report(root)

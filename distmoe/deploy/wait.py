@@ -11,7 +11,8 @@ at once. The run's own record says when it ended: the coordinator writes ``run.j
 when it starts and ``completed``, ``failed`` or ``interrupted`` (with the error) when it ends, and only then is the
 run directory complete for ``distmoe report`` and ``distmoe audit``.
 
-:func:`wait_for_run` polls that record: exit status 0 when the run completed, 1 when it ended otherwise, 124 when
+:func:`wait_for_run` polls that record: exit status 0 when the run completed, 1 when it ended otherwise (with the
+``run.resume`` command that continues it), 124 when
 ``timeout`` passed first (the run may still be going, or its ServerApp was killed before it could write its end:
 ``flwr ls`` then shows Flower's view).
 
@@ -29,6 +30,8 @@ from distmoe.rundir.layout import RUN_RECORD
 
 RUNNING = "running"
 TIMED_OUT = 124  # the exit status of timeout(1)
+RESUME_HINT = ("once the cause is fixed, the run continues from its last checkpoint: flwr run <app> <connection> "
+               "with the run's own run config and run.resume = '{run_dir}' added (docs/operations.md, Resume)")
 NO_RECORD_HINT_S = 60.0  # the ServerApp writes run.json within seconds of its start: say so once after this long
 
 
@@ -61,6 +64,8 @@ def wait_for_run(run_dir: Path, timeout: float | None = None, poll: float = 2.0,
         if status is not None and status != RUNNING:
             waited = clock() - start
             say(f"run {run_dir}: {status} (after {waited:.0f} s of waiting)" + (f": {error}" if error else ""))
+            if status != "completed":
+                say(RESUME_HINT.format(run_dir=run_dir))
             return 0 if status == "completed" else 1
         if status != seen and status is not None:
             say(f"run {run_dir}: {status}")

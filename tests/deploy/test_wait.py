@@ -49,6 +49,13 @@ def test_a_failed_run_exits_1_with_its_error(tmp_path: Path, capsys):
     writer.join()
     out = capsys.readouterr().out
     assert "failed" in out and "PrivacyStop: budget" in out, out
+    assert f"run.resume = '{run}'" in out, out  # the next step
+
+
+def test_a_completed_run_gives_no_resume_step(tmp_path: Path, capsys):
+    (tmp_path / "run.json").write_text(json.dumps({"status": "completed"}))
+    assert main(["deploy", "wait", str(tmp_path), "--poll", "0.02"]) == 0
+    assert "run.resume" not in capsys.readouterr().out
 
 
 def test_a_run_still_running_at_the_timeout_exits_124(tmp_path: Path, capsys):

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import subprocess
+import sys
+import time
 
+import pytest
 from flwr.supercore.inflatable import inflatable_utils
 from flwr.superlink.grid import http_grid
 
@@ -65,3 +70,69 @@ def test_a_short_stage_is_seen_within_ms_of_its_replies_and_a_long_one_costs_few
     got = app.GridTransport(long)._send_and_receive([], timeout=5.0)
     assert [m.metadata.reply_to_message_id for m in got] == ["a"] and long.pulls <= 20, long.pulls
     assert 0 < app.REPLY_POLL_FIRST_S < app.REPLY_POLL_S
+
+
+_CHILD = """import os, signal, sys, time
+from pathlib import Path
+from server.app import stop_reason, watch_parent
+parent, out = os.getppid(), Path(sys.argv[1])
+out.write_text(stop_reason(parent) + "\\n")  # while the parent lives
+
+
+def stopped(*_):  # Flower's graceful exit runs distmoe's exit handler here
+    out.write_text(out.read_text() + stop_reason(parent) + "\\n")
+    os._exit(0)
+
+
+signal.signal(signal.SIGINT, stopped)
+watch_parent(parent, 0.05)
+time.sleep(120)  # only the SIGINT of watch_parent ends this early
+"""
+_MIDDLE = """import subprocess, sys, time
+from pathlib import Path
+subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]])
+while not Path(sys.argv[2]).exists():  # the child has its parent's PID (and wrote its first line)
+    time.sleep(0.05)
+"""
+
+
+def test_watch_parent_sends_sigint_once_the_parent_is_another():
+    import signal
+
+    got: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda *_: got.append(1))
+    try:
+        app.watch_parent(os.getppid(), poll=0.5)  # the parent is there: nothing (a daemon thread, polling slowly)
+        app.watch_parent(-1, poll=0.01).join(10)  # no process has PID -1: the parent at the start is gone
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:  # the handler runs in the main thread
+            time.sleep(0.01)
+        time.sleep(0.6)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert got == [1]
+
+
+def test_the_stop_reason_names_the_superlink_when_the_parent_changed():
+    assert app.stop_reason(os.getppid()) == "stopped by a signal (Flower's graceful exit)"
+    text = app.stop_reason(-1)  # no process has PID -1: the parent at the start is gone
+    assert text == app.SUPERLINK_STOPPED and "run.resume" in text and len(text) <= 80, text  # the audit's limit
+
+
+@pytest.mark.integration
+def test_a_stop_after_the_superexec_is_gone_names_the_superlink_and_the_resume(tmp_path):
+    """A real process tree: a middle process starts the child and exits (as the SuperLink's SuperExec exits with its
+    SuperLink); ``watch_parent`` stops the orphaned child with SIGINT (Flower's graceful exit), which says that the
+    SuperLink stopped and how to resume; while its parent lives, that it was stopped by a signal."""
+
+    child, out = tmp_path / "child.py", tmp_path / "out.txt"
+    child.write_text(_CHILD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    subprocess.run([sys.executable, "-c", _MIDDLE, str(child), str(out)], env=env, timeout=120, check=True)
+    deadline = time.monotonic() + 60
+    while (not out.exists() or out.read_text().count("\n") < 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0] == "stopped by a signal (Flower's graceful exit)", lines
+    assert lines[1] == app.SUPERLINK_STOPPED, lines

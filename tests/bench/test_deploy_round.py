@@ -1,0 +1,95 @@
+"""``bench/deploy_round.py``'s alternating order and its pairs: with ``--abba`` every second repetition runs the arms in
+the reverse order (a floor still right after distmoe's arm, whose messages it replays); each repetition is one pair of
+distmoe and simulated, read from the kept runs (ledger and metrics files as the arms wrote them); a run whose
+parties replied with errors or whose rounds released nothing is left out of the pairs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+from scipy import stats as sps
+
+_BENCH = Path(__file__).resolve().parents[2] / "bench"
+_KEPT = _BENCH / "results" / "deploy-round-walkthrough"
+sys.path.insert(0, str(_BENCH))
+import deploy_round  # noqa: E402
+
+
+def test_abba_reverses_every_second_repetition_and_keeps_each_floor_after_distmoe():
+    two = ["distmoe", "simulated"]
+    assert [deploy_round.arm_order(two, rep, True) for rep in (1, 2, 3, 4)] == [
+        two, two[::-1], two, two[::-1]]
+    assert deploy_round.arm_order(two, 2, False) == two
+    every = ["distmoe", "floor-cut", "simulated", "floor-stock"]
+    assert deploy_round.arm_order(every, 2, True) == ["simulated", "distmoe", "floor-cut", "floor-stock"]
+
+
+def test_the_mean_interval_is_students_t():
+    xs = [1.31, 1.52, 1.44, 1.38]
+    mean, lo, hi = deploy_round.mean_interval(xs)
+    half = sps.t.ppf(0.975, 3) * statistics.stdev(xs) / 2
+    assert abs(mean - statistics.fmean(xs)) < 1e-12
+    assert abs(lo - (mean - half)) < 1e-12 and abs(hi - (mean + half)) < 1e-12
+    assert deploy_round.mean_interval([1.4]) == (1.4, None, None)
+
+
+def _kept(tmp_path: Path, scale: float, fault: bool) -> Path:
+    """Two repetitions of the kept walkthrough runs, the second's simulated rounds ``scale`` times as long."""
+    root = tmp_path / "kept"
+    res = json.loads((_KEPT / "bench.json").read_text())
+    arms = [a for a in res["reps"][0]["arms"] if a["arm"] in ("distmoe", "simulated")]
+    reps = []
+    for rep in (1, 2):
+        out = []
+        for a in arms if rep == 1 else arms[::-1]:
+            name = f"{a['arm']}-{rep}"
+            shutil.copytree(_KEPT / a["dir"], root / name)
+            out.append({**a, "dir": name, "load_mean": 5.0 + rep})
+        reps.append({"rep": rep, "arms": out})
+    sim2 = root / "simulated-2"
+    files = {rel: [json.loads(x) for x in (sim2 / rel).read_text().splitlines() if x.strip()]
+             for rel in ("metrics.jsonl", "ledger/coordinator.jsonl")}
+    t0 = min(e["time"] for lines in files.values() for e in lines if "time" in e)
+    for rel, lines in files.items():  # every time stretched about the run's start
+        for e in lines:
+            if "time" in e:
+                e["time"] = t0 + (e["time"] - t0) * scale
+        if fault and rel == "metrics.jsonl":
+            lines.insert(2, {"event": "party_error", "round": 1, "code": "withheld", "time": t0})
+        (sim2 / rel).write_text("".join(json.dumps(e) + "\n" for e in lines))
+    (root / "bench.json").write_text(json.dumps({**res, "abba": True, "reps": reps}))
+    return root
+
+
+def test_each_repetition_is_a_pair_in_its_own_order_with_its_load(tmp_path: Path, capsys):
+    root = _kept(tmp_path, 2.0, fault=False)
+    pairs = deploy_round.pair_ratios(root, json.loads((root / "bench.json").read_text()))
+    assert [p["order"] for p in pairs] == [["distmoe", "simulated"], ["simulated", "distmoe"]]
+    assert abs(pairs[0]["ratio"] - 191.19 / 134.45) < 0.01  # the published table's rounds >= 1
+    assert abs(pairs[1]["ratio"] - pairs[0]["ratio"] / 2) < 0.01
+    assert pairs[1]["loads"] == {"distmoe": 7.0, "simulated": 7.0}
+    deploy_round.report(root)
+    out = capsys.readouterr().out
+    mean = (pairs[0]["ratio"] + pairs[1]["ratio"]) / 2
+    assert f"mean distmoe / simulated over 2 pairs: {mean:.2f}x, 95 % t-interval" in out, out
+
+
+def test_a_run_whose_parties_refused_is_left_out_of_the_pairs(tmp_path: Path, capsys):
+    root = _kept(tmp_path, 1.0, fault=True)
+    pairs = deploy_round.pair_ratios(root, json.loads((root / "bench.json").read_text()))
+    assert [p["rep"] for p in pairs] == [1]
+    deploy_round.report(root)
+    assert "warning: simulated-2: 1 party error replies (withheld)" in capsys.readouterr().out
+
+
+def test_the_kept_abba_rows_rebuild_the_published_pairs(capsys):
+    root = _BENCH / "results" / "deploy-round-walkthrough-abba"
+    pairs = deploy_round.pair_ratios(root, json.loads((root / "bench.json").read_text()))
+    assert [(p["order"][0], round(p["ratio"], 2)) for p in pairs] == [("distmoe", 1.51), ("simulated", 2.34)]
+    assert [round(p["loads"]["distmoe"], 1) for p in pairs] == [11.2, 15.0]
+    deploy_round.report(root)
+    assert "mean distmoe / simulated over 2 pairs: 1.93x" in capsys.readouterr().out
