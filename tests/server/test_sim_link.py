@@ -167,6 +167,45 @@ def test_a_short_stage_round_trip_through_the_engines_queue_takes_milliseconds()
         th.join(2)
 
 
+def test_a_reply_is_handed_to_the_guards_early_check_while_a_slower_party_is_awaited():
+    """``GridTransport`` gives each pulled reply to ``GuardedTransport._arrived`` while other replies are still
+    awaited (so the server guard's content checks overlap the slowest party's work); the last one is left to the
+    exchange, which checks and logs every reply after all are in."""
+    grid, link, queue, stop, th, nodes = _engine(nodes=2)
+    slow = nodes[1]
+    party_stop = threading.Event()
+
+    def party():
+        while not party_stop.is_set():
+            try:
+                msg = queue.get(timeout=0.05)
+            except Empty:
+                continue
+            if msg.metadata.dst_node_id == slow:
+                time.sleep(0.3)
+            reply = Message(RecordDict(), reply_to=msg)
+            reply.metadata.__dict__["_message_id"] = f"r-{msg.metadata.message_id}"
+            grid.state.store_message_res(reply)
+
+    workers = [threading.Thread(target=party, daemon=True) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        transport, calls = app.GridTransport(grid), []
+        transport._arrived = lambda node, content: calls.append((node, time.monotonic(), content))
+        t0 = time.monotonic()
+        got = transport._send_and_receive(_msgs(grid, nodes), timeout=5.0)
+        assert sorted(m.metadata.src_node_id for m in got) == nodes
+        assert [c[0] for c in calls] == [nodes[0]] and calls[0][1] - t0 < 0.2  # before the slow reply came
+        assert calls[0][2] is next(m.content for m in got if m.metadata.src_node_id == nodes[0])
+    finally:
+        party_stop.set()
+        stop.set()
+        for w in workers:
+            w.join(2)
+        th.join(2)
+
+
 def test_any_other_grid_is_left_to_plain_polling():
     class Other:
         state = None
