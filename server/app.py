@@ -5,7 +5,9 @@ rather than a stock strategy, since a round carries several records and phases o
 Flower's ``send_and_receive``: on the Deployment Engine it waits 3 s between pulls (flwr 1.42 ``HttpGrid``), up
 to 3 s lost on each of a round's message stages; a pull is one local request to the SuperLink, so polling faster
 costs little. For the same reason Flower's back-off for a reply's content that is not yet at the SuperLink starts
-at 50 ms.
+at 50 ms. On the Simulation Engine (``server/sim_link.py``) a pushed message goes to the engine's queue at once and a
+stored reply ends the wait, and a reply that comes while others are awaited has its content checked at once
+(``GuardedTransport._arrived``).
 
 ``run.resume = "<run dir>"`` continues an interrupted run in that directory (new Flower run id, same
 logical run: ``distmoe.coordinator``), e.g. ``flwr run . <federation> --run-config "run.resume='runs/42'"``.
