@@ -91,7 +91,11 @@ def aggregate_problem(layout, avg: dict[str, np.ndarray] | None, weight: float, 
                 "weight, or a vector that was not a masked input of the declared layout)")
     if avg is None:
         return None
-    flat = np.concatenate([np.asarray(a, np.float64).ravel() for a in avg.values()]) if avg else np.zeros(0)
+    flat = np.empty(sum(np.size(a) for a in avg.values()), np.float64)  # [D] the average in float64, one copy
+    off = 0
+    for a in avg.values():  # in the average's order (as concatenating float64 copies would, without the copies)
+        np.copyto(flat[off:off + np.size(a)], np.ravel(a), casting="unsafe")
+        off += np.size(a)
     if not np.all(np.isfinite(flat)):
         return "the average update is not finite"
     norm = float(np.linalg.norm(flat))
