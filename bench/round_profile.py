@@ -78,6 +78,8 @@ TIMED = [
     ("secagg server: unmask (reconstruct, remove masks)", "distmoe.privacy.secagg.server_unmask", "finish",
      "ServerUnmasking"),
     ("sum bound check (aggregate_problem)", "distmoe.privacy.releases.update", "aggregate_problem"),
+    ("plaintext norm screen (divergent_updates)", "distmoe.coordinator.aggregator", "divergent_updates"),
+    ("plaintext FedAvg (weighted_average)", "distmoe.coordinator.aggregator", "weighted_average"),
     ("sft aggregate (the model update)", "distmoe.coordinator.phases.sft", "aggregate", "Sft"),
     ("sft configure (the instruction)", "distmoe.coordinator.phases.sft", "configure", "Sft"),
     ("carried probe's replies (combine, record)", "distmoe.coordinator.phases.probe", "apply_carried"),

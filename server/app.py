@@ -5,7 +5,9 @@ rather than a stock strategy, since a round carries several records and phases o
 Flower's ``send_and_receive``: on the Deployment Engine it waits 3 s between pulls (flwr 1.42 ``HttpGrid``), up
 to 3 s lost on each of a round's message stages; a pull is one local request to the SuperLink, so polling faster
 costs little. For the same reason Flower's back-off for a reply's content that is not yet at the SuperLink starts
-at 50 ms.
+at 50 ms. On the Simulation Engine (``server/sim_link.py``) a pushed message goes to the engine's queue at once and a
+stored reply ends the wait, and a reply that comes while others are awaited has its content checked at once
+(``GuardedTransport._arrived``).
 
 ``run.resume = "<run dir>"`` continues an interrupted run in that directory (new Flower run id, same
 logical run: ``distmoe.coordinator``), e.g. ``flwr run . <federation> --run-config "run.resume='runs/42'"``.
@@ -35,6 +37,7 @@ from distmoe.config import parse_run_config
 from distmoe.coordinator import Coordinator
 from distmoe.wire import codec
 from distmoe.wire.server_guard import ExchangeMemo, GuardedTransport
+from server import sim_link
 
 app = ServerApp()
 SUPERLINK_STOPPED = "the SuperLink stopped (its SuperExec is gone): continue the run with run.resume"
@@ -55,6 +58,7 @@ class GridTransport(GuardedTransport):
 
     def __init__(self, grid: Grid):
         self.grid = grid
+        self.link = sim_link.attach(grid)  # on the Simulation Engine: hand-off at the push, a reply wakes the pull
 
     def node_ids(self) -> list[int]:
         return sorted(self.grid.get_node_ids())
@@ -73,18 +77,32 @@ class GridTransport(GuardedTransport):
 
     def _send_and_receive(self, msgs, timeout: float) -> list:
         """Push ``msgs``, then pull their replies until all are in or ``timeout`` passes: ``REPLY_POLL_FIRST_S`` after
-        the push or a pull that brought a reply, doubling while nothing comes, at most ``REPLY_POLL_S``."""
+        the push or a pull that brought a reply, doubling while nothing comes, at most ``REPLY_POLL_S``. On the
+        Simulation Engine (``sim_link``) the messages go to the engine's queue at the push and a stored reply ends
+        the wait at once."""
+        link = self.link
         waiting = set(self.grid.push_messages(msgs))
+        if link is not None:
+            link.hand_off()
         end = time.monotonic() + timeout
         replies = []
         wait = REPLY_POLL_FIRST_S
         while waiting:
+            if link is not None:
+                link.clear()  # a reply stored from here on ends the next wait
             pulled = list(self.grid.pull_messages(waiting))
             replies += pulled
+            if self._arrived is not None and waiting - {m.metadata.reply_to_message_id for m in pulled}:
+                for msg in pulled:  # others still awaited: check these now (``GuardedTransport._arrived``)
+                    if not msg.has_error():
+                        self._arrived(msg.metadata.src_node_id, msg.content)
             waiting -= {m.metadata.reply_to_message_id for m in pulled}
             left = end - time.monotonic()
             if not waiting or left <= 0:
                 break
+            if link is not None:
+                link.wait(min(REPLY_POLL_S, left))
+                continue
             wait = REPLY_POLL_FIRST_S if pulled else min(2 * wait, REPLY_POLL_S)
             time.sleep(min(wait, left))
         return replies

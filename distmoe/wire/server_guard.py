@@ -12,7 +12,9 @@ Owns:
   instruction asked for one and within its bounds: ``allow_list.check_probe_part``) and logged with the
   sender's ledger head as an anchor. A reply that fails is rejected: logged with the reason, and that
   party is left out of the round.
-- ``GuardedTransport``: the coordinator's one transport type, ``exchange`` over any ``_send`` (Grid, in-process).
+- ``GuardedTransport``: the coordinator's one transport type, ``exchange`` over any ``_send`` (Grid, in-process); a
+  transport may hand each reply to ``_arrived`` as it comes, so that its content checks (``ServerGuard.check``: pure,
+  no ledger entry) overlap the wait for the other replies; every reply is logged and acted on only after all are in.
 - ``ExchangeMemo``: what the messages of one exchange share, made once (the encoded phase instruction, the digest of
   leading records, the packed weights); ``exchange`` makes one per exchange and passes it down explicitly.
 
@@ -25,6 +27,7 @@ import abc
 import hashlib
 import time
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 from flwr.app import RecordDict
@@ -49,6 +52,18 @@ from distmoe.wire.schema import (
     ShareKeysReply,
     UnmaskResponseMsg,
 )
+
+
+class Checked(NamedTuple):
+    """One reply's content checks (``ServerGuard.check``): the reply object they were made on, its description,
+    payload tag, sender's ledger head, decoded payload and the first problem found (None: none)."""
+
+    reply: object
+    d: dict
+    ptype: str
+    head: tuple | None
+    payload: object
+    problem: str | None
 
 
 # -------------------------------------------------------------------------------------------- guard
@@ -87,31 +102,18 @@ class ServerGuard:
         return codec.message_type_of(payload), codec.with_ledger_head(content, entry["seq"], entry["hash"])
 
     def inbound(self, node: int, reply: RecordDict | codec.ErrorReply | str, expected: type, rnd: int | None,
-                phase: str, length: int | None = None, probe: ProbeBounds | None = None) -> object:
-        """The checked payload, or raise ``WireError`` with the reason (logged either way)."""
+                phase: str, length: int | None = None, probe: ProbeBounds | None = None,
+                checked: Checked | None = None) -> object:
+        """The checked payload, or raise ``WireError`` with the reason (logged either way). ``checked``: this reply's
+        ``check`` made earlier (as it arrived, while other replies were awaited); logged here as if made now."""
         if isinstance(reply, codec.ErrorReply):
             name, text = self._error(node, reply, rnd, phase)
             raise WireError(text, reason=name)
         if isinstance(reply, str):  # no reply at all (the transport's note)
             raise WireError(reply, reason="no-reply")
-        head, payload, problem = None, None, None
-        try:  # what Flower carried packed (``packing``): checked, logged and hashed as its logical records
-            reply = packing.unpack(reply)
-        except WireError as exc:
-            problem = str(exc)
-        d = inspect.describe(reply, exclude=(codec.LEDGER_RECORD,))
-        ptype = codec.payload_tag(reply)
-        try:
-            head = codec.ledger_head(reply)
-            problem = problem or check_against_policy(self.policy, ptype, d)
-            if problem is None:
-                inspect.check_strings(codec.strip_ledger(reply), REPLY_STRINGS)
-                payload = codec.decode(reply, expected)
-                problem = self._semantic(payload, node, rnd, length)
-                if problem is None and expected in CARRIES_PROBE:  # the carried probe: asked for, and bounded
-                    problem = check_probe_part(payload.probe, probe)
-        except (WireError, inspect.InspectError) as exc:
-            problem = str(exc)
+        if checked is None or checked.reply is not reply:
+            checked = self.check(node, reply, expected, rnd, length, probe)
+        d, ptype, head, payload, problem = checked.d, checked.ptype, checked.head, checked.payload, checked.problem
         info = None
         if isinstance(payload, KeyAdvertReply) and problem is None:
             info = {"ledger_public_key": payload.ledger_public_key, "node": str(node),
@@ -137,6 +139,31 @@ class ServerGuard:
         elif getattr(payload, "party", None) and node not in self.names:
             self.names[node] = payload.party
         return payload
+
+    def check(self, node: int, reply: RecordDict, expected: type, rnd: int | None, length: int | None = None,
+              probe: ProbeBounds | None = None) -> Checked:
+        """The content checks of one reply (the module docstring's list up to the ledger entry): reads no state that
+        the stage's other replies change and writes nothing, so it may run as each reply arrives; ``inbound`` then
+        adds the checks that depend on the other replies (a party name taken) and logs it."""
+        head, payload, problem = None, None, None
+        try:  # what Flower carried packed (``packing``): checked, logged and hashed as its logical records
+            unpacked = packing.unpack(reply)
+        except WireError as exc:
+            unpacked, problem = reply, str(exc)
+        d = inspect.describe(unpacked, exclude=(codec.LEDGER_RECORD,))
+        ptype = codec.payload_tag(unpacked)
+        try:
+            head = codec.ledger_head(unpacked)
+            problem = problem or check_against_policy(self.policy, ptype, d)
+            if problem is None:
+                inspect.check_strings(codec.strip_ledger(unpacked), REPLY_STRINGS)
+                payload = codec.decode(unpacked, expected)
+                problem = self._semantic(payload, node, rnd, length)
+                if problem is None and expected in CARRIES_PROBE:  # the carried probe: asked for, and bounded
+                    problem = check_probe_part(payload.probe, probe)
+        except (WireError, inspect.InspectError) as exc:
+            problem = str(exc)
+        return Checked(reply, d, ptype, head, payload, problem)
 
     def _error(self, node: int, reply: codec.ErrorReply, rnd: int | None, phase: str) -> tuple[str, str]:
         """Check and log an error reply; returns ``(reason name, text the coordinator may log and print)``.
@@ -258,6 +285,10 @@ class GuardedTransport(abc.ABC):
     ``_send({node: (message_type, content)}, timeout) -> {node: RecordDict | error reason}``."""
 
     guard: ServerGuard | None = None
+    # while ``exchange`` waits in ``_send``: ``_arrived(node, reply content)`` checks a reply's content at once (a
+    # transport that learns of replies one by one calls it, so the checks overlap the wait for the slowest party);
+    # the ledger entries and what depends on the other replies still follow in ``exchange``, in the nodes' order
+    _arrived = None
 
     def attach(self, guard: ServerGuard) -> None:
         self.guard = guard
@@ -283,14 +314,24 @@ class GuardedTransport(abc.ABC):
         memo = ExchangeMemo()  # this exchange's: what its instructions share is encoded, hashed and packed once
         with self.guard.ledger.batch():  # the stage's "out" entries in one group commit, durable before any is sent
             out = {node: self.guard.outbound(node, p, rnd, phase, memo) for node, p in instructions.items()}
-        t0, got = time.monotonic(), self._send(out, timeout, memo)  # it may return before the timeout (nodes gone)
+        early: dict[int, Checked] = {}  # a reply's content checks, made as it arrived (``_arrived``)
+
+        def arrived(node: int, reply: object) -> None:
+            if node in instructions and node not in early and isinstance(reply, RecordDict):
+                early[node] = self.guard.check(node, reply, expected, rnd, (lengths or {}).get(node), probe)
+
+        self._arrived = arrived
+        try:
+            t0, got = time.monotonic(), self._send(out, timeout, memo)  # it may return before the timeout (nodes gone)
+        finally:
+            self._arrived = None
         replies, errors = {}, {}  # node -> the checked payload / the reason it was refused
         with self.guard.ledger.batch():  # the stage's "in" entries: durable before anything acts on the replies
-            for node in instructions:
+            for node in instructions:  # logged in the instructions' order, whatever order the replies came in
                 reply = got.get(node, f"no reply after {time.monotonic() - t0:.0f} s (round-timeout {timeout:.0f} s)")
                 try:
                     replies[node] = self.guard.inbound(node, reply, expected, rnd, phase,
-                                                       (lengths or {}).get(node), probe)
+                                                       (lengths or {}).get(node), probe, early.get(node))
                 except WireError as exc:
                     errors[node] = Reason(exc.reason, str(exc))
         return replies, errors

@@ -1,15 +1,22 @@
 """``GuardedTransport.exchange`` and its ``ExchangeMemo``: what the instructions of one exchange share is encoded,
-hashed and packed once, and nothing is shared between two exchanges. (The guard's checks: ``test_probe_wire``,
-``test_packing``, ``test_coordinator_heads``.)"""
+hashed and packed once, and nothing is shared between two exchanges; and when a transport hands the guard each reply
+as it arrives (``GuardedTransport._arrived``, what the Flower Grid transport does while it waits for the slowest
+party), the ledger gets the same entries, in the nodes' order and only once every reply is in, and a reply that is
+not the object checked early is checked again. (The guard's checks: ``test_probe_wire``, ``test_packing``,
+``test_coordinator_heads``.)"""
 
 from __future__ import annotations
 
-from test_packing import W, _policy, _round_starts
+import json
+
+import numpy as np
+from flwr.app import RecordDict
+from test_packing import W, _poison, _policy, _round_starts
 
 from distmoe.ledger import Ledger, generate_signing_key
 from distmoe.wire import codec, inspect, packing
 from distmoe.wire.packing import PACKED
-from distmoe.wire.schema import ModelUpdate, SecureInstruction, SftInstruction
+from distmoe.wire.schema import ModelUpdate, ProbeInstruction, ProbeReply, SecureInstruction, SftInstruction
 from distmoe.wire.server_guard import GuardedTransport, ServerGuard
 
 
@@ -54,3 +61,70 @@ def test_one_exchange_encodes_hashes_and_packs_what_its_instructions_share_once_
                                                                                                    "model-update")))
     assert one["out"][5][1]["arrays"] is not two["out"][5][1]["arrays"]  # the next exchange made its own
     assert one["packed"][5][PACKED]["arrays"].data is not two["packed"][5][PACKED]["arrays"].data
+
+
+# ------------------------------------------------------------------ replies checked as they arrive
+NODES = (0, 1, 2)
+
+
+def _reply(node: int) -> RecordDict:
+    rng = np.random.default_rng(node)
+    reply = ProbeReply(f"party-{node}", rng.dirichlet(np.ones(4), 2), np.zeros((2, 5), np.int32))
+    return packing.pack(codec.with_ledger_head(codec.encode(reply), 3, f"{node:x}" * 64))
+
+
+class _Arriving(GuardedTransport):
+    """Replies come in the order 2, 1, 0; ``early`` hands the first two to ``_arrived`` before the last one is in;
+    ``swap`` replaces node 1's reply with a poisoned one after its early check (a transport bug or a race)."""
+
+    def __init__(self, early: bool, swap: bool = False):
+        self.early, self.swap, self.lines_at_arrival = early, swap, []
+
+    def node_ids(self):
+        return list(NODES)
+
+    def _send(self, out, timeout, memo=None):
+        got = {}
+        for node in (2, 1, 0):
+            got[node] = _reply(node)
+            if self.early and self._arrived is not None and node != 0:
+                self._arrived(node, got[node])
+                self.lines_at_arrival.append(len(self.guard.ledger.path.read_text().splitlines()))
+        if self.swap:
+            got[1] = _poison(_reply(1), "probe", "routing", np.nan)
+        return got
+
+
+def _exchange(tmp_path, name: str, transport: _Arriving):
+    ledger = Ledger(tmp_path / f"{name}.jsonl", generate_signing_key(tmp_path / f"{name}.key"))
+    transport.attach(ServerGuard(ledger, "run-1", _policy()))
+    instr = ProbeInstruction(4, "h", ("p",), W)
+    replies, errors = transport.exchange(dict.fromkeys(NODES, instr), ProbeReply, 60.0, rnd=4, phase="probe")
+    entries = [json.loads(x) for x in ledger.path.read_text().splitlines()]
+    return replies, errors, entries
+
+
+def _facts(entries):
+    keep = ("round", "phase", "direction", "payload_type", "keys", "shapes", "bytes", "sha256", "verdict", "peer",
+            "anchor")
+    return [{k: e.get(k) for k in keep} for e in entries]
+
+
+def test_replies_checked_as_they_arrive_are_logged_after_all_are_in_in_the_nodes_order(tmp_path):
+    early = _Arriving(early=True)
+    r_early, err_early, log_early = _exchange(tmp_path, "early", early)
+    r_late, err_late, log_late = _exchange(tmp_path, "late", _Arriving(early=False))
+    assert not err_early and not err_late and sorted(r_early) == list(NODES)
+    assert {n: r.party for n, r in r_early.items()} == {n: r.party for n, r in r_late.items()}
+    assert _facts(log_early) == _facts(log_late)  # the same entries, in the same order
+    assert [e["peer"] for e in log_early if e["direction"] == "in"] == ["node-0", "node-1", "node-2"]
+    outs = sum(e["direction"] == "out" for e in log_early)
+    assert early.lines_at_arrival == [outs, outs]  # nothing logged while replies were still awaited
+
+
+def test_a_reply_swapped_after_its_early_check_is_checked_again_and_refused(tmp_path):
+    replies, errors, entries = _exchange(tmp_path, "swap", _Arriving(early=True, swap=True))
+    assert sorted(replies) == [0, 2] and list(errors) == [1]
+    assert "NaN" in str(errors[1])
+    ins = {e["peer"]: e["verdict"] for e in entries if e["direction"] == "in"}
+    assert ins["node-1"].startswith("rejected") and ins["node-0"] == ins["node-2"] == "accepted"

@@ -1,0 +1,214 @@
+"""The ServerApp's link to the Simulation Engine (``server/sim_link.py``) on Flower's own in-memory state, grid and
+engine extractor thread (``vce_api.add_messages_to_queue``, flwr 1.42), without Ray: a pushed message reaches the
+engine's queue within milliseconds instead of at the extractor's next 0.1 s read, every message exactly once while
+both threads read, a stored reply ends the pull loop's wait at once, and any other grid is left to plain polling."""
+
+from __future__ import annotations
+
+import threading
+import time
+from queue import Empty, Queue
+
+import pytest
+from flwr.app import Message, RecordDict
+from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+from flwr.server.superlink.fleet.vce import vce_api
+from flwr.server.superlink.linkstate import LinkStateFactory
+from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
+from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+from flwr.supercore.object_store import ObjectStoreFactory
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+from flwr.superlink.federation import NoOpFederationManager
+from flwr.superlink.grid import InMemoryGrid
+
+from server import app, sim_link
+
+
+@pytest.fixture(autouse=True)
+def _task_identity(monkeypatch):
+    """The identity ``run_simulation`` sets for its process (the grid's messages are created under it)."""
+    from flwr.common.constant import SUPERLINK_NODE_ID
+
+    for attr, value in (("_task_id", 11), ("_run_id", 7), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, attr, value)
+
+
+def _engine(nodes: int = 3):
+    """Flower's in-memory state and grid as ``run_simulation._main_loop`` makes them, its nodes as ``vce_api``
+    registers them, and the engine's real extractor thread filling a queue (no backend drains it)."""
+    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
+    state = factory.state()
+    run = Run.create_empty(run_id=7)
+    run.primary_task_id, run.federation_id = 11, NOOP_FEDERATION_ID
+    state.run_ids[run.run_id] = RunRecord(run=run)
+    state.task_store[11] = Task(task_id=11, run_id=run.run_id)
+    grid = InMemoryGrid(state_factory=factory)
+    grid.set_run(run)
+    mapping = vce_api._register_nodes(nodes, factory)
+    link = sim_link.attach(grid)  # before the engine starts, as the ServerApp's first exchange does
+    queue, stop = Queue(), threading.Event()
+    th = threading.Thread(target=vce_api.add_messages_to_queue, args=(factory.state(), queue, mapping, stop),
+                          daemon=True)
+    th.start()
+    return grid, link, queue, stop, th, sorted(mapping)
+
+
+def _msgs(grid, nodes):
+    return [Message(RecordDict(), dst_node_id=n, message_type="train") for n in nodes]
+
+
+def _drain(queue: Queue, n: int, timeout: float) -> list:
+    got, end = [], time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < end:
+        try:
+            got.append(queue.get(timeout=max(0.0, end - time.monotonic())))
+        except Empty:
+            break
+    return got
+
+
+def test_a_pushed_message_reaches_the_engine_queue_at_once_not_at_the_extractors_next_read():
+    grid, link, queue, stop, th, nodes = _engine()
+    try:
+        time.sleep(0.02)  # the extractor has read once and waits its 0.1 s
+        late = []
+        for _ in range(5):
+            # without the hand-off: Flower's own extractor alone, 0-100 ms after the push
+            t0 = time.monotonic()
+            grid.push_messages(_msgs(grid, nodes))
+            got = _drain(queue, 3, 1.0)
+            late.append(time.monotonic() - t0)
+            assert len(got) == 3
+        handed = []
+        for _ in range(5):
+            time.sleep(0.013)  # somewhere in the extractor's 0.1 s cycle
+            t0 = time.monotonic()
+            grid.push_messages(_msgs(grid, nodes))
+            link.hand_off()
+            got = _drain(queue, 3, 1.0)
+            handed.append(time.monotonic() - t0)
+            assert sorted(m.metadata.dst_node_id for m in got) == nodes
+        assert max(handed) < 0.02 < sum(late) / len(late), (handed, late)
+    finally:
+        stop.set()
+        th.join(2)
+
+
+def test_every_message_is_delivered_exactly_once_while_the_extractor_and_hand_offs_all_read():
+    """Flower's extractor and two threads handing off in a loop, with the interpreter switching threads every
+    microsecond: each of 800 pushed messages reaches the queue once (Flower's ``get_message_ins`` alone marks a
+    message delivered after releasing its lock, and two readers then both take it)."""
+    import sys
+
+    grid, link, queue, stop, th, nodes = _engine(nodes=8)
+    done = threading.Event()
+
+    def hand_offs():
+        while not done.is_set():
+            link.hand_off()
+
+    readers = [threading.Thread(target=hand_offs, daemon=True) for _ in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for r in readers:
+            r.start()
+        ids = []
+        for _ in range(100):
+            ids += grid.push_messages(_msgs(grid, nodes))
+        got = _drain(queue, len(ids), 10.0)
+        time.sleep(0.25)  # two more extractor reads: a message delivered twice would arrive here
+        got += _drain(queue, len(ids), 0.0)
+    finally:
+        sys.setswitchinterval(interval)
+        done.set()
+        stop.set()
+        for r in readers:
+            r.join(2)
+        th.join(2)
+    assert sorted(m.metadata.message_id for m in got) == sorted(ids)
+
+
+def test_a_short_stage_round_trip_through_the_engines_queue_takes_milliseconds():
+    """The ServerApp's ``_send_and_receive`` against a party that answers at once (the engine's worker taking the
+    message from the queue, its injector storing the reply): the message is handed off at the push and the stored
+    reply ends the wait, so the stage takes milliseconds; Flower's extractor and a 0.1 s pull take 50-200 ms."""
+    grid, link, queue, stop, th, nodes = _engine(nodes=2)
+    party_stop = threading.Event()
+
+    def party():
+        while not party_stop.is_set():
+            try:
+                msg = queue.get(timeout=0.05)
+            except Empty:
+                continue
+            reply = Message(RecordDict(), reply_to=msg)
+            reply.metadata.__dict__["_message_id"] = f"r-{msg.metadata.message_id}"
+            grid.state.store_message_res(reply)
+
+    worker = threading.Thread(target=party, daemon=True)
+    worker.start()
+    try:
+        transport = app.GridTransport(grid)
+        assert transport.link is link
+        took = []
+        for _ in range(5):
+            time.sleep(0.013)
+            t0 = time.monotonic()
+            got = transport._send_and_receive(_msgs(grid, nodes), timeout=5.0)
+            took.append(time.monotonic() - t0)
+            assert sorted(m.metadata.src_node_id for m in got) == nodes
+        assert sorted(took)[2] < 0.03, took
+    finally:
+        party_stop.set()
+        stop.set()
+        worker.join(2)
+        th.join(2)
+
+
+def test_a_reply_is_handed_to_the_guards_early_check_while_a_slower_party_is_awaited():
+    """``GridTransport`` gives each pulled reply to ``GuardedTransport._arrived`` while other replies are still
+    awaited (so the server guard's content checks overlap the slowest party's work); the last one is left to the
+    exchange, which checks and logs every reply after all are in."""
+    grid, link, queue, stop, th, nodes = _engine(nodes=2)
+    slow = nodes[1]
+    party_stop = threading.Event()
+
+    def party():
+        while not party_stop.is_set():
+            try:
+                msg = queue.get(timeout=0.05)
+            except Empty:
+                continue
+            if msg.metadata.dst_node_id == slow:
+                time.sleep(0.3)
+            reply = Message(RecordDict(), reply_to=msg)
+            reply.metadata.__dict__["_message_id"] = f"r-{msg.metadata.message_id}"
+            grid.state.store_message_res(reply)
+
+    workers = [threading.Thread(target=party, daemon=True) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        transport, calls = app.GridTransport(grid), []
+        transport._arrived = lambda node, content: calls.append((node, time.monotonic(), content))
+        t0 = time.monotonic()
+        got = transport._send_and_receive(_msgs(grid, nodes), timeout=5.0)
+        assert sorted(m.metadata.src_node_id for m in got) == nodes
+        assert [c[0] for c in calls] == [nodes[0]] and calls[0][1] - t0 < 0.2  # before the slow reply came
+        assert calls[0][2] is next(m.content for m in got if m.metadata.src_node_id == nodes[0])
+    finally:
+        party_stop.set()
+        stop.set()
+        for w in workers:
+            w.join(2)
+        th.join(2)
+
+
+def test_any_other_grid_is_left_to_plain_polling():
+    class Other:
+        state = None
+
+    assert sim_link.attach(Other()) is None
+    assert app.GridTransport(Other()).link is None
