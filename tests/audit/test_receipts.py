@@ -31,10 +31,12 @@ RUN, SESSION2 = "7001", "7002"  # the first session's Flower run id (the run's) 
 DELTA, BUDGET = 1e-6, 8.0
 
 
-def _resumed_run(root: Path) -> Path:
+def _resumed_run(root: Path, first: str | None = None) -> Path:
     """A run interrupted after round 1 and resumed (rounds 1 and 2 again) under ``SESSION2``; each party's receipts
     of both sessions under ``root/receipts``. The coordinator's entries carry the run id, the parties' their
-    session's (as in a deployment)."""
+    session's (as in a deployment). ``first``: the first session's Flower run id, recorded in the run-start entry,
+    when it is not the run id (a resumed run whose interrupted session never opened its ledger); None: a ledger
+    that records no session at run-start (the run id is the first session's)."""
     run = root / "run"
     coord = Ledger(run / "ledger" / "coordinator.jsonl", generate_signing_key(root / "keys" / "coordinator.pem"))
     (run / "ledger" / "coordinator.pub").write_text(coord.public_key_hex + "\n")
@@ -72,8 +74,9 @@ def _resumed_run(root: Path) -> Path:
             (root / "receipts" / f"{p}-{sid}.json").write_text(json.dumps(sign_receipt(
                 body, load_signing_key(root / "keys" / f"{p}.pem"))))
 
-    coord.append(run=RUN, **entry("policy", 0, phase="run-start", direction="out", peer="all", info={}))
-    session(RUN, (1,))
+    coord.append(run=RUN, **entry("policy", 0, phase="run-start", direction="out", peer="all",
+                                  info={"session": first} if first else {}))
+    session(first or RUN, (1,))
     coord.append(run=RUN, **entry("run-end", 1, phase="run-end", direction="out", peer="all",
                                   info={"status": "interrupted"}))
     coord.append(run=RUN, **entry("run-resume", 0, phase="run-resume", direction="out", peer="all",
@@ -177,3 +180,19 @@ def test_a_first_session_receipt_is_judged_against_its_own_session_only(resumed,
     check, _ = _judge(resumed, files)
     assert check.status == "fail"
     assert any("outside that session's entries" in f for f in check.findings), check.findings
+
+
+def test_the_first_sessions_id_recorded_at_run_start_names_its_receipts(tmp_path):
+    """The run-start entry records its session's Flower run id: where it is not the run id (the interrupted session
+    never opened the ledger), that session's receipts are accepted and a receipt under the run id is not."""
+    run = _resumed_run(tmp_path, first="7000")
+    assert [s.run for s in sessions(Run(run, [], None))] == ["7000", SESSION2]
+    check, result = _judge(run, _receipts(run, *(f"{p}-{s}" for p in PARTIES for s in ("7000", SESSION2))))
+    assert check.status == "pass" and result.witnessed == dict.fromkeys(PARTIES, "receipt"), check.findings
+    obj = json.loads(_receipts(run, "party-0-7000")[0].read_text())
+    body = {k: v for k, v in obj["body"].items() if k != "public_key"}
+    (tmp_path / "receipts" / "as-run.json").write_text(json.dumps(sign_receipt(
+        {**body, "run": RUN}, load_signing_key(tmp_path / "keys" / "party-0.pem"))))
+    check, _ = _judge(run, [*_receipts(run, "party-0-" + SESSION2, "as-run")])
+    assert check.status == "fail" and any(f"a receipt of run '{RUN}', a session the coordinator ledger does not "
+                                          "record" in f for f in check.findings), check.findings
