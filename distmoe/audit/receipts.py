@@ -6,11 +6,16 @@ each party writes at run end (``distmoe.deploy.receipt``, ``distmoe.party.receip
 when every party of the roster (the parties whose ledger keys the coordinator ledger or ``run.json`` pins) is
 witnessed by its ledger or by a receipt; otherwise the verdict is ``unverified`` (``distmoe.audit.result``).
 
-Owns: ``check_receipts(run, pins) -> (Check, charges, witnessed, unwitnessed)``. Each receipt given must:
+Owns: ``check_receipts(run, pins) -> (Check, charges, witnessed, unwitnessed)`` and ``sessions(run)``. Each
+receipt given must:
 
 - be signed under the ledger key the key directory pins for its party (a party outside the roster, or another
   key, is a violation);
-- name the run the coordinator ledger records;
+- name a session the coordinator ledger records (``sessions``: the run-start's run id, then the ``session`` of each
+  ``run-resume`` entry: a resumed run's parties write one receipt per session, under that session's Flower run id),
+  be the only receipt of its party for that session, and be judged against that session's entries only (from its
+  run-start or run-resume entry to the next session's); a party that gives receipts gives one for every session
+  whose entries instruct it (a withheld session's receipt is a violation, not a gap);
 - hold a ``coordinator_head`` (the last instruction the party received) that is in the coordinator ledger with the
   same hash and is an instruction to that party: the chain commits to every entry before it, so a deletion,
   insertion or reordering up to that instruction is caught;
@@ -25,8 +30,9 @@ Owns: ``check_receipts(run, pins) -> (Check, charges, witnessed, unwitnessed)``.
   ``distmoe.party.policy.ledger_facts``): a setup run under a weaker policy or other code than the receipt names,
   or a ledger without this run's setup, is a violation.
 
-The receipt's charged epsilon is a lower bound on what the party spent, whatever the coordinator ledger holds:
-``charges`` feed the ``epsilon`` check as the party ledgers' signed charges do (``distmoe.audit.ledgers``).
+A party's largest receipt epsilon (its accountant carries over across sessions) is a lower bound on what it
+spent, whatever the coordinator ledger holds: ``charges`` feed the ``epsilon`` check as the party ledgers' signed
+charges do (``distmoe.audit.ledgers``).
 
 Must not: import ``flwr``, read party data, or write anything.
 """
@@ -35,10 +41,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from distmoe.audit.result import Check
-from distmoe.audit.run import Run, included_of
+from distmoe.audit.run import Run, included_of, info_of
 from distmoe.deploy.receipt import ReceiptError, read_receipt
 from distmoe.ledger import canonical_json
 
@@ -52,25 +58,58 @@ def _roster(run: Run, pins: dict[str, list[tuple[str, str]]]) -> list[str]:
     return sorted(names)
 
 
-def _anchors(run: Run, party: str) -> list[tuple[int, str, Any]]:
+class Session(NamedTuple):
+    """One session of the run in the coordinator ledger: its Flower run id and its entries' seqs ``[first, end)``."""
+
+    run: str
+    first: int
+    end: float
+
+    def holds(self, seq: Any) -> bool:
+        return isinstance(seq, int) and self.first <= seq < self.end
+
+
+def sessions(run: Run) -> list[Session]:
+    """The run's sessions in ledger order: the run-start's (``info.session``, else its ``run``), then one per
+    ``run-resume`` entry (its ``info.session``); empty when the ledger names no run."""
+    first = info_of(run.start).get("session") or run.start.get("run")
+    if first is None:
+        return []
+    starts = [(str(first), 0)]
+    starts += [(str(info_of(e).get("session")), e["seq"]) for e in run.coord.entries
+               if e.get("payload_type") == "run-resume" and isinstance(e.get("seq"), int) and e["seq"] > 0]
+    return [Session(sid, a, starts[i + 1][1] if i + 1 < len(starts) else math.inf)
+            for i, (sid, a) in enumerate(starts)]
+
+
+def _had(run: Run, s: Session, party: str) -> bool:
+    """Whether session ``s`` sent ``party`` an instruction (then its receipt of ``s`` is due)."""
+    return any(s.holds(e.get("seq")) and e.get("direction") == "out" and e.get("peer") == party
+               for e in run.coord.entries)
+
+
+def _anchors(run: Run, party: str, s: Session | None) -> list[tuple[int, str, Any]]:
     out = []
     for e in run.coord.entries:
+        if s is not None and not s.holds(e.get("seq")):
+            continue
         a = e.get("anchor")
         if isinstance(a, dict) and a.get("node") == party and isinstance(a.get("seq"), int):
             out.append((a["seq"], str(a.get("hash")), e.get("seq")))
     return out
 
 
-def _judge(run: Run, body: dict[str, Any], c: Check, where: str) -> None:
+def _judge(run: Run, body: dict[str, Any], s: Session | None, c: Check, where: str) -> None:
+    """Judge one receipt against the entries of its session ``s`` (None: a ledger that names no run)."""
     party = body["party"]
-    run_id = run.start.get("run")
-    if run_id is not None and body["run"] != str(run_id):
-        c.fail(f"{where}: a receipt of run {body['run']!r}, the coordinator ledger records run {run_id!r}")
     ch = body["coordinator_head"]
     if ch is not None:
         ce = run.coord.by_seq.get(ch["seq"])
         end = run.coord.entries[-1].get("seq") if run.coord.entries else -1
-        if ce is None:
+        if s is not None and ce is not None and not s.holds(ch["seq"]):
+            c.fail(f"{where}: the last instruction {party} received in session {s.run} is coordinator#{ch['seq']}, "
+                   f"outside that session's entries (from seq {s.first}): a receipt of another session")
+        elif ce is None:
             c.fail(f"{where}: the last instruction {party} received is coordinator#{ch['seq']}, which the coordinator "
                    f"ledger does not hold (it ends at seq {end}): the coordinator ledger was cut")
         elif ce.get("hash") != ch["hash"]:
@@ -79,7 +118,7 @@ def _judge(run: Run, body: dict[str, Any], c: Check, where: str) -> None:
         elif ce.get("direction") != "out" or ce.get("peer") != party:
             c.fail(f"{where}: coordinator#{ch['seq']} is not an instruction to {party}")
     head = body["ledger_head"]
-    for seq, h, cseq in _anchors(run, party):
+    for seq, h, cseq in _anchors(run, party, s):
         if seq > head["seq"]:
             c.fail(f"{where}: coordinator#{cseq} anchors {party}'s head seq {seq}, beyond the receipt's final head "
                    f"seq {head['seq']} (a stale receipt, or an anchor the party never signed)")
@@ -90,11 +129,13 @@ def _judge(run: Run, body: dict[str, Any], c: Check, where: str) -> None:
         pe = lf.by_seq.get(head["seq"])
         if pe is None or pe.get("hash") != head["hash"]:
             c.fail(f"{where}: {party}'s ledger given here does not hold the receipt's head seq {head['seq']}")
-    released = {(r.get("round"), p) for r in run.releases for p in included_of(r)}
+    released = {(r.get("round"), p) for r in run.releases for p in included_of(r)
+                if s is None or s.holds(r.get("seq"))}
     for rnd in body["unmasked"]:
         if (rnd, party) not in released:
-            c.fail(f"{where}: {party} revealed its unmask shares for round {rnd}, but no release of that round in the "
-                   "coordinator ledger names it (a release deleted, or the unmasking failed after the replies)")
+            c.fail(f"{where}: {party} revealed its unmask shares for round {rnd}, but no release of that round in "
+                   f"session {s.run if s else '-'} of the coordinator ledger names it (a release deleted, or the "
+                   "unmasking failed after the replies)")
 
 
 def _digest(facts: Any) -> str | None:
@@ -132,12 +173,15 @@ def _judge_setup(run: Run, body: dict[str, Any], c: Check, where: str) -> None:
 
 def check_receipts(run: Run, pins: dict[str, list[tuple[str, str]]]
                    ) -> tuple[Check, dict[str, tuple[float, str]], dict[str, str], list[str]]:
-    """The ``receipts`` check, the receipts' signed charges (party -> (epsilon, where)), the witnessed roster
-    parties (-> ``ledger`` or ``receipt``) and the unwitnessed ones."""
+    """The ``receipts`` check, the receipts' signed charges (party -> (largest epsilon, where)), the witnessed
+    roster parties (-> ``ledger`` or ``receipt``) and the unwitnessed ones."""
     c = Check(CHECK)
     charges: dict[str, tuple[float, str]] = {}
     witnessed = {p: "ledger" for p in run.parties}
-    seen: set[str] = set()
+    by_run = {s.run: s for s in sessions(run)}
+    seen: dict[tuple[str, str | None], str] = {}  # (party, session) -> the receipt's file name
+    judged: dict[str, list[str]] = {}  # party -> its receipts' file names; a party with a finding is dropped
+    bad: set[str] = set()
     for path, obj in run.receipts:
         where = path.name
         body = obj.get("body") if isinstance(obj, dict) else None
@@ -145,27 +189,48 @@ def check_receipts(run: Run, pins: dict[str, list[tuple[str, str]]]
         if not isinstance(party, str) or party not in pins:
             c.fail(f"{where}: a receipt of {party!r}, a party whose key is not in the run's key directory")
             continue
-        if party in seen:
-            c.fail(f"{where}: a second receipt for {party}")
-            continue
-        seen.add(party)
         key = next((k for w, k in pins[party] if "key-advert" in w), pins[party][0][1])
         try:
             body = read_receipt(obj, key)
         except ReceiptError as exc:
             c.fail(f"{where}: {party}: {exc}")
+            bad.add(party)
             continue
         before = len(c.findings)
-        _judge(run, body, c, where)
+        s = by_run.get(body["run"]) if by_run else None
+        if by_run and s is None:
+            c.fail(f"{where}: a receipt of run {body['run']!r}, a session the coordinator ledger does not record "
+                   f"(its sessions: {', '.join(by_run)}): a receipt of another run")
+            bad.add(party)
+            continue
+        if (party, body["run"]) in seen:
+            c.fail(f"{where}: a second receipt for {party} of session {body['run']} (the first: "
+                   f"{seen[party, body['run']]})")
+            bad.add(party)
+            continue
+        seen[party, body["run"]] = where
+        _judge(run, body, s, c, where)
         _judge_setup(run, body, c, where)
         eps = float(body["epsilon"]) if math.isfinite(float(body["epsilon"])) else math.inf
-        charges[party] = (eps, f"receipt {where}")
-        if len(c.findings) == before:
+        if eps >= charges.get(party, (-1.0, ""))[0]:
+            charges[party] = (eps, f"receipt {where}")
+        judged.setdefault(party, []).append(where)
+        if len(c.findings) > before:
+            bad.add(party)
+            continue
+        pin = f", code pin {body['code_pin'][:16]}" if body["code_pin"] else ", no code pin"
+        pol = _digest(body["owner_policy"])
+        pin += f", owner policy {pol[:16]}" if pol else ", no owner policy"
+        c.note(f"{party}: receipt {where} matches session {body['run']} of the coordinator ledger (charged epsilon "
+               f"{eps:.4f}{pin})")
+    for party in sorted(judged):
+        for s in by_run.values():
+            if (party, s.run) not in seen and _had(run, s, party):
+                c.fail(f"{party}: no receipt of session {s.run} (coordinator entries from seq {s.first} instruct "
+                       f"{party}), though its receipts of other sessions are given: a withheld receipt")
+                bad.add(party)
+        if party not in bad:
             witnessed.setdefault(party, "receipt")
-            pin = f", code pin {body['code_pin'][:16]}" if body["code_pin"] else ", no code pin"
-            pol = _digest(body["owner_policy"])
-            pin += f", owner policy {pol[:16]}" if pol else ", no owner policy"
-            c.note(f"{party}: receipt {where} matches the coordinator ledger (charged epsilon {eps:.4f}{pin})")
     roster = _roster(run, pins)
     unwitnessed = [p for p in roster if p not in witnessed]
     if unwitnessed:

@@ -128,7 +128,7 @@ def start(co: RunContext, transport: GuardedTransport, nodes: list[int], out: Pl
         blob = canonical_json(policy).encode("ascii")
         ledger.append(run=co.run_id, round=0, phase="run-start", direction="out", payload_type="policy", keys=[],
                          shapes={}, bytes=len(blob), sha256=digest, verdict="accepted", peer="all",
-                         info={"policy": policy, "mode": p.mode,
+                         info={"policy": policy, "mode": p.mode, "session": co.session_id,  # this Flower run's id
                                "privacy": {k: v for k, v in cfg.as_flat().items() if k in PRIVACY_KEYS},
                                "plan": co.plan.as_dict(), "router_spec": co.mspec.router_spec()})
     out.guard = guard = ServerGuard(ledger, co.run_id, policy)

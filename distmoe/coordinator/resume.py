@@ -52,6 +52,7 @@ from distmoe.model.adapters import ServerModel
 from distmoe.rundir import MissingRunFile, RunDir, RunFileError, read_json
 
 REFUSED = "config key 'run.resume'"
+REASON_MAX = 80  # the audit's bound on a string in run.json's ``resumes`` (distmoe.audit.schemas.SHORT_MAX)
 
 
 @dataclass(frozen=True)
@@ -142,12 +143,22 @@ def begin(co: RunContext) -> tuple[str, int]:
     co.record.update(status="running", finished=None, error=None,
                      resumes=[*resumes, {"epoch": epoch, "session": co.session_id, "time": time.time(),
                                          "interrupted_status": prev.get("status"),
-                                         "interrupted_error": prev.get("error")}])
+                                         "interrupted_error": short_reason(prev.get("error"))}])
     why = f"{prev.get('status')}" + (f": {prev['error']}" if prev.get("error") else "")
     name = co.cfg.run.name or co.run_dir.name
     co.say(f"resuming run {name} in {co.run_dir} (Flower run id {run_id}, resume {epoch}, session "
            f"{co.session_id}; the interrupted session ended {why})")
     return run_id, epoch
+
+
+def short_reason(error: object) -> str | None:
+    """The interrupted session's error as ``run.json``'s ``resumes`` may hold it: one line of printable ASCII (any
+    other character a space or ``?``) of at most ``REASON_MAX`` characters, keeping its start (``...`` marks a cut).
+    The whole error is in the resume's log line and the interrupted session's own log."""
+    if error is None:
+        return None
+    text = " ".join("".join(ch if 32 <= ord(ch) < 127 else " " if ch.isspace() else "?" for ch in str(error)).split())
+    return text if len(text) <= REASON_MAX else text[:REASON_MAX - 3].rstrip() + "..."
 
 
 def restore(co: RunContext) -> Restored | None:

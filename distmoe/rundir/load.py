@@ -160,11 +160,12 @@ class LoadedRun:
         return read_ledger(COORDINATOR, self.layout.ledger)
 
     def run_ids(self) -> set[str]:
-        """The ids this run's entries carry: the run-start's and every session's after a resume (each resumed
-        session's parties log under its own id: ``session`` of the coordinator's ``run-resume`` entries)."""
+        """The ids this run's entries carry: the run-start's and every session's (each session's parties log under its
+        own Flower run id: ``session`` of the coordinator's run-start and ``run-resume`` entries)."""
         entries = self.coordinator_ledger.entries
         ids = {str(e.get("run")) for e in entries}
-        ids |= {str((e.get("info") or {}).get("session")) for e in entries if e.get("payload_type") == "run-resume"}
+        ids |= {str(s) for e in entries if e.get("payload_type") in ("policy", "run-resume")
+                and (s := (e.get("info") if isinstance(e.get("info"), dict) else {}).get("session")) is not None}
         return ids
 
     def party_ledgers(self, paths: Iterable[str | os.PathLike[str]] | None = None) -> dict[str, LedgerFile]:

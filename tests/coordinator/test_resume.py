@@ -639,3 +639,36 @@ def test_checkpoint_due_always_at_phase_ends_and_charged_releases(make_cfg):
     assert due(4, "sft", end=True) and due(4, "eval") and due(4, "stats") and not due(4, "rl")
     assert due(4, "sft", **{"privacy.update-noise-multiplier": 0.5})
     assert due(4, "sft", **{"checkpoint.every": 1})
+
+
+@pytest.mark.parametrize("error", [
+    "the SuperLink stopped (its SuperExec is gone): continue the run with run.resume",
+    "round 3 failed: " + "party-1 sent a reply the guard refused (byte budget exceeded); " * 4
+    + "\nTraceback (most recent call last):\n  File \"loop.py\", line 1\n\tRuntimeError: \u00e9chec",
+    None,
+])
+def test_a_resume_records_the_interrupted_error_in_the_form_the_audit_accepts(tmp_path, tiny_run, error):
+    """``run.json``'s ``resumes[].interrupted_error`` holds the interrupted session's error bounded to one printable
+    line within the audit's schema (its start kept), so a long or multi-line error never fails ``server-files``."""
+    from distmoe.audit.schemas import SHORT_MAX, check_server_files
+    from distmoe.coordinator import resume
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = parse_run_config({**tiny_run, "run.resume": str(run_dir)})
+    (run_dir / "run.json").write_text(json.dumps({"run_id": "7001", "status": "interrupted", "error": error,
+                                                  "config": json.loads(json.dumps(cfg.as_flat()))}))
+    said: list[str] = []
+    ctx = RunContext(cfg, run_dir, "7002", log=said.append)
+    assert resume.begin(ctx) == ("7001", 1)
+    meta = json.loads((run_dir / "run.json").read_text())
+    stored = meta["resumes"][0]["interrupted_error"]
+    assert meta["error"] is None and meta["resumes"][0]["session"] == "7002"
+    if error is None:
+        assert stored is None
+    else:
+        assert len(stored) <= resume.REASON_MAX <= SHORT_MAX and stored.isascii() and stored.isprintable()
+        assert stored == error if len(error) <= SHORT_MAX else stored.endswith("...") and error.startswith(stored[:-3])
+        assert any(error in line for line in said)  # the whole error stays in the resume's log line
+    findings, _ = check_server_files(run_dir, meta, "secagg")
+    assert not [f for f in findings if "resumes" in f], findings

@@ -16,7 +16,8 @@ reason that names the SuperLink and ``distmoe deploy wait`` exits 1 with the nex
 not start that run again. The owners' SuperNodes retry the connection all the while, never exit, and are online
 again once the SuperLink is back; the coordinator's ``run.resume`` then continues the run from its last checkpoint
 over the same owners, and the audit over the coordinator's ledger, every owner's own ledger and signed receipt
-passes: nothing of the interrupted session is lost or contradicted.
+passes, from their ledgers and from their receipts of both sessions: nothing of the interrupted session is lost or
+contradicted.
 """
 
 from __future__ import annotations
@@ -170,8 +171,8 @@ def test_a_superlink_killed_mid_run_interrupts_it_and_resume_completes_it(deploy
     # 5. nothing of either session is lost from the owners' records: the audit over the coordinator's ledger and each
     # owner's own ledger passes (chains, signatures, the heads each side anchored, epsilon charged, canaries); each
     # owner signed one receipt per session (named by that session's Flower run id), and its last one holds its
-    # ledger's last entry. (The audit's receipt check takes one receipt per owner, of the logical run: a resumed
-    # run's receipts are not accepted by it; docs/deploy.md says so.)
+    # ledger's last entry; the audit over the coordinator's ledger and every owner's receipts of both sessions (alone,
+    # and beside the owners' ledgers) passes, each receipt judged against its own session's entries.
     from distmoe.audit import audit_run
     from distmoe.deploy.receipt import read_receipt
 
@@ -193,3 +194,10 @@ def test_a_superlink_killed_mid_run_interrupts_it_and_resume_completes_it(deploy
         assert set(got) == sessions, (party, sorted(got))
         last = got[entries[-1]["run"]]
         assert last["ledger_head"] == {"seq": entries[-1]["seq"], "hash": entries[-1]["hash"]}, (party, last)
+    receipts = sorted(p for led in ledgers for p in (led.parent.parent / "receipts").glob(f"{led.stem}-*.json"))
+    assert len(receipts) == 2 * td.N_PARTIES, receipts
+    for given in ([], ledgers):  # the owners' receipts alone, then beside their ledgers
+        result = audit_run(run_dir, party_ledgers=given, canaries=canary_file, receipt_files=receipts)
+        assert result.verdict == "pass" and result.check("receipts").status == "pass", [
+            (c.name, c.findings) for c in result.checks if c.status == "fail"]
+        assert result.unwitnessed == [], result.unwitnessed
