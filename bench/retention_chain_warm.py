@@ -43,6 +43,8 @@ Pre-registered on 2026-12-07, before any run of this bench (the commit that adds
   it starts no run after it and stops the run in flight at it (that run keeps no row). A seed missing an arm is
   left out of the tables (the table says which); fewer seeds are reported as such, never topped up. Each row
   records its wall time (run + noise-free evaluation) and the 1-minute load average at its start and end.
+  Record, not a change of design: the pilot passed at 02:46 UTC, so the runner started then (seed 0's none arm at
+  02:46:24 UTC), earlier than the 03:20 planned; the cut-off stays 04:30 UTC.
 * The pilot, declared as such and never tabulated: the anchors arm at seed 100 with 1 round a task (``pilot``), to
   check the pipeline end to end (both stats rounds, the three kept models, the evaluation); its record goes to
   ``pilot.json`` beside the rows, which ``table`` never reads.
