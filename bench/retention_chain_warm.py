@@ -56,8 +56,10 @@ Pre-registered on 2026-12-07, before any run of this bench (the commit that adds
   and T2's NLL after T3 each, the NLL matrix and the run's released (noised) figures.
 * Analysis (``bench/e1_stats.py`` through ``retention_chain.tables``): per endpoint (ACC, BWT, NLL_old) and arm, the
   per-seed difference arm - none; paired mean, 95 % t-interval, exact Wilcoxon p, Holm over the 2 arm-vs-none
-  tests of the endpoint; an effect is claimed only where the Holm-adjusted interval excludes 0 (so at least 3
-  complete seeds are needed for any claim). "Per-task anchors keep earlier tasks" (likewise "distillation keeps
+  tests of the endpoint; an effect is claimed only where the Holm-adjusted interval excludes 0. (Corrected at
+  03:27 UTC, after seed 1, wording only: the parenthesis "so at least 3 complete seeds are needed for any claim"
+  that stood here was wrong; with 2 seeds two nearly equal differences can give a claim. The rule is unchanged.)
+  "Per-task anchors keep earlier tasks" (likewise "distillation keeps
   them") holds only if the arm's BWT gain over none is claimed with a positive sign; it is reported together with
   ACC (a BWT gain with a claimed ACC loss is reported as bought with the new task) and NLL_old (a claim on NLL_old
   alone is reported as such, not as keeping the tasks).
