@@ -74,11 +74,11 @@ ENDPOINTS = {"acc": "ACC (mean accuracy after T3)", "bwt": "BWT (backward transf
 KEEP = Path(__file__).resolve().parent / "results" / "e1-chain"
 
 
-def task_models(run_dir: Path) -> list[tuple[dict, Path]]:
+def task_models(run_dir: Path, tasks: tuple[str, ...] = TASKS) -> list[tuple[dict, Path]]:
     """[(manifest, dir)] of the model after each task: the checkpoints kept before T2 and T3, and the last round."""
     mans = rc.kept(run_dir)
     out = []
-    for t in TASKS[1:]:
+    for t in tasks[1:]:
         kept = [r for r in sorted(mans) if mans[r][0].get("kept") == f"before task {t}"]
         if not kept:
             raise SystemExit(f"{run_dir}: no checkpoint kept 'before task {t}'")
@@ -86,21 +86,22 @@ def task_models(run_dir: Path) -> list[tuple[dict, Path]]:
     return [*out, mans[max(mans)]]
 
 
-def checkpoint_eval(run_dir: Path) -> dict:
+def checkpoint_eval(run_dir: Path, tasks: tuple[str, ...] = TASKS, data: list | None = None) -> dict:
     """Noise-free accuracy and NLL matrices ``acc_matrix[i][j]``, ``nll_matrix[i][j]`` (model after task i, task j;
-    0-based) over the parties' pooled held-out items that fit ``model.max-seq-len``."""
+    0-based) over the parties' pooled held-out items that fit ``model.max-seq-len``. ``data``: the parties'
+    ``PartyData``, default ``rc.party_data`` of the run."""
     import torch
 
     torch.set_num_threads(1)
     cfg = rc.run_config(run_dir)
-    data = rc.party_data(run_dir, cfg)
-    models = task_models(run_dir)
+    data = rc.party_data(run_dir, cfg) if data is None else data
+    models = task_models(run_dir, tasks)
     out: dict = {"hashes": [m["trainable_hash"] for m, _ in models], "acc_matrix": [], "nll_matrix": [], "n": []}
     for _man, d in models:
         model, tok = rc.model_at(cfg, d)
         model.eval()
         accs, nlls, ns = [], [], []
-        for task in TASKS:
+        for task in tasks:
             scores = rc.pooled_scores(model, tok, cfg, data, task)
             accs.append(statistics.fmean(float(ok) for ok, _ in scores))
             nlls.append(statistics.fmean(loss for _, loss in scores))
@@ -175,16 +176,17 @@ def _cell(vals: list[float]) -> str:
     return f"{statistics.fmean(vals):.3f} ± {sd:.3f}"
 
 
-def matrix(by: dict, seeds: list[int], arm: str, key: str = "acc_matrix") -> list[str]:
+def matrix(by: dict, seeds: list[int], arm: str, key: str = "acc_matrix", tasks: tuple[str, ...] = TASKS
+           ) -> list[str]:
     """The mean matrix of ``arm`` over ``seeds`` as Markdown rows (row = after task i, column = task j)."""
-    lines = ["| after \\ on | " + " | ".join(TASKS) + " |", "|---|" + "---|" * len(TASKS)]
-    for i, t in enumerate(TASKS):
-        cells = [f"{statistics.fmean(by[(s, arm)][key][i][j] for s in seeds):.3f}" for j in range(len(TASKS))]
+    lines = ["| after \\ on | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    for i, t in enumerate(tasks):
+        cells = [f"{statistics.fmean(by[(s, arm)][key][i][j] for s in seeds):.3f}" for j in range(len(tasks))]
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
     return lines
 
 
-def tables(rows: list[dict]) -> str:
+def tables(rows: list[dict], tasks: tuple[str, ...] = TASKS) -> str:
     seeds, cut = complete_seeds(rows)
     if len(seeds) < 2:
         return f"fewer than 2 complete seeds ({seeds}); cut off: {cut}"
@@ -193,11 +195,13 @@ def tables(rows: list[dict]) -> str:
     lines = [f"Complete seeds: {seeds} (n = {len(seeds)})" + (f"; cut off before every arm ran: {cut}" if cut else ""),
              "Pairing through T1 (model after T1: the same trainable hash in every arm of a seed): "
              + ("exact on every seed." if not bad else "NOT exact on " + ", ".join(bad)),
-             f"Held-out items per task ({', '.join(TASKS)}): {by[(seeds[0], 'none')]['n']}.", ""]
+             f"Held-out items per task ({', '.join(tasks)}): {by[(seeds[0], 'none')]['n']}.", ""]
     for a in ARMS:
-        lines += [f"Accuracy matrix R[i][j], {a}, mean over seeds (noise-free):", "", *matrix(by, seeds, a), ""]
+        lines += [f"Accuracy matrix R[i][j], {a}, mean over seeds (noise-free):", "",
+                  *matrix(by, seeds, a, tasks=tasks), ""]
     for a in ARMS:  # descriptive, outside the tests
-        lines += [f"Answer NLL matrix (nats), {a}, mean over seeds:", "", *matrix(by, seeds, a, "nll_matrix"), ""]
+        lines += [f"Answer NLL matrix (nats), {a}, mean over seeds:", "",
+                  *matrix(by, seeds, a, "nll_matrix", tasks), ""]
     lines += ["Per arm, mean ± sd over seeds:", "", "| arm | " + " | ".join(ENDPOINTS.values()) + " |",
               "|---|" + "---|" * len(ENDPOINTS)]
     for a in ARMS:
@@ -213,7 +217,7 @@ def tables(rows: list[dict]) -> str:
         cells = []
         for a in ARMS:
             m = by[(s, a)]["acc_matrix"]
-            cells.append(" ".join(f"{m[j][j]:.2f}→{m[-1][j]:.2f}" for j in range(len(TASKS))))
+            cells.append(" ".join(f"{m[j][j]:.2f}→{m[-1][j]:.2f}" for j in range(len(tasks))))
         lines.append(f"- s{s}: " + " / ".join(cells))
     walls = [by[(s, a)]["wall_s"] for s in seeds for a in ARMS]
     lines += ["", f"Wall time a run (run + noise-free evaluation): {min(walls):.0f}-{max(walls):.0f} s."]

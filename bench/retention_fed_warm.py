@@ -104,16 +104,17 @@ SETTINGS = ("train.local-steps=20 train.batch-size=16 train.threads=1 privacy.ri
 KEEP = Path(__file__).resolve().parent / "results" / "e1-federated-warm"
 
 
-def write_data(out: Path, seed: int) -> list[Path]:
-    """The parties' directories of ``seed`` (module docstring): A's and B's items dealt round-robin, each party's
-    fresh canary alone in ``vault.jsonl`` and in ``canaries.txt``. The task files are a function of the seed."""
-    tables = disjoint_lookup(seed, 2, KEYS)
+def write_data(out: Path, seed: int, tasks: tuple[str, ...] = TASKS) -> list[Path]:
+    """The parties' directories of ``seed`` (module docstring): the tasks' items (``disjoint_lookup(seed,
+    len(tasks), KEYS)``, default A's and B's) dealt round-robin, each party's fresh canary alone in ``vault.jsonl``
+    and in ``canaries.txt``. The task files are a function of the seed."""
+    tables = disjoint_lookup(seed, len(tasks), KEYS)
     old = os.umask(0o077)  # party data is private to its owner (simulate refuses it otherwise)
     try:
         dirs = [out / f"party-{i}" for i in range(PARTIES)]
         for d in dirs:
             d.mkdir(parents=True)
-        for task, (train, held) in zip(TASKS, tables, strict=True):
+        for task, (train, held) in zip(tasks, tables, strict=True):
             items = train + held
             random.Random(f"retention-fed-warm:{seed}:{task}").shuffle(items)
             for i, d in enumerate(dirs):
