@@ -367,7 +367,8 @@ RETENTION_EVIDENCE = (
     "equal new-task loss (+0.18 with the routing forced where the two tasks route apart, on one base of five). "
     "A larger `routing.anchor-kl-coef` is no remedy: at 5 and 50 the anchor kept "
     "+0.005 and +0.009 of the earlier task's accuracy at equal new-task loss (centralised, 18 paired runs, "
-    "intervals including 0), and at 5 with arithmetic as the new task it kept less than no mechanism (−0.062). "
+    "intervals including 0), and at 5 with arithmetic as the new task it kept less than no mechanism on one "
+    "base (−0.062) and the same as none on four others (−0.011). "
     "A lower `train.lr` is untested.")
 
 
