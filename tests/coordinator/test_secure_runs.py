@@ -126,8 +126,8 @@ def test_leaky_client_is_blocked_client_side_and_fails_the_audit(tmp_path, monke
     real = codec.encode
     mutate = _leak(kind)
 
-    def leaky(payload):
-        rd = real(payload)
+    def leaky(payload, memo=None):
+        rd = real(payload, memo)
         m = getattr(payload, "masked", None)
         if m is not None and m.sender == 101 and payload.release == "model-update":
             rd = mutate(rd)
@@ -471,8 +471,8 @@ def test_a_refusal_travels_as_guarded_text_anchored_in_the_coordinator_ledger(tm
 def _replace_reply(monkeypatch, transport, node: int, mtype: str, reply):
     real = transport._send
 
-    def send(out, timeout):
-        got = real(out, timeout)
+    def send(out, timeout, memo=None):
+        got = real(out, timeout, memo)
         if node in got and out[node][0] == mtype:
             got[node] = reply
         return got

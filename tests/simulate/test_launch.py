@@ -69,8 +69,10 @@ TINY = {"model.hidden-size": 32, "model.moe-intermediate-size": 32, "model.layer
 def test_a_superlink_lost_mid_run_leaves_a_failed_record_and_the_resume_command(tmp_path: Path):
     """Real processes: the run's SuperLink dies after round 1 (what another run's cleanup did to a run that had
     attached to its SuperLink); `simulate` exits 1, `run.json` says failed with the reason, the terminal says
-    how to resume, and no process of the run is left."""
-    over = " ".join(f"{k}={json.dumps(v)}" for k, v in TINY.items())
+    how to resume, and no process of the run is left. The run is long enough (40 rounds of 20 steps) that it cannot
+    finish before the loss is noticed: with the Simulation Engine's hand-off, 4 short rounds can."""
+    long_run = {**TINY, "schedule.phases": "sft:lookup*40", "train.local-steps": 20}
+    over = " ".join(f"{k}={json.dumps(v)}" for k, v in long_run.items())
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen([sys.executable, "-m", "distmoe.cli", "simulate", "--parties", "2", "--no-report",
                              "--runs-dir", str(tmp_path / "runs"), "--run-id", "r", "--timeout", "500",
@@ -78,7 +80,7 @@ def test_a_superlink_lost_mid_run_leaves_a_failed_record_and_the_resume_command(
     run = tmp_path / "runs" / "r"
     killed = False
     for line in proc.stdout:
-        if "round 1/4" in line and not killed:
+        if "round 1/40" in line and not killed:
             pids = [p for p in processes_of(run) if b"flower-superlink" in Path(f"/proc/{p}/cmdline").read_bytes()]
             assert pids
             for p in pids:
