@@ -553,13 +553,16 @@ def test_a_party_that_restarts_rejoins_without_cleanup(tmp_path, lay_out_run):
 def test_simulate_resume_continues_an_interrupted_simulation(tmp_path, tiny_run):
     """``distmoe simulate`` interrupted in round 2 (SIGINT: it stops every Flower/Ray process it started, so
     the ServerApp dies mid-round), then ``distmoe simulate --resume RUN_DIR`` on a fresh local SuperLink
-    (a new Flower run id) finishes the schedule; the audit passes on the resumed run."""
+    (a new Flower run id) finishes the schedule; the audit passes on the resumed run. A tiny round takes about
+    1.5 s and a round line reaches the terminal through Flower's log stream (0.2 s uploads, 0.5 s stream reads,
+    longer on a loaded machine), so the schedule has 12 update rounds: the stop lands with about 15 s of rounds
+    still to go (with 3, the run had once ended before the stop arrived)."""
     from distmoe.config import to_toml
     from distmoe.simulate import SimOptions, SimulationError, processes_with_token, run
 
     conf = tmp_path / "tiny.toml"
     conf.write_text(to_toml({**{k: v for k, v in tiny_run.items() if k != "federation.wait-timeout"},
-                             "schedule.phases": "sft:arith*3, eval", "data.synth-examples": 20,
+                             "schedule.phases": "sft:arith*12, eval", "data.synth-examples": 20,
                              "federation.wait-timeout": 60.0}))
     exe = Path(sys.executable).parent / "distmoe"
     env = {**os.environ, "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
@@ -572,7 +575,7 @@ def test_simulate_resume_continues_an_interrupted_simulation(tmp_path, tiny_run)
     try:
         for line in proc.stdout:
             seen.append(line)
-            if "round 1/4 (" in line and "| sft" in line:  # round 1 completed: stop it during round 2
+            if "round 1/13 (" in line and "| sft" in line:  # round 1 completed: stop it during round 2
                 os.kill(proc.pid, signal.SIGINT)
                 break
         proc.wait(timeout=120)
@@ -597,7 +600,7 @@ def test_simulate_resume_continues_an_interrupted_simulation(tmp_path, tiny_run)
     assert rec["resumes"][0]["session"] != rec["run_id"]  # a new Flower run id, the same logical run
     assert "---- distmoe simulate --resume" in log
     rounds = [e["round"] for e in entries(run_dir / "metrics.jsonl") if e.get("event") == "train"]
-    assert rounds == [1, 2, 3]
+    assert rounds == list(range(1, 13))
     assert audit_failures(run_dir) == []
     with pytest.raises(SimulationError, match="already completed"):
         run(SimOptions(overrides={}, resume=run_dir))

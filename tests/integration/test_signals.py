@@ -26,13 +26,14 @@ pytestmark = pytest.mark.slow
 
 
 def start(tmp_path: Path, tiny_run, run_id: str) -> tuple[subprocess.Popen, Path]:
-    """``distmoe simulate`` on 2 parties, 2 SFT rounds then eval, stdout and stderr into one file."""
+    """``distmoe simulate`` on 2 parties, 12 SFT rounds then eval (a tiny round takes about 1.5 s: the tests stop
+    it well before its end), stdout and stderr into one file."""
     conf = tmp_path / "tiny.toml"
     conf.write_text(
         to_toml(
             {
                 **{k: v for k, v in tiny_run.items() if k != "federation.min-available"},
-                "schedule.phases": "sft:lookup*2, eval",
+                "schedule.phases": "sft:lookup*12, eval",
                 "data.synth-examples": 20,
                 "federation.wait-timeout": 60.0,
             }
