@@ -96,9 +96,9 @@ def start(co: RunContext, transport: GuardedTransport, nodes: list[int], out: Pl
     if continuing:
         out.ledger, run_start, entries = resume.reopen_ledger(co, lpath)
     else:
-        key = generate_signing_key(co.files.ledger_key, force=True)
-        if lpath.exists():
+        if lpath.exists():  # before the key is replaced: the run there keeps the key that signed its ledger
             raise RunFailed(f"{lpath} exists: a run directory is used by one run only")
+        key = generate_signing_key(co.files.ledger_key, force=True)
         out.ledger = Ledger(lpath, key)
         write_text_atomic(co.files.ledger_pub, public_key_hex(key) + "\n")
     ledger, n = out.ledger, len(nodes)

@@ -494,6 +494,27 @@ def test_resume_refuses_a_directory_that_is_not_a_run(tmp_path, tiny_run):
         Coordinator(cfg, tmp_path, LocalTransport(cfg, {}, "x"), "x", log=lambda s: None).run()
 
 
+def test_a_new_run_refuses_a_directory_that_holds_a_run_and_changes_nothing(tmp_path, tiny_run):
+    """A new run (no ``run.resume``) pointed at a directory whose coordinator ledger exists refuses before it writes
+    anything there. Before, it rewrote ``run.json`` and ``config.toml``, saved its round-0 checkpoint there and
+    replaced the coordinator's signing key, and only then refused (at the ledger), so the run there could no longer
+    be resumed (its key no longer matched its ``.pub``)."""
+    from distmoe.ledger import Ledger, generate_signing_key, public_key_hex
+    from distmoe.rundir import RunDir
+
+    files = RunDir(tmp_path)
+    key = generate_signing_key(files.ledger_key)
+    Ledger(files.ledger, key).append(run="1", round=0, phase="run-start", direction="out", payload_type="policy",
+                                     keys=[], shapes={}, bytes=0, sha256="0" * 64, verdict="accepted", peer="all")
+    files.ledger_pub.write_text(public_key_hex(key) + "\n")
+    files.record.write_text(json.dumps({"run_id": "1", "status": "interrupted", "config": dict(tiny_run)}))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    cfg = parse_run_config(dict(tiny_run))
+    with pytest.raises(RunFailed, match=rf"{files.ledger} exists: {tmp_path} holds a run already .*run.resume"):
+        Coordinator(cfg, tmp_path, LocalTransport(cfg, {}, "x"), "x", log=lambda s: None).run()
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
 # ----------------------------------------------------------------------------- parties
 @pytest.mark.integration
 def test_party_refuses_a_repeated_setup_epoch_and_keeps_its_accountant(anchored, tmp_path, tiny_run):
