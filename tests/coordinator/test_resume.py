@@ -353,6 +353,27 @@ def test_killed_during_the_secure_aggregation_setup(tmp_path, lay_out_run):
 
 
 @pytest.mark.integration
+def test_killed_in_the_ledgers_first_append(tmp_path, lay_out_run):
+    """Killed while writing the ledger's first entry (the run-start, durable before anything is sent): the ledger holds
+    no complete line. The resume starts the wire afresh, as for a session that never opened its ledger, with a
+    warning, and the audit passes. Before, it was refused for good (the ledger "does not begin with the run-start
+    policy entry")."""
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path, "sft:arith, eval")
+    coord, _ = coordinator(cfg, nodes, run_dir, run_id, [], kill=at_nth("query.setup", 1))  # before any delivery
+    with pytest.raises(Killed):
+        coord.run()
+    lpath = run_dir / "ledger" / "coordinator.jsonl"
+    lpath.write_bytes(lpath.read_bytes()[:40])  # the first append, torn
+    lines: list[str] = []
+    rec = coordinator(resumed_cfg(cfg, run_dir), nodes, run_dir, run_id, lines)[0].run()
+    assert rec["status"] == "completed" and rec["resumes"][0]["round"] == 0
+    assert any("no complete entry (the interrupted session died in its first append)" in w
+               for w in rec["warnings"]), rec["warnings"]
+    assert entries(lpath)[0]["phase"] == "run-start"
+    assert audit_failures(run_dir) == []
+
+
+@pytest.mark.integration
 def test_a_lora_run_resumes_from_its_adapter_checkpoint(tmp_path, lay_out_run):
     """``lora``: the server holds only the adapters and checkpoints them in peft's format; killed in the final
     eval round, the resume restores the adapters of round 3 (the final eval leaves them as they are) and
