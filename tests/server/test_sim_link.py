@@ -166,12 +166,18 @@ def test_stages_round_trip_through_the_link():
     every reply (how much sooner than with the extractor's 0.1 s read and a 0.1 s pull is measured by
     ``bench/round_profile.py --ledger``, not in a test)."""
     grid, link, queue, stop, th, nodes = _engine(nodes=2)
+    transport = _round_trips(grid, queue, stop, th, nodes, 5)
+    assert transport.link is link
+
+
+def _round_trips(grid, queue: Queue, stop: threading.Event, th: threading.Thread, nodes, n: int):
+    """``n`` stages through a new ``GridTransport`` over ``grid`` (``_engine``'s) against parties that answer at
+    once, each with every reply; the engine's and the parties' threads stopped after. Returns the transport."""
     party_stop = threading.Event()
     worker = _party(grid, queue, party_stop)
     try:
         transport = app.GridTransport(grid)
-        assert transport.link is link
-        for _ in range(5):
+        for _ in range(n):
             got = transport._send_and_receive(_msgs(grid, nodes), timeout=5.0)
             assert sorted(m.metadata.src_node_id for m in got) == nodes
     finally:
@@ -179,6 +185,7 @@ def test_stages_round_trip_through_the_link():
         stop.set()
         worker.join(2)
         th.join(2)
+    return transport
 
 
 def test_a_reply_is_handed_to_the_guards_early_check_while_a_slower_party_is_awaited():
@@ -238,22 +245,11 @@ def test_another_flower_version_falls_back_to_plain_polling_with_one_log_line(mo
 
     monkeypatch.setattr(flwr, "__version__", "1.43.0")
     grid, link, queue, stop, th, nodes = _engine(nodes=2, attach=False)
-    party_stop = threading.Event()
-    worker = _party(grid, queue, party_stop)
-    try:
-        with caplog.at_level(logging.WARNING, logger="flwr"):
-            transport = app.GridTransport(grid)
-        assert transport.link is None and _flower_methods(grid.state)
-        lines = [r.getMessage() for r in caplog.records if "sim_link" in r.getMessage()]
-        assert len(lines) == 1 and "flwr 1.43.0, not 1.42.x" in lines[0] and "polls" in lines[0], lines
-        for _ in range(3):
-            got = transport._send_and_receive(_msgs(grid, nodes), timeout=5.0)
-            assert sorted(m.metadata.src_node_id for m in got) == nodes
-    finally:
-        party_stop.set()
-        stop.set()
-        worker.join(2)
-        th.join(2)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        transport = _round_trips(grid, queue, stop, th, nodes, 3)
+    assert transport.link is None and _flower_methods(grid.state)
+    lines = [r.getMessage() for r in caplog.records if "sim_link" in r.getMessage()]
+    assert len(lines) == 1 and "flwr 1.43.0, not 1.42.x" in lines[0] and "polls" in lines[0], lines
 
 
 @pytest.mark.parametrize("change, said", [
