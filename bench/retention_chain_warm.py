@@ -70,7 +70,6 @@ tabulate rows of another design (the pilot's included).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
 import json
@@ -241,27 +240,20 @@ def table(keep: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, text in (("pilot", "the smoke run: anchors at seed 100, 1 round a task (never tabulated)"),
-                       ("run", "run the arms seed by seed until the cut-off, keep one row per run"),
-                       ("one", "one arm and seed (what `run` starts in a child process)")):
-        s = sub.add_parser(name, help=text)
-        s.add_argument("--base", type=Path, required=True, help="the warm base's checkpoint directory (round-0)")
-        s.add_argument("--runs-dir", type=Path, default=Path("runs/e1-chain-warm"))
-        s.add_argument("--keep", type=Path, default=KEEP)
-    sub.choices["run"].add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
-    sub.choices["run"].add_argument("--until", default=UNTIL, help="the cut-off, ISO date-time in UTC")
-    sub.choices["one"].add_argument("--arm", required=True, choices=list(ARMS))
-    sub.choices["one"].add_argument("--seed", type=int, required=True)
-    t = sub.add_parser("table", help="the Markdown tables from the kept rows")
-    t.add_argument("--keep", type=Path, default=KEEP)
+    ap, cmds = fw.parser(__doc__.split("\n\n")[0],
+                         (("pilot", "the smoke run: anchors at seed 100, 1 round a task (never tabulated)"),
+                          ("run", "run the arms seed by seed until the cut-off, keep one row per run"),
+                          ("one", "one arm and seed (what `run` starts in a child process)")),
+                         Path("runs/e1-chain-warm"), KEEP)
+    cmds["run"].add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
+    cmds["run"].add_argument("--until", default=UNTIL, help="the cut-off, ISO date-time in UTC")
+    cmds["one"].add_argument("--arm", required=True, choices=list(ARMS))
+    cmds["one"].add_argument("--seed", type=int, required=True)
     args = ap.parse_args(argv)
     if args.cmd == "table":
         print(table(args.keep))
         return
-    if not (args.base / "manifest.json").exists() or not (args.base / "model").is_dir():
-        raise SystemExit(f"--base {args.base}: not a base checkpoint directory (manifest.json and model/)")
+    fw.check_base(args.base)
     if args.cmd == "pilot":
         pilot(args.runs_dir, args.keep, args.base)
     elif args.cmd == "one":
@@ -269,7 +261,6 @@ def main(argv: list[str] | None = None) -> None:
     else:
         seconds_left(args.until)  # a malformed cut-off fails here, before any run
         run(args.seeds, args.runs_dir, args.keep, args.base, args.until)
-
 
 if __name__ == "__main__":
     main()

@@ -248,27 +248,44 @@ def table(keep: Path) -> str:
     return "\n".join(head) + "\n" + rf.tables(rows)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(description: str, commands: tuple[tuple[str, str], ...], runs_dir: Path, keep: Path
+           ) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line of a warm-base bench (this one and ``bench/retention_chain_warm.py``): each of ``commands``
+    (name, help) takes ``--base`` (required), ``--runs-dir`` (default ``runs_dir``) and ``--keep`` (default
+    ``keep``); a last command ``table`` takes ``--keep``. Returns the parser and its commands by name, for the
+    bench's own arguments."""
+    ap = argparse.ArgumentParser(description=description)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, text in (("pilot", "the pilot: none at seed 100, 4 B rounds; fixes B's rounds"),
-                       ("run", "run the arms seed by seed, keep one row per run")):
+    for name, text in commands:
         s = sub.add_parser(name, help=text)
         s.add_argument("--base", type=Path, required=True, help="the warm base's checkpoint directory (round-0)")
-        s.add_argument("--runs-dir", type=Path, default=Path("runs/e1-federated-warm"))
-        s.add_argument("--keep", type=Path, default=KEEP)
-    sub.choices["pilot"].add_argument("--a-rounds", type=int, default=A_ROUNDS)
-    sub.choices["run"].add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
-    sub.choices["run"].add_argument("--repeat", type=int, nargs="*", default=[0], metavar="SEED",
-                                    help="also run these seeds' none arm a second time (the design repeats seed 0)")
+        s.add_argument("--runs-dir", type=Path, default=runs_dir)
+        s.add_argument("--keep", type=Path, default=keep)
     t = sub.add_parser("table", help="the Markdown tables from the kept rows")
-    t.add_argument("--keep", type=Path, default=KEEP)
+    t.add_argument("--keep", type=Path, default=keep)
+    return ap, sub.choices
+
+
+def check_base(base: Path) -> None:
+    """``SystemExit`` naming ``--base`` unless it is a base checkpoint directory (``manifest.json`` and ``model/``)."""
+    if not (base / "manifest.json").exists() or not (base / "model").is_dir():
+        raise SystemExit(f"--base {base}: not a base checkpoint directory (manifest.json and model/)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap, cmds = parser(__doc__.split("\n\n")[0],
+                      (("pilot", "the pilot: none at seed 100, 4 B rounds; fixes B's rounds"),
+                       ("run", "run the arms seed by seed, keep one row per run")),
+                      Path("runs/e1-federated-warm"), KEEP)
+    cmds["pilot"].add_argument("--a-rounds", type=int, default=A_ROUNDS)
+    cmds["run"].add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
+    cmds["run"].add_argument("--repeat", type=int, nargs="*", default=[0], metavar="SEED",
+                             help="also run these seeds' none arm a second time (the design repeats seed 0)")
     args = ap.parse_args(argv)
     if args.cmd == "table":
         print(table(args.keep))
         return
-    if not (args.base / "manifest.json").exists() or not (args.base / "model").is_dir():
-        raise SystemExit(f"--base {args.base}: not a base checkpoint directory (manifest.json and model/)")
+    check_base(args.base)
     if args.cmd == "pilot":
         pilot(args.runs_dir, args.keep, args.base, args.a_rounds)
     else:
@@ -276,7 +293,6 @@ def main(argv: list[str] | None = None) -> None:
         if bad:
             raise SystemExit(f"--repeat {bad}: not among --seeds {args.seeds}")
         run(args.seeds, args.runs_dir, args.keep, args.base, args.repeat)
-
 
 if __name__ == "__main__":
     main()

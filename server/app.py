@@ -92,11 +92,12 @@ class GridTransport(GuardedTransport):
                 link.clear()  # a reply stored from here on ends the next wait
             pulled = list(self.grid.pull_messages(waiting))
             replies += pulled
-            if self._arrived is not None and waiting - {m.metadata.reply_to_message_id for m in pulled}:
+            replied = {m.metadata.reply_to_message_id for m in pulled}
+            if self._arrived is not None and waiting - replied:
                 for msg in pulled:  # others still awaited: check these now (``GuardedTransport._arrived``)
                     if not msg.has_error():
                         self._arrived(msg.metadata.src_node_id, msg.content)
-            waiting -= {m.metadata.reply_to_message_id for m in pulled}
+            waiting -= replied
             left = end - time.monotonic()
             if not waiting or left <= 0:
                 break

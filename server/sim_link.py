@@ -19,8 +19,17 @@ pulls replies on its own schedule (``server/app.py``: at most every 0.1 s). :fun
 - ``wait(seconds)`` returns as soon as the state stores a reply (this state object's ``store_message_res`` sets an
   event after storing) or after ``seconds``.
 
-Any other grid (deployment: ``GrpcGrid``/``HttpGrid``), or a Flower whose engine does not look as described, gets
-``None`` and the ServerApp's plain polling; nothing here changes what a message carries or who receives it.
+What it relies on (flwr 1.42 internals, none of them Flower's public API), checked by :func:`attach` before it
+touches anything: Flower's version is 1.42.x (``FLWR_SERIES``); the grid is an ``InMemoryGrid`` whose ``state`` is an
+``InMemoryLinkState`` with a re-entrant ``lock`` (``threading.RLock``) and instance-replaceable methods
+``get_message_ins(node_id, limit, ...)`` and ``store_message_res(message)``; ``vce_api.add_messages_to_queue(state,
+queue, nodes_mapping, f_stop)`` is the extractor, and its running thread keeps its target and arguments in
+``Thread._target``/``Thread._args`` (looked for at each hand-off until found; until then the extractor alone delivers).
+
+Any other grid (deployment: ``GrpcGrid``/``HttpGrid``) gets ``None`` and the ServerApp's plain polling. So does an
+in-memory grid of a Flower that does not look as described, with one log line (WARNING, Flower's logger) saying what
+differs: the run goes on at the engine's and the pull loop's 0.1 s polls. Nothing here changes what a message carries
+or who receives it.
 
 Must not: change, drop, reorder or duplicate a message; touch a state other than the grid's own; stop or replace
 Flower's threads.
@@ -28,10 +37,15 @@ Flower's threads.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import threading
 from queue import Queue
 
+from flwr.common.logger import log
+
 EXTRACTOR = "add_messages_to_queue"  # flwr.server.superlink.fleet.vce.vce_api's thread target
+FLWR_SERIES = "1.42."  # the Flower whose internals this module relies on (module docstring)
 
 
 class SimLink:
@@ -85,18 +99,56 @@ class SimLink:
         self.replied.clear()
 
 
-def attach(grid) -> SimLink | None:
-    """A :class:`SimLink` for Flower's in-memory grid of the Simulation Engine; ``None`` for any other grid."""
-    from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
-    from flwr.superlink.grid import InMemoryGrid
+def _params(fn) -> list[str]:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
 
-    if not isinstance(grid, InMemoryGrid) or not isinstance(getattr(grid, "state", None), InMemoryLinkState):
-        return None
-    state = grid.state
+
+def unexpected(grid, version: str) -> str | None:
+    """What differs from the Flower this module relies on (module docstring) for the in-memory ``grid`` under Flower
+    ``version``; ``None`` when nothing does."""
+    if not version.startswith(FLWR_SERIES):
+        return f"flwr {version}, not {FLWR_SERIES}x"
+    try:
+        from flwr.server.superlink.fleet.vce import vce_api
+        from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+    except ImportError as e:
+        return f"flwr {version} lacks {e.name or e}"
+    state = getattr(grid, "state", None)
+    if not isinstance(state, InMemoryLinkState):
+        return f"the grid's state is a {type(state).__name__}, not an InMemoryLinkState"
     if not isinstance(getattr(state, "lock", None), type(threading.RLock())):
-        return None  # selection under a lock we can re-enter is what makes two readers safe
-    link = getattr(state, "_distmoe_sim_link", None)
-    if link is None:
-        link = SimLink(state)
-        state._distmoe_sim_link = link
+        # selection under a lock we can re-enter is what makes two readers safe
+        return f"the state's lock is a {type(getattr(state, 'lock', None)).__name__}, not a re-entrant lock"
+    if _params(getattr(state, "get_message_ins", None))[:2] != ["node_id", "limit"]:
+        return "the state's get_message_ins does not take (node_id, limit, ...)"
+    if len(_params(getattr(state, "store_message_res", None))) != 1:
+        return "the state's store_message_res does not take (message)"
+    if _params(getattr(vce_api, EXTRACTOR, None)) != ["state", "queue", "nodes_mapping", "f_stop"]:
+        return f"vce_api.{EXTRACTOR} is not (state, queue, nodes_mapping, f_stop)"
+    return None
+
+
+def attach(grid) -> SimLink | None:
+    """A :class:`SimLink` for Flower's in-memory grid of the Simulation Engine; ``None`` for any other grid, and for
+    an in-memory grid of a Flower that differs from what this module relies on (then with one log line)."""
+    import flwr
+
+    try:
+        from flwr.superlink.grid import InMemoryGrid
+    except ImportError:  # a Flower without it has no in-memory grid of this shape: plain polling, as for any grid
+        return None
+    if not isinstance(grid, InMemoryGrid):
+        return None
+    link = getattr(getattr(grid, "state", None), "_distmoe_sim_link", None)
+    if link is not None:
+        return link  # attached already (its wrapped methods no longer show Flower's signatures)
+    why = unexpected(grid, getattr(flwr, "__version__", "(no version)"))
+    if why is not None:
+        log(logging.WARNING, "server/sim_link: %s; the ServerApp polls the Simulation Engine instead (0.1 s)", why)
+        return None
+    link = SimLink(grid.state)
+    grid.state._distmoe_sim_link = link
     return link

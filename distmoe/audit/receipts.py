@@ -14,8 +14,9 @@ receipt given must:
 - name a session the coordinator ledger records (``sessions``: the run-start's run id, then the ``session`` of each
   ``run-resume`` entry: a resumed run's parties write one receipt per session, under that session's Flower run id),
   be the only receipt of its party for that session, and be judged against that session's entries only (from its
-  run-start or run-resume entry to the next session's); a party that gives receipts gives one for every session
-  whose entries instruct it (a withheld session's receipt is a violation, not a gap);
+  run-start or run-resume entry to the next session's; every such span of a session id recorded twice, as a run
+  resumed in process under the id it was interrupted under records it); a party that gives receipts gives one for
+  every session whose entries instruct it (a withheld session's receipt is a violation, not a gap);
 - hold a ``coordinator_head`` (the last instruction the party received) that is in the coordinator ledger with the
   same hash and is an instruction to that party: the chain commits to every entry before it, so a deletion,
   insertion or reordering up to that instruction is caught;
@@ -59,27 +60,35 @@ def _roster(run: Run, pins: dict[str, list[tuple[str, str]]]) -> list[str]:
 
 
 class Session(NamedTuple):
-    """One session of the run in the coordinator ledger: its Flower run id and its entries' seqs ``[first, end)``."""
+    """One session of the run in the coordinator ledger: its Flower run id and its entries' seqs ``[first, end)``,
+    with ``also`` the further spans ``[a, b)`` recorded under the same id (a run resumed in process under the id it
+    was interrupted under: its parties' one receipt of that id covers their entries of every span)."""
 
     run: str
     first: int
     end: float
+    also: tuple[tuple[int, float], ...] = ()
 
     def holds(self, seq: Any) -> bool:
-        return isinstance(seq, int) and self.first <= seq < self.end
+        return isinstance(seq, int) and any(a <= seq < b for a, b in ((self.first, self.end), *self.also))
 
 
 def sessions(run: Run) -> list[Session]:
     """The run's sessions in ledger order: the run-start's (``info.session``, else its ``run``), then one per
-    ``run-resume`` entry (its ``info.session``); empty when the ledger names no run."""
+    ``run-resume`` entry (its ``info.session``), a later span under an id already seen joined to that session's
+    ``also``; empty when the ledger names no run."""
     first = info_of(run.start).get("session") or run.start.get("run")
     if first is None:
         return []
     starts = [(str(first), 0)]
     starts += [(str(info_of(e).get("session")), e["seq"]) for e in run.coord.entries
                if e.get("payload_type") == "run-resume" and isinstance(e.get("seq"), int) and e["seq"] > 0]
-    return [Session(sid, a, starts[i + 1][1] if i + 1 < len(starts) else math.inf)
-            for i, (sid, a) in enumerate(starts)]
+    out: dict[str, Session] = {}
+    for i, (sid, a) in enumerate(starts):
+        b = starts[i + 1][1] if i + 1 < len(starts) else math.inf
+        s = out.get(sid)
+        out[sid] = Session(sid, a, b) if s is None else s._replace(also=(*s.also, (a, b)))
+    return list(out.values())
 
 
 def _had(run: Run, s: Session, party: str) -> bool:

@@ -235,6 +235,9 @@ class Coordinator:
     # ------------------------------------------------------------------ steps of run()
     def _start_record(self) -> None:
         ctx = self.ctx
+        if ctx.files.ledger.exists():  # refused before anything is written (run.json, checkpoints, the run's key)
+            raise RunFailed(f"{ctx.files.ledger} exists: {ctx.run_dir} holds a run already (a run directory is used "
+                            f"by one run only; run.resume='{ctx.run_dir}' continues an interrupted one)")
         cfg, p = ctx.cfg, ctx.cfg.privacy
         schedule = [ph.label() + (f"*{ph.rounds}" if ph.rounds > 1 else "") for ph in cfg.schedule.phases]
         warn = [] if p.secure else [PLAINTEXT_WARNING]

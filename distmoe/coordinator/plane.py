@@ -91,14 +91,19 @@ def start(co: RunContext, transport: GuardedTransport, nodes: list[int], out: Pl
     out = Plane() if out is None else out
     cfg, p = co.cfg, co.cfg.privacy
     lpath = co.files.ledger
-    continuing = bool(cfg.run.resume) and lpath.exists()  # else the interrupted session never opened its ledger
+    # else the interrupted session never opened its ledger (no file, or its first append never completed)
+    continuing = bool(cfg.run.resume) and resume.ledger_opened(lpath)
     entries: list[dict] = []
     if continuing:
         out.ledger, run_start, entries = resume.reopen_ledger(co, lpath)
     else:
-        key = generate_signing_key(co.files.ledger_key, force=True)
-        if lpath.exists():
+        if lpath.exists() and not cfg.run.resume:  # before the key is replaced: the run there keeps its key
             raise RunFailed(f"{lpath} exists: a run directory is used by one run only")
+        if lpath.exists():  # nothing was sent under it (the run-start entry is durable before any message)
+            co.warn(f"{lpath}: no complete entry (the interrupted session died in its first append): replaced by a "
+                    "new ledger under a new key")
+            lpath.unlink()
+        key = generate_signing_key(co.files.ledger_key, force=True)
         out.ledger = Ledger(lpath, key)
         write_text_atomic(co.files.ledger_pub, public_key_hex(key) + "\n")
     ledger, n = out.ledger, len(nodes)

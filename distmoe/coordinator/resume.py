@@ -108,13 +108,24 @@ def check_resumable(run_dir: Path, cfg: RunConfig) -> dict:
                         + "; ".join(f"{k} (was {a!r}, now {b!r})" for k, (a, b) in changed.items())
                         + f"; a resumed run may change only {', '.join(sorted(RESUME_MAY_CHANGE))}")
     lpath = files.ledger
-    if lpath.exists():  # else the interrupted session never opened it: the resume starts the wire afresh
+    if ledger_opened(lpath):  # else the interrupted session never opened it: the resume starts the wire afresh
         res = verify_ledger(lpath, coordinator_key(run_dir))
         errors = [e for e in res.errors if "torn trailing line" not in e]
         if errors:
             raise RunFailed(f"{REFUSED}: the coordinator ledger does not verify ({'; '.join(errors[:3])}); a chain "
                             "that cannot be vouched for is never extended")
     return prev
+
+
+def ledger_opened(lpath: Path) -> bool:
+    """Whether the coordinator ledger at ``lpath`` holds a complete entry. A missing file, or one whose first line
+    never completed (the interrupted session died in its first append, the run-start entry, which is durable before
+    anything is sent), was never opened: the resume starts the wire afresh (``distmoe.coordinator.plane.start``)."""
+    try:
+        with lpath.open("rb") as fh:
+            return fh.readline().endswith(b"\n")
+    except FileNotFoundError:
+        return False
 
 
 def coordinator_key(run_dir: Path):
@@ -169,7 +180,7 @@ def restore(co: RunContext) -> Restored | None:
     path, notes = resumable(root)
     for text in notes:
         co.warn(text)
-    if path is None and not co.files.ledger.exists():
+    if path is None and not ledger_opened(co.files.ledger):
         co.warn(f"no checkpoint in {root} and no ledger: the interrupted session died before round 0 was saved; "
                 "the run starts from round 0")
         return None

@@ -169,6 +169,10 @@ class _Run:
 def _natural_key(s: str) -> tuple[Any, ...]:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s))
 
+_EVENT_LISTS = {"train": "train", "eval": "evals", "stats": "stats", "rl": "rl", "party_error": "party_errors",
+                "probe": "probes"}  # metrics.jsonl's event -> the _Run list that holds it
+_BY_ROUND = ("train", "rl", "evals", "stats", "probes")  # sorted by round; party errors keep the log's order
+
 def _by_round(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Events with a round, sorted by round (stable: a later duplicate stays later)."""
     return sorted((e for e in events if _round_of(e) is not None), key=lambda e: _round_of(e))
@@ -180,23 +184,10 @@ def _load(run_dir: Path) -> _Run:
     run = _Run(files.root, {} if problem else files.record, problem, list(events), events.skipped)
     for e in run.events:
         kind = e.get("event")
-        if kind == "train":
-            run.train.append(e)
-        elif kind == "eval":
-            run.evals.append(e)
-        elif kind == "stats":
-            run.stats.append(e)
-        elif kind == "rl":
-            run.rl.append(e)
-        elif kind == "party_error":
-            run.party_errors.append(e)
-        elif kind == "probe":
-            run.probes.append(e)
-    run.train = _by_round(run.train)
-    run.rl = _by_round(run.rl)
-    run.evals = _by_round(run.evals)
-    run.stats = _by_round(run.stats)
-    run.probes = _by_round(run.probes)
+        if isinstance(kind, str) and kind in _EVENT_LISTS:
+            getattr(run, _EVENT_LISTS[kind]).append(e)
+    for name in _BY_ROUND:
+        setattr(run, name, _by_round(getattr(run, name)))
     try:
         accounts = files.accounts
         run.accounts = accounts if isinstance(accounts, dict) else {}

@@ -52,6 +52,8 @@ Must not: update the policy or the engine, sample on its own (rollouts are passe
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +77,17 @@ from distmoe.rl.sim_measure import (  # noqa: F401  (the functions callers impor
     simulated_weights,
     topk_sets,
 )
+
+
+@contextmanager
+def _in_eval(policy: nn.Module) -> Iterator[None]:
+    """``policy`` in eval mode within the block (the simulator's teacher-forced passes), its own mode after."""
+    was = policy.training
+    policy.eval()
+    try:
+        yield
+    finally:
+        policy.train(was)
 
 
 @dataclass
@@ -203,13 +216,9 @@ class InferenceSimulator:
         batches = [rollouts] if isinstance(rollouts, Rollouts) else list(rollouts)
         if not batches:
             raise ValueError("calibrate: no calibration rollouts")
-        was = policy.training
-        policy.eval()
-        try:
+        with _in_eval(policy):
             tfs = [capture(policy, ro, lm_logits=True) for ro in batches]
             infer = [capture(engine_model(engine), ro, lm_logits=False).router for ro in batches]  # [L, N, T, E]
-        finally:
-            policy.train(was)
         fit_rows, held_rows = [], []
         for ro in batches:
             n = ro.num_rollouts
@@ -319,12 +328,8 @@ class InferenceSimulator:
         On the same tokens the measure is 0 until the policy's routing changes: no sampling noise."""
         if self.usage_fit is None or not self.fit_tokens:
             return math.nan
-        was = policy.training
-        policy.eval()
-        try:
+        with _in_eval(policy):
             z = torch.cat([capture(policy, ro, lm_logits=False).router[:, m] for ro, m in self.fit_tokens], 1)
-        finally:
-            policy.train(was)
         u = expert_usage(z, None, self.top_k)  # [L, E]
         return float(0.5 * (u - self.usage_fit.to(u.device)).abs().sum(-1).mean())
 
@@ -332,12 +337,8 @@ class InferenceSimulator:
     def evaluate(self, policy: nn.Module, ro: Rollouts) -> dict[str, float]:
         """The metrics mode on rollouts ``ro`` (e.g. of held-out prompts): ``compare`` of ``delta_hat`` with the
         true ``logp_train(theta_old) - logp_infer``."""
-        was = policy.training
-        policy.eval()
-        try:
+        with _in_eval(policy):
             tf = capture(policy, ro, lm_logits=True)
-        finally:
-            policy.train(was)
         pred = self.predict(policy, ro, captured=tf)  # [N, T]
         return compare(pred, tf.logp - ro.logp_infer, ro.response_mask, self.r2_min, self.auroc_min)
 
@@ -369,12 +370,8 @@ class InferenceSimulator:
         if not self.calibrated:
             raise RuntimeError("InferenceSimulator.predict before calibrate")
         if captured is None:
-            was = policy.training
-            policy.eval()
-            try:
+            with _in_eval(policy):
                 captured = capture(policy, rollouts, lm_logits=True)
-            finally:
-                policy.train(was)
         pred = self._mlp(self.features(captured))  # [N, T]
         return torch.where(rollouts.response_mask, pred, torch.zeros_like(pred)).detach()
 

@@ -31,12 +31,13 @@ RUN, SESSION2 = "7001", "7002"  # the first session's Flower run id (the run's) 
 DELTA, BUDGET = 1e-6, 8.0
 
 
-def _resumed_run(root: Path, first: str | None = None) -> Path:
+def _resumed_run(root: Path, first: str | None = None, second: str = SESSION2, redo: tuple[int, ...] = (1, 2)) -> Path:
     """A run interrupted after round 1 and resumed (rounds 1 and 2 again) under ``SESSION2``; each party's receipts
     of both sessions under ``root/receipts``. The coordinator's entries carry the run id, the parties' their
     session's (as in a deployment). ``first``: the first session's Flower run id, recorded in the run-start entry,
     when it is not the run id (a resumed run whose interrupted session never opened its ledger); None: a ledger
-    that records no session at run-start (the run id is the first session's)."""
+    that records no session at run-start (the run id is the first session's). ``second``: the resumed session's id
+    (the first's again: a resume in process under the id it interrupted); ``redo``: the rounds it runs."""
     run = root / "run"
     coord = Ledger(run / "ledger" / "coordinator.jsonl", generate_signing_key(root / "keys" / "coordinator.pem"))
     (run / "ledger" / "coordinator.pub").write_text(coord.public_key_hex + "\n")
@@ -80,12 +81,12 @@ def _resumed_run(root: Path, first: str | None = None) -> Path:
     coord.append(run=RUN, **entry("run-end", 1, phase="run-end", direction="out", peer="all",
                                   info={"status": "interrupted"}))
     coord.append(run=RUN, **entry("run-resume", 0, phase="run-resume", direction="out", peer="all",
-                                  info={"session": SESSION2, "epoch": 1}))
-    session(SESSION2, (1, 2))
+                                  info={"session": second, "epoch": 1}))
+    session(second, redo)
     coord.append(run=RUN, **entry("run-end", 2, phase="run-end", direction="out", peer="all",
                                   info={"status": "completed"}))
     (run / "run.json").write_text(json.dumps({"run_id": RUN, "status": "completed", "config": {},
-                                              "resumes": [{"epoch": 1, "session": SESSION2}]}))
+                                              "resumes": [{"epoch": 1, "session": second}]}))
     return run
 
 
@@ -196,3 +197,15 @@ def test_the_first_sessions_id_recorded_at_run_start_names_its_receipts(tmp_path
     check, _ = _judge(run, [*_receipts(run, "party-0-" + SESSION2, "as-run")])
     assert check.status == "fail" and any(f"a receipt of run '{RUN}', a session the coordinator ledger does not "
                                           "record" in f for f in check.findings), check.findings
+
+
+def test_a_resume_under_the_interrupted_sessions_id_is_judged_against_both_of_its_spans(tmp_path):
+    """A run resumed in process under the run id it was interrupted under (``bench_files.run_prepared``, the resume
+    tests: the transport's run id is the caller's) records two sessions of one id: each party's one receipt of that
+    id covers its entries of both (round 1, kept by the checkpoint, and round 2 after the resume), so the audit judges
+    it against both spans of the coordinator ledger (judged against the last span only, round 1's unmasking named no
+    release and an honest run failed)."""
+    run = _resumed_run(tmp_path, second=RUN, redo=(2,))
+    assert [s.run for s in sessions(Run(run, [], None))] == [RUN]
+    check, result = _judge(run, _receipts(run, *(f"{p}-{RUN}" for p in PARTIES)))
+    assert check.status == "pass" and result.witnessed == dict.fromkeys(PARTIES, "receipt"), check.findings

@@ -353,6 +353,27 @@ def test_killed_during_the_secure_aggregation_setup(tmp_path, lay_out_run):
 
 
 @pytest.mark.integration
+def test_killed_in_the_ledgers_first_append(tmp_path, lay_out_run):
+    """Killed while writing the ledger's first entry (the run-start, durable before anything is sent): the ledger holds
+    no complete line. The resume starts the wire afresh, as for a session that never opened its ledger, with a
+    warning, and the audit passes. Before, it was refused for good (the ledger "does not begin with the run-start
+    policy entry")."""
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path, "sft:arith, eval")
+    coord, _ = coordinator(cfg, nodes, run_dir, run_id, [], kill=at_nth("query.setup", 1))  # before any delivery
+    with pytest.raises(Killed):
+        coord.run()
+    lpath = run_dir / "ledger" / "coordinator.jsonl"
+    lpath.write_bytes(lpath.read_bytes()[:40])  # the first append, torn
+    lines: list[str] = []
+    rec = coordinator(resumed_cfg(cfg, run_dir), nodes, run_dir, run_id, lines)[0].run()
+    assert rec["status"] == "completed" and rec["resumes"][0]["round"] == 0
+    assert any("no complete entry (the interrupted session died in its first append)" in w
+               for w in rec["warnings"]), rec["warnings"]
+    assert entries(lpath)[0]["phase"] == "run-start"
+    assert audit_failures(run_dir) == []
+
+
+@pytest.mark.integration
 def test_a_lora_run_resumes_from_its_adapter_checkpoint(tmp_path, lay_out_run):
     """``lora``: the server holds only the adapters and checkpoints them in peft's format; killed in the final
     eval round, the resume restores the adapters of round 3 (the final eval leaves them as they are) and
@@ -492,6 +513,27 @@ def test_resume_refuses_a_directory_that_is_not_a_run(tmp_path, tiny_run):
     cfg = parse_run_config({**tiny_run, "run.resume": str(tmp_path)})
     with pytest.raises(RunFailed, match="run.json does not exist"):
         Coordinator(cfg, tmp_path, LocalTransport(cfg, {}, "x"), "x", log=lambda s: None).run()
+
+
+def test_a_new_run_refuses_a_directory_that_holds_a_run_and_changes_nothing(tmp_path, tiny_run):
+    """A new run (no ``run.resume``) pointed at a directory whose coordinator ledger exists refuses before it writes
+    anything there. Before, it rewrote ``run.json`` and ``config.toml``, saved its round-0 checkpoint there and
+    replaced the coordinator's signing key, and only then refused (at the ledger), so the run there could no longer
+    be resumed (its key no longer matched its ``.pub``)."""
+    from distmoe.ledger import Ledger, generate_signing_key, public_key_hex
+    from distmoe.rundir import RunDir
+
+    files = RunDir(tmp_path)
+    key = generate_signing_key(files.ledger_key)
+    Ledger(files.ledger, key).append(run="1", round=0, phase="run-start", direction="out", payload_type="policy",
+                                     keys=[], shapes={}, bytes=0, sha256="0" * 64, verdict="accepted", peer="all")
+    files.ledger_pub.write_text(public_key_hex(key) + "\n")
+    files.record.write_text(json.dumps({"run_id": "1", "status": "interrupted", "config": dict(tiny_run)}))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    cfg = parse_run_config(dict(tiny_run))
+    with pytest.raises(RunFailed, match=rf"{files.ledger} exists: {tmp_path} holds a run already .*run.resume"):
+        Coordinator(cfg, tmp_path, LocalTransport(cfg, {}, "x"), "x", log=lambda s: None).run()
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 # ----------------------------------------------------------------------------- parties

@@ -6,6 +6,7 @@ polling."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from queue import Empty, Queue
@@ -35,9 +36,8 @@ def _task_identity(monkeypatch):
         monkeypatch.setattr(TaskIdentity, attr, value)
 
 
-def _engine(nodes: int = 3):
-    """Flower's in-memory state and grid as ``run_simulation._main_loop`` makes them, its nodes as ``vce_api``
-    registers them, and the engine's real extractor thread filling a queue (no backend drains it)."""
+def _grid():
+    """Flower's in-memory state factory and grid as ``run_simulation._main_loop`` makes them."""
     factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
     state = factory.state()
     run = Run.create_empty(run_id=7)
@@ -46,8 +46,15 @@ def _engine(nodes: int = 3):
     state.task_store[11] = Task(task_id=11, run_id=run.run_id)
     grid = InMemoryGrid(state_factory=factory)
     grid.set_run(run)
+    return factory, grid
+
+
+def _engine(nodes: int = 3, attach: bool = True):
+    """``_grid``, its nodes as ``vce_api`` registers them, and the engine's real extractor thread filling a queue
+    (no backend drains it); the link attached first (``attach``), as the ServerApp's first exchange does."""
+    factory, grid = _grid()
     mapping = vce_api._register_nodes(nodes, factory)
-    link = sim_link.attach(grid)  # before the engine starts, as the ServerApp's first exchange does
+    link = sim_link.attach(grid) if attach else None
     queue, stop = Queue(), threading.Event()
     th = threading.Thread(target=vce_api.add_messages_to_queue, args=(factory.state(), queue, mapping, stop),
                           daemon=True)
@@ -159,12 +166,18 @@ def test_stages_round_trip_through_the_link():
     every reply (how much sooner than with the extractor's 0.1 s read and a 0.1 s pull is measured by
     ``bench/round_profile.py --ledger``, not in a test)."""
     grid, link, queue, stop, th, nodes = _engine(nodes=2)
+    transport = _round_trips(grid, queue, stop, th, nodes, 5)
+    assert transport.link is link
+
+
+def _round_trips(grid, queue: Queue, stop: threading.Event, th: threading.Thread, nodes, n: int):
+    """``n`` stages through a new ``GridTransport`` over ``grid`` (``_engine``'s) against parties that answer at
+    once, each with every reply; the engine's and the parties' threads stopped after. Returns the transport."""
     party_stop = threading.Event()
     worker = _party(grid, queue, party_stop)
     try:
         transport = app.GridTransport(grid)
-        assert transport.link is link
-        for _ in range(5):
+        for _ in range(n):
             got = transport._send_and_receive(_msgs(grid, nodes), timeout=5.0)
             assert sorted(m.metadata.src_node_id for m in got) == nodes
     finally:
@@ -172,6 +185,7 @@ def test_stages_round_trip_through_the_link():
         stop.set()
         worker.join(2)
         th.join(2)
+    return transport
 
 
 def test_a_reply_is_handed_to_the_guards_early_check_while_a_slower_party_is_awaited():
@@ -214,3 +228,53 @@ def test_any_other_grid_is_left_to_plain_polling():
 
     assert sim_link.attach(Other()) is None
     assert app.GridTransport(Other()).link is None
+
+
+def _flower_methods(state) -> bool:
+    """Whether the state's methods are still Flower's own (no link wrapped them)."""
+    from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+
+    return (getattr(state.get_message_ins, "__func__", None) is InMemoryLinkState.get_message_ins
+            and getattr(state.store_message_res, "__func__", None) is InMemoryLinkState.store_message_res)
+
+
+def test_another_flower_version_falls_back_to_plain_polling_with_one_log_line(monkeypatch, caplog):
+    """Under a Flower other than 1.42.x the link leaves the state alone and says so once; the stages still get
+    every reply, from the engine's own extractor and the pull loop's polls."""
+    import flwr
+
+    monkeypatch.setattr(flwr, "__version__", "1.43.0")
+    grid, link, queue, stop, th, nodes = _engine(nodes=2, attach=False)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        transport = _round_trips(grid, queue, stop, th, nodes, 3)
+    assert transport.link is None and _flower_methods(grid.state)
+    lines = [r.getMessage() for r in caplog.records if "sim_link" in r.getMessage()]
+    assert len(lines) == 1 and "flwr 1.43.0, not 1.42.x" in lines[0] and "polls" in lines[0], lines
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda state: setattr(state, "lock", threading.Lock()), "not a re-entrant lock"),
+    (lambda state: delattr(state, "lock"), "NoneType, not a re-entrant lock"),
+    (lambda state: setattr(state, "get_message_ins", lambda node_id: []), "get_message_ins does not take"),
+    (lambda state: setattr(state, "store_message_res", lambda message, extra: None), "store_message_res does not"),
+])
+def test_a_state_without_the_expected_shape_falls_back(change, said, caplog):
+    """An in-memory state that differs from flwr 1.42's (the lock the wrapped selection re-enters, the methods' and
+    their arguments' shape) is left unwrapped, with one log line naming what differs: ``attach`` gives ``None``."""
+    factory, grid = _grid()
+    change(grid.state)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        assert sim_link.attach(grid) is None
+    lines = [r.getMessage() for r in caplog.records if "sim_link" in r.getMessage()]
+    assert len(lines) == 1 and said in lines[0], lines
+    assert not hasattr(grid.state, "_distmoe_sim_link")
+
+
+def test_the_shape_of_flower_142_is_recognised():
+    """The check passes on Flower's own 1.42 state (else every simulation would poll: the fallback tests above
+    could then pass for the wrong reason)."""
+    factory, grid = _grid()
+    assert sim_link.unexpected(grid, "1.42.0") is None
+    assert _flower_methods(grid.state)
+    link = sim_link.attach(grid)
+    assert link is not None and sim_link.attach(grid) is link and not _flower_methods(grid.state)
