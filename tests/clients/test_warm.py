@@ -133,3 +133,29 @@ def test_a_connection_that_only_checks_the_worker_listens_is_no_refused_request(
             warm._receive(a)
     finally:
         a.close()
+
+
+def test_a_forked_childs_garbage_collection_leaves_the_workers_preloaded_objects_alone():
+    """The worker freezes its objects before it forks children: a child's full collection then copies none of the
+    pages it shares with the worker (counted as the child's minor page faults, the kernel's count of copied pages)."""
+    code = """
+import gc, os
+from clients import warm
+heap = [[i, str(i)] for i in range(300000)]  # a preloaded worker's many objects
+
+def faults():
+    pid = os.fork()
+    if pid == 0:
+        gc.collect()
+        os._exit(0)
+    return os.wait4(pid, 0)[2].ru_minflt
+
+before = faults()
+warm.ready_to_fork()
+print(before, faults())
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    before, after = map(int, res.stdout.split())
+    assert before > 4000 and after < before / 4, (before, after)
