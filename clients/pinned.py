@@ -11,7 +11,9 @@ submodules up in the imported package's own path), not in the bundle. It replace
 install against the pin (an install changed after pinning, or pinned from another source, is refused);
 check the FAB's bytes against the pin (same party code, so the coordinator's ServerApp speaks the same
 protocol; the ClientApp entry point is ``clients.app:app``; no top-level module that would shadow a
-library the party imports later); install it (Flower's code); check the installed directory. It also
+library the party imports later); install it (Flower's code), or, for a FAB Flower has installed before (every
+message of a run after its first), take the directory Flower would return without Flower's extraction of the
+whole FAB (:func:`installed_before`); check the installed directory. It also
 shortens Flower's back-off when the message's content is not yet at the SuperNode (``PULL_BACKOFF_S``). A mismatch
 raises :class:`PinRefused` inside Flower's task, so Flower answers the
 message with its own error reply (``ClientApp raised an exception``) carrying only this module's fixed
