@@ -2,7 +2,9 @@
 
 One row per step of a message's path (ServerApp push -> SuperLink -> SuperNode -> SuperExec -> ClientApp process ->
 party -> reply -> SuperNode -> SuperLink -> ServerApp), the median and the maximum over every message of one kind,
-in milliseconds. A step is measured between two events in different processes on one machine (wall clock).
+in milliseconds. A step is measured between two events in different processes on one machine (wall clock). The
+``CPU:`` rows give the CPU milliseconds (user + system) the ClientApp process spent on a step, and its launcher in
+all: what a message costs the machine's cores, which its load moves far less than the wall-clock steps.
 
     python bench/deploy_trace/breakdown.py TRACE.jsonl
 """
@@ -32,6 +34,23 @@ STEPS = (
     ("one message, push start to reply at the ServerApp", "push0", "got"),
     ("the stage: push start to its last reply", "push0", "stage"),
 )
+
+
+# (label, from, to) of CPU seconds in one process: the ClientApp process (a forked child counts from its fork,
+# a cold one from its start) and its launcher (``proc.exit``: from its start)
+CPU_STEPS = (
+    ("CPU: ClientApp process up to its message's content", None, "pulled"),
+    ("CPU: bundle check + install + app load", "pulled", "call0"),
+    ("CPU: party's work (ClientApp.__call__)", "call0", "call1"),
+    ("CPU: reply pushed and the process's exit", "call1", "exit"),
+    ("CPU: the ClientApp process, in all", None, "exit"),
+    ("CPU: its launcher process, in all", None, "launcher"),
+)
+
+
+def _cpu(p: dict, key: str, event: dict) -> None:
+    if "cpu" in event:
+        p.setdefault("cpu", {})[key] = event["cpu"]
 
 
 def load(path: Path) -> list[dict]:
@@ -79,6 +98,12 @@ def paths(events: list[dict]) -> list[dict]:
                 for key, ev in (("call0", "ca.call.begin"), ("call1", "ca.call.end"), ("pushed", "ca.push.end")):
                     if (e := _first(events, pulled["t"], ev=ev, pid=ca)) is not None:
                         p[key] = e["t"]
+                        _cpu(p, key, e)
+                _cpu(p, "pulled", pulled)
+                if (e := _first(events, pulled["t"], ev="ca.exit", pid=ca)) is not None:
+                    _cpu(p, "exit", e)
+                if (e := _first(events, pulled["t"], ev="proc.exit", launcher=True, node=pulled.get("node"))):
+                    _cpu(p, "launcher", e)
             if (send := _first(events, begin["t"], ev="sn.send.begin", reply_to=mid)) is not None:
                 p["send"] = send["t"]
                 if (e := _first(events, send["t"], ev="sn.push.end", pid=send["pid"])) is not None:
@@ -103,6 +128,11 @@ def table(ps: list[dict]) -> str:
         lines.append(f"\n{kind}: {len(sel)} messages; median / max ms")
         for label, a, b in STEPS:
             d = [1000 * (p[b] - p[a]) for p in sel if a in p and b in p]
+            if d:
+                lines.append(f"  {label:<56} {statistics.median(d):>8.0f} {max(d):>8.0f}")
+        for label, a, b in CPU_STEPS:
+            d = [1000 * (p["cpu"][b] - (p["cpu"][a] if a else 0.0)) for p in sel
+                 if b in p.get("cpu", {}) and (a is None or a in p["cpu"])]
             if d:
                 lines.append(f"  {label:<56} {statistics.median(d):>8.0f} {max(d):>8.0f}")
         un = [p["sn_unavailable"] for p in sel if "sn_unavailable" in p]

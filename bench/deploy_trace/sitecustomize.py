@@ -7,6 +7,10 @@ this module does nothing. With it, an import hook wraps a few functions of Flowe
 as their modules load, and each wrapper appends one JSON line (wall-clock time, pid, event, message id) to the log.
 ``bench/deploy_trace/breakdown.py`` turns the log into the per-stage table of ``docs/results.md``.
 
+Each event also carries the process's CPU seconds so far (user + system; a forked child's count from its fork), so
+that ``breakdown.py`` can give the CPU a ClientApp process and its launcher spend per message, a figure the
+machine's load moves far less than the wall-clock steps.
+
 The path it times: ServerApp ``HttpGrid.push_messages`` -> SuperNode ``receive`` (the message's metadata) and its
 ``pull_objects`` (the content) -> SuperExec ``launch`` -> launcher process start -> the warm worker's forked child
 (``clients.pinned.main``) -> ClientApp ``pull_task_input`` -> ``ClientApp.__call__`` (the party's work) ->
@@ -80,8 +84,9 @@ def shape_of(msg) -> list:
 def emit(event: str, **detail) -> None:
     if not LOG:
         return
+    cpu = os.times()  # this process's user + system CPU seconds (a forked child's count from its fork)
     rec = {"t": time.time(), "pid": os.getpid(), "ev": event, "proc": os.path.basename(sys.argv[0] if sys.argv else ""),
-           **({"node": _NODE[-1]} if _NODE else {}), **detail}
+           "cpu": round(cpu.user + cpu.system, 3), **({"node": _NODE[-1]} if _NODE else {}), **detail}
     _append(LOG, rec)
 
 
@@ -286,5 +291,9 @@ if LOG:
     # started by the SuperExec with the message's token
     emit("proc.start", started=_started(), argv=" ".join(sys.argv[:3])[:200],
          launcher="--token" in sys.argv and "--code-pin" in sys.argv)
+    if "--token" in sys.argv and "--code-pin" in sys.argv:  # the launcher's own CPU, when it exits (as it does)
+        import atexit
+
+        atexit.register(emit, "proc.exit", launcher=True)
 if LOG or SHAPES:
     sys.meta_path.insert(0, _Hook())

@@ -210,11 +210,17 @@ def check_files(files: Mapping[str, bytes], pin: Mapping) -> list[str]:
     return problems
 
 
+def fab_files(fab: bytes) -> dict[str, bytes]:
+    """The files of a FAB (a zip), ``{entry name: content}``; raises ``zipfile.BadZipFile``, ``OSError`` or
+    ``ValueError`` on an unreadable one."""
+    with zipfile.ZipFile(io.BytesIO(fab)) as z:
+        return {i.filename: z.read(i) for i in z.infolist() if not i.is_dir()}
+
+
 def check_fab(fab: bytes, pin: Mapping) -> list[str]:
     """:func:`check_files` on the entries of a FAB (a zip); an unreadable FAB is one problem."""
     try:
-        with zipfile.ZipFile(io.BytesIO(fab)) as z:
-            files = {i.filename: z.read(i) for i in z.infolist() if not i.is_dir()}
+        files = fab_files(fab)
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
         return [f"the bundle is not a readable zip ({type(exc).__name__})"]
     return check_files(files, pin)

@@ -36,10 +36,27 @@ def _run(tmp_path: Path, traced: bool) -> list[dict]:
     return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
 
 
+def test_the_clientapp_processes_cpu_becomes_its_cpu_steps():
+    """The CPU rows: per step of the ClientApp process from its events' CPU counts, its launcher's from its exit."""
+    ev = [("srv.push.begin", 10.0, {}), ("sn.recv", 10.2, {"mid": "m", "type": "query.unmask", "node": "9"}),
+          ("srv.push.end", 10.5, {"mids": ["m"], "dst": [1]}),
+          ("ca.pull.end", 10.8, {"mid": "m", "node": "9", "cpu": 0.1}), ("ca.call.begin", 11.0, {"cpu": 0.15}),
+          ("ca.call.end", 11.5, {"cpu": 0.4}), ("ca.push.end", 11.6, {"cpu": 0.42}), ("ca.exit", 11.7, {"cpu": 0.45}),
+          ("proc.exit", 11.8, {"node": "9", "launcher": True, "cpu": 0.07}), ("srv.pull", 12.0, {"got": [["m", 1]]})]
+    events = [{"ev": e, "t": t, "pid": 5 if e.startswith("ca.") else 1, **kw} for e, t, kw in ev]
+    (p,) = breakdown.paths(events)
+    assert p["cpu"] == {"pulled": 0.1, "call0": 0.15, "call1": 0.4, "pushed": 0.42, "exit": 0.45, "launcher": 0.07}
+    rows = {line[:58].strip(): line[58:].split() for line in breakdown.table([p]).splitlines()}
+    assert rows["CPU: party's work (ClientApp.__call__)"] == ["250", "250"]
+    assert rows["CPU: the ClientApp process, in all"] == ["450", "450"]
+    assert rows["CPU: its launcher process, in all"] == ["70", "70"]
+
+
 @pytest.mark.slow  # a real Python process importing flwr (several seconds on a loaded machine)
 def test_the_hook_wraps_every_timed_function_in_a_real_process_and_only_when_asked(tmp_path):
     events = _run(tmp_path, traced=True)
-    assert [e["ev"] for e in events] == ["proc.start"] and events[0]["launcher"] is True
+    assert [e["ev"] for e in events] == ["proc.start", "proc.exit"] and events[0]["launcher"] is True
+    assert 0 <= events[0]["cpu"] < events[1]["cpu"]  # the imports' CPU (flwr), counted at the launcher's exit
     assert _run(tmp_path / "off", traced=False) == []
 
 

@@ -8,11 +8,16 @@ import os
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
 from clients import warm
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_one_short_socket_per_runtime_api_address(tmp_path):
@@ -21,7 +26,38 @@ def test_one_short_socket_per_runtime_api_address(tmp_path):
     pin = tmp_path / "pin" / "code-pin.json"
     pin.parent.mkdir()
     d = warm.warm_dir(pin)
-    assert d == tmp_path / "pin" / "warm" and stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert d == str(tmp_path / "pin" / "warm") and stat.S_IMODE(os.stat(d).st_mode) == 0o700
+
+
+def test_the_launcher_imports_only_what_a_message_needs():
+    """The launcher runs once per message in a fresh Python: it imports no module beyond its own few (each costs
+    every message its import; json, pathlib, subprocess and traceback were half of a launcher's CPU)."""
+    code = ("import sys; before = set(sys.modules); import clients.warm; "
+            "print(' '.join(sorted(set(sys.modules) - before)))")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 0, res.stderr
+    imported = set(res.stdout.split())
+    assert not imported & {"json", "pathlib", "subprocess", "traceback", "re", "contextlib", "fcntl", "threading"}
+    assert {"clients.warm", "socket", "struct"} <= imported
+
+
+def test_a_request_reaches_the_worker_as_the_launcher_sent_it():
+    """The launcher's arguments and working directory, NUL-separated, with its three descriptors (SCM_RIGHTS)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    args = ["--runtime-api-address", "127.0.0.1:9094", "--token", "t=1,2", "--x", "", "é"]
+    try:
+        socket.send_fds(b, [warm.request("/tmp/a b", args)], [0, 1, 2])
+        req, fds = warm._receive(a)
+        assert req == {"cwd": "/tmp/a b", "argv": args} and len(fds) == 3
+        for fd in fds:
+            os.close(fd)
+        socket.send_fds(b, [warm.request("", args)], [0, 1, 2])
+        with pytest.raises(ValueError, match="malformed"):
+            warm._receive(a)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_flwr_clientapp_arguments_are_read_in_both_spellings():
@@ -97,3 +133,29 @@ def test_a_connection_that_only_checks_the_worker_listens_is_no_refused_request(
             warm._receive(a)
     finally:
         a.close()
+
+
+def test_a_forked_childs_garbage_collection_leaves_the_workers_preloaded_objects_alone():
+    """The worker freezes its objects before it forks children: a child's full collection then copies none of the
+    pages it shares with the worker (counted as the child's minor page faults, the kernel's count of copied pages)."""
+    code = """
+import gc, os
+from clients import warm
+heap = [[i, str(i)] for i in range(300000)]  # a preloaded worker's many objects
+
+def faults():
+    pid = os.fork()
+    if pid == 0:
+        gc.collect()
+        os._exit(0)
+    return os.wait4(pid, 0)[2].ru_minflt
+
+before = faults()
+warm.ready_to_fork()
+print(before, faults())
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    before, after = map(int, res.stdout.split())
+    assert before > 4000 and after < before / 4, (before, after)

@@ -7,6 +7,7 @@ Each attack is a bundle a coordinator could ship; the defence exercised is :func
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -159,6 +160,48 @@ def test_the_launcher_checks_the_installed_directory_too(tmp_path, pin):
     (app / "distmoe" / "ledger.py").write_bytes(b"# replaced\n")
     with pytest.raises(pinned.PinRefused):
         install(_fab(_repo_files()))
+
+
+def _flower_fab(files: dict[str, bytes]) -> bytes:
+    """A FAB as ``flwr build`` writes it: the files and Flower's manifest (path, sha256, size per line)."""
+    manifest = "".join(f"{rel},{hashlib.sha256(data).hexdigest()},{len(data)}\n" for rel, data in files.items())
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr(".info/CONTENT", manifest)
+    return buf.getvalue()
+
+
+def test_a_bundle_flower_installed_before_is_checked_again_without_flowers_extraction(tmp_path, pin, monkeypatch):
+    """Each message of a run carries the same FAB; flwr 1.42 extracts all of it to a temporary directory before it
+    returns the app directory it installed at the first message. The launcher takes that directory from the FAB's
+    bytes instead (Flower's path, Flower's manifest check): Flower's install runs once per FAB, and both pin checks,
+    the bundle's and the installed directory's, still run for every message."""
+    from flwr.cli.install import install_from_fab
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr"))
+    pin_file, _ = cp.write_pin(tmp_path / "p", pin["files"])
+    flower_runs = []
+    install = pinned.checked_installer(pin_file, lambda fab, *a, **k: flower_runs.append(1) or install_from_fab(
+        fab, *a, **k))
+    fab = _flower_fab(_repo_files())
+    assert pinned.installed_before(fab, cp.fab_files(fab)) is None  # not installed yet: Flower installs
+    app_dir = install(fab, skip_prompt=True)
+    assert flower_runs == [1]
+    assert pinned.installed_before(fab, cp.fab_files(fab)) == app_dir == install_from_fab(fab, skip_prompt=True)
+    assert install(fab, skip_prompt=True) == app_dir and install(fab, skip_prompt=True) == app_dir
+    assert flower_runs == [1]  # the second and third message: no extraction
+    (app_dir / "distmoe" / "ledger.py").write_bytes(b"# replaced\n")  # the reused directory is still checked
+    with pytest.raises(pinned.PinRefused):
+        install(fab, skip_prompt=True)
+    files = _repo_files()
+    bad = _fab(files)  # the same files under a manifest that does not list them: Flower's own check decides
+    assert pinned.installed_before(bad, cp.fab_files(bad)) is None
+    files["distmoe/privacy/dp.py"] += b"\n"  # and the bundle's pin check still comes first
+    with pytest.raises(pinned.PinRefused):
+        install(_flower_fab(files), skip_prompt=True)
+    assert flower_runs == [1]
 
 
 @pytest.mark.slow  # a real subprocess (imports torch, transformers and distmoe afresh)
