@@ -39,6 +39,7 @@ directory, ``WorkDir(root)`` for a party's work directory); the metrics log's fo
     ├── privacy/                          .privacy          its privacy budget:
     ├── privacy/<party>-<run>.json        .facts(party, run)          the public parameters it agreed to
     ├── privacy/<party>-<run>.accountant.json   .accountant(party, logical run)
+    ├── privacy/<party>-<run>.receipt-state     .receipt_state(party, run)   the receipt's facts so far, signed
     ├── receipts/<party>-<run>.json       .receipt(party, run)
     ├── metrics/<party>.jsonl             .metrics(party)   its own training figures (never sent)
     ├── policy/runs.json                  .policy_runs      the runs this owner's party set up
