@@ -33,7 +33,8 @@ directory, ``WorkDir(root)`` for a party's work directory); the metrics log's fo
     RUN/../base-cache/                    .base_cache       the warm-up base, shared by the runs beside it
 
     WORK/                                 WorkDir(WORK): a party's `work-dir` (the owner's, across runs)
-    ├── ledger/<party>.jsonl, .pub        .ledger(party)
+    ├── ledger/<party>.jsonl, .pub        .ledger(party)   (+ .jsonl.verified: the writer's signed note of the
+    │                                                        prefix it verified, distmoe.ledger.writer)
     ├── keys/<party>-ledger.key           .ledger_key(party)
     ├── secagg/<party>-<run>.state        .secagg_state(party, run)
     ├── privacy/                          .privacy          its privacy budget:
