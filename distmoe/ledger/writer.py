@@ -86,7 +86,8 @@ class Ledger:
         if not self.path.exists():
             return
         data = self.path.read_bytes()
-        lines, good, tail = split_lines(data)
+        good = data.rfind(b"\n") + 1  # the complete lines' bytes; after them a torn tail, if any
+        tail = data[good:]
         if tail:
             msg = (f"{self.path}: torn trailing line of {len(tail)} bytes (interrupted append) truncated "
                    f"to {good} bytes; that entry was never completed")
@@ -99,37 +100,40 @@ class Ledger:
             finally:
                 os.close(fd)
             self.recovered_bytes = len(tail)
-        start, skip = self._verified_prefix(data, good)
+        view = memoryview(data)
+        start, skip, digest = self._verified_prefix(view, good)
         done = data.count(b"\n", 0, skip)  # lines in the verified prefix
-        entries, errors = check_entries(lines[done:], self._pub, str(self.path), start, done + 1)
+        lines, _, _ = split_lines(bytes(view[skip:good]))  # the entries after it, each checked
+        entries, errors = check_entries(lines, self._pub, str(self.path), start, done + 1)
         if errors:
             raise LedgerError("refusing to extend a ledger that does not verify: " + "; ".join(errors[:5]))
         self.checked_on_open = len(entries)
         self._head = head_of(entries) if entries else start
         self._size = good
         if good > skip:
-            self._note_verified(data, good)
+            digest.update(view[skip:good])
+            self._note_verified(good, digest.hexdigest())
 
-    def _verified_prefix(self, data: bytes, good: int) -> tuple[tuple[int, str], int]:
-        """``(head, bytes)`` of the prefix of ``data`` that an earlier open verified: its note (``verified_note``)
-        verifies under this ledger's key and the prefix's SHA-256 is the one it names (the very bytes verified,
-        so their entries need not be checked again); ``((-1, GENESIS), 0)`` otherwise."""
+    def _verified_prefix(self, data: memoryview, good: int) -> tuple[tuple[int, str], int, Any]:
+        """``(head, bytes, sha256 so far)`` of the prefix of ``data`` that an earlier open verified: its note
+        (``verified_note``) verifies under this ledger's key and the prefix's SHA-256 is the one it names (the very
+        bytes verified, so their entries need not be checked again); ``((-1, GENESIS), 0, sha256())`` otherwise."""
         try:
             sig, payload = verified_note(self.path).read_bytes().split(b"\n", 1)
             self._pub.verify(bytes.fromhex(sig.decode("ascii")), VERIFIED_DOMAIN + payload)
             note = json.loads(payload)
             n, head = int(note["bytes"]), (int(note["head"][0]), str(note["head"][1]))
-            if note["ledger"] == self.path.name and 0 < n <= good and data[n - 1:n] == b"\n" \
-                    and hashlib.sha256(data[:n]).hexdigest() == note["sha256"]:
-                return head, n
+            if note["ledger"] == self.path.name and 0 < n <= good and data[n - 1:n] == b"\n":
+                digest = hashlib.sha256(data[:n])
+                if digest.hexdigest() == note["sha256"]:
+                    return head, n, digest
         except (OSError, ValueError, KeyError, TypeError, IndexError, InvalidSignature):
             pass
-        return (-1, GENESIS), 0
+        return (-1, GENESIS), 0, hashlib.sha256()
 
-    def _note_verified(self, data: bytes, good: int) -> None:
-        """Sign the note that the first ``good`` bytes verified up to this head (a cache: written without fsync;
-        when it is lost or does not match, the next open checks every entry)."""
-        digest = hashlib.sha256(data[:good]).hexdigest()
+    def _note_verified(self, good: int, digest: str) -> None:
+        """Sign the note that the first ``good`` bytes (SHA-256 ``digest``) verified up to this head (a cache:
+        written without fsync; when it is lost or does not match, the next open checks every entry)."""
         payload = json.dumps({"ledger": self.path.name, "bytes": good, "sha256": digest, "head": list(self._head)},
                              separators=(",", ":")).encode("ascii")
         with contextlib.suppress(OSError):
