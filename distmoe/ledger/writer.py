@@ -2,7 +2,7 @@
 hash-chained entries to it, crash-safe.
 
 Owns: open (verify, truncate a torn tail with a warning; the prefix an earlier open verified is checked by
-its SHA-256 against a ``<ledger>.verified`` note signed with the ledger key, the entries after it one by one:
+its SHA-256 against a ``<ledger>.verified`` note tagged with the ledger key, the entries after it one by one:
 a reopen per message costs the new entries' checks, not the whole chain's), the single-writer guard (an
 advisory ``flock`` and the size check), ``append`` / ``append_final``, ``batch`` (group commit: one fsync for
 several appends) and ``anchor`` (pin another node's head).
@@ -23,7 +23,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from distmoe.io import fsync_dir, write_atomic
@@ -38,7 +37,7 @@ from distmoe.ledger.entries import (
     entry_hash,
     validate_fields,
 )
-from distmoe.ledger.keys import load_signing_key, public_key_hex
+from distmoe.ledger.keys import load_signing_key, private_tag, private_tag_ok, public_key_hex
 from distmoe.ledger.verify import as_head, check_entries, head_of, split_lines
 
 try:  # POSIX advisory locks; the single-writer guard degrades to the size check elsewhere
@@ -48,7 +47,7 @@ except ImportError:  # pragma: no cover - non-POSIX
 
 log = logging.getLogger(__name__)
 
-VERIFIED_DOMAIN = b"distmoe-ledger-verified-v1:"  # never valid as an entry's or a receipt's signature
+VERIFIED_DOMAIN = b"distmoe-ledger-verified-v1"  # the note's tag (``private_tag``): only this key's holder makes one
 
 
 def verified_note(path: str | os.PathLike[str]) -> Path:
@@ -119,25 +118,26 @@ class Ledger:
         (``verified_note``) verifies under this ledger's key and the prefix's SHA-256 is the one it names (the very
         bytes verified, so their entries need not be checked again); ``((-1, GENESIS), 0, sha256())`` otherwise."""
         try:
-            sig, payload = verified_note(self.path).read_bytes().split(b"\n", 1)
-            self._pub.verify(bytes.fromhex(sig.decode("ascii")), VERIFIED_DOMAIN + payload)
+            tag, payload = verified_note(self.path).read_bytes().split(b"\n", 1)
+            if not private_tag_ok(self._key, VERIFIED_DOMAIN, payload, tag.decode("ascii")):
+                raise ValueError("the note is not this key's")
             note = json.loads(payload)
             n, head = int(note["bytes"]), (int(note["head"][0]), str(note["head"][1]))
             if note["ledger"] == self.path.name and 0 < n <= good and data[n - 1:n] == b"\n":
                 digest = hashlib.sha256(data[:n])
                 if digest.hexdigest() == note["sha256"]:
                     return head, n, digest
-        except (OSError, ValueError, KeyError, TypeError, IndexError, InvalidSignature):
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
             pass
         return (-1, GENESIS), 0, hashlib.sha256()
 
     def _note_verified(self, good: int, digest: str) -> None:
-        """Sign the note that the first ``good`` bytes (SHA-256 ``digest``) verified up to this head (a cache:
+        """Tag and write the note that the first ``good`` bytes (SHA-256 ``digest``) verified up to this head (a cache:
         written without fsync; when it is lost or does not match, the next open checks every entry)."""
         payload = json.dumps({"ledger": self.path.name, "bytes": good, "sha256": digest, "head": list(self._head)},
                              separators=(",", ":")).encode("ascii")
         with contextlib.suppress(OSError):
-            write_atomic(verified_note(self.path), self._key.sign(VERIFIED_DOMAIN + payload).hex().encode("ascii")
+            write_atomic(verified_note(self.path), private_tag(self._key, VERIFIED_DOMAIN, payload).encode("ascii")
                          + b"\n" + payload, mode=0o600, durable=False)
 
     # -- api

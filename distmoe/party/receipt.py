@@ -10,7 +10,8 @@ needs one (or the party's ledger) from every party of the roster to call a run v
 
 Per reply the facts are not folded over the whole ledger again (that grew with the run: O(rounds) per reply,
 O(rounds²) per run): :func:`refresh_facts` carries them forward in ``<work-dir>/privacy/<party>-<run>.receipt-state``
-(signed with the ledger key under its own domain, so an edited state file is ignored, never signed into a receipt;
+(tagged with a MAC under a secret derived from the ledger key, so an edited or foreign state file is ignored,
+never signed into a receipt;
 it names the byte offset it ends at and the SHA-256 of the line just before it, checked against the ledger) and
 reads only the entries after it. The state file is a cache, written without fsync: when it is missing, stale or
 does not match, the whole ledger is folded again. The facts are the same either way (:class:`Facts`).
@@ -34,13 +35,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from distmoe.config import NodeConfig, RunConfig
 from distmoe.deploy.pin import active_digest
 from distmoe.deploy.receipt import sign_receipt
 from distmoe.io import write_atomic, write_json_atomic
+from distmoe.ledger.keys import private_tag, private_tag_ok
 from distmoe.party.policy import OwnerPolicy, policy_facts
 from distmoe.party.session import ledger_key
 from distmoe.rundir import COORDINATOR, WorkDir
@@ -133,7 +134,7 @@ def receipt_body(entries: list[dict[str, Any]], run_id: str, party: str, delta: 
     return facts.body(party, delta, budget, code_pin, owner_policy)
 
 
-STATE_DOMAIN = b"distmoe-receipt-state-v1:"  # never valid as a receipt's or a ledger entry's signature
+STATE_DOMAIN = b"distmoe-receipt-state-v1"  # the state file's tag (``private_tag``): only this key's holder makes one
 
 
 def _load_state(path: Path, ledger: Path, run_id: str, key: Ed25519PrivateKey) -> tuple[Facts, int] | None:
@@ -141,8 +142,9 @@ def _load_state(path: Path, ledger: Path, run_id: str, key: Ed25519PrivateKey) -
     party's ledger key and the ledger still holds, just before that offset, the very line folded last; else None
     (the caller folds the whole ledger again)."""
     try:
-        sig, payload = path.read_bytes().split(b"\n", 1)
-        key.public_key().verify(bytes.fromhex(sig.decode("ascii")), STATE_DOMAIN + payload)
+        tag, payload = path.read_bytes().split(b"\n", 1)
+        if not private_tag_ok(key, STATE_DOMAIN, payload, tag.decode("ascii")):
+            return None
         st = json.loads(payload)
         offset, tail_len, tail_sha = int(st["offset"]), int(st["tail_len"]), str(st["tail_sha256"])
         facts = Facts.from_state(st["facts"])
@@ -154,7 +156,7 @@ def _load_state(path: Path, ledger: Path, run_id: str, key: Ed25519PrivateKey) -
         if len(tail) != tail_len or not tail.endswith(b"\n") or hashlib.sha256(tail).hexdigest() != tail_sha:
             return None
         return facts, offset
-    except (OSError, ValueError, KeyError, TypeError, InvalidSignature):
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -162,12 +164,12 @@ def _save_state(path: Path, ledger: Path, facts: Facts, offset: int, tail: bytes
     payload = json.dumps({"ledger": ledger.name, "offset": offset, "tail_len": len(tail),
                           "tail_sha256": hashlib.sha256(tail).hexdigest(), "facts": facts.state()},
                          allow_nan=True, separators=(",", ":")).encode("ascii")
-    write_atomic(path, key.sign(STATE_DOMAIN + payload).hex().encode("ascii") + b"\n" + payload, durable=False)
+    write_atomic(path, private_tag(key, STATE_DOMAIN, payload).encode("ascii") + b"\n" + payload, durable=False)
 
 
 def refresh_facts(ledger: Path, state: Path, run_id: str, key: Ed25519PrivateKey) -> tuple[Facts, int]:
     """``(facts, lines read)``: run ``run_id``'s receipt facts over the whole ledger file ``ledger``, reading only
-    the lines after those an earlier call folded (its signed ``state`` file; the whole file when there is none or it
+    the lines after those an earlier call folded (its tagged ``state`` file; the whole file when there is none or it
     does not match the ledger), and carrying the new fold forward in ``state``. A trailing line without its newline
     (an append under way or torn) is counted as :func:`receipt_body` counts it, but not carried forward."""
     loaded = _load_state(state, ledger, run_id, key)

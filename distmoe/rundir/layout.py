@@ -271,8 +271,8 @@ class WorkDir:
         return self.root / RECEIPTS_DIR / f"{party}-{safe_name(run_id)}.json"
 
     def receipt_state(self, party: str, run_id: str) -> Path:
-        """The receipt's facts so far and where in the ledger they end, signed: the next reply reads only the
-        ledger entries after them (``distmoe.party.receipt``)."""
+        """The receipt's facts so far and where in the ledger they end, tagged with the ledger key: the next reply
+        reads only the ledger entries after them (``distmoe.party.receipt``)."""
         return self.privacy / f"{party}-{safe_name(run_id)}.receipt-state"
 
     def metrics(self, party: str) -> Path:
