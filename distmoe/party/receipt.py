@@ -134,6 +134,7 @@ def receipt_body(entries: list[dict[str, Any]], run_id: str, party: str, delta: 
     return facts.body(party, delta, budget, code_pin, owner_policy)
 
 
+CARRY_EVERY = 32  # lines folded since the carried state before it is carried again: a short ledger writes none
 STATE_DOMAIN = b"distmoe-receipt-state-v1"  # the state file's tag (``private_tag``): only this key's holder makes one
 
 
@@ -170,8 +171,10 @@ def _save_state(path: Path, ledger: Path, facts: Facts, offset: int, tail: bytes
 def refresh_facts(ledger: Path, state: Path, run_id: str, key: Ed25519PrivateKey) -> tuple[Facts, int]:
     """``(facts, lines read)``: run ``run_id``'s receipt facts over the whole ledger file ``ledger``, reading only
     the lines after those an earlier call folded (its tagged ``state`` file; the whole file when there is none or it
-    does not match the ledger), and carrying the new fold forward in ``state``. A trailing line without its newline
-    (an append under way or torn) is counted as :func:`receipt_body` counts it, but not carried forward."""
+    does not match the ledger), and carrying the new fold forward in ``state`` once it folded ``CARRY_EVERY`` lines
+    past it (a reply reads fewer than that many lines more than are new; a short ledger never writes a state). A
+    trailing line without its newline (an append under way or torn) is counted as :func:`receipt_body` counts it,
+    but not carried forward."""
     loaded = _load_state(state, ledger, run_id, key)
     facts, offset = loaded if loaded is not None else (Facts(run_id), 0)
     with ledger.open("rb") as f:
@@ -183,7 +186,7 @@ def refresh_facts(ledger: Path, state: Path, run_id: str, key: Ed25519PrivateKey
         e = _parse(raw)
         if e is not None:
             facts.add(e)
-    if done:
+    if len(done) >= CARRY_EVERY:
         end = offset + len(data) - len(rest)
         tail = data[: len(data) - len(rest)].rsplit(b"\n", 2)[-2] + b"\n"
         with contextlib.suppress(OSError):  # a hint: without it the next reply reads the whole ledger again

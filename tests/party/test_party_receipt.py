@@ -94,18 +94,20 @@ def test_the_carried_receipt_after_every_reply_equals_the_one_folded_over_the_wh
 
 
 def test_the_receipts_per_reply_reading_does_not_grow_with_the_ledger(tmp_path):
-    from distmoe.party.receipt import refresh_facts
+    from distmoe.party.receipt import CARRY_EVERY, refresh_facts
 
     key, _, _ = _ledger(tmp_path)
     led, d = Ledger(tmp_path / "p.jsonl", key), describe_payload(b"y")
     path, state = tmp_path / "p.jsonl", tmp_path / "state"
     read = []
-    for r in range(1, 101):
+    for r in range(1, 201):
         _rounds(led, "r2", r, 1, d)
         read.append(refresh_facts(path, state, "r2", key)[1])
-    assert read[0] == 8 + 4  # the first reply reads the whole ledger once
-    assert set(read[1:]) == {4}  # then only the 4 entries of each round, at round 2 as at round 100
-    assert refresh_facts(path, state, "r2", key)[1] == 0  # no new entry: nothing read
+    # the whole (short) ledger until CARRY_EVERY lines are folded, then never more than the round's 4 entries and
+    # the fewer than CARRY_EVERY lines since the state was last carried: at round 200 as at round 10
+    assert read[:6] == [12, 16, 20, 24, 28, 32]
+    assert max(read[100:]) == max(read[10:100]) <= 4 + CARRY_EVERY and min(read[10:]) == 4
+    assert refresh_facts(path, state, "r2", key)[1] < CARRY_EVERY  # no new entry: only what is not carried yet
 
 
 def test_an_edited_or_mismatched_receipt_state_is_never_trusted(tmp_path):
@@ -114,14 +116,14 @@ def test_an_edited_or_mismatched_receipt_state_is_never_trusted(tmp_path):
     key, _, _ = _ledger(tmp_path)
     led, d = Ledger(tmp_path / "p.jsonl", key), describe_payload(b"y")
     path, state = tmp_path / "p.jsonl", tmp_path / "state"
-    _rounds(led, "r2", 1, 5, d)
+    _rounds(led, "r2", 1, 10, d)  # more than CARRY_EVERY lines: the state is carried
     refresh_facts(path, state, "r2", key)
     n_lines = len(path.read_bytes().splitlines())
     # lower the carried epsilon, keeping the old signature: ignored, the whole ledger is folded again
     sig, payload = state.read_bytes().split(b"\n", 1)
-    state.write_bytes(sig + b"\n" + payload.replace(b'"eps":2.5', b'"eps":0.1'))
+    state.write_bytes(sig + b"\n" + payload.replace(b'"eps":1e+300', b'"eps":0.1'))
     facts, read = refresh_facts(path, state, "r2", key)
-    assert read == n_lines and facts.eps == 2.5
+    assert read == n_lines and facts.eps == 1e300
     # a state signed by another key (another party's): ignored
     refresh_facts(path, state, "r2", generate_signing_key(tmp_path / "other.pem"))
     facts, read = refresh_facts(path, state, "r2", key)
@@ -138,13 +140,14 @@ def test_a_trailing_line_without_its_newline_counts_as_in_a_fresh_fold_but_is_no
 
     key, _, _ = _ledger(tmp_path)
     path, state = tmp_path / "p.jsonl", tmp_path / "state"
+    _rounds(Ledger(path, key), "r1", 4, 10, describe_payload(b"y"))  # more than CARRY_EVERY lines: carried
     refresh_facts(path, state, "r1", key)
     raw = path.read_bytes()
     lines = raw.splitlines(keepends=True)
-    path.write_bytes(raw + lines[-1].rstrip(b"\n"))  # a complete entry whose newline is not yet written
+    path.write_bytes(raw + lines[-3].rstrip(b"\n"))  # a complete (charged) entry whose newline is not yet written
     facts, _ = refresh_facts(path, state, "r1", key)
     assert facts.body("party-0", 1e-6, 8.0, None, None) == _whole(path, "r1")
-    assert facts.charged == [[2, "router-stats"], [3, "eval"], [3, "eval"]]
+    assert len(facts.charged) == 13 and facts.charged[-2:] == [[13, "update"], [13, "update"]]
     path.write_bytes(raw + b'{"seq": 9, "run": "r1", "torn')  # a torn line: counted by neither
     facts, read = refresh_facts(path, state, "r1", key)
     assert read == 1 and facts.body("party-0", 1e-6, 8.0, None, None) == _whole(path, "r1")
