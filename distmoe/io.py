@@ -50,12 +50,13 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    """Write every byte (a short write is finished, never left torn), then fsync."""
+def _write_all(fd: int, data: bytes, sync: bool = True) -> None:
+    """Write every byte (a short write is finished, never left torn), then fsync (unless ``sync`` is False)."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-    os.fsync(fd)
+    if sync:
+        os.fsync(fd)
 
 
 def _holds(path: Path, data: bytes, mode: int | None) -> bool:
@@ -70,7 +71,7 @@ def _holds(path: Path, data: bytes, mode: int | None) -> bool:
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int | None = None,
-                 replace: bool = True, changed_only: bool = False) -> bool:
+                 replace: bool = True, changed_only: bool = False, durable: bool = True) -> bool:
     """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one, never a part.
     Returns whether it wrote.
 
@@ -79,6 +80,8 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int | None 
     (the final name is created with ``os.link``, which never replaces).
     ``changed_only=True``: skip the write (and its two fsyncs) when ``path`` already holds exactly ``data``
     with that mode; a file this function wrote is already durable, so nothing is lost.
+    ``durable=False``: no fsync (of the file or its directory), for a cache whose loss or an older version of it
+    after a crash costs only time (still atomic: never a part of the file).
     """
     path = Path(path)
     if changed_only and replace and _holds(path, data, mode):
@@ -89,7 +92,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int | None 
         try:
             if mode is not None:
                 os.fchmod(fd, mode)
-            _write_all(fd, data)
+            _write_all(fd, data, durable)
         finally:
             os.close(fd)
         if replace:
@@ -101,7 +104,8 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int | None 
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
     return True
 
 

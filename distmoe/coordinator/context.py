@@ -65,6 +65,7 @@ class RunContext:
         self.probe_last: tuple[str, np.ndarray, np.ndarray, int, int] | None = None
         self.probe_warned: set[str] = set()
         self.probe_pending = None  # phases/probe.Measured: a due probe the next round's instruction carries
+        self.probe_key_memo: tuple[dict, str, str] | None = None  # (weights dict, base hash, key): phases/probe
         self.settle_warned: set[str] = set()  # parties named once for an unusable or disagreeing bias settle
         self.routing_watch = RoutingWatch(cfg.routing.load_cv_warn, cfg.routing.kl_rise_rounds,
                                           str(cfg.routing.balance))

@@ -1,13 +1,17 @@
 """A node's Ed25519 ledger-signing key file: generated with mode 0600 (never overwritten without ``force``),
 loaded with a permission check, and its public key in hex.
 
-Owns: the key file format (unencrypted PKCS#8 PEM) and public keys given as objects, hex or raw bytes.
+Owns: the key file format (unencrypted PKCS#8 PEM), public keys given as objects, hex or raw bytes, and
+``private_tag``: a MAC under a secret derived from the signing key, for the key holder's own cache files (only it
+makes or checks them, at a fraction of a signature's cost).
 
 Must not: write a ledger.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import stat
 from pathlib import Path
@@ -69,3 +73,18 @@ def load_public_key(key: Ed25519PublicKey | Ed25519PrivateKey | str | bytes) -> 
 
 
 # --------------------------------------------------------------------------------------------- reading
+
+
+def private_tag(key: Ed25519PrivateKey, domain: bytes, payload: bytes) -> str:
+    """HMAC-SHA256 (hex) of ``payload`` under a secret derived from ``key``'s private bytes and ``domain``: a tag only
+    the holder of ``key`` can make or check, for its own cache files (never shown to anyone else, never a signature
+    another node verifies). Each ``domain`` derives its own secret, so one file's tag is never valid for another's."""
+    raw = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                            serialization.NoEncryption())
+    secret = hashlib.sha256(b"distmoe-private-tag-v1:" + domain + b":" + raw).digest()
+    return hmac.new(secret, payload, hashlib.sha256).hexdigest()
+
+
+def private_tag_ok(key: Ed25519PrivateKey, domain: bytes, payload: bytes, tag: str) -> bool:
+    """Whether ``tag`` is :func:`private_tag` of ``payload`` (constant-time comparison)."""
+    return hmac.compare_digest(private_tag(key, domain, payload), tag)

@@ -44,12 +44,14 @@ class VerifyResult:
         return self.ok
 
 
-def check_entries(lines: Sequence[bytes], pub: Ed25519PublicKey, where: str
-                   ) -> tuple[list[dict[str, Any]], list[str]]:
+def check_entries(lines: Sequence[bytes], pub: Ed25519PublicKey, where: str, start: tuple[int, str] = (-1, GENESIS),
+                   first_line: int = 1) -> tuple[list[dict[str, Any]], list[str]]:
+    """The entries of ``lines`` and every error found in them; ``start``: the head the first line must extend
+    (``first_line``: its line number in the file), the genesis by default."""
     entries: list[dict[str, Any]] = []
     errors: list[str] = []
-    prev_hash, expect_seq = GENESIS, 0
-    for i, raw in enumerate(lines, start=1):
+    prev_hash, expect_seq = start[1], start[0] + 1
+    for i, raw in enumerate(lines, start=first_line):
         try:
             obj = json.loads(raw.decode("ascii"))
             if not isinstance(obj, dict):

@@ -1,9 +1,11 @@
 """The writer of a node's ledger: one :class:`Ledger` object (one process) owns a ledger file and appends signed,
 hash-chained entries to it, crash-safe.
 
-Owns: open (verify, truncate a torn tail with a warning), the single-writer guard (an advisory ``flock`` and the
-size check), ``append`` / ``append_final``, ``batch`` (group commit: one fsync for several appends) and ``anchor``
-(pin another node's head).
+Owns: open (verify, truncate a torn tail with a warning; the prefix an earlier open verified is checked by
+its SHA-256 against a ``<ledger>.verified`` note tagged with the ledger key, the entries after it one by one:
+a reopen per message costs the new entries' checks, not the whole chain's), the single-writer guard (an
+advisory ``flock`` and the size check), ``append`` / ``append_final``, ``batch`` (group commit: one fsync for
+several appends) and ``anchor`` (pin another node's head).
 
 Must not: see payload contents (callers pass sizes and digests), or silently drop anything.
 """
@@ -11,6 +13,7 @@ Must not: see payload contents (callers pass sizes and digests), or silently dro
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -22,7 +25,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from distmoe.io import fsync_dir
+from distmoe.io import fsync_dir, write_atomic
 from distmoe.ledger.entries import (
     GENESIS,
     HEX64,
@@ -34,7 +37,7 @@ from distmoe.ledger.entries import (
     entry_hash,
     validate_fields,
 )
-from distmoe.ledger.keys import load_signing_key, public_key_hex
+from distmoe.ledger.keys import load_signing_key, private_tag, private_tag_ok, public_key_hex
 from distmoe.ledger.verify import as_head, check_entries, head_of, split_lines
 
 try:  # POSIX advisory locks; the single-writer guard degrades to the size check elsewhere
@@ -43,6 +46,14 @@ except ImportError:  # pragma: no cover - non-POSIX
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
+
+VERIFIED_DOMAIN = b"distmoe-ledger-verified-v1"  # the note's tag (``private_tag``): only this key's holder makes one
+
+
+def verified_note(path: str | os.PathLike[str]) -> Path:
+    """The note of how much of ledger ``path`` its writer verified on its last open: ``<ledger>.verified``."""
+    path = Path(path)
+    return path.with_name(path.name + ".verified")
 
 
 class Ledger:
@@ -59,6 +70,7 @@ class Ledger:
         self._key = signing_key if isinstance(signing_key, Ed25519PrivateKey) else load_signing_key(signing_key)
         self._pub = self._key.public_key()
         self.recovered_bytes = 0  # bytes of torn tail truncated on open
+        self.checked_on_open = 0  # entries whose hash and signature the open checked one by one
         self._head: tuple[int, str] = (-1, GENESIS)
         self._size = 0
         self._lock = threading.Lock()  # appends from two threads of one process (a stop signal's handler)
@@ -73,7 +85,8 @@ class Ledger:
         if not self.path.exists():
             return
         data = self.path.read_bytes()
-        lines, good, tail = split_lines(data)
+        good = data.rfind(b"\n") + 1  # the complete lines' bytes; after them a torn tail, if any
+        tail = data[good:]
         if tail:
             msg = (f"{self.path}: torn trailing line of {len(tail)} bytes (interrupted append) truncated "
                    f"to {good} bytes; that entry was never completed")
@@ -86,11 +99,46 @@ class Ledger:
             finally:
                 os.close(fd)
             self.recovered_bytes = len(tail)
-        entries, errors = check_entries(lines, self._pub, str(self.path))
+        view = memoryview(data)
+        start, skip, digest = self._verified_prefix(view, good)
+        done = data.count(b"\n", 0, skip)  # lines in the verified prefix
+        lines, _, _ = split_lines(bytes(view[skip:good]))  # the entries after it, each checked
+        entries, errors = check_entries(lines, self._pub, str(self.path), start, done + 1)
         if errors:
             raise LedgerError("refusing to extend a ledger that does not verify: " + "; ".join(errors[:5]))
-        self._head = head_of(entries)
+        self.checked_on_open = len(entries)
+        self._head = head_of(entries) if entries else start
         self._size = good
+        if good > skip:
+            digest.update(view[skip:good])
+            self._note_verified(good, digest.hexdigest())
+
+    def _verified_prefix(self, data: memoryview, good: int) -> tuple[tuple[int, str], int, Any]:
+        """``(head, bytes, sha256 so far)`` of the prefix of ``data`` that an earlier open verified: its note
+        (``verified_note``) verifies under this ledger's key and the prefix's SHA-256 is the one it names (the very
+        bytes verified, so their entries need not be checked again); ``((-1, GENESIS), 0, sha256())`` otherwise."""
+        try:
+            tag, payload = verified_note(self.path).read_bytes().split(b"\n", 1)
+            if not private_tag_ok(self._key, VERIFIED_DOMAIN, payload, tag.decode("ascii")):
+                raise ValueError("the note is not this key's")
+            note = json.loads(payload)
+            n, head = int(note["bytes"]), (int(note["head"][0]), str(note["head"][1]))
+            if note["ledger"] == self.path.name and 0 < n <= good and data[n - 1:n] == b"\n":
+                digest = hashlib.sha256(data[:n])
+                if digest.hexdigest() == note["sha256"]:
+                    return head, n, digest
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            pass
+        return (-1, GENESIS), 0, hashlib.sha256()
+
+    def _note_verified(self, good: int, digest: str) -> None:
+        """Tag and write the note that the first ``good`` bytes (SHA-256 ``digest``) verified up to this head (a cache:
+        written without fsync; when it is lost or does not match, the next open checks every entry)."""
+        payload = json.dumps({"ledger": self.path.name, "bytes": good, "sha256": digest, "head": list(self._head)},
+                             separators=(",", ":")).encode("ascii")
+        with contextlib.suppress(OSError):
+            write_atomic(verified_note(self.path), private_tag(self._key, VERIFIED_DOMAIN, payload).encode("ascii")
+                         + b"\n" + payload, mode=0o600, durable=False)
 
     # -- api
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -182,13 +183,14 @@ def prepare_tokenizer(tok, where: str) -> None:
 
 
 def hash_tensors(tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over names, shapes and float32 bytes, in sorted name order."""
+    """SHA-256 over names, shapes and float32 bytes, in sorted name order (the bytes hashed in place: no copy of a
+    C-contiguous float32 tensor)."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().to(torch.float32).contiguous()
         h.update(name.encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(t.numpy().tobytes())
+        h.update(t.numpy().reshape(-1).view(np.uint8))  # [numel * 4] bytes
     return h.hexdigest()
 
 

@@ -33,12 +33,14 @@ directory, ``WorkDir(root)`` for a party's work directory); the metrics log's fo
     RUN/../base-cache/                    .base_cache       the warm-up base, shared by the runs beside it
 
     WORK/                                 WorkDir(WORK): a party's `work-dir` (the owner's, across runs)
-    ├── ledger/<party>.jsonl, .pub        .ledger(party)
+    ├── ledger/<party>.jsonl, .pub        .ledger(party)   (+ .jsonl.verified: the writer's tagged note of the
+    │                                                        prefix it verified, distmoe.ledger.writer)
     ├── keys/<party>-ledger.key           .ledger_key(party)
     ├── secagg/<party>-<run>.state        .secagg_state(party, run)
     ├── privacy/                          .privacy          its privacy budget:
     ├── privacy/<party>-<run>.json        .facts(party, run)          the public parameters it agreed to
     ├── privacy/<party>-<run>.accountant.json   .accountant(party, logical run)
+    ├── privacy/<party>-<run>.receipt-state     .receipt_state(party, run)   the receipt's facts so far, tagged
     ├── receipts/<party>-<run>.json       .receipt(party, run)
     ├── metrics/<party>.jsonl             .metrics(party)   its own training figures (never sent)
     ├── policy/runs.json                  .policy_runs      the runs this owner's party set up

@@ -270,6 +270,11 @@ class WorkDir:
     def receipt(self, party: str, run_id: str) -> Path:
         return self.root / RECEIPTS_DIR / f"{party}-{safe_name(run_id)}.json"
 
+    def receipt_state(self, party: str, run_id: str) -> Path:
+        """The receipt's facts so far and where in the ledger they end, tagged with the ledger key: the next reply
+        reads only the ledger entries after them (``distmoe.party.receipt``)."""
+        return self.privacy / f"{party}-{safe_name(run_id)}.receipt-state"
+
     def metrics(self, party: str) -> Path:
         return self.root / METRICS_DIR / f"{party}.jsonl"
 

@@ -208,3 +208,28 @@ def test_a_carried_probe_measures_exactly_what_its_own_stage_measured(lay_out_ru
     for rnd in (1, 2, 3):  # the training rounds
         assert _stages(c, rnd) == ["consistency-request", "sft-instruction", "unmask-request"]
         assert _stages(a, rnd) == ["consistency-request", "probe-instruction", "sft-instruction", "unmask-request"]
+
+
+def test_the_probe_key_hashes_a_round_states_weights_once_and_a_new_state_again(monkeypatch):
+    """The key of what a probe measures (``_measured``) is kept for the very weights dict it hashed: asked twice at
+    a round's end, the 28.5 MB are hashed once; a new round state's dict (equal or not) and another base are hashed
+    again, so a changed model never keeps an old key."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from distmoe.coordinator.phases import probe as P
+
+    calls = []
+    real = P.hash_tensors
+    monkeypatch.setattr(P, "hash_tensors", lambda w: calls.append(1) or real(w))
+    w1 = {"a": torch.ones(3)}
+    co = SimpleNamespace(s=SimpleNamespace(weights=w1), tspec=SimpleNamespace(base_hash="b0"), probe_key_memo=None)
+    k1 = P._measured(co)
+    assert P._measured(co) == k1 and len(calls) == 1
+    co.s = SimpleNamespace(weights={"a": torch.ones(3)})  # the next round's state, the same values
+    assert P._measured(co) == k1 and len(calls) == 2
+    co.s = SimpleNamespace(weights={"a": torch.zeros(3)})
+    assert P._measured(co) != k1 and len(calls) == 3
+    co.tspec = SimpleNamespace(base_hash="b1")
+    assert P._measured(co).startswith("b1:") and len(calls) == 4

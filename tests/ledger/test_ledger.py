@@ -333,3 +333,49 @@ def test_a_batch_is_one_group_commit_durable_when_it_ends(tmp_path, key, monkeyp
         assert len(synced) == 4
     assert len(synced) == 4
     assert verify_ledger(led.path, public_key_hex(key)).ok
+
+
+def test_a_reopen_checks_only_the_entries_after_the_prefix_an_earlier_open_verified(filled, key):
+    """A party opens its ledger once per message: the checks per open must not grow with the ledger."""
+    path, _ = filled
+    assert Ledger(path, key).checked_on_open == 5  # no note yet: every entry
+    checked = []
+    for i in range(5, 105, 2):
+        led = Ledger(path, key)
+        checked.append(led.checked_on_open)
+        led.append(**_fields(i))
+        led.append(**_fields(i + 1))
+    assert checked[0] == 0 and set(checked[1:]) == {2}  # 2 new entries per open, at 10 entries as at 100
+    led = Ledger(path, key)
+    res = verify_ledger(path, key.public_key())
+    assert res.ok and res.entries == 105 and led.head() == res.head
+
+
+def test_a_verified_prefix_changed_afterwards_still_refuses_the_open(filled, key, tmp_path):
+    path, _ = filled
+    Ledger(path, key)  # writes the note for all 5 entries
+    note = ledger_writer.verified_note(path)
+    assert note.exists() and stat.S_IMODE(note.stat().st_mode) == 0o600
+    lines = _lines(path)
+    # a note edited to cover other bytes, its signature kept: ignored, every entry checked
+    sig, payload = note.read_bytes().split(b"\n", 1)
+    forged = json.loads(payload)
+    note.write_bytes(sig + b"\n" + payload.replace(forged["sha256"].encode(), b"0" * 64))
+    assert Ledger(path, key).checked_on_open == 5
+    # a note signed by another key: ignored
+    other = generate_signing_key(tmp_path / "keys" / "other.pem")
+    Ledger(tmp_path / "other.jsonl", other).append(**_fields(0))
+    Ledger(tmp_path / "other.jsonl", other)
+    ledger_writer.verified_note(path).write_bytes(ledger_writer.verified_note(tmp_path / "other.jsonl").read_bytes())
+    assert Ledger(path, key).checked_on_open == 5
+    # an entry of the verified prefix edited after the note: the prefix no longer hashes to it, the open refuses
+    Ledger(path, key)
+    assert Ledger(path, key).checked_on_open == 0
+    assert '"round":1' in lines[1]
+    lines[1] = lines[1].replace('"round":1', '"round":9')
+    _write(path, lines)
+    with pytest.raises(LedgerError, match="does not verify"):
+        Ledger(path, key)
+    # the prefix cut off (shorter than the note): every entry checked again
+    _write(path, _lines(path)[:1])
+    assert Ledger(path, key).checked_on_open == 1

@@ -318,3 +318,22 @@ def test_load_checkpoint_rejects_non_moe_and_missing(make_cfg, tmp_path):
         load_checkpoint(empty)
     with pytest.raises(ModelError):
         build_model(replace(make_cfg().model, path=str(d)))
+
+
+def test_hash_tensors_hashes_exactly_the_float32_bytes_in_name_order():
+    """The digest (manifests' ``trainable_hash``, the probe's model key) is SHA-256 over each name, its shape and
+    the float32 bytes, whatever the tensor's layout or dtype: hashed in place, it must equal the copied bytes'."""
+    import hashlib
+
+    g = torch.Generator().manual_seed(3)
+    ts = {"b.w": torch.randn(5, 3, generator=g).t(), "a.b": torch.randn(4, generator=g).to(torch.bfloat16),
+          "c.s": torch.tensor(2.5), "d.e": torch.zeros(0, 2), "e.g": torch.randn(2, 2, generator=g, requires_grad=True)}
+    h = hashlib.sha256()
+    for name in sorted(ts):
+        t = ts[name].detach().to(torch.float32)
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.contiguous().numpy().tobytes())
+    assert hash_tensors(ts) == h.hexdigest()
+    ts["b.w"] = ts["b.w"].contiguous()
+    assert hash_tensors(ts) == h.hexdigest()  # the layout is not hashed, the values are

@@ -210,3 +210,20 @@ def test_layout_rejects_extra_missing_records_keys_and_kinds():
     trailing["arrays"]["b"] = _raw(Array(np.ones(2, np.float32)).data + b"\x00", "float32", (2,))
     with pytest.raises(InspectError, match="arrays.b: 1 trailing bytes"):
         check_layout(trailing, {**_layout(), "arrays": ("array", None)})
+
+
+def test_the_memoised_header_parse_decides_each_payload_by_its_own_header():
+    """The headers' literal parse is memoised by their text: a header seen before gives the same verdict, a bad one
+    is refused every time (an exception is never cached), and each payload is judged by its own header and size."""
+    good = _npy("<f4", (2,), np.array([1, 2], "<f4").tobytes())
+    other = _npy("<f4", (3,), np.array([1, 2, 3], "<f4").tobytes())
+    bad = _npy("<f4", (2,), b"\0" * 8).replace(b"(2,)", b"(2*)")
+    for _ in range(3):
+        assert parse_npy(good, "x") == (np.dtype("<f4"), (2,))
+        assert parse_npy(other, "x") == (np.dtype("<f4"), (3,))
+        with pytest.raises(InspectError, match="not a literal"):
+            parse_npy(bad, "x")
+        with pytest.raises(InspectError, match="4 bytes missing"):
+            parse_npy(good[:-4], "x")  # the header seen before, the payload short
+        with pytest.raises(InspectError, match="keys"):
+            parse_npy(_npy("<f4", (2,), b"\0" * 8).replace(b"'shape'", b"'shapE'"), "x")
