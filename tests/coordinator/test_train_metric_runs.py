@@ -131,7 +131,8 @@ def test_rl_figures_under_update_noise_are_noised_and_audited(tmp_path, make_run
     assert {"reward", "masked_frac_low", "masked_frac_high", "k3", "logp_diff_mean"} <= set(row)
     assert rel["dp"]["metric_slots"] == 5 and rel["dp"]["sensitivity"] == pytest.approx(rel["dp"]["clip"])
     assert rel["dp"]["delta_clip"] == pytest.approx(rel["dp"]["clip"] * math.sqrt(1 - 0.25**2))
-    assert any(" ± " in x for x in lines)  # the RL round line: each noised figure with its std
+    # the RL round line: each noised figure with its std, or "≈ 0 (within noise)" where the noise (fresh each run,
+    # never seeded) covers it; at noise multiplier 5 a run can draw every figure within noise
     assert any("reward " in x and (" ± " in x or "reward ≈ 0 (within noise)" in x) for x in lines)
     # each figure's noise std beside it in metrics.jsonl, so the report and TensorBoard show its scale too
     keys = ("reward", "masked_frac_low", "masked_frac_high", "k3", "logp_diff_mean")
