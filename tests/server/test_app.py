@@ -30,7 +30,8 @@ def test_the_reply_content_back_off_is_shortened_where_flowers_grid_pulls_it():
 def test_flowers_send_and_receive_waits_3_s_between_pulls_so_the_adapter_polls_itself():
     assert "time.sleep(3)" in inspect.getsource(http_grid.HttpGrid.send_and_receive)
     src = inspect.getsource(app.GridTransport._send_and_receive)
-    assert "push_messages(" in src and "pull_messages(" in src and "send_and_receive(" not in src.split('"""')[-1]
+    assert "push_messages(" in src and "self._pull" in src and "send_and_receive(" not in src.split('"""')[-1]
+    assert "pull_messages(" in inspect.getsource(app.GridTransport._pull)
     assert 0 < app.REPLY_POLL_S <= 0.1
 
 
