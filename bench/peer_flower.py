@@ -1,6 +1,7 @@
 """distmoe against the plain Flower app a user would otherwise run, per SFT round, on the Simulation Engine.
 
-    python bench/peer_flower.py [--rounds 4] [--reps 3] [--arms peer plaintext default] [--rotate] [--peer-fused] [--out DIR]
+    python bench/peer_flower.py [--rounds 4] [--reps 3] [--arms peer plaintext default] [--rotate] [--peer-fused]
+                                [--out DIR]
 
 The peer is ``bench/peer_flower/`` (``peer_app.py``): Flower's built-in ``FedAvg`` (Message API), the same tiny
 Qwen3-MoE with bit-identical initial weights, the same party data files and token ids, ``train.local-steps`` (40)
