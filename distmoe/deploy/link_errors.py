@@ -48,8 +48,11 @@ def backoff(in_a_row: int) -> float:
 
 def retry_transient(call: Callable[[], T], what: str, log: Callable[[str], None],
                     sleep: Callable[[float], None] = time.sleep) -> T:
-    """``call()``, asked again after :func:`backoff` on each transient SuperLink error (logged with ``what`` names the
-    request), up to ``TRANSIENT_MAX`` errors in a row; any other error, and the ``TRANSIENT_MAX``-th, is raised."""
+    """``call()``, asked again after :func:`backoff` on each transient SuperLink error (logged; ``what`` names the
+    request), up to ``TRANSIENT_MAX`` errors in a row; any other error, and the ``TRANSIENT_MAX``-th, is raised.
+    For the ServerApp's pull of replies: if the failed pull had already taken a reply from the SuperLink, that reply
+    is not pulled again, and its party counts as dropped out of the stage when the stage's timeout passes (the
+    secure sum goes on without it, or the round releases nothing), never as a reply seen twice."""
     in_a_row = 0
     while True:
         try:
