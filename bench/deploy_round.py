@@ -129,23 +129,25 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "-"
 
 
-def table(sim: list[dict], dep: list[dict], cut: list[dict] | None, stock: list[dict] | None) -> str:
-    """Per round: seconds of each arm and the ratios; per stage: distmoe / floor-cut / floor-stock / simulated s."""
+def table(sim: list[dict] | None, dep: list[dict], cut: list[dict] | None, stock: list[dict] | None) -> str:
+    """Per round: seconds of each arm and the ratios; per stage: distmoe / floor-cut / floor-stock / simulated s.
+    ``sim`` None: an invocation without the simulated arm (distmoe against the floors only)."""
     cols = ("simulated", "distmoe", "floor-cut", "floor-stock")
     lines = [f"{'round':>5}  {'phase':<7} " + " ".join(f"{c + ' s':>13}" for c in cols)
              + "  dep/sim  dep/floor  floor/sim   stages: distmoe/floor-cut/floor-stock/simulated s", "-" * 150]
     totals, ran = dict.fromkeys(cols, 0.0), set()  # ran: the arms with a time (an arm left out prints "-")
-    for i, (s, d) in enumerate(zip(sim, dep, strict=False)):
+    for i, d in enumerate(dep if sim is None else dep[:len(sim)]):
+        s = sim[i] if sim is not None else None
         c = cut[i] if cut and i < len(cut) else None
         k = stock[i] if stock and i < len(stock) else None
-        secs = [s["seconds"], d["seconds"], c["seconds"] if c else None, k["seconds"] if k else None]
-        if s["round"] > 0:
+        secs = [s["seconds"] if s else None, d["seconds"], c["seconds"] if c else None, k["seconds"] if k else None]
+        if d["round"] > 0:
             for col, v in zip(cols, secs, strict=True):
                 totals[col] += v or 0.0
                 ran.update([col] if v is not None else [])
         stages = ", ".join(f"{t} " + "/".join("-" if x is None else f"{x['stages'].get(t, 0):.1f}"
-                                              for x in (d, c, k)) + f"/{v:.1f}" for t, v in s["stages"].items())
-        lines.append(f"{s['round']:>5}  {s['phase']:<7} " + " ".join("{:>13}".format("-" if v is None else f"{v:.2f}")
+                                              for x in (d, c, k, s)) for t in (s or d)["stages"])
+        lines.append(f"{d['round']:>5}  {d['phase']:<7} " + " ".join("{:>13}".format("-" if v is None else f"{v:.2f}")
                                                                    for v in secs)
                      + f"  {_ratio(secs[1], secs[0]):>7}  {_ratio(secs[1], secs[2]):>9}  {_ratio(secs[2], secs[0]):>9}"
                      + "   " + stages)
@@ -154,7 +156,8 @@ def table(sim: list[dict], dep: list[dict], cut: list[dict] | None, stock: list[
                  + " ".join(f"{t[c]:>13.2f}" if t[c] is not None else f"{'-':>13}" for c in cols)
                  + f"  {_ratio(t['distmoe'], t['simulated']):>7}  {_ratio(t['distmoe'], t['floor-cut']):>9}"
                  + f"  {_ratio(t['floor-cut'], t['simulated']):>9}")
-    ratios = [d["seconds"] / s["seconds"] for s, d in zip(sim, dep, strict=False) if s["round"] > 0 and s["seconds"]]
+    ratios = [d["seconds"] / s["seconds"] for s, d in zip(sim or [], dep, strict=False)
+              if s["round"] > 0 and s["seconds"]]
     if ratios:
         lines.append(f"median per round: distmoe / simulated {statistics.median(ratios):.2f}x")
     if cut and t["simulated"]:
@@ -267,18 +270,18 @@ def report(root: Path) -> None:
         print(f"\nrepetition {rep['rep']}: " + "; ".join(
             f"{a['arm']} {a['wall']:.0f} s (load {a['load'][0]:.1f} -> {a['load'][1]:.1f})" for a in rep["arms"]))
         got = {a["arm"]: a for a in rep["arms"]}
-        if "distmoe" not in got or "simulated" not in got:
+        if "distmoe" not in got or not {"simulated", "floor-cut", "floor-stock"} & set(got):
             continue
         dep_dir = kept_dir(root, got["distmoe"]["dir"])
-        for arm in ("distmoe", "simulated"):
+        for arm in ("distmoe", "simulated") if "simulated" in got else ("distmoe",):
             fault = faults(kept_dir(root, got[arm]["dir"]))
             if fault:
                 print(f"warning: {fault} (left out of the pairs)")
         dep_stages = stages_of(dep_dir)
         floors = {arm: floor_rounds(dep_stages, got[arm]["records"]) if arm in got else None
                   for arm in ("floor-cut", "floor-stock")}
-        print(table(rounds_of(kept_dir(root, got["simulated"]["dir"])), rounds_of(dep_dir), floors["floor-cut"],
-                    floors["floor-stock"]))
+        sim = rounds_of(kept_dir(root, got["simulated"]["dir"])) if "simulated" in got else None
+        print(table(sim, rounds_of(dep_dir), floors["floor-cut"], floors["floor-stock"]))
     pairs = pair_ratios(root, res)
     if pairs and (len(pairs) > 1 or res.get("abba")):
         print(pairs_text(pairs))

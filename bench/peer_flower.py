@@ -1,13 +1,16 @@
 """distmoe against the plain Flower app a user would otherwise run, per SFT round, on the Simulation Engine.
 
-    python bench/peer_flower.py [--rounds 4] [--reps 3] [--arms peer plaintext default] [--out DIR]
+    python bench/peer_flower.py [--rounds 4] [--reps 3] [--arms peer plaintext default] [--rotate] [--peer-fused]
+                                [--out DIR]
 
 The peer is ``bench/peer_flower/`` (``peer_app.py``): Flower's built-in ``FedAvg`` (Message API), the same tiny
 Qwen3-MoE with bit-identical initial weights, the same party data files and token ids, ``train.local-steps`` (40)
 AdamW steps of ``train.batch-size`` (16) per round, 3 parties. Each arm runs on Flower's Simulation Engine with its
 own SuperLink (started as ``distmoe simulate`` starts its own: ``distmoe.simulate.start_superlink``), one CPU per
 party, one torch thread, one arm at a time, the arms interleaved in every repetition (peer, plaintext, default,
-peer, ...), so that the load of this shared machine hits them alike. Arms:
+peer, ...; with ``--rotate`` each repetition starts one arm later, so that over a multiple of the arm count of
+repetitions each arm runs first, second and third equally often), so that the load of this shared machine hits
+them alike. Arms:
 
 - ``peer``: ``flwr run bench/peer_flower local --stream`` with ``num-server-rounds = R``;
 - ``plaintext``: ``distmoe simulate --data D`` with ``schedule.phases = 'sft:lookup'``, ``schedule.sft-rounds = R``,
@@ -24,7 +27,9 @@ always writes a checkpoint: the figure compared is the mean of rounds 2..R-1 (``
 cost); the mean of all rounds is printed beside it. For distmoe each round is also split from the ledger into
 ``update`` (instructions out to the released sum; it includes the routing probe of the round before, carried on
 the round's instruction) and ``after`` (checkpoint; the probe's own stage only after the last round). Ratios are
-taken within one repetition (the arms ran back to back), then summarised as median and range over repetitions. The
+taken within one repetition (the arms ran back to back), then summarised as median and range over repetitions, and
+as their mean with a t-interval at 95 % Bonferroni-corrected over the arms compared (97.5 % for two), set against
+each arm's goal (default <= 1.05x, plaintext <= 1.02x: shown met only when the whole interval is under it). The
 load average is printed with every arm (ratios only mean something in the same run).
 
 Also checked once: the peer's initial weights equal distmoe's round-0 checkpoint tensor by tensor (``bit-identical``).
@@ -51,6 +56,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from distmoe.simulate import TOKEN_ENV, processes_with_token, start_superlink, stop_processes  # noqa: E402
+
+sys.path.insert(0, str(REPO / "bench"))
+import e1_stats  # noqa: E402
 
 PEER_APP = REPO / "bench" / "peer_flower"
 PY = sys.executable
@@ -190,6 +198,22 @@ def arm_overrides(arm: str) -> str:
     return " ".join(kv.split(","))
 
 
+GOALS = {"default": 1.05, "plaintext": 1.02}  # the steady round's goal against the peer, per arm
+
+
+def _interval_text(ratios: list[float], comparisons: int, goal: float | None) -> str:
+    """The mean of the per-repetition ratios with its two-sided t-interval at 95 % Bonferroni-corrected over the
+    ``comparisons`` arms compared with the peer (``e1_stats.paired``), and whether the interval lies under ``goal``."""
+    if len(ratios) < 2:
+        return ""
+    level = 1 - e1_stats.ALPHA / max(1, comparisons)
+    st = e1_stats.paired(ratios, level=level)
+    text = f"; mean {st['mean']:.3f}, {100 * level:.1f} % t-interval [{st['lo']:.3f}, {st['hi']:.3f}]"
+    if goal is not None:
+        text += f": goal <= {goal:.2f}x {'shown met' if st['hi'] <= goal else 'not shown met'}"
+    return text
+
+
 def _steady(xs: list[float]) -> float:
     """Rounds 2..R-1: neither the first (actors start, keys) nor the last (its checkpoint is always written)."""
     return statistics.mean(xs[1:-1]) if len(xs) > 2 else xs[-1]
@@ -202,6 +226,9 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=["peer", "plaintext", "default"])
     ap.add_argument("--out", type=Path, default=Path("runs") / "peer-flower")
     ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--rotate", action="store_true",
+                    help="rotate the arms' order by one in each repetition (with --reps a multiple of the arm count, "
+                         "each arm runs in each position equally often: a drifting machine weighs on all alike)")
     ap.add_argument("--peer-fused", action="store_true",
                     help="the peer's AdamW is torch's fused kernel, like distmoe's parties' (default: torch's default)")
     args = ap.parse_args()
@@ -217,7 +244,8 @@ def main() -> None:
     checked = None
     for rep in range(args.reps):
         times = {}
-        for arm in args.arms:
+        shift = rep % len(args.arms) if args.rotate else 0
+        for arm in args.arms[shift:] + args.arms[:shift]:
             load = os.getloadavg()[0]
             root = out / f"rep{rep}" / arm.partition("=")[0]
             if root.exists():
@@ -254,7 +282,7 @@ def main() -> None:
         rs = [r["ratio_steady"] for r in rows if r["arm"] == name and "ratio_steady" in r]
         ra = [r["ratio_all"] for r in rows if r["arm"] == name and "ratio_all" in r]
         print(f"  {name:12s} {statistics.median(rs):.3f} [{min(rs):.3f}, {max(rs):.3f}]  "
-              f"(all rounds {statistics.median(ra):.3f})")
+              f"(all rounds {statistics.median(ra):.3f})" + _interval_text(rs, len(args.arms) - 1, GOALS.get(name)))
     peer = [r["steady_s"] for r in rows if r["arm"] == "peer"]
     print(f"  peer per round: median {statistics.median(peer):.2f} s; load average 1 min over the arms: "
           f"{min(r['load1'] for r in rows if 'load1' in r):.1f}-{max(r['load1'] for r in rows if 'load1' in r):.1f} "

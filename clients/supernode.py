@@ -33,10 +33,9 @@ import time
 from pathlib import Path
 
 from clients.pinned import PULL_BACKOFF_CAP_S, PULL_BACKOFF_S
+from distmoe.deploy.link_errors import TRANSIENT_MAX, backoff, transient
 
 IDLE_POLL_S = 0.2  # seconds, the most the SuperNode sleeps between asks of the SuperLink (flwr's own: 3 s)
-TRANSIENT_MAX = 20  # SuperLink errors in a row on the ask for a message before the loop ends as Flower's does
-TRANSIENT_BACKOFF_CAP_S = 5.0  # seconds, the longest wait before asking again after such an error
 LOCAL_POLL_S = 0.02  # seconds, its sleeps between looks at its own in-memory state (flwr's own: 0.5 s)
 
 
@@ -57,26 +56,10 @@ class CappedClock:
         time.sleep(min(seconds, self.cap if seconds >= 1 else self.local_cap))
 
 
-def transient(exc: BaseException) -> bool:
-    """Whether ``exc`` is a SuperLink-side error that asking again may clear (HTTP 5xx; gRPC UNKNOWN/INTERNAL)."""
-    status = getattr(getattr(exc, "response", None), "status_code", None)
-    if isinstance(status, int):
-        return status >= 500
-    code = getattr(exc, "code", None)
-    if callable(code):
-        import grpc
-
-        try:
-            return code() in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-        except Exception:  # noqa: BLE001 - not a gRPC error after all
-            return False
-    return False
-
-
 def survive_server_errors(pull, sleep=time.sleep, log=None):
     """``pull`` (Flower's ``_pull_and_store_message``) that answers "no message" (None) on a transient SuperLink
-    error, after a back-off of 0.2 s doubling to ``TRANSIENT_BACKOFF_CAP_S``, and raises the ``TRANSIENT_MAX``-th
-    in a row (then Flower's loop ends as it would have at the first)."""
+    error (``distmoe.deploy.link_errors``), after its back-off (0.2 s doubling to 5 s), and raises the
+    ``TRANSIENT_MAX``-th in a row (then Flower's loop ends as it would have at the first)."""
     in_a_row = 0
 
     def guarded(*args, **kwargs):
@@ -87,7 +70,7 @@ def survive_server_errors(pull, sleep=time.sleep, log=None):
             if not transient(exc) or in_a_row + 1 >= TRANSIENT_MAX:
                 raise
             in_a_row += 1
-            wait = min(IDLE_POLL_S * 2 ** (in_a_row - 1), TRANSIENT_BACKOFF_CAP_S)
+            wait = backoff(in_a_row)
             (log or _warn)(f"distmoe supernode: the SuperLink failed the ask for a message ({exc}); asking again in "
                            f"{wait:.1f} s ({in_a_row} in a row; at {TRANSIENT_MAX} the SuperNode stops)")
             sleep(wait)

@@ -7,7 +7,11 @@ to 3 s lost on each of a round's message stages; a pull is one local request to 
 costs little. For the same reason Flower's back-off for a reply's content that is not yet at the SuperLink starts
 at 50 ms. On the Simulation Engine (``server/sim_link.py``) a pushed message goes to the engine's queue at once and a
 stored reply ends the wait, and a reply that comes while others are awaited has its content checked at once
-(``GuardedTransport._arrived``).
+(``GuardedTransport._arrived``). A pull for replies, or for the node list, that the SuperLink fails with an error
+asking again may clear (HTTP 500: e.g. ``database is locked`` from its SQLite state under load; flwr 1.42 retries
+only 502-504 and refused connections) is asked again after a back-off (``distmoe.deploy.link_errors``), up to 20
+times in a row; a stage's push is not repeated (a push stored in part would reach a party twice): it fails the run,
+which ``run.resume`` continues.
 
 ``run.resume = "<run dir>"`` continues an interrupted run in that directory (new Flower run id, same
 logical run: ``distmoe.coordinator``), e.g. ``flwr run . <federation> --run-config "run.resume='runs/42'"``.
@@ -35,6 +39,7 @@ from flwr.superlink.grid import http_grid
 
 from distmoe.config import parse_run_config
 from distmoe.coordinator import Coordinator
+from distmoe.deploy.link_errors import retry_transient
 from distmoe.wire import codec
 from distmoe.wire.server_guard import ExchangeMemo, GuardedTransport
 from server import sim_link
@@ -61,7 +66,7 @@ class GridTransport(GuardedTransport):
         self.link = sim_link.attach(grid)  # on the Simulation Engine: hand-off at the push, a reply wakes the pull
 
     def node_ids(self) -> list[int]:
-        return sorted(self.grid.get_node_ids())
+        return sorted(retry_transient(lambda: list(self.grid.get_node_ids()), "the ask for the node list", _warn))
 
     def _send(self, out, timeout: float, memo: ExchangeMemo | None = None):
         # packed with the exchange's memo (``ExchangeMemo``): a record several instructions share (the weights) once
@@ -74,6 +79,9 @@ class GridTransport(GuardedTransport):
             got[node] = (codec.ErrorReply(str(msg.error.reason), int(msg.error.code)) if msg.has_error()
                          else msg.content)
         return got
+
+    def _pull(self, ids: set[str]) -> list:
+        return list(self.grid.pull_messages(ids))
 
     def _send_and_receive(self, msgs, timeout: float) -> list:
         """Push ``msgs``, then pull their replies until all are in or ``timeout`` passes: ``REPLY_POLL_FIRST_S`` after
@@ -90,7 +98,7 @@ class GridTransport(GuardedTransport):
         while waiting:
             if link is not None:
                 link.clear()  # a reply stored from here on ends the next wait
-            pulled = list(self.grid.pull_messages(waiting))
+            pulled = retry_transient(functools.partial(self._pull, set(waiting)), "a pull for replies", _warn)
             replies += pulled
             replied = {m.metadata.reply_to_message_id for m in pulled}
             if self._arrived is not None and waiting - replied:
@@ -107,6 +115,10 @@ class GridTransport(GuardedTransport):
             wait = REPLY_POLL_FIRST_S if pulled else min(2 * wait, REPLY_POLL_S)
             time.sleep(min(wait, left))
         return replies
+
+
+def _warn(text: str) -> None:
+    log(logging.WARNING, "distmoe | %s", text)
 
 
 def stop_reason(parent_pid: int) -> str:

@@ -236,7 +236,8 @@ def check_receipts(run: Run, pins: dict[str, list[tuple[str, str]]]
         for s in by_run.values():
             if (party, s.run) not in seen and _had(run, s, party):
                 c.fail(f"{party}: no receipt of session {s.run} (coordinator entries from seq {s.first} instruct "
-                       f"{party}), though its receipts of other sessions are given: a withheld receipt")
+                       f"{party}), though its receipts of other sessions are given: this one was withheld or never "
+                       "written")
                 bad.add(party)
         if party not in bad:
             witnessed.setdefault(party, "receipt")

@@ -161,8 +161,11 @@ def start(co: RunContext, transport: GuardedTransport, nodes: list[int], out: Pl
 def close(co: RunContext, plane: Plane | None, status: str, seal: str | None = None) -> None:
     """The ``run-end`` entry (``status``: completed, failed, interrupted) with the epsilon spent per party; never
     masks the run's own error. The audit requires it as the ledger's last entry (``distmoe.audit.ledgers``).
-    ``seal``: refuse every later append in this process (a stop signal closing the run from another thread)."""
-    if plane is None or plane.ledger is None:
+    ``seal``: refuse every later append in this process (a stop signal closing the run from another thread).
+    A ledger that holds no entry yet (the run failed in ``start`` before its ``run-start`` entry, e.g. the pre-run
+    privacy check) is left without one: nothing was sent under it, and a ``run-end`` as its first entry would make
+    it a ledger that neither a resume nor the audit accepts."""
+    if plane is None or plane.ledger is None or plane.ledger.head()[0] < 0:
         return
     try:
         eps = plane.secure.epsilon() if plane.secure is not None else {}

@@ -3,7 +3,8 @@ loaded with a permission check, and its public key in hex.
 
 Owns: the key file format (unencrypted PKCS#8 PEM), public keys given as objects, hex or raw bytes, and
 ``private_tag``: a MAC under a secret derived from the signing key, for the key holder's own cache files (only it
-makes or checks them, at a fraction of a signature's cost).
+makes or checks them, at a fraction of a signature's cost), and ``write_tagged`` / ``read_tagged``: such a cache
+file's one format (the tag's hex, a newline, the payload), written atomically with mode 0600 and without fsync.
 
 Must not: write a ledger.
 """
@@ -88,3 +89,19 @@ def private_tag(key: Ed25519PrivateKey, domain: bytes, payload: bytes) -> str:
 def private_tag_ok(key: Ed25519PrivateKey, domain: bytes, payload: bytes, tag: str) -> bool:
     """Whether ``tag`` is :func:`private_tag` of ``payload`` (constant-time comparison)."""
     return hmac.compare_digest(private_tag(key, domain, payload), tag)
+
+
+def write_tagged(path: str | os.PathLike[str], key: Ed25519PrivateKey, domain: bytes, payload: bytes) -> None:
+    """Write the cache file ``path``: :func:`private_tag` of ``payload`` (hex), a newline, ``payload``; atomic, mode
+    0600, no fsync (a cache: when it is lost or older after a crash, its reader redoes the work it saves)."""
+    write_atomic(path, private_tag(key, domain, payload).encode("ascii") + b"\n" + payload, mode=0o600, durable=False)
+
+
+def read_tagged(path: str | os.PathLike[str], key: Ed25519PrivateKey, domain: bytes) -> bytes | None:
+    """The payload of a file :func:`write_tagged` wrote with this ``key`` and ``domain``; None when the file is
+    missing or unreadable, has no tag line, or its tag does not verify (another key's, another domain's, edited)."""
+    try:
+        tag, payload = Path(path).read_bytes().split(b"\n", 1)
+        return payload if private_tag_ok(key, domain, payload, tag.decode("ascii")) else None
+    except (OSError, ValueError):  # no file; no newline (unpacking); a tag that is not ASCII (UnicodeDecodeError)
+        return None

@@ -25,7 +25,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from distmoe.io import fsync_dir, write_atomic
+from distmoe.io import fsync_dir
 from distmoe.ledger.entries import (
     GENESIS,
     HEX64,
@@ -37,7 +37,7 @@ from distmoe.ledger.entries import (
     entry_hash,
     validate_fields,
 )
-from distmoe.ledger.keys import load_signing_key, private_tag, private_tag_ok, public_key_hex
+from distmoe.ledger.keys import load_signing_key, public_key_hex, read_tagged, write_tagged
 from distmoe.ledger.verify import as_head, check_entries, head_of, split_lines
 
 try:  # POSIX advisory locks; the single-writer guard degrades to the size check elsewhere
@@ -117,17 +117,15 @@ class Ledger:
         """``(head, bytes, sha256 so far)`` of the prefix of ``data`` that an earlier open verified: its note
         (``verified_note``) verifies under this ledger's key and the prefix's SHA-256 is the one it names (the very
         bytes verified, so their entries need not be checked again); ``((-1, GENESIS), 0, sha256())`` otherwise."""
+        payload = read_tagged(verified_note(self.path), self._key, VERIFIED_DOMAIN)  # None: no note of this key's
         try:
-            tag, payload = verified_note(self.path).read_bytes().split(b"\n", 1)
-            if not private_tag_ok(self._key, VERIFIED_DOMAIN, payload, tag.decode("ascii")):
-                raise ValueError("the note is not this key's")
-            note = json.loads(payload)
+            note = json.loads(payload) if payload is not None else None
             n, head = int(note["bytes"]), (int(note["head"][0]), str(note["head"][1]))
             if note["ledger"] == self.path.name and 0 < n <= good and data[n - 1:n] == b"\n":
                 digest = hashlib.sha256(data[:n])
                 if digest.hexdigest() == note["sha256"]:
                     return head, n, digest
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
+        except (ValueError, KeyError, TypeError, IndexError):  # no note (None[...] is a TypeError), or a bad one
             pass
         return (-1, GENESIS), 0, hashlib.sha256()
 
@@ -137,8 +135,7 @@ class Ledger:
         payload = json.dumps({"ledger": self.path.name, "bytes": good, "sha256": digest, "head": list(self._head)},
                              separators=(",", ":")).encode("ascii")
         with contextlib.suppress(OSError):
-            write_atomic(verified_note(self.path), private_tag(self._key, VERIFIED_DOMAIN, payload).encode("ascii")
-                         + b"\n" + payload, mode=0o600, durable=False)
+            write_tagged(verified_note(self.path), self._key, VERIFIED_DOMAIN, payload)
 
     # -- api
     @property

@@ -40,8 +40,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from distmoe.config import NodeConfig, RunConfig
 from distmoe.deploy.pin import active_digest
 from distmoe.deploy.receipt import sign_receipt
-from distmoe.io import write_atomic, write_json_atomic
-from distmoe.ledger.keys import private_tag, private_tag_ok
+from distmoe.io import write_json_atomic
+from distmoe.ledger.keys import read_tagged, write_tagged
 from distmoe.party.policy import OwnerPolicy, policy_facts
 from distmoe.party.session import ledger_key
 from distmoe.rundir import COORDINATOR, WorkDir
@@ -142,10 +142,10 @@ def _load_state(path: Path, ledger: Path, run_id: str, key: Ed25519PrivateKey) -
     """The facts an earlier reply folded and the ledger offset they end at, if the state file verifies under this
     party's ledger key and the ledger still holds, just before that offset, the very line folded last; else None
     (the caller folds the whole ledger again)."""
+    payload = read_tagged(path, key, STATE_DOMAIN)
+    if payload is None:
+        return None
     try:
-        tag, payload = path.read_bytes().split(b"\n", 1)
-        if not private_tag_ok(key, STATE_DOMAIN, payload, tag.decode("ascii")):
-            return None
         st = json.loads(payload)
         offset, tail_len, tail_sha = int(st["offset"]), int(st["tail_len"]), str(st["tail_sha256"])
         facts = Facts.from_state(st["facts"])
@@ -165,7 +165,7 @@ def _save_state(path: Path, ledger: Path, facts: Facts, offset: int, tail: bytes
     payload = json.dumps({"ledger": ledger.name, "offset": offset, "tail_len": len(tail),
                           "tail_sha256": hashlib.sha256(tail).hexdigest(), "facts": facts.state()},
                          allow_nan=True, separators=(",", ":")).encode("ascii")
-    write_atomic(path, private_tag(key, STATE_DOMAIN, payload).encode("ascii") + b"\n" + payload, durable=False)
+    write_tagged(path, key, STATE_DOMAIN, payload)
 
 
 def refresh_facts(ledger: Path, state: Path, run_id: str, key: Ed25519PrivateKey) -> tuple[Facts, int]:

@@ -93,3 +93,18 @@ def test_the_kept_abba_rows_rebuild_the_published_pairs(capsys):
     assert [round(p["loads"]["distmoe"], 1) for p in pairs] == [11.2, 15.0]
     deploy_round.report(root)
     assert "mean distmoe / simulated over 2 pairs: 1.93x" in capsys.readouterr().out
+
+
+def test_the_kept_quiet_rows_rebuild_the_published_pairs_and_the_floor_table(capsys):
+    """The pairs alone on the machine (four, ABBA) and the invocation of distmoe against Flower's floor without a
+    simulated arm: ``--table`` prints both from the kept rows (before, an invocation without the simulated arm
+    printed no table)."""
+    root = _BENCH / "results" / "deploy-round-walkthrough-abba-quiet"
+    pairs = deploy_round.pair_ratios(root, json.loads((root / "bench.json").read_text()))
+    assert [round(p["ratio"], 2) for p in pairs] == [2.31, 2.25, 2.32, 2.06]
+    deploy_round.report(root)
+    assert "mean distmoe / simulated over 4 pairs: 2.24x, 95 % t-interval [2.04, 2.43]" in capsys.readouterr().out
+    deploy_round.report(_BENCH / "results" / "deploy-round-floor-quiet")
+    out = capsys.readouterr().out
+    total = next(line for line in out.splitlines() if line.startswith(" >= 1"))
+    assert total.split()[3:6] == ["-", "196.00", "100.38"] and "1.95x" in total

@@ -39,3 +39,14 @@ def test_distmoe_rounds_and_parts_from_the_coordinator_ledger(tmp_path):
 
 def test_steady_rounds_leave_out_the_first_and_the_last():
     assert bench._steady([90.0, 10.0, 12.0, 30.0]) == pytest.approx(11.0)
+
+
+def test_the_goal_is_shown_met_only_when_the_whole_corrected_interval_is_under_it():
+    """Mean per-repetition ratio with its t-interval, Bonferroni-corrected over the arms compared: a tight set of
+    ratios under the goal is shown met; the same mean with a spread that reaches over it is not."""
+    tight = bench._interval_text([1.01, 1.02, 1.015, 1.012], 2, 1.05)
+    assert "97.5 % t-interval" in tight and tight.endswith("shown met") and "not shown" not in tight
+    wide = bench._interval_text([0.95, 1.10, 1.00, 1.01], 2, 1.05)
+    assert wide.endswith("not shown met")
+    assert "95.0 % t-interval" in bench._interval_text([1.0, 1.1], 1, None)
+    assert bench._interval_text([1.0], 2, 1.05) == ""

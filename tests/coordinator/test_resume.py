@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from distmoe.audit import audit_run
 from distmoe.config import parse_node_config, parse_run_config
-from distmoe.coordinator import Coordinator, RunFailed
+from distmoe.coordinator import Coordinator, RunFailed, plane
 from distmoe.coordinator.context import RunContext
 from distmoe.inprocess import LocalTransport
 from distmoe.ledger import verify_ledger
@@ -370,6 +370,26 @@ def test_killed_in_the_ledgers_first_append(tmp_path, lay_out_run):
     assert any("no complete entry (the interrupted session died in its first append)" in w
                for w in rec["warnings"]), rec["warnings"]
     assert entries(lpath)[0]["phase"] == "run-start"
+    assert audit_failures(run_dir) == []
+
+
+@pytest.mark.integration
+def test_a_run_that_fails_before_its_run_start_entry_leaves_no_ledger_and_resumes(tmp_path, lay_out_run, monkeypatch):
+    """The pre-run privacy check of the allow-list fails after the ledger is opened, before its ``run-start`` entry:
+    nothing was sent, so the run is closed without a ledger entry. Before, ``run-end`` became the ledger's first
+    entry, and that ledger was refused for good by the resume ("does not begin with the run-start policy entry")
+    and by a new run in the same directory ("exists")."""
+    cfg, nodes, run_dir, run_id = lay_out_run(tmp_path, "sft:arith, eval")
+    monkeypatch.setattr(plane, "check_allow_list", lambda policy: ["party-x: a free-text field (planted)"])
+    with pytest.raises(RunFailed, match="privacy check before the run failed: party-x"):
+        coordinator(cfg, nodes, run_dir, run_id, [])[0].run()
+    lpath = run_dir / "ledger" / "coordinator.jsonl"
+    assert not lpath.exists() or lpath.read_bytes() == b""
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
+    monkeypatch.undo()
+    rec = coordinator(resumed_cfg(cfg, run_dir), nodes, run_dir, run_id, [])[0].run()
+    assert rec["status"] == "completed"
+    assert entries(lpath)[0]["phase"] == "run-start" and entries(lpath)[-1]["info"]["status"] == "completed"
     assert audit_failures(run_dir) == []
 
 

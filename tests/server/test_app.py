@@ -30,7 +30,8 @@ def test_the_reply_content_back_off_is_shortened_where_flowers_grid_pulls_it():
 def test_flowers_send_and_receive_waits_3_s_between_pulls_so_the_adapter_polls_itself():
     assert "time.sleep(3)" in inspect.getsource(http_grid.HttpGrid.send_and_receive)
     src = inspect.getsource(app.GridTransport._send_and_receive)
-    assert "push_messages(" in src and "pull_messages(" in src and "send_and_receive(" not in src.split('"""')[-1]
+    assert "push_messages(" in src and "self._pull" in src and "send_and_receive(" not in src.split('"""')[-1]
+    assert "pull_messages(" in inspect.getsource(app.GridTransport._pull)
     assert 0 < app.REPLY_POLL_S <= 0.1
 
 
@@ -70,6 +71,85 @@ def test_a_short_stage_is_seen_within_ms_of_its_replies_and_a_long_one_costs_few
     got = app.GridTransport(long)._send_and_receive([], timeout=5.0)
     assert [m.metadata.reply_to_message_id for m in got] == ["a"] and long.pulls <= 20, long.pulls
     assert 0 < app.REPLY_POLL_FIRST_S < app.REPLY_POLL_S
+
+
+def _http_error(status: int):
+    import httpx
+
+    req = httpx.Request("POST", "https://superlink:9091/api/v0/serverappio/pull-messages")
+    return httpx.HTTPStatusError(f"Server error '{status}'", request=req, response=httpx.Response(status, request=req))
+
+
+class _FailingGrid(_Grid):
+    """``_Grid`` whose pulls (and node list) fail with the given errors first; a push that fails, if ``push_error``."""
+
+    def __init__(self, after, errors, push_error=None):
+        super().__init__(after)
+        self.errors, self.push_error, self.asks = list(errors), push_error, 0
+
+    def push_messages(self, msgs):
+        if self.push_error is not None:
+            self.asks += 1
+            raise self.push_error
+        return super().push_messages(msgs)
+
+    def pull_messages(self, ids):
+        self.asks += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return super().pull_messages(ids)
+
+    def get_node_ids(self):
+        self.asks += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return [3, 1, 2]
+
+
+def test_flowers_grid_gives_up_on_a_superlink_500():
+    """What the adapter guards: flwr 1.42's HTTP retry asks again only on 502-504 and refused connections, so an
+    HTTP 500 (the SuperLink's SQLite state answering ``database is locked`` under load) reaches the ServerApp and
+    ended the run (a Flower that retries it itself fails here)."""
+    from flwr.supercore.retry import http_retry
+
+    assert 500 not in http_retry._RETRYABLE_STATUS_CODES and 503 in http_retry._RETRYABLE_STATUS_CODES
+
+
+def test_a_pull_the_superlink_fails_is_asked_again_and_the_stage_goes_on(monkeypatch):
+    """Two HTTP 500s on the pull for replies, one on the node list: each is logged and asked again after a back-off,
+    and the stage ends with every reply (before, the first 500 failed the run)."""
+    from distmoe.deploy import link_errors
+
+    monkeypatch.setattr(link_errors, "TRANSIENT_FIRST_S", 0.001)
+    said: list[str] = []
+    monkeypatch.setattr(app, "_warn", said.append)  # what goes to Flower's log as a WARNING
+    grid = _FailingGrid({"a": 0.0, "b": 0.01}, [_http_error(500), _http_error(500)])
+    got = app.GridTransport(grid)._send_and_receive([], timeout=5.0)
+    assert sorted(m.metadata.reply_to_message_id for m in got) == ["a", "b"] and grid.asks >= 3
+    assert len(said) == 2 and "the SuperLink failed a pull for replies" in said[0]
+    assert len(said) == 2 and "500" in said[0] and "2 in a row" in said[1], said
+    assert app.GridTransport(_FailingGrid({}, [_http_error(500)])).node_ids() == [1, 2, 3]
+
+
+def test_errors_asking_again_cannot_clear_a_run_of_500s_and_a_failed_push_still_end_the_run(monkeypatch):
+    """401/404 raise at once, as in Flower; ``TRANSIENT_MAX`` 500s in a row raise too (a SuperLink that stays broken
+    still ends the run); a stage's push is never repeated (stored in part, it would reach a party twice)."""
+    from distmoe.deploy import link_errors
+
+    monkeypatch.setattr(link_errors, "TRANSIENT_FIRST_S", 0.0)
+    for status in (401, 404):
+        grid = _FailingGrid({"a": 0.0}, [_http_error(status)])
+        with pytest.raises(Exception, match=str(status)):
+            app.GridTransport(grid)._send_and_receive([], timeout=5.0)
+        assert grid.asks == 1
+    grid = _FailingGrid({"a": 0.0}, [_http_error(500)] * link_errors.TRANSIENT_MAX)
+    with pytest.raises(Exception, match="500"):
+        app.GridTransport(grid)._send_and_receive([], timeout=5.0)
+    assert grid.asks == link_errors.TRANSIENT_MAX
+    grid = _FailingGrid({"a": 0.0}, [], push_error=_http_error(500))
+    with pytest.raises(Exception, match="500"):
+        app.GridTransport(grid)._send_and_receive([], timeout=5.0)
+    assert grid.asks == 1
 
 
 _CHILD = """import os, signal, sys, time
