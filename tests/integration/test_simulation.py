@@ -63,7 +63,10 @@ def test_simulate_three_parties_two_rounds(tmp_path: Path, monkeypatch):
     rl_own = [x for rows in own.values() for x in rows if x["kind"] == "RlInstruction"]
     assert len(rl_own) == 3 and all(x["logp_diff_mean"] > 0 and "route_disagree_l0" in x for x in rl_own)
     final = [e for e in events if e["event"] == "eval" and e["party"] == "all"][-1]
-    assert final["n/lookup"] > 0 and 0.0 <= final["acc/lookup"] <= 1.0
+    # a noised count (fresh noise each run), clamped at 0; the accuracy is NaN (null in metrics.jsonl) while that
+    # count is below 1/2 (``distmoe.privacy.metric_noise``): on this tiny evaluation set the noise can cover it all
+    n, acc = final["n/lookup"], final.get("acc/lookup")
+    assert n >= 0.0 and (0.0 <= acc <= 1.0 if n >= 0.5 else acc is None or acc != acc), (n, acc)
     assert "routing_kl" not in final  # routing metrics are not released under secure aggregation
 
     # parameters changed: round-0 vs round-2 checkpoints; manifest-hashed, atomic names only
