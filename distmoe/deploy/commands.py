@@ -147,7 +147,7 @@ def superlink_command(credentials: str | os.PathLike[str], *, host: str = "127.0
     if not 0 < port < 65536:
         raise DeployError(f"--port: value {port} is not a TCP port")
     db = _abs(database) if database else _abs(Path(flwr_home or ".") / "superlink-state.db")
-    argv = ["flower-superlink",
+    argv = [sys.executable, "-P", "-m", "server.superlink",  # Flower's, message content in memory
             "--ssl-ca-certfile", _abs(creds.superlink_ca),
             "--ssl-certfile", _abs(creds.server_cert),
             "--ssl-keyfile", _abs(creds.server_key),
