@@ -1,7 +1,8 @@
 """The Flower 1.42 commands of a deployment, built from a credentials directory (``distmoe deploy``).
 
 Owns: the exact command line of the coordinator's ``flower-superlink`` (TLS, SuperNode
-authentication, a state database, Flower's state directory ``FLWR_HOME``), of a data owner's
+authentication, a state database, Flower's state directory ``FLWR_HOME``; run through :mod:`server.superlink`, which
+keeps the content of messages in flight in memory), of a data owner's
 ``flower-supernode`` (CA certificate, authentication key, the node config distmoe reads:
 ``data-path``, ``party-name``, ``ledger-key``, ``work-dir`` (default ``<credentials dir>/work``),
 ``epsilon-max``, ``model-path``, and with ``--code-pin`` the owner's pinned ClientApp launcher first on its ``PATH``,
@@ -135,7 +136,8 @@ def superlink_command(credentials: str | os.PathLike[str], *, host: str = "127.0
                       port: int = DEFAULT_SUPERLINK_PORT, database: str | os.PathLike[str] | None = None,
                       flwr_home: str | os.PathLike[str] | None = None,
                       runtime_dependency_installation: bool = False) -> FlowerCommand:
-    """``flower-superlink`` with TLS (CA, certificate, key), SuperNode authentication and a state database.
+    """``flower-superlink`` with TLS (CA, certificate, key), SuperNode authentication and a state database, run
+    through :mod:`server.superlink` (the content of messages in flight in memory, not in the database).
 
     ``database`` defaults to ``<flwr_home>/superlink-state.db`` (or ``./superlink-state.db``): without one
     Flower keeps runs and registered SuperNodes in memory only, lost on restart.
@@ -147,7 +149,7 @@ def superlink_command(credentials: str | os.PathLike[str], *, host: str = "127.0
     if not 0 < port < 65536:
         raise DeployError(f"--port: value {port} is not a TCP port")
     db = _abs(database) if database else _abs(Path(flwr_home or ".") / "superlink-state.db")
-    argv = ["flower-superlink",
+    argv = [sys.executable, "-P", "-m", "server.superlink",  # Flower's, message content in memory
             "--ssl-ca-certfile", _abs(creds.superlink_ca),
             "--ssl-certfile", _abs(creds.server_cert),
             "--ssl-keyfile", _abs(creds.server_key),

@@ -117,17 +117,20 @@ class Ledger:
         """``(head, bytes, sha256 so far)`` of the prefix of ``data`` that an earlier open verified: its note
         (``verified_note``) verifies under this ledger's key and the prefix's SHA-256 is the one it names (the very
         bytes verified, so their entries need not be checked again); ``((-1, GENESIS), 0, sha256())`` otherwise."""
-        payload = read_tagged(verified_note(self.path), self._key, VERIFIED_DOMAIN)  # None: no note of this key's
+        none = (-1, GENESIS), 0, hashlib.sha256()
+        payload = read_tagged(verified_note(self.path), self._key, VERIFIED_DOMAIN)
+        if payload is None:  # no note, or none tagged with this ledger's key
+            return none
         try:
-            note = json.loads(payload) if payload is not None else None
+            note = json.loads(payload)
             n, head = int(note["bytes"]), (int(note["head"][0]), str(note["head"][1]))
             if note["ledger"] == self.path.name and 0 < n <= good and data[n - 1:n] == b"\n":
                 digest = hashlib.sha256(data[:n])
                 if digest.hexdigest() == note["sha256"]:
                     return head, n, digest
-        except (ValueError, KeyError, TypeError, IndexError):  # no note (None[...] is a TypeError), or a bad one
+        except (ValueError, KeyError, TypeError, IndexError):  # a tagged note of the wrong shape
             pass
-        return (-1, GENESIS), 0, hashlib.sha256()
+        return none
 
     def _note_verified(self, good: int, digest: str) -> None:
         """Tag and write the note that the first ``good`` bytes (SHA-256 ``digest``) verified up to this head (a cache:

@@ -108,3 +108,26 @@ def test_the_kept_quiet_rows_rebuild_the_published_pairs_and_the_floor_table(cap
     out = capsys.readouterr().out
     total = next(line for line in out.splitlines() if line.startswith(" >= 1"))
     assert total.split()[3:6] == ["-", "196.00", "100.38"] and "1.95x" in total
+
+
+def test_the_kept_rows_with_message_content_in_the_superlinks_memory_rebuild_the_published_pairs(capsys):
+    """The four ABBA pairs after the coordinator's SuperLink kept message content in memory (``server.superlink``),
+    alone on the machine: ``--table`` prints the pairs and their mean again from the kept rows."""
+    root = _BENCH / "results" / "deploy-round-walkthrough-abba-memstore"
+    pairs = deploy_round.pair_ratios(root, json.loads((root / "bench.json").read_text()))
+    assert [round(p["ratio"], 2) for p in pairs] == [1.84, 1.80, 1.99, 1.85]
+    assert [p["order"][0] for p in pairs] == ["distmoe", "simulated", "distmoe", "simulated"]
+    deploy_round.report(root)
+    assert "mean distmoe / simulated over 4 pairs: 1.87x, 95 % t-interval [1.74, 2.00]" in capsys.readouterr().out
+
+
+def test_the_kept_superlink_store_rows_rebuild_the_published_totals(capsys):
+    """Flower's SQLite object store against the memory one (``server.superlink``), four invocations in the order
+    memory, SQLite, SQLite, memory: distmoe's and the floor's rounds >= 1 as ``--table`` prints them."""
+    totals = {}
+    for run in ("1-memory", "2-sqlite", "3-sqlite", "4-memory"):
+        deploy_round.report(_BENCH / "results" / "deploy-round-superlink-store" / run)
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(" >= 1"))
+        totals[run] = tuple(line.split()[4:6])
+    assert totals == {"1-memory": ("182.43", "84.14"), "2-sqlite": ("206.31", "105.94"),
+                      "3-sqlite": ("255.34", "134.86"), "4-memory": ("220.81", "97.60")}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import shlex
+import sys
 import tomllib
 from pathlib import Path
 
@@ -34,8 +35,8 @@ def test_superlink_command_parses_with_flowers_parser(creds, tmp_path):
     from flwr.superlink.cli.flower_superlink import _parse_args_run_superlink
 
     cmd = dc.superlink_command(creds.root, host="0.0.0.0", port=9300, flwr_home=tmp_path / "home")
-    assert cmd.argv[0] == "flower-superlink"
-    args = _parse_args_run_superlink().parse_args(list(cmd.argv[1:]))
+    assert cmd.argv[:4] == (sys.executable, "-P", "-m", "server.superlink")  # Flower's, content in memory
+    args = _parse_args_run_superlink().parse_args(list(cmd.argv[4:]))
     assert Path(args.ssl_ca_certfile) == creds.superlink_ca.resolve()
     assert Path(args.ssl_certfile) == creds.server_cert.resolve()
     assert Path(args.ssl_keyfile) == creds.server_key.resolve()
