@@ -131,3 +131,24 @@ def test_the_kept_superlink_store_rows_rebuild_the_published_totals(capsys):
         totals[run] = tuple(line.split()[4:6])
     assert totals == {"1-memory": ("182.43", "84.14"), "2-sqlite": ("206.31", "105.94"),
                       "3-sqlite": ("255.34", "134.86"), "4-memory": ("220.81", "97.60")}
+
+
+def test_the_kept_rows_with_the_woken_superexec_rebuild_the_published_pairs(capsys):
+    """The four ABBA pairs after each owner's SuperExec was woken by its SuperNode at a task instead of polling it
+    every 50 ms (``clients.superexec``), alone on the machine: the pairs and their mean from the kept rows."""
+    root = _BENCH / "results" / "deploy-round-walkthrough-abba-wake"
+    pairs = deploy_round.pair_ratios(root, json.loads((root / "bench.json").read_text()))
+    assert [round(p["ratio"], 2) for p in pairs] == [1.66, 1.67, 1.81, 2.12]
+    assert [p["order"][0] for p in pairs] == ["distmoe", "simulated", "distmoe", "simulated"]
+    deploy_round.report(root)
+    assert "mean distmoe / simulated over 4 pairs: 1.81x, 95 % t-interval [1.47, 2.15]" in capsys.readouterr().out
+
+
+def test_the_kept_superexec_wake_rows_rebuild_the_published_totals():
+    """The owner's SuperExec polling its SuperNode every 50 ms (main) against woken at each task
+    (``clients.superexec``), four invocations of ``--arms distmoe --trace`` in the order poll, wake, wake, poll:
+    distmoe's rounds >= 1 from each kept coordinator ledger."""
+    totals = {run: round(sum(r["seconds"] for r in deploy_round.rounds_of(
+        _BENCH / "results" / "deploy-round-superexec-wake" / run / "distmoe-1") if r["round"] >= 1), 1)
+        for run in ("1-poll", "2-wake", "3-wake", "4-poll")}
+    assert totals == {"1-poll": 200.4, "2-wake": 200.0, "3-wake": 190.0, "4-poll": 208.0}
