@@ -30,7 +30,8 @@ import deploy_arms as da  # noqa: E402
 from distmoe.simulate.processes import processes_with_token  # noqa: E402
 
 KINDS = (("server.superlink", "SuperLink"), ("flower-superlink", "SuperLink"), ("flower-superexec", "SuperExec"),
-         ("clients.supernode", "SuperNode"), ("flower-supernode", "SuperNode"), ("clients.warm", "warm worker"))
+         ("clients.superexec", "SuperExec"), ("clients.supernode", "SuperNode"), ("flower-supernode", "SuperNode"),
+         ("clients.warm", "warm worker"))
 TICK = os.sysconf("SC_CLK_TCK")
 
 

@@ -6,7 +6,11 @@ checks for its ClientApp's reply, and for each of the reply's objects, every 0.5
 therefore waits on average 1.5 s before the SuperNode even fetches its message. This launcher runs Flower's own
 ``flower-supernode`` entry point unchanged, with that module's sleeps capped: at ``IDLE_POLL_S`` between asks of
 the SuperLink (5 a second, one small authenticated request each; the SuperLink answers it from its state
-database), at ``LOCAL_POLL_S`` between looks at its own in-memory state (the reply, its content).
+database), at ``LOCAL_POLL_S`` between looks at its own in-memory state (the reply, its content). The SuperExec
+that Flower starts beside it (``flower-superexec``, which starts the ClientApp for each message) is started through
+:mod:`clients.superexec` with a wake pipe (:class:`SuperExecWaker`), and the SuperNode writes to that pipe as soon
+as Flower's loop has created the task for a message (:func:`wake_on_task`): the SuperExec asks for the task at once
+instead of polling the SuperNode 20 times a second.
 
 The SuperNode takes a message from the SuperLink as soon as the ServerApp has pushed its metadata, usually before
 the ServerApp has pushed its content (the SuperLink's ``PullMessages`` does not wait for it); flwr 1.42 then retries
@@ -21,18 +25,22 @@ and the ask repeated after a back-off, and only ``TRANSIENT_MAX`` of them in a r
 ``--code-pin FILE`` first it also starts the SuperNode's warm ClientApp worker
 (:mod:`clients.warm`) before Flower's code runs, so the first message finds it ready.
 
-Must not: change anything of Flower's but those sleeps, back-offs and that retry, or import anything of an app
-bundle.
+Must not: change anything of Flower's but those sleeps, back-offs, that retry and how the SuperExec is started and
+woken, or import anything of an app bundle.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 from clients.pinned import PULL_BACKOFF_CAP_S, PULL_BACKOFF_S
+from clients.superexec import WAKE_FLAG
 from distmoe.deploy.link_errors import TRANSIENT_MAX, backoff, transient
 
 IDLE_POLL_S = 0.2  # seconds, the most the SuperNode sleeps between asks of the SuperLink (flwr's own: 3 s)
@@ -81,6 +89,70 @@ def survive_server_errors(pull, sleep=time.sleep, log=None):
     return guarded
 
 
+class SuperExecWaker:
+    """Starts Flower's SuperExec (the ``flower-superexec`` command of flwr 1.42's SuperNode loop) as
+    ``python -P -m clients.superexec --wake-fd R <Flower's arguments>``, R the read end of a pipe it keeps the write
+    end of; ``wake`` writes one byte to it (never blocks: a full pipe already holds a wake; a closed one, a
+    SuperExec that ended, is dropped). Any other command is started as it is."""
+
+    def __init__(self):
+        self.fd: int | None = None
+
+    def popen(self, command, **kwargs):
+        if list(command[:1]) != ["flower-superexec"]:
+            return subprocess.Popen(command, **kwargs)
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        try:
+            proc = subprocess.Popen([sys.executable, "-P", "-m", "clients.superexec", WAKE_FLAG, str(read),
+                                     *command[1:]], pass_fds=(read,), **kwargs)
+        except BaseException:
+            os.close(write)
+            raise
+        finally:
+            os.close(read)
+        self.close()
+        self.fd = write
+        return proc
+
+    def wake(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.write(self.fd, b"w")
+        except BlockingIOError:
+            pass
+        except OSError:  # the SuperExec is gone (broken pipe)
+            self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def wake_on_task(pull, wake):
+    """``pull`` (Flower's ``_pull_and_store_message``) whose node state calls ``wake()`` right after each task it
+    creates: flwr 1.42 creates the ClientApp's task once the message's metadata is in, before pulling its content,
+    so the SuperExec starts the ClientApp while the content is still arriving, as with a poll, without the wait."""
+
+    def woken(*args, **kwargs):
+        state = kwargs.get("state")
+        if state is not None and not getattr(state, "_distmoe_wakes", False):
+            create = state.create_task
+
+            def create_task(*a, **kw):
+                task_id = create(*a, **kw)
+                if task_id is not None:
+                    wake()
+                return task_id
+
+            state.create_task, state._distmoe_wakes = create_task, True
+        return pull(*args, **kwargs)
+
+    return woken
+
+
 def _warn(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -107,8 +179,10 @@ def main(argv: list[str] | None = None) -> None:
     if pin_file is not None and host and port:  # the warm worker imports while the SuperNode connects
         warm.prestart(pin_file, resolve_bind_address(f"{host}:{port}"))
     shorten_waits(start_client_internal)
-    start_client_internal._pull_and_store_message = survive_server_errors(
-        start_client_internal._pull_and_store_message)
+    waker = SuperExecWaker()
+    start_client_internal.subprocess = types.SimpleNamespace(Popen=waker.popen)
+    start_client_internal._pull_and_store_message = wake_on_task(survive_server_errors(
+        start_client_internal._pull_and_store_message), waker.wake)
     sys.argv = ["flower-supernode", *args]
     flower_supernode()
 

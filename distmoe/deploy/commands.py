@@ -44,8 +44,9 @@ from distmoe.deploy.pin import CodePinError, pin_dir_of
 DEFAULT_SUPERLINK_PORT = 8000  # flower-superlink's default (--port)
 DEFAULT_SUPERNODE_PORT = 9094  # flower-supernode's local Runtime API (--port); one per SuperNode on a host
 DEFAULT_CONNECTION = "distmoe"
-# flwr 1.42's SuperExec asks its SuperNode for a task every second unless this says otherwise
-SUPEREXEC_POLL_ENV, SUPEREXEC_POLL_S = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.05"
+# flwr 1.42's SuperExec asks its SuperNode for a task every second unless this says otherwise; the owner's SuperNode
+# launcher (clients/supernode.py) wakes it as soon as there is a task, so this is only its fallback
+SUPEREXEC_POLL_ENV, SUPEREXEC_POLL_S = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.5"
 # Environment for every Flower process: no telemetry or update check (no network beyond the federation).
 QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
 

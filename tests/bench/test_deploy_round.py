@@ -11,6 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import pytest
 from scipy import stats as sps
 
 _BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -110,15 +111,20 @@ def test_the_kept_quiet_rows_rebuild_the_published_pairs_and_the_floor_table(cap
     assert total.split()[3:6] == ["-", "196.00", "100.38"] and "1.95x" in total
 
 
-def test_the_kept_rows_with_message_content_in_the_superlinks_memory_rebuild_the_published_pairs(capsys):
-    """The four ABBA pairs after the coordinator's SuperLink kept message content in memory (``server.superlink``),
-    alone on the machine: ``--table`` prints the pairs and their mean again from the kept rows."""
-    root = _BENCH / "results" / "deploy-round-walkthrough-abba-memstore"
+@pytest.mark.parametrize("kept, ratios, mean", [
+    # the coordinator's SuperLink kept message content in memory (``server.superlink``)
+    ("deploy-round-walkthrough-abba-memstore", [1.84, 1.80, 1.99, 1.85], "1.87x, 95 % t-interval [1.74, 2.00]"),
+    # then each owner's SuperExec woken by its SuperNode at a task instead of polling every 50 ms (clients.superexec)
+    ("deploy-round-walkthrough-abba-wake", [1.66, 1.67, 1.81, 2.12], "1.81x, 95 % t-interval [1.47, 2.15]"),
+])
+def test_the_kept_abba_rows_alone_on_the_machine_rebuild_the_published_pairs(kept, ratios, mean, capsys):
+    """Four ABBA pairs alone on the machine: ``--table`` prints the pairs and their mean again from the kept rows."""
+    root = _BENCH / "results" / kept
     pairs = deploy_round.pair_ratios(root, json.loads((root / "bench.json").read_text()))
-    assert [round(p["ratio"], 2) for p in pairs] == [1.84, 1.80, 1.99, 1.85]
+    assert [round(p["ratio"], 2) for p in pairs] == ratios
     assert [p["order"][0] for p in pairs] == ["distmoe", "simulated", "distmoe", "simulated"]
     deploy_round.report(root)
-    assert "mean distmoe / simulated over 4 pairs: 1.87x, 95 % t-interval [1.74, 2.00]" in capsys.readouterr().out
+    assert f"mean distmoe / simulated over 4 pairs: {mean}" in capsys.readouterr().out
 
 
 def test_the_kept_superlink_store_rows_rebuild_the_published_totals(capsys):
@@ -131,3 +137,13 @@ def test_the_kept_superlink_store_rows_rebuild_the_published_totals(capsys):
         totals[run] = tuple(line.split()[4:6])
     assert totals == {"1-memory": ("182.43", "84.14"), "2-sqlite": ("206.31", "105.94"),
                       "3-sqlite": ("255.34", "134.86"), "4-memory": ("220.81", "97.60")}
+
+
+def test_the_kept_superexec_wake_rows_rebuild_the_published_totals():
+    """The owner's SuperExec polling its SuperNode every 50 ms (main) against woken at each task
+    (``clients.superexec``), four invocations of ``--arms distmoe --trace`` in the order poll, wake, wake, poll:
+    distmoe's rounds >= 1 from each kept coordinator ledger."""
+    totals = {run: round(sum(r["seconds"] for r in deploy_round.rounds_of(
+        _BENCH / "results" / "deploy-round-superexec-wake" / run / "distmoe-1") if r["round"] >= 1), 1)
+        for run in ("1-poll", "2-wake", "3-wake", "4-poll")}
+    assert totals == {"1-poll": 200.4, "2-wake": 200.0, "3-wake": 190.0, "4-poll": 208.0}
