@@ -85,7 +85,7 @@ def _one(args, build, note: str) -> int:
 def cmd_deploy_superlink(args) -> int:
     return _one(args, lambda: dc.superlink_command(
         args.credentials, host=args.host, port=args.port, database=args.database, flwr_home=args.flwr_home,
-        runtime_dependency_installation=args.allow_runtime_dependency_installation),
+        runtime_dependency_installation=args.allow_runtime_dependency_installation, link_state=args.link_state),
         "# next: 'distmoe deploy connection' for the flwr CLI, then 'distmoe deploy register'. "
         "Use --host 0.0.0.0 when data owners connect from other machines.")
 
@@ -198,6 +198,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=int, default=dc.DEFAULT_SUPERLINK_PORT, help="the one HTTPS port (Fleet, "
                                                                              "Control, Runtime APIs)")
     s.add_argument("--database", metavar="PATH", help="state database (default: FLWR_HOME/superlink-state.db)")
+    s.add_argument("--link-state", choices=("memory", "database"), default="memory",
+                   help="memory: runs and messages in memory, SuperNode registrations in the database (default); "
+                        "database: Flower's link state in the database, runs still listed after a restart")
     s.add_argument("--allow-runtime-dependency-installation", action="store_true",
                    help="let Flower install the app's dependencies per run (off by default)")
     common(s, "the SuperLink")

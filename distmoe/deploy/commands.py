@@ -136,12 +136,14 @@ def node_config_string(items: Mapping[str, str | float | int]) -> str:
 def superlink_command(credentials: str | os.PathLike[str], *, host: str = "127.0.0.1",
                       port: int = DEFAULT_SUPERLINK_PORT, database: str | os.PathLike[str] | None = None,
                       flwr_home: str | os.PathLike[str] | None = None,
-                      runtime_dependency_installation: bool = False) -> FlowerCommand:
+                      runtime_dependency_installation: bool = False, link_state: str = "memory") -> FlowerCommand:
     """``flower-superlink`` with TLS (CA, certificate, key), SuperNode authentication and a state database, run
-    through :mod:`server.superlink` (the content of messages in flight in memory, not in the database).
+    through :mod:`server.superlink`: the content of messages in flight in memory, and with ``link_state``
+    ``"memory"`` (the default) runs and messages too, the SuperNode registrations in the database; ``"database"``
+    keeps Flower's link state (runs, registrations, messages' metadata) in the database.
 
-    ``database`` defaults to ``<flwr_home>/superlink-state.db`` (or ``./superlink-state.db``): without one
-    Flower keeps runs and registered SuperNodes in memory only, lost on restart.
+    ``database`` defaults to ``<flwr_home>/superlink-state.db`` (or ``./superlink-state.db``); one is always
+    given, so that the SuperNode registrations survive a restart.
     """
     creds = read_credentials(credentials)
     for path, what in ((creds.superlink_ca, "CA certificate"), (creds.server_cert, "server certificate"),
@@ -149,8 +151,11 @@ def superlink_command(credentials: str | os.PathLike[str], *, host: str = "127.0
         _need_file(path, what)
     if not 0 < port < 65536:
         raise DeployError(f"--port: value {port} is not a TCP port")
+    if link_state not in ("memory", "database"):
+        raise DeployError(f"--link-state: value {link_state!r} is not one of memory, database")
     db = _abs(database) if database else _abs(Path(flwr_home or ".") / "superlink-state.db")
-    argv = [sys.executable, "-P", "-m", "server.superlink",  # Flower's, message content in memory
+    argv = [sys.executable, "-P", "-m", "server.superlink",  # Flower's, its working state in memory
+            "--link-state", link_state,
             "--ssl-ca-certfile", _abs(creds.superlink_ca),
             "--ssl-certfile", _abs(creds.server_cert),
             "--ssl-keyfile", _abs(creds.server_key),

@@ -116,6 +116,8 @@ def test_the_kept_quiet_rows_rebuild_the_published_pairs_and_the_floor_table(cap
     ("deploy-round-walkthrough-abba-memstore", [1.84, 1.80, 1.99, 1.85], "1.87x, 95 % t-interval [1.74, 2.00]"),
     # then each owner's SuperExec woken by its SuperNode at a task instead of polling every 50 ms (clients.superexec)
     ("deploy-round-walkthrough-abba-wake", [1.66, 1.67, 1.81, 2.12], "1.81x, 95 % t-interval [1.47, 2.15]"),
+    # then the SuperLink's link state in memory too, the SuperNode registrations written through to its database
+    ("deploy-round-walkthrough-abba-linkmem", [1.45, 1.48, 1.65, 1.46], "1.51x, 95 % t-interval [1.36, 1.66]"),
 ])
 def test_the_kept_abba_rows_alone_on_the_machine_rebuild_the_published_pairs(kept, ratios, mean, capsys):
     """Four ABBA pairs alone on the machine: ``--table`` prints the pairs and their mean again from the kept rows."""
@@ -147,3 +149,13 @@ def test_the_kept_superexec_wake_rows_rebuild_the_published_totals():
         _BENCH / "results" / "deploy-round-superexec-wake" / run / "distmoe-1") if r["round"] >= 1), 1)
         for run in ("1-poll", "2-wake", "3-wake", "4-poll")}
     assert totals == {"1-poll": 200.4, "2-wake": 200.0, "3-wake": 190.0, "4-poll": 208.0}
+
+
+def test_the_kept_link_state_rows_rebuild_the_published_totals():
+    """The SuperLink's link state in memory (``server.superlink --link-state memory``, ``1-memory``) against Flower's
+    in its SQLite database (main, ``2-sqlite``), ``--schedule bench --arms distmoe --trace``: distmoe's rounds >= 1
+    from each kept coordinator ledger."""
+    totals = {run: round(sum(r["seconds"] for r in deploy_round.rounds_of(
+        _BENCH / "results" / "deploy-round-link-state" / run / "distmoe-1") if r["round"] >= 1), 1)
+        for run in ("1-memory", "2-sqlite")}
+    assert totals == {"1-memory": 31.9, "2-sqlite": 66.9}

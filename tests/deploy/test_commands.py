@@ -35,8 +35,12 @@ def test_superlink_command_parses_with_flowers_parser(creds, tmp_path):
     from flwr.superlink.cli.flower_superlink import _parse_args_run_superlink
 
     cmd = dc.superlink_command(creds.root, host="0.0.0.0", port=9300, flwr_home=tmp_path / "home")
-    assert cmd.argv[:4] == (sys.executable, "-P", "-m", "server.superlink")  # Flower's, content in memory
-    args = _parse_args_run_superlink().parse_args(list(cmd.argv[4:]))
+    assert cmd.argv[:4] == (sys.executable, "-P", "-m", "server.superlink")  # Flower's, its state in memory
+    from server.superlink import split_link_state
+
+    link_state, flowers = split_link_state(list(cmd.argv[4:]))  # the launcher's own flag, the rest Flower's
+    assert link_state == "memory"
+    args = _parse_args_run_superlink().parse_args(flowers)
     assert Path(args.ssl_ca_certfile) == creds.superlink_ca.resolve()
     assert Path(args.ssl_certfile) == creds.server_cert.resolve()
     assert Path(args.ssl_keyfile) == creds.server_key.resolve()
@@ -52,6 +56,10 @@ def test_superlink_command_parses_with_flowers_parser(creds, tmp_path):
     with_deps = dc.superlink_command(creds.root, database=tmp_path / "s.db", runtime_dependency_installation=True)
     assert "--disable-runtime-dependency-installation" not in with_deps.argv
     assert with_deps.argv[with_deps.argv.index("--database") + 1] == str((tmp_path / "s.db").resolve())
+    flowers_state = dc.superlink_command(creds.root, link_state="database")
+    assert flowers_state.argv[flowers_state.argv.index("--link-state") + 1] == "database"
+    with pytest.raises(dc.DeployError, match="--link-state: value 'disk' is not one of memory, database"):
+        dc.superlink_command(creds.root, link_state="disk")
 
 
 @pytest.mark.parametrize("odd", ["plain", "with space", 'with"quote', "back\\slash"])

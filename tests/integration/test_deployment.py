@@ -178,8 +178,10 @@ def _record(run_dir: Path) -> dict:
         return {}
 
 
-def _federation(dep: Deployment, tmp_path: Path, parties: list[str], register: list[str]):
-    """Credentials, a TLS + node-auth SuperLink, the CLI's connection, and the registration of ``register``.
+def _federation(dep: Deployment, tmp_path: Path, parties: list[str], register: list[str],
+                link_state: str = "memory"):
+    """Credentials, a TLS + node-auth SuperLink (``--link-state link_state``), the CLI's connection, and the
+    registration of ``register``.
 
     Returns (credentials dir, SuperLink port, CLI FLWR_HOME, {party: node id from the registration}).
     """
@@ -198,7 +200,7 @@ def _federation(dep: Deployment, tmp_path: Path, parties: list[str], register: l
     port = dep.port()
     dep.start("superlink", [*DISTMOE, "deploy", "superlink", "--credentials", str(creds), "--port", str(port),
                             "--database", str(tmp_path / "state.db"), "--flwr-home", str(tmp_path / "flwr-superlink"),
-                            "--exec"], tmp_path / "flwr-superlink")
+                            "--link-state", link_state, "--exec"], tmp_path / "flwr-superlink")
     cli_home = tmp_path / "flwr-cli"
     dep.distmoe(["deploy", "connection", "--credentials", str(creds), "--address", f"127.0.0.1:{port}", "--name", CONN,
                  "--write", "--flwr-home", str(cli_home), "--timeout", str(CLI_TIMEOUT)], cli_home)

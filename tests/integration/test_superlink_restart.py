@@ -3,10 +3,12 @@ or an out-of-memory kill does) and restarted on the same state database, port an
 ``test_deployment.py`` (TLS, SuperNode authentication, three pinned owners' SuperNodes through
 ``distmoe deploy supernode``).
 
-A SuperLink whose state database is locked (as another writer or a stalled disk does) answers each SuperNode's ask
-for a message with HTTP 500 after SQLite's 5 s busy wait (``database is locked``): flwr 1.42's SuperNode ends its
-loop at the first and takes no more messages; ``clients.supernode`` asks again after a back-off, so each owner's
-SuperNode logs the failures, stays up and is online again once the lock is gone.
+A SuperLink that keeps Flower's link state in its database (``--link-state database``, or a stock
+``flower-superlink``) and whose database is locked (as another writer or a stalled disk does) answers each
+SuperNode's ask for a message with HTTP 500 after SQLite's 5 s busy wait (``database is locked``): flwr 1.42's
+SuperNode ends its loop at the first and takes no more messages; ``clients.supernode`` asks again after a back-off,
+so each owner's SuperNode logs the failures, stays up and is online again once the lock is gone. (With the default
+``--link-state memory`` no ask touches the database: only a registration does.)
 
 What flwr 1.42 does on a SuperLink killed mid-run, and what this test holds it to (``docs/deploy.md`` §1.2, "When
 the SuperLink stops"): the run's ServerApp does not outlive its SuperLink (the SuperLink's SuperExec watches the
@@ -72,13 +74,13 @@ def _superlink(dep: td.Deployment, tmp_path: Path, creds: Path, port: int, name:
                             str(tmp_path / "flwr-superlink"), "--exec"], tmp_path / "flwr-superlink")
 
 
-def _owners(dep: td.Deployment, tmp_path: Path):
+def _owners(dep: td.Deployment, tmp_path: Path, link_state: str = "memory"):
     """Three registered owners' SuperNodes online: (names, data dirs, credentials, port, CLI home, ids, nodes)."""
     names = [f"party-{i}" for i in range(td.N_PARTIES)]
     parties = write_synthetic(tmp_path / "data", td.N_PARTIES, 24, 0, canaries=1)
     for pdir in parties:
         make_private(pdir)
-    creds, port, cli_home, ids = td._federation(dep, tmp_path, names, register=names)
+    creds, port, cli_home, ids = td._federation(dep, tmp_path, names, register=names, link_state=link_state)
     nodes = [td._start_supernode(dep, tmp_path, creds, name, port, pdir) for name, pdir in zip(names, parties,
                                                                                                 strict=True)]
     td._wait_online(dep, cli_home, set(ids.values()), [dep.procs[0], *nodes])
@@ -89,7 +91,7 @@ def _owners(dep: td.Deployment, tmp_path: Path):
 def test_supernodes_outlast_a_superlink_that_fails_their_asks_for_a_while(deployment: td.Deployment,
                                                                           tmp_path: Path):
     dep = deployment
-    names, _, _, _, cli_home, ids, nodes = _owners(dep, tmp_path)
+    names, _, _, _, cli_home, ids, nodes = _owners(dep, tmp_path, link_state="database")
     db = sqlite3.connect(str(tmp_path / "state.db"), timeout=30, isolation_level=None)
     try:
         db.execute("BEGIN EXCLUSIVE")  # every write of the SuperLink (each ask's claim of a message) now fails
