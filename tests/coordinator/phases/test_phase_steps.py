@@ -111,7 +111,7 @@ def test_eval_sends_the_reference_model_and_the_anchor_only_where_a_party_uses_t
     """Under secure aggregation a party computes only per-example scores of the global weights: the eval instruction
     carries no reference model (a second copy of the weights) and no anchor; in plaintext both, for the routing
     figures (``party.work.run_eval``)."""
-    ctx = make_ctx("stats:arith, sft:strings, eval", rnd=3, **{"privacy.mode": "secure" if secure else "plaintext"})
+    ctx = make_ctx("stats:arith, sft:strings, eval", rnd=3, **{"privacy.mode": "secagg" if secure else "plaintext"})
     assert ctx.cfg.privacy.secure is secure
     stats, first = PHASES["stats"], ctx.cfg.schedule.phases[0]  # an anchor, as a released stats sum makes it
     total = np.ones((ctx.mspec.num_moe_layers, ctx.mspec.num_experts))  # [L, E]
