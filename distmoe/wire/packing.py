@@ -1,4 +1,5 @@
-"""Packing at the Flower message boundary: a message's records travel as one ArrayRecord and one ConfigRecord.
+"""Packing at the Flower message boundary: a message's records travel as one ArrayRecord and one ConfigRecord
+(a short message as the ConfigRecord alone).
 
 Flower 1.42 moves a message as content-addressed objects, one request per object on each of its three hops
 (ServerApp -> SuperLink -> SuperNode -> ClientApp, and back): the message, its record dict, each record, each
