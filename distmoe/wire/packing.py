@@ -1,4 +1,5 @@
-"""Packing at the Flower message boundary: a message's records travel as one ArrayRecord and one ConfigRecord.
+"""Packing at the Flower message boundary: a message's records travel as one ArrayRecord and one ConfigRecord
+(a short message as the ConfigRecord alone).
 
 Flower 1.42 moves a message as content-addressed objects, one request per object on each of its three hops
 (ServerApp -> SuperLink -> SuperNode -> ClientApp, and back): the message, its record dict, each record, each
@@ -8,7 +9,10 @@ holding each ArrayRecord as one uint8 ``.npy`` array (its arrays' ``.npy`` bytes
 name, and ``MANIFEST``, one ConfigRecord: per array its record, key, dtype, stype, shape and byte range; the record
 names in order with their kinds; and every ConfigRecord and MetricRecord value as it is (``v<i>``, with its record
 and key). An ArrayRecord shared by several messages (the global weights of a stage) packs to the same bytes in
-each, so Flower still pushes its object once.
+each, so Flower still pushes its object once. A short message (its arrays ``INLINE_MAX`` bytes or less in all: a
+SecAgg stage, a masked sum of evaluation counts or router statistics) carries its records' packed bytes inside the
+manifest instead (``inline``: the record names, ``a<j>``: each one's bytes), so it is three objects (the message, its
+record dict, the manifest) instead of six: each object is a request on each hop, two at a time.
 
 ``pack`` runs where a message is built (``codec.instruction_content`` / ``codec.reply_content``, and the in-process
 transport); ``unpack`` is the first step of each receiver's guard (``party_guard.serve``, ``ServerGuard.inbound``)
@@ -35,7 +39,8 @@ from distmoe.wire.records import WireError
 
 PACKED = "packed"  # ArrayRecord: record name -> that record's arrays as one uint8 .npy array
 MANIFEST = "packed_manifest"  # ConfigRecord: the arrays' names, layout and byte ranges (``_FIELDS``)
-_STR_FIELDS = ("order", "kinds", "records", "keys", "dtypes", "stypes", "value_records", "value_keys")
+INLINE_MAX = 256 * 1024  # bytes: a message whose arrays hold at most this many travels as the manifest alone
+_STR_FIELDS = ("order", "kinds", "records", "keys", "dtypes", "stypes", "value_records", "value_keys", "inline")
 _INT_FIELDS = ("ndims", "dims", "offsets", "sizes")
 _FIELDS = frozenset(_STR_FIELDS + _INT_FIELDS)
 
@@ -51,8 +56,8 @@ def _u8_npy(parts: list[bytes]) -> bytes:
 _SEGMENT = ("records", "keys", "dtypes", "stypes", "ndims", "dims", "offsets", "sizes")  # one array record's fields
 
 
-def _pack_record(name: str, rec: ArrayRecord) -> tuple[dict[str, list], Array]:
-    """One ArrayRecord's manifest fields (``_SEGMENT``; offsets from its own first byte) and its packed array."""
+def _segment(name: str, rec: ArrayRecord) -> tuple[dict[str, list], list[bytes]]:
+    """One ArrayRecord's manifest fields (``_SEGMENT``; offsets from its own first byte) and its arrays' bytes."""
     seg: dict[str, list] = {f: [] for f in _SEGMENT}
     parts, offset = [], 0
     for key, arr in rec.items():
@@ -67,13 +72,21 @@ def _pack_record(name: str, rec: ArrayRecord) -> tuple[dict[str, list], Array]:
         seg["sizes"].append(len(data))
         parts.append(data)
         offset += len(data)
-    return seg, Array(dtype="uint8", shape=(offset,), stype=inspect.STYPE, data=_u8_npy(parts))
+    return seg, parts
 
 
-def pack(content: RecordDict, memo=None) -> RecordDict:
+def _pack_record(name: str, rec: ArrayRecord) -> tuple[dict[str, list], Array]:
+    """One ArrayRecord's manifest fields and its packed array."""
+    seg, parts = _segment(name, rec)
+    size = sum(len(p) for p in parts)
+    return seg, Array(dtype="uint8", shape=(size,), stype=inspect.STYPE, data=_u8_npy(parts))
+
+
+def pack(content: RecordDict, memo=None, inline_max: int = INLINE_MAX) -> RecordDict:
     """``content`` packed (module docstring): the ``PACKED`` ArrayRecord (when it has arrays) and ``MANIFEST``.
     ``memo`` (the exchange's ``server_guard.ExchangeMemo``): an ArrayRecord object that several of its messages carry
-    (one model's weights to every party) is packed once and its packed array shared (arrays are never changed)."""
+    (one model's weights to every party) is packed once and its packed array shared (arrays are never changed).
+    Arrays of ``inline_max`` bytes or less in all travel inside the manifest (0: never)."""
     if PACKED in content or MANIFEST in content:
         raise WireError(f"record names {PACKED!r} and {MANIFEST!r} are reserved for packing (already packed?)")
     if not len(content):
@@ -81,6 +94,8 @@ def pack(content: RecordDict, memo=None) -> RecordDict:
     man: dict[str, list] = {f: [] for f in _STR_FIELDS + _INT_FIELDS}
     man["order"] = list(content.keys())
     packed, values = {}, {}
+    inline = inline_max > 0 and sum(len(a.data) for rec in content.values() if isinstance(rec, ArrayRecord)
+                                    for a in rec.values()) <= inline_max
     for name, rec in content.items():
         if not isinstance(rec, ArrayRecord):  # a ConfigRecord's or MetricRecord's values, each as it is
             man["kinds"].append("metric" if isinstance(rec, MetricRecord) else "config")
@@ -90,8 +105,13 @@ def pack(content: RecordDict, memo=None) -> RecordDict:
                 man["value_keys"].append(key)
             continue
         man["kinds"].append("array")
-        seg, packed[name] = (_pack_record(name, rec) if memo is None else
-                             memo.once("pack", (rec,), lambda n=name, r=rec: _pack_record(n, r), (name,)))
+        if inline:
+            seg, parts = _segment(name, rec)
+            values[f"a{len(man['inline'])}"] = b"".join(parts)
+            man["inline"].append(name)
+        else:
+            seg, packed[name] = (_pack_record(name, rec) if memo is None else
+                                 memo.once("pack", (rec,), lambda n=name, r=rec: _pack_record(n, r), (name,)))
         for f in _SEGMENT:
             man[f].extend(seg[f])
     out = {PACKED: ArrayRecord(array_dict=packed)} if packed else {}
@@ -103,10 +123,12 @@ def _manifest(rec: object) -> dict[str, list]:
     if not isinstance(rec, ConfigRecord):
         raise WireError(f"packing: {MANIFEST!r} is not a ConfigRecord")
     nv = len(rec["value_keys"]) if isinstance(rec.get("value_keys"), list) else 0
-    if set(rec.keys()) != _FIELDS | {f"v{i}" for i in range(nv)}:
-        extra = sorted(set(rec.keys()) - _FIELDS - {f"v{i}" for i in range(nv)})
-        raise WireError(f"packing: manifest fields: missing {sorted(_FIELDS - set(rec.keys()))}, unexpected "
-                        f"{extra[:5]} (values v0..v{nv - 1})")
+    na = len(rec["inline"]) if isinstance(rec.get("inline"), list) else 0
+    want = _FIELDS | {f"v{i}" for i in range(nv)} | {f"a{j}" for j in range(na)}
+    if set(rec.keys()) != want:
+        extra = sorted(set(rec.keys()) - want)
+        raise WireError(f"packing: manifest fields: missing {sorted(want - set(rec.keys()))[:5]}, unexpected "
+                        f"{extra[:5]} (values v0..v{nv - 1}, inline records a0..a{na - 1})")
     man = {}
     for f in _FIELDS:
         v = rec[f]
@@ -127,6 +149,9 @@ def _manifest(rec: object) -> dict[str, list]:
         raise WireError(f"packing: manifest kinds {sorted(set(man['kinds']))} (array, config, metric) or a record "
                         "named twice in its order")
     man["values"] = [rec[f"v{i}"] for i in range(nv)]
+    man["inline_bytes"] = [rec[f"a{j}"] for j in range(na)]
+    if not all(type(b) is bytes for b in man["inline_bytes"]):
+        raise WireError("packing: an inline record's value (a<j>) is not bytes")
     return man
 
 
@@ -160,16 +185,18 @@ def unpack(content: RecordDict) -> RecordDict:
         raise WireError(f"packing: {PACKED!r} is not an ArrayRecord")
     man = _manifest(content[MANIFEST])
     arrays = [name for name, kind in zip(man["order"], man["kinds"], strict=True) if kind == "array"]
-    if sorted(arrays) != sorted(packed.keys()):
-        raise WireError(f"packing: the manifest's array records {sorted(arrays)} != the packed {sorted(packed.keys())}")
+    carried = list(packed.keys()) + man["inline"]
+    if sorted(arrays) != sorted(carried):
+        raise WireError(f"packing: the manifest's array records {sorted(arrays)} != the packed {sorted(carried)} "
+                        "(each once, in the packed record or inline)")
     rest = _values(man)
     order = man["order"]
-    unknown = sorted(set(man["records"]) - set(packed.keys()))
+    unknown = sorted(set(man["records"]) - set(carried))
     if unknown:
         raise WireError(f"packing: manifest names records {unknown} that are not packed")
-    records: dict[str, dict[str, Array]] = {name: {} for name in packed.keys()}
-    ends = dict.fromkeys(packed.keys(), 0)
-    blobs = {}
+    records: dict[str, dict[str, Array]] = {name: {} for name in carried}
+    ends = dict.fromkeys(carried, 0)
+    blobs = {name: np.frombuffer(b, np.uint8) for name, b in zip(man["inline"], man["inline_bytes"], strict=True)}
     for name, arr in packed.items():
         try:
             blobs[name] = inspect.check_array(arr, f"packing: {PACKED}.{name}", dtype=np.uint8, finite=False)
@@ -201,7 +228,7 @@ def unpack(content: RecordDict) -> RecordDict:
             raise WireError(f"{where}: its bytes hold {dt}{list(shp)}, "
                             f"the manifest says {man['dtypes'][i]}{list(shape)}")
         records[name][key] = Array(dtype=man["dtypes"][i], shape=shape, stype=inspect.STYPE, data=data)
-    short = sorted(f"{name} ({ends[name]} of {blobs[name].size} bytes)" for name in packed.keys()
+    short = sorted(f"{name} ({ends[name]} of {blobs[name].size} bytes)" for name in carried
                    if ends[name] != blobs[name].size)
     if short:
         raise WireError(f"packing: the manifest's arrays do not cover the packed records: {', '.join(short)}")

@@ -118,6 +118,9 @@ def test_the_kept_quiet_rows_rebuild_the_published_pairs_and_the_floor_table(cap
     ("deploy-round-walkthrough-abba-wake", [1.66, 1.67, 1.81, 2.12], "1.81x, 95 % t-interval [1.47, 2.15]"),
     # then the SuperLink's link state in memory too, the SuperNode registrations written through to its database
     ("deploy-round-walkthrough-abba-linkmem", [1.45, 1.48, 1.65, 1.46], "1.51x, 95 % t-interval [1.36, 1.66]"),
+    # then a short message's arrays inside its manifest (three objects, ``wire.packing``), and an evaluation under
+    # secure aggregation without the reference model and the anchor (``coordinator.phases.evaluate``)
+    ("deploy-round-walkthrough-abba-inline", [1.35, 1.45, 1.38, 1.48], "1.41x, 95 % t-interval [1.32, 1.51]"),
 ])
 def test_the_kept_abba_rows_alone_on_the_machine_rebuild_the_published_pairs(kept, ratios, mean, capsys):
     """Four ABBA pairs alone on the machine: ``--table`` prints the pairs and their mean again from the kept rows."""
@@ -159,3 +162,13 @@ def test_the_kept_link_state_rows_rebuild_the_published_totals():
         _BENCH / "results" / "deploy-round-link-state" / run / "distmoe-1") if r["round"] >= 1), 1)
         for run in ("1-memory", "2-sqlite")}
     assert totals == {"1-memory": 31.9, "2-sqlite": 66.9}
+
+
+def test_the_kept_inline_rows_rebuild_the_published_totals():
+    """A short message as six Flower objects (main, ``1-six``, ``3-six``) against three, its arrays inside the
+    manifest (``wire.packing``; ``2-three``, ``4-three``), alternating, ``--schedule bench --arms distmoe --trace``:
+    distmoe's rounds >= 1 from each kept coordinator ledger."""
+    totals = {run: round(sum(r["seconds"] for r in deploy_round.rounds_of(
+        _BENCH / "results" / "deploy-round-inline" / run / "distmoe-1") if r["round"] >= 1), 1)
+        for run in ("1-six", "2-three", "3-six", "4-three")}
+    assert totals == {"1-six": 34.2, "2-three": 27.9, "3-six": 33.7, "4-three": 29.7}

@@ -30,12 +30,17 @@ class Evaluate(PhaseStep):
     kind = "eval"
 
     def configure(self, co: RunContext, phase: Phase) -> EvalInstruction:
+        """Under secure aggregation a party releases only its per-example scores of ``weights``
+        (``party.work.eval_scores``), so the reference model and the anchor, which only the plaintext routing
+        figures use, are not sent: each would be one more copy of the model on the wire for nothing."""
         s = co.s
         tasks = tuple(s.trained_tasks) or co.cfg.schedule.tasks
+        routing = not co.cfg.privacy.secure  # the routing figures against the reference and the anchor
         return EvalInstruction(round=s.round, tasks=tasks, new_task=s.current_task or "",
                                weights=co.np_weights(s.weights), base_hash=co.tspec.base_hash,
-                               ref_weights=co.np_weights(s.ref_weights) if s.ref_weights is not None else None,
-                               anchor=s.anchor.probs if s.anchor is not None else None,
+                               ref_weights=(co.np_weights(s.ref_weights) if routing and s.ref_weights is not None
+                                            else None),
+                               anchor=s.anchor.probs if routing and s.anchor is not None else None,
                                anchor_version=s.anchor.meta.version if s.anchor is not None else 0)
 
     def request(self, co: RunContext, index: int, phase: Phase, instr: EvalInstruction) -> SumRequest:

@@ -106,6 +106,28 @@ def test_eval_reports_retention_against_the_baseline_of_the_current_task(make_ct
     assert "retention arith 0.75" in line and s.last_eval["all"]["acc/arith"] == 0.6
 
 
+@pytest.mark.parametrize("secure", [True, False])
+def test_eval_sends_the_reference_model_and_the_anchor_only_where_a_party_uses_them(make_ctx, secure):
+    """Under secure aggregation a party computes only per-example scores of the global weights: the eval instruction
+    carries no reference model (a second copy of the weights) and no anchor; in plaintext both, for the routing
+    figures (``party.work.run_eval``)."""
+    ctx = make_ctx("stats:arith, sft:strings, eval", rnd=3, **{"privacy.mode": "secagg" if secure else "plaintext"})
+    assert ctx.cfg.privacy.secure is secure
+    stats, first = PHASES["stats"], ctx.cfg.schedule.phases[0]  # an anchor, as a released stats sum makes it
+    total = np.ones((ctx.mspec.num_moe_layers, ctx.mspec.num_experts))  # [L, E]
+    ctx.s, _ = stats.aggregate(ctx, 1, first, stats.configure(ctx, first), StatsSum(total, 3, 3, ""))
+    ref = {k: v.clone() + 1 for k, v in ctx.s.weights.items()}
+    ctx.s = replace(ctx.s, trained_tasks=["arith", "strings"], current_task="strings", ref_weights=ref)
+    instr = PHASES["eval"].configure(ctx, ctx.cfg.schedule.phases[2])
+    assert set(instr.weights) == set(ctx.s.weights) and instr.anchor_version == 1
+    if secure:
+        assert instr.ref_weights is None and instr.anchor is None
+    else:
+        assert set(instr.ref_weights) == set(ref) and instr.anchor is not None
+        k = next(iter(ref))
+        np.testing.assert_array_equal(instr.ref_weights[k], ref[k].numpy())
+
+
 def test_eval_says_retention_is_undefined_against_a_noise_baseline_and_near_zero_against_a_noise_accuracy(
         make_ctx, read_metrics):
     """An earlier accuracy within its noise of 0: retention is undefined, ``null`` in metrics.jsonl and
