@@ -31,7 +31,7 @@ class Capture(GuardedTransport):
 
     def _send(self, out, timeout, memo=None):
         self.exchanges.append({"memo": memo, "out": out,
-                               "packed": {n: packing.pack(c, memo, inline_max=0)  # W is small: as a model is
+                               "packed": {n: packing.pack(c, memo, inline_max=0)  # W is small; packed as a model is
                                           for n, (_, c) in out.items()}})
         return {}
 

@@ -32,7 +32,7 @@ class Evaluate(PhaseStep):
     def configure(self, co: RunContext, phase: Phase) -> EvalInstruction:
         """Under secure aggregation a party releases only its per-example scores of ``weights``
         (``party.work.eval_scores``), so the reference model and the anchor, which only the plaintext routing
-        figures use, are not sent: each would be one more copy of the model on the wire for nothing."""
+        figures use, are not sent: the reference model would be a second copy of the model on the wire."""
         s = co.s
         tasks = tuple(s.trained_tasks) or co.cfg.schedule.tasks
         routing = not co.cfg.privacy.secure  # the routing figures against the reference and the anchor
